@@ -1,0 +1,45 @@
+"""Exceptions that embedingest raises to its callers.
+
+Library errors derive from :class:`EmbedingestError`, so the CLI can turn every one of
+them into a clean message and a non-zero exit, while errors raised inside a user's own
+sink keep their original type.
+"""
+
+from __future__ import annotations
+
+
+class EmbedingestError(Exception):
+    """Base class of the errors embedingest itself raises."""
+
+
+class ConfigError(EmbedingestError, ValueError):
+    """A setting or argument has a value embedingest cannot use; the message names it."""
+
+
+class EngineError(EmbedingestError, RuntimeError):
+    """The egress engine failed (a consumer died, the pool could not be made, ...)."""
+
+
+class ConsumerDied(EngineError):
+    """A consumer process ended without being asked to (SIGKILL, OOM killer, crash)."""
+
+    def __init__(self, message: str, worker: int, exitcode: int | None, batch_id=None):
+        super().__init__(message)
+        self.worker = worker
+        self.exitcode = exitcode
+        self.batch_id = batch_id
+
+
+class RemoteTraceback(Exception):
+    """Carries the formatted traceback of an exception raised in another process.
+
+    It is attached as ``__cause__`` of the re-raised exception, so the caller's traceback
+    shows where the error really happened.
+    """
+
+    def __init__(self, tb: str):
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return "\n\n" + self.tb

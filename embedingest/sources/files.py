@@ -1,0 +1,73 @@
+"""Find the input files of a run: one file, or a folder read recursively.
+
+Walking is lazy (a corpus of millions of files is never listed in memory by this
+function), sorted within each folder so runs are reproducible, safe against symlink
+loops, and every folder or file that cannot be read is reported instead of crashing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+OnSkip = Callable[[str, str], None]
+
+
+def _noop(path: str, reason: str) -> None:
+    pass
+
+
+def walk_files(root: str | os.PathLike, extensions: set[str] | None = None,
+               on_skip: OnSkip = _noop) -> Iterator[Path]:
+    """Yield the files under ``root`` whose suffix (lower case, with the dot) is in
+    ``extensions``; ``root`` itself when it is a file (whatever its suffix).
+
+    Hidden files and folders (name starting with '.') are passed over. Symbolic links
+    are followed, but a folder is entered once only, so a link loop ends. Folders that
+    cannot be listed, and broken links, go to ``on_skip(path, reason)``.
+    """
+    root = Path(root)
+    if root.is_file():
+        yield root
+        return
+    if not root.is_dir():
+        raise FileNotFoundError(f"input path {str(root)!r} does not exist or is not a file or folder")
+    seen: set[tuple[int, int]] = set()
+    stack = [root]
+    while stack:
+        folder = stack.pop()
+        try:
+            st = folder.stat()
+        except OSError as exc:
+            on_skip(str(folder), f"cannot stat folder: {exc.strerror or exc}")
+            continue
+        key = (st.st_dev, st.st_ino)
+        if key in seen:
+            on_skip(str(folder), "symlink loop: folder already visited")
+            continue
+        seen.add(key)
+        try:
+            entries = sorted(os.scandir(folder), key=lambda e: e.name)
+        except OSError as exc:
+            on_skip(str(folder), f"cannot list folder: {exc.strerror or exc}")
+            continue
+        subdirs = []
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            try:
+                if entry.is_dir():
+                    subdirs.append(Path(entry.path))
+                    continue
+                is_file = entry.is_file()
+            except OSError as exc:
+                on_skip(entry.path, f"cannot stat: {exc.strerror or exc}")
+                continue
+            if not is_file:
+                if entry.is_symlink():
+                    on_skip(entry.path, "broken or looping symbolic link")
+                continue
+            if extensions is None or Path(entry.name).suffix.lower() in extensions:
+                yield Path(entry.path)
+        stack.extend(reversed(subdirs))
