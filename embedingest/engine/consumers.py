@@ -1,0 +1,110 @@
+"""The consumer process: map the pool, build the sink, run it on each slot handed over.
+
+This module imports numpy only (never torch), so a consumer starts in a fraction of a
+second and costs little memory. A consumer ignores SIGINT (the producer coordinates
+Ctrl-C), turns SIGTERM into a clean exit that still closes its sink, and asks the
+kernel to send it SIGTERM if the producer dies, so no consumer outlives its run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+
+from .markers import annotate
+
+_PR_SET_PDEATHSIG = 1
+
+
+class _Stop(SystemExit):
+    """Raised by the SIGTERM handler so ``finally`` blocks (sink.close) still run."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Stop(128 + signum)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        except OSError:
+            pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        raise _Stop(1)
+
+
+def _error_message(worker: int, seq, batch_id, exc: BaseException) -> tuple:
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        payload = pickle.dumps(exc)
+        pickle.loads(payload)
+    except Exception:
+        payload = None
+    return ("error", worker, seq, batch_id, payload, f"{type(exc).__name__}: {exc}", tb)
+
+
+def _send(conn, msg) -> None:
+    try:
+        conn.send(msg)
+    except (BrokenPipeError, EOFError, OSError):
+        pass  # the producer is gone; nothing is listening
+
+
+def consumer_main(worker: int, sink_factory, handle, conn, abort, parent_pid: int) -> None:
+    """Run one consumer until it reads the ``None`` sentinel, is stopped, or fails.
+
+    ``conn`` carries tasks in and answers out; ``abort`` is a shared byte that, once set,
+    makes the consumer hand slots back without running the sink.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    sink = None
+    seq = batch_id = None
+    try:
+        _die_with_parent(parent_pid)
+        slots = handle.attach()
+        sink = sink_factory(worker)
+        _send(conn, ("ready", worker, os.getpid()))
+        while True:
+            try:
+                msg = conn.recv()
+            except EOFError:
+                break  # the producer is gone
+            if msg is None:
+                break
+            seq, slot, batch_id, lengths = msg
+            if abort[0]:
+                _send(conn, ("skipped", worker, seq, slot))
+            else:
+                views = slots[slot]
+                arrays = {name: views[name][:n] for name, n in lengths.items()}
+                t0 = time.perf_counter()
+                with annotate(f"sink {batch_id!r}"[:64], "sink"):
+                    result = sink(batch_id, arrays)
+                t1 = time.perf_counter()
+                del arrays
+                _send(conn, ("done", worker, seq, slot, t0, t1, result))
+            seq = batch_id = None
+    except _Stop:
+        pass
+    except BaseException as exc:  # report everything, including errors in the factory
+        _send(conn, _error_message(worker, seq, batch_id, exc))
+    finally:
+        closed = None
+        close = getattr(sink, "close", None)
+        if close is not None:
+            try:
+                closed = close()
+            except _Stop:
+                pass
+            except BaseException as exc:
+                _send(conn, _error_message(worker, None, "close", exc))
+        _send(conn, ("closed", worker, closed))
+        conn.close()

@@ -1,0 +1,121 @@
+"""The host buffer pool: shared memory that is really page-locked.
+
+``torch.empty(..., pin_memory=True).share_memory_()`` moves the tensor into fresh shared
+memory that is *not* pinned, so device-to-host copies fall back to pageable speed. Here
+the memory is an anonymous ``memfd`` (no name in /dev/shm, so nothing can leak there
+even on SIGKILL, and no /dev/shm size limit applies) mapped in every process, and the
+producer registers its mapping with ``cudaHostRegister``. Consumers get the descriptor
+through the process start-up (``DupFd``), not through a path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import tempfile
+from multiprocessing import reduction
+
+import numpy as np
+
+from ..errors import EngineError
+from .layout import SlotLayout
+
+
+def _anonymous_fd(size: int) -> int:
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("embedingest-pool", os.MFD_CLOEXEC)
+    else:  # pragma: no cover - non-Linux: an unlinked temporary file behaves the same
+        fd, name = tempfile.mkstemp(prefix="embedingest-pool-")
+        os.unlink(name)
+    try:
+        os.ftruncate(fd, size)
+    except OSError as exc:
+        os.close(fd)
+        raise EngineError(f"cannot allocate a host pool of {size / 1e9:.2f} GB: {exc}; "
+                          "use fewer slots or smaller batches") from exc
+    return fd
+
+
+class HostPool:
+    """``num_slots`` slots of one :class:`SlotLayout` in one shared mapping."""
+
+    def __init__(self, layout: SlotLayout, num_slots: int, *, pin: bool = False):
+        self.layout = layout
+        self.num_slots = num_slots
+        self.size = layout.slot_bytes * num_slots
+        self.fd = _anonymous_fd(self.size)
+        self._mm = mmap.mmap(self.fd, self.size)
+        self._registered_ptr: int | None = None
+        self._views = [layout.views(memoryview(self._mm)[i * layout.slot_bytes:(i + 1) * layout.slot_bytes])
+                       for i in range(num_slots)]
+        self._touch()
+        if pin:
+            self._register()
+
+    def _touch(self) -> None:
+        """Fault every page in now, so the first copies do not pay for it."""
+        flat = np.frombuffer(self._mm, dtype=np.uint8)
+        flat[::mmap.PAGESIZE] = 0
+        del flat
+
+    def _register(self) -> None:
+        import torch
+
+        ptr = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
+        err = torch.cuda.cudart().cudaHostRegister(ptr, self.size, 1)  # 1 = portable
+        if int(err) != 0:
+            raise EngineError(
+                f"cudaHostRegister of {self.size / 1e9:.2f} GB failed with CUDA error "
+                f"{int(err)}; lower num_slots or the batch size, or raise the locked-memory "
+                "limit (ulimit -l)")
+        self._registered_ptr = ptr
+
+    @property
+    def pinned(self) -> bool:
+        return self._registered_ptr is not None
+
+    def views(self, slot: int) -> dict[str, np.ndarray]:
+        return self._views[slot]
+
+    def handle(self) -> PoolHandle:
+        return PoolHandle(self.fd, self.layout, self.num_slots)
+
+    def close(self) -> None:
+        """Unregister (before unmapping, or CUDA reports the range as mapped later) and free."""
+        if self._registered_ptr is not None:
+            import torch
+
+            torch.cuda.cudart().cudaHostUnregister(self._registered_ptr)
+            self._registered_ptr = None
+        self._views = []
+        if not self._mm.closed:
+            try:
+                self._mm.close()
+            except BufferError:
+                pass  # a caller still holds a view; the mapping goes with the last one
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class PoolHandle:
+    """What a consumer process needs to map the pool: the descriptor and the layout."""
+
+    def __init__(self, fd: int, layout: SlotLayout, num_slots: int):
+        self.fd, self.layout, self.num_slots = fd, layout, num_slots
+
+    def __reduce__(self):
+        return _rebuild_handle, (reduction.DupFd(self.fd), self.layout, self.num_slots)
+
+    def attach(self) -> list[dict[str, np.ndarray]]:
+        """Map the pool in this process and return per-slot views."""
+        size = self.layout.slot_bytes * self.num_slots
+        mm = mmap.mmap(self.fd, size)
+        os.close(self.fd)
+        sb = self.layout.slot_bytes
+        return [self.layout.views(memoryview(mm)[i * sb:(i + 1) * sb]) for i in range(self.num_slots)]
+
+
+def _rebuild_handle(dupfd, layout: SlotLayout, num_slots: int) -> PoolHandle:
+    return PoolHandle(dupfd.detach(), layout, num_slots)

@@ -1,0 +1,377 @@
+"""Read text records out of one file, whatever its format.
+
+:func:`iter_records` streams ``(record_id, text)`` pairs so a corpus of any size passes
+through bounded memory (JSON lines, CSV and Parquet are read a record at a time; formats
+that are one document by nature, like .txt, .html or a JSON array, are read whole).
+
+Nothing a file contains stops a run: every problem goes to ``on_skip(where, reason)``.
+``where`` is the path for a whole-file problem, and ``"<path>:<location>"`` (``line 12``,
+``row 7``, ``item 3``) for a record problem, which skips that record only. ``reason``
+starts with a stable keyword (the part before the first colon, what
+:meth:`embedingest.report.SkipReport.by_reason` counts):
+
+=============  ================================================================
+``unreadable``  the file cannot be opened or read (permission, I/O error, a folder)
+``binary``      a NUL byte in the first 8 KiB: not text (UTF-16 without a BOM too)
+``empty``       no bytes, only whitespace, no records, or a record with empty text
+``decode``      bytes that are neither UTF-8 nor cp1252 (or a broken UTF-16 file)
+``json``        malformed JSON, nested too deeply, or not an object where one is due
+``field``       the text field is missing, null or not a string
+``csv``         the csv module gave up on a row (the rest of that file is skipped)
+``parquet``     pyarrow cannot read the file
+``format``      a suffix that is not in :data:`TEXT_EXTENSIONS`
+=============  ================================================================
+
+Decoding: UTF-8 (a UTF-8 BOM is dropped; a UTF-16 BOM selects UTF-16). A byte that is
+not part of valid UTF-8 is read as cp1252, the usual encoding of legacy Western text,
+so a cp1252 file, or a UTF-8 file with a few stray legacy bytes, is read without loss
+instead of being skipped. The five bytes cp1252 leaves undefined (0x81 0x8D 0x8F 0x90
+0x9D) almost never occur in real legacy text, so meeting one skips the file as
+``decode`` (for the streamed formats: the rest of it, with the records before kept).
+"""
+
+from __future__ import annotations
+
+import codecs
+import csv
+import io
+import json
+import re
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+OnSkip = Callable[[str, str], None]
+
+WHOLE_TEXT_EXTENSIONS = {".txt", ".md", ".rst"}
+HTML_EXTENSIONS = {".html", ".htm"}
+JSONL_EXTENSIONS = {".jsonl", ".ndjson"}
+CSV_EXTENSIONS = {".csv", ".tsv"}
+TEXT_EXTENSIONS = (WHOLE_TEXT_EXTENSIONS | HTML_EXTENSIONS | JSONL_EXTENSIONS
+                   | CSV_EXTENSIONS | {".json", ".parquet"})
+
+BINARY_PROBE_BYTES = 8192
+PARQUET_BATCH_ROWS = 1024
+
+_ERRORS = "embedingest.utf8-cp1252"
+_UTF16_BOMS = (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
+_HTML_DROP = ("script", "style", "noscript", "template")
+_HTML_BLOCKS = ("p", "div", "br", "li", "tr", "h1", "h2", "h3", "h4", "h5", "h6", "pre",
+                "blockquote", "section", "article", "header", "footer", "title", "dt",
+                "dd", "table", "ul", "ol", "hr", "figcaption", "caption", "nav", "aside")
+_SPACES = re.compile(r"[^\S\n]+")
+_BLANK_LINES = re.compile(r"\s*\n\s*")
+
+# One CSV field may be a whole document; the default limit (128 KiB) would reject it.
+csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
+
+
+def _utf8_then_cp1252(exc: UnicodeError) -> tuple[str, int]:
+    """Codec error handler: read the bytes UTF-8 rejected as cp1252, or give up."""
+    if not isinstance(exc, UnicodeDecodeError):
+        raise exc
+    bad = exc.object[exc.start:exc.end]
+    try:
+        return bad.decode("cp1252"), exc.end
+    except UnicodeDecodeError:
+        raise UnicodeDecodeError(
+            "utf-8", exc.object, exc.start, exc.end,
+            f"bytes {bad.hex(' ')} are neither UTF-8 nor cp1252") from None
+
+
+codecs.register_error(_ERRORS, _utf8_then_cp1252)
+
+
+class _Skip(Exception):
+    """A whole-file problem: the message is the reason given to ``on_skip``."""
+
+
+def _noop(where: str, reason: str) -> None:
+    pass
+
+
+def _encoding(head: bytes) -> tuple[str, str]:
+    """The (encoding, errors) pair for a file that starts with ``head``."""
+    if head.startswith(_UTF16_BOMS):
+        return "utf-16", "strict"
+    if b"\x00" in head[:BINARY_PROBE_BYTES]:
+        raise _Skip(f"binary: NUL byte in the first {BINARY_PROBE_BYTES} bytes")
+    return "utf-8-sig", _ERRORS
+
+
+def _decode(data: bytes) -> str:
+    if not data:
+        raise _Skip("empty: the file has no bytes")
+    encoding, errors = _encoding(data[:BINARY_PROBE_BYTES])
+    try:
+        text = data.decode(encoding, errors)
+    except UnicodeDecodeError as exc:
+        raise _Skip(f"decode: {exc.reason} (byte offset {exc.start})") from None
+    if not text.strip():
+        raise _Skip("empty: the file holds only whitespace")
+    return text
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise _Skip(f"unreadable: {exc.strerror or exc}") from None
+
+
+def _open_text(path: Path, newline: str | None) -> io.TextIOWrapper:
+    """Open ``path`` for streaming, after the binary and empty checks."""
+    try:
+        raw = open(path, "rb")
+    except OSError as exc:
+        raise _Skip(f"unreadable: {exc.strerror or exc}") from None
+    try:
+        head = raw.read(BINARY_PROBE_BYTES)
+        if not head:
+            raise _Skip("empty: the file has no bytes")
+        encoding, errors = _encoding(head)
+        raw.seek(0)
+    except OSError as exc:
+        raw.close()
+        raise _Skip(f"unreadable: {exc.strerror or exc}") from None
+    except _Skip:
+        raw.close()
+        raise
+    return io.TextIOWrapper(raw, encoding=encoding, errors=errors, newline=newline)
+
+
+def _record_id(value, default: str) -> str:
+    if value is None:
+        return default
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float, bool)):
+        return str(value)
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _fields(keys) -> str:
+    names = list(keys)
+    if not names:
+        return "none"
+    more = f", ... ({len(names)} in all)" if len(names) > 10 else ""
+    return ", ".join(repr(k) for k in names[:10]) + more
+
+
+def _text_of(obj, text_field: str, loc: str) -> str:
+    """The text of one record object, or raise :class:`_Skip` with the record's reason."""
+    if not isinstance(obj, dict):
+        raise _Skip(f"json: {loc}: expected a JSON object, got {type(obj).__name__}")
+    if text_field not in obj:
+        raise _Skip(f"field: {loc}: no {text_field!r} field (fields: {_fields(obj)}); "
+                    f"choose the text field with text_field=")
+    text = obj[text_field]
+    if not isinstance(text, str):
+        kind = "null" if text is None else type(text).__name__
+        raise _Skip(f"field: {loc}: {text_field!r} is {kind}, expected a string")
+    if not text.strip():
+        raise _Skip(f"empty: {loc}: {text_field!r} is empty")
+    return text
+
+
+def _objects(objs, text_field: str, id_field: str, kind: str, path: str,
+             on_skip: OnSkip) -> Iterator[tuple[str, str]]:
+    """Turn ``(number, object_or_skip)`` pairs into records, reporting the bad ones."""
+    for n, obj in objs:
+        loc = f"{kind} {n}"
+        try:
+            if isinstance(obj, _Skip):
+                raise obj
+            text = _text_of(obj, text_field, loc)
+        except _Skip as skip:
+            on_skip(f"{path}:{loc}", str(skip))
+            continue
+        yield _record_id(obj.get(id_field), f"{kind}-{n}"), text
+
+
+def _parse_line(line: str, n: int):
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        return _Skip(f"json: line {n}: {exc.msg} at column {exc.colno}")
+    except ValueError as exc:
+        return _Skip(f"json: line {n}: {exc}")
+    except RecursionError:
+        return _Skip(f"json: line {n}: nested too deeply")
+
+
+def _json_lines(lines, text_field, id_field, path, on_skip):
+    numbered = ((n, _parse_line(line, n)) for n, line in enumerate(lines, 1) if line.strip())
+    return _objects(numbered, text_field, id_field, "line", path, on_skip)
+
+
+def _read_whole_text(path: Path, text_field, id_field, on_skip):
+    yield "", _decode(_read_bytes(path))
+
+
+def _read_html(path: Path, text_field, id_field, on_skip):
+    from bs4 import BeautifulSoup
+
+    soup = BeautifulSoup(_decode(_read_bytes(path)), "html.parser")
+    for tag in soup.find_all(_HTML_DROP):
+        tag.decompose()
+    for tag in soup.find_all(_HTML_BLOCKS):
+        tag.append("\n")
+    text = _BLANK_LINES.sub("\n", _SPACES.sub(" ", soup.get_text())).strip()
+    if not text:
+        raise _Skip("empty: no visible text in the HTML")
+    yield "", text
+
+
+def _read_json(path: Path, text_field, id_field, on_skip):
+    """A JSON array of objects, one object, or (when the whole is not one JSON value
+    and its first line is) JSON lines."""
+    text = _decode(_read_bytes(path))
+    try:
+        doc = json.loads(text)
+    except RecursionError:
+        raise _Skip("json: nested too deeply") from None
+    except json.JSONDecodeError as exc:
+        first = next(line for line in text.splitlines() if line.strip())
+        if not isinstance(_parse_line(first, 1), _Skip):
+            yield from _json_lines(io.StringIO(text), text_field, id_field, path, on_skip)
+            return
+        raise _Skip(f"json: line {exc.lineno}: {exc.msg} at column {exc.colno}") from None
+    except ValueError as exc:
+        raise _Skip(f"json: {exc}") from None
+    if isinstance(doc, dict):
+        yield from _objects([(1, doc)], text_field, id_field, "item", path, on_skip)
+    elif isinstance(doc, list):
+        yield from _objects(enumerate(doc, 1), text_field, id_field, "item", path, on_skip)
+    else:
+        raise _Skip(f"json: the document is a {type(doc).__name__}, "
+                    f"expected an object or an array of objects")
+
+
+def _read_jsonl(path: Path, text_field, id_field, on_skip):
+    with _open_text(path, newline=None) as fh:
+        yield from _json_lines(fh, text_field, id_field, path, on_skip)
+
+
+def _read_csv(path: Path, text_field, id_field, on_skip):
+    delimiter = "\t" if path.suffix.lower() == ".tsv" else ","
+    with _open_text(path, newline="") as fh:
+        reader = csv.DictReader(fh, delimiter=delimiter)
+        try:
+            columns = reader.fieldnames
+            if not columns:
+                raise _Skip("empty: no header row")
+            if text_field not in columns:
+                raise _Skip(f"field: no {text_field!r} column (columns: {_fields(columns)}); "
+                            f"choose the text column with text_field=")
+            for n, row in enumerate(reader, 1):
+                text = row.get(text_field)
+                loc = f"row {n}"
+                if text is None:
+                    on_skip(f"{path}:{loc}", f"field: {loc} (line {reader.line_num}): "
+                                             f"the row has no {text_field!r} value")
+                elif not text.strip():
+                    on_skip(f"{path}:{loc}", f"empty: {loc} (line {reader.line_num}): "
+                                             f"{text_field!r} is empty")
+                else:
+                    yield _record_id(row.get(id_field) or None, f"row-{n}"), text
+        except csv.Error as exc:
+            raise _Skip(f"csv: line {reader.line_num}: {exc}; the rest of the file "
+                        f"is skipped") from None
+
+
+def _read_parquet(path: Path, text_field, id_field, on_skip):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        if path.stat().st_size == 0:
+            raise _Skip("empty: the file has no bytes")
+        pf = pq.ParquetFile(path)
+    except OSError as exc:
+        if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError)):
+            raise _Skip(f"unreadable: {exc.strerror or exc}") from None
+        raise _Skip(f"parquet: {exc}") from None
+    except pa.ArrowException as exc:
+        raise _Skip(f"parquet: {exc}") from None
+    schema = pf.schema_arrow
+    if text_field not in schema.names:
+        raise _Skip(f"field: no {text_field!r} column (columns: {_fields(schema.names)}); "
+                    f"choose the text column with text_field=")
+    kind = schema.field(text_field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
+            or getattr(pa.types, "is_string_view", lambda t: False)(kind)):
+        raise _Skip(f"field: column {text_field!r} is {kind}, expected a string column")
+    columns = [text_field] + ([id_field] if id_field in schema.names and id_field != text_field
+                              else [])
+    n = 0
+    try:
+        for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
+            texts = batch.column(text_field).to_pylist()
+            ids = (batch.column(id_field).to_pylist() if id_field in batch.schema.names
+                   else [None] * len(texts))
+            for text, rid in zip(texts, ids):
+                n += 1
+                loc = f"row {n}"
+                if text is None:
+                    on_skip(f"{path}:{loc}", f"field: {loc}: {text_field!r} is null")
+                elif not text.strip():
+                    on_skip(f"{path}:{loc}", f"empty: {loc}: {text_field!r} is empty")
+                else:
+                    yield _record_id(rid, f"row-{n}"), text
+    except (OSError, pa.ArrowException) as exc:
+        raise _Skip(f"parquet: row {n + 1}: {exc}; the rest of the file is skipped") from None
+
+
+_READERS = {
+    **{ext: _read_whole_text for ext in WHOLE_TEXT_EXTENSIONS},
+    **{ext: _read_html for ext in HTML_EXTENSIONS},
+    **{ext: _read_jsonl for ext in JSONL_EXTENSIONS},
+    **{ext: _read_csv for ext in CSV_EXTENSIONS},
+    ".json": _read_json,
+    ".parquet": _read_parquet,
+}
+
+
+def iter_records(path: str | Path, *, text_field: str = "text", id_field: str = "id",
+                 on_skip: OnSkip = _noop) -> Iterator[tuple[str, str]]:
+    """Yield ``(record_id, text)`` for every good record of the file at ``path``.
+
+    Plain text, Markdown, reStructuredText and HTML files are one record with id ``""``.
+    Records of JSON, JSON lines, CSV/TSV and Parquet take their text from ``text_field``
+    and their id from ``id_field``; a record without an id gets ``line-N`` (JSON lines),
+    ``row-N`` (CSV, Parquet; N counts data rows from 1) or ``item-N`` (JSON array).
+    Problems go to ``on_skip`` (see the module docstring) instead of being raised.
+    """
+    path = Path(path)
+    reader = _READERS.get(path.suffix.lower())
+    if reader is None:
+        on_skip(str(path), f"format: suffix {path.suffix!r} is not a text format; "
+                           f"known: {', '.join(sorted(TEXT_EXTENSIONS))}")
+        return
+    produced = skipped = 0
+
+    def count_skip(where: str, reason: str) -> None:
+        nonlocal skipped
+        skipped += 1
+        on_skip(where, reason)
+
+    try:
+        for record in reader(path, text_field, id_field, count_skip):
+            produced += 1
+            yield record
+    except _Skip as skip:
+        on_skip(str(path), str(skip))
+        return
+    except UnicodeDecodeError as exc:
+        on_skip(str(path), f"decode: {exc.reason}; the rest of the file is skipped")
+        return
+    except UnicodeError as exc:
+        on_skip(str(path), f"decode: {exc}; the rest of the file is skipped")
+        return
+    except OSError as exc:
+        on_skip(str(path), f"unreadable: {exc.strerror or exc}")
+        return
+    if produced == 0 and skipped == 0:
+        on_skip(str(path), "empty: no records")
+

