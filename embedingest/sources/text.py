@@ -10,7 +10,7 @@ Nothing a file contains stops a run: every problem goes to ``on_skip(where, reas
 starts with a stable keyword (the part before the first colon, what
 :meth:`embedingest.report.SkipReport.by_reason` counts):
 
-=============  ================================================================
+==============  ===============================================================
 ``unreadable``  the file cannot be opened or read (permission, I/O error, a folder)
 ``binary``      a NUL byte in the first 8 KiB: not text (UTF-16 without a BOM too)
 ``empty``       no bytes, only whitespace, no records, or a record with empty text
@@ -20,7 +20,7 @@ starts with a stable keyword (the part before the first colon, what
 ``csv``         the csv module gave up on a row (the rest of that file is skipped)
 ``parquet``     pyarrow cannot read the file
 ``format``      a suffix that is not in :data:`TEXT_EXTENSIONS`
-=============  ================================================================
+==============  ===============================================================
 
 Decoding: UTF-8 (a UTF-8 BOM is dropped; a UTF-16 BOM selects UTF-16). A byte that is
 not part of valid UTF-8 is read as cp1252, the usual encoding of legacy Western text,

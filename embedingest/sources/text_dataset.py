@@ -1,0 +1,242 @@
+"""Read, chunk and batch text in DataLoader workers, so the GPU never waits on Python.
+
+Use it as ``DataLoader(TextChunkDataset(units, model_dir), batch_size=None,
+num_workers=N, pin_memory=True)``: the dataset makes whole batches itself. Unit ``i`` of
+the list goes to worker ``i % N``; each worker loads its own tokenizer (the dataset is
+pickled with the model folder, not the tokenizer), reads its units with
+:func:`~embedingest.sources.text.iter_records`, cuts them with
+:class:`~embedingest.stages.chunker.Chunker`, and keeps a window of chunks sorted by
+length so each batch holds chunks of similar length and padding stays small.
+
+Each yielded item is a dict:
+
+* ``input_ids``, ``attention_mask``: ``LongTensor[B, L]``, padded with the tokenizer's
+  pad id to the longest chunk of the batch;
+* ``ids``: ``LongTensor[B]``, the vector id of each chunk, ``unit_no << 32 | chunk_no``
+  (``chunk_no`` counts the chunks of a unit across all its records, from 0);
+* ``chunks``: B dicts ``{id, unit_no, record_id, chunk_no, char_start, char_end, text}``;
+* ``units_done``: ``(unit_no, n_chunks)`` pairs (the DataLoader turns the tuples into
+  2-item lists) for every unit whose last chunk is in this item or an earlier one;
+  every unit appears exactly once over the whole iteration, units with no chunks too
+  (with 0), so a caller can checkpoint progress by unit;
+* ``skipped``: ``(where, reason)`` for the bad inputs met since the previous item: the
+  reasons of :func:`~embedingest.sources.text.iter_records`, plus ``empty`` for a text
+  with no tokens and ``read`` for an unexpected error, which skips the rest of a unit.
+
+An item may carry bookkeeping only: then B is 0 and ``input_ids``/``attention_mask`` have
+shape ``[0, 0]`` and ``ids`` shape ``[0]``; such an item comes only at the end of a
+worker's units, when the last units had no chunks left to carry their bookkeeping.
+
+Every worker gets a pickled copy of the whole unit list, memory texts included, so
+large in-memory corpora are better given as files.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from ..errors import ConfigError
+from ..stages.chunker import DEFAULT_PIECE_CHARS, Chunker, load_tokenizer
+from .text import iter_records
+
+MAX_UNIT_NO = 2**31 - 1
+MAX_CHUNKS_PER_UNIT = 2**32
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One piece of work: a file (``path``) or a text held in memory (``text``).
+
+    ``unit_no`` is the high half of the vector ids of its chunks, so it must be unique
+    in a run and below 2**31 (ids are signed 64-bit); ``key`` names the unit in
+    manifests and in the skip report of a memory unit.
+    """
+
+    unit_no: int
+    key: str
+    path: str | None = None
+    text: str | None = None
+    record_id: str | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.unit_no, int) or not 0 <= self.unit_no <= MAX_UNIT_NO:
+            raise ConfigError(f"unit_no={self.unit_no!r} of unit {self.key!r} must be an "
+                              f"integer from 0 to {MAX_UNIT_NO}")
+        if (self.path is None) == (self.text is None):
+            raise ConfigError(f"unit {self.key!r} must have exactly one of path and text")
+
+
+class TextChunkDataset(IterableDataset):
+    """Batches of token chunks from ``units`` (see the module docstring)."""
+
+    def __init__(self, units: Sequence[Unit], model_dir: str | os.PathLike, *,
+                 batch_size: int = 64, max_tokens: int = 256, overlap: int = 32,
+                 window: int | None = None, max_batch_tokens: int | None = None,
+                 text_field: str = "text", id_field: str = "id",
+                 piece_chars: int = DEFAULT_PIECE_CHARS,
+                 tokenizer_loader: Callable[[str], object] = load_tokenizer):
+        """``tokenizer_loader(model_dir)`` runs in each worker; pass a module-level
+        function (it is pickled) when the tokenizer needs more than loading, e.g. the
+        encoder's lower-casing, so chunks are tokenized exactly as the encoder would."""
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigError(f"batch_size={batch_size!r} must be a positive integer")
+        window = 16 * batch_size if window is None else window
+        if not isinstance(window, int) or window < batch_size:
+            raise ConfigError(f"window={window!r} must be an integer of at least "
+                              f"batch_size={batch_size}")
+        if max_batch_tokens is not None and (not isinstance(max_batch_tokens, int)
+                                             or max_batch_tokens < max_tokens):
+            raise ConfigError(f"max_batch_tokens={max_batch_tokens!r} must be at least "
+                              f"max_tokens={max_tokens}, or one chunk could not fit a batch")
+        seen: set[int] = set()
+        for unit in units:
+            if unit.unit_no in seen:
+                raise ConfigError(f"unit_no {unit.unit_no} is given twice (unit "
+                                  f"{unit.key!r}); unit numbers must be unique")
+            seen.add(unit.unit_no)
+        self.units = list(units)
+        self.model_dir = str(model_dir)
+        self.batch_size = batch_size
+        self.max_tokens = max_tokens
+        self.overlap = overlap
+        self.window = window
+        self.max_batch_tokens = max_batch_tokens
+        self.text_field = text_field
+        self.id_field = id_field
+        self.piece_chars = piece_chars
+        self.tokenizer_loader = tokenizer_loader
+
+    def __iter__(self) -> Iterator[dict]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        tokenizer = self.tokenizer_loader(self.model_dir)
+        pad_id = tokenizer.pad_token_id
+        if pad_id is None:
+            pad_id = tokenizer.eos_token_id
+        if pad_id is None:
+            raise ConfigError(f"the tokenizer in {self.model_dir!r} has neither a pad nor an "
+                              f"eos token to pad batches with")
+        chunker = Chunker(tokenizer, self.max_tokens, self.overlap, self.piece_chars)
+        return _WorkerBatches(self, chunker, pad_id).run(
+            self.units[worker::workers])
+
+
+class _WorkerBatches:
+    """The state of one worker: the window of chunks and the bookkeeping of units."""
+
+    def __init__(self, ds: TextChunkDataset, chunker: Chunker, pad_id: int):
+        self.ds = ds
+        self.chunker = chunker
+        self.pad_id = pad_id
+        self.window: list[tuple[list[int], dict]] = []
+        self.in_window: dict[int, int] = {}
+        self.total: dict[int, int] = {}
+        self.reading: int | None = None
+        self.done: list[tuple[int, int]] = []
+        self.skipped: list[tuple[str, str]] = []
+
+    def run(self, units: list[Unit]) -> Iterator[dict]:
+        for unit in units:
+            u = self.reading = unit.unit_no
+            self.in_window[u] = self.total[u] = 0
+            for input_ids, chunk in self._unit_chunks(unit):
+                if len(self.window) >= self.ds.window:
+                    yield from self._flush(final=False)
+                self.window.append((input_ids, chunk))
+                self.in_window[u] += 1
+                self.total[u] += 1
+            self.reading = None
+            if self.in_window[u] == 0:
+                self._finish(u)
+        yield from self._flush(final=True)
+        if self.done or self.skipped:
+            yield self._item([])
+
+    def _finish(self, unit_no: int) -> None:
+        del self.in_window[unit_no]
+        self.done.append((unit_no, self.total.pop(unit_no)))
+
+    def _unit_chunks(self, unit: Unit) -> Iterator[tuple[list[int], dict]]:
+        """``(input_ids, chunk dict)`` for every chunk of ``unit``; bad input is reported."""
+        where = unit.path if unit.path is not None else unit.key
+        if unit.text is not None:
+            records = iter([(unit.record_id or "", unit.text)])
+        else:
+            records = iter_records(unit.path, text_field=self.ds.text_field,
+                                   id_field=self.ds.id_field, on_skip=self._skip)
+        chunk_no = 0
+        try:
+            for record_id, text in records:
+                before = chunk_no
+                for chunk in self.chunker.iter_chunks(text):
+                    if chunk_no >= MAX_CHUNKS_PER_UNIT:
+                        self._skip(where, f"limit: more than {MAX_CHUNKS_PER_UNIT} chunks "
+                                          f"in one unit; the rest of it is skipped")
+                        return
+                    yield chunk.input_ids, {
+                        "id": unit.unit_no << 32 | chunk_no, "unit_no": unit.unit_no,
+                        "record_id": record_id, "chunk_no": chunk_no,
+                        "char_start": chunk.char_start, "char_end": chunk.char_end,
+                        "text": text[chunk.char_start:chunk.char_end]}
+                    chunk_no += 1
+                if chunk_no == before:
+                    label = f"{where}:{record_id}" if record_id else where
+                    self._skip(label, "empty: the text has no tokens")
+        except Exception as exc:  # a bug or a library error on odd input must not end the run
+            self._skip(where, f"read: {type(exc).__name__}: {exc}; the rest of the unit "
+                              f"is skipped")
+
+    def _skip(self, where: str, reason: str) -> None:
+        self.skipped.append((str(where), reason))
+
+    def _flush(self, final: bool) -> Iterator[dict]:
+        """Yield the window as length-sorted batches; unless ``final``, keep back the
+        last batch when it is not full, to be filled by the chunks still to come."""
+        ds = self.ds
+        self.window.sort(key=lambda entry: len(entry[0]))
+        batches: list[list[tuple[list[int], dict]]] = []
+        batch: list[tuple[list[int], dict]] = []
+        for entry in self.window:
+            if batch and ds.max_batch_tokens is not None \
+                    and (len(batch) + 1) * len(entry[0]) > ds.max_batch_tokens:
+                batches.append(batch)
+                batch = []
+            batch.append(entry)
+            if len(batch) == ds.batch_size:
+                batches.append(batch)
+                batch = []
+        if final and batch:
+            batches.append(batch)
+            batch = []
+        self.window = batch
+        for full in batches:
+            yield self._item(full)
+
+    def _item(self, batch: list[tuple[list[int], dict]]) -> dict:
+        width = max((len(ids) for ids, _ in batch), default=0)
+        input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, (ids, _) in enumerate(batch):
+            input_ids[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[row, :len(ids)] = 1
+        chunks = [chunk for _, chunk in batch]
+        for chunk in chunks:
+            unit_no = chunk["unit_no"]
+            self.in_window[unit_no] -= 1
+            if self.in_window[unit_no] == 0 and unit_no != self.reading:
+                self._finish(unit_no)
+        item = {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "ids": torch.tensor([c["id"] for c in chunks], dtype=torch.long),
+            "chunks": chunks,
+            "units_done": self.done,
+            "skipped": self.skipped,
+        }
+        self.done, self.skipped = [], []
+        return item

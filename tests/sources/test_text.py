@@ -1,0 +1,257 @@
+"""iter_records on every format, and on every kind of bad input it must report, not raise."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from embedingest.sources.text import TEXT_EXTENSIONS, iter_records
+
+
+def read(path: Path, **kw) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    skipped: list[tuple[str, str]] = []
+    records = list(iter_records(path, on_skip=lambda w, r: skipped.append((w, r)), **kw))
+    return records, skipped
+
+
+def write(tmp_path: Path, name: str, data: str | bytes) -> Path:
+    path = tmp_path / name
+    path.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
+    return path
+
+
+def keywords(skipped) -> list[str]:
+    return [reason.split(":")[0] for _, reason in skipped]
+
+
+def test_extensions():
+    assert TEXT_EXTENSIONS == {".txt", ".md", ".rst", ".html", ".htm", ".jsonl", ".ndjson",
+                               ".json", ".csv", ".tsv", ".parquet"}
+
+
+@pytest.mark.parametrize("name", ["a.txt", "a.md", "a.rst", "A.TXT"])
+def test_whole_file_is_one_record(tmp_path, name):
+    text = "# Title\n\nSome *text*, with ünïcödé.\n"
+    assert read(write(tmp_path, name, text)) == ([("", text)], [])
+
+
+def test_utf8_bom_is_dropped(tmp_path):
+    path = write(tmp_path, "a.txt", b"\xef\xbb\xbfhello")
+    assert read(path) == ([("", "hello")], [])
+
+
+def test_utf16_with_bom(tmp_path):
+    path = write(tmp_path, "a.txt", "héllo wörld".encode("utf-16"))
+    assert read(path) == ([("", "héllo wörld")], [])
+
+
+def test_cp1252_fallback(tmp_path):
+    path = write(tmp_path, "a.txt", "café – “quoted” €5".encode("cp1252"))
+    assert read(path) == ([("", "café – “quoted” €5")], [])
+
+
+def test_mixed_utf8_and_stray_cp1252_byte(tmp_path):
+    path = write(tmp_path, "a.txt", "naïve ".encode() + b"caf\xe9")
+    assert read(path) == ([("", "naïve café")], [])
+
+
+@pytest.mark.parametrize("data, keyword", [
+    (b"", "empty"),
+    (b"  \n\t ", "empty"),
+    (b"PK\x03\x04\x00\x00binary", "binary"),
+    (b"text then \x81 undefined in cp1252", "decode"),
+])
+def test_bad_whole_files(tmp_path, data, keyword):
+    path = write(tmp_path, "a.txt", data)
+    records, skipped = read(path)
+    assert records == []
+    assert skipped == [(str(path), skipped[0][1])]
+    assert keywords(skipped) == [keyword]
+
+
+@pytest.mark.parametrize("name", ["a.jsonl", "a.csv", "a.json", "a.html", "a.parquet"])
+def test_empty_file_any_format(tmp_path, name):
+    assert keywords(read(write(tmp_path, name, b""))[1]) == ["empty"]
+
+
+def test_binary_jsonl(tmp_path):
+    path = write(tmp_path, "a.jsonl", b'{"text": "a"}\n\x00\x01\x02')
+    assert read(path) == ([], [(str(path), "binary: NUL byte in the first 8192 bytes")])
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
+def test_permission_denied(tmp_path):
+    path = write(tmp_path, "a.txt", "secret")
+    path.chmod(0)
+    try:
+        records, skipped = read(path)
+    finally:
+        path.chmod(0o644)
+    assert records == [] and keywords(skipped) == ["unreadable"]
+
+
+def test_permission_error_is_unreadable(tmp_path, monkeypatch):
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    txt, jsonl = write(tmp_path, "a.txt", "x"), write(tmp_path, "a.jsonl", '{"text": "x"}')
+    monkeypatch.setattr(Path, "read_bytes", denied)
+    monkeypatch.setattr("builtins.open", denied)
+    for path in (txt, jsonl):
+        assert read(path) == ([], [(str(path), "unreadable: Permission denied")])
+
+
+def test_missing_file_and_folder(tmp_path):
+    (tmp_path / "dir.txt").mkdir()
+    for path in (tmp_path / "missing.jsonl", tmp_path / "dir.txt"):
+        records, skipped = read(path)
+        assert records == [] and keywords(skipped) == ["unreadable"]
+        assert skipped[0][0] == str(path)
+
+
+def test_unknown_suffix(tmp_path):
+    records, skipped = read(write(tmp_path, "a.pdf", "x"))
+    assert records == [] and keywords(skipped) == ["format"]
+
+
+def test_jsonl_records_and_record_problems(tmp_path):
+    lines = [
+        json.dumps({"id": "a", "text": "first"}),
+        "{not json",
+        "",
+        json.dumps({"other": "x"}),
+        json.dumps({"text": 5}),
+        json.dumps({"text": None}),
+        json.dumps({"text": "   "}),
+        json.dumps([1, 2]),
+        "[" * 100_000,
+        json.dumps({"text": "no id"}),
+        json.dumps({"id": 7, "text": "int id"}),
+    ]
+    path = write(tmp_path, "a.jsonl", "\n".join(lines) + "\n")
+    records, skipped = read(path)
+    assert records == [("a", "first"), ("line-10", "no id"), ("7", "int id")]
+    assert [(w, r.split(":")[0]) for w, r in skipped] == [
+        (f"{path}:line 2", "json"),
+        (f"{path}:line 4", "field"),
+        (f"{path}:line 5", "field"),
+        (f"{path}:line 6", "field"),
+        (f"{path}:line 7", "empty"),
+        (f"{path}:line 8", "json"),
+        (f"{path}:line 9", "json"),
+    ]
+    assert skipped[0][1].startswith("json: line 2: ")
+    assert "'text'" in skipped[1][1] and "'other'" in skipped[1][1]
+    assert "nested too deeply" in skipped[6][1]
+
+
+def test_custom_fields_ndjson(tmp_path):
+    path = write(tmp_path, "a.ndjson", '{"body": "b1", "key": "k1"}\r\n{"body": "b2"}\r\n')
+    assert read(path, text_field="body", id_field="key") == (
+        [("k1", "b1"), ("line-2", "b2")], [])
+
+
+def test_jsonl_with_only_blank_lines(tmp_path):
+    path = write(tmp_path, "a.jsonl", "\n\n  \n")
+    assert keywords(read(path)[1]) == ["empty"]
+
+
+def test_json_array_object_and_lines(tmp_path):
+    array = write(tmp_path, "array.json", json.dumps(
+        [{"text": "x", "id": "i1"}, {"text": "y"}, "not an object", {"title": "z"}]))
+    records, skipped = read(array)
+    assert records == [("i1", "x"), ("item-2", "y")]
+    assert skipped == [(f"{array}:item 3", skipped[0][1]), (f"{array}:item 4", skipped[1][1])]
+    assert keywords(skipped) == ["json", "field"]
+
+    one = write(tmp_path, "one.json", json.dumps({"text": "only", "id": "o"}, indent=2))
+    assert read(one) == ([("o", "only")], [])
+
+    lines = write(tmp_path, "lines.json", '{"text": "l1"}\n{"text": "l2"}\n{broken\n')
+    records, skipped = read(lines)
+    assert records == [("line-1", "l1"), ("line-2", "l2")]
+    assert skipped == [(f"{lines}:line 3", skipped[0][1])] and keywords(skipped) == ["json"]
+
+
+@pytest.mark.parametrize("data", ['{\n  "text": oops\n}', "42", "[" * 100_000])
+def test_bad_json_document(tmp_path, data):
+    path = write(tmp_path, "a.json", data)
+    records, skipped = read(path)
+    assert records == [] and skipped[0][0] == str(path) and keywords(skipped) == ["json"]
+
+
+def test_csv_and_tsv(tmp_path):
+    csv_path = write(tmp_path, "a.csv", 'id,text\n1,"multi\nline, with comma"\n2,\n3\n,no id\n')
+    records, skipped = read(csv_path)
+    assert records == [("1", "multi\nline, with comma"), ("row-4", "no id")]
+    assert skipped == [(f"{csv_path}:row 2", skipped[0][1]), (f"{csv_path}:row 3", skipped[1][1])]
+    assert keywords(skipped) == ["empty", "field"]
+
+    tsv_path = write(tmp_path, "a.tsv", "text\tid\nhello, world\tx\n")
+    assert read(tsv_path) == ([("x", "hello, world")], [])
+
+
+def test_csv_without_text_column(tmp_path):
+    path = write(tmp_path, "a.csv", "a,b\n1,2\n")
+    records, skipped = read(path)
+    assert records == [] and keywords(skipped) == ["field"] and "'a', 'b'" in skipped[0][1]
+
+
+def test_csv_field_larger_than_default_limit(tmp_path):
+    text = "y" * 1_000_000
+    assert read(write(tmp_path, "a.csv", f"text\n{text}\n")) == ([("row-1", text)], [])
+
+
+def test_html_visible_text(tmp_path):
+    html = ("<html><head><title>Title</title><style>p {color: red}</style>"
+            "<script>var hidden = 1;</script></head><body><!-- a comment -->"
+            "<p>Hello <b>bold</b>world</p><div>two<br>three</div>"
+            "<noscript>no js</noscript></body></html>")
+    records, skipped = read(write(tmp_path, "a.html", html))
+    assert skipped == []
+    assert records == [("", "Title\nHello boldworld\ntwo\nthree")]
+
+
+def test_html_without_visible_text(tmp_path):
+    path = write(tmp_path, "a.htm", "<html><script>x()</script></html>")
+    assert read(path) == ([], [(str(path), "empty: no visible text in the HTML")])
+
+
+def test_parquet(tmp_path):
+    path = tmp_path / "a.parquet"
+    table = pa.table({"id": [1, 2, 3, None, 5], "text": ["a", None, " ", "d", "e"]})
+    pq.write_table(table, path, row_group_size=2)
+    records, skipped = read(path)
+    assert records == [("1", "a"), ("row-4", "d"), ("5", "e")]
+    assert [w for w, _ in skipped] == [f"{path}:row 2", f"{path}:row 3"]
+    assert keywords(skipped) == ["field", "empty"]
+
+
+def test_parquet_bad_schema_and_corrupt(tmp_path):
+    numbers = tmp_path / "n.parquet"
+    pq.write_table(pa.table({"text": [1, 2]}), numbers)
+    assert keywords(read(numbers)[1]) == ["field"]
+    no_text = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"body": ["x"]}), no_text)
+    assert keywords(read(no_text)[1]) == ["field"]
+    assert read(no_text, text_field="body") == ([("row-1", "x")], [])
+    corrupt = write(tmp_path, "c.parquet", b"PAR1 not really")
+    assert keywords(read(corrupt)[1]) == ["parquet"]
+
+
+@pytest.mark.parametrize("name", ["big.jsonl", "big.txt", "big.csv"])
+def test_50mb_single_line_is_linear(tmp_path, name):
+    text = "word " * 10_000_000
+    data = {"big.jsonl": json.dumps({"text": text}), "big.txt": text,
+            "big.csv": "text\n" + text}[name]
+    path = write(tmp_path, name, data)
+    start = time.perf_counter()
+    records, skipped = read(path)
+    assert time.perf_counter() - start < 20
+    assert skipped == [] and len(records) == 1 and records[0][1] == text

