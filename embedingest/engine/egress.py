@@ -31,7 +31,7 @@ import numpy as np
 from ..config import EngineConfig
 from ..errors import ConfigError, ConsumerDied, EngineError, RemoteTraceback
 from .consumers import consumer_main
-from .layout import SlotLayout, numpy_dtype
+from .layout import SlotLayout
 from .markers import annotate
 from .pool import HostPool
 from .telemetry import BatchRecord, EngineStats
@@ -188,6 +188,15 @@ class EgressEngine:
             with self._lock:
                 self._records[seq] = rec
             self._pending.put(pending)
+
+    def flush(self) -> None:
+        """Block until every batch submitted so far went through a sink.
+
+        For checkpoints and for timing a steady state; raises a pending failure.
+        """
+        if not self._entered or self._closed:
+            raise EngineError("flush() outside the engine's 'with' block")
+        self._drain()
 
     @property
     def stats(self) -> EngineStats:

@@ -1,0 +1,94 @@
+"""The egress engine on a CUDA GPU: pinned pool, copy rate, ordering, same result as CPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from engine_sinks import HashSinkFactory, digest
+
+from embedingest import EgressEngine
+
+pytestmark = pytest.mark.needs_cuda
+
+
+def collect(device, batches, **kw):
+    results = {}
+    with EgressEngine(HashSinkFactory(), device=device,
+                      on_result=lambda b, r: results.__setitem__(b, r[1]), **kw) as e:
+        for bid, make in batches:
+            e.submit(bid, make())
+    return e, results
+
+
+def test_pool_is_really_pinned_and_fast(no_leaks):
+    n = 256 * 1024 * 1024 // 4  # 256 MiB of float32 a batch
+    src = torch.randn(n, device="cuda")
+    with EgressEngine(HashSinkFactory(), num_consumers=2, num_slots=3, device="cuda") as e:
+        for i in range(8):
+            e.submit(i, {"x": src})
+        host = torch.from_numpy(e._pool.views(0)["x"])
+        assert host.is_pinned()
+    st = e.stats
+    assert st.pinned
+    # pageable copies run near 14 GB/s on an H200, pinned near 55
+    assert st.copy_gbps > 25, f"copy rate {st.copy_gbps:.1f} GB/s looks pageable"
+
+
+def test_copy_waits_for_compute_and_memory_is_not_reused_early(no_leaks):
+    """Each output is produced after a long kernel and freed right after submit; the
+    allocator then hands its memory to a tensor filled with -1. The sinks must still
+    see exactly what was computed."""
+    shape = (64, 1024, 256)
+    expect = {}
+    with EgressEngine(HashSinkFactory(), num_consumers=2, num_slots=2, device="cuda") as e:
+        results = {}
+        e.on_result = lambda b, r: results.__setitem__(b, r[1])
+        for i in range(10):
+            torch.cuda._sleep(20_000_000)
+            out = torch.full(shape, float(i), device="cuda")
+            e.submit(i, {"x": out})
+            del out
+            junk = torch.empty(shape, device="cuda")
+            junk.fill_(-1.0)
+            expect[i] = digest({"x": np.full(shape, float(i), np.float32)})
+            del junk
+    assert results == expect
+
+
+def test_gpu_result_equals_cpu_result(no_leaks):
+    g = torch.Generator().manual_seed(7)
+    data = [torch.randn(n, 21, 16, 16, generator=g) for n in (8, 8, 8, 3)]
+    ids = [torch.arange(len(d), dtype=torch.int64) + 100 * i for i, d in enumerate(data)]
+
+    def batches(device):
+        return [(i, (lambda d=d, k=k: {"logits": d.to(device), "ids": k}))
+                for i, (d, k) in enumerate(zip(data, ids))]
+
+    _, gpu = collect("cuda", batches("cuda"), num_consumers=2)
+    _, cpu = collect("cpu", batches("cpu"), num_consumers=2)
+    assert gpu == cpu and len(gpu) == 4
+
+
+def test_bfloat16_and_channels_last_outputs(no_leaks):
+    x = torch.randn(4, 21, 8, 8, device="cuda").to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    _, res = collect("cuda", [(0, lambda: {"logits": x})], num_consumers=1)
+    ref = x.contiguous().cpu().view(torch.int16).numpy().view(np.uint16)
+    assert res[0] == digest({"logits": ref})
+
+
+def test_idle_fraction_is_measured(no_leaks):
+    with EgressEngine(HashSinkFactory(), num_consumers=2, device="cuda") as e:
+        for i in range(6):
+            e.mark_compute_start()
+            torch.cuda._sleep(5_000_000)
+            e.submit(i, {"x": torch.ones(1024, device="cuda")})
+    f = e.stats.gpu_idle_fraction
+    assert f is not None and 0.0 <= f < 0.5
+
+
+def test_pools_are_unregistered_between_runs(no_leaks):
+    for run in range(3):
+        _, res = collect("cuda", [(0, lambda: {"x": torch.full((1 << 20,), float(run), device="cuda")})],
+                         num_consumers=1)
+        assert res[0] == digest({"x": np.full((1 << 20,), float(run), np.float32)})
