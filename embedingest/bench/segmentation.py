@@ -163,9 +163,13 @@ def engine_run(cfg: SegBenchConfig, precision: str, egress: str, sink: str) -> d
             torch.cuda.synchronize()
             engine.flush()
 
+        marks = {}
         with torch.inference_mode():
-            rate = timed(step, sync, cfg.warmup, cfg.steps)
+            rate = timed(step, lambda: (sync(), marks.setdefault("t0", time.perf_counter())),
+                         cfg.warmup, cfg.steps)
+        t1 = time.perf_counter()
     st = engine.stats
+    nvml_idle = engine._sampler.idle_fraction(marks["t0"], t1) if engine._sampler else None
     steady = EngineStats.from_records(
         [r for r in st.records if r.seq >= cfg.warmup], device=st.device,
         wall=cfg.steps / rate, pinned=st.pinned, num_slots=st.num_slots,
@@ -173,7 +177,9 @@ def engine_run(cfg: SegBenchConfig, precision: str, egress: str, sink: str) -> d
     busy = sum(steady.sink_seconds.values()) / (cfg.consumers * steady.wall_seconds)
     return {"name": f"embedingest engine, {precision}, {egress}, sink={sink}", "precision": precision,
             "kind": "engine", "steps_per_s": rate, "pinned": st.pinned,
-            "copy_gbps": steady.copy_gbps, "gpu_idle": steady.gpu_idle_fraction,
+            "copy_gbps": steady.copy_gbps,
+            "gpu_idle": nvml_idle if nvml_idle is not None else steady.compute_gap_fraction,
+            "compute_gap": steady.compute_gap_fraction,
             "consumer_busy": busy,
             "producer_blocked_s": steady.producer_blocked_seconds,
             "batch_mb": steady.bytes / max(steady.batches, 1) / 1e6}
@@ -194,10 +200,10 @@ def bound_of(row: dict, ratio: float | None) -> str:
     if row.get("kind") == "bound":
         return "gpu compute"
     busy = row.get("consumer_busy")
-    if busy is not None and busy > 0.85:
-        return f"consumers ({busy:.0%} busy)"
     if ratio is not None and ratio >= 0.9:
         return "gpu compute"
+    if busy is not None and busy > 0.6:
+        return f"consumers / host CPU ({busy:.0%} busy)"
     if row.get("kind") == "seed":
         return "copy/host (see article)"
     return "host / input"

@@ -32,6 +32,7 @@ from ..config import EngineConfig
 from ..errors import ConfigError, ConsumerDied, EngineError, RemoteTraceback
 from .consumers import consumer_main
 from .layout import SlotLayout
+from .gpu_monitor import UtilizationSampler
 from .markers import annotate
 from .pool import HostPool
 from .telemetry import BatchRecord, EngineStats
@@ -122,6 +123,7 @@ class EgressEngine:
         self._procs: list = []
         self._compute_start = None
         self._stats: EngineStats | None = None
+        self._sampler: UtilizationSampler | None = None
 
     # -- public API ----------------------------------------------------------------
 
@@ -147,8 +149,8 @@ class EgressEngine:
     def mark_compute_start(self) -> None:
         """Mark on the compute stream where this batch's compute begins.
 
-        Optional: with it, ``stats.gpu_idle_fraction`` counts exactly the time the GPU
-        waited between batches; without it, the wait is counted as compute.
+        Optional: with it, ``stats.compute_gap_fraction`` counts exactly the time the
+        GPU waited between batches; without it, the wait is counted as compute.
         """
         if self.cuda:
             import torch
@@ -264,6 +266,7 @@ class EgressEngine:
         self._ref_event.record(torch.cuda.current_stream(dev))
         self._ref_event.synchronize()
         self._ref_t = time.perf_counter()
+        self._sampler = UtilizationSampler(dev).start()
 
     # -- producer side -------------------------------------------------------------
 
@@ -496,6 +499,7 @@ class EgressEngine:
             self._monitor.join()
             if self.cuda:
                 self._stream.synchronize()  # no copy may still write into the pool
+                self._sampler.stop()
             for c in self._conns:
                 try:
                     c.send(None)
@@ -529,11 +533,15 @@ class EgressEngine:
             records = [r for r in self._records.values() if r.worker >= 0 or self._closed]
             wall = (self._t_last or time.perf_counter()) - self._t_first if self._t_first else 0.0
         records.sort(key=lambda r: r.seq)
-        return EngineStats.from_records(
+        st = EngineStats.from_records(
             records, device=self.device, wall=wall,
             pinned=bool(self._pool and self._pool.pinned), num_slots=self.config.slots(),
             num_consumers=self.config.num_consumers,
             slot_bytes=self._pool.layout.slot_bytes if self._pool else 0)
+        if self.cuda:
+            nvml = self._sampler.idle_fraction() if self._sampler is not None else None
+            st.gpu_idle_fraction = nvml if nvml is not None else st.compute_gap_fraction
+        return st
 
 
 def _resolve_device(device) -> str:

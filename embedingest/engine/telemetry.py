@@ -57,7 +57,8 @@ class EngineStats:
     bytes_per_second: float = 0.0
     copy_gbps: float = 0.0  # bytes over the summed device-to-host (or host) copy time
     producer_blocked_seconds: float = 0.0  # submit() waiting for a free slot
-    gpu_idle_fraction: float | None = None  # compute stream idle / span (CUDA only)
+    gpu_idle_fraction: float | None = None  # no kernel running, from NVML samples (CUDA only)
+    compute_gap_fraction: float | None = None  # compute stream idle between batches (CUDA events)
     pinned: bool = False
     num_slots: int = 0
     num_consumers: int = 0
@@ -84,7 +85,7 @@ class EngineStats:
             if r.worker >= 0:
                 st.sink_seconds[r.worker] = st.sink_seconds.get(r.worker, 0.0) + (r.sink_end_t - r.sink_start_t)
                 st.batches_per_worker[r.worker] = st.batches_per_worker.get(r.worker, 0) + 1
-        st.gpu_idle_fraction = _idle_fraction(records)
+        st.compute_gap_fraction = _idle_fraction(records)
         return st
 
     def summary(self) -> dict:
