@@ -15,6 +15,7 @@ so CI tests all of it without a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -124,6 +125,7 @@ class EgressEngine:
         self._compute_start = None
         self._stats: EngineStats | None = None
         self._sampler: UtilizationSampler | None = None
+        self._spans: list[tuple] = []
 
     # -- public API ----------------------------------------------------------------
 
@@ -158,6 +160,27 @@ class EgressEngine:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record(torch.cuda.current_stream(self.device))
             self._compute_start = ev
+
+    @contextlib.contextmanager
+    def span(self, lane: str, stream=None):
+        """Time the work enqueued in the block (on ``stream``, CUDA) for the timeline.
+
+        For the stages' own steps, e.g. the host-to-device prefetch: the engine draws them
+        as lane ``lane`` beside its own lanes.
+        """
+        if not self.cuda:
+            t0 = time.perf_counter()
+            yield
+            self._spans.append((lane, t0, time.perf_counter()))
+            return
+        import torch
+
+        stream = stream or torch.cuda.current_stream(self.device)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(stream)
+        yield
+        b.record(stream)
+        self._spans.append((lane, a, b))
 
     def submit(self, batch_id, outputs) -> None:
         """Queue ``outputs`` (a tensor, or a dict of tensors / numpy arrays) for the sinks.
@@ -541,7 +564,15 @@ class EgressEngine:
         if self.cuda:
             nvml = self._sampler.idle_fraction() if self._sampler is not None else None
             st.gpu_idle_fraction = nvml if nvml is not None else st.compute_gap_fraction
+        st.spans = [s for s in (self._resolve_span(*sp) for sp in list(self._spans)) if s]
         return st
+
+    def _resolve_span(self, lane, a, b):
+        if not self.cuda:
+            return (lane, a, b)
+        if self._pool is None or not (a.query() and b.query()):
+            return None
+        return (lane, self._gpu_time(a), self._gpu_time(b))
 
 
 def _resolve_device(device) -> str:

@@ -66,6 +66,7 @@ class EngineStats:
     sink_seconds: dict[int, float] = field(default_factory=dict)  # busy time per worker
     batches_per_worker: dict[int, int] = field(default_factory=dict)
     records: list[BatchRecord] = field(default_factory=list, repr=False)
+    spans: list[tuple[str, float, float]] = field(default_factory=list, repr=False)  # engine.span()
 
     @classmethod
     def from_records(cls, records: list[BatchRecord], *, device: str, wall: float,
@@ -92,6 +93,7 @@ class EngineStats:
         """A JSON-ready dict without the per-batch records."""
         d = asdict(self)
         d.pop("records")
+        d.pop("spans")
         d["sink_seconds"] = {str(k): round(v, 4) for k, v in self.sink_seconds.items()}
         d["batches_per_worker"] = {str(k): v for k, v in self.batches_per_worker.items()}
         return d
