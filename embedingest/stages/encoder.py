@@ -15,6 +15,10 @@ Decisions:
   ``"bf16"`` is allowed on the CPU; ``"fp32"`` is the default.
 * The transformer runs in the chosen dtype, pooling and normalisation in fp32.
 * Models are only read from local folders (``local_files_only=True``); nothing is downloaded.
+* ``info()["name"]`` identifies the weights, not where they lie: the bundled model's hub name,
+  the name a converted copy records in ``embedingest_source.json`` (benchmarks/carry_model.py
+  writes it), else the folder's name. An index built with the fp16 copy on a GPU machine is
+  thus searched with the bundled model elsewhere.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from ..errors import ConfigError
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 POOLING_MODES = ("cls", "mean", "max", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
 BUNDLED_NAME = "sentence-transformers/all-MiniLM-L6-v2"
+SOURCE_FILE = "embedingest_source.json"
 
 # Pooling configs written before sentence-transformers 6 use one boolean per mode, in this
 # (concatenation) order.
@@ -166,7 +171,7 @@ class TextEncoder:
     def info(self) -> dict[str, Any]:
         """What the index manifest records, so queries are encoded the way the index was."""
         return {
-            "model_path": str(self._model_dir),
+            "path": str(self._model_dir),
             "name": self._name,
             "model_type": getattr(self._model.config, "model_type", None),
             "dim": self._dim,
@@ -214,7 +219,8 @@ def _resolve_device(device: str | torch.device) -> torch.device:
     try:
         resolved = torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise ConfigError(f"device {device!r} is not a torch device; use 'cpu', 'cuda' or 'cuda:N'") from exc
+        raise ConfigError(f"device {device!r} is not a torch device; "
+                          f"use 'cpu', 'cuda' or 'cuda:N'") from exc
     if resolved.type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError(f"device {device!r} asks for a GPU but torch sees no CUDA device; use device='cpu'")
@@ -245,7 +251,9 @@ def _resolve_model_dir(model: str | Path | None) -> tuple[Path, str]:
     if not path.is_dir():
         raise ConfigError(f"model folder {str(model)!r} does not exist or is not a folder; pass a local "
                           f"model folder (embedingest never downloads models from a hub)")
-    return path, path.name
+    source = path / SOURCE_FILE
+    name = _read_json(source).get("name") if source.is_file() else None
+    return path, str(name or path.name)
 
 
 def _read_json(path: Path) -> Any:
@@ -323,7 +331,8 @@ def _load_tokenizer(path: Path, lowercase: bool) -> Any:
         raise ConfigError(f"cannot load a tokenizer from {path}: {exc}") from exc
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
-            raise ConfigError(f"the tokenizer in {path} has neither a pad nor an eos token to pad batches with")
+            raise ConfigError(f"the tokenizer in {path} has neither a pad nor an eos token "
+                              f"to pad batches with")
         tokenizer.pad_token = tokenizer.eos_token
     if lowercase:
         _lowercase_inputs(tokenizer, path)
