@@ -1,0 +1,588 @@
+"""The index folder: manifest, chunk metadata and FAISS segments, and the steps that keep
+them consistent across crashes and incremental runs.
+
+Layout::
+
+    manifest.json       settings and segment list (written atomically)
+    metadata.sqlite     units (source files or records) and their chunks (WAL mode)
+    trained.faiss       the trained empty index, for factories that need training
+    segments/           immutable seg-<run>-w<worker>-<part>.faiss + .ids.npy sidecars
+
+The folder listing, not the manifest, says which segments exist (a segment exists iff its
+``.faiss`` exists), because consumer processes commit segments while the manifest is only
+rewritten by the main process. Vector id = ``unit_no << 32 | chunk_no``, so the sidecars
+alone tell which units are fully embedded (:meth:`IndexStore.reconcile`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sqlite3
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field, fields
+from importlib import metadata as importlib_metadata
+from pathlib import Path
+
+import faiss
+import numpy as np
+
+from ..errors import ConfigError, EmbedingestError
+from ..report import REPORT_NAME, atomic_write_bytes
+from ..sinks.faiss_shards import (
+    SEGMENT_SUFFIX,
+    SEGMENTS_DIR,
+    TRAINED_NAME,
+    empty_index,
+    fsync_dir,
+    is_tmp_name,
+    metric_code,
+    new_run_id,
+    segment_name,
+    sidecar_path,
+    write_index_atomic,
+    write_segment,
+)
+
+MANIFEST_NAME = "manifest.json"
+METADATA_NAME = "metadata.sqlite"
+JOURNAL_NAME = "replacing.json"
+FORMAT = 1
+CHUNK_BITS = 32
+MAX_UNIT_NO = 2**31 - 1  # ids stay positive int64 (faiss uses -1 for "no result")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS units(
+    unit_no INTEGER PRIMARY KEY AUTOINCREMENT, key TEXT UNIQUE NOT NULL, size INT,
+    mtime_ns INT, sha256 TEXT, n_chunks INT, status TEXT);
+CREATE TABLE IF NOT EXISTS chunks(
+    id INTEGER PRIMARY KEY, unit_no INT NOT NULL, record_id TEXT, chunk_no INT,
+    char_start INT, char_end INT, text TEXT);
+CREATE INDEX IF NOT EXISTS chunks_unit ON chunks(unit_no);
+"""
+_UNIT_COLUMNS = ("key", "size", "mtime_ns", "sha256", "n_chunks", "status")
+_QUERY_BATCH = 500
+
+
+def package_version() -> str:
+    try:
+        return importlib_metadata.version("embedingest")
+    except importlib_metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def vector_ids(unit_no: int, chunk_nos) -> np.ndarray:
+    """The vector ids of chunks ``chunk_nos`` of unit ``unit_no``."""
+    chunks = np.asarray(chunk_nos, dtype=np.int64)
+    if not 0 <= unit_no <= MAX_UNIT_NO:
+        raise EmbedingestError(f"unit number {unit_no} does not fit in a vector id")
+    if chunks.size and (chunks.min() < 0 or chunks.max() >> CHUNK_BITS):
+        raise EmbedingestError(f"chunk numbers of unit {unit_no} must lie in [0, 2**32), "
+                               f"got {chunks.min()}..{chunks.max()}")
+    return (np.int64(unit_no) << CHUNK_BITS) | chunks
+
+
+def model_identity(model: Mapping) -> str | None:
+    """What makes two encoders interchangeable: their name, else the path they load from."""
+    return model.get("name") or model.get("path")
+
+
+@dataclass
+class Manifest:
+    """The settings every segment of the index shares, and what was built."""
+
+    model: dict  # TextEncoder.info(): "name" identifies the model, "path" is what search loads
+    dim: int
+    metric: str = "ip"
+    factory: str = "Flat"
+    dtype: str = "fp32"  # the encoder's compute dtype ("fp32", "fp16", "bf16")
+    segments: list[dict] = field(default_factory=list)  # {name, count}, as of the last update
+    corpus: str | None = None  # fingerprint of the corpus the last run read
+    version: str = field(default_factory=package_version)
+    created: str = field(default_factory=_now)
+    updated: str = field(default_factory=_now)
+    format: int = FORMAT
+
+    @classmethod
+    def from_dict(cls, data: Mapping, where: str = "manifest") -> Manifest:
+        known = {f.name for f in fields(cls)}
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{where} is not a JSON object: rebuild the index with --overwrite")
+        missing = sorted({"model", "dim"} - set(data))
+        if missing:
+            raise ConfigError(f"{where} lacks {', '.join(missing)}: rebuild the index with --overwrite")
+        if data.get("format", FORMAT) > FORMAT:
+            raise ConfigError(f"{where} has format {data['format']}, newer than this embedingest "
+                              f"({package_version()}) reads: upgrade embedingest")
+        manifest = cls(**{k: v for k, v in data.items() if k in known})
+        metric_code(manifest.metric)
+        return manifest
+
+    def describe(self) -> str:
+        return (f"model {model_identity(self.model)!r}, dim {self.dim}, metric {self.metric}, "
+                f"factory {self.factory!r}")
+
+    def compatible_with(self, other: Manifest) -> bool:
+        return (model_identity(self.model) == model_identity(other.model) and self.dim == other.dim
+                and self.metric == other.metric and self.factory == other.factory)
+
+
+@dataclass(frozen=True)
+class Segment:
+    name: str
+    path: Path
+    count: int
+
+    @property
+    def ids_path(self) -> Path:
+        return sidecar_path(self.path)
+
+    def ids(self) -> np.ndarray:
+        return np.load(self.ids_path)
+
+
+@dataclass(frozen=True)
+class Unit:
+    unit_no: int
+    key: str
+    size: int | None
+    mtime_ns: int | None
+    sha256: str | None
+    n_chunks: int | None
+    status: str | None
+
+
+@dataclass(frozen=True)
+class Chunk:
+    id: int
+    unit_no: int
+    source: str | None  # the unit's key
+    record_id: str | None
+    chunk_no: int
+    char_start: int | None
+    char_end: int | None
+    text: str | None
+
+
+class IndexStore:
+    """One index folder. Not safe for two writers at once; readers (search) only list and
+    read committed segments."""
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = Path(folder)
+        self.manifest_path = self.folder / MANIFEST_NAME
+        self.metadata_path = self.folder / METADATA_NAME
+        self.trained_path = self.folder / TRAINED_NAME
+        self.segments_dir = self.folder / SEGMENTS_DIR
+        self.journal_path = self.segments_dir / JOURNAL_NAME
+        self._db: sqlite3.Connection | None = None
+
+    def __enter__(self) -> IndexStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    # -- manifest -------------------------------------------------------------------------
+
+    def exists(self) -> bool:
+        return self.manifest_path.is_file()
+
+    def read_manifest(self) -> Manifest:
+        """The manifest; ConfigError naming the folder when it is not an index."""
+        if not self.exists():
+            raise ConfigError(f"{str(self.folder)!r} is not an embedingest index "
+                              f"(no {MANIFEST_NAME}); build one first or check the path")
+        try:
+            data = json.loads(self.manifest_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read {str(self.manifest_path)!r}: {exc}; "
+                              "rebuild the index with --overwrite") from exc
+        return Manifest.from_dict(data, where=str(self.manifest_path))
+
+    def write_manifest(self, manifest: Manifest) -> None:
+        manifest.updated = _now()
+        manifest.version = package_version()
+        data = json.dumps(asdict(manifest), indent=2, ensure_ascii=False) + "\n"
+        atomic_write_bytes(self.manifest_path, data.encode("utf-8"))
+
+    def create_or_open(self, manifest: Manifest, overwrite: bool = False) -> Manifest:
+        """Start a build with the settings in ``manifest``: a new index, or the existing one
+        when it was built with the same model, dim, metric and factory (then its manifest,
+        created time included, is returned). ``overwrite`` wipes whatever is there first."""
+        if overwrite:
+            self.wipe()
+        if self.exists():
+            existing = self.read_manifest()
+            if not existing.compatible_with(manifest):
+                raise ConfigError(
+                    f"the index at {str(self.folder)!r} was built with {existing.describe()}, "
+                    f"not {manifest.describe()}: use --overwrite to rebuild it, or another folder")
+            self.segments_dir.mkdir(parents=True, exist_ok=True)
+            return existing
+        self.segments_dir.mkdir(parents=True, exist_ok=True)
+        self.write_manifest(manifest)
+        return manifest
+
+    def update_segments(self, manifest: Manifest | None = None, **changes) -> Manifest:
+        """Rewrite the manifest with the current segment list and ``changes`` (e.g. corpus)."""
+        manifest = manifest or self.read_manifest()
+        for name, value in changes.items():
+            setattr(manifest, name, value)
+        manifest.segments = [{"name": s.name, "count": s.count} for s in self.segments()]
+        self.write_manifest(manifest)
+        return manifest
+
+    def wipe(self) -> None:
+        """Delete everything embedingest keeps in the folder (other files stay)."""
+        self.close()
+        shutil.rmtree(self.segments_dir, ignore_errors=True)
+        for name in (MANIFEST_NAME, TRAINED_NAME, REPORT_NAME, METADATA_NAME,
+                     METADATA_NAME + "-wal", METADATA_NAME + "-shm"):
+            (self.folder / name).unlink(missing_ok=True)
+        self._remove_tmp_files(self.folder)
+
+    # -- training -------------------------------------------------------------------------
+
+    def train_index(self, factory: str, dim: int, metric: str, sample: np.ndarray) -> Path | None:
+        """Train ``factory`` on ``sample`` and write ``trained.faiss``, the empty index
+        every segment is cloned from; None (nothing written) when it needs no training."""
+        try:
+            index = faiss.index_factory(dim, factory, metric_code(metric))
+        except RuntimeError as exc:
+            raise ConfigError(f"faiss cannot build index factory {factory!r} for dim {dim}: "
+                              f"{str(exc).splitlines()[0]}") from exc
+        if index.is_trained:
+            return None
+        sample = np.ascontiguousarray(sample, dtype=np.float32)
+        if sample.ndim != 2 or sample.shape[1] != dim:
+            raise ConfigError(f"training sample of shape {sample.shape}, expected (n, {dim})")
+        try:
+            index.train(sample)
+        except RuntimeError as exc:
+            raise ConfigError(f"cannot train {factory!r} on {len(sample)} vectors: "
+                              f"{str(exc).splitlines()[0]}; use a larger sample or fewer lists") from exc
+        self.folder.mkdir(parents=True, exist_ok=True)
+        write_index_atomic(index, self.trained_path)
+        return self.trained_path
+
+    def empty_index(self, manifest: Manifest | None = None) -> faiss.Index:
+        """An empty index of the kind the segments hold (trained when the factory needs it)."""
+        manifest = manifest or self.read_manifest()
+        trained = faiss.read_index(str(self.trained_path)) if self.trained_path.is_file() else None
+        return empty_index(manifest.dim, manifest.factory, manifest.metric, trained)
+
+    # -- segments -------------------------------------------------------------------------
+
+    def _journal(self) -> list[tuple[str, str | None]]:
+        if not self.journal_path.is_file():
+            return []
+        return [tuple(pair) for pair in json.loads(self.journal_path.read_text())["replace"]]
+
+    def _superseded(self) -> set[str]:
+        """Old segments of an interrupted :meth:`remove_units` whose replacement committed."""
+        return {old for old, new in self._journal()
+                if new is None or (self.segments_dir / new).is_file()}
+
+    def segments(self) -> list[Segment]:
+        """The committed segments, sorted by name (never one a removal has replaced)."""
+        if not self.segments_dir.is_dir():
+            return []
+        superseded = self._superseded()
+        out = []
+        for path in sorted(self.segments_dir.glob("seg-*" + SEGMENT_SUFFIX)):
+            if path.name in superseded:
+                continue
+            try:
+                count = np.load(sidecar_path(path), mmap_mode="r").shape[0]
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"segment {str(path)!r} has no readable ids sidecar ({exc}): "
+                                  "the folder was damaged; rebuild with --overwrite") from exc
+            out.append(Segment(path.name, path, count))
+        return out
+
+    def clean_garbage(self) -> list[str]:
+        """Finish an interrupted removal and delete temporary files and orphan sidecars;
+        return the names deleted. Call it only while no build writes to the folder."""
+        removed = []
+        if self.journal_path.is_file():
+            committed = self._superseded()
+            for old, new in self._journal():
+                drop = old if old in committed else new
+                removed += self._delete_segment(self.segments_dir / drop) if drop else []
+            self.journal_path.unlink()
+            removed.append(JOURNAL_NAME)
+        removed += self._remove_tmp_files(self.folder)
+        if self.segments_dir.is_dir():
+            removed += self._remove_tmp_files(self.segments_dir)
+            for side in sorted(self.segments_dir.glob("seg-*.ids.npy")):
+                if not side.with_name(side.name[: -len(".ids.npy")] + SEGMENT_SUFFIX).exists():
+                    side.unlink()
+                    removed.append(side.name)
+            fsync_dir(self.segments_dir)
+        return removed
+
+    @staticmethod
+    def _remove_tmp_files(folder: Path) -> list[str]:
+        if not folder.is_dir():
+            return []
+        gone = [p for p in folder.iterdir() if is_tmp_name(p.name) and p.is_file()]
+        for path in gone:
+            path.unlink()
+        return [p.name for p in gone]
+
+    @staticmethod
+    def _delete_segment(path: Path) -> list[str]:
+        """``.faiss`` first (the segment stops existing), then its sidecar."""
+        gone = [p for p in (path, sidecar_path(path)) if p.exists()]
+        for p in gone:
+            p.unlink()
+        return [p.name for p in gone]
+
+    def _all_ids(self) -> np.ndarray:
+        parts = [s.ids() for s in self.segments()]
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+
+    def present_ids(self) -> dict[int, int]:
+        """Committed vectors per unit_no (duplicates counted), read from the sidecars only."""
+        units, counts = np.unique(self._all_ids() >> CHUNK_BITS, return_counts=True)
+        return dict(zip(units.tolist(), counts.tolist()))
+
+    def reconcile(self, expected: Mapping[int, int] | None = None) -> set[int]:
+        """Units whose committed vectors are not exactly chunks 0..n_chunks-1, once each:
+        missing vectors (a crash before a commit), duplicates, or stray vectors of units
+        not in ``expected`` ({unit_no: n_chunks}; default: every unit row). These must be
+        removed with :meth:`remove_units` and redone (or dropped)."""
+        if expected is None:
+            expected = {u.unit_no: u.n_chunks or 0 for u in self.units().values()}
+        ids, counts = np.unique(self._all_ids(), return_counts=True)
+        units = ids >> CHUNK_BITS
+        bad = set(np.unique(units[counts > 1]).tolist())
+        present, first, n_present = np.unique(units, return_index=True, return_counts=True)
+        last_chunk = ids[first + n_present - 1] & ((1 << CHUNK_BITS) - 1)
+        for unit, n, top in zip(present.tolist(), n_present.tolist(), last_chunk.tolist()):
+            if n != expected.get(unit, 0) or top >= n:
+                bad.add(unit)
+        seen = set(present.tolist())
+        bad.update(u for u, n in expected.items() if n and u not in seen)
+        return bad
+
+    def remove_units(self, unit_nos: Iterable[int]) -> int:
+        """Remove every vector of ``unit_nos`` from the segments; return how many.
+
+        Each segment holding some is rewritten without them under a new name, then the old
+        one is deleted. A journal (``segments/replacing.json``, written before any new
+        segment) pairs old and new names, so after a crash anywhere :meth:`segments` and
+        :meth:`clean_garbage` keep exactly one of each pair (the new one once it committed):
+        no id is ever listed twice, and an interrupted removal is finished by calling this
+        again (:meth:`reconcile` still reports the units whose vectors remain).
+        """
+        units = np.fromiter(set(unit_nos), dtype=np.int64)
+        self.clean_garbage()
+        hit = [(seg, np.isin(seg.ids() >> CHUNK_BITS, units)) for seg in self.segments()]
+        plan = [(seg, drop) for seg, drop in hit if drop.any()]
+        if not plan:
+            return 0
+        run = "rm" + new_run_id()
+        pairs = [(seg.name, None if drop.all() else segment_name(run, 0, i))
+                 for i, (seg, drop) in enumerate(plan)]
+        atomic_write_bytes(self.journal_path, json.dumps({"replace": pairs}).encode())
+        fsync_dir(self.segments_dir)
+        removed, template = 0, None
+        for (seg, _), (_, new) in zip(plan, pairs):
+            if new is None:
+                removed += seg.count
+                continue
+            index = faiss.read_index(str(seg.path))
+            keep = ~np.isin(faiss.vector_to_array(index.id_map) >> CHUNK_BITS, units)
+            if template is None and not _removes_in_place(index):
+                template = self.empty_index()
+            index, kept = _without(index, keep, template)
+            write_segment(self.segments_dir / new, index, kept)
+            removed += seg.count - len(kept)
+        for seg, _ in plan:
+            self._delete_segment(seg.path)
+        fsync_dir(self.segments_dir)
+        self.journal_path.unlink()
+        fsync_dir(self.segments_dir)
+        return removed
+
+    # -- metadata -------------------------------------------------------------------------
+
+    @property
+    def db(self) -> sqlite3.Connection:
+        """The metadata database (created on first use)."""
+        if self._db is None:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(self.metadata_path)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.executescript(_SCHEMA)
+            self._db = db
+        return self._db
+
+    def upsert_units(self, rows: Iterable[Mapping]) -> dict[str, int]:
+        """Insert or update units by key (one transaction); return {key: unit_no}.
+
+        Each row gives key and any of size, mtime_ns, sha256, n_chunks, status; fields left
+        out (or None) keep the value stored. unit_no is
+        never reused (AUTOINCREMENT), so stray vectors of a deleted unit cannot be taken
+        for those of a new one.
+        """
+        sql = (f"INSERT INTO units({', '.join(_UNIT_COLUMNS)}) VALUES (?, ?, ?, ?, ?, ?) "
+               "ON CONFLICT(key) DO UPDATE SET "
+               + ", ".join(f"{c}=COALESCE(excluded.{c}, {c})" for c in _UNIT_COLUMNS[1:])
+               + " RETURNING unit_no")
+        out = {}
+        with self.db as db:
+            for row in rows:
+                (unit_no,) = db.execute(sql, [row.get(c) for c in _UNIT_COLUMNS]).fetchone()
+                if unit_no > MAX_UNIT_NO:
+                    raise EmbedingestError(f"unit number {unit_no} of {row['key']!r} does not fit "
+                                           "in a vector id: rebuild the index with --overwrite")
+                out[row["key"]] = unit_no
+        return out
+
+    def set_status(self, unit_nos: Iterable[int], status: str) -> None:
+        with self.db as db:
+            db.executemany("UPDATE units SET status=? WHERE unit_no=?",
+                           ((status, int(u)) for u in unit_nos))
+
+    def units(self, keys: Iterable[str] | None = None) -> dict[str, Unit]:
+        """Unit rows by key: all of them, or those of ``keys`` that exist."""
+        if keys is None:
+            return {r[1]: Unit(*r) for r in self.db.execute("SELECT * FROM units")}
+        out = {}
+        for batch in _batches(list(keys)):
+            marks = ",".join("?" * len(batch))
+            for r in self.db.execute(f"SELECT * FROM units WHERE key IN ({marks})", batch):
+                out[r[1]] = Unit(*r)
+        return out
+
+    def insert_chunks(self, rows: Iterable[tuple]) -> int:
+        """Insert (unit_no, record_id, chunk_no, char_start, char_end, text) rows in one
+        transaction; a row with the id of an existing one replaces it (a redone unit)."""
+        count = 0
+
+        def with_ids():
+            nonlocal count
+            for unit_no, record_id, chunk_no, start, end, text in rows:
+                count += 1
+                yield (int(vector_ids(unit_no, chunk_no)), unit_no, record_id, chunk_no, start, end, text)
+        with self.db as db:
+            db.executemany("INSERT OR REPLACE INTO chunks VALUES (?, ?, ?, ?, ?, ?, ?)", with_ids())
+        return count
+
+    def delete_chunks(self, unit_nos: Iterable[int]) -> None:
+        """Delete the chunk rows of ``unit_nos`` (before they are chunked again)."""
+        with self.db as db:
+            db.executemany("DELETE FROM chunks WHERE unit_no=?", ((int(u),) for u in unit_nos))
+
+    def delete_units(self, unit_nos: Iterable[int]) -> None:
+        """Delete units and their chunk rows (call :meth:`remove_units` for the vectors first)."""
+        unit_nos = [(int(u),) for u in unit_nos]
+        with self.db as db:
+            db.executemany("DELETE FROM chunks WHERE unit_no=?", unit_nos)
+            db.executemany("DELETE FROM units WHERE unit_no=?", unit_nos)
+
+    def chunks(self, ids: Iterable[int]) -> dict[int, Chunk]:
+        """Chunk rows (with their unit's key as source) by vector id; unknown ids are absent."""
+        out = {}
+        for batch in _batches([int(i) for i in ids]):
+            marks = ",".join("?" * len(batch))
+            sql = ("SELECT c.id, c.unit_no, u.key, c.record_id, c.chunk_no, c.char_start, "
+                   "c.char_end, c.text FROM chunks c LEFT JOIN units u ON u.unit_no = c.unit_no "
+                   f"WHERE c.id IN ({marks})")
+            for r in self.db.execute(sql, batch):
+                out[r[0]] = Chunk(*r)
+        return out
+
+
+def _batches(items: list, size: int = _QUERY_BATCH):
+    for i in range(0, len(items), size):
+        yield items[i:i + size]
+
+
+def _array_ivf(inner: faiss.Index) -> faiss.IndexIVF | None:
+    """The IVF of an IVF index (or of a transform over one) whose lists can be edited."""
+    if isinstance(inner, faiss.IndexPreTransform):
+        inner = faiss.downcast_index(inner.index)
+    if isinstance(inner, faiss.IndexIVF) and isinstance(
+            faiss.downcast_InvertedLists(inner.invlists), faiss.ArrayInvertedLists):
+        return inner
+    return None
+
+
+def _removes_in_place(index: faiss.IndexIDMap) -> bool:
+    """Whether :func:`_without` edits ``index`` itself, keeping codes exactly: flat codes
+    (Flat, SQ, PQ) and IVF with array inverted lists."""
+    inner = faiss.downcast_index(index.index)
+    return isinstance(inner, faiss.IndexFlatCodes) or _array_ivf(inner) is not None
+
+
+def _without(index: faiss.IndexIDMap, keep: np.ndarray,
+             template: faiss.Index | None) -> tuple[faiss.Index, np.ndarray]:
+    """Keep the vectors of ``index`` at positions ``keep``; return (index, kept ids).
+
+    ``IndexIDMap.remove_ids`` is wrong for IVF (it compacts the id map but not the labels
+    in the inverted lists), so IVF lists are filtered and relabelled here, codes untouched.
+    Other kinds (HNSW has no remove_ids) are rebuilt from reconstructed vectors into a
+    clone of ``template``: exact for HNSW over flat storage, re-quantised for lossy codecs.
+    """
+    ids = faiss.vector_to_array(index.id_map)
+    kept = ids[keep]
+    inner = faiss.downcast_index(index.index)
+    if isinstance(inner, faiss.IndexFlatCodes):
+        index.remove_ids(faiss.IDSelectorBatch(ids[~keep]))
+        return index, kept
+    ivf = _array_ivf(inner)
+    if ivf is not None:
+        _filter_ivf_lists(ivf, keep)
+        inner.ntotal = ivf.ntotal
+        faiss.copy_array_to_vector(kept, index.id_map)
+        index.ntotal = len(kept)
+        return index, kept
+    try:
+        faiss.extract_index_ivf(inner).make_direct_map()
+    except RuntimeError:
+        pass
+    try:
+        vectors = inner.reconstruct_n(0, index.ntotal)[keep]
+    except RuntimeError as exc:
+        raise ConfigError(f"vectors of a {type(inner).__name__} index cannot be reconstructed, "
+                          "so units cannot be removed from it: rebuild with --overwrite") from exc
+    rebuilt = faiss.IndexIDMap(faiss.clone_index(template))
+    rebuilt.add_with_ids(vectors, kept)
+    return rebuilt, kept
+
+
+def _filter_ivf_lists(ivf: faiss.IndexIVF, keep: np.ndarray) -> None:
+    """Drop the entries whose label is not kept; renumber labels to the compacted order."""
+    lists = faiss.downcast_InvertedLists(ivf.invlists)
+    new_label = np.cumsum(keep, dtype=np.int64) - 1
+    code_size = lists.code_size
+    for no in range(lists.nlist):
+        size = lists.list_size(no)
+        if not size:
+            continue
+        labels = faiss.rev_swig_ptr(lists.get_ids(no), size).copy()
+        codes = faiss.rev_swig_ptr(lists.get_codes(no), size * code_size).reshape(size, code_size)
+        mask = keep[labels]
+        new_labels = np.ascontiguousarray(new_label[labels[mask]])
+        new_codes = np.ascontiguousarray(codes[mask])
+        lists.resize(no, len(new_labels))
+        if len(new_labels):
+            lists.update_entries(no, 0, len(new_labels), faiss.swig_ptr(new_labels),
+                                 faiss.swig_ptr(new_codes))
+    ivf.ntotal = int(keep.sum())

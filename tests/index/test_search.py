@@ -1,0 +1,134 @@
+import numpy as np
+import pytest
+from index_fixtures import DIM, build_index, unit_vectors
+
+from embedingest.errors import ConfigError
+from embedingest.index.search import Hit, open_index, read_segment
+from embedingest.index.store import IndexStore, Manifest
+
+
+class FakeEncoder:
+    """Maps each text to a fixed vector, so text search needs no model."""
+
+    def __init__(self, table):
+        self.table = table
+        self.calls = []
+
+    def encode(self, texts):
+        self.calls.append(list(texts))
+        return np.stack([self.table[t] for t in texts])
+
+
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+def test_search_equals_brute_force_over_all_segments(tmp_path, metric):
+    built = build_index(tmp_path, n_units=8, chunks=25, metric=metric, commit_every=30, workers=3)
+    queries = unit_vectors(12, seed=5)
+    with open_index(built.store.folder) as index:
+        assert len(index.segments) > 3 and len(index) == 200
+        for k in (1, 10, 200, 500):
+            scores, ids = index.search_raw(queries, k)
+            want_s, want_i = built.brute_force(queries, min(k, 200), metric)
+            np.testing.assert_array_equal(ids, want_i)
+            np.testing.assert_allclose(scores, want_s, rtol=1e-4, atol=1e-5)
+
+
+def test_hits_carry_chunk_metadata(tmp_path):
+    built = build_index(tmp_path, n_units=3, chunks=10)
+    query = built.emb[13]  # exactly one stored vector
+    with open_index(built.store.folder) as index:
+        (hits,) = index.search_vectors(query, k=3)
+    first = hits[0]
+    assert [h.rank for h in hits] == [1, 2, 3] and first.id == built.ids[13]
+    unit_no, chunk_no = int(built.ids[13] >> 32), int(built.ids[13] & 0xFFFFFFFF)
+    key = next(k for k, v in built.unit_nos.items() if v == unit_no)
+    assert first == Hit(1, pytest.approx(1.0, abs=1e-5), int(built.ids[13]), key, f"rec{unit_no}",
+                        chunk_no, 10 * chunk_no, 10 * chunk_no + 9, f"text {key} {chunk_no}")
+    assert hits[0].score >= hits[1].score >= hits[2].score
+
+
+def test_text_queries_use_the_encoder(tmp_path):
+    built = build_index(tmp_path, n_units=2, chunks=10)
+    enc = FakeEncoder({"alpha": built.emb[3], "beta": built.emb[17]})
+    with open_index(built.store.folder, encoder=enc) as index:
+        assert index.search("alpha", k=1)[0][0].id == built.ids[3]
+        both = index.search(["alpha", "beta"], k=2)
+        assert [h[0].id for h in both] == [built.ids[3], built.ids[17]]
+        assert index.search([]) == []
+    assert enc.calls == [["alpha"], ["alpha", "beta"]]
+
+
+@pytest.mark.parametrize("factory,params", [("IVF4,Flat", "nprobe=4"), ("HNSW16", "efSearch=256")])
+def test_ivf_and_hnsw_with_search_params_equal_brute_force(tmp_path, factory, params):
+    built = build_index(tmp_path, n_units=5, chunks=30, factory=factory, commit_every=70)
+    queries = unit_vectors(6, seed=3)
+    with open_index(built.store.folder, params=params) as index:
+        scores, ids = index.search_raw(queries, 10)
+    want_s, want_i = built.brute_force(queries, 10)
+    np.testing.assert_array_equal(ids, want_i)
+    np.testing.assert_allclose(scores, want_s, rtol=1e-5)
+
+
+def test_segments_are_memory_mapped_where_faiss_can(tmp_path):
+    built = build_index(tmp_path, n_units=2, chunks=10)
+    path = built.store.segments()[0].path
+    index = read_segment(path)
+    maps = open("/proc/self/maps").read()
+    assert str(path) in maps and index.ntotal > 0
+
+
+def test_empty_index_and_errors(tmp_path):
+    store = IndexStore(tmp_path / "empty")
+    store.create_or_open(Manifest(model={"name": "m"}, dim=DIM))
+    with open_index(store.folder) as index:
+        assert index.search_vectors(unit_vectors(3), k=5) == [[], [], []]
+        with pytest.raises(ConfigError, match=r"\(n, 16\)"):
+            index.search_raw(np.zeros((2, 8)), 5)
+        with pytest.raises(ConfigError, match="'m'.*not on this machine"):
+            index.search("hello")
+    with pytest.raises(ConfigError, match="not an embedingest index"):
+        open_index(tmp_path / "missing")
+
+
+def test_search_params_that_do_not_apply(tmp_path):
+    built = build_index(tmp_path, n_units=1, chunks=3)
+    with pytest.raises(ConfigError, match="'nprobe=4' do not apply.*'Flat'"):
+        open_index(built.store.folder, params="nprobe=4")
+
+
+def test_garbage_and_interrupted_removal_are_invisible_to_search(tmp_path, monkeypatch):
+    built = build_index(tmp_path, n_units=3, chunks=20, commit_every=25)
+    store, gone = built.store, list(built.unit_nos.values())[1]
+    seg = store.segments_dir
+    (seg / ".seg-z-w0-00000.faiss.tmp-1").write_bytes(b"partial")
+    np.save(seg / "seg-z-w0-00000.ids.npy", np.arange(5))
+    monkeypatch.setattr(IndexStore, "_delete_segment", staticmethod(lambda path: 1 / 0))
+    with pytest.raises(ZeroDivisionError):  # new segments written, old ones not yet deleted
+        store.remove_units([gone])
+    monkeypatch.undo()
+    keep = built.ids >> 32 != gone
+    queries = unit_vectors(4, seed=9)
+    with open_index(store.folder) as index:
+        scores, ids = index.search_raw(queries, 100)
+    want_s, want_i = built.brute_force(queries, 100, keep=keep)
+    np.testing.assert_array_equal(ids, want_i)
+    np.testing.assert_allclose(scores, want_s, rtol=1e-5)
+
+
+def test_text_search_with_the_manifest_model(tmp_path):
+    from embedingest.sinks.faiss_shards import FaissShardSinkFactory
+    from embedingest.stages.encoder import TextEncoder
+    encoder = TextEncoder.load(None, "cpu", "fp32")
+    texts = ["the cat sat on the mat", "stock markets fell sharply", "a recipe for lemon cake"]
+    model = {**encoder.info(), "path": "/built/elsewhere", "dtype": "fp16"}
+    store = IndexStore(tmp_path)
+    store.create_or_open(Manifest(model=model, dim=encoder.dim, dtype="fp16"))
+    nos = store.upsert_units([{"key": "news.txt", "n_chunks": 3}])
+    store.insert_chunks((nos["news.txt"], None, c, 0, len(t), t) for c, t in enumerate(texts))
+    sink = FaissShardSinkFactory(tmp_path, encoder.dim)(0)
+    sink(0, {"emb": encoder.encode(texts).astype(np.float16),
+             "ids": (nos["news.txt"] << 32) + np.arange(3, dtype=np.int64)})
+    sink.close()
+    with open_index(tmp_path) as index:  # fp16 on a GPU, elsewhere: bundled model in fp32
+        hits = index.search(["baking a cake", "shares dropped"], k=2)
+    assert [h[0].text for h in hits] == [texts[2], texts[1]]
+    assert hits[0][0].source == "news.txt" and hits[0][0].score > hits[0][1].score

@@ -1,0 +1,214 @@
+import json
+
+import faiss
+import numpy as np
+import pytest
+from index_fixtures import DIM, build_index, unit_vectors
+
+from embedingest.errors import ConfigError
+from embedingest.index import store as store_mod
+from embedingest.index.search import open_index
+from embedingest.index.store import IndexStore, Manifest, Unit, vector_ids
+from embedingest.sinks.faiss_shards import sidecar_path, write_segment
+
+
+def manifest(**kw):
+    return Manifest(**{"model": {"name": "m", "path": "/m"}, "dim": DIM, **kw})
+
+
+def all_ids(store):
+    return np.sort(np.concatenate([s.ids() for s in store.segments()]))
+
+
+# -- manifest ---------------------------------------------------------------------------
+
+def test_manifest_create_reopen_and_mismatch(tmp_path):
+    store = IndexStore(tmp_path / "ix")
+    first = store.create_or_open(manifest(corpus="c1"))
+    data = json.loads(store.manifest_path.read_text())
+    assert data["dim"] == DIM and data["metric"] == "ip" and data["factory"] == "Flat"
+    assert data["version"] and data["created"] and data["corpus"] == "c1"
+    assert store.create_or_open(manifest()).created == first.created
+    for bad, what in [({"dim": 8}, "dim 8"), ({"metric": "l2"}, "metric l2"),
+                      ({"model": {"name": "other"}}, "'other'")]:
+        with pytest.raises(ConfigError, match=f"{what}.*--overwrite"):
+            store.create_or_open(manifest(**bad))
+    assert store.create_or_open(manifest(dim=8), overwrite=True).dim == 8
+    assert not [p for p in store.folder.iterdir() if ".tmp-" in p.name]
+
+
+def test_not_an_index_names_the_folder(tmp_path):
+    with pytest.raises(ConfigError, match=str(tmp_path / "nope")):
+        IndexStore(tmp_path / "nope").read_manifest()
+    (tmp_path / "manifest.json").write_text("{broken")
+    with pytest.raises(ConfigError, match="manifest.json"):
+        IndexStore(tmp_path).read_manifest()
+
+
+def test_update_segments_and_wipe(tmp_path):
+    built = build_index(tmp_path, n_units=3, chunks=20, commit_every=25)
+    m = built.store.update_segments(corpus="fp")
+    assert sum(s["count"] for s in m.segments) == 60 and m.corpus == "fp"
+    (built.store.folder / "mine.txt").write_text("keep")
+    built.store.wipe()
+    assert sorted(p.name for p in built.store.folder.iterdir()) == ["mine.txt"]
+
+
+# -- metadata ---------------------------------------------------------------------------
+
+def test_units_and_chunks(tmp_path):
+    store = IndexStore(tmp_path)
+    nos = store.upsert_units([{"key": "a", "n_chunks": 2, "status": "pending"}, {"key": "b"}])
+    assert store.upsert_units([{"key": "a", "n_chunks": 3, "status": "done"}]) == {"a": nos["a"]}
+    assert store.units(["a", "zzz"])["a"].n_chunks == 3
+    store.upsert_units([{"key": "a", "size": 7}])  # fields left out keep their value
+    assert store.units()["a"] == Unit(nos["a"], "a", 7, None, None, 3, "done")
+    store.insert_chunks([(nos["a"], "r", c, c, c + 1, f"t{c}") for c in range(3)])
+    store.insert_chunks([(nos["b"], None, 0, 0, 1, "b0")])
+    ids = vector_ids(nos["a"], [0, 2]).tolist() + [12345]
+    rows = store.chunks(ids)
+    assert sorted(rows) == ids[:2]
+    assert rows[ids[1]].source == "a" and rows[ids[1]].text == "t2" and rows[ids[1]].chunk_no == 2
+    store.delete_units([nos["a"]])
+    assert store.chunks(ids) == {} and list(store.units()) == ["b"]
+    assert store.upsert_units([{"key": "a"}])["a"] > nos["b"]  # unit numbers are never reused
+    assert store.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    store.set_status([nos["b"]], "done")
+    store.delete_chunks([nos["b"]])
+    assert store.units()["b"].status == "done" and store.chunks(vector_ids(nos["b"], [0]).tolist()) == {}
+
+
+# -- segments ---------------------------------------------------------------------------
+
+def test_present_ids_and_reconcile_complete(tmp_path):
+    built = build_index(tmp_path, n_units=4, chunks=30)
+    assert built.store.present_ids() == {no: 30 for no in built.unit_nos.values()}
+    assert built.store.reconcile() == set()
+    np.testing.assert_array_equal(all_ids(built.store), np.sort(built.ids))
+
+
+def test_reconcile_finds_missing_duplicate_and_stray_vectors(tmp_path):
+    built = build_index(tmp_path, n_units=5, chunks=10)
+    store, nos = built.store, list(built.unit_nos.values())
+    seg = store.segments_dir
+    extra = [(vector_ids(nos[1], [3]), "dup"), (vector_ids(nos[2], [10]), "wrongchunk"),
+             (vector_ids(999, [0]), "stray")]
+    for ids, name in extra:
+        index = faiss.IndexIDMap(faiss.IndexFlatIP(DIM))
+        index.add_with_ids(unit_vectors(len(ids)), ids)
+        write_segment(seg / f"seg-{name}-w0-00000.faiss", index, ids)
+    store.upsert_units([{"key": "doc0.txt", "n_chunks": 11}])  # one chunk never committed
+    expected = {u.unit_no: u.n_chunks for u in store.units().values()}
+    assert store.reconcile(expected) == {nos[0], nos[1], nos[2], 999}
+    assert store.reconcile({nos[3]: 10, nos[4]: 10, 777: 5}) >= {777, nos[0], 999}
+
+
+def test_clean_garbage_removes_tmp_and_orphans_only(tmp_path):
+    built = build_index(tmp_path, n_units=2, chunks=20, commit_every=15)
+    store = built.store
+    before = [s.name for s in store.segments()]
+    seg = store.segments_dir
+    (seg / ".seg-x-w0-00000.faiss.tmp-999").write_bytes(b"half a segment")
+    (seg / ".seg-x-w0-00000.ids.npy.tmp-999").write_bytes(b"half")
+    np.save(seg / "seg-y-w0-00000.ids.npy", np.arange(3))  # sidecar whose .faiss never came
+    (store.folder / ".manifest.json.tmp-1").write_bytes(b"{")
+    assert [s.name for s in store.segments()] == before  # garbage is invisible
+    assert store.reconcile() == set()
+    assert sorted(store.clean_garbage()) == sorted([
+        ".seg-x-w0-00000.faiss.tmp-999", ".seg-x-w0-00000.ids.npy.tmp-999",
+        "seg-y-w0-00000.ids.npy", ".manifest.json.tmp-1"])
+    assert [s.name for s in store.segments()] == before and store.clean_garbage() == []
+    assert all(sidecar_path(seg / n).exists() for n in before)
+
+
+@pytest.mark.parametrize("factory", ["Flat", "IVF4,Flat", "HNSW8", "SQ8", "IVF4,PQ4x4"])
+def test_remove_units_removes_exactly_their_ids(tmp_path, factory):
+    built = build_index(tmp_path, n_units=6, chunks=20, factory=factory, commit_every=40)
+    store, nos = built.store, list(built.unit_nos.values())
+    gone = {nos[1], nos[4]}
+    segments_before = store.segments()
+    queries = unit_vectors(5, seed=7)
+    with open_index(store.folder, params="nprobe=4" if "IVF" in factory else None) as before:
+        raw_before = before.search_raw(queries, 200)
+    assert store.remove_units(gone) == 40
+    keep = ~np.isin(built.ids >> 32, list(gone))
+    np.testing.assert_array_equal(all_ids(store), np.sort(built.ids[keep]))
+    assert store.reconcile({n: 20 for n in nos if n not in gone}) == set()
+    assert len(store.segments()) <= len(segments_before)
+    assert not store.journal_path.exists() and store.clean_garbage() == []
+    params = {"IVF4,Flat": "nprobe=4", "IVF4,PQ4x4": "nprobe=4", "HNSW8": "efSearch=256"}.get(factory)
+    with open_index(store.folder, params=params) as index:
+        scores, ids = index.search_raw(queries, 200)
+        for row_s, row_i, b_s, b_i in zip(scores, ids, *raw_before):
+            assert not np.isin(row_i, built.ids[~keep]).any()
+            if factory != "HNSW8":  # kept vectors keep their codes: same scores as before
+                mask = ~np.isin(b_i, built.ids[~keep])
+                np.testing.assert_array_equal(row_i[:mask.sum()], b_i[mask][:len(row_i)])
+                np.testing.assert_allclose(row_s[:mask.sum()], b_s[mask][:len(row_s)], rtol=1e-5)
+        if factory in ("Flat", "IVF4,Flat", "HNSW8"):
+            want_s, want_i = built.brute_force(queries, 10, keep=keep)
+            np.testing.assert_array_equal(ids[:, :10], want_i)
+            np.testing.assert_allclose(scores[:, :10], want_s, rtol=1e-5)
+
+
+def test_remove_units_of_absent_units_does_nothing(tmp_path):
+    built = build_index(tmp_path, n_units=2, chunks=5)
+    names = [s.name for s in built.store.segments()]
+    assert built.store.remove_units([12345]) == 0
+    assert [s.name for s in built.store.segments()] == names
+
+
+def test_crash_after_new_segments_rolls_forward(tmp_path, monkeypatch):
+    built = build_index(tmp_path, n_units=4, chunks=20, commit_every=30)
+    store, nos = built.store, list(built.unit_nos.values())
+    monkeypatch.setattr(IndexStore, "_delete_segment", staticmethod(lambda path: 1 / 0))
+    with pytest.raises(ZeroDivisionError):
+        store.remove_units([nos[0]])
+    monkeypatch.undo()
+    assert store.journal_path.exists()
+    keep = np.sort(built.ids[built.ids >> 32 != nos[0]])
+    np.testing.assert_array_equal(all_ids(store), keep)  # old segments already hidden
+    assert store.reconcile({n: 20 for n in nos[1:]}) == set()
+    store.clean_garbage()
+    assert not store.journal_path.exists()
+    np.testing.assert_array_equal(np.sort(np.concatenate(
+        [np.load(p) for p in store.segments_dir.glob("*.ids.npy")])), keep)
+
+
+def test_crash_while_writing_new_segments_keeps_each_id_once(tmp_path, monkeypatch):
+    built = build_index(tmp_path, n_units=4, chunks=20, commit_every=30, workers=1)
+    store, nos = built.store, list(built.unit_nos.values())
+    calls = []
+    real = store_mod.write_segment
+
+    def crash_on_second(path, index, ids):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError("disk gone")
+        real(path, index, ids)
+    monkeypatch.setattr(store_mod, "write_segment", crash_on_second)
+    with pytest.raises(OSError):  # segments: [u0, u1 half], [u1 half, u2], [u3]
+        store.remove_units([nos[1], nos[3]])
+    monkeypatch.undo()
+    ids = all_ids(store)
+    assert len(np.unique(ids)) == len(ids)
+    assert set(ids.tolist()) >= set(built.ids[np.isin(built.ids >> 32, [nos[0], nos[2]])].tolist())
+    assert store.reconcile({nos[0]: 20, nos[2]: 20}) == {nos[1]}  # half of u1 still there
+    store.clean_garbage()
+    np.testing.assert_array_equal(all_ids(store), ids)
+    assert store.remove_units([nos[1], nos[3]]) == 10  # finishing the removal
+    assert store.reconcile({nos[0]: 20, nos[2]: 20}) == set()
+
+
+# -- training ---------------------------------------------------------------------------
+
+def test_train_index(tmp_path):
+    store = IndexStore(tmp_path)
+    assert store.train_index("Flat", DIM, "ip", unit_vectors(10)) is None
+    path = store.train_index("IVF4,Flat", DIM, "ip", unit_vectors(300))
+    index = faiss.read_index(str(path))
+    assert index.is_trained and index.ntotal == 0 and index.nlist == 4
+    with pytest.raises(ConfigError, match="IVF64,Flat.*3 vectors"):
+        store.train_index("IVF64,Flat", DIM, "ip", unit_vectors(3))
+    with pytest.raises(ConfigError, match=r"shape \(10, 4\)"):
+        store.train_index("IVF4,Flat", DIM, "ip", np.zeros((10, 4)))
