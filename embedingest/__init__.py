@@ -16,7 +16,7 @@ _LAZY = {
     "EngineStats": "embedingest.engine.telemetry",
     "EngineConfig": "embedingest.config",
     "build_index": "embedingest.jobs.build_index",
-    "IndexConfig": "embedingest.jobs.build_index",
+    "IndexConfig": "embedingest.config",
     "open_index": "embedingest.index.search",
     "segment": "embedingest.jobs.segment",
     "SegmentConfig": "embedingest.jobs.segment",

