@@ -180,3 +180,37 @@ def search(index_dir, query, k, device, params, as_json) -> None:
         where = h.source + (f" [{h.record_id}]" if h.record_id else "") + f" #{h.chunk_no}"
         click.echo(f"{h.rank:>3}  {h.score:.4f}  {where}")
         click.echo("     " + (h.text or "").replace("\n", " ")[:300])
+
+
+@bench.command("text")
+@click.option("--docs", default=200_000, show_default=True, help="Paragraphs (~50 tokens each).")
+@click.option("--batch-size", default=256, show_default=True)
+@click.option("--device", default="auto", show_default=True)
+@click.option("--dtype", default="auto", show_default=True, help="auto: fp16 on CUDA, fp32 on CPU.")
+@click.option("--model", default=None, help="Model folder (default: the bundled all-MiniLM-L6-v2).")
+@click.option("--num-workers", default=-1, show_default=True)
+@click.option("--num-consumers", default=2, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write rows here.")
+@library_errors
+def bench_text(docs, batch_size, device, dtype, model, num_workers, num_consumers, json_path) -> None:
+    """sentence-transformers encode() + faiss.add against build-index end to end, with the
+    encoder's forward alone as the bound, on one corpus (runs on CPU too)."""
+    import torch
+
+    from .bench.report import TEXT_COLUMNS, machine_info, table, write_json
+    from .bench.text import TextBenchConfig, run_all
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        dtype = "fp16" if device.startswith("cuda") else "fp32"
+    cfg = TextBenchConfig(docs=docs, batch_size=batch_size, device=device, dtype=dtype, model=model,
+                          num_workers=num_workers, num_consumers=num_consumers)
+    info = machine_info()
+    click.echo(f"# {info.get('gpu', 'CPU')} {info.get('driver', '')}, torch {info.get('torch')}, {info['date']}")
+    rows = run_all(cfg, log=lambda m: click.echo(m, err=True))
+    click.echo(table(rows, "docs/s", TEXT_COLUMNS))
+    if json_path:
+        write_json(json_path, {"machine": info, "config": cfg.__dict__,
+                               "rows": [{k: v for k, v in r.items() if k != "summary"} for r in rows],
+                               "build_index_summary": next((r["summary"] for r in rows if "summary" in r), None)})

@@ -47,12 +47,18 @@ COLUMNS = [("name", "loop", "s"), ("rate", "rate", ".2f"), ("vs_bound", "x bound
            ("gpu_idle", "GPU idle", ".0%"), ("pinned", "pinned", ""), ("bound", "bound by", "s")]
 
 
-def table(rows: list[dict], unit: str) -> str:
+TEXT_COLUMNS = [("name", "loop", "s"), ("rate", "docs/s", ",.0f"), ("vs_bound", "x bound", ".2f"),
+                ("vs_st", "x sentence-transformers", ".2f"), ("steady_docs_per_s", "steady docs/s", ",.0f"),
+                ("seconds", "seconds", ".1f"), ("gpu_idle", "GPU idle", ".0%"), ("pinned", "pinned", "")]
+
+
+def table(rows: list[dict], unit: str, columns=None) -> str:
     """A Markdown table of ``rows`` (``rate`` in ``unit``)."""
-    head = [c[1] if c[0] != "rate" else unit for c in COLUMNS]
+    columns = columns or COLUMNS
+    head = [c[1] if c[0] != "rate" else unit for c in columns]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        lines.append("| " + " | ".join(_fmt(r.get(k), spec) for k, _, spec in COLUMNS) + " |")
+        lines.append("| " + " | ".join(_fmt(r.get(k), spec) for k, _, spec in columns) + " |")
     return "\n".join(lines)
 
 

@@ -1,0 +1,185 @@
+"""Text side by side: sentence-transformers ``encode()`` + ``faiss.add`` against
+``build-index`` end to end, with the encoder's forward alone on pre-tokenized,
+length-sorted batches as the bound, on one corpus, model, batch size and device.
+
+The corpus is made of real English sentences (docstrings of the Python standard library,
+read with ``ast``) joined into paragraphs of about 50 tokens, written as JSON lines.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import random
+import re
+import shutil
+import sysconfig
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+@dataclass
+class TextBenchConfig:
+    docs: int = 200_000  # paragraphs in the corpus
+    batch_size: int = 256  # the same for every row
+    device: str = "cuda"
+    dtype: str = "fp16"  # precision of our encoder and of the sentence-transformers fp16 row
+    model: str | None = None  # model folder; default the bundled all-MiniLM-L6-v2
+    files: int = 64  # JSON-lines files the corpus is split into
+    num_workers: int = -1  # build-index tokenizer workers (-1: from the CPU count)
+    num_consumers: int = 2
+    seed: int = 0
+    st_fp32: bool = True  # also time sentence-transformers in fp32
+
+
+def _sentences() -> list[str]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    out: list[str] = []
+    for path in sorted(stdlib.glob("*.py")):
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)):
+                doc = ast.get_docstring(node) or ""
+                for s in re.split(r"(?<=[.!?])\s+", " ".join(doc.split())):
+                    if 30 <= len(s) <= 300 and not s.startswith(">>>"):
+                        out.append(s)
+    return sorted(set(out))
+
+
+def make_paragraphs(n: int, seed: int = 0, words: int = 36) -> list[str]:
+    """``n`` paragraphs of real sentences, about ``words`` words (~50 tokens) each."""
+    rng = random.Random(seed)
+    pool = _sentences()
+    paras = []
+    for i in range(n):
+        parts, count = [], 0
+        while count < words * rng.uniform(0.5, 1.5):
+            s = pool[rng.randrange(len(pool))]
+            parts.append(s)
+            count += len(s.split())
+        paras.append(f"[{i}] " + " ".join(parts))
+    return paras
+
+
+def write_corpus(paragraphs: list[str], folder: Path, files: int) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    per = -(-len(paragraphs) // files)
+    for f in range(files):
+        with open(folder / f"part-{f:04d}.jsonl", "w", encoding="utf-8") as fh:
+            for i in range(f * per, min(len(paragraphs), (f + 1) * per)):
+                fh.write(json.dumps({"id": i, "text": paragraphs[i]}) + "\n")
+    return folder
+
+
+def read_corpus(folder: Path) -> list[str]:
+    texts = []
+    for path in sorted(folder.glob("*.jsonl")):
+        with open(path, encoding="utf-8") as fh:
+            texts.extend(json.loads(line)["text"] for line in fh)
+    return texts
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def st_encode_add(cfg: TextBenchConfig, corpus: Path, model_dir: str, dtype: str) -> dict:
+    """The usual loop: read texts, ``SentenceTransformer.encode``, ``IndexFlatIP.add``."""
+    import faiss
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(model_dir, device=cfg.device)
+    if dtype == "fp16":
+        model.half()
+    model.encode(["warm up"] * cfg.batch_size, batch_size=cfg.batch_size)
+    _sync(cfg.device)
+    t0 = time.perf_counter()
+    texts = read_corpus(corpus)
+    emb = model.encode(texts, batch_size=cfg.batch_size, normalize_embeddings=True,
+                       convert_to_numpy=True)
+    index = faiss.IndexFlatIP(emb.shape[1])
+    index.add(np.ascontiguousarray(emb, dtype=np.float32))
+    dt = time.perf_counter() - t0
+    del model
+    return {"name": f"sentence-transformers encode() + faiss.add, {dtype}", "kind": "reference",
+            "precision": dtype, "docs_per_s": len(texts) / dt, "seconds": dt, "vectors": index.ntotal}
+
+
+def forward_only(cfg: TextBenchConfig, texts: list[str], model_dir: str | None) -> dict:
+    """The bound: our encoder's forward on batches tokenized, sorted by length and placed
+    on the device beforehand."""
+    from ..stages.encoder import TextEncoder
+
+    enc = TextEncoder.load(model_dir, device=cfg.device, dtype=cfg.dtype)
+    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+    batches = []
+    for i in range(0, len(order), cfg.batch_size):
+        tok = enc.tokenize([texts[j] for j in order[i:i + cfg.batch_size]])
+        batches.append((tok["input_ids"].to(cfg.device), tok["attention_mask"].to(cfg.device)))
+    with torch.inference_mode():
+        for ids, mask in batches[:3]:
+            enc.forward(ids, mask)
+        _sync(cfg.device)
+        t0 = time.perf_counter()
+        for ids, mask in batches:
+            enc.forward(ids, mask)
+        _sync(cfg.device)
+    dt = time.perf_counter() - t0
+    tokens = sum(int(m.sum()) for _, m in batches)
+    return {"name": f"encoder forward alone (pre-tokenized), {cfg.dtype}", "kind": "bound",
+            "precision": cfg.dtype, "docs_per_s": len(texts) / dt, "seconds": dt,
+            "mean_tokens": tokens / len(texts)}
+
+
+def build_index_run(cfg: TextBenchConfig, corpus: Path, model_dir: str | None, out: Path) -> dict:
+    from ..jobs.build_index import build_index
+
+    s = build_index(corpus, out=str(out), model=model_dir, device=cfg.device, dtype=cfg.dtype,
+                    batch_size=cfg.batch_size, num_workers=cfg.num_workers,
+                    num_consumers=cfg.num_consumers, overwrite=True)
+    eng = s["engine"] or {}
+    steady = s["docs"] / eng["wall_seconds"] if eng.get("wall_seconds") else None
+    return {"name": f"embedingest build-index, {cfg.dtype}", "kind": "engine", "precision": cfg.dtype,
+            "docs_per_s": s["docs_per_s"], "seconds": s["seconds"], "vectors": s["vectors_total"],
+            "steady_docs_per_s": steady, "pinned": eng.get("pinned"), "copy_gbps": eng.get("copy_gbps"),
+            "gpu_idle": eng.get("gpu_idle_fraction"), "summary": s}
+
+
+def run_all(cfg: TextBenchConfig, log=print) -> list[dict]:
+    from ..stages.encoder import TextEncoder
+
+    model_dir = str(TextEncoder.load(cfg.model, device="cpu").model_dir)
+    work = Path(tempfile.mkdtemp(prefix="embedingest-textbench-"))
+    try:
+        texts = make_paragraphs(cfg.docs, cfg.seed)
+        corpus = write_corpus(texts, work / "corpus", cfg.files)
+        rows = []
+        plan = [lambda: forward_only(cfg, texts, cfg.model),
+                lambda: build_index_run(cfg, corpus, cfg.model, work / "index"),
+                lambda: st_encode_add(cfg, corpus, model_dir, cfg.dtype)]
+        if cfg.st_fp32 and cfg.dtype != "fp32":
+            plan.append(lambda: st_encode_add(cfg, corpus, model_dir, "fp32"))
+        for fn in plan:
+            row = fn()
+            log(f"  {row['name']}: {row['docs_per_s']:,.0f} docs/s")
+            rows.append(row)
+            if cfg.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    bound = next(r["docs_per_s"] for r in rows if r["kind"] == "bound")
+    st_same = next(r["docs_per_s"] for r in rows if r["kind"] == "reference" and r["precision"] == cfg.dtype)
+    for r in rows:
+        r["rate"] = r["docs_per_s"]
+        r["vs_bound"] = r["docs_per_s"] / bound
+        r["vs_st"] = r["docs_per_s"] / st_same
+    return rows
