@@ -1,0 +1,265 @@
+"""The segment job: DeepLabV3 over a folder of images, one mask per image on disk.
+
+Pipeline: list the images (resuming: those with a mask already are left out), decode
+and letterbox them in DataLoader workers into pinned uint8 batches, copy each batch to
+the GPU on a side stream one batch ahead (``stages.prefetch``), normalise and run the
+model there, take the argmax there, and hand only the uint8 masks (a 42nd of the fp16
+logits' bytes with 21 classes) to the egress engine, whose consumer processes write
+the files (``sinks.masks``). With ``save_logits`` the logits go through as well, as float16:
+DeepLabV3's scores are far inside float16's range and half the bytes of float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from ..config import load_config
+from ..engine.egress import EgressEngine
+from ..engine.markers import annotate
+from ..errors import ConfigError
+from ..report import SkipReport
+from ..sinks.masks import MaskSinkFactory, output_paths, restore_mask
+from ..sources.files import walk_files
+from ..sources.image_decode import (DEFAULT_MAX_PIXELS, IMAGE_EXTENSIONS, ImageRejected,
+                                    prepare_picture)
+from ..sources.images import ImageBatch, ImageFileDataset, collate_images
+from ..stages.prefetch import prefetch
+from ..stages.segmentation import (ARCHITECTURES, DTYPES, Segmenter, SegmentationModel,
+                                   load_segmentation_model)
+
+
+@dataclass
+class SegmentConfig:
+    """Settings of a segment run; each field is the CLI option of the same name."""
+
+    # Input folder (read recursively) or a single image file.
+    images: str | None = None
+    # Output folder: masks mirror the input tree; skipped.jsonl goes here too.
+    out: str | None = None
+    # Weights file: a state dict, a checkpoint with "model"/"state_dict", or a pickled
+    # module. Default: torchvision's COCO_WITH_VOC_LABELS_V1 file if in the hub cache.
+    weights: str | None = None
+    # Model architecture (a torchvision DeepLabV3 builder).
+    arch: str = "deeplabv3_resnet50"
+    # Classes of the weights; read from the weights file, so only a check when given.
+    num_classes: int | None = None
+    # Run with random weights when no weights are found (pipeline tests, benchmarks).
+    random_weights: bool = False
+    # Model input side: each image is scaled to fit size x size, aspect kept, padded.
+    size: int = 520
+    # Images per forward pass.
+    batch_size: int = 16
+    # Model precision: auto (fp16 on CUDA, fp32 on CPU), fp32, fp16 or bf16.
+    dtype: str = "auto"
+    # "auto" (CUDA when available), "cuda", "cuda:N" or "cpu".
+    device: str = "auto"
+    # DataLoader worker processes decoding images (0: decode in the main process).
+    num_workers: int = 4
+    # Engine consumer processes writing masks (PNG encoding is their main cost).
+    num_consumers: int = 4
+    # Engine host slots; 0 means twice the consumers.
+    num_slots: int = 0
+    # Also write <image>.logits.npy: float16 [classes, h, w] scores at model resolution.
+    # Each host slot then grows by batch_size x classes x size x size x 2 bytes.
+    save_logits: bool = False
+    # Also write <image>.overlay.jpg: the image with the classes blended in colour.
+    overlay: bool = False
+    # Weight of the class colour in overlays (0..1).
+    overlay_alpha: float = 0.5
+    # Redo images whose mask exists (otherwise they are skipped: resume).
+    overwrite: bool = False
+    # Images with more pixels are skipped with a reason (0: no limit).
+    max_pixels: int = DEFAULT_MAX_PIXELS
+
+    def validate(self) -> None:
+        checks = [
+            (self.size >= 32, f"size={self.size}: must be at least 32 (DeepLabV3 downsamples 8x)"),
+            (self.batch_size >= 1, f"batch_size={self.batch_size}: must be at least 1"),
+            (self.num_workers >= 0, f"num_workers={self.num_workers}: must be 0 or more"),
+            (self.num_consumers >= 1, f"num_consumers={self.num_consumers}: must be at least 1"),
+            (self.num_slots >= 0, f"num_slots={self.num_slots}: must be 0 (auto) or more"),
+            (self.max_pixels >= 0, f"max_pixels={self.max_pixels}: must be 0 (no limit) or more"),
+            (0.0 <= self.overlay_alpha <= 1.0, f"overlay_alpha={self.overlay_alpha}: must be in 0..1"),
+            (self.dtype == "auto" or self.dtype in DTYPES,
+             f"dtype={self.dtype!r}: choose auto, {', '.join(DTYPES)}"),
+            (self.arch in ARCHITECTURES,
+             f"arch={self.arch!r}: choose one of {', '.join(ARCHITECTURES)}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise ConfigError(f"device={name!r} is not a device; use auto, cuda, cuda:N or cpu") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={name!r} but torch sees no CUDA GPU; use --device cpu")
+    if device.type not in ("cuda", "cpu"):
+        raise ConfigError(f"device={name!r} is not supported; use auto, cuda, cuda:N or cpu")
+    return device
+
+
+def _is_done(out: Path, rel: str, config: SegmentConfig) -> bool:
+    paths = output_paths(out, rel)
+    wanted = ["mask"] + ["logits"] * config.save_logits + ["overlay"] * config.overlay
+    return all(paths[name].exists() for name in wanted)
+
+
+def output_inside_input(images: str, out: str) -> str | None:
+    """``out`` relative to ``images`` ('/'-terminated) when it lies inside it, else None.
+
+    Such an output folder is left out of the listing: masks are PNGs and would
+    otherwise be segmented on the next run. ``out`` equal to ``images`` is refused.
+    """
+    try:
+        rel = Path(out).resolve().relative_to(Path(images).resolve()).as_posix()
+    except ValueError:
+        return None
+    if rel == ".":
+        raise ConfigError(f"out={out!r} is the input folder: the PNG masks would be read as "
+                          "inputs next time; use another folder, or a subfolder of it")
+    return rel + "/"
+
+
+def list_inputs(config: SegmentConfig, report: SkipReport) -> tuple[list[tuple[str, str]], int]:
+    """The (rel_path, path) pairs still to do, and how many were already done."""
+    root, out = Path(config.images), Path(config.out)
+    out_rel = output_inside_input(config.images, config.out)
+    todo, done = [], 0
+    for path in walk_files(root, set(IMAGE_EXTENSIONS), on_skip=report.add):
+        rel = path.name if root.is_file() else path.relative_to(root).as_posix()
+        if out_rel and rel.startswith(out_rel):
+            continue
+        if not config.overwrite and _is_done(out, rel, config):
+            done += 1
+        else:
+            todo.append((rel, str(path)))
+    return todo, done
+
+
+def segment(config: SegmentConfig, progress: bool = True) -> dict:
+    """Run the job; returns a summary dict. Bad images are skipped and reported."""
+    config.validate()
+    if not config.images or not config.out:
+        raise ConfigError("segment needs images (an input folder or file) and out (a folder)")
+    device = resolve_device(config.device)
+    output_inside_input(config.images, config.out)
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = SkipReport()
+    t0 = time.perf_counter()
+    try:
+        todo, already = list_inputs(config, report)
+        summary = {"images": len(todo) + already, "already_done": already, "written": 0}
+        if todo:
+            summary.update(_run(config, device, todo, report, progress))
+    finally:
+        report_path = report.write(out)
+    seconds = time.perf_counter() - t0
+    summary.update({
+        "skipped": len(report), "skip_reasons": report.by_reason(), "seconds": round(seconds, 3),
+        "images_per_s": round(summary["written"] / seconds, 2) if seconds > 0 else 0.0,
+        "out": str(out), "report": str(report_path),
+    })
+    return summary
+
+
+def _run(config: SegmentConfig, device: torch.device, todo: list[tuple[str, str]],
+         report: SkipReport, progress: bool) -> dict:
+    loaded = load_segmentation_model(config.arch, config.weights, config.num_classes,
+                                     config.random_weights)
+    segmenter = Segmenter(loaded, device, config.dtype)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True   # one input shape for the whole run
+    loader = DataLoader(
+        ImageFileDataset(todo, config.size, config.max_pixels or None),
+        batch_size=config.batch_size, num_workers=config.num_workers,
+        collate_fn=collate_images, pin_memory=device.type == "cuda",
+        persistent_workers=False)
+    spec = {"mask": ((config.batch_size, config.size, config.size), "uint8")}
+    if config.save_logits:
+        spec["logits"] = ((config.batch_size, loaded.num_classes, config.size, config.size), "float16")
+    factory = MaskSinkFactory(str(config.out), config.save_logits, config.overlay,
+                              config.overlay_alpha, config.max_pixels or None)
+    # Start the decoding workers (fork) before the engine starts its threads.
+    batches = iter(loader)
+
+    def send(batch: ImageBatch) -> torch.Tensor | None:
+        return None if batch.pixels is None else batch.pixels.to(device, non_blocking=True)
+
+    engine = EgressEngine(factory, num_consumers=config.num_consumers,
+                          num_slots=config.num_slots or None, device=str(device), slot_spec=spec)
+    # disable=None: a bar on a terminal only, never in logs or pipes.
+    with tqdm(total=len(todo), unit="img", desc="segment", dynamic_ncols=True,
+              disable=None if progress else True) as bar, engine:
+        for batch, pixels in prefetch(batches, send, device, engine.span):
+            for bad in batch.bad:
+                report.add(bad.path, bad.reason, stage="read")
+            if pixels is not None:
+                engine.mark_compute_start()
+                with annotate("segment forward", "compute"):
+                    logits = segmenter.logits(pixels)
+                    outputs = {"mask": segmenter.masks(logits)}
+                    if config.save_logits:
+                        outputs["logits"] = logits.to(torch.float16).contiguous()
+                engine.submit(batch.items, outputs)
+            bar.update(len(batch) + len(batch.bad))
+    written = 0
+    for result in engine.closed_results:
+        if result:
+            written += result["written"]
+            for path, reason in result["failed"]:
+                report.add(path, reason, stage="overlay")
+    return {"written": written, "model": loaded.source, "num_classes": loaded.num_classes,
+            "device": str(device), "dtype": str(segmenter.dtype).replace("torch.", ""),
+            "engine": engine.stats.summary()}
+
+
+def segment_images(images: Iterable, config: SegmentConfig | None = None, *,
+                   model: SegmentationModel | None = None, **overrides) -> list[np.ndarray]:
+    """Masks of in-memory pictures (PIL images, or uint8/uint16 arrays), each a uint8
+    [height, width] array at its picture's own size.
+
+    For a handful of images in a notebook or a service: it runs in this process, with
+    no engine and no files. Settings come from ``config`` and ``overrides`` (field names
+    of :class:`SegmentConfig`); pass ``model`` (from ``load_segmentation_model``) to
+    reuse a loaded model across calls.
+    """
+    values = {**dataclasses.asdict(config or SegmentConfig()), **overrides}
+    config = load_config(SegmentConfig, None, **values)
+    config.validate()
+    device = resolve_device(config.device)
+    if model is None:
+        model = load_segmentation_model(config.arch, config.weights, config.num_classes,
+                                        config.random_weights)
+    segmenter = Segmenter(model, device, config.dtype)
+    masks: list[np.ndarray] = []
+    pictures = iter(images)
+    while chunk := list(itertools.islice(pictures, config.batch_size)):
+        prepared = [_prepare(picture, config.size, len(masks) + i) for i, picture in enumerate(chunk)]
+        pixels = torch.from_numpy(np.stack([p for p, _ in prepared]))
+        batch = segmenter.masks(segmenter.logits(pixels)).cpu().numpy()
+        masks += [restore_mask(m, meta) for m, (_, meta) in zip(batch, prepared, strict=True)]
+    return masks
+
+
+def _prepare(picture, size: int, index: int):
+    try:
+        return prepare_picture(picture, size)
+    except ImageRejected as exc:
+        raise ConfigError(f"image {index}: {exc.reason}") from exc

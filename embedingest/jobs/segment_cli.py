@@ -1,0 +1,81 @@
+"""The ``embedingest segment`` command; register it with ``main.add_command(segment_command)``.
+
+Options map one-to-one onto :class:`SegmentConfig` fields (IMAGES is the argument) and
+default to None, so a ``--config`` preset, or else the dataclass default, applies unless
+the option is given. The job is imported when the command runs, so ``embedingest
+--help`` does not load torch.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from ..errors import EmbedingestError
+
+
+@click.command("segment")
+@click.argument("images", type=click.Path(exists=True, path_type=str))
+@click.option("--out", type=click.Path(file_okay=False), help="Output folder; masks mirror the input tree.")
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
+              help="TOML preset of these options (configs/segment.toml).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@click.option("--weights", type=click.Path(exists=True, dir_okay=False),
+              help="State dict or checkpoint. Default: torchvision's file in the torch hub cache.")
+@click.option("--arch", help="deeplabv3_resnet50 (default), deeplabv3_resnet101, "
+                             "deeplabv3_mobilenet_v3_large.")
+@click.option("--num-classes", type=int, help="Classes of the weights (read from the file; a check).")
+@click.option("--random-weights/--no-random-weights", default=None,
+              help="Use random weights when none are found (pipeline tests only).")
+@click.option("--size", type=int, help="Model input side; images are fitted, aspect kept, padded. [520]")
+@click.option("--batch-size", type=int, help="Images per forward pass. [16]")
+@click.option("--dtype", type=click.Choice(["auto", "fp32", "fp16", "bf16"]),
+              help="Model precision; auto is fp16 on CUDA, fp32 on CPU.")
+@click.option("--device", help="auto, cuda, cuda:N or cpu.")
+@click.option("--num-workers", type=int, help="DataLoader processes decoding images. [4]")
+@click.option("--num-consumers", type=int, help="Processes writing masks. [4]")
+@click.option("--num-slots", type=int, help="Engine host slots; 0 is twice the consumers.")
+@click.option("--save-logits/--no-save-logits", default=None,
+              help="Also write float16 per-class scores (<image>.logits.npy).")
+@click.option("--overlay/--no-overlay", default=None,
+              help="Also write <image>.overlay.jpg, the classes blended over the image.")
+@click.option("--overlay-alpha", type=float, help="Weight of the class colours in overlays. [0.5]")
+@click.option("--overwrite/--no-overwrite", default=None,
+              help="Redo images whose mask exists (default: skip them, i.e. resume).")
+@click.option("--max-pixels", type=int, help="Skip larger images with a reason; 0: no limit.")
+def segment_command(images, config_path, as_json, **options) -> None:
+    """DeepLabV3 over the images under IMAGES (or one image): a PNG mask per image, at
+    the image's own size, in OUT.
+
+    Re-running skips images whose mask exists. Exit status: 0 all images done; 3 finished
+    but some images were skipped (see skipped.jsonl in OUT); 1 error; 130 interrupted
+    (re-run the same command to resume).
+    """
+    from ..config import load_config
+    from .segment import SegmentConfig, segment
+
+    try:
+        config = load_config(SegmentConfig, config_path, images=images, **options)
+        summary = segment(config, progress=not as_json)
+    except (EmbedingestError, FileNotFoundError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    except KeyboardInterrupt:
+        click.echo("\ninterrupted: every mask written so far is kept; run the same command "
+                   "again to resume", err=True)
+        sys.exit(130)
+    if as_json:
+        click.echo(json.dumps(summary, indent=2, default=str))
+    else:
+        click.echo(_paragraph(summary))
+    sys.exit(3 if summary["skipped"] else 0)
+
+
+def _paragraph(s: dict) -> str:
+    skipped = (f"{s['skipped']} skipped ({', '.join(f'{k}: {v}' for k, v in s['skip_reasons'].items())}; "
+               f"list in {s['report']})" if s["skipped"] else "nothing skipped")
+    ran = (f" on {s['device']} ({s['dtype']}, weights: {s['model']})" if "device" in s else "")
+    return (f"Segmented {s['written']} of {s['images']} images in {s['seconds']:.1f} s "
+            f"({s['images_per_s']:,.1f} images/s){ran}; {s['already_done']} already done, "
+            f"{skipped}. Masks are in {s['out']}.")

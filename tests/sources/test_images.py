@@ -1,0 +1,147 @@
+"""Image decoding: every mode to RGB, EXIF rotation, letterbox geometry, bad files as reasons."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from segment_fixtures import SIZE, bad_files, exif_rotated_jpeg, image_tree, noise
+from torch.utils.data import DataLoader
+
+from embedingest.sources.image_decode import (PAD_RGB, ImageRejected, content_size, open_rgb,
+                                              prepare_file, prepare_picture, to_rgb)
+from embedingest.sources.images import (IMAGE_EXTENSIONS, BadImage, ImageFileDataset, LoadedImage,
+                                        collate_images)
+
+
+def test_extensions():
+    assert IMAGE_EXTENSIONS == {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff"}
+
+
+@pytest.mark.parametrize("width,height,expect", [
+    (100, 50, (64, 32)), (50, 100, (32, 64)), (64, 64, (64, 64)), (10, 10, (64, 64)),
+    (6400, 1, (64, 1)),
+])
+def test_content_size_keeps_aspect(width, height, expect):
+    assert content_size(width, height, 64) == expect
+
+
+def test_every_kind_decodes_with_its_own_size(tmp_path):
+    sizes = image_tree(tmp_path)
+    files = [(rel, str(tmp_path / rel)) for rel in sizes]
+    ds = ImageFileDataset(files, SIZE)
+    for i, (rel, (w, h)) in enumerate(sizes.items()):
+        item = ds[i]
+        assert isinstance(item, LoadedImage), (rel, item)
+        assert item.pixels.dtype == torch.uint8 and item.pixels.shape == (SIZE, SIZE, 3)
+        meta = item.meta
+        assert (meta.rel_path, meta.width, meta.height) == (rel, w, h)
+        cw, ch = content_size(w, h, SIZE)
+        assert (meta.content_width, meta.content_height) == (cw, ch)
+        pad = item.pixels.numpy()
+        assert (pad[ch:] == PAD_RGB).all() and (pad[:, cw:] == PAD_RGB).all()
+
+
+def test_sixteen_bit_is_scaled_not_clipped(tmp_path):
+    a = np.array([[0, 257, 32896, 65535]], dtype=np.uint16)
+    Image.fromarray(a).save(tmp_path / "d.png")
+    im, _ = open_rgb(tmp_path / "d.png")
+    assert np.asarray(im)[0, :, 0].tolist() == [0, 1, 128, 255]
+    as_int32 = to_rgb(Image.fromarray(a.astype(np.int32)))  # mode "I", as older Pillow reads them
+    assert np.asarray(as_int32)[0, :, 1].tolist() == [0, 1, 128, 255]
+
+
+def test_float_image_is_stretched():
+    im = to_rgb(Image.fromarray(np.array([[0.0, 0.5, 1.0]], dtype=np.float32)))
+    assert np.asarray(im)[0, :, 2].tolist() == [0, 128, 255]
+
+
+def test_grey_palette_and_alpha_become_rgb():
+    grey = to_rgb(Image.fromarray(np.full((2, 2), 77, np.uint8)))
+    assert grey.mode == "RGB" and (np.asarray(grey) == 77).all()
+    pal = Image.new("P", (2, 1))
+    pal.putpalette([10, 20, 30, 200, 100, 50])
+    pal.putpixel((1, 0), 1)
+    assert np.asarray(to_rgb(pal))[0].tolist() == [[10, 20, 30], [200, 100, 50]]
+    rgba = np.zeros((1, 2, 4), np.uint8)
+    rgba[0, 0] = (0, 0, 0, 0)         # fully transparent: the background shows
+    rgba[0, 1] = (10, 200, 30, 255)   # opaque: the colour stays
+    assert np.asarray(to_rgb(Image.fromarray(rgba)))[0].tolist() == [[255, 255, 255], [10, 200, 30]]
+
+
+def test_exif_rotation_is_applied(tmp_path):
+    pixels, meta = prepare_file("r.jpg", str(exif_rotated_jpeg(tmp_path / "r.jpg", 48, 24)), SIZE)
+    assert (meta.width, meta.height) == (24, 48)
+    assert (meta.content_width, meta.content_height) == (32, 64)
+    top, bottom = pixels[4, 16].astype(int), pixels[60, 16].astype(int)
+    assert top[0] > 200 and top[2] < 60, "orientation 6 turns the red left half to the top"
+    assert bottom[2] > 200 and bottom[0] < 60
+
+
+def test_large_jpeg_keeps_its_full_size_when_drafted(tmp_path):
+    Image.fromarray(noise(768, 1024, seed=3)).save(tmp_path / "big.jpg", quality=80)
+    pixels, meta = prepare_file("big.jpg", str(tmp_path / "big.jpg"), SIZE)
+    assert (meta.width, meta.height, meta.content_width, meta.content_height) == (1024, 768, 64, 48)
+
+
+def test_bad_files_become_reasons(tmp_path):
+    expected = bad_files(tmp_path)
+    ds = ImageFileDataset([(rel, str(tmp_path / rel)) for rel in expected], SIZE)
+    for i, (rel, kind) in enumerate(expected.items()):
+        item = ds[i]
+        assert isinstance(item, BadImage), rel
+        assert item.rel_path == rel and item.reason
+        if kind:
+            assert item.reason.startswith(kind + ":"), (rel, item.reason)
+
+
+def test_missing_and_unreadable_files(tmp_path):
+    with pytest.raises(ImageRejected, match="^unreadable: .*No such file"):
+        open_rgb(tmp_path / "gone.png")
+    Image.fromarray(noise(8, 8)).save(tmp_path / "locked.png")
+    (tmp_path / "locked.png").chmod(0)
+    if os.access(tmp_path / "locked.png", os.R_OK):
+        pytest.skip("running as root: permissions are not enforced")
+    with pytest.raises(ImageRejected, match="^unreadable: .*Permission denied"):
+        open_rgb(tmp_path / "locked.png")
+
+
+def test_pixel_limit_rejects_with_reason_and_restores_pillow(tmp_path):
+    Image.fromarray(noise(100, 100)).save(tmp_path / "a.png")
+    saved = Image.MAX_IMAGE_PIXELS
+    for limit in (5000, 1000):  # 1000: over twice the limit, Pillow itself refuses
+        with pytest.raises(ImageRejected, match="too large"):
+            open_rgb(tmp_path / "a.png", max_pixels=limit)
+    assert Image.MAX_IMAGE_PIXELS == saved
+    assert open_rgb(tmp_path / "a.png", max_pixels=0)[1] == (100, 100)
+
+
+def test_loader_drops_bad_files_and_carries_them(tmp_path):
+    sizes = image_tree(tmp_path / "good")
+    bad = bad_files(tmp_path)
+    files = [(rel, str(tmp_path / "good" / rel)) for rel in sizes] + \
+            [(rel, str(tmp_path / rel)) for rel in bad]
+    loader = DataLoader(ImageFileDataset(files, SIZE), batch_size=4, num_workers=2,
+                        collate_fn=collate_images)
+    good, dropped = [], []
+    for batch in loader:
+        assert batch.pixels is None or batch.pixels.shape == (len(batch), SIZE, SIZE, 3)
+        good += [m.rel_path for m in batch.items]
+        dropped += [b.rel_path for b in batch.bad]
+    assert good == list(sizes) and dropped == list(bad)
+    all_bad = collate_images([BadImage("x", "x", "empty file: 0 bytes")])
+    assert all_bad.pixels is None and len(all_bad) == 0 and len(all_bad.bad) == 1
+
+
+def test_prepare_picture_accepts_arrays_and_pil():
+    _, meta = prepare_picture(noise(30, 40), SIZE)
+    assert (meta.width, meta.height) == (40, 30)
+    _, meta = prepare_picture(noise(30, 40, channels=1, dtype=np.uint16), SIZE)
+    assert (meta.width, meta.height) == (40, 30)
+    _, meta = prepare_picture(Image.new("LA", (5, 9)), SIZE)
+    assert (meta.width, meta.height) == (5, 9)
+    with pytest.raises(ImageRejected, match="float64"):
+        prepare_picture(np.zeros((4, 4, 3)), SIZE)
