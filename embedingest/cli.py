@@ -17,6 +17,7 @@ import click
 from . import __version__
 from .config import IndexConfig, load_config
 from .errors import EmbedingestError
+from .jobs.segment_cli import segment_command
 
 
 def library_errors(fn):
@@ -45,6 +46,9 @@ def main(verbose: bool) -> None:
     """Run models on a GPU over large batches and get their outputs off the GPU fast."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
+
+
+main.add_command(segment_command)
 
 
 @main.group()
