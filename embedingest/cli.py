@@ -66,9 +66,11 @@ def bench() -> None:
 @click.option("--loader-workers", default=8, show_default=True)
 @click.option("--only", default="", help="Comma list of row groups: bound, seed, engine.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write rows here.")
+@click.option("--timeline", type=click.Path(dir_okay=False),
+              help="PNG timeline of the segment stage's bf16 full-logits run.")
 @library_errors
 def bench_segmentation(steps, warmup, batch_size, image_size, consumers, slots, loader_workers,
-                       only, json_path) -> None:
+                       only, json_path, timeline) -> None:
     """The seed article's DeepLabV3 workload: its five loops, the forward-only bound and
     embedingest's engine, in one run."""
     import torch
@@ -85,6 +87,15 @@ def bench_segmentation(steps, warmup, batch_size, image_size, consumers, slots, 
     click.echo(f"# {info.get('gpu', '?')} driver {info.get('driver', '?')}, torch {info.get('torch')}, {info['date']}")
     rows = run_all(cfg, select, log=lambda m: click.echo(m, err=True))
     click.echo(table(rows, "steps/s"))
+    drawn = next((r for r in rows if r["name"] == "segment stage, bf16, logits, sink=devnull"), None)
+    if timeline and drawn:
+        from .engine.timeline import render_timeline
+
+        render_timeline(drawn["records"], timeline, spans=drawn["spans"], last_n=12,
+                        title=f"segment stage, bf16, full logits, {info.get('gpu', '')}")
+    for r in rows:
+        r.pop("records", None)
+        r.pop("spans", None)
     if json_path:
         write_json(json_path, {"machine": info, "config": cfg.__dict__, "rows": rows})
 

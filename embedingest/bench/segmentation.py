@@ -143,21 +143,63 @@ def seed_loop(cfg: SegBenchConfig, level: int) -> dict:
 
 
 def engine_run(cfg: SegBenchConfig, precision: str, egress: str, sink: str) -> dict:
-    """embedingest's engine: ``egress`` is "logits" (full tensor) or "mask" (GPU argmax)."""
+    """embedingest's engine behind the raw model (as the seed loops): ``egress`` is
+    "logits" (the full tensor) or "mask" (GPU argmax)."""
     dtype, cl = _precision(precision)
     model = build_model(cfg, dtype, cl)
-    total = cfg.warmup + cfg.steps
-    data = Prefetcher(_loader(cfg, total), torch.device("cuda"), dtype, cl)
-    with EgressEngine(SINKS[sink], num_consumers=cfg.consumers, num_slots=cfg.slots,
+    data = Prefetcher(_loader(cfg, cfg.warmup + cfg.steps), torch.device("cuda"), dtype, cl)
+    row = _through_engine(cfg, lambda: model(next(data))["out"], egress, SINKS[sink], _batch_ids)
+    row.update(name=f"embedingest engine, {precision}, {egress}, sink={sink}", precision=precision)
+    return row
+
+
+def segment_stage_run(cfg: SegBenchConfig, precision: str, egress: str, sink: str) -> dict:
+    """The ``segment`` job's own path: its Segmenter (uint8 in, normalised and cast on the
+    GPU, channels-last), its host-to-device prefetch, the engine, and either a /dev/null
+    sink (the seed's bound) or the job's MaskSink writing PNG masks (``sink="png"``)."""
+    import tempfile
+
+    from ..sinks.masks import MaskSinkFactory
+    from ..stages.prefetch import prefetch
+
+    segmenter = _segmenter(cfg, precision)
+    loader = DataLoader(FakePictures((cfg.warmup + cfg.steps) * cfg.batch_size, cfg.image_size),
+                        batch_size=cfg.batch_size, num_workers=cfg.loader_workers, pin_memory=True,
+                        prefetch_factor=4)
+    out = tempfile.mkdtemp(prefix="embedingest-bench-masks-")
+    factory = MaskSinkFactory(out) if sink == "png" else SINKS[sink]
+    stream = prefetch(loader, lambda b: b.to("cuda", non_blocking=True), torch.device("cuda"))
+
+    def forward():
+        logits = segmenter.logits(next(stream)[1])
+        return segmenter.masks(logits) if egress == "mask" else logits
+
+    ids = _image_ids(cfg) if sink == "png" else _batch_ids
+    row = _through_engine(cfg, forward, egress, factory, ids)
+    row.update(name=f"segment stage, {precision}, {egress}, sink={sink}", precision=f"stage-{precision}")
+    return row
+
+
+def _batch_ids(i: int):
+    return i
+
+
+def _image_ids(cfg: SegBenchConfig):
+    from ..sources.image_decode import ImageMeta
+
+    s = cfg.image_size
+    return lambda i: tuple(ImageMeta(f"{i:05d}/{j:03d}.png", "", s, s, s, s) for j in range(cfg.batch_size))
+
+
+def _through_engine(cfg: SegBenchConfig, forward: Callable[[], torch.Tensor], egress: str,
+                    factory, batch_id: Callable[[int], object]) -> dict:
+    """Time ``forward`` + ``submit`` per step; the engine's records give the rest."""
+    with EgressEngine(factory, num_consumers=cfg.consumers, num_slots=cfg.slots,
                       device="cuda") as engine:
 
         def step(i: int) -> None:
-            x = next(data)
             engine.mark_compute_start()
-            out = model(x)["out"]
-            if egress == "mask":
-                out = out.argmax(1).to(torch.uint8)
-            engine.submit(i, {egress: out})
+            engine.submit(batch_id(i), {egress: forward()})
 
         def sync() -> None:
             torch.cuda.synchronize()
@@ -175,14 +217,44 @@ def engine_run(cfg: SegBenchConfig, precision: str, egress: str, sink: str) -> d
         wall=cfg.steps / rate, pinned=st.pinned, num_slots=st.num_slots,
         num_consumers=st.num_consumers, slot_bytes=st.slot_bytes)
     busy = sum(steady.sink_seconds.values()) / (cfg.consumers * steady.wall_seconds)
-    return {"name": f"embedingest engine, {precision}, {egress}, sink={sink}", "precision": precision,
-            "kind": "engine", "steps_per_s": rate, "pinned": st.pinned,
+    return {"kind": "engine", "steps_per_s": rate, "pinned": st.pinned,
             "copy_gbps": steady.copy_gbps,
             "gpu_idle": nvml_idle if nvml_idle is not None else steady.compute_gap_fraction,
-            "compute_gap": steady.compute_gap_fraction,
-            "consumer_busy": busy,
+            "compute_gap": steady.compute_gap_fraction, "consumer_busy": busy,
             "producer_blocked_s": steady.producer_blocked_seconds,
-            "batch_mb": steady.bytes / max(steady.batches, 1) / 1e6}
+            "batch_mb": steady.bytes / max(steady.batches, 1) / 1e6,
+            "records": st.records[-20:], "spans": st.spans}
+
+
+class FakePictures(Dataset):
+    """Random uint8 pictures, as the segment job's decoders hand them over (H, W, 3)."""
+
+    def __init__(self, n: int, size: int):
+        self.n, self.size = n, size
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.randint(0, 256, (self.size, self.size, 3), dtype=torch.uint8)
+
+
+def _segmenter(cfg: SegBenchConfig, precision: str):
+    from ..stages.segmentation import Segmenter, load_segmentation_model
+
+    torch.manual_seed(0)
+    loaded = load_segmentation_model("deeplabv3_resnet50", None, cfg.num_classes, random_weights=True)
+    return Segmenter(loaded, "cuda", precision)
+
+
+def stage_forward_only(cfg: SegBenchConfig, precision: str) -> dict:
+    """The bound of the segment stage: its preprocess + forward on a fixed uint8 batch."""
+    segmenter = _segmenter(cfg, precision)
+    x = torch.randint(0, 256, (cfg.batch_size, cfg.image_size, cfg.image_size, 3), dtype=torch.uint8,
+                      device="cuda")
+    rate = timed(lambda i: segmenter.logits(x), torch.cuda.synchronize, cfg.warmup, cfg.steps)
+    return {"name": f"segment stage forward only, {precision}", "precision": f"stage-{precision}",
+            "kind": "bound", "steps_per_s": rate}
 
 
 def _precision(p: str):
@@ -218,8 +290,12 @@ def run_all(cfg: SegBenchConfig, select: set[str] | None = None, log=print) -> l
         ("engine", lambda: engine_run(cfg, "fp32", "logits", "devnull")),
         ("engine", lambda: engine_run(cfg, "fp32", "logits", "tobytes")),
         ("engine", lambda: engine_run(cfg, "bf16", "logits", "devnull")),
-        ("engine", lambda: engine_run(cfg, "fp32", "mask", "devnull")),
-        ("engine", lambda: engine_run(cfg, "bf16", "mask", "devnull")),
+        ("bound", lambda: stage_forward_only(cfg, "fp32")),
+        ("bound", lambda: stage_forward_only(cfg, "bf16")),
+        ("segment", lambda: segment_stage_run(cfg, "fp32", "logits", "devnull")),
+        ("segment", lambda: segment_stage_run(cfg, "bf16", "logits", "devnull")),
+        ("segment", lambda: segment_stage_run(cfg, "bf16", "mask", "devnull")),
+        ("segment", lambda: segment_stage_run(cfg, "bf16", "mask", "png")),
     ]
     rows = []
     for group, fn in plan:

@@ -154,12 +154,14 @@ class EgressEngine:
         Optional: with it, ``stats.compute_gap_fraction`` counts exactly the time the
         GPU waited between batches; without it, the wait is counted as compute.
         """
-        if self.cuda:
-            import torch
+        if not self.cuda:
+            self._compute_start = time.perf_counter()
+            return
+        import torch
 
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record(torch.cuda.current_stream(self.device))
-            self._compute_start = ev
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        self._compute_start = ev
 
     @contextlib.contextmanager
     def span(self, lane: str, stream=None):
@@ -210,6 +212,8 @@ class EgressEngine:
                 rec.nbytes = self._copy(slot, arrays, lengths, pending)
                 if not self.cuda:
                     rec.copy_start, rec.copy_end = t0, time.perf_counter()
+                    rec.compute_start, rec.compute_end = self._compute_start, t_submit
+                    self._compute_start = None
             with self._lock:
                 self._records[seq] = rec
             self._pending.put(pending)

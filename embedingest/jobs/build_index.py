@@ -28,7 +28,7 @@ from ..engine import EgressEngine
 from ..errors import ConfigError
 from ..index.store import IndexStore, Manifest
 from ..report import SkipReport
-from ..sinks.faiss_shards import FaissShardSinkFactory
+from ..sinks.faiss_shards import FaissShardSinkFactory, new_run_id
 from ..sources.files import walk_files
 from ..sources.text import TEXT_EXTENSIONS
 from ..sources.text_dataset import TextChunkDataset, Unit
@@ -236,7 +236,8 @@ def build_index(corpus, config: IndexConfig | None = None, *, progress: bool = F
     cfg = dataclasses.replace(config or IndexConfig(), **overrides)
     cfg.validate()
     t_start = time.perf_counter()
-    device, _ = resolve_device(cfg.device)
+    devices = _devices(cfg)
+    device, _ = resolve_device(devices[0] if devices else cfg.device)
     dtype = cfg.dtype if cfg.dtype != "auto" else ("fp16" if device.startswith("cuda") else "fp32")
     in_memory = not isinstance(corpus, (str, os.PathLike))
     if not in_memory and not Path(corpus).exists():
@@ -268,14 +269,19 @@ def build_index(corpus, config: IndexConfig | None = None, *, progress: bool = F
         trained = _train_if_needed(store, manifest, encoder, units, cfg, chunk_tokens) if units else None
         counts = {"chunks": 0, "docs": 0, "units_done": 0}
         stats = None
-        if units:
+        if units and len(devices) > 1:
+            from ..scaleout.multi_device import encode_on_devices
+
+            stats = encode_on_devices(devices, units, [c["size"] for c in plan.todo], cfg, out,
+                                      dtype, chunk_tokens, trained, counts, report, progress)
+        elif units:
             stats = _encode_all(units, encoder, store, report, cfg, out, device, chunk_tokens,
                                 trained, counts, progress)
-            if timeline and stats.records:
-                from ..engine.timeline import render_timeline
+        if stats is not None and timeline and stats.records:
+            from ..engine.timeline import render_timeline
 
-                render_timeline(stats.records, timeline, spans=stats.spans,
-                                title=f"build-index {out} ({device}, {dtype})")
+            render_timeline(stats.records, timeline, spans=stats.spans,
+                            title=f"build-index {out} ({device}, {dtype})")
     finally:
         try:
             if store.exists():
@@ -286,7 +292,8 @@ def build_index(corpus, config: IndexConfig | None = None, *, progress: bool = F
     seconds = time.perf_counter() - t_start
     total = sum(s["count"] for s in manifest.segments)
     summary = {
-        "index": str(out), "device": device, "dtype": dtype, "model": encoder.info()["name"],
+        "index": str(out), "device": ",".join(devices) if len(devices) > 1 else device,
+        "dtype": dtype, "model": encoder.info()["name"],
         "units_seen": plan.seen_keys, "units_indexed": counts["units_done"],
         "units_unchanged": plan.unchanged, "units_removed": len(plan.deleted),
         "vectors_removed": removed, "docs": counts["docs"], "chunks": counts["chunks"],
@@ -301,6 +308,18 @@ def build_index(corpus, config: IndexConfig | None = None, *, progress: bool = F
     return summary
 
 
+def _devices(cfg: IndexConfig) -> list[str]:
+    """The devices of ``--devices`` (several: one process each), [] for ``--device``."""
+    if not cfg.devices:
+        return []
+    if cfg.device != "auto":
+        raise ConfigError(f"device={cfg.device!r} and devices={cfg.devices!r} are both given; "
+                          "use devices alone (devices=cuda:1 for one GPU)")
+    from ..scaleout.devices import parse_devices
+
+    return parse_devices(cfg.devices)
+
+
 def _fingerprint(store: IndexStore) -> str:
     h = hashlib.sha256()
     for key, sha in store.db.execute("SELECT key, sha256 FROM units WHERE status='done' ORDER BY key"):
@@ -310,14 +329,15 @@ def _fingerprint(store: IndexStore) -> str:
 
 def _encode_all(units: list[Unit], encoder: TextEncoder, store: IndexStore, report: SkipReport,
                 cfg: IndexConfig, out: Path, device: str, chunk_tokens: int, trained: str | None,
-                counts: dict, progress: bool):
+                counts: dict, progress: bool, run_id: str | None = None, on_item=None):
     from tqdm import tqdm
 
     cuda = device.startswith("cuda")
     workers = _workers(cfg, len(units), units[0].path is None)
     loader = _loader(units, encoder, cfg, workers, chunk_tokens, pin=cuda)
     sinks = FaissShardSinkFactory(str(out), encoder.dim, cfg.index, cfg.metric,
-                                  commit_every=cfg.commit_every, trained=trained)
+                                  run_id=run_id or new_run_id(), commit_every=cfg.commit_every,
+                                  trained=trained)
     spec = {"emb": ((cfg.batch_size, encoder.dim), "float32"), "ids": ((cfg.batch_size,), "int64")}
     meta = _MetadataWriter(store)
     docs: set[tuple[int, str]] = set()
@@ -347,6 +367,8 @@ def _encode_all(units: list[Unit], encoder: TextEncoder, store: IndexStore, repo
                     if c["chunk_no"] == 0 or (c["unit_no"], c["record_id"]) not in docs:
                         docs.add((c["unit_no"], c["record_id"]))
                 counts["units_done"] += len(item["units_done"])
+                if on_item is not None:
+                    on_item(len(item["units_done"]), n)
                 if progress:
                     dt = max(time.perf_counter() - t0, 1e-9)
                     bar.update(len(item["units_done"]))

@@ -152,8 +152,10 @@ def list_inputs(config: SegmentConfig, report: SkipReport) -> tuple[list[tuple[s
     return todo, done
 
 
-def segment(config: SegmentConfig, progress: bool = True) -> dict:
-    """Run the job; returns a summary dict. Bad images are skipped and reported."""
+def segment(config: SegmentConfig, progress: bool = True, timeline: str | None = None) -> dict:
+    """Run the job; returns a summary dict. Bad images are skipped and reported.
+
+    ``timeline`` names a PNG to draw the last batches' engine timeline into."""
     config.validate()
     if not config.images or not config.out:
         raise ConfigError("segment needs images (an input folder or file) and out (a folder)")
@@ -167,7 +169,7 @@ def segment(config: SegmentConfig, progress: bool = True) -> dict:
         todo, already = list_inputs(config, report)
         summary = {"images": len(todo) + already, "already_done": already, "written": 0}
         if todo:
-            summary.update(_run(config, device, todo, report, progress))
+            summary.update(_run(config, device, todo, report, progress, timeline))
     finally:
         report_path = report.write(out)
     seconds = time.perf_counter() - t0
@@ -180,7 +182,7 @@ def segment(config: SegmentConfig, progress: bool = True) -> dict:
 
 
 def _run(config: SegmentConfig, device: torch.device, todo: list[tuple[str, str]],
-         report: SkipReport, progress: bool) -> dict:
+         report: SkipReport, progress: bool, timeline: str | None = None) -> dict:
     loaded = load_segmentation_model(config.arch, config.weights, config.num_classes,
                                      config.random_weights)
     segmenter = Segmenter(loaded, device, config.dtype)
@@ -219,6 +221,11 @@ def _run(config: SegmentConfig, device: torch.device, todo: list[tuple[str, str]
                         outputs["logits"] = logits.to(torch.float16).contiguous()
                 engine.submit(batch.items, outputs)
             bar.update(len(batch) + len(batch.bad))
+    if timeline and engine.stats.records:
+        from ..engine.timeline import render_timeline
+
+        render_timeline(engine.stats.records, timeline, spans=engine.stats.spans,
+                        title=f"segment {config.images} ({device}, {segmenter.dtype})")
     written = 0
     for result in engine.closed_results:
         if result:

@@ -45,7 +45,9 @@ from ..errors import EmbedingestError
 @click.option("--overwrite/--no-overwrite", default=None,
               help="Redo images whose mask exists (default: skip them, i.e. resume).")
 @click.option("--max-pixels", type=int, help="Skip larger images with a reason; 0: no limit.")
-def segment_command(images, config_path, as_json, **options) -> None:
+@click.option("--timeline", type=click.Path(dir_okay=False),
+              help="Write a PNG timeline of the last batches (compute, copies, consumers).")
+def segment_command(images, config_path, as_json, timeline, **options) -> None:
     """DeepLabV3 over the images under IMAGES (or one image): a PNG mask per image, at
     the image's own size, in OUT.
 
@@ -58,7 +60,7 @@ def segment_command(images, config_path, as_json, **options) -> None:
 
     try:
         config = load_config(SegmentConfig, config_path, images=images, **options)
-        summary = segment(config, progress=not as_json)
+        summary = segment(config, progress=not as_json, timeline=timeline)
     except (EmbedingestError, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from exc
     except KeyboardInterrupt:

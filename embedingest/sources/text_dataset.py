@@ -34,9 +34,10 @@ large in-memory corpora are better given as files.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -69,6 +70,21 @@ class Unit:
                               f"integer from 0 to {MAX_UNIT_NO}")
         if (self.path is None) == (self.text is None):
             raise ConfigError(f"unit {self.key!r} must have exactly one of path and text")
+
+
+RECORDS_PER_CALL = 256  # records tokenized by one encode_batch call
+
+
+def _groups(items: Iterable, size: int) -> Iterator[list]:
+    """Lists of up to ``size`` consecutive items; lazily, so a file is still streamed."""
+    group = []
+    for item in items:
+        group.append(item)
+        if len(group) == size:
+            yield group
+            group = []
+    if group:
+        yield group
 
 
 class TextChunkDataset(IterableDataset):
@@ -171,22 +187,23 @@ class _WorkerBatches:
                                    id_field=self.ds.id_field, on_skip=self._skip)
         chunk_no = 0
         try:
-            for record_id, text in records:
-                before = chunk_no
-                for chunk in self.chunker.iter_chunks(text):
-                    if chunk_no >= MAX_CHUNKS_PER_UNIT:
-                        self._skip(where, f"limit: more than {MAX_CHUNKS_PER_UNIT} chunks "
-                                          f"in one unit; the rest of it is skipped")
-                        return
-                    yield chunk.input_ids, {
-                        "id": unit.unit_no << 32 | chunk_no, "unit_no": unit.unit_no,
-                        "record_id": record_id, "chunk_no": chunk_no,
-                        "char_start": chunk.char_start, "char_end": chunk.char_end,
-                        "text": text[chunk.char_start:chunk.char_end]}
-                    chunk_no += 1
-                if chunk_no == before:
-                    label = f"{where}:{record_id}" if record_id else where
-                    self._skip(label, "empty: the text has no tokens")
+            for group in _groups(records, RECORDS_PER_CALL):
+                texts = [text for _, text in group]
+                for (record_id, text), chunks in zip(group, self.chunker.chunk_many(texts)):
+                    if not chunks:
+                        label = f"{where}:{record_id}" if record_id else where
+                        self._skip(label, "empty: the text has no tokens")
+                    for chunk in chunks:
+                        if chunk_no >= MAX_CHUNKS_PER_UNIT:
+                            self._skip(where, f"limit: more than {MAX_CHUNKS_PER_UNIT} chunks "
+                                              f"in one unit; the rest of it is skipped")
+                            return
+                        yield chunk.input_ids, {
+                            "id": unit.unit_no << 32 | chunk_no, "unit_no": unit.unit_no,
+                            "record_id": record_id, "chunk_no": chunk_no,
+                            "char_start": chunk.char_start, "char_end": chunk.char_end,
+                            "text": text[chunk.char_start:chunk.char_end]}
+                        chunk_no += 1
         except Exception as exc:  # a bug or a library error on odd input must not end the run
             self._skip(where, f"read: {type(exc).__name__}: {exc}; the rest of the unit "
                               f"is skipped")
@@ -219,10 +236,10 @@ class _WorkerBatches:
 
     def _item(self, batch: list[tuple[list[int], dict]]) -> dict:
         width = max((len(ids) for ids, _ in batch), default=0)
-        input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+        input_ids = np.full((len(batch), width), self.pad_id, dtype=np.int64)
+        attention_mask = np.zeros((len(batch), width), dtype=np.int64)
         for row, (ids, _) in enumerate(batch):
-            input_ids[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+            input_ids[row, :len(ids)] = ids
             attention_mask[row, :len(ids)] = 1
         chunks = [chunk for _, chunk in batch]
         for chunk in chunks:
@@ -231,8 +248,8 @@ class _WorkerBatches:
             if self.in_window[unit_no] == 0 and unit_no != self.reading:
                 self._finish(unit_no)
         item = {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
+            "input_ids": torch.from_numpy(input_ids),
+            "attention_mask": torch.from_numpy(attention_mask),
             "ids": torch.tensor([c["id"] for c in chunks], dtype=torch.long),
             "chunks": chunks,
             "units_done": self.done,
