@@ -54,7 +54,7 @@ def _sentences() -> list[str]:
     return sorted(set(out))
 
 
-def make_paragraphs(n: int, seed: int = 0, words: int = 36) -> list[str]:
+def make_paragraphs(n: int, seed: int = 0, words: int = 24) -> list[str]:
     """``n`` paragraphs of real sentences, about ``words`` words (~50 tokens) each."""
     rng = random.Random(seed)
     pool = _sentences()

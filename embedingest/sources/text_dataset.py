@@ -95,10 +95,13 @@ class TextChunkDataset(IterableDataset):
                  window: int | None = None, max_batch_tokens: int | None = None,
                  text_field: str = "text", id_field: str = "id",
                  piece_chars: int = DEFAULT_PIECE_CHARS,
-                 tokenizer_loader: Callable[[str], object] = load_tokenizer):
+                 tokenizer_loader: Callable[[str], object] = load_tokenizer,
+                 pad_multiple: int = 16):
         """``tokenizer_loader(model_dir)`` runs in each worker; pass a module-level
         function (it is pickled) when the tokenizer needs more than loading, e.g. the
-        encoder's lower-casing, so chunks are tokenized exactly as the encoder would."""
+        encoder's lower-casing, so chunks are tokenized exactly as the encoder would.
+        Batches are padded to a multiple of ``pad_multiple`` tokens: a few shapes instead
+        of one per length, so the GPU libraries pick their kernels once, not per batch."""
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size={batch_size!r} must be a positive integer")
         window = 16 * batch_size if window is None else window
@@ -126,6 +129,7 @@ class TextChunkDataset(IterableDataset):
         self.id_field = id_field
         self.piece_chars = piece_chars
         self.tokenizer_loader = tokenizer_loader
+        self.pad_multiple = max(1, int(pad_multiple))
 
     def __iter__(self) -> Iterator[dict]:
         info = get_worker_info()
@@ -220,7 +224,7 @@ class _WorkerBatches:
         batch: list[tuple[list[int], dict]] = []
         for entry in self.window:
             if batch and ds.max_batch_tokens is not None \
-                    and (len(batch) + 1) * len(entry[0]) > ds.max_batch_tokens:
+                    and (len(batch) + 1) * self._width(len(entry[0])) > ds.max_batch_tokens:
                 batches.append(batch)
                 batch = []
             batch.append(entry)
@@ -234,8 +238,13 @@ class _WorkerBatches:
         for full in batches:
             yield self._item(full)
 
+    def _width(self, longest: int) -> int:
+        """Padded width of a batch whose longest chunk has ``longest`` tokens."""
+        m = self.ds.pad_multiple
+        return min(-(-longest // m) * m, max(longest, self.ds.max_tokens))
+
     def _item(self, batch: list[tuple[list[int], dict]]) -> dict:
-        width = max((len(ids) for ids, _ in batch), default=0)
+        width = self._width(max((len(ids) for ids, _ in batch), default=0))
         input_ids = np.full((len(batch), width), self.pad_id, dtype=np.int64)
         attention_mask = np.zeros((len(batch), width), dtype=np.int64)
         for row, (ids, _) in enumerate(batch):

@@ -172,3 +172,26 @@ def test_cli_build_search_json(tmp_path):
     assert r.exit_code == 1 and "not a model folder" in r.output
     r = runner.invoke(main, ["search", str(tmp_path), "x"])
     assert r.exit_code == 1 and "not an embedingest index" in r.output
+
+
+@pytest.mark.needs_cuda
+def test_gpu_build_equals_cpu_build(tmp_path):
+    corpus = make_corpus(tmp_path / "corpus")
+    runs = {}
+    for device, dtype in (("cpu", "fp32"), ("cuda", "fp16")):
+        out = tmp_path / device
+        s = build_index(corpus, out=str(out), device=device, dtype=dtype, num_workers=1,
+                        num_consumers=2, batch_size=4)
+        assert s["chunks"] == 12 and s["exit_code"] == 0
+        if device == "cuda":
+            assert s["engine"]["pinned"] and s["engine"]["gpu_idle_fraction"] is not None
+        with IndexStore(out) as store:
+            vecs = {}
+            for seg in store.segments():
+                idx = faiss.read_index(str(seg.path))
+                for i, v in zip(faiss.vector_to_array(idx.id_map), idx.index.reconstruct_n(0, idx.ntotal)):
+                    vecs[int(i)] = v
+        runs[device] = vecs
+    assert runs["cpu"].keys() == runs["cuda"].keys()
+    cos = [float(runs["cpu"][k] @ runs["cuda"][k]) for k in runs["cpu"]]
+    assert min(cos) > 0.999
