@@ -484,6 +484,12 @@ class IndexStore:
             db.executemany("INSERT OR REPLACE INTO chunks VALUES (?, ?, ?, ?, ?, ?, ?)", with_ids())
         return count
 
+    def insert_chunk_rows(self, rows: Iterable[tuple]) -> None:
+        """Insert (id, unit_no, record_id, chunk_no, char_start, char_end, text) rows whose
+        ids are already computed (the build's hot path), replacing rows of the same id."""
+        with self.db as db:
+            db.executemany("INSERT OR REPLACE INTO chunks VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
+
     def delete_chunks(self, unit_nos: Iterable[int]) -> None:
         """Delete the chunk rows of ``unit_nos`` (before they are chunked again)."""
         with self.db as db:

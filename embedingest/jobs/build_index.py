@@ -31,7 +31,7 @@ from ..report import SkipReport
 from ..sinks.faiss_shards import FaissShardSinkFactory, new_run_id
 from ..sources.files import walk_files
 from ..sources.text import TEXT_EXTENSIONS
-from ..sources.text_dataset import TextChunkDataset, Unit
+from ..sources.text_dataset import Chunks, TextChunkDataset, Unit
 from ..stages.encoder import TextEncoder, load_tokenizer
 from ..stages.prefetch import prefetch
 
@@ -117,7 +117,10 @@ def plan_units(store: IndexStore, candidates: Iterable[dict], report: SkipReport
             continue
         seen.add(key)
         old = known.get(key)
-        ok = old is not None and old.status == "done" and old.unit_no not in incomplete
+        # A unit with no chunks was skipped whole; its reason is only in the report of the
+        # run that read it (lost if that run was killed), so read it again: every run reports it.
+        ok = (old is not None and old.status == "done" and bool(old.n_chunks)
+              and old.unit_no not in incomplete)
         if ok and cand.get("sha256") is None and (old.size, old.mtime_ns) == (cand["size"], cand["mtime_ns"]):
             unchanged += 1
             continue
@@ -155,15 +158,20 @@ class _MetadataWriter:
         self.last = time.monotonic()
 
     def add(self, item: dict) -> None:
-        self.rows.extend((c["unit_no"], c["record_id"], c["chunk_no"], c["char_start"],
-                          c["char_end"], c["text"]) for c in item["chunks"])
+        c = item["chunks"]
+        if isinstance(c, Chunks):
+            self.rows.extend(zip(c.id, c.unit_no, c.record_id, c.chunk_no, c.char_start,
+                                 c.char_end, c.text))
+        else:
+            self.rows.extend((r["unit_no"] << 32 | r["chunk_no"], r["unit_no"], r["record_id"],
+                              r["chunk_no"], r["char_start"], r["char_end"], r["text"]) for r in c)
         self.done.extend((int(u), int(n)) for u, n in item["units_done"])
         if time.monotonic() - self.last > self.every or len(self.rows) > 50_000:
             self.flush()
 
     def flush(self) -> None:
         if self.rows:
-            self.store.insert_chunks(self.rows)
+            self.store.insert_chunk_rows(self.rows)
         if self.done:
             with self.store.db as db:
                 db.executemany("UPDATE units SET n_chunks=?, status='done' WHERE unit_no=?",
@@ -340,7 +348,7 @@ def _encode_all(units: list[Unit], encoder: TextEncoder, store: IndexStore, repo
                                   trained=trained)
     spec = {"emb": ((cfg.batch_size, encoder.dim), "float32"), "ids": ((cfg.batch_size,), "int64")}
     meta = _MetadataWriter(store)
-    docs: set[tuple[int, str]] = set()
+    docs = 0
     bar = tqdm(total=len(units), unit="unit", disable=not progress, dynamic_ncols=True)
     t0 = time.perf_counter()
     engine = EgressEngine(sinks, num_consumers=cfg.num_consumers, num_slots=cfg.num_slots or None,
@@ -363,19 +371,17 @@ def _encode_all(units: list[Unit], encoder: TextEncoder, store: IndexStore, repo
                 meta.add(item)
                 n = len(item["ids"])
                 counts["chunks"] += n
-                for c in item["chunks"]:
-                    if c["chunk_no"] == 0 or (c["unit_no"], c["record_id"]) not in docs:
-                        docs.add((c["unit_no"], c["record_id"]))
+                docs += item["chunks"].n_docs
                 counts["units_done"] += len(item["units_done"])
                 if on_item is not None:
                     on_item(len(item["units_done"]), n)
                 if progress:
                     dt = max(time.perf_counter() - t0, 1e-9)
                     bar.update(len(item["units_done"]))
-                    bar.set_postfix(docs_s=f"{len(docs) / dt:,.0f}", chunks_s=f"{counts['chunks'] / dt:,.0f}",
+                    bar.set_postfix(docs_s=f"{docs / dt:,.0f}", chunks_s=f"{counts['chunks'] / dt:,.0f}",
                                     refresh=False)
     finally:
-        counts["docs"] = len(docs)
+        counts["docs"] = docs
         bar.close()
         meta.flush()
     return engine.stats

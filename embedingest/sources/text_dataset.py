@@ -14,7 +14,10 @@ Each yielded item is a dict:
   pad id to the longest chunk of the batch;
 * ``ids``: ``LongTensor[B]``, the vector id of each chunk, ``unit_no << 32 | chunk_no``
   (``chunk_no`` counts the chunks of a unit across all its records, from 0);
-* ``chunks``: B dicts ``{id, unit_no, record_id, chunk_no, char_start, char_end, text}``;
+* ``chunks``: a :class:`Chunks` of B rows ``{id, unit_no, record_id, chunk_no,
+  char_start, char_end, text}`` (iterate it for dicts; its columns are lists). It is
+  neither a list nor a dict on purpose: the DataLoader's pin-memory thread would walk
+  every element of those while holding the GIL;
 * ``units_done``: ``(unit_no, n_chunks)`` pairs (the DataLoader turns the tuples into
   2-item lists) for every unit whose last chunk is in this item or an earlier one;
   every unit appears exactly once over the whole iteration, units with no chunks too
@@ -73,6 +76,40 @@ class Unit:
 
 
 RECORDS_PER_CALL = 256  # records tokenized by one encode_batch call
+
+CHUNK_FIELDS = ("id", "unit_no", "record_id", "chunk_no", "char_start", "char_end", "text")
+
+
+class Chunks:
+    """The metadata of one batch's chunks, column by column.
+
+    Columns pickle far faster than one dict per chunk, and an object that is not a
+    ``Sequence`` or ``Mapping`` passes the DataLoader's pin-memory step untouched.
+    ``n_docs`` counts the records whose first chunk is in this batch.
+    """
+
+    __slots__ = (*CHUNK_FIELDS, "n_docs")
+
+    def __init__(self, rows: list[dict]):
+        for name in CHUNK_FIELDS:
+            setattr(self, name, [r[name] for r in rows])
+        self.n_docs = sum(1 for r in rows if r.get("first"))
+
+    def __len__(self) -> int:
+        return len(self.id)
+
+    def __getitem__(self, i: int) -> dict:
+        return {name: getattr(self, name)[i] for name in CHUNK_FIELDS}
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def __getstate__(self):
+        return tuple(getattr(self, name) for name in self.__slots__)
+
+    def __setstate__(self, state) -> None:
+        for name, value in zip(self.__slots__, state):
+            setattr(self, name, value)
 
 
 def _groups(items: Iterable, size: int) -> Iterator[list]:
@@ -197,7 +234,7 @@ class _WorkerBatches:
                     if not chunks:
                         label = f"{where}:{record_id}" if record_id else where
                         self._skip(label, "empty: the text has no tokens")
-                    for chunk in chunks:
+                    for k, chunk in enumerate(chunks):
                         if chunk_no >= MAX_CHUNKS_PER_UNIT:
                             self._skip(where, f"limit: more than {MAX_CHUNKS_PER_UNIT} chunks "
                                               f"in one unit; the rest of it is skipped")
@@ -206,7 +243,7 @@ class _WorkerBatches:
                             "id": unit.unit_no << 32 | chunk_no, "unit_no": unit.unit_no,
                             "record_id": record_id, "chunk_no": chunk_no,
                             "char_start": chunk.char_start, "char_end": chunk.char_end,
-                            "text": text[chunk.char_start:chunk.char_end]}
+                            "text": text[chunk.char_start:chunk.char_end], "first": k == 0}
                         chunk_no += 1
         except Exception as exc:  # a bug or a library error on odd input must not end the run
             self._skip(where, f"read: {type(exc).__name__}: {exc}; the rest of the unit "
@@ -250,16 +287,16 @@ class _WorkerBatches:
         for row, (ids, _) in enumerate(batch):
             input_ids[row, :len(ids)] = ids
             attention_mask[row, :len(ids)] = 1
-        chunks = [chunk for _, chunk in batch]
-        for chunk in chunks:
-            unit_no = chunk["unit_no"]
+        rows = [chunk for _, chunk in batch]
+        chunks = Chunks(rows)
+        for unit_no in chunks.unit_no:
             self.in_window[unit_no] -= 1
             if self.in_window[unit_no] == 0 and unit_no != self.reading:
                 self._finish(unit_no)
         item = {
             "input_ids": torch.from_numpy(input_ids),
             "attention_mask": torch.from_numpy(attention_mask),
-            "ids": torch.tensor([c["id"] for c in chunks], dtype=torch.long),
+            "ids": torch.tensor(chunks.id, dtype=torch.long),
             "chunks": chunks,
             "units_done": self.done,
             "skipped": self.skipped,

@@ -150,7 +150,7 @@ def test_bookkeeping_only_item(tmp_path):
     assert len(items) == 1
     item = items[0]
     assert item["input_ids"].shape == item["attention_mask"].shape == (0, 0)
-    assert item["ids"].shape == (0,) and item["chunks"] == []
+    assert item["ids"].shape == (0,) and list(item["chunks"]) == []
     assert [tuple(d) for d in item["units_done"]] == [(0, 0), (1, 0)]
     assert [r.split(":")[0] for _, r in item["skipped"]] == ["empty", "empty"]
 
