@@ -19,6 +19,7 @@ _LAZY = {
     "IndexConfig": "embedingest.config",
     "open_index": "embedingest.index.search",
     "segment": "embedingest.jobs.segment",
+    "segment_images": "embedingest.jobs.segment",
     "SegmentConfig": "embedingest.jobs.segment",
 }
 
