@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import faiss
@@ -195,3 +196,25 @@ def test_gpu_build_equals_cpu_build(tmp_path):
     assert runs["cpu"].keys() == runs["cuda"].keys()
     cos = [float(runs["cpu"][k] @ runs["cuda"][k]) for k in runs["cpu"]]
     assert min(cos) > 0.999
+
+
+@pytest.mark.slow
+def test_real_paragraphs_each_found_first_and_rerun_adds_nothing(tmp_path):
+    """A thousand real paragraphs (the stdlib's docstrings, via examples/make_corpus.py)."""
+    import subprocess
+
+    script = Path(__file__).resolve().parents[2] / "examples" / "make_corpus.py"
+    corpus = tmp_path / "corpus"
+    subprocess.run([sys.executable, str(script), str(corpus), "--max-paragraphs", "1000"], check=True)
+    records = [(p.name, json.loads(line)) for p in sorted(corpus.glob("*.jsonl")) for line in p.open()]
+    out = tmp_path / "idx"
+    s = build_index(corpus, out=str(out), num_workers=1, batch_size=64)
+    assert s["exit_code"] == 0 and s["vectors_total"] >= len(records) > 300
+    index = open_index(out)
+    hits = index.search([r["text"] for _, r in records], k=1)
+    # identical paragraphs were removed by make_corpus, so each must find itself (a long one,
+    # cut into chunks, finds its first chunk: the query is cut at the same 256 tokens)
+    assert [(h[0].source, h[0].record_id) for h in hits] == [(name, r["id"]) for name, r in records]
+    index.close()
+    again = build_index(corpus, out=str(out), num_workers=1, batch_size=64)
+    assert again["units_indexed"] == 0 and again["vectors_total"] == s["vectors_total"]
