@@ -50,6 +50,9 @@ class IndexConfig:
     metric: str = "ip"
     # "auto" (CUDA when available), "cpu", "cuda" or "cuda:N".
     device: str = "auto"
+    # Several devices, one process each: "all" (every GPU), "0,1" (GPU numbers), "cuda:0,cuda:1",
+    # or "cpu,cpu" (CPU processes, for testing); "" is the one --device.
+    devices: str = ""
     # Encoder precision: "auto" (fp16 on CUDA, fp32 on CPU), "fp32", "fp16" or "bf16".
     dtype: str = "auto"
     # Chunks per encoder batch (the slot size of the egress engine).

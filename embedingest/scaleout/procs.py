@@ -1,0 +1,194 @@
+"""One process per device: start them, relay their progress, collect their results, and
+make a child's failure, or Ctrl-C, the parent's.
+
+Children are spawned (never forked: the parent may hold CUDA state and threads) and are
+not daemons, because each starts its own DataLoader workers and engine consumers. A
+child ignores SIGINT, so a Ctrl-C in the terminal reaches the parent only; the parent
+then sends SIGTERM, which a child turns into KeyboardInterrupt once, so its engine stops
+the usual way (sinks closed, segments committed) before it exits. A child also gets
+SIGTERM when the parent dies, so none outlives its run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
+
+from ..engine.consumers import _die_with_parent
+from ..errors import EngineError, RemoteTraceback
+
+log = logging.getLogger("embedingest")
+
+
+@dataclass
+class DeviceJob:
+    """The arguments of one child; ``name`` (e.g. ``"cuda:1"``) labels its errors, ``env``
+    is added to its environment (e.g. ``CUDA_VISIBLE_DEVICES``)."""
+
+    name: str
+    args: tuple
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def run_per_device(target: Callable, jobs: Sequence[DeviceJob], *,
+                   on_progress: Callable[..., None] | None = None,
+                   stop_timeout: float = 60.0) -> list:
+    """Run ``target(*job.args, report)`` in one spawned process per job; return the
+    results in job order.
+
+    ``target`` must be a module-level function and its result picklable. In a child,
+    ``report(*values)`` calls ``on_progress(job_index, *values)`` in the parent. The first
+    child that fails stops the others (SIGTERM, SIGKILL after ``stop_timeout`` seconds)
+    and its exception is raised here, with its own type and text when it unpickles, and
+    the child's traceback as its cause. KeyboardInterrupt in the parent stops all
+    children the same way and is re-raised.
+    """
+    ctx = mp.get_context("spawn")
+    level = log.getEffectiveLevel()
+    procs, conns = [], []
+    try:
+        for index, job in enumerate(jobs):
+            mine, theirs = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_child_main, name=f"embedingest-{job.name}",
+                               args=(target, job.args, theirs, os.getpid(), level))
+            with _environ(job.env):
+                proc.start()
+            theirs.close()
+            procs.append(proc)
+            conns.append(mine)
+        return _collect(jobs, procs, conns, on_progress)
+    except BaseException:
+        _stop(procs, stop_timeout)
+        raise
+    finally:
+        for proc in procs:
+            proc.join()
+        for conn in conns:
+            conn.close()
+
+
+def _collect(jobs, procs, conns, on_progress) -> list:
+    results: dict[int, object] = {}
+    live = set(range(len(procs)))
+    while live:
+        wait([conns[i] for i in live] + [procs[i].sentinel for i in live], timeout=1.0)
+        for i in sorted(live):
+            conn, ended = conns[i], False
+            while conn.poll():
+                try:
+                    kind, payload = conn.recv()
+                except EOFError:
+                    ended = True
+                    break
+                if kind == "progress":
+                    if on_progress is not None:
+                        on_progress(i, *payload)
+                elif kind == "ok":
+                    results[i] = payload
+                    break
+                else:
+                    raise _remote_error(jobs[i].name, *payload)
+            if i in results:
+                live.discard(i)
+            elif ended or not procs[i].is_alive():
+                procs[i].join(5)
+                raise EngineError(
+                    f"the process of device {jobs[i].name} ended (exit code "
+                    f"{procs[i].exitcode}) without a result; a negative code is the signal "
+                    "that killed it (-9: SIGKILL, often the OOM killer). Run the same "
+                    "command again to resume")
+    return [results[i] for i in range(len(procs))]
+
+
+def _remote_error(name: str, data: bytes | None, text: str, tb: str) -> BaseException:
+    exc = None
+    if data is not None:
+        try:
+            exc = pickle.loads(data)
+        except Exception:
+            exc = None
+    if not isinstance(exc, BaseException):
+        exc = EngineError(f"device {name}: {text}")
+    exc.__cause__ = RemoteTraceback(f"in the process of device {name}:\n{tb}")
+    return exc
+
+
+def _stop(procs, timeout: float) -> None:
+    """SIGTERM the live children, wait for them up to ``timeout`` s (a second Ctrl-C
+    cuts the wait short), then SIGKILL what is left."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + timeout
+    try:
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+    except KeyboardInterrupt:
+        log.warning("second interrupt: killing the device processes without waiting")
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+@contextlib.contextmanager
+def _environ(extra: dict[str, str]):
+    """``extra`` in ``os.environ`` while a child is started (it inherits the environment)."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _interrupt_once(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the clean-up that follows must finish
+    raise KeyboardInterrupt
+
+
+def _child_main(target, args, conn, parent_pid: int, level: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _interrupt_once)
+    logging.basicConfig(level=level, stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
+
+    def report(*values) -> None:
+        conn.send(("progress", values))
+
+    try:
+        _die_with_parent(parent_pid)
+        result = target(*args, report)
+        msg = ("ok", result)
+    except BaseException as exc:
+        msg = ("error", _error_payload(exc))
+    try:
+        conn.send(msg)
+    except (BrokenPipeError, EOFError, OSError):
+        pass  # the parent is gone or stopped listening
+    finally:
+        conn.close()
+
+
+def _error_payload(exc: BaseException) -> tuple:
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        data = pickle.dumps(exc)
+        pickle.loads(data)
+    except Exception:
+        data = None
+    return data, f"{type(exc).__name__}: {exc}", tb

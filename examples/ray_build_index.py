@@ -1,0 +1,69 @@
+"""Build an embedingest index from a Ray Dataset, on a local Ray or on a cluster.
+
+    pip install -e ".[ray]"
+    python examples/make_corpus.py corpus/
+    python examples/ray_build_index.py corpus/ indexes/ray            # CPU actors
+    python examples/ray_build_index.py corpus/ indexes/ray --gpus 1   # an actor per GPU
+    embedingest search indexes/ray "how do I parse a date"
+
+The JSON-lines files of the corpus folder are read with ``ray.data.read_json``; each
+record needs a unique ``id`` and a ``text``. Running the same command again embeds only
+new and changed records and drops deleted ones. On a cluster (``--address auto``), the
+index folder must be on a file system every node sees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("corpus", type=Path, help="folder of .jsonl files with 'id' and 'text' fields")
+    ap.add_argument("out", help="index folder")
+    ap.add_argument("--address", default=None, help="Ray cluster to join (default: a local Ray)")
+    ap.add_argument("--actors", type=int, default=None,
+                    help="EmbedBatches actors (default: one per GPU with --gpus, else the "
+                         "CPUs less one, which reading the files needs)")
+    ap.add_argument("--gpus", type=float, default=0, help="GPUs per actor (0: CPU actors)")
+    ap.add_argument("--records-per-call", type=int, default=8192)
+    ap.add_argument("--query", default="how do I parse a date", help="searched at the end")
+    args = ap.parse_args()
+
+    import ray
+
+    from embedingest import open_index
+    from embedingest.scaleout.ray import build_index_ray
+
+    files = sorted(str(p) for p in args.corpus.glob("*.jsonl"))
+    if not files:
+        sys.exit(f"no .jsonl files in {args.corpus}; write some with: "
+                 f"python examples/make_corpus.py {args.corpus}")
+    ray.init(address=args.address, include_dashboard=False)
+    try:
+        actors = args.actors or default_actors(ray.cluster_resources(), args.gpus)
+        dataset = ray.data.read_json(files)
+        summary = build_index_ray(dataset, args.out, concurrency=actors, num_gpus=args.gpus,
+                                  records_per_call=args.records_per_call, progress=True)
+    finally:
+        ray.shutdown()
+    print(json.dumps(summary, indent=2))
+    with open_index(args.out) as index:
+        (hits,) = index.search([args.query], k=3)
+    for hit in hits:
+        print(f"{hit.score:.3f}  {hit.record_id}  {(hit.text or '')[:100]}")
+
+
+def default_actors(resources: dict, gpus: float) -> int:
+    """Actors that fit the cluster while a CPU stays free to read the dataset: actors
+    holding every CPU would leave the read tasks waiting for one forever."""
+    if gpus:
+        return max(1, int(resources.get("GPU", 0) // gpus))
+    return max(1, int(resources.get("CPU", 2)) - 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""build-index --devices on two CPU processes: the same index as one process, one manifest."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import faiss
+import numpy as np
+from click.testing import CliRunner
+
+from embedingest import build_index, open_index
+from embedingest.cli import main
+from embedingest.index.store import IndexStore
+
+TOPICS = [
+    "The quick brown fox jumps over the lazy dog near the river bank at dawn.",
+    "Photosynthesis converts light energy into chemical energy stored in glucose molecules.",
+    "The French Revolution began in 1789 and reshaped politics across Europe for a century.",
+    "A hash table maps keys to values using a hash function to compute an index into buckets.",
+    "Mount Everest, at 8,849 metres, is the highest mountain above sea level on Earth.",
+    "Bread rises because yeast ferments sugars and releases carbon dioxide into the dough.",
+    "TCP provides reliable, ordered delivery of a stream of bytes between applications.",
+    "Whales are marine mammals that breathe air through blowholes on top of their heads.",
+]
+FAST = {"num_workers": 0, "num_consumers": 2, "batch_size": 8, "chunk_tokens": 48, "overlap": 8}
+
+
+def make_corpus(root: Path) -> Path:
+    """Files of very different sizes, so a split by count would be unbalanced."""
+    root.mkdir(parents=True)
+    with open(root / "big.jsonl", "w") as fh:
+        for i in range(12):
+            text = " ".join(TOPICS[i % 8:] + TOPICS[:i % 8])
+            fh.write(json.dumps({"id": f"b{i}", "text": text}) + "\n")
+    for i, text in enumerate(TOPICS):
+        (root / f"small{i}.md").write_text(text)
+    (root / "empty.txt").write_text("   \n")
+    return root
+
+
+def vectors_by_id(out: Path) -> dict[int, np.ndarray]:
+    with IndexStore(out) as store:
+        found = {}
+        for seg in store.segments():
+            index = faiss.read_index(str(seg.path))
+            ids = faiss.vector_to_array(index.id_map)
+            for i, v in zip(ids.tolist(), index.index.reconstruct_n(0, index.ntotal)):
+                assert i not in found, f"id {i} stored twice"
+                found[i] = v
+        return found
+
+
+def chunk_rows(out: Path, ids) -> dict:
+    with IndexStore(out) as store:
+        return {i: (c.source, c.record_id, c.chunk_no, c.char_start, c.char_end, c.text)
+                for i, c in store.chunks(ids).items()}
+
+
+def test_two_cpu_devices_build_the_single_process_index(tmp_path, no_leaks):
+    corpus = make_corpus(tmp_path / "corpus")
+    one, two = tmp_path / "one", tmp_path / "two"
+    s1 = build_index(corpus, out=str(one), **FAST)
+    s2 = build_index(corpus, out=str(two), devices="cpu,cpu", **FAST)
+
+    for key in ("units_seen", "units_indexed", "docs", "chunks", "vectors_total", "skipped",
+                "skipped_by_reason", "exit_code"):
+        assert s2[key] == s1[key], key
+    assert s1["chunks"] > 30 and s1["skipped"] == 1 and s1["exit_code"] == 3
+    assert s2["device"] == "cpu,cpu"
+    per_device = s2["engine"]["per_device"]
+    assert len(per_device) == 2 and all(d["batches"] > 0 for d in per_device)
+    assert s2["engine"]["batches"] == sum(d["batches"] for d in per_device)
+
+    v1, v2 = vectors_by_id(one), vectors_by_id(two)
+    assert sorted(v1) == sorted(v2)
+    diff = max(float(np.abs(v1[i] - v2[i]).max()) for i in v1)
+    assert diff <= 1e-5, diff
+    assert chunk_rows(one, v1) == chunk_rows(two, v2)
+    with IndexStore(one) as store:
+        units_one = {k: (u.unit_no, u.n_chunks, u.status) for k, u in store.units().items()}
+    with IndexStore(two) as store:
+        units_two = {k: (u.unit_no, u.n_chunks, u.status) for k, u in store.units().items()}
+        listed = [(s.name, s.count) for s in store.segments()]
+    assert units_two == units_one
+
+    manifest = json.loads((two / "manifest.json").read_text())
+    assert [(s["name"], s["count"]) for s in manifest["segments"]] == listed
+    runs = {re.match(r"seg-(.+)-w\d+-\d+\.faiss", name).group(1) for name, _ in listed}
+    assert len(runs) == 2 and {r[-3:] for r in runs} == {"_d0", "_d1"}
+    assert json.loads((one / "manifest.json").read_text())["corpus"] == manifest["corpus"]
+
+    with open_index(two) as index:
+        for text, hits in zip(TOPICS, index.search(TOPICS, k=2)):
+            assert hits[0].text == text and hits[0].source.startswith("small")
+
+    # the CLI resumes with the same option: only the changed file is redone
+    (corpus / "small3.md").write_text("Quantum computers use qubits that can be in superposition.")
+    result = CliRunner().invoke(main, ["build-index", str(corpus), "--out", str(two), "--devices",
+                                       "cpu,cpu", "--num-workers", "0", "--batch-size", "8",
+                                       "--chunk-tokens", "48", "--overlap", "8", "--json"])
+    assert result.exit_code == 3, result.output  # empty.txt is read (and reported) again
+    again = json.loads(result.output[result.output.index("{"):])
+    assert again["units_indexed"] == 2 and again["units_unchanged"] == s1["units_seen"] - 2
+    assert again["vectors_total"] == s1["vectors_total"] and again["device"] == "cpu,cpu"
+    with open_index(two) as index:
+        (hits,) = index.search(["qubits and superposition"], k=1)
+        assert hits[0].source == "small3.md"
+
+
+def test_ctrl_c_stops_all_devices_and_the_same_command_resumes(tmp_path, no_leaks):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for f in range(12):
+        with open(corpus / f"part{f:02d}.jsonl", "w") as fh:
+            for r in range(8):
+                text = f"{TOPICS[(f + r) % 8]} ({f}, {r})"
+                fh.write(json.dumps({"id": f"{f}-{r}", "text": text}) + "\n")
+    out = tmp_path / "idx"
+    cmd = [sys.executable, "-m", "embedingest", "build-index", str(corpus), "--out", str(out),
+           "--devices", "cpu,cpu", "--num-workers", "0", "--batch-size", "4",
+           "--commit-every", "4", "--json"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and not list((out / "segments").glob("*.faiss")):
+        assert time.monotonic() < deadline, "no segment was written"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "run the same command again to resume" in err
+    manifest = json.loads((out / "manifest.json").read_text())
+    with IndexStore(out) as store:
+        assert [s["name"] for s in manifest["segments"]] == [s.name for s in store.segments()]
+
+    s = build_index(corpus, out=str(out), devices="cpu,cpu", num_workers=0, batch_size=4)
+    assert s["units_indexed"] + s["units_unchanged"] == 12 and s["exit_code"] == 0
+    with IndexStore(out) as store:
+        assert store.reconcile() == set()
+        units = store.units()
+        assert all(u.status == "done" for u in units.values())
+        ids = np.concatenate([seg.ids() for seg in store.segments()])
+    assert len(ids) == len(set(ids.tolist())) == sum(u.n_chunks for u in units.values()) == 96
+    assert len(chunk_rows(out, ids.tolist())) == 96

@@ -1,0 +1,99 @@
+"""build_index_ray on a local two-CPU Ray cluster: the same ids, vectors and chunk rows as
+build_index on the same records, and the same incremental behaviour."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from test_build_index_devices import TOPICS, chunk_rows, vectors_by_id
+
+from embedingest import build_index, open_index
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.*")
+SETTINGS = {"num_consumers": 1, "batch_size": 8, "chunk_tokens": 32, "overlap": 8}
+
+
+def records():
+    """Long records (several chunks each), short ones, and one with no tokens."""
+    recs = [{"id": f"long{i}", "text": " ".join(TOPICS[i:] + TOPICS[:i])} for i in range(4)]
+    recs += [{"id": f"s{i}", "text": t} for i, t in enumerate(TOPICS)]
+    recs.append({"id": "blank", "text": "  "})
+    return recs
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'embedingest[ray]')")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()
+
+
+def assert_same_index(a, b):
+    va, vb = vectors_by_id(a), vectors_by_id(b)
+    assert sorted(va) == sorted(vb)
+    diff = max(float(np.abs(va[i] - vb[i]).max()) for i in va)
+    assert diff <= 1e-5, diff
+    assert chunk_rows(a, va) == chunk_rows(b, vb)
+
+
+def test_ray_build_equals_single_process_build_and_resumes(tmp_path, ray_cluster):
+    from embedingest.scaleout.ray import build_index_ray
+
+    ray = ray_cluster
+    recs = records()
+    one, two = tmp_path / "one", tmp_path / "two"
+    s1 = build_index(recs, out=str(one), num_workers=0, **SETTINGS)
+    s2 = build_index_ray(ray.data.from_items(recs), two, concurrency=2, records_per_call=4,
+                         **SETTINGS)
+    for key in ("units_seen", "units_indexed", "docs", "chunks", "vectors_total", "skipped",
+                "skipped_by_reason", "exit_code"):
+        assert s2[key] == s1[key], key
+    assert s1["chunks"] > len(recs) and s2["units_incomplete"] == 0
+    assert_same_index(one, two)
+    manifest = json.loads((two / "manifest.json").read_text())
+    assert sum(s["count"] for s in manifest["segments"]) == s1["vectors_total"]
+    assert len(manifest["segments"]) >= 2 and manifest["dtype"] == "fp32"
+    assert json.loads((one / "manifest.json").read_text())["corpus"] == manifest["corpus"]
+    with open_index(two) as index:
+        (hits,) = index.search([TOPICS[5]], k=1)
+        assert hits[0].text == TOPICS[5] and hits[0].record_id == "s5"
+
+    # change one record, delete one, add one: both paths do the same work
+    recs[5]["text"] = "Quantum computers use qubits that can be in superposition."
+    del recs[7]
+    recs.append({"id": "new", "text": "Arctic terns migrate from pole to pole every year."})
+    s1 = build_index(recs, out=str(one), num_workers=0, **SETTINGS)
+    s2 = build_index_ray(ray.data.from_items(recs), two, concurrency=2, records_per_call=4,
+                         **SETTINGS)
+    for key in ("units_indexed", "units_removed", "units_unchanged", "skipped", "chunks"):
+        assert s2[key] == s1[key], key
+    assert s2["units_indexed"] == 3  # the changed, the new and the blank one (read every run)
+    assert s2["units_removed"] == 1 and s2["units_unchanged"] == len(recs) - 3
+    assert_same_index(one, two)
+
+
+def test_duplicate_ids_and_missing_columns_are_errors(tmp_path, ray_cluster):
+    from embedingest.errors import ConfigError
+    from embedingest.scaleout.ray import build_index_ray
+
+    ray = ray_cluster
+    dup = ray.data.from_items([{"id": 1, "text": "a b"}, {"id": 1, "text": "c d"}])
+    with pytest.raises(ConfigError, match="record id '1' occurs more than once"):
+        build_index_ray(dup, tmp_path / "a")
+    no_id = ray.data.from_items([{"body": "a b"}])
+    with pytest.raises(ConfigError, match="no column 'id'.*columns are body"):
+        build_index_ray(no_id, tmp_path / "b", text_field="body")
+
+
+def test_import_without_ray_says_how_to_install():
+    code = "import sys; sys.modules['ray'] = None; import embedingest.scaleout.ray"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False,
+                          env=os.environ | {"PYTHONPATH": os.getcwd()})
+    assert proc.returncode == 1
+    assert "pip install 'embedingest[ray]'" in proc.stderr
