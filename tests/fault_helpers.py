@@ -1,0 +1,405 @@
+"""Helpers of the fault-injection tests (tests/faults): run the real CLI in its own
+session, hit it with signals or injected faults, find every process it left, and check
+what is on disk.
+
+Faults inside the run's processes come from ``tests/faults/hooks/sitecustomize.py``,
+switched on by environment variables (see its docstring); :func:`start` puts that folder
+on ``PYTHONPATH`` so the CLI, its spawned consumers and its DataLoader workers load it.
+The engine sinks of the property test live here too: consumers must import them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+TESTS = Path(__file__).resolve().parent
+HOOKS = TESTS / "faults" / "hooks"
+
+# Small and slow on purpose: many commits (one segment per batch), a sink slow enough
+# that a run can be hit mid-way, and runs of a few seconds on two CPU cores.
+CHUNK_TOKENS = 32
+BUILD_ARGS = ["--num-workers", "0", "--num-consumers", "2", "--batch-size", "4",
+              "--chunk-tokens", str(CHUNK_TOKENS), "--overlap", "0", "--commit-every", "4"]
+
+
+def build_args(device: str = "cpu") -> list[str]:
+    return ["--device", device, *BUILD_ARGS]
+
+WORDS = ("river mountain engine harbour lantern orchard violin glacier copper meadow "
+         "falcon quartz thunder pepper saddle candle marble timber velvet island "
+         "compass ember nectar oyster pilgrim riddle sparrow tunnel walnut zephyr").split()
+
+
+# -- processes ------------------------------------------------------------------------
+
+
+def _proc_table() -> list[tuple[int, int, int, str, bytes]]:
+    """(pid, ppid, session, state, cmdline) of every live process."""
+    rows = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            cmd = (d / "cmdline").read_bytes()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        rows.append((int(d.name), int(fields[1]), int(fields[3]), fields[0], cmd))
+    return rows
+
+
+def session_pids(sid: int) -> set[int]:
+    """Live (not zombie) processes of session ``sid``: a run started with
+    ``start_new_session=True`` and everything it started, even once re-parented."""
+    return {pid for pid, _, s, state, _ in _proc_table() if s == sid and state != "Z"}
+
+
+def pids_mentioning(text: str) -> set[int]:
+    """Live processes whose command line contains ``text`` (e.g. a run's output folder)."""
+    needle = os.fsencode(text)
+    me = os.getpid()
+    return {pid for pid, _, _, state, cmd in _proc_table()
+            if state != "Z" and needle in cmd and pid != me}
+
+
+def descendants(parent: int) -> dict[int, bytes]:
+    """Live descendants of ``parent`` with their command lines."""
+    table = _proc_table()
+    kids: dict[int, list[tuple[int, bytes]]] = {}
+    for pid, ppid, _, state, cmd in table:
+        if state != "Z":
+            kids.setdefault(ppid, []).append((pid, cmd))
+    out, stack = {}, [parent]
+    while stack:
+        for pid, cmd in kids.get(stack.pop(), []):
+            out[pid] = cmd
+            stack.append(pid)
+    return out
+
+
+def _threads_waiting_in(pid: int) -> list[str]:
+    """Where each thread of ``pid`` sleeps in the kernel (for the message of a leak)."""
+    out = []
+    for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+        try:
+            out.append(f"{(task / 'comm').read_text().strip()}:{(task / 'wchan').read_text()}")
+        except OSError:
+            pass
+    return out
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+class Run:
+    """One CLI process in a session of its own; stdout/stderr go to files (a pipe left
+    unread could block the run)."""
+
+    def __init__(self, args: list[str], log_dir: Path, env: dict | None = None,
+                 cwd: Path | None = None, marker: str | None = None):
+        log_dir.mkdir(parents=True, exist_ok=True)
+        n = len(list(log_dir.glob("run*.out")))
+        self.out_path = log_dir / f"run{n}.out"
+        self.err_path = log_dir / f"run{n}.err"
+        full_env = dict(os.environ)
+        for key in list(full_env):
+            if key.startswith("EMBEDINGEST_FI_"):
+                del full_env[key]
+        full_env["PYTHONPATH"] = os.pathsep.join(
+            [str(HOOKS)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+        # Two cores shared by the encoder and the consumers: OpenMP threads spinning
+        # against each other make a CPU run several times slower.
+        full_env.setdefault("OMP_NUM_THREADS", "1")
+        full_env.update(env or {})
+        self.args = [sys.executable, "-m", "embedingest", *args]
+        self.marker = marker  # a string in the command line (the output folder)
+        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
+            self.proc = subprocess.Popen(self.args, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                                         env=full_env, cwd=cwd, start_new_session=True)
+        self.pid = self.proc.pid
+        self.t0 = time.monotonic()
+
+    @property
+    def stdout(self) -> str:
+        return self.out_path.read_text(errors="replace")
+
+    @property
+    def stderr(self) -> str:
+        return self.err_path.read_text(errors="replace")
+
+    def wait(self, timeout: float = 180) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill_all()
+            raise AssertionError(f"{self} did not end within {timeout} s; stderr:\n{self.stderr[-3000:]}")
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def consumers(self) -> dict[int, bytes]:
+        """The engine's consumer processes (spawned: their command line names spawn_main)."""
+        return {pid: cmd for pid, cmd in descendants(self.pid).items()
+                if b"spawn_main" in cmd and b"resource_tracker" not in cmd}
+
+    def loader_workers(self) -> dict[int, bytes]:
+        """The DataLoader worker processes (forked: the same command line as the CLI)."""
+        return {pid: cmd for pid, cmd in descendants(self.pid).items()
+                if b"spawn_main" not in cmd and b"resource_tracker" not in cmd}
+
+    def signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def kill_all(self) -> None:
+        self.signal_group(signal.SIGKILL)
+        for pid in session_pids(self.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def leftovers(self) -> set[int]:
+        pids = session_pids(self.pid)
+        if self.marker:
+            pids |= pids_mentioning(self.marker)
+        return pids
+
+    def assert_no_leftovers(self, timeout: float = 15.0) -> None:
+        """Every process of the run ended (PyTorch DataLoader workers poll for their
+        parent every 5 s, hence the margin)."""
+        if self.running():
+            self.wait()
+        try:
+            wait_for(lambda: not self.leftovers(), timeout, 0.1, "the run's processes to end")
+        except AssertionError:
+            left = {pid: (cmd[:200], _threads_waiting_in(pid)) for pid, _, _, _, cmd in _proc_table()
+                    if pid in self.leftovers()}
+            self.kill_all()
+            raise AssertionError(f"processes of {self} left behind: {left}") from None
+
+    def __repr__(self) -> str:
+        return f"Run(pid {self.pid}: {' '.join(self.args[3:])})"
+
+    def describe(self) -> str:
+        return f"{self!r} exit {self.proc.returncode}\n--- stdout\n{self.stdout[-2000:]}\n--- stderr\n{self.stderr[-4000:]}"
+
+
+# -- corpora --------------------------------------------------------------------------
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def make_corpus(root: Path, n_docs: int = 10, seed: int = 0) -> Path:
+    """Plain text, Markdown and JSON lines files of ~10 chunks each (at CHUNK_TOKENS)."""
+    rng = random.Random(seed)
+    (root / "sub").mkdir(parents=True, exist_ok=True)
+    for i in range(n_docs):
+        kind = i % 3
+        if kind == 0:
+            (root / f"doc{i:02d}.txt").write_text(words(rng, rng.randint(150, 320)) + "\n")
+        elif kind == 1:
+            (root / "sub" / f"note{i:02d}.md").write_text(
+                f"# Note {i}\n\n" + words(rng, rng.randint(150, 320)) + "\n")
+        else:
+            with open(root / f"rec{i:02d}.jsonl", "w") as fh:
+                for r in range(3):
+                    fh.write(json.dumps({"id": f"r{i}-{r}", "text": words(rng, rng.randint(40, 110))}) + "\n")
+    return root
+
+
+def expected_chunks(corpus: Path, keys: list[str] | None = None) -> dict[str, int]:
+    """Chunks per file key (path relative to the corpus) as build-index cuts them with
+    BUILD_ARGS: the library's tokenizer and chunker only, no model and no engine."""
+    from embedingest.sources.files import walk_files
+    from embedingest.sources.text import TEXT_EXTENSIONS
+    from embedingest.sources.text_dataset import TextChunkDataset, Unit
+    from embedingest.stages.encoder import _resolve_model_dir, load_tokenizer
+
+    paths = list(walk_files(corpus, TEXT_EXTENSIONS))
+    units = [Unit(n, p.relative_to(corpus).as_posix(), path=str(p)) for n, p in enumerate(paths)]
+    if keys is not None:
+        units = [u for u in units if u.key in set(keys)]
+    ds = TextChunkDataset(units, _resolve_model_dir(None)[0], batch_size=64, max_tokens=CHUNK_TOKENS,
+                          overlap=0, tokenizer_loader=load_tokenizer)
+    by_no = {u.unit_no: u.key for u in units}
+    counts = {}
+    for item in ds:
+        for unit_no, n in item["units_done"]:
+            counts[by_no[int(unit_no)]] = int(n)
+    return counts
+
+
+# -- what is on disk ------------------------------------------------------------------
+
+
+def tmp_files(folder: Path) -> list[Path]:
+    return [p for p in folder.rglob(".*") if ".tmp-" in p.name]
+
+
+def check_index_files(out: Path) -> dict:
+    """Everything build-index left in ``out`` is whole, whatever moment it was stopped at:
+    the manifest (if any) parses, every committed segment loads with faiss and its ids
+    equal its sidecar, the metadata database passes sqlite's integrity check, the skip
+    report parses. Temporary files and orphan sidecars may remain (the next run deletes
+    them). Returns {segment name: ids}."""
+    import faiss
+
+    if (out / "manifest.json").exists():
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert {"model", "dim", "segments"} <= set(manifest), manifest
+    if (out / "skipped.jsonl").exists():
+        for line in (out / "skipped.jsonl").read_text().splitlines():
+            assert {"path", "reason"} <= set(json.loads(line))
+    if (out / "metadata.sqlite").exists():
+        db = sqlite3.connect(f"file:{out / 'metadata.sqlite'}?mode=ro", uri=True)
+        try:
+            assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+            db.execute("SELECT count(*) FROM units").fetchone()
+        finally:
+            db.close()
+    segments = {}
+    seg_dir = out / "segments"
+    for path in sorted(seg_dir.glob("seg-*.faiss")) if seg_dir.is_dir() else []:
+        index = faiss.read_index(str(path))
+        ids = np.load(path.with_name(path.name[: -len(".faiss")] + ".ids.npy"))
+        assert ids.dtype == np.int64 and index.ntotal == len(ids), path.name
+        assert np.array_equal(faiss.vector_to_array(index.id_map), ids), path.name
+        segments[path.name] = ids
+    return segments
+
+
+def check_exactly_once(out: Path, expected: dict[str, int]) -> np.ndarray:
+    """The index in ``out`` holds every chunk of every expected file once: the sidecars
+    of the committed segments give exactly ids ``unit_no << 32 | 0..n-1`` of each
+    expected key, no duplicate, nothing else; every id has its chunk row; the manifest
+    lists the segments; no temporary file is left; every segment loads."""
+    from embedingest.index.store import CHUNK_BITS, IndexStore
+
+    check_index_files(out)
+    assert not tmp_files(out), f"temporary files left: {tmp_files(out)}"
+    with IndexStore(out) as store:
+        segments = store.segments()
+        ids = np.concatenate([s.ids() for s in segments]) if segments else np.empty(0, np.int64)
+        dup = [i for i, c in Counter(ids.tolist()).items() if c > 1]
+        assert not dup, f"{len(dup)} ids indexed more than once, e.g. {dup[:5]}"
+        assert len(ids) == sum(expected.values()), (len(ids), sum(expected.values()))
+        units = store.units()
+        assert set(units) == set(expected), set(units) ^ set(expected)
+        for key, n in expected.items():
+            u = units[key]
+            assert u.status == "done" and u.n_chunks == n, (key, u, n)
+            mine = np.sort(ids[(ids >> CHUNK_BITS) == u.unit_no] & ((1 << CHUNK_BITS) - 1))
+            assert np.array_equal(mine, np.arange(n)), (key, mine)
+        rows = store.chunks(ids.tolist())
+        assert len(rows) == len(ids) and all(r.text for r in rows.values())
+        assert store.reconcile() == set()
+        listed = {s["name"]: s["count"] for s in store.read_manifest().segments}
+        assert listed == {s.name: s.count for s in segments}
+    assert not (out / "segments" / "replacing.json").exists()
+    return ids
+
+
+# -- /dev/shm -------------------------------------------------------------------------
+
+
+def shm_listing() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except OSError:
+        return set()
+
+
+def shm_in_use() -> set[str]:
+    """Names of the /dev/shm files some live process has open or mapped. A file our runs
+    left behind is in none (they all ended); one that another program on the machine is
+    using right now (tests run side by side) is, and is not ours to judge."""
+    used = set()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            for line in (d / "maps").read_text().splitlines():
+                if "/dev/shm/" in line:
+                    used.add(line.split("/dev/shm/", 1)[1].split()[0])
+            for fd in (d / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("/dev/shm/"):
+                    used.add(target[len("/dev/shm/"):].split()[0])
+        except OSError:
+            continue
+    return used
+
+
+def new_shm_files(before: set[str], timeout: float = 5.0) -> set[str]:
+    """/dev/shm files that appeared since ``before``, are still there after ``timeout``
+    and no live process uses: what a run leaked."""
+    deadline = time.monotonic() + timeout
+    while True:
+        new = shm_listing() - before
+        if new:
+            new -= shm_in_use()
+        if not new or time.monotonic() > deadline:
+            return new
+        time.sleep(0.1)
+
+
+# -- engine sinks of the property test (consumers import them from here) ---------------
+
+
+def array_digest(arrays: dict) -> dict:
+    return {k: (a.shape, str(a.dtype), hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest())
+            for k, a in arrays.items()}
+
+
+class DelayedDigestSinkFactory:
+    """Sinks that sleep a per-worker delay, then return the digest of what they got."""
+
+    def __init__(self, delays: tuple[float, ...]):
+        self.delays = tuple(delays)
+
+    def __call__(self, worker: int):
+        return DelayedDigestSink(worker, self.delays[worker % len(self.delays)])
+
+
+class DelayedDigestSink:
+    def __init__(self, worker: int, delay: float):
+        self.worker, self.delay, self.seen = worker, delay, []
+
+    def __call__(self, batch_id, arrays):
+        if self.delay:
+            time.sleep(self.delay)
+        self.seen.append(batch_id)
+        return (self.worker, array_digest(arrays))
+
+    def close(self):
+        return {"worker": self.worker, "seen": self.seen}

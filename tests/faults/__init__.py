@@ -1,0 +1,1 @@
+"""Fault-injection tests (issue #6); a package so its conftest does not shadow tests/conftest.py."""

@@ -1,0 +1,362 @@
+"""Nothing lost: build-index under faults, through the real CLI (``python -m embedingest``).
+
+Each test hits a run (SIGKILL of a consumer or of the main process, Ctrl-C, a full disk,
+poisoned inputs), checks that what is on disk is whole, re-runs the same command and
+checks that the index then holds every chunk of the corpus exactly once. The ``cli``
+fixture (conftest.py) checks after every test that no process of any run is left and
+that /dev/shm holds no new file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fault_helpers import (
+    build_args,
+    check_exactly_once,
+    check_index_files,
+    expected_chunks,
+    make_corpus,
+    tmp_files,
+    wait_for,
+    words,
+)
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.needs_cuda)]
+SLOW_SINK = {"EMBEDINGEST_FI_SINK_DELAY": "0.15"}
+
+
+def n_segments(out: Path) -> int:
+    seg = out / "segments"
+    return len(list(seg.glob("seg-*.faiss"))) if seg.is_dir() else 0
+
+
+def assert_no_id_twice(out: Path) -> None:
+    """What a reader (search) would see right now lists no vector twice."""
+    from embedingest.index.store import IndexStore
+
+    with IndexStore(out) as store:
+        ids = np.concatenate([s.ids() for s in store.segments()] or [np.empty(0, np.int64)])
+    assert len(ids) == len(np.unique(ids)), "a vector id is listed twice"
+
+
+def build(cli, corpus: Path, out: Path, *extra, env=None, device="cpu"):
+    return cli("build-index", corpus, "--out", out, *build_args(device), *extra, env=env)
+
+
+def finish(cli, corpus: Path, out: Path, device="cpu", expected=None) -> dict:
+    """Re-run the same command to the end; check exactly-once; return its JSON summary."""
+    run = build(cli, corpus, out, "--json", device=device)
+    assert run.wait() == 0, run.describe()
+    check_exactly_once(out, expected if expected is not None else expected_chunks(corpus))
+    return json.loads(run.stdout)
+
+
+def stopped_by_dead_consumer(run, victim: int | None) -> None:
+    """The run ends within 10 s of the consumer's death, exit 1, naming it, no traceback."""
+    t0 = time.monotonic()
+    rc = run.wait(60)
+    assert time.monotonic() - t0 < 10, f"the run took {time.monotonic() - t0:.1f} s to stop"
+    assert rc == 1, run.describe()
+    pid = victim if victim is not None else r"\d+"
+    assert re.search(rf"consumer \d+ \(pid {pid}\) was killed by SIGKILL", run.stderr), run.describe()
+    assert "Traceback" not in run.stderr, run.describe()
+    run.assert_no_leftovers()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_consumer_sigkill_stops_run_naming_it_and_rerun_is_exactly_once(cli, tmp_path, device):
+    """A consumer dies while its 3rd segment is half written (its sidecar committed, the
+    .faiss not); the re-run loses another consumer (killed from outside, found among the
+    CLI's children); the third run ends it with every chunk once."""
+    corpus = make_corpus(tmp_path / "corpus", 10)
+    out = tmp_path / "idx"
+    run = build(cli, corpus, out, device=device,
+                env={**SLOW_SINK, "EMBEDINGEST_FI_KILL": "consumer:seg-*.faiss:3:mid"})
+    wait_for(lambda: not run.running() or tmp_files(out), 120, what="a half-written segment")
+    stopped_by_dead_consumer(run, None)
+    assert tmp_files(out)  # the half-written segment, under its temporary name only
+    check_index_files(out)
+    assert_no_id_twice(out)
+
+    run = build(cli, corpus, out, env=SLOW_SINK, device=device)
+    before = n_segments(out)
+    wait_for(lambda: n_segments(out) >= before + 2 or not run.running(), 120,
+             what="two committed segments")
+    assert run.running(), run.describe()
+    consumers = run.consumers()
+    assert len(consumers) == 2, consumers
+    victim = sorted(consumers)[1]
+    os.kill(victim, signal.SIGKILL)
+    stopped_by_dead_consumer(run, victim)
+    check_index_files(out)
+    assert_no_id_twice(out)
+    finish(cli, corpus, out, device)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("device", DEVICES)
+def test_main_sigkill_at_random_moments_loses_nothing(cli, tmp_path, device, seed):
+    """A run killed after a random number of commits; with seed 1 its re-run killed
+    again at a random moment (start-up, planning, removal of half-done units, encoding);
+    then a run to the end. Only the main process is killed: the consumers (and a
+    DataLoader worker) must end by themselves."""
+    rng = random.Random(seed)
+    corpus = make_corpus(tmp_path / "corpus", 10, seed=seed)
+    out = tmp_path / "idx"
+    killed = 0
+    for attempt in range(1 + seed):
+        # the resumed run of seed 1 reads in a DataLoader worker process, which must not
+        # outlive the run either
+        workers = ["--num-workers", "1"] if attempt == 1 else []
+        run = build(cli, corpus, out, *workers, env=SLOW_SINK, device=device)
+        before = n_segments(out)
+        if attempt == 0:  # mid-encoding: after a random number of this run's commits
+            k = rng.randint(1, 12)
+            wait_for(lambda run=run, n=before + k: n_segments(out) >= n or not run.running(), 120,
+                     what=f"{k} commits")
+            time.sleep(rng.uniform(0, 0.3))
+        else:  # anywhere in a resumed run (planning, removal, encoding): a random moment
+            deadline = time.monotonic() + rng.uniform(0.5, 8.0)
+            while run.running() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        if run.running():
+            os.kill(run.pid, signal.SIGKILL)
+            killed += 1
+            assert run.wait() == -signal.SIGKILL
+        # the consumers stop by themselves (PR_SET_PDEATHSIG), having committed what they held
+        run.assert_no_leftovers()
+        check_index_files(out)
+        assert_no_id_twice(out)
+    assert killed >= 1
+    finish(cli, corpus, out, device)
+
+
+def test_main_sigkill_as_the_loader_worker_starts_leaves_no_process(cli, tmp_path):
+    """The main process killed the moment its DataLoader worker is forked (PyTorch's own
+    parent check is not armed yet while the worker loads its tokenizer): the worker must
+    not run on, orphaned, forever."""
+    corpus = make_corpus(tmp_path / "corpus", 4)
+    out = tmp_path / "idx"
+    run = build(cli, corpus, out, "--num-workers", "1", env=SLOW_SINK)
+    wait_for(lambda: run.loader_workers() or not run.running(), 120, 0.002, "the loader worker")
+    os.kill(run.pid, signal.SIGKILL)
+    assert run.wait() == -signal.SIGKILL, run.describe()
+    run.assert_no_leftovers(timeout=5)
+    check_index_files(out)
+
+
+def test_main_sigkill_while_writing_manifest_report_and_removal(cli, tmp_path):
+    """SIGKILL of the main process in the middle of its own writes: the manifest when
+    the index is created, the manifest at the end of a run, a segment rewritten by the
+    removal of changed units, the skip report; each time the folder stays whole and the
+    next run goes on."""
+    corpus = make_corpus(tmp_path / "corpus", 8, seed=5)
+    out = tmp_path / "idx"
+
+    def killed_at(point: str):
+        run = build(cli, corpus, out, env={"EMBEDINGEST_FI_KILL": point})
+        rc = run.wait()
+        assert rc == -signal.SIGKILL, f"never reached {point}: {run.describe()}"
+        run.assert_no_leftovers()
+        check_index_files(out)
+        assert_no_id_twice(out)
+        return run
+
+    killed_at("main:manifest.json:1:mid")  # creating the index
+    assert not (out / "manifest.json").exists()
+    killed_at("main:manifest.json:2:mid")  # the final manifest, every segment committed
+
+    # Change a file that shares a segment with another one, so the removal of its old
+    # vectors rewrites that segment (in the main process), and add a bad file.
+    from embedingest.index.store import CHUNK_BITS, IndexStore
+
+    with IndexStore(out) as store:
+        by_no = {u.unit_no: k for k, u in store.units().items()}
+        mixed = next(s for s in store.segments() if len(set((s.ids() >> CHUNK_BITS).tolist())) > 1)
+        victim = by_no[int(mixed.ids()[0] >> CHUNK_BITS)]
+    (corpus / victim).write_text(words(random.Random(9), 200) + "\n")
+    (corpus / "zero.txt").write_bytes(b"")
+    killed_at("main:seg-rm*.faiss:1:mid")  # every other point: test_remove_units_sigkill_...
+    killed_at("main:skipped.jsonl:1:mid")
+    run = build(cli, corpus, out, "--json")
+    assert run.wait() == 3, run.describe()  # finished; zero.txt reported again (its first report was cut)
+    check_exactly_once(out, expected_chunks(corpus))
+
+
+def _remove_units_script(folder: Path, units: list[int]) -> str:
+    return (f"from embedingest.index.store import IndexStore\n"
+            f"IndexStore({str(folder)!r}).remove_units({units!r})\n")
+
+
+def test_remove_units_sigkill_at_every_write_keeps_each_vector_once(tmp_path):
+    """The removal that every resumed run starts with, killed at each file it commits
+    (journal, sidecars, segments; mid-write and just after): a reader never sees an id
+    twice, and calling it again finishes it with exactly the other units left."""
+    import shutil
+    import subprocess
+    import sys
+
+    from fault_helpers import HOOKS
+    from index_fixtures import build_index
+
+    from embedingest.index.store import CHUNK_BITS, IndexStore
+
+    base = tmp_path / "base"
+    built = build_index(base, n_units=6, chunks=20, commit_every=30, workers=2)
+    drop = [built.unit_nos["doc1.txt"], built.unit_nos["doc4.txt"]]
+    keep = np.sort(built.ids[~np.isin(built.ids >> CHUNK_BITS, drop)])
+    built.store.close()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HOOKS), os.environ.get("PYTHONPATH", "")])}
+    points, n = [], 1
+    while True:  # every replace of the removal, until one run is not killed
+        hit = False
+        for phase in ("mid", "after"):
+            folder = tmp_path / f"n{n}-{phase}"
+            shutil.copytree(base, folder)
+            proc = subprocess.run([sys.executable, "-c", _remove_units_script(folder, drop)],
+                                  env={**env, "EMBEDINGEST_FI_KILL": f"main:*:{n}:{phase}"},
+                                  capture_output=True, text=True, timeout=60, check=False)
+            if proc.returncode == 0:
+                continue
+            assert proc.returncode == -signal.SIGKILL, proc.stderr
+            hit = True
+            points.append((n, phase))
+            with IndexStore(folder) as store:
+                ids = np.concatenate([s.ids() for s in store.segments()])
+                assert len(ids) == len(np.unique(ids)), (n, phase)
+                store.remove_units(drop)
+                ids = np.sort(np.concatenate([s.ids() for s in store.segments()]))
+                assert np.array_equal(ids, keep), (n, phase)
+            check_index_files(folder)
+            assert not list((folder / "segments").glob(".*")), (n, phase)
+        if not hit:
+            break
+        n += 1
+    assert len(points) >= 5, points  # journal + a sidecar and a segment per rewritten one
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ctrl_c_exits_130_within_5_s_and_resume_keeps_saved_work(cli, tmp_path, device):
+    corpus = make_corpus(tmp_path / "corpus", 10, seed=2)
+    out = tmp_path / "idx"
+    run = build(cli, corpus, out, "--num-workers", "1", env=SLOW_SINK, device=device)
+    wait_for(lambda: n_segments(out) >= 8 or not run.running(), 120, what="eight committed segments")
+    assert run.running(), run.describe()
+    run.signal_group(signal.SIGINT)
+    t0 = time.monotonic()
+    rc = run.wait(60)
+    assert time.monotonic() - t0 < 5, f"the run took {time.monotonic() - t0:.1f} s to stop"
+    assert rc == 130, run.describe()
+    assert "interrupted:" in run.stderr and "run the same command again to resume" in run.stderr
+    assert "Traceback" not in run.stderr, run.describe()
+    run.assert_no_leftovers()
+    check_index_files(out)
+    assert_no_id_twice(out)
+    from embedingest.index.store import IndexStore
+
+    with IndexStore(out) as store:  # the files fully saved before Ctrl-C
+        incomplete = store.reconcile()
+        saved = [u for u in store.units().values() if u.status == "done" and u.n_chunks
+                 and u.unit_no not in incomplete]
+    summary = finish(cli, corpus, out, device)
+    assert summary["units_unchanged"] == len(saved) >= 1, summary  # kept, not redone
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_disk_full_in_a_sink_fails_clearly_keeps_written_segments(cli, tmp_path, device):
+    corpus = make_corpus(tmp_path / "corpus", 10, seed=3)
+    out = tmp_path / "idx"
+    env = {"EMBEDINGEST_FI_ENOSPC": "5", "EMBEDINGEST_FI_COUNTER": str(tmp_path / "writes"),
+           "EMBEDINGEST_FI_SINK_DELAY": "0.05"}
+    run = build(cli, corpus, out, env=env, device=device)
+    rc = run.wait()
+    assert rc == 1, run.describe()
+    assert "No space left on device" in run.stderr, run.describe()
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("Error:") and "No space left on device" in last, run.describe()
+    run.assert_no_leftovers()
+    segments = check_index_files(out)
+    assert len(segments) == 5, sorted(segments)  # the commits before the disk filled up
+    assert_no_id_twice(out)
+    summary = finish(cli, corpus, out, device)  # space freed: the same command again
+    assert summary["units_indexed"] >= 1
+
+
+def _poisoned_corpus(root: Path) -> tuple[dict[str, set[str]], str | None]:
+    """Good files plus bad ones; returns {bad file key: accepted reason keywords} and the
+    name to make unreadable through the fault hook (None when chmod works)."""
+    rng = random.Random(7)
+    make_corpus(root, 4, seed=7)
+    bad: dict[str, set[str]] = {}
+
+    def put(name: str, data: bytes, *reasons: str):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+        bad[name] = set(reasons)
+
+    put("random.txt", bytes(rng.randrange(256) for _ in range(5000)) + b"\0", "binary")
+    put("zero.md", b"", "empty")
+    put("truncated-png.txt", b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR\0\0\0\x10\0\0", "binary")
+    put("bad-utf8.txt", b"caf\xc3\xa9 ok then \x81\x8d\x90 undefined bytes", "decode")
+    big = b'{"id": "big", "text": "' + b"a" * (50 * 2**20)  # one 50 MB line, never closed
+    put("huge-line.jsonl", big, "json")
+    put("huge-line.txt", b"word " * (10 * 2**20) + b"\x81", "decode")  # 50 MB, one line
+    put("deep.json", b"[" * 200_000 + b"]" * 200_000, "json")
+    put("deep.jsonl", b"[" * 200_000 + b"\n", "json")
+    put("malformed.jsonl", b'{"id": 1, "text": "no end\n{broken\n[1, 2\n', "json")
+    put("wrong-types.jsonl", b'{"id": 1, "text": 42}\n{"id": 2, "text": null}\n'
+                             b'{"id": 3, "text": ["a", "b"]}\n{"id": 4, "body": "no text"}\n'
+                             b'[1, 2, 3]\n"just a string"\n', "field", "json")
+    put("wrong-type.json", b'{"id": 1, "text": {"nested": true}}', "field")
+    # junk with neither NUL (the whole file would be "binary") nor the bytes cp1252 leaves
+    # undefined (the rest of the file would be "decode"): one bad line between good ones
+    junk = bytes(b for b in (rng.randrange(1, 256) for _ in range(3000))
+                 if b not in b"\n\r\x81\x8d\x8f\x90\x9d")
+    good = json.dumps({"id": "ok", "text": words(rng, 60)}).encode()
+    put("junk-mixed.jsonl", good + b"\n" + junk + b"\n" + good.replace(b'"ok"', b'"ok2"') + b"\n",
+        "json", "decode")
+    (root / "sub" / "loop").symlink_to("..")  # a folder link loop
+    bad["sub/loop"] = {"symlink loop"}
+    (root / "self.txt").symlink_to("self.txt")  # a file link loop
+    bad["self.txt"] = {"cannot stat", "broken or looping symbolic link"}
+    (root / "locked.txt").write_text(words(rng, 80))
+    bad["locked.txt"] = {"unreadable"}
+    hook = None
+    os.chmod(root / "locked.txt", 0)
+    try:
+        with open(root / "locked.txt", "rb"):
+            pass
+        hook = "locked.txt"  # root reads it anyway: simulate EACCES in the run instead
+    except PermissionError:
+        pass
+    return bad, hook
+
+
+def test_poisoned_inputs_are_each_reported_and_every_good_file_is_indexed(cli, tmp_path):
+    corpus = tmp_path / "corpus"
+    bad, hook = _poisoned_corpus(corpus)
+    out = tmp_path / "idx"
+    run = build(cli, corpus, out, "--json", env={"EMBEDINGEST_FI_EACCES": hook} if hook else None)
+    assert run.wait(240) == 3, run.describe()  # finished, some inputs skipped
+    report = [json.loads(line) for line in (out / "skipped.jsonl").read_text().splitlines()]
+    for name, reasons in bad.items():
+        where = str(corpus / name)
+        mine = [r for r in report if r["path"] == where or r["path"].startswith(where + ":")]
+        assert mine, f"{name} is not in skipped.jsonl: {report}"
+        for r in mine:
+            assert any(r["reason"].startswith(k) for k in reasons), (name, r)
+    os.chmod(corpus / "locked.txt", 0o644)
+    expected = expected_chunks(corpus)
+    expected.pop("locked.txt")
+    assert expected["junk-mixed.jsonl"] >= 2  # its two good records
+    ids = check_exactly_once(out, expected)
+    assert len(ids) == sum(expected.values()) and json.loads(run.stdout)["skipped"] >= len(bad)
