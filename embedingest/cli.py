@@ -31,6 +31,9 @@ def library_errors(fn):
             raise click.ClickException(str(exc)) from exc
         except FileNotFoundError as exc:
             raise click.ClickException(str(exc)) from exc
+        except OSError as exc:  # disk full, permissions, I/O errors, in a sink too
+            raise click.ClickException(f"{exc}; what was committed before is kept: fix the "
+                                       "cause and run the same command again") from exc
 
     return wrapper
 

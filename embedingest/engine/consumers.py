@@ -40,6 +40,23 @@ def _die_with_parent(parent_pid: int) -> None:
         raise _Stop(1)
 
 
+def exit_with_parent(parent_pid: int, worker_id: int = 0) -> None:
+    """``worker_init_fn`` for DataLoaders (as ``functools.partial(exit_with_parent,
+    os.getpid())``): the worker gets SIGKILL when the process that started it dies.
+
+    PyTorch's own parent check is armed only after the dataset's iterator is made (our
+    datasets load a tokenizer there), so a parent killed before that left the worker
+    running forever."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        except OSError:
+            pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
 def _error_message(worker: int, seq, batch_id, exc: BaseException) -> tuple:
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     try:

@@ -12,6 +12,7 @@ any point is finished by running the same command again, with every chunk exactl
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import logging
 import os
@@ -25,6 +26,7 @@ from torch.utils.data import DataLoader
 
 from ..config import IndexConfig
 from ..engine import EgressEngine
+from ..engine.consumers import exit_with_parent
 from ..errors import ConfigError
 from ..index.store import IndexStore, Manifest
 from ..report import SkipReport
@@ -186,7 +188,8 @@ def _loader(units: list[Unit], encoder: TextEncoder, cfg: IndexConfig, workers: 
                           window=cfg.sort_window * cfg.batch_size, text_field=cfg.text_field,
                           id_field=cfg.id_field, tokenizer_loader=load_tokenizer)
     return DataLoader(ds, batch_size=None, num_workers=workers, pin_memory=pin,
-                      prefetch_factor=4 if workers else None, persistent_workers=False)
+                      prefetch_factor=4 if workers else None, persistent_workers=False,
+                      worker_init_fn=functools.partial(exit_with_parent, os.getpid()))
 
 
 def _workers(cfg: IndexConfig, n_units: int, in_memory: bool) -> int:

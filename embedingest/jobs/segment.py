@@ -11,8 +11,11 @@ DeepLabV3's scores are far inside float16's range and half the bytes of float32.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import itertools
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -24,6 +27,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from ..config import load_config
+from ..engine.consumers import exit_with_parent
 from ..engine.egress import EgressEngine
 from ..engine.markers import annotate
 from ..errors import ConfigError
@@ -152,6 +156,21 @@ def list_inputs(config: SegmentConfig, report: SkipReport) -> tuple[list[tuple[s
     return todo, done
 
 
+def remove_stale_tmp_files(out: Path, todo: list[tuple[str, str]]) -> None:
+    """Delete the temporary files (``.<name>.tmp-<pid>``, see ``atomic_write_bytes``) that a
+    killed run left half-written in ``out`` and in the folders of the images still to do
+    (an image whose write was cut is one of those: its mask, written last, is missing)."""
+    for folder in {out} | {output_paths(out, rel)["mask"].parent for rel, _ in todo}:
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        for entry in entries:
+            if entry.name.startswith(".") and ".tmp-" in entry.name and entry.is_file(follow_symlinks=False):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+
+
 def segment(config: SegmentConfig, progress: bool = True, timeline: str | None = None) -> dict:
     """Run the job; returns a summary dict. Bad images are skipped and reported.
 
@@ -167,6 +186,7 @@ def segment(config: SegmentConfig, progress: bool = True, timeline: str | None =
     t0 = time.perf_counter()
     try:
         todo, already = list_inputs(config, report)
+        remove_stale_tmp_files(out, todo)
         summary = {"images": len(todo) + already, "already_done": already, "written": 0}
         if todo:
             summary.update(_run(config, device, todo, report, progress, timeline))
@@ -192,7 +212,7 @@ def _run(config: SegmentConfig, device: torch.device, todo: list[tuple[str, str]
         ImageFileDataset(todo, config.size, config.max_pixels or None),
         batch_size=config.batch_size, num_workers=config.num_workers,
         collate_fn=collate_images, pin_memory=device.type == "cuda",
-        persistent_workers=False)
+        persistent_workers=False, worker_init_fn=functools.partial(exit_with_parent, os.getpid()))
     spec = {"mask": ((config.batch_size, config.size, config.size), "uint8")}
     if config.save_logits:
         spec["logits"] = ((config.batch_size, loaded.num_classes, config.size, config.size), "float16")

@@ -63,6 +63,9 @@ def segment_command(images, config_path, as_json, timeline, **options) -> None:
         summary = segment(config, progress=not as_json, timeline=timeline)
     except (EmbedingestError, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from exc
+    except OSError as exc:  # disk full, permissions, I/O errors, in a sink too
+        raise click.ClickException(f"{exc}; every mask written before is kept: fix the cause "
+                                   "and run the same command again") from exc
     except KeyboardInterrupt:
         click.echo("\ninterrupted: every mask written so far is kept; run the same command "
                    "again to resume", err=True)

@@ -171,6 +171,10 @@ class TextChunkDataset(IterableDataset):
     def __iter__(self) -> Iterator[dict]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        if info is not None:
+            # Parallelism comes from the worker processes: a Rust thread pool per worker
+            # as well would put cores x workers threads on the cores.
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         tokenizer = self.tokenizer_loader(self.model_dir)
         pad_id = tokenizer.pad_token_id
         if pad_id is None:
