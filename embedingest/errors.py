@@ -7,6 +7,9 @@ sink keep their original type.
 
 from __future__ import annotations
 
+import pickle
+import traceback
+
 
 class EmbedingestError(Exception):
     """Base class of the errors embedingest itself raises."""
@@ -43,3 +46,15 @@ class RemoteTraceback(Exception):
 
     def __str__(self) -> str:
         return "\n\n" + self.tb
+
+
+def error_payload(exc: BaseException) -> tuple[bytes | None, str, str]:
+    """What another process needs to re-raise ``exc``: the pickled exception (None when it
+    does not survive a round trip), a one-line summary and the formatted traceback."""
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        data = pickle.dumps(exc)
+        pickle.loads(data)
+    except Exception:
+        data = None
+    return data, f"{type(exc).__name__}: {exc}", tb

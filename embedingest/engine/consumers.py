@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import ctypes
 import os
-import pickle
 import signal
 import sys
 import time
-import traceback
 
+from ..errors import error_payload
 from .markers import annotate
 
 _PR_SET_PDEATHSIG = 1
@@ -29,13 +28,18 @@ def _on_sigterm(signum, frame):
     raise _Stop(128 + signum)
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def _parent_death_signal(sig: int) -> None:
+    """Ask the kernel to send ``sig`` to this process when its parent dies (Linux)."""
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+            libc.prctl(_PR_SET_PDEATHSIG, sig)
         except OSError:
             pass
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    _parent_death_signal(signal.SIGTERM)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         raise _Stop(1)
 
@@ -47,24 +51,13 @@ def exit_with_parent(parent_pid: int, worker_id: int = 0) -> None:
     PyTorch's own parent check is armed only after the dataset's iterator is made (our
     datasets load a tokenizer there), so a parent killed before that left the worker
     running forever."""
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        except OSError:
-            pass
+    _parent_death_signal(signal.SIGKILL)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
 
 
 def _error_message(worker: int, seq, batch_id, exc: BaseException) -> tuple:
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    try:
-        payload = pickle.dumps(exc)
-        pickle.loads(payload)
-    except Exception:
-        payload = None
-    return ("error", worker, seq, batch_id, payload, f"{type(exc).__name__}: {exc}", tb)
+    return ("error", worker, seq, batch_id, *error_payload(exc))
 
 
 def _send(conn, msg) -> None:

@@ -19,13 +19,12 @@ import pickle
 import signal
 import sys
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 
 from ..engine.consumers import _die_with_parent
-from ..errors import EngineError, RemoteTraceback
+from ..errors import EngineError, RemoteTraceback, error_payload
 
 log = logging.getLogger("embedingest")
 
@@ -175,20 +174,10 @@ def _child_main(target, args, conn, parent_pid: int, level: int) -> None:
         result = target(*args, report)
         msg = ("ok", result)
     except BaseException as exc:
-        msg = ("error", _error_payload(exc))
+        msg = ("error", error_payload(exc))
     try:
         conn.send(msg)
     except (BrokenPipeError, EOFError, OSError):
         pass  # the parent is gone or stopped listening
     finally:
         conn.close()
-
-
-def _error_payload(exc: BaseException) -> tuple:
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    try:
-        data = pickle.dumps(exc)
-        pickle.loads(data)
-    except Exception:
-        data = None
-    return data, f"{type(exc).__name__}: {exc}", tb
