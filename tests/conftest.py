@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 
@@ -24,26 +23,10 @@ def pytest_collection_modifyitems(config, items):
 
 def child_pids(parent: int | None = None) -> set[int]:
     """Live descendants of ``parent`` (default: this process), multiprocessing's helper excluded."""
+    from fault_helpers import descendants
+
     parent = os.getpid() if parent is None else parent
-    kids: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-            cmd = (d / "cmdline").read_bytes()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if fields[0] == "Z" or b"resource_tracker" in cmd:
-            continue
-        kids.setdefault(int(fields[1]), []).append(int(d.name))
-    out, stack = set(), [parent]
-    while stack:
-        for k in kids.get(stack.pop(), []):
-            out.add(k)
-            stack.append(k)
-    return out
+    return {pid for pid, cmd in descendants(parent).items() if b"resource_tracker" not in cmd}
 
 
 def shm_files() -> set[str]:
