@@ -58,3 +58,19 @@ def error_payload(exc: BaseException) -> tuple[bytes | None, str, str]:
     except Exception:
         data = None
     return data, f"{type(exc).__name__}: {exc}", tb
+
+
+def rebuild_error(payload: bytes | None, fallback: str, where: str, tb: str) -> BaseException:
+    """The exception :func:`error_payload` described, re-made in this process: the original
+    type when it unpickles, else an :class:`EngineError` with ``fallback`` as message; the
+    remote traceback (labelled ``where``) becomes its cause."""
+    exc = None
+    if payload is not None:
+        try:
+            exc = pickle.loads(payload)
+        except Exception:
+            exc = None
+    if not isinstance(exc, BaseException):
+        exc = EngineError(fallback)
+    exc.__cause__ = RemoteTraceback(f"{where}:\n{tb}")
+    return exc

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
-import pickle
 import queue
 import signal
 import threading
@@ -30,7 +29,7 @@ from multiprocessing.connection import wait
 import numpy as np
 
 from ..config import EngineConfig
-from ..errors import ConfigError, ConsumerDied, EngineError, RemoteTraceback
+from ..errors import ConfigError, ConsumerDied, EngineError, rebuild_error
 from .consumers import consumer_main
 from .layout import SlotLayout
 from .gpu_monitor import UtilizationSampler
@@ -457,16 +456,8 @@ class EgressEngine:
             self._finish(msg[2], msg[3])
         elif kind == "error":
             _, _, seq, batch_id, payload, summary, tb = msg
-            exc = None
-            if payload is not None:
-                try:
-                    exc = pickle.loads(payload)
-                except Exception:
-                    exc = None
-            if exc is None:
-                exc = EngineError(f"consumer {w} failed on batch {batch_id!r}: {summary}")
-            exc.__cause__ = RemoteTraceback(f"in consumer {w}, batch {batch_id!r}:\n{tb}")
-            self._fail(exc)
+            self._fail(rebuild_error(payload, f"consumer {w} failed on batch {batch_id!r}: {summary}",
+                                     f"in consumer {w}, batch {batch_id!r}", tb))
         elif kind == "closed":
             self._closed_ok[w] = True
             self.closed_results[w] = msg[2]

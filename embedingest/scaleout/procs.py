@@ -15,7 +15,6 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
-import pickle
 import signal
 import sys
 import time
@@ -24,7 +23,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 
 from ..engine.consumers import _die_with_parent
-from ..errors import EngineError, RemoteTraceback, error_payload
+from ..errors import EngineError, error_payload, rebuild_error
 
 log = logging.getLogger("embedingest")
 
@@ -110,16 +109,7 @@ def _collect(jobs, procs, conns, on_progress) -> list:
 
 
 def _remote_error(name: str, data: bytes | None, text: str, tb: str) -> BaseException:
-    exc = None
-    if data is not None:
-        try:
-            exc = pickle.loads(data)
-        except Exception:
-            exc = None
-    if not isinstance(exc, BaseException):
-        exc = EngineError(f"device {name}: {text}")
-    exc.__cause__ = RemoteTraceback(f"in the process of device {name}:\n{tb}")
-    return exc
+    return rebuild_error(data, f"device {name}: {text}", f"in the process of device {name}", tb)
 
 
 def _stop(procs, timeout: float) -> None:
