@@ -34,6 +34,7 @@ from ..sinks.faiss_shards import FaissShardSinkFactory, new_run_id
 from ..sources.files import walk_files
 from ..sources.text import TEXT_EXTENSIONS
 from ..sources.text_dataset import Chunks, TextChunkDataset, Unit
+from ..stages.device import resolve_device
 from ..stages.encoder import TextEncoder, load_tokenizer
 from ..stages.prefetch import prefetch
 
@@ -47,14 +48,6 @@ def default_out(corpus) -> Path:
         name = Path(corpus).resolve().name
         return Path("indexes") / (Path(name).stem if Path(corpus).is_file() else name)
     return Path("indexes") / "records"
-
-
-def resolve_device(name: str) -> tuple[str, str]:
-    if name == "auto":
-        return ("cuda" if torch.cuda.is_available() else "cpu"), "auto"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device={name!r} but torch sees no CUDA GPU; use --device cpu")
-    return name, name
 
 
 def _sha256(path: Path) -> str:
@@ -248,7 +241,7 @@ def build_index(corpus, config: IndexConfig | None = None, *, progress: bool = F
     cfg.validate()
     t_start = time.perf_counter()
     devices = _devices(cfg)
-    device, _ = resolve_device(devices[0] if devices else cfg.device)
+    device = str(resolve_device(devices[0] if devices else cfg.device))
     dtype = cfg.dtype if cfg.dtype != "auto" else ("fp16" if device.startswith("cuda") else "fp32")
     in_memory = not isinstance(corpus, (str, os.PathLike))
     if not in_memory and not Path(corpus).exists():

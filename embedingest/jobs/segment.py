@@ -37,6 +37,7 @@ from ..sources.files import walk_files
 from ..sources.image_decode import (DEFAULT_MAX_PIXELS, IMAGE_EXTENSIONS, ImageRejected,
                                     prepare_picture)
 from ..sources.images import ImageBatch, ImageFileDataset, collate_images
+from ..stages.device import resolve_device
 from ..stages.prefetch import prefetch
 from ..stages.segmentation import (ARCHITECTURES, DTYPES, Segmenter, SegmentationModel,
                                    load_segmentation_model)
@@ -102,20 +103,6 @@ class SegmentConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as exc:
-        raise ConfigError(f"device={name!r} is not a device; use auto, cuda, cuda:N or cpu") from exc
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device={name!r} but torch sees no CUDA GPU; use --device cpu")
-    if device.type not in ("cuda", "cpu"):
-        raise ConfigError(f"device={name!r} is not supported; use auto, cuda, cuda:N or cpu")
-    return device
 
 
 def _is_done(out: Path, rel: str, config: SegmentConfig) -> bool:
