@@ -231,4 +231,4 @@ def bench_text(docs, batch_size, device, dtype, model, num_workers, num_consumer
     if json_path:
         write_json(json_path, {"machine": info, "config": cfg.__dict__,
                                "rows": [{k: v for k, v in r.items() if k != "summary"} for r in rows],
-                               "build_index_summary": next((r["summary"] for r in rows if "summary" in r), None)})
+                               "build_index_summaries": [r["summary"] for r in rows if "summary" in r]})

@@ -57,6 +57,9 @@ class IndexConfig:
     dtype: str = "auto"
     # Chunks per encoder batch (the slot size of the egress engine).
     batch_size: int = 256
+    # On a GPU, replay the encoder from CUDA graphs (one per batch shape): the GPU no
+    # longer waits for Python to launch each kernel. Off: plain eager forward.
+    cuda_graphs: bool = True
     # Tokens per chunk, special tokens included (capped at the model's max length).
     chunk_tokens: int = 256
     # Tokens shared by consecutive chunks of one text.

@@ -114,19 +114,21 @@ def st_encode_add(cfg: TextBenchConfig, corpus: Path, model_dir: str, dtype: str
             "precision": dtype, "docs_per_s": len(texts) / dt, "seconds": dt, "vectors": index.ntotal}
 
 
-def forward_only(cfg: TextBenchConfig, texts: list[str], model_dir: str | None) -> dict:
-    """The bound: our encoder's forward on batches tokenized, sorted by length and placed
-    on the device beforehand."""
+def forward_only(cfg: TextBenchConfig, texts: list[str], model_dir: str | None,
+                 cuda_graphs: bool = True) -> dict:
+    """The GPU bound: our encoder's forward on batches tokenized, sorted by length and
+    placed on the device beforehand."""
     from ..stages.encoder import TextEncoder
 
-    enc = TextEncoder.load(model_dir, device=cfg.device, dtype=cfg.dtype)
+    enc = TextEncoder.load(model_dir, device=cfg.device, dtype=cfg.dtype, cuda_graphs=cuda_graphs)
+    how = "CUDA graphs" if enc.uses_cuda_graphs else "eager"
     order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
     batches = []
     for i in range(0, len(order), cfg.batch_size):
         tok = enc.tokenize([texts[j] for j in order[i:i + cfg.batch_size]])
         batches.append((tok["input_ids"].to(cfg.device), tok["attention_mask"].to(cfg.device)))
     with torch.inference_mode():
-        for ids, mask in batches[:3]:
+        for ids, mask in batches:  # every shape once: graphs are captured before the clock
             enc.forward(ids, mask)
         _sync(cfg.device)
         t0 = time.perf_counter()
@@ -135,20 +137,44 @@ def forward_only(cfg: TextBenchConfig, texts: list[str], model_dir: str | None) 
         _sync(cfg.device)
     dt = time.perf_counter() - t0
     tokens = sum(int(m.sum()) for _, m in batches)
-    return {"name": f"encoder forward alone (pre-tokenized), {cfg.dtype}", "kind": "bound",
+    return {"name": f"encoder forward alone (pre-tokenized), {cfg.dtype}, {how}",
+            "kind": "bound" if cuda_graphs else "bound-eager",
             "precision": cfg.dtype, "docs_per_s": len(texts) / dt, "seconds": dt,
             "mean_tokens": tokens / len(texts)}
 
 
-def build_index_run(cfg: TextBenchConfig, corpus: Path, model_dir: str | None, out: Path) -> dict:
+def loader_only(cfg: TextBenchConfig, corpus: Path, model_dir: str | None) -> dict:
+    """The host bound: build-index's own reading, chunking and tokenizing (DataLoader
+    workers, length-sorted batches) with nothing done to the batches."""
+    from ..config import IndexConfig
+    from ..jobs.build_index import _loader, _workers
+    from ..sources.text_dataset import Unit
+    from ..stages.encoder import TextEncoder
+
+    enc = TextEncoder.load(model_dir, device="cpu")
+    icfg = IndexConfig(batch_size=cfg.batch_size, num_workers=cfg.num_workers)
+    units = [Unit(i, p.name, path=str(p)) for i, p in enumerate(sorted(corpus.glob("*.jsonl")))]
+    workers = _workers(icfg, len(units), False)
+    t0 = time.perf_counter()
+    docs = sum(item["chunks"].n_docs
+               for item in _loader(units, enc, icfg, workers, min(icfg.chunk_tokens, enc.max_seq_length),
+                                   pin=cfg.device.startswith("cuda")))
+    dt = time.perf_counter() - t0
+    return {"name": f"read + chunk + tokenize alone ({workers} DataLoader workers)", "kind": "loader",
+            "precision": "-", "docs_per_s": docs / dt, "seconds": dt}
+
+
+def build_index_run(cfg: TextBenchConfig, corpus: Path, model_dir: str | None, out: Path,
+                    cuda_graphs: bool = True) -> dict:
     from ..jobs.build_index import build_index
 
     s = build_index(corpus, out=str(out), model=model_dir, device=cfg.device, dtype=cfg.dtype,
                     batch_size=cfg.batch_size, num_workers=cfg.num_workers,
-                    num_consumers=cfg.num_consumers, overwrite=True)
+                    num_consumers=cfg.num_consumers, cuda_graphs=cuda_graphs, overwrite=True)
     eng = s["engine"] or {}
     steady = s["docs"] / eng["wall_seconds"] if eng.get("wall_seconds") else None
-    return {"name": f"embedingest build-index, {cfg.dtype}", "kind": "engine", "precision": cfg.dtype,
+    name = f"embedingest build-index, {cfg.dtype}" + ("" if cuda_graphs else ", no CUDA graphs")
+    return {"name": name, "kind": "engine" if cuda_graphs else "engine-eager", "precision": cfg.dtype,
             "docs_per_s": s["docs_per_s"], "seconds": s["seconds"], "vectors": s["vectors_total"],
             "steady_docs_per_s": steady, "pinned": eng.get("pinned"), "copy_gbps": eng.get("copy_gbps"),
             "gpu_idle": eng.get("gpu_idle_fraction"), "summary": s}
@@ -164,8 +190,13 @@ def run_all(cfg: TextBenchConfig, log=print) -> list[dict]:
         corpus = write_corpus(texts, work / "corpus", cfg.files)
         rows = []
         plan = [lambda: forward_only(cfg, texts, cfg.model),
-                lambda: build_index_run(cfg, corpus, cfg.model, work / "index"),
-                lambda: st_encode_add(cfg, corpus, model_dir, cfg.dtype)]
+                lambda: loader_only(cfg, corpus, cfg.model),
+                lambda: build_index_run(cfg, corpus, cfg.model, work / "index")]
+        if cfg.device.startswith("cuda"):
+            plan[1:1] = [lambda: forward_only(cfg, texts, cfg.model, cuda_graphs=False)]
+            plan.append(lambda: build_index_run(cfg, corpus, cfg.model, work / "index",
+                                                cuda_graphs=False))
+        plan.append(lambda: st_encode_add(cfg, corpus, model_dir, cfg.dtype))
         if cfg.st_fp32 and cfg.dtype != "fp32":
             plan.append(lambda: st_encode_add(cfg, corpus, model_dir, "fp32"))
         for fn in plan:

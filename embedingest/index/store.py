@@ -422,15 +422,22 @@ class IndexStore:
 
     @property
     def db(self) -> sqlite3.Connection:
-        """The metadata database (created on first use)."""
+        """The metadata database (created on first use), for this store's thread."""
         if self._db is None:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            db = sqlite3.connect(self.metadata_path)
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")
-            db.executescript(_SCHEMA)
-            self._db = db
+            self._db = self.connect()
         return self._db
+
+    def connect(self, busy_timeout_ms: int = 0) -> sqlite3.Connection:
+        """A new connection to the metadata database, for another thread or process
+        (sqlite connections stay in the thread that made them)."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(self.metadata_path)
+        if busy_timeout_ms:
+            db.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        db.executescript(_SCHEMA)
+        return db
 
     def upsert_units(self, rows: Iterable[Mapping]) -> dict[str, int]:
         """Insert or update units by key (one transaction); return {key: unit_no}.
@@ -484,11 +491,18 @@ class IndexStore:
             db.executemany("INSERT OR REPLACE INTO chunks VALUES (?, ?, ?, ?, ?, ?, ?)", with_ids())
         return count
 
-    def insert_chunk_rows(self, rows: Iterable[tuple]) -> None:
+    def insert_chunk_rows(self, rows: Iterable[tuple], db: sqlite3.Connection | None = None) -> None:
         """Insert (id, unit_no, record_id, chunk_no, char_start, char_end, text) rows whose
-        ids are already computed (the build's hot path), replacing rows of the same id."""
-        with self.db as db:
-            db.executemany("INSERT OR REPLACE INTO chunks VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
+        ids are already computed (the build's hot path), replacing rows of the same id;
+        ``db`` is a connection from :meth:`connect` when called from another thread."""
+        with db or self.db as conn:
+            conn.executemany("INSERT OR REPLACE INTO chunks VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
+
+    def mark_units_done(self, done: Iterable[tuple[int, int]], db: sqlite3.Connection | None = None) -> None:
+        """Mark ``(unit_no, n_chunks)`` units done (after their chunk rows are written)."""
+        with db or self.db as conn:
+            conn.executemany("UPDATE units SET n_chunks=?, status='done' WHERE unit_no=?",
+                             ((int(n), int(u)) for u, n in done))
 
     def delete_chunks(self, unit_nos: Iterable[int]) -> None:
         """Delete the chunk rows of ``unit_nos`` (before they are chunked again)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import itertools
 import logging
 import os
 import time
@@ -29,6 +30,7 @@ from ..engine import EgressEngine
 from ..engine.consumers import exit_with_parent
 from ..errors import ConfigError
 from ..index.store import IndexStore, Manifest
+from ..index.writer import MetadataWriter
 from ..report import SkipReport
 from ..sinks.faiss_shards import FaissShardSinkFactory, new_run_id
 from ..sources.files import walk_files
@@ -140,40 +142,6 @@ def plan_units(store: IndexStore, candidates: Iterable[dict], report: SkipReport
     return _Plan(todo, unchanged, redo + stray, deleted, len(seen))
 
 
-class _MetadataWriter:
-    """Buffers chunk rows and finished units; flushes them in one transaction at a time.
-
-    A unit is marked done only after its chunk rows are written, never before.
-    """
-
-    def __init__(self, store: IndexStore, every: float = 2.0):
-        self.store, self.every = store, every
-        self.rows: list[tuple] = []
-        self.done: list[tuple[int, int]] = []
-        self.last = time.monotonic()
-
-    def add(self, item: dict) -> None:
-        c = item["chunks"]
-        if isinstance(c, Chunks):
-            self.rows.extend(zip(c.id, c.unit_no, c.record_id, c.chunk_no, c.char_start,
-                                 c.char_end, c.text))
-        else:
-            self.rows.extend((r["unit_no"] << 32 | r["chunk_no"], r["unit_no"], r["record_id"],
-                              r["chunk_no"], r["char_start"], r["char_end"], r["text"]) for r in c)
-        self.done.extend((int(u), int(n)) for u, n in item["units_done"])
-        if time.monotonic() - self.last > self.every or len(self.rows) > 50_000:
-            self.flush()
-
-    def flush(self) -> None:
-        if self.rows:
-            self.store.insert_chunk_rows(self.rows)
-        if self.done:
-            with self.store.db as db:
-                db.executemany("UPDATE units SET n_chunks=?, status='done' WHERE unit_no=?",
-                               ((n, u) for u, n in self.done))
-        self.rows, self.done, self.last = [], [], time.monotonic()
-
-
 def _loader(units: list[Unit], encoder: TextEncoder, cfg: IndexConfig, workers: int,
             chunk_tokens: int, pin: bool) -> DataLoader:
     ds = TextChunkDataset(units, encoder.model_dir, batch_size=cfg.batch_size,
@@ -247,7 +215,7 @@ def build_index(corpus, config: IndexConfig | None = None, *, progress: bool = F
     if not in_memory and not Path(corpus).exists():
         raise ConfigError(f"corpus {str(corpus)!r} does not exist; pass a folder or a file")
     out = Path(cfg.out) if cfg.out else default_out(corpus)
-    encoder = TextEncoder.load(cfg.model, device=device, dtype=dtype)
+    encoder = TextEncoder.load(cfg.model, device=device, dtype=dtype, cuda_graphs=cfg.cuda_graphs)
     chunk_tokens = min(cfg.chunk_tokens, encoder.max_seq_length)
     if cfg.overlap >= chunk_tokens:
         raise ConfigError(f"overlap={cfg.overlap} must be smaller than the chunk size {chunk_tokens}")
@@ -307,6 +275,8 @@ def build_index(corpus, config: IndexConfig | None = None, *, progress: bool = F
         "docs_per_s": round(counts["docs"] / seconds, 1) if seconds else 0.0,
         "chunks_per_s": round(counts["chunks"] / seconds, 1) if seconds else 0.0,
         "engine": stats.summary() if stats else None,
+        "main_loop": {key: round(counts.get(key, 0.0), 3)
+                      for key in ("input_wait_s", "encode_submit_s", "metadata_s")},
     }
     summary["exit_code"] = EXIT_SKIPPED if report.entries else EXIT_OK
     return summary
@@ -343,8 +313,11 @@ def _encode_all(units: list[Unit], encoder: TextEncoder, store: IndexStore, repo
                                   run_id=run_id or new_run_id(), commit_every=cfg.commit_every,
                                   trained=trained)
     spec = {"emb": ((cfg.batch_size, encoder.dim), "float32"), "ids": ((cfg.batch_size,), "int64")}
-    meta = _MetadataWriter(store)
-    docs = 0
+    meta = MetadataWriter(store)
+    docs, finished = 0, False
+    # Where the main process's time goes: waiting for tokenized batches (the workers are
+    # the bound), launching the forward and handing over the copy, or metadata rows.
+    timing = {"input_wait_s": 0.0, "encode_submit_s": 0.0, "metadata_s": 0.0}
     bar = tqdm(total=len(units), unit="unit", disable=not progress, dynamic_ncols=True)
     t0 = time.perf_counter()
     engine = EgressEngine(sinks, num_consumers=cfg.num_consumers, num_slots=cfg.num_slots or None,
@@ -357,14 +330,24 @@ def _encode_all(units: list[Unit], encoder: TextEncoder, store: IndexStore, repo
                 return (item["input_ids"].to(device, non_blocking=True),
                         item["attention_mask"].to(device, non_blocking=True))
 
-            for batch_no, (item, moved) in enumerate(prefetch(loader, send, device, engine.span)):
+            batches = prefetch(loader, send, device, engine.span)
+            for batch_no in itertools.count():
+                t_wait = time.perf_counter()
+                item, moved = next(batches, (None, None))
+                t_encode = time.perf_counter()
+                timing["input_wait_s"] += t_encode - t_wait
+                if item is None:
+                    break
                 for where, reason in item["skipped"]:
                     report.add(where, reason, stage="read")
                 if moved is not None:
                     engine.mark_compute_start()
                     emb = encoder.forward(*moved)
                     engine.submit(batch_no, {"emb": emb, "ids": item["ids"]})
+                t_meta = time.perf_counter()
+                timing["encode_submit_s"] += t_meta - t_encode
                 meta.add(item)
+                timing["metadata_s"] += time.perf_counter() - t_meta
                 n = len(item["ids"])
                 counts["chunks"] += n
                 docs += item["chunks"].n_docs
@@ -376,8 +359,11 @@ def _encode_all(units: list[Unit], encoder: TextEncoder, store: IndexStore, repo
                     bar.update(len(item["units_done"]))
                     bar.set_postfix(docs_s=f"{docs / dt:,.0f}", chunks_s=f"{counts['chunks'] / dt:,.0f}",
                                     refresh=False)
+        finished = True
     finally:
         counts["docs"] = docs
+        for key, value in timing.items():
+            counts[key] = counts.get(key, 0.0) + value
         bar.close()
-        meta.flush()
+        meta.close(raise_errors=finished)
     return engine.stats

@@ -111,7 +111,7 @@ def encode_on_devices(devices: list[str], units: list[Unit], sizes: list[int], c
         bar.close()
     for r in results:
         for key, value in r["counts"].items():
-            counts[key] += value
+            counts[key] = counts.get(key, 0) + value
         report.entries.extend(r["skipped"])
     return MultiDeviceStats(used, [r["stats"] for r in results])
 
@@ -128,7 +128,7 @@ def _encode_part(device: str, dtype: str, units: list[Unit], cfg: IndexConfig, o
 
     if device == "cpu":
         torch.set_num_threads(threads)
-    encoder = TextEncoder.load(cfg.model, device=device, dtype=dtype)
+    encoder = TextEncoder.load(cfg.model, device=device, dtype=dtype, cuda_graphs=cfg.cuda_graphs)
     report = SkipReport()
     counts = {"chunks": 0, "docs": 0, "units_done": 0}
     pending = {"units": 0, "chunks": 0, "at": time.monotonic()}

@@ -177,7 +177,8 @@ class EmbedBatches:
         self.out, self.chunk_tokens, self.trained = out, chunk_tokens, trained
         self.todo: TodoMap = ray.get(todo) if isinstance(todo, ray.ObjectRef) else todo
         self.device = "cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu"
-        self.encoder = TextEncoder.load(self.cfg.model, device=self.device, dtype=dtype)
+        self.encoder = TextEncoder.load(self.cfg.model, device=self.device, dtype=dtype,
+                                       cuda_graphs=self.cfg.cuda_graphs)
         self.run_id = f"{new_run_id()}_ray{os.getpid()}"
         self.calls = 0
 
@@ -278,20 +279,18 @@ class RayIndexPlan:
         and the skip report; return a summary like ``build_index``'s."""
         from tqdm import tqdm
 
-        from ..jobs.build_index import _fingerprint, _MetadataWriter
+        from ..index.writer import MetadataWriter
+        from ..jobs.build_index import _fingerprint
 
         store, counts, report = self.store, self.counts, self.report
         bar = tqdm(total=self.pending, unit="record", disable=not progress, dynamic_ncols=True)
         try:
-            meta = _MetadataWriter(store)
-            try:
+            with MetadataWriter(store) as meta:
                 for table in (results.iter_batches(batch_format="pyarrow", batch_size=None)
                               if results is not None else ()):
                     for row in table.to_pylist():
                         _record_row(row, meta, counts, report)
                         bar.update(row["unit_no"] >= 0)
-            finally:
-                meta.flush()
             bad = store.reconcile()
             if bad:
                 store.set_status(bad, "pending")

@@ -200,14 +200,19 @@ class _WorkerBatches:
         self.reading: int | None = None
         self.done: list[tuple[int, int]] = []
         self.skipped: list[tuple[str, str]] = []
+        # The window starts at two batches and doubles up to its full size, so the first
+        # batch leaves after two batches' worth of chunks, not a whole window's (with 12
+        # workers each filling 16 batches first, the GPU would wait seconds at the start).
+        self.limit = min(ds.window, 2 * ds.batch_size)
 
     def run(self, units: list[Unit]) -> Iterator[dict]:
         for unit in units:
             u = self.reading = unit.unit_no
             self.in_window[u] = self.total[u] = 0
             for input_ids, chunk in self._unit_chunks(unit):
-                if len(self.window) >= self.ds.window:
+                if len(self.window) >= self.limit:
                     yield from self._flush(final=False)
+                    self.limit = min(self.ds.window, 2 * self.limit)
                 self.window.append((input_ids, chunk))
                 self.in_window[u] += 1
                 self.total[u] += 1

@@ -90,9 +90,17 @@ class Chunker:
         out: list[list[Chunk] | None] = [None] * len(texts)
         short = [i for i, t in enumerate(texts) if len(t) <= self.piece_chars]
         encs = self._tok.encode_batch([texts[i] for i in short], add_special_tokens=False)
+        prefix, suffix, budget = self.prefix, self.suffix, self.budget
         for i, enc in zip(short, encs):
-            offsets = enc.offsets
-            out[i] = list(self._windows(enc.ids, [a for a, _ in offsets], [b for _, b in offsets]))
+            ids = enc.ids
+            if not ids:
+                out[i] = []
+            elif len(ids) <= budget:  # the usual case: the whole text is one chunk
+                offsets = enc.offsets
+                out[i] = [Chunk(prefix + ids + suffix, offsets[0][0], offsets[-1][1])]
+            else:
+                offsets = enc.offsets
+                out[i] = list(self._windows(ids, [a for a, _ in offsets], [b for _, b in offsets]))
         for i, t in enumerate(texts):
             if out[i] is None:
                 out[i] = self.chunk(t)

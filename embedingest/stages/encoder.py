@@ -99,7 +99,8 @@ class TextEncoder:
     """A transformer, its tokenizer and its pooling, loaded from one local folder."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, layout: _Layout, model_dir: Path,
-                 name: str, device: torch.device, dtype: str, max_seq_length: int):
+                 name: str, device: torch.device, dtype: str, max_seq_length: int,
+                 cuda_graphs: bool = True):
         self._model = model
         self._tokenizer = tokenizer
         self._layout = layout
@@ -108,16 +109,26 @@ class TextEncoder:
         self._device = device
         self._dtype = dtype
         self._max_seq_length = max_seq_length
-        probe = self.tokenize(["dim"])
-        self._dim = int(self.forward(probe["input_ids"], probe["attention_mask"]).shape[-1])
+        self._prepared_mask = False
+        self._graphs = None
+        probe = self.tokenize(["dim", "a longer text, so the batch has padding"])
+        reference = self.forward(probe["input_ids"], probe["attention_mask"])
+        self._dim = int(reference.shape[-1])
+        self._prepared_mask = self._prepared_mask_agrees(probe, reference)
+        if cuda_graphs and device.type == "cuda":
+            from .cuda_graphs import GraphedFunction
+
+            self._graphs = GraphedFunction(self._embed, device)
 
     @classmethod
     def load(cls, model: str | Path | None = None, device: str | torch.device = "cpu",
-             dtype: str = "fp32", max_seq_length: int | None = None) -> TextEncoder:
+             dtype: str = "fp32", max_seq_length: int | None = None,
+             cuda_graphs: bool = True) -> TextEncoder:
         """Load a local sentence-transformers or Hugging Face folder; None is the bundled model.
 
         ``max_seq_length`` overrides the folder's own limit (sentence_bert_config.json, else
-        the tokenizer's and the model's).
+        the tokenizer's and the model's). ``cuda_graphs`` replays the forward from CUDA
+        graphs on a GPU (see :mod:`embedingest.stages.cuda_graphs`).
         """
         torch_device = _resolve_device(device)
         torch_dtype = _resolve_dtype(dtype, torch_device)
@@ -128,7 +139,8 @@ class TextEncoder:
         tokenizer = _load_tokenizer(layout.transformer_dir, layout.do_lower_case)
         seq_len = _resolve_max_seq_length(max_seq_length, layout, tokenizer, transformer.config)
         tokenizer.model_max_length = seq_len
-        return cls(transformer, tokenizer, layout, model_dir, name, torch_device, dtype, seq_len)
+        return cls(transformer, tokenizer, layout, model_dir, name, torch_device, dtype, seq_len,
+                   cuda_graphs)
 
     @property
     def dim(self) -> int:
@@ -190,13 +202,50 @@ class TextEncoder:
         return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Sentence embeddings, float32 [B, dim], on the encoder's device."""
+        """Sentence embeddings, float32 [B, dim], on the encoder's device.
+
+        On CUDA the call only enqueues work: it never waits for the GPU, and with
+        ``cuda_graphs`` each batch shape is replayed from a captured graph.
+        """
         with torch.inference_mode():
             input_ids = input_ids.to(self._device, non_blocking=True)
             attention_mask = attention_mask.to(self._device, non_blocking=True)
-            hidden = self._model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-            embeddings = pool(hidden, attention_mask, self._layout.pooling)
-            return F.normalize(embeddings, p=2, dim=-1) if self._layout.normalize else embeddings
+            if self._graphs is not None and len(input_ids):
+                return self._graphs(input_ids, attention_mask)
+            return self._embed(input_ids, attention_mask)
+
+    def _embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        mask = attention_mask[:, None, None, :].bool() if self._prepared_mask else attention_mask
+        hidden = self._model(input_ids=input_ids, attention_mask=mask).last_hidden_state
+        embeddings = pool(hidden, attention_mask, self._layout.pooling)
+        return F.normalize(embeddings, p=2, dim=-1) if self._layout.normalize else embeddings
+
+    def _prepared_mask_agrees(self, probe: dict, reference: torch.Tensor) -> bool:
+        """Whether the model takes our own 4-D boolean mask and gives the same output.
+
+        Given a 2-D padding mask, transformers' SDPA path asks the GPU whether the mask
+        has any padding (``mask.all()``), which makes every forward wait for the GPU to
+        finish the batches queued before it. A prepared mask skips that question. Models
+        whose attention does not take it (eager attention wants an additive float mask)
+        keep the 2-D mask: the check runs the probe batch both ways.
+        """
+        if getattr(self._model.config, "_attn_implementation", None) != "sdpa":
+            return False
+        self._prepared_mask = True
+        try:
+            prepared = self.forward(probe["input_ids"], probe["attention_mask"])
+        except (RuntimeError, ValueError, TypeError, IndexError):
+            return False
+        finally:
+            self._prepared_mask = False
+        tol = 1e-5 if self._dtype == "fp32" else 2e-3
+        return prepared.shape == reference.shape and bool(torch.allclose(prepared, reference, atol=tol))
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        """True while batches run from captured CUDA graphs (False on CPU or after a
+        capture failed; then the forward runs eagerly)."""
+        return self._graphs is not None and self._graphs.disabled_reason is None
 
     def encode(self, texts: Sequence[str], batch_size: int = 64) -> np.ndarray:
         """Embed texts, float32 [len(texts), dim], in their order.

@@ -180,6 +180,37 @@ def test_tiny_st_folder_saved_by_sentence_transformers(tiny_hf, tmp_path):
     assert cosine(encoder.encode(TEXTS), model.encode(TEXTS)).min() >= 0.9999
 
 
+def test_forward_never_asks_the_device_a_question(bundled, monkeypatch):
+    """A value read back from the device (``mask.all()``, ``.item()``) would make each
+    GPU forward wait for the batches queued before it; the forward must ask none."""
+    assert bundled._prepared_mask, "the bundled BERT takes the prepared SDPA mask"
+    batch = bundled.tokenize(TEXTS)
+    asked = []
+    for name in ("all", "any", "item", "tolist", "__bool__", "nonzero"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name,
+                            lambda self, *a, _real=real, _name=name, **k: asked.append(_name) or _real(self, *a, **k))
+    bundled.forward(batch["input_ids"], batch["attention_mask"])
+    monkeypatch.undo()
+    assert asked == []
+
+
+def test_eager_attention_keeps_the_2d_mask(tiny_hf, tmp_path, monkeypatch):
+    """Eager attention wants an additive float mask, not our boolean one: the load-time
+    check must notice and keep the plain 2-D mask, with the same embeddings."""
+    from embedingest.stages import encoder as encoder_module
+    from transformers import AutoModel
+
+    folder = write_st_files(tiny_hf, tmp_path / "st", {"pooling_mode": "mean"})
+    sdpa = TextEncoder.load(folder)
+    monkeypatch.setattr(encoder_module, "_load_model", lambda path, dtype: AutoModel.from_pretrained(
+        path, local_files_only=True, dtype=dtype, attn_implementation="eager"))
+    eager = TextEncoder.load(folder)
+    assert sdpa._prepared_mask and not eager._prepared_mask
+    assert cosine(eager.encode(TEXTS), st_encode(folder, TEXTS)).min() >= 0.9999
+    np.testing.assert_allclose(eager.encode(TEXTS), sdpa.encode(TEXTS), atol=1e-5)
+
+
 def test_do_lower_case_is_honoured(tmp_path, tiny_hf):
     from transformers import BertTokenizer
 

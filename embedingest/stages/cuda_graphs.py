@@ -1,0 +1,83 @@
+"""Replay a function as captured CUDA graphs, one per input shape.
+
+A small encoder (all-MiniLM-L6-v2: 6 layers) runs each batch in well under the time
+Python needs to launch its few hundred kernels one by one, so without graphs the GPU
+waits on the launching thread. A CUDA graph launches them all at once. Batches come in
+a few shapes only (full batches, widths padded to a multiple of 16 tokens), so a graph
+is captured the first time a shape is seen and replayed after that; shapes past
+``max_graphs`` and any function that cannot be captured run eagerly, so nothing is lost
+but speed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+log = logging.getLogger("embedingest")
+
+
+class GraphedFunction:
+    """``fn(*tensors) -> tensor`` on CUDA tensors, replayed from a graph per input shape.
+
+    The result is a fresh tensor (a copy of the graph's static output made on the
+    current stream), so callers may keep it while the next batch replays the graph.
+    All graphs share one memory pool: they replay one at a time on one stream, so their
+    intermediates can share memory.
+    """
+
+    def __init__(self, fn: Callable[..., torch.Tensor], device: torch.device | str,
+                 max_graphs: int = 32, warmup: int = 2):
+        self.fn = fn
+        self.device = torch.device(device)
+        self.max_graphs = max_graphs
+        self.warmup = warmup
+        self._graphs: dict[tuple, tuple[list[torch.Tensor], torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+        self.disabled_reason: str | None = None
+
+    @property
+    def captured(self) -> int:
+        return len(self._graphs)
+
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
+        key = tuple((tuple(t.shape), t.dtype) for t in inputs)
+        entry = self._graphs.get(key)
+        if entry is None:
+            if self.disabled_reason is not None or len(self._graphs) >= self.max_graphs:
+                return self.fn(*inputs)
+            entry = self._capture(key, inputs)
+            if entry is None:
+                return self.fn(*inputs)
+        static_in, graph, static_out = entry
+        for dst, src in zip(static_in, inputs):
+            dst.copy_(src, non_blocking=True)
+        graph.replay()
+        return static_out.clone()
+
+    def _capture(self, key: tuple, inputs: tuple[torch.Tensor, ...]):
+        static_in = [t.clone() for t in inputs]
+        compute = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(compute)
+        try:
+            with torch.cuda.stream(side):  # warm-up off the capture: cuBLAS handles, workspaces
+                for _ in range(self.warmup):
+                    self.fn(*static_in)
+            compute.wait_stream(side)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: the engine's threads keep using CUDA while this thread captures.
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                static_out = self.fn(*static_in)
+        except (RuntimeError, torch.cuda.CudaError) as exc:  # e.g. a host sync inside fn
+            self.disabled_reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            log.warning("CUDA graphs off for this run (%s); running eagerly", self.disabled_reason)
+            torch.cuda.synchronize(self.device)
+            return None
+        entry = (static_in, graph, static_out)
+        self._graphs[key] = entry
+        return entry
