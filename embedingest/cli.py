@@ -208,9 +208,14 @@ def search(index_dir, query, k, device, params, as_json) -> None:
 @click.option("--model", default=None, help="Model folder (default: the bundled all-MiniLM-L6-v2).")
 @click.option("--num-workers", default=-1, show_default=True)
 @click.option("--num-consumers", default=2, show_default=True)
+@click.option("--st-fp32/--no-st-fp32", default=True, show_default=True,
+              help="Also time sentence-transformers in fp32.")
+@click.option("--compare-eager/--no-compare-eager", default=True, show_default=True,
+              help="On CUDA, also time the rows without CUDA graphs.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write rows here.")
 @library_errors
-def bench_text(docs, batch_size, device, dtype, model, num_workers, num_consumers, json_path) -> None:
+def bench_text(docs, batch_size, device, dtype, model, num_workers, num_consumers, st_fp32,
+               compare_eager, json_path) -> None:
     """sentence-transformers encode() + faiss.add against build-index end to end, with the
     encoder's forward alone as the bound, on one corpus (runs on CPU too)."""
     import torch
@@ -223,7 +228,8 @@ def bench_text(docs, batch_size, device, dtype, model, num_workers, num_consumer
     if dtype == "auto":
         dtype = "fp16" if device.startswith("cuda") else "fp32"
     cfg = TextBenchConfig(docs=docs, batch_size=batch_size, device=device, dtype=dtype, model=model,
-                          num_workers=num_workers, num_consumers=num_consumers)
+                          num_workers=num_workers, num_consumers=num_consumers, st_fp32=st_fp32,
+                          compare_eager=compare_eager)
     info = machine_info()
     click.echo(f"# {info.get('gpu', 'CPU')} {info.get('driver', '')}, torch {info.get('torch')}, {info['date']}")
     rows = run_all(cfg, log=lambda m: click.echo(m, err=True))

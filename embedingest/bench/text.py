@@ -35,6 +35,7 @@ class TextBenchConfig:
     num_consumers: int = 2
     seed: int = 0
     st_fp32: bool = True  # also time sentence-transformers in fp32
+    compare_eager: bool = True  # on CUDA, also time the forward and build-index without CUDA graphs
 
 
 def _sentences() -> list[str]:
@@ -114,19 +115,28 @@ def st_encode_add(cfg: TextBenchConfig, corpus: Path, model_dir: str, dtype: str
             "precision": dtype, "docs_per_s": len(texts) / dt, "seconds": dt, "vectors": index.ntotal}
 
 
-def forward_only(cfg: TextBenchConfig, texts: list[str], model_dir: str | None,
+def pretokenize(cfg: TextBenchConfig, texts: list[str], model_dir: str | None) -> list:
+    """The corpus as length-sorted batches on the device, for the forward-alone rows."""
+    from ..stages.encoder import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+    batches = []
+    for i in range(0, len(order), cfg.batch_size):
+        tok = tokenizer([texts[j] for j in order[i:i + cfg.batch_size]], padding=True, truncation=True,
+                        max_length=256, return_tensors="pt",  # build-index's chunk size
+                        pad_to_multiple_of=16 if cfg.device.startswith("cuda") else None)
+        batches.append((tok["input_ids"].to(cfg.device), tok["attention_mask"].to(cfg.device)))
+    return batches
+
+
+def forward_only(cfg: TextBenchConfig, texts: list[str], batches: list, model_dir: str | None,
                  cuda_graphs: bool = True) -> dict:
-    """The GPU bound: our encoder's forward on batches tokenized, sorted by length and
-    placed on the device beforehand."""
+    """The GPU bound: our encoder's forward on ``batches`` (:func:`pretokenize`)."""
     from ..stages.encoder import TextEncoder
 
     enc = TextEncoder.load(model_dir, device=cfg.device, dtype=cfg.dtype, cuda_graphs=cuda_graphs)
     how = "CUDA graphs" if enc.uses_cuda_graphs else "eager"
-    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
-    batches = []
-    for i in range(0, len(order), cfg.batch_size):
-        tok = enc.tokenize([texts[j] for j in order[i:i + cfg.batch_size]])
-        batches.append((tok["input_ids"].to(cfg.device), tok["attention_mask"].to(cfg.device)))
     with torch.inference_mode():
         for ids, mask in batches:  # every shape once: graphs are captured before the clock
             enc.forward(ids, mask)
@@ -155,13 +165,19 @@ def loader_only(cfg: TextBenchConfig, corpus: Path, model_dir: str | None) -> di
     icfg = IndexConfig(batch_size=cfg.batch_size, num_workers=cfg.num_workers)
     units = [Unit(i, p.name, path=str(p)) for i, p in enumerate(sorted(corpus.glob("*.jsonl")))]
     workers = _workers(icfg, len(units), False)
+    loader = _loader(units, enc, icfg, workers, min(icfg.chunk_tokens, enc.max_seq_length),
+                     pin=cfg.device.startswith("cuda"))
     t0 = time.perf_counter()
-    docs = sum(item["chunks"].n_docs
-               for item in _loader(units, enc, icfg, workers, min(icfg.chunk_tokens, enc.max_seq_length),
-                                   pin=cfg.device.startswith("cuda")))
+    docs, first, t_first = 0, 0, None
+    for item in loader:
+        docs += item["chunks"].n_docs
+        if t_first is None:
+            t_first, first = time.perf_counter(), docs
     dt = time.perf_counter() - t0
+    steady = (docs - first) / (time.perf_counter() - t_first) if t_first and docs > first else None
     return {"name": f"read + chunk + tokenize alone ({workers} DataLoader workers)", "kind": "loader",
-            "precision": "-", "docs_per_s": docs / dt, "seconds": dt}
+            "precision": "-", "docs_per_s": docs / dt, "seconds": dt, "steady_docs_per_s": steady,
+            "first_batch_s": t_first - t0 if t_first else None}
 
 
 def build_index_run(cfg: TextBenchConfig, corpus: Path, model_dir: str | None, out: Path,
@@ -189,11 +205,12 @@ def run_all(cfg: TextBenchConfig, log=print) -> list[dict]:
         texts = make_paragraphs(cfg.docs, cfg.seed)
         corpus = write_corpus(texts, work / "corpus", cfg.files)
         rows = []
-        plan = [lambda: forward_only(cfg, texts, cfg.model),
+        batches = pretokenize(cfg, texts, model_dir)
+        plan = [lambda: forward_only(cfg, texts, batches, cfg.model),
                 lambda: loader_only(cfg, corpus, cfg.model),
                 lambda: build_index_run(cfg, corpus, cfg.model, work / "index")]
-        if cfg.device.startswith("cuda"):
-            plan[1:1] = [lambda: forward_only(cfg, texts, cfg.model, cuda_graphs=False)]
+        if cfg.device.startswith("cuda") and cfg.compare_eager:
+            plan[1:1] = [lambda: forward_only(cfg, texts, batches, cfg.model, cuda_graphs=False)]
             plan.append(lambda: build_index_run(cfg, corpus, cfg.model, work / "index",
                                                 cuda_graphs=False))
         plan.append(lambda: st_encode_add(cfg, corpus, model_dir, cfg.dtype))
@@ -201,7 +218,12 @@ def run_all(cfg: TextBenchConfig, log=print) -> list[dict]:
             plan.append(lambda: st_encode_add(cfg, corpus, model_dir, "fp32"))
         for fn in plan:
             row = fn()
-            log(f"  {row['name']}: {row['docs_per_s']:,.0f} docs/s")
+            extra = [f"{row['steady_docs_per_s']:,.0f} steady"] if row.get("steady_docs_per_s") else []
+            if row.get("first_batch_s") is not None:
+                extra.append(f"first batch after {row['first_batch_s']:.2f} s")
+            if row.get("summary"):
+                extra.append(f"main loop {row['summary']['main_loop']}")
+            log(f"  {row['name']}: {row['docs_per_s']:,.0f} docs/s" + (f" ({'; '.join(extra)})" if extra else ""))
             rows.append(row)
             if cfg.device.startswith("cuda"):
                 torch.cuda.empty_cache()

@@ -35,7 +35,7 @@ from ..report import SkipReport
 from ..sinks.faiss_shards import FaissShardSinkFactory, new_run_id
 from ..sources.files import walk_files
 from ..sources.text import TEXT_EXTENSIONS
-from ..sources.text_dataset import Chunks, TextChunkDataset, Unit
+from ..sources.text_dataset import TextChunkDataset, Unit
 from ..stages.device import resolve_device
 from ..stages.encoder import TextEncoder, load_tokenizer
 from ..stages.prefetch import prefetch
@@ -147,7 +147,8 @@ def _loader(units: list[Unit], encoder: TextEncoder, cfg: IndexConfig, workers: 
     ds = TextChunkDataset(units, encoder.model_dir, batch_size=cfg.batch_size,
                           max_tokens=chunk_tokens, overlap=cfg.overlap,
                           window=cfg.sort_window * cfg.batch_size, text_field=cfg.text_field,
-                          id_field=cfg.id_field, tokenizer_loader=load_tokenizer)
+                          id_field=cfg.id_field, tokenizer_loader=load_tokenizer,
+                          pad_multiple=16 if encoder.device.type == "cuda" else 1)
     return DataLoader(ds, batch_size=None, num_workers=workers, pin_memory=pin,
                       prefetch_factor=4 if workers else None, persistent_workers=False,
                       worker_init_fn=functools.partial(exit_with_parent, os.getpid()))
@@ -156,8 +157,9 @@ def _loader(units: list[Unit], encoder: TextEncoder, cfg: IndexConfig, workers: 
 def _workers(cfg: IndexConfig, n_units: int, in_memory: bool) -> int:
     if in_memory or n_units == 0:
         return 0
-    n = cfg.num_workers if cfg.num_workers >= 0 else max(1, min(12, (os.cpu_count() or 2) - 2))
-    return min(n, n_units)
+    from ..scaleout.devices import share_of_cpus
+
+    return min(share_of_cpus(cfg.num_workers), n_units)
 
 
 def _train_if_needed(store: IndexStore, manifest: Manifest, encoder: TextEncoder, units: list[Unit],

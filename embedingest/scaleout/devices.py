@@ -89,9 +89,19 @@ def split_by_size(sizes: Sequence[int], parts: int) -> list[list[int]]:
     return [sorted(g) for g in groups]
 
 
-def share_of_cpus(per_process: int, processes: int) -> int:
+def usable_cpus() -> int:
+    """The cores this process may run on (its affinity: a container's or taskset's
+    share), not the host's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def share_of_cpus(per_process: int, processes: int = 1) -> int:
     """Loader workers per device process: ``per_process`` when given (>= 0), else the
-    host's cores shared out, two kept per process for its main thread and consumers."""
+    usable cores shared out, two kept per process for its main thread (with the
+    pin-memory thread) and consumers; tokenizing is the host's heaviest work."""
     if per_process >= 0:
         return per_process
-    return max(1, min(12, ((os.cpu_count() or 2) - 2 * processes) // processes))
+    return max(1, min(32, (usable_cpus() - 2 * processes) // processes))

@@ -18,7 +18,6 @@ merge step. The parent writes the one manifest afterwards, from the folder's seg
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,7 @@ from ..engine.telemetry import EngineStats
 from ..report import SkipReport
 from ..sinks.faiss_shards import new_run_id
 from ..sources.text_dataset import Unit
-from .devices import child_env, share_of_cpus, split_by_size
+from .devices import child_env, share_of_cpus, split_by_size, usable_cpus
 from .procs import DeviceJob, run_per_device
 
 BUSY_TIMEOUT_MS = 600_000  # a child waits this long for another child's commit
@@ -87,7 +86,7 @@ def encode_on_devices(devices: list[str], units: list[Unit], sizes: list[int], c
     used = devices[:len(groups)]
     child_cfg = dataclasses.replace(cfg, devices="",
                                     num_workers=share_of_cpus(cfg.num_workers, len(used)))
-    threads = max(1, (os.cpu_count() or 1) // len(used))
+    threads = max(1, usable_cpus() // len(used))
     base = new_run_id()
     jobs = []
     for i, (device, group) in enumerate(zip(used, groups)):

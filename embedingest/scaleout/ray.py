@@ -206,7 +206,8 @@ class EmbedBatches:
         cfg, enc, device = self.cfg, self.encoder, self.device
         ds = TextChunkDataset(units, str(enc.model_dir), batch_size=cfg.batch_size,
                               max_tokens=self.chunk_tokens, overlap=cfg.overlap,
-                              window=cfg.sort_window * cfg.batch_size, tokenizer_loader=_tokenizer)
+                              window=cfg.sort_window * cfg.batch_size, tokenizer_loader=_tokenizer,
+                              pad_multiple=16 if enc.device.type == "cuda" else 1)
         sinks = FaissShardSinkFactory(self.out, enc.dim, cfg.index, cfg.metric,
                                       run_id=f"{self.run_id}_{self.calls:05d}",
                                       commit_every=cfg.commit_every, trained=self.trained)

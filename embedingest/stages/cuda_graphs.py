@@ -29,7 +29,7 @@ class GraphedFunction:
     """
 
     def __init__(self, fn: Callable[..., torch.Tensor], device: torch.device | str,
-                 max_graphs: int = 32, warmup: int = 2):
+                 max_graphs: int = 32, warmup: int = 1):
         self.fn = fn
         self.device = torch.device(device)
         self.max_graphs = max_graphs
@@ -70,9 +70,17 @@ class GraphedFunction:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            # thread_local: the engine's threads keep using CUDA while this thread captures.
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                static_out = self.fn(*static_in)
+            # capture_begin/end rather than torch.cuda.graph(), which also synchronizes the
+            # device, collects garbage and empties the allocator's cache at every capture
+            # (tens of ms each, with a graph per shape). thread_local: the engine's threads
+            # keep using CUDA while this thread captures.
+            with torch.cuda.stream(side):
+                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                try:
+                    static_out = self.fn(*static_in)
+                finally:
+                    graph.capture_end()
+            compute.wait_stream(side)
         except (RuntimeError, torch.cuda.CudaError) as exc:  # e.g. a host sync inside fn
             self.disabled_reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             log.warning("CUDA graphs off for this run (%s); running eagerly", self.disabled_reason)

@@ -194,9 +194,10 @@ class TextEncoder:
         }
 
     def tokenize(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
-        """Token ids and attention mask on the CPU, truncated, padded to the longest text
-        rounded up to 16 tokens (few distinct shapes: GPU kernels are chosen once)."""
-        multiple = 16 if self._max_seq_length % 16 == 0 else None
+        """Token ids and attention mask on the CPU, truncated, padded to the longest text;
+        for a GPU rounded up to 16 tokens (few distinct shapes: kernels are chosen and
+        CUDA graphs captured once), on the CPU not (padding there is only wasted work)."""
+        multiple = 16 if self._max_seq_length % 16 == 0 and self._device.type == "cuda" else None
         batch = self._tokenizer(list(texts), padding=True, truncation=True, pad_to_multiple_of=multiple,
                                 max_length=self._max_seq_length, return_tensors="pt")
         return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}

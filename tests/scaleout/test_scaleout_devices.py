@@ -63,9 +63,16 @@ def test_child_env_pins_one_gpu(monkeypatch):
 
 
 def test_share_of_cpus(monkeypatch):
-    monkeypatch.setattr(devices_mod.os, "cpu_count", lambda: 32)
+    monkeypatch.setattr(devices_mod, "usable_cpus", lambda: 32)
     assert share_of_cpus(3, 2) == 3
-    assert share_of_cpus(-1, 2) == 12
+    assert share_of_cpus(-1, 2) == 14
     assert share_of_cpus(-1, 8) == 2
-    monkeypatch.setattr(devices_mod.os, "cpu_count", lambda: 2)
+    assert share_of_cpus(-1) == 30
+    monkeypatch.setattr(devices_mod, "usable_cpus", lambda: 2)
     assert share_of_cpus(-1, 2) == 1
+
+
+def test_usable_cpus_follows_affinity(monkeypatch):
+    monkeypatch.setattr(devices_mod.os, "sched_getaffinity", lambda pid: {0, 3, 5})
+    monkeypatch.setattr(devices_mod.os, "cpu_count", lambda: 64)
+    assert devices_mod.usable_cpus() == 3
