@@ -90,10 +90,13 @@ class Chunks:
 
     __slots__ = (*CHUNK_FIELDS, "n_docs")
 
-    def __init__(self, rows: list[dict]):
-        for name in CHUNK_FIELDS:
-            setattr(self, name, [r[name] for r in rows])
-        self.n_docs = sum(1 for r in rows if r.get("first"))
+    def __init__(self, rows: Sequence[tuple]):
+        """``rows``: tuples of the :data:`CHUNK_FIELDS` values, then whether the chunk is
+        its record's first."""
+        columns = list(zip(*rows)) if rows else [()] * (len(CHUNK_FIELDS) + 1)
+        for name, column in zip(CHUNK_FIELDS, columns):
+            setattr(self, name, list(column))
+        self.n_docs = sum(columns[-1])
 
     def __len__(self) -> int:
         return len(self.id)
@@ -194,16 +197,16 @@ class _WorkerBatches:
         self.ds = ds
         self.chunker = chunker
         self.pad_id = pad_id
-        self.window: list[tuple[list[int], dict]] = []
+        self.window: list[tuple[list[int], tuple]] = []
         self.in_window: dict[int, int] = {}
         self.total: dict[int, int] = {}
         self.reading: int | None = None
         self.done: list[tuple[int, int]] = []
         self.skipped: list[tuple[str, str]] = []
-        # The window starts at two batches and doubles up to its full size, so the first
-        # batch leaves after two batches' worth of chunks, not a whole window's (with 12
-        # workers each filling 16 batches first, the GPU would wait seconds at the start).
-        self.limit = min(ds.window, 2 * ds.batch_size)
+        # The window starts at one batch and doubles up to its full size, so the first
+        # batch leaves after one batch's worth of chunks, not a whole window's (with a
+        # dozen workers each filling 16 batches first, the GPU would wait seconds).
+        self.limit = min(ds.window, ds.batch_size)
 
     def run(self, units: list[Unit]) -> Iterator[dict]:
         for unit in units:
@@ -227,8 +230,9 @@ class _WorkerBatches:
         del self.in_window[unit_no]
         self.done.append((unit_no, self.total.pop(unit_no)))
 
-    def _unit_chunks(self, unit: Unit) -> Iterator[tuple[list[int], dict]]:
-        """``(input_ids, chunk dict)`` for every chunk of ``unit``; bad input is reported."""
+    def _unit_chunks(self, unit: Unit) -> Iterator[tuple[list[int], tuple]]:
+        """``(input_ids, chunk row)`` for every chunk of ``unit`` (a row as :class:`Chunks`
+        takes it); bad input is reported."""
         where = unit.path if unit.path is not None else unit.key
         if unit.text is not None:
             records = iter([(unit.record_id or "", unit.text)])
@@ -248,11 +252,10 @@ class _WorkerBatches:
                             self._skip(where, f"limit: more than {MAX_CHUNKS_PER_UNIT} chunks "
                                               f"in one unit; the rest of it is skipped")
                             return
-                        yield chunk.input_ids, {
-                            "id": unit.unit_no << 32 | chunk_no, "unit_no": unit.unit_no,
-                            "record_id": record_id, "chunk_no": chunk_no,
-                            "char_start": chunk.char_start, "char_end": chunk.char_end,
-                            "text": text[chunk.char_start:chunk.char_end], "first": k == 0}
+                        yield chunk.input_ids, (
+                            unit.unit_no << 32 | chunk_no, unit.unit_no, record_id, chunk_no,
+                            chunk.char_start, chunk.char_end,
+                            text[chunk.char_start:chunk.char_end], k == 0)
                         chunk_no += 1
         except Exception as exc:  # a bug or a library error on odd input must not end the run
             self._skip(where, f"read: {type(exc).__name__}: {exc}; the rest of the unit "
@@ -266,8 +269,8 @@ class _WorkerBatches:
         last batch when it is not full, to be filled by the chunks still to come."""
         ds = self.ds
         self.window.sort(key=lambda entry: len(entry[0]))
-        batches: list[list[tuple[list[int], dict]]] = []
-        batch: list[tuple[list[int], dict]] = []
+        batches: list[list[tuple[list[int], tuple]]] = []
+        batch: list[tuple[list[int], tuple]] = []
         for entry in self.window:
             if batch and ds.max_batch_tokens is not None \
                     and (len(batch) + 1) * self._width(len(entry[0])) > ds.max_batch_tokens:
@@ -289,7 +292,7 @@ class _WorkerBatches:
         m = self.ds.pad_multiple
         return min(-(-longest // m) * m, max(longest, self.ds.max_tokens))
 
-    def _item(self, batch: list[tuple[list[int], dict]]) -> dict:
+    def _item(self, batch: list[tuple[list[int], tuple]]) -> dict:
         width = self._width(max((len(ids) for ids, _ in batch), default=0))
         input_ids = np.full((len(batch), width), self.pad_id, dtype=np.int64)
         attention_mask = np.zeros((len(batch), width), dtype=np.int64)

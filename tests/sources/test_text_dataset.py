@@ -170,21 +170,23 @@ def test_units_split_round_robin(monkeypatch):
 
 
 def test_window_sorts_by_length():
-    """Four texts of each of two lengths, interleaved: sorting leaves no padding at all."""
-    units = [Unit(i, f"u{i}", text=" ".join(["word"] * (i % 2 * 4 + 1))) for i in range(8)]
+    """After a first batch (the window's ramp-up), four texts of each of two lengths,
+    interleaved: sorting leaves no padding at all."""
+    lengths = [9] * 4 + [1, 5] * 4
+    units = [Unit(i, f"u{i}", text=" ".join(["word"] * n)) for i, n in enumerate(lengths)]
     items = run(units, batch_size=4, window=8, pad_multiple=1)
-    assert [tuple(item["input_ids"].shape) for item in items] == [(4, 3), (4, 7)]
+    assert [tuple(item["input_ids"].shape) for item in items] == [(4, 11), (4, 3), (4, 7)]
     padding = sum(int((item["attention_mask"] == 0).sum()) for item in items)
     assert padding == 0
 
 
 def test_first_batch_leaves_before_the_window_is_full():
-    """The window ramps up from two batches: the first batch holds only early texts,
+    """The window ramps up from one batch: the first batch holds only the first texts,
     later batches are sorted over the full window."""
     units = [Unit(i, f"u{i}", text=" ".join(["word"] * (8 - i % 8))) for i in range(80)]
     items = run(units, batch_size=4, window=32, pad_multiple=1)
     first_units = {c["unit_no"] for c in items[0]["chunks"]}
-    assert first_units <= set(range(8)), first_units
+    assert first_units == set(range(4)), first_units
     assert sorted(c["unit_no"] for item in items for c in item["chunks"]) == list(range(80))
     spread = [int(m.max() - m.min()) for m in (item["attention_mask"].sum(1) for item in items)]
     assert max(spread[6:]) <= 1 < max(spread[:2]), spread  # 4 texts of each length a window of 32
