@@ -44,6 +44,19 @@ def _die_with_parent(parent_pid: int) -> None:
         raise _Stop(1)
 
 
+def loader_context():
+    """The multiprocessing context for DataLoader workers: fork on Linux (None elsewhere:
+    the platform's default).
+
+    A process that was itself spawned (a device process of ``--devices``) has spawn as
+    its default start method, so its DataLoader workers would each start a fresh
+    interpreter and import torch and transformers: seconds each, a dozen at once per
+    device. Forked workers start at once; they never touch CUDA."""
+    import multiprocessing
+
+    return multiprocessing.get_context("fork") if sys.platform.startswith("linux") else None
+
+
 def exit_with_parent(parent_pid: int, worker_id: int = 0) -> None:
     """``worker_init_fn`` for DataLoaders (as ``functools.partial(exit_with_parent,
     os.getpid())``): the worker gets SIGKILL when the process that started it dies.

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 
 from ..config import IndexConfig
 from ..engine import EgressEngine
-from ..engine.consumers import exit_with_parent
+from ..engine.consumers import exit_with_parent, loader_context
 from ..errors import ConfigError
 from ..index.store import IndexStore, Manifest
 from ..index.writer import MetadataWriter
@@ -151,7 +151,8 @@ def _loader(units: list[Unit], encoder: TextEncoder, cfg: IndexConfig, workers: 
                           pad_multiple=16 if encoder.device.type == "cuda" else 1)
     return DataLoader(ds, batch_size=None, num_workers=workers, pin_memory=pin,
                       prefetch_factor=4 if workers else None, persistent_workers=False,
-                      worker_init_fn=functools.partial(exit_with_parent, os.getpid()))
+                      worker_init_fn=functools.partial(exit_with_parent, os.getpid()),
+                      multiprocessing_context=loader_context() if workers else None)
 
 
 def _workers(cfg: IndexConfig, n_units: int, in_memory: bool) -> int:
@@ -217,7 +218,9 @@ def build_index(corpus, config: IndexConfig | None = None, *, progress: bool = F
     if not in_memory and not Path(corpus).exists():
         raise ConfigError(f"corpus {str(corpus)!r} does not exist; pass a folder or a file")
     out = Path(cfg.out) if cfg.out else default_out(corpus)
+    phases = {}  # seconds of each step, for the summary: where a run's time goes
     encoder = TextEncoder.load(cfg.model, device=device, dtype=dtype, cuda_graphs=cfg.cuda_graphs)
+    phases["load_model_s"] = time.perf_counter() - t_start
     chunk_tokens = min(cfg.chunk_tokens, encoder.max_seq_length)
     if cfg.overlap >= chunk_tokens:
         raise ConfigError(f"overlap={cfg.overlap} must be smaller than the chunk size {chunk_tokens}")
@@ -240,8 +243,13 @@ def build_index(corpus, config: IndexConfig | None = None, *, progress: bool = F
                                   | {"status": "pending", "n_chunks": 0} for c in plan.todo])
         units = [Unit(nos[c["key"]], c["key"], path=c.get("path"), text=c.get("text"),
                       record_id=c.get("record_id")) for c in plan.todo]
+        t_plan = time.perf_counter()
+        phases["plan_s"] = t_plan - t_start - phases["load_model_s"]
         trained = _train_if_needed(store, manifest, encoder, units, cfg, chunk_tokens) if units else None
+        t_encode = time.perf_counter()
+        phases["train_s"] = t_encode - t_plan
         counts = {"chunks": 0, "docs": 0, "units_done": 0}
+        main_loop: dict = {}
         stats = None
         if units and len(devices) > 1:
             from ..scaleout.multi_device import encode_on_devices
@@ -250,7 +258,8 @@ def build_index(corpus, config: IndexConfig | None = None, *, progress: bool = F
                                       dtype, chunk_tokens, trained, counts, report, progress)
         elif units:
             stats = _encode_all(units, encoder, store, report, cfg, out, device, chunk_tokens,
-                                trained, counts, progress)
+                                trained, counts, progress, timing=main_loop)
+        phases["encode_s"] = time.perf_counter() - t_encode
         if stats is not None and timeline and stats.records:
             from ..engine.timeline import render_timeline
 
@@ -264,6 +273,7 @@ def build_index(corpus, config: IndexConfig | None = None, *, progress: bool = F
         finally:
             store.close()
     seconds = time.perf_counter() - t_start
+    phases["finish_s"] = seconds - sum(phases.values())
     total = sum(s["count"] for s in manifest.segments)
     summary = {
         "index": str(out), "device": ",".join(devices) if len(devices) > 1 else device,
@@ -277,8 +287,8 @@ def build_index(corpus, config: IndexConfig | None = None, *, progress: bool = F
         "docs_per_s": round(counts["docs"] / seconds, 1) if seconds else 0.0,
         "chunks_per_s": round(counts["chunks"] / seconds, 1) if seconds else 0.0,
         "engine": stats.summary() if stats else None,
-        "main_loop": {key: round(counts.get(key, 0.0), 3)
-                      for key in ("input_wait_s", "encode_submit_s", "metadata_s")},
+        "phases": {key: round(value, 3) for key, value in phases.items()},
+        "main_loop": {key: round(value, 3) for key, value in main_loop.items()} or None,
     }
     summary["exit_code"] = EXIT_SKIPPED if report.entries else EXIT_OK
     return summary
@@ -305,7 +315,10 @@ def _fingerprint(store: IndexStore) -> str:
 
 def _encode_all(units: list[Unit], encoder: TextEncoder, store: IndexStore, report: SkipReport,
                 cfg: IndexConfig, out: Path, device: str, chunk_tokens: int, trained: str | None,
-                counts: dict, progress: bool, run_id: str | None = None, on_item=None):
+                counts: dict, progress: bool, run_id: str | None = None, on_item=None,
+                timing: dict | None = None):
+    """The encode step on one device; ``timing`` (a dict) receives where the main
+    process's time went (see ``main_loop`` in the summary)."""
     from tqdm import tqdm
 
     cuda = device.startswith("cuda")
@@ -317,9 +330,13 @@ def _encode_all(units: list[Unit], encoder: TextEncoder, store: IndexStore, repo
     spec = {"emb": ((cfg.batch_size, encoder.dim), "float32"), "ids": ((cfg.batch_size,), "int64")}
     meta = MetadataWriter(store)
     docs, finished = 0, False
-    # Where the main process's time goes: waiting for tokenized batches (the workers are
-    # the bound), launching the forward and handing over the copy, or metadata rows.
-    timing = {"input_wait_s": 0.0, "encode_submit_s": 0.0, "metadata_s": 0.0}
+    # Where the main process's time goes: starting the workers and consumers until the
+    # first batch, waiting for tokenized batches (the workers are the bound), launching
+    # the forward and handing over the copy, metadata rows, and closing (the consumers'
+    # last commits).
+    timing = timing if timing is not None else {}
+    timing.update(start_s=0.0, first_batch_s=0.0, input_wait_s=0.0, encode_submit_s=0.0, metadata_s=0.0,
+                  close_s=0.0)
     bar = tqdm(total=len(units), unit="unit", disable=not progress, dynamic_ncols=True)
     t0 = time.perf_counter()
     engine = EgressEngine(sinks, num_consumers=cfg.num_consumers, num_slots=cfg.num_slots or None,
@@ -333,12 +350,14 @@ def _encode_all(units: list[Unit], encoder: TextEncoder, store: IndexStore, repo
                         item["attention_mask"].to(device, non_blocking=True))
 
             batches = prefetch(loader, send, device, engine.span)
+            timing["start_s"] = time.perf_counter() - t0  # the engine's consumers started
             for batch_no in itertools.count():
                 t_wait = time.perf_counter()
                 item, moved = next(batches, (None, None))
                 t_encode = time.perf_counter()
-                timing["input_wait_s"] += t_encode - t_wait
+                timing["first_batch_s" if batch_no == 0 else "input_wait_s"] += t_encode - t_wait
                 if item is None:
+                    t_close = t_encode
                     break
                 for where, reason in item["skipped"]:
                     report.add(where, reason, stage="read")
@@ -364,8 +383,8 @@ def _encode_all(units: list[Unit], encoder: TextEncoder, store: IndexStore, repo
         finished = True
     finally:
         counts["docs"] = docs
-        for key, value in timing.items():
-            counts[key] = counts.get(key, 0.0) + value
         bar.close()
         meta.close(raise_errors=finished)
+        if finished:
+            timing["close_s"] = time.perf_counter() - t_close
     return engine.stats

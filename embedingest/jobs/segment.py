@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from ..config import load_config
-from ..engine.consumers import exit_with_parent
+from ..engine.consumers import exit_with_parent, loader_context
 from ..engine.egress import EgressEngine
 from ..engine.markers import annotate
 from ..errors import ConfigError
@@ -199,7 +199,8 @@ def _run(config: SegmentConfig, device: torch.device, todo: list[tuple[str, str]
         ImageFileDataset(todo, config.size, config.max_pixels or None),
         batch_size=config.batch_size, num_workers=config.num_workers,
         collate_fn=collate_images, pin_memory=device.type == "cuda",
-        persistent_workers=False, worker_init_fn=functools.partial(exit_with_parent, os.getpid()))
+        persistent_workers=False, worker_init_fn=functools.partial(exit_with_parent, os.getpid()),
+        multiprocessing_context=loader_context() if config.num_workers else None)
     spec = {"mask": ((config.batch_size, config.size, config.size), "uint8")}
     if config.save_logits:
         spec["logits"] = ((config.batch_size, loaded.num_classes, config.size, config.size), "float16")

@@ -41,6 +41,7 @@ class MultiDeviceStats:
 
     devices: list[str]
     per_device: list[EngineStats]
+    timing: list[dict] = dataclasses.field(default_factory=list)  # each child's start-up and work
 
     @property
     def records(self):
@@ -52,6 +53,8 @@ class MultiDeviceStats:
 
     def summary(self) -> dict:
         parts = [s.summary() | {"device": d} for d, s in zip(self.devices, self.per_device)]
+        for part, timing in zip(parts, self.timing):
+            part["timing"] = timing
         total_bytes = sum(p["bytes"] for p in parts)
         wall = max(p["wall_seconds"] for p in parts)
 
@@ -92,7 +95,8 @@ def encode_on_devices(devices: list[str], units: list[Unit], sizes: list[int], c
     for i, (device, group) in enumerate(zip(used, groups)):
         env, local = child_env(device)
         jobs.append(DeviceJob(device, (local, dtype, [units[j] for j in group], child_cfg,
-                                       str(out), chunk_tokens, trained, f"{base}_d{i}", threads),
+                                       str(out), chunk_tokens, trained, f"{base}_d{i}", threads,
+                                       time.time()),
                               env))
     bar = tqdm(total=len(units), unit="unit", disable=not progress, dynamic_ncols=True)
     t0, chunks = time.perf_counter(), 0
@@ -110,15 +114,16 @@ def encode_on_devices(devices: list[str], units: list[Unit], sizes: list[int], c
         bar.close()
     for r in results:
         for key, value in r["counts"].items():
-            counts[key] = counts.get(key, 0) + value
+            counts[key] += value
         report.entries.extend(r["skipped"])
-    return MultiDeviceStats(used, [r["stats"] for r in results])
+    return MultiDeviceStats(used, [r["stats"] for r in results], [r["timing"] for r in results])
 
 
 def _encode_part(device: str, dtype: str, units: list[Unit], cfg: IndexConfig, out: str,
                  chunk_tokens: int, trained: str | None, run_id: str, threads: int,
-                 report_progress) -> dict:
+                 started_at: float, report_progress) -> dict:
     """The child: the single-device encode step on this process's share of the units."""
+    t_begin = time.time()
     import torch
 
     from ..index.store import IndexStore
@@ -127,7 +132,9 @@ def _encode_part(device: str, dtype: str, units: list[Unit], cfg: IndexConfig, o
 
     if device == "cpu":
         torch.set_num_threads(threads)
+    t_import = time.time()
     encoder = TextEncoder.load(cfg.model, device=device, dtype=dtype, cuda_graphs=cfg.cuda_graphs)
+    t_model = time.time()
     report = SkipReport()
     counts = {"chunks": 0, "docs": 0, "units_done": 0}
     pending = {"units": 0, "chunks": 0, "at": time.monotonic()}
@@ -142,10 +149,16 @@ def _encode_part(device: str, dtype: str, units: list[Unit], cfg: IndexConfig, o
     store = IndexStore(out)
     try:
         store.db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        main_loop: dict = {}
         stats = _encode_all(units, encoder, store, report, cfg, Path(out), device, chunk_tokens,
-                            trained, counts, False, run_id=run_id, on_item=on_item)
+                            trained, counts, False, run_id=run_id, on_item=on_item, timing=main_loop)
     finally:
         store.close()
     if pending["units"] or pending["chunks"]:
         report_progress(pending["units"], pending["chunks"])
-    return {"counts": counts, "stats": stats, "skipped": report.entries}
+    t_end = time.time()
+    timing = {"process_start_s": t_begin - started_at, "imports_s": t_import - t_begin,
+              "model_load_s": t_model - t_import, "encode_s": t_end - t_model,
+              "engine_wall_s": stats.wall_seconds, **main_loop}
+    return {"counts": counts, "stats": stats, "skipped": report.entries,
+            "timing": {k: round(v, 3) for k, v in timing.items()}}
