@@ -29,6 +29,7 @@ from ..config import IndexConfig
 from ..engine import EgressEngine
 from ..engine.consumers import exit_with_parent, loader_context
 from ..errors import ConfigError
+from ..index.lock import RunLock
 from ..index.store import IndexStore, Manifest
 from ..index.writer import MetadataWriter
 from ..report import SkipReport
@@ -226,6 +227,15 @@ def build_index(corpus, config: IndexConfig | None = None, *, progress: bool = F
         raise ConfigError(f"overlap={cfg.overlap} must be smaller than the chunk size {chunk_tokens}")
     report = SkipReport()
     out.mkdir(parents=True, exist_ok=True)
+    with RunLock(out):
+        return _build(corpus, cfg, out, encoder, devices, device, dtype, in_memory, chunk_tokens,
+                      report, progress, timeline, t_start, phases)
+
+
+def _build(corpus, cfg: IndexConfig, out: Path, encoder: TextEncoder, devices: list[str], device: str,
+           dtype: str, in_memory: bool, chunk_tokens: int, report: SkipReport, progress: bool,
+           timeline, t_start: float, phases: dict) -> dict:
+    """The body of :func:`build_index`, run while holding the folder's run lock."""
     store = IndexStore(out)
     try:
         manifest = store.create_or_open(

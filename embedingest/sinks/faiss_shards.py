@@ -23,6 +23,7 @@ import faiss
 import numpy as np
 
 from ..errors import ConfigError
+from ..index.lock import hold_writer_lock
 
 SEGMENTS_DIR = "segments"
 TRAINED_NAME = "trained.faiss"
@@ -176,6 +177,9 @@ class FaissShardSink:
         self.worker = worker
         self.folder = Path(spec.folder) / SEGMENTS_DIR
         self.folder.mkdir(parents=True, exist_ok=True)
+        # Held until the last commit (close) or this process's death: a new build of the
+        # folder waits for it (index/lock.py).
+        self._writer_lock: int | None = hold_writer_lock(spec.folder)
         used = sorted(self.folder.glob(f"seg-{spec.run_id}-w{worker}-*{SEGMENT_SUFFIX}"))
         if used:
             raise ConfigError(f"segment {used[0].name} already exists: run id {spec.run_id!r} "
@@ -226,5 +230,10 @@ class FaissShardSink:
 
     def close(self) -> list[dict]:
         """Commit what is left; return every segment this sink wrote as {name, count}."""
-        self.commit()
+        try:
+            self.commit()
+        finally:
+            if self._writer_lock is not None:
+                os.close(self._writer_lock)  # the last commit is on disk: a new build may start
+                self._writer_lock = None
         return list(self.written)

@@ -1,0 +1,101 @@
+"""One run at a time per index folder, and none before the last run's writers are gone.
+
+Two ``flock`` files in the index folder:
+
+* ``.run.lock``: held exclusively by the process that plans and runs a build. A second
+  build of the same folder fails at once, naming the pid that holds it.
+* ``.writers.lock``: held shared by every consumer process that writes segments. When a
+  build's main process is killed, its consumers still close their sinks, and the last
+  segment commit can land a moment later. A new run takes this lock exclusively (then
+  drops it) before it reads what the folder holds, so it waits for those commits
+  instead of planning around a segment that is still being written.
+
+The kernel drops ``flock`` locks when a process dies, so a killed run never leaves a
+stale lock behind.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import time
+from pathlib import Path
+
+from ..errors import EmbedingestError
+
+log = logging.getLogger("embedingest")
+
+RUN_LOCK = ".run.lock"
+WRITERS_LOCK = ".writers.lock"
+
+
+class IndexBusy(EmbedingestError, RuntimeError):
+    """Another build is using the index folder, or its writers did not finish in time."""
+
+
+class RunLock:
+    """Context manager: exclusive use of ``folder`` for one build (see the module doc)."""
+
+    def __init__(self, folder: str | os.PathLike, writers_timeout: float = 120.0):
+        self.folder = Path(folder)
+        self.writers_timeout = writers_timeout
+        self._fd: int | None = None
+
+    def __enter__(self) -> RunLock:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.folder / RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise IndexBusy(f"another build (pid {holder}) is writing {self.folder}; wait for it "
+                            "to end, or stop it and run again (the index resumes)") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+        try:
+            self._wait_for_writers()
+        except BaseException:
+            self.release()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the only descriptor drops the flock
+            self._fd = None
+
+    def _wait_for_writers(self) -> None:
+        fd = os.open(self.folder / WRITERS_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            deadline, said = time.monotonic() + self.writers_timeout, False
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    return
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise IndexBusy(
+                            f"writer processes of an earlier build still hold {self.folder} after "
+                            f"{self.writers_timeout:.0f} s; find them with `fuser "
+                            f"{self.folder / WRITERS_LOCK}`, stop them, and run again") from None
+                    if not said:
+                        log.info("waiting for the writers of an earlier build of %s to finish "
+                                 "their last commit", self.folder)
+                        said = True
+                    time.sleep(0.05)
+        finally:
+            os.close(fd)
+
+
+def hold_writer_lock(folder: str | os.PathLike) -> int:
+    """Take ``folder``'s writers lock shared, for the life of this (consumer) process;
+    returns the descriptor, which must stay open."""
+    fd = os.open(Path(folder) / WRITERS_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
