@@ -140,6 +140,36 @@ def test_main_sigkill_at_random_moments_loses_nothing(cli, tmp_path, device, see
     finish(cli, corpus, out, device)
 
 
+def test_rerun_at_once_after_main_sigkill_waits_for_the_last_commits(cli, tmp_path):
+    """Re-run the moment the main process is killed, while its consumers are still
+    alive and committing (each commit takes seconds here): the new run waits for them
+    (the folder's writers lock; its mechanics are in tests/index/test_lock.py) and,
+    once every process of the killed run is gone, the index holds every chunk exactly
+    once."""
+    corpus = make_corpus(tmp_path / "corpus", 10, seed=3)
+    out = tmp_path / "idx"
+    run = build(cli, corpus, out, env={"EMBEDINGEST_FI_SINK_DELAY": "0.3",
+                                       "EMBEDINGEST_FI_COMMIT_DELAY": "6"})
+    wait_for(lambda: n_segments(out) >= 1 or not run.running(), 120, what="a first commit")
+    consumers = list(run.consumers())
+    assert consumers, run.describe()
+    os.kill(run.pid, signal.SIGKILL)
+    rerun = build(cli, corpus, out, "--json")
+    assert any(_alive(pid) for pid in consumers), "the window this test is about did not open"
+    assert rerun.wait() == 0, rerun.describe()
+    assert run.wait() == -signal.SIGKILL
+    run.assert_no_leftovers()  # the killed run's late commits have landed by now
+    check_exactly_once(out, expected_chunks(corpus))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def test_main_sigkill_as_the_loader_worker_starts_leaves_no_process(cli, tmp_path):
     """The main process killed the moment its DataLoader worker is forked (PyTorch's own
     parent check is not armed yet while the worker loads its tokenizer): the worker must

@@ -9,6 +9,10 @@ Nothing happens unless one of these environment variables is set:
     consumer processes sleep this long before each batch their sink receives (a slow
     disk), so a run lasts long enough to be hit at a chosen moment.
 
+``EMBEDINGEST_FI_COMMIT_DELAY=SECONDS``
+    consumer processes sleep this long before writing each FAISS segment (a slow disk at
+    commit time), so a consumer's last commit lands well after its run's main process died.
+
 ``EMBEDINGEST_FI_KILL=PROC:PATTERN:N:PHASE``
     the process of kind PROC (``main`` or ``consumer``) kills itself with SIGKILL at the
     N-th ``os.replace`` (1-based) whose destination name matches the glob PATTERN:
@@ -37,6 +41,7 @@ import signal
 import sys
 
 _DELAY = os.environ.get("EMBEDINGEST_FI_SINK_DELAY")
+_COMMIT_DELAY = os.environ.get("EMBEDINGEST_FI_COMMIT_DELAY")
 _KILL = os.environ.get("EMBEDINGEST_FI_KILL")
 _ENOSPC = os.environ.get("EMBEDINGEST_FI_ENOSPC")
 _EACCES = os.environ.get("EMBEDINGEST_FI_EACCES")
@@ -125,6 +130,17 @@ def _patch_faiss_shards(mod) -> None:
             return _write(path, index, ids)
 
         mod.write_segment = full_write_segment
+    if _COMMIT_DELAY:
+        write = mod.write_segment
+
+        def slow_write_segment(path, index, ids, _write=write):
+            if _proc_kind() == "consumer":
+                import time
+
+                time.sleep(float(_COMMIT_DELAY))
+            return _write(path, index, ids)
+
+        mod.write_segment = slow_write_segment
 
 
 def _patch_masks(mod) -> None:
