@@ -33,6 +33,7 @@ from ..index.lock import RunLock
 from ..index.store import IndexStore, Manifest
 from ..index.writer import MetadataWriter
 from ..report import SkipReport
+from ..scaleout.devices import devices_of
 from ..sinks.faiss_shards import FaissShardSinkFactory, new_run_id
 from ..sources.files import walk_files
 from ..sources.text import TEXT_EXTENSIONS
@@ -212,7 +213,7 @@ def build_index(corpus, config: IndexConfig | None = None, *, progress: bool = F
     cfg = dataclasses.replace(config or IndexConfig(), **overrides)
     cfg.validate()
     t_start = time.perf_counter()
-    devices = _devices(cfg)
+    devices = devices_of(cfg)
     device = str(resolve_device(devices[0] if devices else cfg.device))
     dtype = cfg.dtype if cfg.dtype != "auto" else ("fp16" if device.startswith("cuda") else "fp32")
     in_memory = not isinstance(corpus, (str, os.PathLike))
@@ -302,18 +303,6 @@ def _build(corpus, cfg: IndexConfig, out: Path, encoder: TextEncoder, devices: l
     }
     summary["exit_code"] = EXIT_SKIPPED if report.entries else EXIT_OK
     return summary
-
-
-def _devices(cfg: IndexConfig) -> list[str]:
-    """The devices of ``--devices`` (several: one process each), [] for ``--device``."""
-    if not cfg.devices:
-        return []
-    if cfg.device != "auto":
-        raise ConfigError(f"device={cfg.device!r} and devices={cfg.devices!r} are both given; "
-                          "use devices alone (devices=cuda:1 for one GPU)")
-    from ..scaleout.devices import parse_devices
-
-    return parse_devices(cfg.devices)
 
 
 def _fingerprint(store: IndexStore) -> str:

@@ -32,6 +32,7 @@ from ..engine.egress import EgressEngine
 from ..engine.markers import annotate
 from ..errors import ConfigError
 from ..report import SkipReport
+from ..scaleout.devices import devices_of
 from ..sinks.masks import MaskSinkFactory, output_paths, restore_mask
 from ..sources.files import walk_files
 from ..sources.image_decode import (DEFAULT_MAX_PIXELS, IMAGE_EXTENSIONS, ImageRejected,
@@ -68,6 +69,9 @@ class SegmentConfig:
     dtype: str = "auto"
     # "auto" (CUDA when available), "cuda", "cuda:N" or "cpu".
     device: str = "auto"
+    # Several devices, one process each, the images split between them: "all" (every
+    # GPU), "0,1" (GPU numbers), "cuda:0,cuda:1", or "cpu,cpu" (for testing); "" is the one device.
+    devices: str = ""
     # DataLoader worker processes decoding images (0: decode in the main process).
     num_workers: int = 4
     # Engine consumer processes writing masks (PNG encoding is their main cost).
@@ -165,7 +169,10 @@ def segment(config: SegmentConfig, progress: bool = True, timeline: str | None =
     config.validate()
     if not config.images or not config.out:
         raise ConfigError("segment needs images (an input folder or file) and out (a folder)")
-    device = resolve_device(config.device)
+    devices = devices_of(config)
+    device = resolve_device(config.device) if len(devices) < 2 else None
+    if len(devices) == 1:
+        device = resolve_device(devices[0])
     output_inside_input(config.images, config.out)
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -175,8 +182,12 @@ def segment(config: SegmentConfig, progress: bool = True, timeline: str | None =
         todo, already = list_inputs(config, report)
         remove_stale_tmp_files(out, todo)
         summary = {"images": len(todo) + already, "already_done": already, "written": 0}
-        if todo:
-            summary.update(_run(config, device, todo, report, progress, timeline))
+        if todo and device is None:
+            from ..scaleout.multi_segment import segment_on_devices
+
+            summary.update(segment_on_devices(devices, config, todo, report, progress))
+        elif todo:
+            summary.update(run_on_device(config, device, todo, report, progress, timeline))
     finally:
         report_path = report.write(out)
     seconds = time.perf_counter() - t0
@@ -188,8 +199,12 @@ def segment(config: SegmentConfig, progress: bool = True, timeline: str | None =
     return summary
 
 
-def _run(config: SegmentConfig, device: torch.device, todo: list[tuple[str, str]],
-         report: SkipReport, progress: bool, timeline: str | None = None) -> dict:
+def run_on_device(config: SegmentConfig, device: torch.device, todo: list[tuple[str, str]],
+                  report: SkipReport, progress: bool = False, timeline: str | None = None,
+                  on_images=None) -> dict:
+    """Segment ``todo`` ((rel_path, path) pairs) on one device; bad images go to
+    ``report``; ``on_images(n)`` is told of every n images handled. Returns the summary
+    fields of the run."""
     loaded = load_segmentation_model(config.arch, config.weights, config.num_classes,
                                      config.random_weights)
     segmenter = Segmenter(loaded, device, config.dtype)
@@ -229,6 +244,8 @@ def _run(config: SegmentConfig, device: torch.device, todo: list[tuple[str, str]
                         outputs["logits"] = logits.to(torch.float16).contiguous()
                 engine.submit(batch.items, outputs)
             bar.update(len(batch) + len(batch.bad))
+            if on_images is not None:
+                on_images(len(batch) + len(batch.bad))
     if timeline and engine.stats.records:
         from ..engine.timeline import render_timeline
 

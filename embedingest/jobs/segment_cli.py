@@ -34,6 +34,8 @@ from ..errors import EmbedingestError
 @click.option("--dtype", type=click.Choice(["auto", "fp32", "fp16", "bf16"]),
               help="Model precision; auto is fp16 on CUDA, fp32 on CPU.")
 @click.option("--device", help="auto, cuda, cuda:N or cpu.")
+@click.option("--devices", help="Several devices, one process each, images split between them: "
+                                "all, 0,1, cuda:0,cuda:1 (or cpu,cpu to try it).")
 @click.option("--num-workers", type=int, help="DataLoader processes decoding images. [4]")
 @click.option("--num-consumers", type=int, help="Processes writing masks. [4]")
 @click.option("--num-slots", type=int, help="Engine host slots; 0 is twice the consumers.")

@@ -60,6 +60,17 @@ def _cuda_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def devices_of(config) -> list[str]:
+    """The devices of a job config's ``devices`` (several: one process each), [] when
+    the job runs on its one ``device``; both given is an error naming them."""
+    if not config.devices:
+        return []
+    if config.device not in ("auto", "", None):
+        raise ConfigError(f"device={config.device!r} and devices={config.devices!r} are both given; "
+                          "use devices alone (devices=cuda:1 for one GPU)")
+    return parse_devices(config.devices)
+
+
 def child_env(device: str) -> tuple[dict[str, str], str]:
     """The environment and device name for the process of ``device``: a GPU becomes the
     only visible one (``cuda:0`` inside), translated through the parent's own

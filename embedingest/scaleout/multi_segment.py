@@ -1,0 +1,71 @@
+"""segment on several devices of one host: one process per device, each running the
+single-device job on its share of the images.
+
+The parent lists the images (resume included) once and splits the ones still to do by
+bytes. Masks are one file per image, written by rename, so the children need no
+coordination: they write into the same output folder, and the parent writes the one
+skip report from what each child read. A run stopped at any point resumes like a
+single-device run (an image with its mask is done).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+from ..report import SkipReport
+from .devices import child_env, split_by_size
+from .procs import DeviceJob, run_per_device
+
+
+def segment_on_devices(devices: list[str], config, todo: list[tuple[str, str]],
+                       report: SkipReport, progress: bool) -> dict:
+    """Segment ``todo`` ((rel_path, path) pairs) on ``devices``; add the children's
+    skipped images to ``report``; return the summary fields of the run."""
+    from tqdm import tqdm
+
+    sizes = []
+    for _, path in todo:
+        try:
+            sizes.append(os.stat(path).st_size)
+        except OSError:
+            sizes.append(0)  # the child reports it when it reads it
+    groups = [g for g in split_by_size(sizes, len(devices)) if g]
+    used = devices[:len(groups)]
+    child_config = dataclasses.replace(config, devices="")
+    jobs = []
+    for device, group in zip(used, groups):
+        env, local = child_env(device)
+        jobs.append(DeviceJob(device, (local, child_config, [todo[i] for i in group]), env))
+    # disable=None: a bar on a terminal only, never in logs or pipes.
+    with tqdm(total=len(todo), unit="img", desc=f"segment x{len(used)}", dynamic_ncols=True,
+              disable=None if progress else True) as bar:
+        results = run_per_device(_segment_part, jobs, on_progress=lambda _, n: bar.update(n))
+    for r in results:
+        report.entries.extend(r["skipped"])
+    first = results[0]["summary"]
+    return {"written": sum(r["summary"]["written"] for r in results), "model": first["model"],
+            "num_classes": first["num_classes"], "device": ",".join(used), "dtype": first["dtype"],
+            "engine": {"per_device": [r["summary"]["engine"] | {"device": d}
+                                      for d, r in zip(used, results)]}}
+
+
+def _segment_part(device: str, config, todo: list[tuple[str, str]], report_progress) -> dict:
+    """The child: the single-device segment step on this process's images."""
+    from ..jobs.segment import run_on_device
+    from ..stages.device import resolve_device
+
+    report = SkipReport()
+    pending = {"n": 0, "at": time.monotonic()}
+
+    def on_images(n: int) -> None:
+        pending["n"] += n
+        if time.monotonic() - pending["at"] > 0.5:
+            report_progress(pending["n"])
+            pending.update(n=0, at=time.monotonic())
+
+    summary = run_on_device(config, resolve_device(device), todo, report, on_images=on_images)
+    if pending["n"]:
+        report_progress(pending["n"])
+    return {"summary": summary, "skipped": report.entries}

@@ -1,0 +1,74 @@
+"""segment --devices on two CPU processes: the same masks as one process, one report."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from PIL import Image
+from segment_fixtures import SIZE, noise, random_weights_file
+
+from embedingest.errors import ConfigError
+from embedingest.jobs.segment import SegmentConfig, segment
+from embedingest.jobs.segment_cli import segment_command
+from embedingest.sinks.masks import output_paths
+
+SMALL = "deeplabv3_mobilenet_v3_large"
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    return random_weights_file(tmp_path_factory.mktemp("w") / "small.pth", arch=SMALL)
+
+
+def make_images(root):
+    """Images of distinct sizes in two folders, and two bad files."""
+    sizes = {}
+    for i in range(10):
+        rel = ("" if i % 2 else "sub/") + f"img{i}.png"
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(noise(20 + i, 40 - i, seed=i)).save(root / rel)
+        sizes[rel] = (40 - i, 20 + i)
+    (root / "empty.png").write_bytes(b"")
+    (root / "sub" / "junk.jpg").write_bytes(b"not a jpeg at all")
+    return sizes
+
+
+def config(images, out, weights, **kw) -> SegmentConfig:
+    return SegmentConfig(images=str(images), out=str(out), weights=str(weights), arch=SMALL,
+                         size=SIZE, batch_size=3, num_workers=0, num_consumers=1, **kw)
+
+
+def test_two_processes_write_the_same_masks_as_one(tmp_path, weights):
+    images = tmp_path / "images"
+    sizes = make_images(images)
+    one = segment(config(images, tmp_path / "one", weights, device="cpu"), progress=False)
+    two = segment(config(images, tmp_path / "two", weights, devices="cpu,cpu"), progress=False)
+    assert one["written"] == two["written"] == len(sizes)
+    assert two["skipped"] == one["skipped"] == 2 and two["device"] == "cpu,cpu"
+    assert len(two["engine"]["per_device"]) == 2
+    assert all(p["batches"] > 0 for p in two["engine"]["per_device"]), "both processes worked"
+    for rel, (w, h) in sizes.items():
+        a = np.asarray(Image.open(output_paths(tmp_path / "one", rel)["mask"]))
+        b = np.asarray(Image.open(output_paths(tmp_path / "two", rel)["mask"]))
+        assert a.shape == (h, w) and np.array_equal(a, b), rel
+    report = [json.loads(line) for line in (tmp_path / "two" / "skipped.jsonl").read_text().splitlines()]
+    assert sorted(r["path"].rsplit("/", 1)[-1] for r in report) == ["empty.png", "junk.jpg"]
+    again = segment(config(images, tmp_path / "two", weights, devices="cpu,cpu"), progress=False)
+    assert again["already_done"] == len(sizes) and again["written"] == 0
+
+
+def test_cli_devices_and_conflicting_device(tmp_path, weights):
+    images = tmp_path / "images"
+    make_images(images)
+    args = [str(images), "--out", str(tmp_path / "o"), "--weights", str(weights), "--arch", SMALL,
+            "--size", str(SIZE), "--num-workers", "0", "--num-consumers", "1", "--json"]
+    result = CliRunner().invoke(segment_command, [*args, "--devices", "cpu,cpu"])
+    assert result.exit_code == 3, result.output  # finished, with the two bad files skipped
+    assert json.loads(result.output)["written"] == 10
+    clash = CliRunner().invoke(segment_command, [*args, "--devices", "cpu,cpu", "--device", "cpu"])
+    assert clash.exit_code == 1 and "devices" in clash.output
+    with pytest.raises(ConfigError, match="devices="):
+        segment(config(images, tmp_path / "x", weights, devices="cpu,cuda:0"), progress=False)
