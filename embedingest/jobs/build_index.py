@@ -216,6 +216,21 @@ def build_index(corpus, config: IndexConfig | None = None, *, progress: bool = F
     devices = devices_of(cfg)
     device = str(resolve_device(devices[0] if devices else cfg.device))
     dtype = cfg.dtype if cfg.dtype != "auto" else ("fp16" if device.startswith("cuda") else "fp32")
+    early = None
+    if len(devices) > 1:  # they start up (imports, model) while this process plans
+        from ..scaleout.multi_device import start_device_processes
+
+        early = start_device_processes(devices, cfg, dtype)
+    try:
+        return _prepare_and_build(corpus, cfg, devices, device, dtype, early, progress, timeline, t_start)
+    finally:
+        if early is not None:
+            early.close()
+
+
+def _prepare_and_build(corpus, cfg: IndexConfig, devices: list[str], device: str, dtype: str, early,
+                       progress: bool, timeline, t_start: float) -> dict:
+    """Load the encoder, then build under the folder's run lock."""
     in_memory = not isinstance(corpus, (str, os.PathLike))
     if not in_memory and not Path(corpus).exists():
         raise ConfigError(f"corpus {str(corpus)!r} does not exist; pass a folder or a file")
@@ -229,12 +244,12 @@ def build_index(corpus, config: IndexConfig | None = None, *, progress: bool = F
     report = SkipReport()
     out.mkdir(parents=True, exist_ok=True)
     with RunLock(out):
-        return _build(corpus, cfg, out, encoder, devices, device, dtype, in_memory, chunk_tokens,
-                      report, progress, timeline, t_start, phases)
+        return _build(corpus, cfg, out, encoder, devices, device, dtype, early, in_memory,
+                      chunk_tokens, report, progress, timeline, t_start, phases)
 
 
 def _build(corpus, cfg: IndexConfig, out: Path, encoder: TextEncoder, devices: list[str], device: str,
-           dtype: str, in_memory: bool, chunk_tokens: int, report: SkipReport, progress: bool,
+           dtype: str, early, in_memory: bool, chunk_tokens: int, report: SkipReport, progress: bool,
            timeline, t_start: float, phases: dict) -> dict:
     """The body of :func:`build_index`, run while holding the folder's run lock."""
     store = IndexStore(out)
@@ -265,8 +280,8 @@ def _build(corpus, cfg: IndexConfig, out: Path, encoder: TextEncoder, devices: l
         if units and len(devices) > 1:
             from ..scaleout.multi_device import encode_on_devices
 
-            stats = encode_on_devices(devices, units, [c["size"] for c in plan.todo], cfg, out,
-                                      dtype, chunk_tokens, trained, counts, report, progress)
+            stats = encode_on_devices(early, units, [c["size"] for c in plan.todo], cfg, out,
+                                      chunk_tokens, trained, counts, report, progress)
         elif units:
             stats = _encode_all(units, encoder, store, report, cfg, out, device, chunk_tokens,
                                 trained, counts, progress, timing=main_loop)

@@ -28,7 +28,7 @@ from ..report import SkipReport
 from ..sinks.faiss_shards import new_run_id
 from ..sources.text_dataset import Unit
 from .devices import child_env, share_of_cpus, split_by_size, usable_cpus
-from .procs import DeviceJob, run_per_device
+from .procs import DeviceJob, DeviceProcesses
 
 BUSY_TIMEOUT_MS = 600_000  # a child waits this long for another child's commit
 _PROGRESS_EVERY = 0.5
@@ -78,26 +78,34 @@ class MultiDeviceStats:
         }
 
 
-def encode_on_devices(devices: list[str], units: list[Unit], sizes: list[int], cfg: IndexConfig,
-                      out: Path, dtype: str, chunk_tokens: int, trained: str | None,
-                      counts: dict, report: SkipReport, progress: bool) -> MultiDeviceStats:
-    """Encode ``units`` (of ``sizes`` bytes) on ``devices``, one process each; add the
-    children's counts to ``counts`` and their skipped inputs to ``report``."""
+def start_device_processes(devices: list[str], cfg: IndexConfig, dtype: str) -> DeviceProcesses:
+    """Start one process per device now; each imports torch and loads the encoder on its
+    device while the caller plans the run (seconds each that no longer add up), then
+    waits for :func:`encode_on_devices` to hand it its units."""
+    threads = max(1, usable_cpus() // len(devices))
+    jobs = []
+    for device in devices:
+        env, local = child_env(device)
+        jobs.append(DeviceJob(device, (local, dtype, cfg.model, cfg.cuda_graphs, threads, time.time()),
+                              env))
+    return DeviceProcesses(_load_encoder, jobs)
+
+
+def encode_on_devices(procs: DeviceProcesses, units: list[Unit], sizes: list[int], cfg: IndexConfig,
+                      out: Path, chunk_tokens: int, trained: str | None, counts: dict,
+                      report: SkipReport, progress: bool) -> MultiDeviceStats:
+    """Encode ``units`` (of ``sizes`` bytes) in the processes of
+    :func:`start_device_processes`, split by size; add the children's counts to
+    ``counts`` and their skipped inputs to ``report``."""
     from tqdm import tqdm
 
-    groups = [g for g in split_by_size(sizes, len(devices)) if g]
-    used = devices[:len(groups)]
+    groups = split_by_size(sizes, len(procs.jobs))
+    used = [job.name for job, group in zip(procs.jobs, groups) if group]
     child_cfg = dataclasses.replace(cfg, devices="",
                                     num_workers=share_of_cpus(cfg.num_workers, len(used)))
-    threads = max(1, usable_cpus() // len(used))
     base = new_run_id()
-    jobs = []
-    for i, (device, group) in enumerate(zip(used, groups)):
-        env, local = child_env(device)
-        jobs.append(DeviceJob(device, (local, dtype, [units[j] for j in group], child_cfg,
-                                       str(out), chunk_tokens, trained, f"{base}_d{i}", threads,
-                                       time.time()),
-                              env))
+    work = [([units[j] for j in group], child_cfg, str(out), chunk_tokens, trained, f"{base}_d{i}")
+            if group else None for i, group in enumerate(groups)]
     bar = tqdm(total=len(units), unit="unit", disable=not progress, dynamic_ncols=True)
     t0, chunks = time.perf_counter(), 0
 
@@ -109,7 +117,7 @@ def encode_on_devices(devices: list[str], units: list[Unit], sizes: list[int], c
         bar.set_postfix(devices=len(used), chunks_s=f"{rate:,.0f}", refresh=False)
 
     try:
-        results = run_per_device(_encode_part, jobs, on_progress=on_progress)
+        results = [r for r in procs.run(_encode_part, work, on_progress=on_progress) if r is not None]
     finally:
         bar.close()
     for r in results:
@@ -119,22 +127,33 @@ def encode_on_devices(devices: list[str], units: list[Unit], sizes: list[int], c
     return MultiDeviceStats(used, [r["stats"] for r in results], [r["timing"] for r in results])
 
 
-def _encode_part(device: str, dtype: str, units: list[Unit], cfg: IndexConfig, out: str,
-                 chunk_tokens: int, trained: str | None, run_id: str, threads: int,
-                 started_at: float, report_progress) -> dict:
-    """The child: the single-device encode step on this process's share of the units."""
+def _load_encoder(device: str, dtype: str, model: str | None, cuda_graphs: bool, threads: int,
+                  started_at: float):
+    """The child's start-up: imports and the encoder on its device, timed."""
     t_begin = time.time()
     import torch
 
-    from ..index.store import IndexStore
-    from ..jobs.build_index import _encode_all
     from ..stages.encoder import TextEncoder
 
     if device == "cpu":
         torch.set_num_threads(threads)
     t_import = time.time()
-    encoder = TextEncoder.load(cfg.model, device=device, dtype=dtype, cuda_graphs=cfg.cuda_graphs)
+    encoder = TextEncoder.load(model, device=device, dtype=dtype, cuda_graphs=cuda_graphs)
+    t_ready = time.time()
+    return encoder, {"process_start_s": t_begin - started_at, "imports_s": t_import - t_begin,
+                     "model_load_s": t_ready - t_import, "ready_at": t_ready}
+
+
+def _encode_part(prepared, units: list[Unit], cfg: IndexConfig, out: str, chunk_tokens: int,
+                 trained: str | None, run_id: str, report_progress) -> dict:
+    """The child: the single-device encode step on this process's share of the units."""
+    from ..index.store import IndexStore
+    from ..jobs.build_index import _encode_all
+
+    encoder, timing = prepared
     t_model = time.time()
+    # How long the loaded encoder waited for the parent's plan (start-up hidden by it).
+    timing["waited_for_work_s"] = t_model - timing.pop("ready_at")
     report = SkipReport()
     counts = {"chunks": 0, "docs": 0, "units_done": 0}
     pending = {"units": 0, "chunks": 0, "at": time.monotonic()}
@@ -150,15 +169,12 @@ def _encode_part(device: str, dtype: str, units: list[Unit], cfg: IndexConfig, o
     try:
         store.db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
         main_loop: dict = {}
-        stats = _encode_all(units, encoder, store, report, cfg, Path(out), device, chunk_tokens,
+        stats = _encode_all(units, encoder, store, report, cfg, Path(out), str(encoder.device), chunk_tokens,
                             trained, counts, False, run_id=run_id, on_item=on_item, timing=main_loop)
     finally:
         store.close()
     if pending["units"] or pending["chunks"]:
         report_progress(pending["units"], pending["chunks"])
-    t_end = time.time()
-    timing = {"process_start_s": t_begin - started_at, "imports_s": t_import - t_begin,
-              "model_load_s": t_model - t_import, "encode_s": t_end - t_model,
-              "engine_wall_s": stats.wall_seconds, **main_loop}
+    timing.update(encode_s=time.time() - t_model, engine_wall_s=stats.wall_seconds, **main_loop)
     return {"counts": counts, "stats": stats, "skipped": report.entries,
             "timing": {k: round(v, 3) for k, v in timing.items()}}

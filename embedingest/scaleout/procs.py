@@ -51,28 +51,75 @@ def run_per_device(target: Callable, jobs: Sequence[DeviceJob], *,
     the child's traceback as its cause. KeyboardInterrupt in the parent stops all
     children the same way and is re-raised.
     """
-    ctx = mp.get_context("spawn")
-    level = log.getEffectiveLevel()
-    procs, conns = [], []
-    try:
-        for index, job in enumerate(jobs):
-            mine, theirs = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_child_main, name=f"embedingest-{job.name}",
-                               args=(target, job.args, theirs, os.getpid(), level))
-            with _environ(job.env):
-                proc.start()
-            theirs.close()
-            procs.append(proc)
-            conns.append(mine)
-        return _collect(jobs, procs, conns, on_progress)
-    except BaseException:
-        _stop(procs, stop_timeout)
-        raise
-    finally:
-        for proc in procs:
+    with DeviceProcesses(None, [DeviceJob(job.name, (), job.env) for job in jobs],
+                         stop_timeout=stop_timeout) as procs:
+        return procs.run(target, [job.args for job in jobs], on_progress=on_progress)
+
+
+class DeviceProcesses:
+    """One spawned process per job, started before its work is known.
+
+    Each child first runs ``prepare(*job.args)`` (imports, CUDA, model loading: seconds)
+    while the parent goes on (planning the run), then waits for its share of the work,
+    given by :meth:`run`. A context manager: leaving it stops children that were given
+    no work; errors and Ctrl-C behave as in :func:`run_per_device`.
+    """
+
+    def __init__(self, prepare: Callable | None, jobs: Sequence[DeviceJob], *,
+                 stop_timeout: float = 60.0):
+        self.jobs = list(jobs)
+        self.stop_timeout = stop_timeout
+        self.procs: list = []
+        self.conns: list = []
+        self._ran = False
+        ctx = mp.get_context("spawn")
+        level = log.getEffectiveLevel()
+        try:
+            for job in self.jobs:
+                mine, theirs = ctx.Pipe(duplex=True)
+                proc = ctx.Process(target=_child_main, name=f"embedingest-{job.name}",
+                                   args=(prepare, job.args, theirs, os.getpid(), level))
+                with _environ(job.env):
+                    proc.start()
+                theirs.close()
+                self.procs.append(proc)
+                self.conns.append(mine)
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> DeviceProcesses:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def run(self, target: Callable, work: Sequence[tuple | None], *,
+            on_progress: Callable[..., None] | None = None) -> list:
+        """Give child ``i`` the call ``target(prepared, *work[i], report)`` (without a
+        ``prepare``: ``target(*work[i], report)``), or nothing when ``work[i]`` is None;
+        return the results in job order (None for a child given nothing)."""
+        self._ran = True
+        try:
+            for conn, args in zip(self.conns, work, strict=True):
+                try:
+                    conn.send(None if args is None else (target, args))
+                except (BrokenPipeError, OSError):
+                    pass  # the child already ended (its prepare failed): _collect says why
+            return _collect(self.jobs, self.procs, self.conns, on_progress)
+        except BaseException:
+            _stop(self.procs, self.stop_timeout)
+            raise
+
+    def close(self) -> None:
+        """Stop the children that were never given work; wait for all to end."""
+        if not self._ran:
+            _stop(self.procs, self.stop_timeout)
+        for proc in self.procs:
             proc.join()
-        for conn in conns:
+        for conn in self.conns:
             conn.close()
+        self.procs, self.conns = [], []
 
 
 def _collect(jobs, procs, conns, on_progress) -> list:
@@ -150,7 +197,7 @@ def _interrupt_once(signum, frame):
     raise KeyboardInterrupt
 
 
-def _child_main(target, args, conn, parent_pid: int, level: int) -> None:
+def _child_main(prepare, prepare_args, conn, parent_pid: int, level: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _interrupt_once)
     logging.basicConfig(level=level, stream=sys.stderr,
@@ -161,8 +208,17 @@ def _child_main(target, args, conn, parent_pid: int, level: int) -> None:
 
     try:
         _die_with_parent(parent_pid)
-        result = target(*args, report)
-        msg = ("ok", result)
+        prepared = prepare(*prepare_args) if prepare is not None else None
+        try:
+            work = conn.recv()
+        except EOFError:
+            return  # the parent is gone
+        if work is None:
+            msg = ("ok", None)
+        else:
+            target, args = work
+            result = target(*args, report) if prepare is None else target(prepared, *args, report)
+            msg = ("ok", result)
     except BaseException as exc:
         msg = ("error", error_payload(exc))
     try:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from embedingest.index.lock import IndexBusy, RunLock, hold_writer_lock
+from embedingest.index.lock import IndexBusy, RunLock
 
 
 def writer_process(folder, seconds: float) -> subprocess.Popen:

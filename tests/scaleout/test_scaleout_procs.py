@@ -97,3 +97,57 @@ def test_ctrl_c_stops_every_child_cleanly(tmp_path, no_leaks):
     with pytest.raises(KeyboardInterrupt):
         run_per_device(sleeper, jobs, on_progress=on_progress)
     assert all(m.read_text() == "stopped" for m in markers)
+
+
+def prepare_pid(tag):
+    """A stand-in for loading a model: what the child keeps for its work."""
+    return {"tag": tag, "pid": os.getpid()}
+
+
+def prepare_fails(tag):
+    raise ConfigError(f"model folder {tag!r} does not exist")
+
+
+def prepare_forever(marker):
+    Path(marker).write_text("preparing")
+    while True:
+        time.sleep(0.05)
+
+
+def use_prepared(prepared, x, report):
+    report(x)
+    return {"tag": prepared["tag"], "same_process": prepared["pid"] == os.getpid(), "x": x}
+
+
+def test_prepared_state_reaches_the_work_and_idle_children_get_none(no_leaks):
+    from embedingest.scaleout.procs import DeviceProcesses
+
+    seen = []
+    jobs = [DeviceJob(f"cpu{i}", (f"t{i}",)) for i in range(3)]
+    with DeviceProcesses(prepare_pid, jobs) as procs:
+        out = procs.run(use_prepared, [(10,), None, (12,)], on_progress=lambda i, x: seen.append((i, x)))
+    assert out == [{"tag": "t0", "same_process": True, "x": 10}, None,
+                   {"tag": "t2", "same_process": True, "x": 12}]
+    assert sorted(seen) == [(0, 10), (2, 12)]
+
+
+def test_a_failed_prepare_is_raised_by_run_with_its_type(no_leaks):
+    from embedingest.scaleout.procs import DeviceProcesses
+
+    with DeviceProcesses(prepare_fails, [DeviceJob("cuda:1", ("/nope",))]) as procs:
+        time.sleep(0.5)  # the child has failed before its work is sent
+        with pytest.raises(ConfigError, match="model folder '/nope' does not exist"):
+            procs.run(use_prepared, [(1,)])
+
+
+def test_leaving_without_work_stops_children_still_preparing(tmp_path, no_leaks):
+    from embedingest.scaleout.procs import DeviceProcesses
+
+    marker = tmp_path / "m"
+    t0 = time.monotonic()
+    with DeviceProcesses(prepare_forever, [DeviceJob("cpu", (str(marker),))]):
+        wait_until = time.monotonic() + 30
+        while not marker.exists() and time.monotonic() < wait_until:
+            time.sleep(0.02)
+        assert marker.exists()
+    assert time.monotonic() - t0 < 30
