@@ -55,8 +55,9 @@ class IndexConfig:
     devices: str = ""
     # Encoder precision: "auto" (fp16 on CUDA, fp32 on CPU), "fp32", "fp16" or "bf16".
     dtype: str = "auto"
-    # Chunks per encoder batch (the slot size of the egress engine).
-    batch_size: int = 256
+    # Chunks per encoder batch (the slot size of the egress engine); 0 picks 1024 on a GPU
+    # (fewer, larger batches: less per-batch work for the main process) and 256 on the CPU.
+    batch_size: int = 0
     # On a GPU, replay the encoder from CUDA graphs (one per batch shape): the GPU no
     # longer waits for Python to launch each kernel. Off: plain eager forward.
     cuda_graphs: bool = True
@@ -83,8 +84,16 @@ class IndexConfig:
     # Delete whatever index is in the output folder first.
     overwrite: bool = False
 
+    def for_device(self, cuda: bool) -> IndexConfig:
+        """This config with ``batch_size`` 0 (auto) made concrete for the device kind."""
+        if self.batch_size:
+            return self
+        return dataclasses.replace(self, batch_size=1024 if cuda else 256)
+
     def validate(self) -> None:
-        for name in ("batch_size", "chunk_tokens", "num_consumers", "sort_window", "commit_every",
+        if self.batch_size < 0:
+            raise ConfigError(f"batch-size={self.batch_size}: must be at least 1, or 0 (auto)")
+        for name in ("chunk_tokens", "num_consumers", "sort_window", "commit_every",
                      "train_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name.replace('_', '-')}={getattr(self, name)}: must be at least 1")

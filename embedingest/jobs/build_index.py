@@ -216,6 +216,7 @@ def build_index(corpus, config: IndexConfig | None = None, *, progress: bool = F
     devices = devices_of(cfg)
     device = str(resolve_device(devices[0] if devices else cfg.device))
     dtype = cfg.dtype if cfg.dtype != "auto" else ("fp16" if device.startswith("cuda") else "fp32")
+    cfg = cfg.for_device(device.startswith("cuda"))
     early = None
     if len(devices) > 1:  # they start up (imports, model) while this process plans
         from ..scaleout.multi_device import start_device_processes

@@ -25,7 +25,7 @@ class DevicesBenchConfig:
     docs: int = 500_000  # paragraphs in the corpus
     devices: str = "all"  # the --devices of the scaled-out row
     single: str = "cuda:0"  # the --device of the one-GPU row
-    batch_size: int = 256
+    batch_size: int = 1024  # build-index's default on a GPU
     dtype: str = "fp16"
     model: str | None = None  # model folder; default the bundled all-MiniLM-L6-v2
     files: int = 128  # JSON-lines files: the units split between devices

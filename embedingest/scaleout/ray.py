@@ -353,6 +353,7 @@ def plan_ray_index(dataset: ray.data.Dataset, out: str | os.PathLike,
                               f"{', '.join(sorted(columns))}: set {option}, or add the column "
                               "(e.g. Dataset.add_column) since records are tracked by id")
     dtype = cfg.dtype if cfg.dtype != "auto" else ("fp16" if num_gpus else "fp32")
+    cfg = cfg.for_device(bool(num_gpus))
     encoder = TextEncoder.load(cfg.model, device="cpu", dtype="fp32")
     chunk_tokens = min(cfg.chunk_tokens, encoder.max_seq_length)
     if cfg.overlap >= chunk_tokens:

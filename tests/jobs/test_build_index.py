@@ -218,3 +218,18 @@ def test_real_paragraphs_each_found_first_and_rerun_adds_nothing(tmp_path):
     index.close()
     again = build_index(corpus, out=str(out), num_workers=1, batch_size=64)
     assert again["units_indexed"] == 0 and again["vectors_total"] == s["vectors_total"]
+
+
+def test_batch_size_auto_by_device_and_presets_hold_the_defaults():
+    from embedingest.config import IndexConfig, load_config
+    from embedingest.errors import ConfigError
+
+    assert IndexConfig().batch_size == 0
+    assert IndexConfig().for_device(cuda=True).batch_size == 1024
+    assert IndexConfig().for_device(cuda=False).batch_size == 256
+    assert IndexConfig(batch_size=64).for_device(cuda=True).batch_size == 64
+    with pytest.raises(ConfigError, match="batch-size=-1"):
+        IndexConfig(batch_size=-1).validate()
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    assert load_config(IndexConfig, configs / "build-index.toml") == IndexConfig()
+    assert load_config(IndexConfig, configs / "build-index-gpu-large.toml").batch_size == 1024
