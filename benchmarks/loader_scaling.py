@@ -6,27 +6,38 @@ Writes a corpus of DOCS paragraphs (the text benchmark's), then runs build-index
 DataLoader over it once per worker count, doing nothing with the batches; prints docs/s
 over the whole pass, the rate after the first batch, and the first batch's latency.
 """
-import sys, time, tempfile, pathlib, os, resource
+
+from __future__ import annotations
+
+import pathlib
+import sys
+import tempfile
+import time
+
 from embedingest.bench.text import make_paragraphs, write_corpus
 from embedingest.config import IndexConfig
 from embedingest.jobs.build_index import _loader
 from embedingest.sources.text_dataset import Unit
 from embedingest.stages.encoder import TextEncoder
 
-def main():
+
+def main(docs: int, worker_counts: list[int]) -> None:
     work = pathlib.Path(tempfile.mkdtemp())
-    corpus = write_corpus(make_paragraphs(int(sys.argv[1])), work / "c", 64)
-    enc = TextEncoder.load(None, device="cpu")
+    corpus = write_corpus(make_paragraphs(docs), work / "corpus", 64)
+    encoder = TextEncoder.load(None, device="cpu")
     units = [Unit(i, p.name, path=str(p)) for i, p in enumerate(sorted(corpus.glob("*.jsonl")))]
-    for w in [int(x) for x in sys.argv[2].split(",")]:
-        cfg = IndexConfig(batch_size=1024)
-        t0 = time.perf_counter(); c0 = resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime
-        docs = 0; tf = None
-        for item in _loader(units, enc, cfg, w, 256, pin=False):
-            docs += item["chunks"].n_docs
-            if tf is None: tf = time.perf_counter(); d0 = docs
-        dt = time.perf_counter() - t0
-        print(f"workers={w}: {docs/dt:,.0f} docs/s, steady {(docs-d0)/(time.perf_counter()-tf):,.0f}, first {tf-t0:.2f}s", flush=True)
+    for workers in worker_counts:
+        t0 = time.perf_counter()
+        done, first_docs, t_first = 0, 0, None
+        for item in _loader(units, encoder, IndexConfig(batch_size=1024), workers, 256, pin=False):
+            done += item["chunks"].n_docs
+            if t_first is None:
+                t_first, first_docs = time.perf_counter(), done
+        t_end = time.perf_counter()
+        print(f"workers={workers}: {done / (t_end - t0):,.0f} docs/s, "
+              f"steady {(done - first_docs) / (t_end - t_first):,.0f}, first {t_first - t0:.2f}s",
+              flush=True)
+
 
 if __name__ == "__main__":
-    main()
+    main(int(sys.argv[1]), [int(x) for x in sys.argv[2].split(",")])
