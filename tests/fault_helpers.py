@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import signal
 import sqlite3
 import subprocess
@@ -403,3 +404,15 @@ class DelayedDigestSink:
 
     def close(self):
         return {"worker": self.worker, "seen": self.seen}
+
+
+def stopped_by_dead_consumer(run, victim: int | None) -> None:
+    """The run ends within 10 s of the consumer's death, exit 1, naming it, no traceback."""
+    t0 = time.monotonic()
+    rc = run.wait(60)
+    assert time.monotonic() - t0 < 10, f"the run took {time.monotonic() - t0:.1f} s to stop"
+    assert rc == 1, run.describe()
+    pid = victim if victim is not None else r"\d+"
+    assert re.search(rf"consumer \d+ \(pid {pid}\) was killed by SIGKILL", run.stderr), run.describe()
+    assert "Traceback" not in run.stderr, run.describe()
+    run.assert_no_leftovers()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import signal
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from fault_helpers import (
     check_index_files,
     expected_chunks,
     make_corpus,
+    stopped_by_dead_consumer,
     tmp_files,
     wait_for,
     words,
@@ -58,18 +58,6 @@ def finish(cli, corpus: Path, out: Path, device="cpu", expected=None) -> dict:
     assert run.wait() == 0, run.describe()
     check_exactly_once(out, expected if expected is not None else expected_chunks(corpus))
     return json.loads(run.stdout)
-
-
-def stopped_by_dead_consumer(run, victim: int | None) -> None:
-    """The run ends within 10 s of the consumer's death, exit 1, naming it, no traceback."""
-    t0 = time.monotonic()
-    rc = run.wait(60)
-    assert time.monotonic() - t0 < 10, f"the run took {time.monotonic() - t0:.1f} s to stop"
-    assert rc == 1, run.describe()
-    pid = victim if victim is not None else r"\d+"
-    assert re.search(rf"consumer \d+ \(pid {pid}\) was killed by SIGKILL", run.stderr), run.describe()
-    assert "Traceback" not in run.stderr, run.describe()
-    run.assert_no_leftovers()
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -13,7 +13,6 @@ import io
 import json
 import os
 import random
-import re
 import signal
 import struct
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fault_helpers import tmp_files, wait_for
+from fault_helpers import stopped_by_dead_consumer, tmp_files, wait_for
 from PIL import Image
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.needs_cuda)]
@@ -92,18 +91,6 @@ def finish(cli, images, out, sizes, device="cpu", rc=0) -> dict:
     summary = json.loads(run.stdout)
     assert summary["already_done"] + summary["written"] == len(sizes), summary
     return summary
-
-
-def stopped_by_dead_consumer(run, victim: int | None) -> None:
-    """The run ends within 10 s of the consumer's death, exit 1, naming it, no traceback."""
-    t0 = time.monotonic()
-    rc = run.wait(60)
-    assert time.monotonic() - t0 < 10, f"the run took {time.monotonic() - t0:.1f} s to stop"
-    assert rc == 1, run.describe()
-    pid = victim if victim is not None else r"\d+"
-    assert re.search(rf"consumer \d+ \(pid {pid}\) was killed by SIGKILL", run.stderr), run.describe()
-    assert "Traceback" not in run.stderr, run.describe()
-    run.assert_no_leftovers()
 
 
 @pytest.mark.parametrize("device", DEVICES)

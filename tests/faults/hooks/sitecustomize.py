@@ -107,17 +107,22 @@ if _EACCES:
     builtins.open = io.open = _open
 
 
+def _slow_down(sink_class) -> None:
+    """Every batch the sink receives waits ``EMBEDINGEST_FI_SINK_DELAY`` seconds first."""
+    call = sink_class.__call__
+
+    def slow_call(self, batch_id, arrays, _call=call):
+        import time
+
+        time.sleep(float(_DELAY))
+        return _call(self, batch_id, arrays)
+
+    sink_class.__call__ = slow_call
+
+
 def _patch_faiss_shards(mod) -> None:
     if _DELAY:
-        call = mod.FaissShardSink.__call__
-
-        def slow_call(self, batch_id, arrays, _call=call):
-            import time
-
-            time.sleep(float(_DELAY))
-            return _call(self, batch_id, arrays)
-
-        mod.FaissShardSink.__call__ = slow_call
+        _slow_down(mod.FaissShardSink)
     if _ENOSPC:
         write_segment = mod.write_segment
 
@@ -145,15 +150,7 @@ def _patch_faiss_shards(mod) -> None:
 
 def _patch_masks(mod) -> None:
     if _DELAY:
-        call = mod.MaskSink.__call__
-
-        def slow_call(self, batch_id, arrays, _call=call):
-            import time
-
-            time.sleep(float(_DELAY))
-            return _call(self, batch_id, arrays)
-
-        mod.MaskSink.__call__ = slow_call
+        _slow_down(mod.MaskSink)
     if _ENOSPC:
         write = mod.atomic_write_bytes
 
