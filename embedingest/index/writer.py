@@ -17,6 +17,8 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from ..sources.text_dataset import Chunks
+
 if TYPE_CHECKING:
     from .store import IndexStore
 
@@ -46,7 +48,7 @@ class MetadataWriter:
     def add(self, item: dict) -> None:
         """Take the ``chunks`` and ``units_done`` of one batch (a dataset item)."""
         c = item["chunks"]
-        if hasattr(c, "text") and not isinstance(c, list):  # a text_dataset.Chunks
+        if isinstance(c, Chunks):
             self.rows.extend(zip(c.id, c.unit_no, c.record_id, c.chunk_no, c.char_start,
                                  c.char_end, c.text))
         else:

@@ -8,7 +8,8 @@ DataLoader, egress engine and consumers, segments under its own run id.
 
 Chunk rows go straight from each child into the one ``metadata.sqlite``. SQLite in WAL
 mode lets one writer at a time commit while the others wait on the busy timeout; each
-child commits a batch of rows every two seconds, so the waits are short, and a unit is
+child's metadata thread (``index/writer.py``) commits a batch of rows a few times a
+second, so the waits are short, and a unit is
 still marked done in the same transaction order as on one device. That keeps resume
 exactly as fine-grained as a single-device run, which a merge of per-child databases at
 the end would lose (a crash before the merge would redo every unit), and it needs no
@@ -28,10 +29,8 @@ from ..report import SkipReport
 from ..sinks.faiss_shards import new_run_id
 from ..sources.text_dataset import Unit
 from .devices import child_env, share_of_cpus, split_by_size, usable_cpus
-from .procs import DeviceJob, DeviceProcesses
+from .procs import BatchedProgress, DeviceJob, DeviceProcesses
 
-BUSY_TIMEOUT_MS = 600_000  # a child waits this long for another child's commit
-_PROGRESS_EVERY = 0.5
 
 
 @dataclass
@@ -156,25 +155,15 @@ def _encode_part(prepared, units: list[Unit], cfg: IndexConfig, out: str, chunk_
     timing["waited_for_work_s"] = t_model - timing.pop("ready_at")
     report = SkipReport()
     counts = {"chunks": 0, "docs": 0, "units_done": 0}
-    pending = {"units": 0, "chunks": 0, "at": time.monotonic()}
-
-    def on_item(units_done: int, chunks: int) -> None:
-        pending["units"] += units_done
-        pending["chunks"] += chunks
-        if time.monotonic() - pending["at"] > _PROGRESS_EVERY:
-            report_progress(pending["units"], pending["chunks"])
-            pending.update(units=0, chunks=0, at=time.monotonic())
-
-    store = IndexStore(out)
+    progress = BatchedProgress(report_progress)
+    store = IndexStore(out)  # its rows go through MetadataWriter's own connection (busy timeout)
     try:
-        store.db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
         main_loop: dict = {}
         stats = _encode_all(units, encoder, store, report, cfg, Path(out), str(encoder.device), chunk_tokens,
-                            trained, counts, False, run_id=run_id, on_item=on_item, timing=main_loop)
+                            trained, counts, False, run_id=run_id, on_item=progress.add, timing=main_loop)
     finally:
         store.close()
-    if pending["units"] or pending["chunks"]:
-        report_progress(pending["units"], pending["chunks"])
+    progress.flush()
     timing.update(encode_s=time.time() - t_model, engine_wall_s=stats.wall_seconds, **main_loop)
     return {"counts": counts, "stats": stats, "skipped": report.entries,
             "timing": {k: round(v, 3) for k, v in timing.items()}}

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 
 from ..report import SkipReport
 from .devices import child_env, split_by_size
-from .procs import DeviceJob, run_per_device
+from .procs import BatchedProgress, DeviceJob, run_per_device
 
 
 def segment_on_devices(devices: list[str], config, todo: list[tuple[str, str]],
@@ -57,15 +56,7 @@ def _segment_part(device: str, config, todo: list[tuple[str, str]], report_progr
     from ..stages.device import resolve_device
 
     report = SkipReport()
-    pending = {"n": 0, "at": time.monotonic()}
-
-    def on_images(n: int) -> None:
-        pending["n"] += n
-        if time.monotonic() - pending["at"] > 0.5:
-            report_progress(pending["n"])
-            pending.update(n=0, at=time.monotonic())
-
-    summary = run_on_device(config, resolve_device(device), todo, report, on_images=on_images)
-    if pending["n"]:
-        report_progress(pending["n"])
+    progress = BatchedProgress(report_progress)
+    summary = run_on_device(config, resolve_device(device), todo, report, on_images=progress.add)
+    progress.flush()
     return {"summary": summary, "skipped": report.entries}

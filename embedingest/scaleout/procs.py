@@ -56,6 +56,27 @@ def run_per_device(target: Callable, jobs: Sequence[DeviceJob], *,
         return procs.run(target, [job.args for job in jobs], on_progress=on_progress)
 
 
+class BatchedProgress:
+    """A child's progress counts, summed and sent to the parent (``report``) at most every
+    ``every`` seconds: one pipe message per batch would cost more than the batch's own
+    bookkeeping. Call :meth:`flush` once at the end."""
+
+    def __init__(self, report: Callable[..., None], every: float = 0.5):
+        self.report, self.every = report, every
+        self.pending: tuple | None = None
+        self.at = time.monotonic()
+
+    def add(self, *counts) -> None:
+        self.pending = counts if self.pending is None else tuple(map(sum, zip(self.pending, counts)))
+        if time.monotonic() - self.at > self.every:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.pending is not None and any(self.pending):
+            self.report(*self.pending)
+        self.pending, self.at = None, time.monotonic()
+
+
 class DeviceProcesses:
     """One spawned process per job, started before its work is known.
 
