@@ -117,14 +117,16 @@ def st_encode_add(cfg: TextBenchConfig, corpus: Path, model_dir: str, dtype: str
 
 def pretokenize(cfg: TextBenchConfig, texts: list[str], model_dir: str | None) -> list:
     """The corpus as length-sorted batches on the device, for the forward-alone rows."""
+    from ..config import IndexConfig
     from ..stages.encoder import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
+    max_length = IndexConfig().chunk_tokens  # build-index's chunk size
     order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
     batches = []
     for i in range(0, len(order), cfg.batch_size):
         tok = tokenizer([texts[j] for j in order[i:i + cfg.batch_size]], padding=True, truncation=True,
-                        max_length=256, return_tensors="pt",  # build-index's chunk size
+                        max_length=max_length, return_tensors="pt",
                         pad_to_multiple_of=16 if cfg.device.startswith("cuda") else None)
         batches.append((tok["input_ids"].to(cfg.device), tok["attention_mask"].to(cfg.device)))
     return batches
