@@ -60,10 +60,15 @@ CREATE TABLE IF NOT EXISTS units(
 CREATE TABLE IF NOT EXISTS chunks(
     id INTEGER PRIMARY KEY, unit_no INT NOT NULL, record_id TEXT, chunk_no INT,
     char_start INT, char_end INT, text TEXT);
-CREATE INDEX IF NOT EXISTS chunks_unit ON chunks(unit_no);
 """
 _UNIT_COLUMNS = ("key", "size", "mtime_ns", "sha256", "n_chunks", "status")
 _QUERY_BATCH = 500
+# A unit's chunk rows are an id range (ids are unit_no << 32 | chunk_no): no index on
+# unit_no to keep up on every insert.
+_UNIT_ROWS = f"id BETWEEN ?1 << {CHUNK_BITS} AND (?1 << {CHUNK_BITS}) | {2**CHUNK_BITS - 1}"
+_INSERT_JSON = ("INSERT OR REPLACE INTO chunks SELECT "
+                + ", ".join(f"json_extract(value, '$[{i}]')" for i in range(7))
+                + " FROM json_each(?)")
 
 
 def package_version() -> str:
@@ -491,12 +496,15 @@ class IndexStore:
             db.executemany("INSERT OR REPLACE INTO chunks VALUES (?, ?, ?, ?, ?, ?, ?)", with_ids())
         return count
 
-    def insert_chunk_rows(self, rows: Iterable[tuple], db: sqlite3.Connection | None = None) -> None:
-        """Insert (id, unit_no, record_id, chunk_no, char_start, char_end, text) rows whose
-        ids are already computed (the build's hot path), replacing rows of the same id;
-        ``db`` is a connection from :meth:`connect` when called from another thread."""
+    def insert_chunk_json(self, payloads: Iterable[str], db: sqlite3.Connection | None = None) -> None:
+        """Insert chunk rows given as JSON arrays of (id, unit_no, record_id, chunk_no,
+        char_start, char_end, text) rows (:class:`~embedingest.sources.text_dataset.Chunks`),
+        replacing rows of the same id, in one transaction. The build's hot path: each
+        payload is one statement, parsed by sqlite with the GIL released. ``db`` is a
+        connection from :meth:`connect` when called from another thread."""
         with db or self.db as conn:
-            conn.executemany("INSERT OR REPLACE INTO chunks VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
+            for payload in payloads:
+                conn.execute(_INSERT_JSON, (payload,))
 
     def mark_units_done(self, done: Iterable[tuple[int, int]], db: sqlite3.Connection | None = None) -> None:
         """Mark ``(unit_no, n_chunks)`` units done (after their chunk rows are written)."""
@@ -507,13 +515,13 @@ class IndexStore:
     def delete_chunks(self, unit_nos: Iterable[int]) -> None:
         """Delete the chunk rows of ``unit_nos`` (before they are chunked again)."""
         with self.db as db:
-            db.executemany("DELETE FROM chunks WHERE unit_no=?", ((int(u),) for u in unit_nos))
+            db.executemany(f"DELETE FROM chunks WHERE {_UNIT_ROWS}", ((int(u),) for u in unit_nos))
 
     def delete_units(self, unit_nos: Iterable[int]) -> None:
         """Delete units and their chunk rows (call :meth:`remove_units` for the vectors first)."""
         unit_nos = [(int(u),) for u in unit_nos]
         with self.db as db:
-            db.executemany("DELETE FROM chunks WHERE unit_no=?", unit_nos)
+            db.executemany(f"DELETE FROM chunks WHERE {_UNIT_ROWS}", unit_nos)
             db.executemany("DELETE FROM units WHERE unit_no=?", unit_nos)
 
     def chunks(self, ids: Iterable[int]) -> dict[int, Chunk]:

@@ -1,10 +1,13 @@
 """Chunk metadata written to sqlite by a background thread, off the encoding loop.
 
-Inserting the id -> source rows costs about as much CPU per chunk as everything else the
-main process does for it (sqlite does ~100k rows/s), and the main process is what feeds
-the GPU. So rows are buffered, handed over a few times a second, and written by a
-thread with its own connection; sqlite releases the GIL while it writes. The queue is
-bounded: when the thread falls behind, ``add`` waits instead of memory growing.
+The main process feeds the GPU, so it must not spend its time, or its GIL, on the
+id -> source rows. The DataLoader workers already made each batch's rows into one JSON
+text (:class:`~embedingest.sources.text_dataset.Chunks`); they are buffered here, handed
+over a few times a second, and written by a thread with its own connection, one
+statement per batch, during which sqlite holds no GIL. (Rows bound one by one through
+``executemany`` take the GIL for each row: next to a busy main thread the writer then
+managed a few thousand rows a second.) The queue is bounded: when the thread falls
+behind, ``add`` waits instead of memory growing.
 
 A unit is marked done only after its chunk rows are written, never before: a run killed
 at any point leaves units that are not done, and the next run redoes them.
@@ -12,17 +15,25 @@ at any point leaves units that are not done, and the next run redoes them.
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
 from typing import TYPE_CHECKING
 
-from ..sources.text_dataset import Chunks
+from ..sources.text_dataset import CHUNK_FIELDS, Chunks
 
 if TYPE_CHECKING:
     from .store import IndexStore
 
 BUSY_TIMEOUT_MS = 600_000  # wait this long for another process's commit (several devices)
+
+
+def _plain(value):
+    """numpy scalars (from Arrow or numpy columns) as the Python values JSON takes."""
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"chunk field {value!r} ({type(value).__name__}) is not a string or number")
 
 
 class MetadataWriter:
@@ -32,7 +43,8 @@ class MetadataWriter:
     def __init__(self, store: IndexStore, every: float = 0.5, max_rows: int = 50_000,
                  depth: int = 4):
         self.store, self.every, self.max_rows = store, every, max_rows
-        self.rows: list[tuple] = []
+        self.rows: list[str] = []  # JSON payloads
+        self.n_rows = 0
         self.done: list[tuple[int, int]] = []
         self.last = time.monotonic()
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
@@ -46,16 +58,19 @@ class MetadataWriter:
         self.close(flush=exc_type is None)
 
     def add(self, item: dict) -> None:
-        """Take the ``chunks`` and ``units_done`` of one batch (a dataset item)."""
+        """Take the ``chunks`` and ``units_done`` of one batch (a dataset item); chunks
+        given as dicts (without ``id``) are made into JSON here."""
         c = item["chunks"]
-        if isinstance(c, Chunks):
-            self.rows.extend(zip(c.id, c.unit_no, c.record_id, c.chunk_no, c.char_start,
-                                 c.char_end, c.text))
-        else:
-            self.rows.extend((r["unit_no"] << 32 | r["chunk_no"], r["unit_no"], r["record_id"],
-                              r["chunk_no"], r["char_start"], r["char_end"], r["text"]) for r in c)
+        if len(c):
+            if isinstance(c, Chunks):
+                self.rows.append(c.json)
+            else:
+                self.rows.append(json.dumps([[r["unit_no"] << 32 | r["chunk_no"],
+                                              *(r[f] for f in CHUNK_FIELDS[1:])] for r in c],
+                                            default=_plain))
+            self.n_rows += len(c)
         self.done.extend((int(u), int(n)) for u, n in item["units_done"])
-        if time.monotonic() - self.last > self.every or len(self.rows) > self.max_rows:
+        if time.monotonic() - self.last > self.every or self.n_rows > self.max_rows:
             self._hand_over()
 
     def flush(self) -> None:
@@ -88,7 +103,7 @@ class MetadataWriter:
                                                 daemon=True)
                 self._thread.start()
             self._queue.put((self.rows, self.done))
-        self.rows, self.done, self.last = [], [], time.monotonic()
+        self.rows, self.done, self.last, self.n_rows = [], [], time.monotonic(), 0
 
     def _raise(self) -> None:
         if self._error is not None:
@@ -108,7 +123,7 @@ class MetadataWriter:
                         db = db or self.store.connect(BUSY_TIMEOUT_MS)
                         rows, done = work
                         if rows:
-                            self.store.insert_chunk_rows(rows, db)
+                            self.store.insert_chunk_json(rows, db)
                         if done:
                             self.store.mark_units_done(done, db)
                 except BaseException as exc:  # re-raised in the caller's thread

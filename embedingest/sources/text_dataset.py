@@ -15,7 +15,7 @@ Each yielded item is a dict:
 * ``ids``: ``LongTensor[B]``, the vector id of each chunk, ``unit_no << 32 | chunk_no``
   (``chunk_no`` counts the chunks of a unit across all its records, from 0);
 * ``chunks``: a :class:`Chunks` of B rows ``{id, unit_no, record_id, chunk_no,
-  char_start, char_end, text}`` (iterate it for dicts; its columns are lists). It is
+  char_start, char_end, text}`` as one JSON text (iterate it for dicts). It is
   neither a list nor a dict on purpose: the DataLoader's pin-memory thread would walk
   every element of those while holding the GIL;
 * ``units_done``: ``(unit_no, n_chunks)`` pairs (the DataLoader turns the tuples into
@@ -36,6 +36,7 @@ large in-memory corpora are better given as files.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -81,38 +82,49 @@ CHUNK_FIELDS = ("id", "unit_no", "record_id", "chunk_no", "char_start", "char_en
 
 
 class Chunks:
-    """The metadata of one batch's chunks, column by column.
+    """The metadata of one batch's chunks: one JSON array of rows (the
+    :data:`CHUNK_FIELDS` values), made here in the worker.
 
-    Columns pickle far faster than one dict per chunk, and an object that is not a
-    ``Sequence`` or ``Mapping`` passes the DataLoader's pin-memory step untouched.
-    ``n_docs`` counts the records whose first chunk is in this batch.
+    The main process hands the text to sqlite as is, in one statement that runs with
+    the GIL released (:meth:`~embedingest.index.store.IndexStore.insert_chunk_json`);
+    binding Python rows one by one took the GIL for every row, and with the main thread
+    busy feeding the GPU the metadata thread wrote a few thousand rows a second. A plain
+    string also pickles fast, and an object that is not a ``Sequence`` or ``Mapping``
+    passes the DataLoader's pin-memory step untouched. ``n_docs`` counts the records
+    whose first chunk is in this batch. Iterating decodes the rows, as dicts.
     """
 
-    __slots__ = (*CHUNK_FIELDS, "n_docs")
+    __slots__ = ("json", "n_docs", "n", "_rows")
 
     def __init__(self, rows: Sequence[tuple]):
         """``rows``: tuples of the :data:`CHUNK_FIELDS` values, then whether the chunk is
         its record's first."""
-        columns = list(zip(*rows)) if rows else [()] * (len(CHUNK_FIELDS) + 1)
-        for name, column in zip(CHUNK_FIELDS, columns):
-            setattr(self, name, list(column))
-        self.n_docs = sum(columns[-1])
+        self.json = json.dumps([row[:-1] for row in rows], ensure_ascii=False)
+        self.n_docs = sum(row[-1] for row in rows)
+        self.n = len(rows)
+        self._rows = None
 
     def __len__(self) -> int:
-        return len(self.id)
+        return self.n
+
+    def rows(self) -> list[list]:
+        """The rows, decoded once."""
+        if self._rows is None:
+            self._rows = json.loads(self.json)
+        return self._rows
 
     def __getitem__(self, i: int) -> dict:
-        return {name: getattr(self, name)[i] for name in CHUNK_FIELDS}
+        return dict(zip(CHUNK_FIELDS, self.rows()[i]))
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
 
     def __getstate__(self):
-        return tuple(getattr(self, name) for name in self.__slots__)
+        return self.json, self.n_docs, self.n
 
     def __setstate__(self, state) -> None:
-        for name, value in zip(self.__slots__, state):
-            setattr(self, name, value)
+        self.json, self.n_docs, self.n = state
+        self._rows = None
 
 
 def _groups(items: Iterable, size: int) -> Iterator[list]:
@@ -301,14 +313,14 @@ class _WorkerBatches:
             attention_mask[row, :len(ids)] = 1
         rows = [chunk for _, chunk in batch]
         chunks = Chunks(rows)
-        for unit_no in chunks.unit_no:
+        for unit_no in (row[1] for row in rows):
             self.in_window[unit_no] -= 1
             if self.in_window[unit_no] == 0 and unit_no != self.reading:
                 self._finish(unit_no)
         item = {
             "input_ids": torch.from_numpy(input_ids),
             "attention_mask": torch.from_numpy(attention_mask),
-            "ids": torch.tensor(chunks.id, dtype=torch.long),
+            "ids": torch.tensor([row[0] for row in rows], dtype=torch.long),
             "chunks": chunks,
             "units_done": self.done,
             "skipped": self.skipped,
