@@ -50,6 +50,10 @@ class MetadataWriter:
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        # Seconds ``add`` waited for the thread (it fell behind) and the thread spent
+        # writing, lock waits on other processes' commits included.
+        self.blocked_s = 0.0
+        self.write_s = 0.0
 
     def __enter__(self) -> MetadataWriter:
         return self
@@ -102,7 +106,9 @@ class MetadataWriter:
                 self._thread = threading.Thread(target=self._run, name="embedingest-metadata",
                                                 daemon=True)
                 self._thread.start()
+            t = time.perf_counter()
             self._queue.put((self.rows, self.done))
+            self.blocked_s += time.perf_counter() - t
         self.rows, self.done, self.last, self.n_rows = [], [], time.monotonic(), 0
 
     def _raise(self) -> None:
@@ -120,12 +126,14 @@ class MetadataWriter:
                     if work is None:
                         return
                     if self._error is None:
+                        t = time.perf_counter()
                         db = db or self.store.connect(BUSY_TIMEOUT_MS)
                         rows, done = work
                         if rows:
                             self.store.insert_chunk_json(rows, db)
                         if done:
                             self.store.mark_units_done(done, db)
+                        self.write_s += time.perf_counter() - t
                 except BaseException as exc:  # re-raised in the caller's thread
                     self._error = exc
                 finally:

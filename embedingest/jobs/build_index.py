@@ -244,9 +244,12 @@ def _prepare_and_build(corpus, cfg: IndexConfig, devices: list[str], device: str
         raise ConfigError(f"overlap={cfg.overlap} must be smaller than the chunk size {chunk_tokens}")
     report = SkipReport()
     out.mkdir(parents=True, exist_ok=True)
-    with RunLock(out):
-        return _build(corpus, cfg, out, encoder, devices, device, dtype, early, in_memory,
-                      chunk_tokens, report, progress, timeline, t_start, phases)
+    try:
+        with RunLock(out):
+            return _build(corpus, cfg, out, encoder, devices, device, dtype, early, in_memory,
+                          chunk_tokens, report, progress, timeline, t_start, phases)
+    finally:
+        encoder.release()  # a job in a longer process must not keep the GPU's memory
 
 
 def _build(corpus, cfg: IndexConfig, out: Path, encoder: TextEncoder, devices: list[str], device: str,
@@ -400,6 +403,7 @@ def _encode_all(units: list[Unit], encoder: TextEncoder, store: IndexStore, repo
         counts["docs"] = docs
         bar.close()
         meta.close(raise_errors=finished)
+        timing.update(metadata_blocked_s=round(meta.blocked_s, 3), metadata_write_s=round(meta.write_s, 3))
         if finished:
             timing["close_s"] = time.perf_counter() - t_close
     return engine.stats

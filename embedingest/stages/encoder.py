@@ -142,6 +142,14 @@ class TextEncoder:
         return cls(transformer, tokenizer, layout, model_dir, name, torch_device, dtype, seq_len,
                    cuda_graphs)
 
+    def release(self) -> None:
+        """Drop the CUDA graphs and hand the allocator's cached GPU memory back, so other
+        processes can use it; the encoder still works (graphs are captured again)."""
+        if self._graphs is not None:
+            self._graphs.release()
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()
+
     @property
     def dim(self) -> int:
         return self._dim

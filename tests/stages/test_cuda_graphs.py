@@ -35,6 +35,25 @@ def test_replay_equals_eager_for_interleaved_shapes_and_results_stay_valid():
         torch.testing.assert_close(got, expected)
 
 
+def test_memory_stays_near_the_largest_shape_not_the_sum_of_shapes():
+    """Every shape's warm-up and capture reuse the same memory: a stream per capture once
+    left each shape's warm-up blocks cached for a stream never used again."""
+    weight = torch.randn(256, 4096, device="cuda")
+    graphed = GraphedFunction(mlp(weight), "cuda")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved()
+    widths = range(16, 257, 16)
+    for width in widths:
+        graphed(torch.randn(64, width, 256, device="cuda"), torch.ones(64, width, device="cuda"))
+    torch.cuda.synchronize()
+    largest = 64 * max(widths) * 4096 * 4  # the biggest intermediate, bytes
+    grown = torch.cuda.memory_reserved() - before
+    assert graphed.captured == len(widths)
+    assert grown < 4 * largest, f"{grown / 2**20:.0f} MiB reserved for {len(widths)} shapes"
+    graphed.release()
+    assert graphed.captured == 0
+
+
 def test_a_function_that_syncs_falls_back_to_eager():
     def syncs(x: torch.Tensor) -> torch.Tensor:
         return x * float(x.sum().item())
