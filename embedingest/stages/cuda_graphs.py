@@ -46,6 +46,15 @@ class GraphedFunction:
     def captured(self) -> int:
         return len(self._graphs)
 
+    def prime(self, *inputs: torch.Tensor) -> None:
+        """Capture the graph of the largest inputs to come before any other. The
+        allocator cannot serve a larger request from the blocks a smaller shape left
+        behind, so shapes met in growing order reserve the sum of their sizes; after the
+        largest, every smaller shape reuses its blocks."""
+        key = tuple((tuple(t.shape), t.dtype) for t in inputs)
+        if key not in self._graphs and self.disabled_reason is None and len(self._graphs) < self.max_graphs:
+            self._capture(key, inputs)
+
     def release(self) -> None:
         """Drop the graphs and their memory pool; later calls capture again."""
         self._graphs.clear()

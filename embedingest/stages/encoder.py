@@ -220,6 +220,11 @@ class TextEncoder:
             input_ids = input_ids.to(self._device, non_blocking=True)
             attention_mask = attention_mask.to(self._device, non_blocking=True)
             if self._graphs is not None and len(input_ids):
+                if not self._graphs.captured and self._graphs.disabled_reason is None:
+                    # the widest batch first, so the memory of all shapes stays bounded
+                    widest = torch.ones(len(input_ids), self._max_seq_length, dtype=input_ids.dtype,
+                                        device=self._device)
+                    self._graphs.prime(widest, widest)
                 return self._graphs(input_ids, attention_mask)
             return self._embed(input_ids, attention_mask)
 
