@@ -59,5 +59,6 @@ class SkipReport:
         path = Path(folder) / REPORT_NAME
         with self._lock:
             data = "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in self.entries)
-        atomic_write_bytes(path, data.encode("utf-8"))
+        # A file name that is not UTF-8 reaches here as surrogates: write them as escapes.
+        atomic_write_bytes(path, data.encode("utf-8", "backslashreplace"))
         return path

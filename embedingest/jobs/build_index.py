@@ -36,7 +36,7 @@ from ..report import SkipReport
 from ..scaleout.devices import devices_of
 from ..sinks.faiss_shards import FaissShardSinkFactory, new_run_id
 from ..sources.files import walk_files
-from ..sources.text import TEXT_EXTENSIONS
+from ..sources.text import TEXT_EXTENSIONS, lone_surrogate
 from ..sources.text_dataset import TextChunkDataset, Unit
 from ..stages.device import resolve_device
 from ..stages.encoder import TextEncoder, load_tokenizer
@@ -79,8 +79,15 @@ def _file_candidates(root: Path, report: SkipReport) -> Iterable[dict]:
         except OSError as exc:
             report.add(str(path), f"unreadable: {exc.strerror or exc}", stage="list")
             continue
-        yield {"key": path.relative_to(base).as_posix(), "size": st.st_size,
+        yield {"key": unit_key(path.relative_to(base).as_posix()), "size": st.st_size,
                "mtime_ns": st.st_mtime_ns, "path": str(path)}
+
+
+def unit_key(relative_path: str) -> str:
+    """A file's key in the index: its path below the corpus folder. The bytes of a name
+    that is not UTF-8 (which Python holds as surrogates) are written as ``\\xNN``
+    escapes, since the metadata store and JSON take only valid text."""
+    return relative_path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def _record_candidates(records: Iterable, cfg: IndexConfig, report: SkipReport) -> Iterable[dict]:
@@ -95,7 +102,11 @@ def _record_candidates(records: Iterable, cfg: IndexConfig, report: SkipReport) 
         if not isinstance(text, str):
             report.add(f"record {rid}", f"field: {cfg.text_field!r} is not a string", stage="read")
             continue
-        data = text.encode("utf-8", "surrogatepass")
+        problem = lone_surrogate(text) or lone_surrogate(str(rid))
+        if problem:
+            report.add(f"record {str(rid)!a}", f"unicode: the text or id holds {problem}", stage="read")
+            continue
+        data = text.encode("utf-8")
         yield {"key": f"record:{rid}", "size": len(data), "mtime_ns": None,
                "sha256": hashlib.sha256(data).hexdigest(), "text": text, "record_id": str(rid)}
 

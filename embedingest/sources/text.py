@@ -17,6 +17,8 @@ starts with a stable keyword (the part before the first colon, what
 ``decode``      bytes that are neither UTF-8 nor cp1252 (or a broken UTF-16 file)
 ``json``        malformed JSON, nested too deeply, or not an object where one is due
 ``field``       the text field is missing, null or not a string
+``unicode``     the text or id holds a lone surrogate (a broken ``\\ud800``-style
+                JSON escape), which neither tokenizers nor the metadata store take
 ``csv``         the csv module gave up on a row (the rest of that file is skipped)
 ``parquet``     pyarrow cannot read the file
 ``format``      a suffix that is not in :data:`TEXT_EXTENSIONS`
@@ -183,10 +185,26 @@ def _objects(objs, text_field: str, id_field: str, kind: str, path: str,
             if isinstance(obj, _Skip):
                 raise obj
             text = _text_of(obj, text_field, loc)
+            record_id = _record_id(obj.get(id_field), f"{kind}-{n}")
+            for value, what in ((text, repr(text_field)), (record_id, f"id {id_field!r}")):
+                problem = lone_surrogate(value)
+                if problem:
+                    raise _Skip(f"unicode: {loc}: {what} holds {problem}")
         except _Skip as skip:
             on_skip(f"{path}:{loc}", str(skip))
             continue
-        yield _record_id(obj.get(id_field), f"{kind}-{n}"), text
+        yield record_id, text
+
+
+def lone_surrogate(value: str) -> str | None:
+    """What is wrong with ``value`` if it holds a lone surrogate, else None. Only JSON
+    escapes (or Python callers) make them; one fails a tokenizer's whole batch call."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return (f"a lone surrogate (U+{ord(value[exc.start]):04X} at character {exc.start}), "
+                "a broken escape; fix the record")
+    return None
 
 
 def _parse_line(line: str, n: int):

@@ -47,7 +47,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ..errors import ConfigError
 from ..stages.chunker import DEFAULT_PIECE_CHARS, Chunker, load_tokenizer
-from .text import iter_records
+from .text import iter_records, lone_surrogate
 
 MAX_UNIT_NO = 2**31 - 1
 MAX_CHUNKS_PER_UNIT = 2**32
@@ -247,6 +247,10 @@ class _WorkerBatches:
         takes it); bad input is reported."""
         where = unit.path if unit.path is not None else unit.key
         if unit.text is not None:
+            problem = lone_surrogate(unit.text) or lone_surrogate(unit.record_id or "")
+            if problem:
+                self._skip(where, f"unicode: the text or its id holds {problem}")
+                return
             records = iter([(unit.record_id or "", unit.text)])
         else:
             records = iter_records(unit.path, text_field=self.ds.text_field,

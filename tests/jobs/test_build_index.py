@@ -131,15 +131,18 @@ def test_bad_inputs_are_skipped_and_reported(tmp_path):
     (corpus / "bin.txt").write_bytes(bytes(range(256)) * 10)
     (corpus / "empty.md").write_text("")
     (corpus / "bad.jsonl").write_text('{"id": 1, "text": "A fine record about sailing ships."}\n{broken\n'
-                                      '{"id": 3, "txt": "wrong field"}\n')
+                                      '{"id": 3, "txt": "wrong field"}\n'
+                                      '{"id": 4, "text": "half an emoji \\ud83d"}\n'
+                                      '{"id": 5, "text": "Lighthouses guide ships at night."}\n')
     out = tmp_path / "idx"
     s = build_index(corpus, out=str(out), **FAST)
-    assert s["exit_code"] == 3 and s["skipped"] == 4
+    assert s["exit_code"] == 3 and s["skipped"] == 5
     report = [json.loads(line) for line in (out / "skipped.jsonl").read_text().splitlines()]
     reasons = {Path(r["path"].split(":")[0]).name: r["reason"].split(":")[0] for r in report}
     assert reasons == {"bin.txt": "binary", "empty.md": "empty", "bad.jsonl": reasons["bad.jsonl"]}
-    assert sorted(r["reason"].split(":")[0] for r in report if "bad.jsonl" in r["path"]) == ["field", "json"]
-    assert s["chunks"] == 13  # the 12 good paragraphs and the good record of bad.jsonl
+    assert sorted(r["reason"].split(":")[0] for r in report if "bad.jsonl" in r["path"]) == \
+        ["field", "json", "unicode"]
+    assert s["chunks"] == 14  # the 12 good paragraphs and the two good records of bad.jsonl
     (hit,), = open_index(out).search(["sailing ships"], k=1)
     assert hit.source == "bad.jsonl" and hit.record_id == "1"
 
@@ -154,6 +157,12 @@ def test_records_in_memory_and_ivf_index(tmp_path):
     (hit,), = index.search([records[5]["text"]], k=1)
     assert hit.record_id == "r5" and hit.source == "record:r5"
     assert build_index(records, out=str(out), index="IVF2,Flat", **FAST)["chunks"] == 0
+
+
+def test_records_in_memory_with_a_lone_surrogate_are_skipped(tmp_path):
+    records = [("ok", PARAGRAPHS[0]), ("bad\udc80", PARAGRAPHS[1]), ("worse", "cut \ud83d")]
+    s = build_index(records, out=str(tmp_path / "mem"), **FAST)
+    assert s["chunks"] == 1 and s["skipped_by_reason"] == {"unicode": 2} and s["exit_code"] == 3
 
 
 def test_cli_build_search_json(tmp_path):
@@ -233,3 +242,21 @@ def test_batch_size_auto_by_device_and_presets_hold_the_defaults():
     configs = Path(__file__).resolve().parents[2] / "configs"
     assert load_config(IndexConfig, configs / "build-index.toml") == IndexConfig()
     assert load_config(IndexConfig, configs / "build-index-gpu-large.toml").batch_size == 1024
+
+
+def test_file_names_that_are_not_utf8_are_indexed_and_reported(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    try:
+        (Path(os.fsdecode(bytes(corpus) + b"/caf\xe9.txt"))).write_text("A note about strong coffee.")
+        Path(os.fsdecode(bytes(corpus) + b"/bin\xff.txt")).write_bytes(b"\0" * 64)
+    except (OSError, UnicodeError):
+        pytest.skip("this file system takes only UTF-8 names")
+    (corpus / "tea.txt").write_text("A note about green tea.")
+    out = tmp_path / "idx"
+    s = build_index(corpus, out=str(out), **FAST)
+    assert s["chunks"] == 2 and s["skipped_by_reason"] == {"binary": 1}
+    assert "bin\\udcff.txt" in (out / "skipped.jsonl").read_text(encoding="utf-8")
+    (hit,), = open_index(out).search(["coffee"], k=1)
+    assert hit.source == "caf\\xe9.txt"
+    assert build_index(corpus, out=str(out), **FAST)["units_unchanged"] == 2

@@ -151,6 +151,20 @@ def test_jsonl_records_and_record_problems(tmp_path):
     assert "nested too deeply" in skipped[6][1]
 
 
+def test_lone_surrogates_skip_their_record_only(tmp_path):
+    """A broken \\ud83d-style escape once failed the tokenizer's batch call, which
+    skipped every later record of the file."""
+    lines = ['{"id": "a", "text": "half an emoji \\ud83d here"}',
+             '{"id": "b\\udc00", "text": "bad id"}',
+             '{"id": "c", "text": "whole emoji \\ud83d\\ude00 kept"}']
+    path = write(tmp_path, "s.jsonl", "\n".join(lines) + "\n")
+    records, skipped = read(path)
+    assert records == [("c", "whole emoji \U0001F600 kept")]
+    assert [(w, r.split(":")[0]) for w, r in skipped] == [
+        (f"{path}:line 1", "unicode"), (f"{path}:line 2", "unicode")]
+    assert "U+D83D at character 14" in skipped[0][1] and "'id'" in skipped[1][1]
+
+
 def test_custom_fields_ndjson(tmp_path):
     path = write(tmp_path, "a.ndjson", '{"body": "b1", "key": "k1"}\r\n{"body": "b2"}\r\n')
     assert read(path, text_field="body", id_field="key") == (
