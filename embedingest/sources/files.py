@@ -25,7 +25,8 @@ def walk_files(root: str | os.PathLike, extensions: set[str] | None = None,
 
     Hidden files and folders (name starting with '.') are passed over. Symbolic links
     are followed, but a folder is entered once only, so a link loop ends. Folders that
-    cannot be listed, and broken links, go to ``on_skip(path, reason)``.
+    cannot be listed, broken links, and pipes, sockets or devices with a wanted suffix
+    go to ``on_skip(path, reason)``.
     """
     root = Path(root)
     if root.is_file():
@@ -64,10 +65,13 @@ def walk_files(root: str | os.PathLike, extensions: set[str] | None = None,
             except OSError as exc:
                 on_skip(entry.path, f"cannot stat: {exc.strerror or exc}")
                 continue
+            wanted = extensions is None or Path(entry.name).suffix.lower() in extensions
             if not is_file:
                 if entry.is_symlink():
                     on_skip(entry.path, "broken or looping symbolic link")
+                elif wanted:  # reading a pipe would wait forever
+                    on_skip(entry.path, "not a regular file (a pipe, socket or device)")
                 continue
-            if extensions is None or Path(entry.name).suffix.lower() in extensions:
+            if wanted:
                 yield Path(entry.path)
         stack.extend(reversed(subdirs))

@@ -22,7 +22,8 @@ from typing import NamedTuple
 import numpy as np
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
-IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff"})
+# An animated GIF (or a multi-page TIFF) is read as its first frame.
+IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif"})
 
 # Larger than any camera photo (a 100 MP medium-format frame fits), small enough that
 # one DataLoader worker never holds more than ~450 MB of decoded RGB.

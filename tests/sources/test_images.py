@@ -18,7 +18,14 @@ from embedingest.sources.images import (IMAGE_EXTENSIONS, BadImage, ImageFileDat
 
 
 def test_extensions():
-    assert IMAGE_EXTENSIONS == {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff"}
+    assert IMAGE_EXTENSIONS == {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif"}
+
+
+def test_animated_gif_is_its_first_frame(tmp_path):
+    frames = [Image.fromarray(np.full((30, 40, 3), v, np.uint8)) for v in (0, 255)]
+    frames[0].save(tmp_path / "a.gif", save_all=True, append_images=frames[1:])
+    im, size = open_rgb(tmp_path / "a.gif")
+    assert size == (40, 30) and im.mode == "RGB" and np.asarray(im).max() == 0
 
 
 @pytest.mark.parametrize("width,height,expect", [

@@ -1,0 +1,41 @@
+import os
+
+import pytest
+
+from embedingest.sources.files import walk_files
+
+
+def walk(root, extensions=None):
+    skipped = []
+    found = list(walk_files(root, extensions, on_skip=lambda p, r: skipped.append((os.path.basename(p), r))))
+    return [p.relative_to(root).as_posix() for p in found], skipped
+
+
+def test_sorted_hidden_passed_over_suffix_filtered(tmp_path):
+    for rel in ("b.txt", "a.TXT", "c.bin", ".hidden.txt", "sub/d.txt", ".git/e.txt"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x")
+    assert walk(tmp_path, {".txt"}) == (["a.TXT", "b.txt", "sub/d.txt"], [])
+
+
+def test_links_loops_and_special_files_are_reported(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "ok.txt").write_text("x")
+    (tmp_path / "sub" / "loop").symlink_to(tmp_path / "sub")
+    (tmp_path / "dead.txt").symlink_to(tmp_path / "nowhere.txt")
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("no named pipes here")
+    os.mkfifo(tmp_path / "pipe.txt")
+    os.mkfifo(tmp_path / "pipe.other")
+    found, skipped = walk(tmp_path, {".txt"})
+    assert found == ["sub/ok.txt"]
+    assert sorted(skipped) == [("dead.txt", "broken or looping symbolic link"),
+                               ("loop", "symlink loop: folder already visited"),
+                               ("pipe.txt", "not a regular file (a pipe, socket or device)")]
+
+
+def test_a_file_root_is_yielded_whatever_its_suffix(tmp_path):
+    (tmp_path / "one.weird").write_text("x")
+    assert list(walk_files(tmp_path / "one.weird", {".txt"})) == [tmp_path / "one.weird"]
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        list(walk_files(tmp_path / "missing", {".txt"}))
