@@ -18,10 +18,18 @@ def _noop(path: str, reason: str) -> None:
     pass
 
 
+def has_extension(name: str, extensions: set[str]) -> bool:
+    """Whether ``name`` ends in one of ``extensions`` (lower case, with the dot), which
+    may be double, like ``.jsonl.gz``."""
+    suffixes = [s.lower() for s in Path(name).suffixes]
+    return bool(suffixes) and (suffixes[-1] in extensions or "".join(suffixes[-2:]) in extensions)
+
+
 def walk_files(root: str | os.PathLike, extensions: set[str] | None = None,
                on_skip: OnSkip = _noop) -> Iterator[Path]:
-    """Yield the files under ``root`` whose suffix (lower case, with the dot) is in
-    ``extensions``; ``root`` itself when it is a file (whatever its suffix).
+    """Yield the files under ``root`` whose suffix (lower case, with the dot; see
+    :func:`has_extension`) is in ``extensions``; ``root`` itself when it is a file
+    (whatever its suffix).
 
     Hidden files and folders (name starting with '.') are passed over. Symbolic links
     are followed, but a folder is entered once only, so a link loop ends. Folders that
@@ -65,7 +73,7 @@ def walk_files(root: str | os.PathLike, extensions: set[str] | None = None,
             except OSError as exc:
                 on_skip(entry.path, f"cannot stat: {exc.strerror or exc}")
                 continue
-            wanted = extensions is None or Path(entry.name).suffix.lower() in extensions
+            wanted = extensions is None or has_extension(entry.name, extensions)
             if not is_file:
                 if entry.is_symlink():
                     on_skip(entry.path, "broken or looping symbolic link")

@@ -22,7 +22,14 @@ starts with a stable keyword (the part before the first colon, what
 ``csv``         the csv module gave up on a row (the rest of that file is skipped)
 ``parquet``     pyarrow cannot read the file
 ``format``      a suffix that is not in :data:`TEXT_EXTENSIONS`
+``decompress``  a ``.gz``/``.bz2``/``.xz`` file that is corrupt or cut short (for the
+                streamed formats: the rest of it, with the records before kept)
+``too-large``   a whole-document file (text, HTML, JSON) over 1 GiB once decompressed
 ==============  ===============================================================
+
+Every format but Parquet may also come compressed as ``.gz``, ``.bz2`` or ``.xz``
+(``docs.jsonl.gz``): it is decompressed while it is read, so JSON lines and CSV still
+stream.
 
 Decoding: UTF-8 (a UTF-8 BOM is dropped; a UTF-16 BOM selects UTF-16). A byte that is
 not part of valid UTF-8 is read as cp1252, the usual encoding of legacy Western text,
@@ -34,12 +41,16 @@ instead of being skipped. The five bytes cp1252 leaves undefined (0x81 0x8D 0x8F
 
 from __future__ import annotations
 
+import bz2
 import codecs
 import csv
+import gzip
 import io
 import json
+import lzma
 import re
 import sys
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -49,8 +60,14 @@ WHOLE_TEXT_EXTENSIONS = {".txt", ".md", ".rst"}
 HTML_EXTENSIONS = {".html", ".htm"}
 JSONL_EXTENSIONS = {".jsonl", ".ndjson"}
 CSV_EXTENSIONS = {".csv", ".tsv"}
-TEXT_EXTENSIONS = (WHOLE_TEXT_EXTENSIONS | HTML_EXTENSIONS | JSONL_EXTENSIONS
-                   | CSV_EXTENSIONS | {".json", ".parquet"})
+_PLAIN_EXTENSIONS = (WHOLE_TEXT_EXTENSIONS | HTML_EXTENSIONS | JSONL_EXTENSIONS
+                     | CSV_EXTENSIONS | {".json"})
+COMPRESSIONS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+TEXT_EXTENSIONS = frozenset(_PLAIN_EXTENSIONS | {".parquet"}
+                            | {ext + c for ext in _PLAIN_EXTENSIONS for c in COMPRESSIONS})
+# What a corrupt or truncated compressed stream raises (gzip's BadGzipFile is an OSError).
+_DECOMPRESS_ERRORS = (EOFError, zlib.error, lzma.LZMAError, gzip.BadGzipFile)
+MAX_WHOLE_BYTES = 2**30  # a whole-document file larger than this once read is skipped
 
 BINARY_PROBE_BYTES = 8192
 PARQUET_BATCH_ROWS = 1024
@@ -114,17 +131,37 @@ def _decode(data: bytes) -> str:
     return text
 
 
+def text_format(path: str | Path) -> tuple[str, str | None]:
+    """``(format suffix, compression suffix or None)``: ``a.jsonl.gz`` -> ``(".jsonl", ".gz")``."""
+    suffixes = [s.lower() for s in Path(path).suffixes]
+    if len(suffixes) >= 2 and suffixes[-1] in COMPRESSIONS:
+        return suffixes[-2], suffixes[-1]
+    return (suffixes[-1] if suffixes else ""), None
+
+
+def _open_raw(path: Path):
+    """The file's bytes, decompressed on the fly when its name says so."""
+    return COMPRESSIONS.get(text_format(path)[1], open)(path, "rb")
+
+
 def _read_bytes(path: Path) -> bytes:
     try:
-        return path.read_bytes()
+        with _open_raw(path) as fh:
+            data = fh.read(MAX_WHOLE_BYTES + 1)
+    except _DECOMPRESS_ERRORS as exc:
+        raise _Skip(f"decompress: {exc}") from None
     except OSError as exc:
         raise _Skip(f"unreadable: {exc.strerror or exc}") from None
+    if len(data) > MAX_WHOLE_BYTES:
+        raise _Skip(f"too-large: more than {MAX_WHOLE_BYTES} bytes in one document; "
+                    "split it, or give its records as JSON lines")
+    return data
 
 
 def _open_text(path: Path, newline: str | None) -> io.TextIOWrapper:
     """Open ``path`` for streaming, after the binary and empty checks."""
     try:
-        raw = open(path, "rb")
+        raw = _open_raw(path)
     except OSError as exc:
         raise _Skip(f"unreadable: {exc.strerror or exc}") from None
     try:
@@ -133,6 +170,9 @@ def _open_text(path: Path, newline: str | None) -> io.TextIOWrapper:
             raise _Skip("empty: the file has no bytes")
         encoding, errors = _encoding(head)
         raw.seek(0)
+    except _DECOMPRESS_ERRORS as exc:
+        raw.close()
+        raise _Skip(f"decompress: {exc}") from None
     except OSError as exc:
         raw.close()
         raise _Skip(f"unreadable: {exc.strerror or exc}") from None
@@ -272,7 +312,7 @@ def _read_jsonl(path: Path, text_field, id_field, on_skip):
 
 
 def _read_csv(path: Path, text_field, id_field, on_skip):
-    delimiter = "\t" if path.suffix.lower() == ".tsv" else ","
+    delimiter = "\t" if text_format(path)[0] == ".tsv" else ","
     with _open_text(path, newline="") as fh:
         reader = csv.DictReader(fh, delimiter=delimiter)
         try:
@@ -362,10 +402,13 @@ def iter_records(path: str | Path, *, text_field: str = "text", id_field: str = 
     Problems go to ``on_skip`` (see the module docstring) instead of being raised.
     """
     path = Path(path)
-    reader = _READERS.get(path.suffix.lower())
+    fmt, compression = text_format(path)
+    reader = _READERS.get(fmt) if compression is None or fmt in _PLAIN_EXTENSIONS else None
     if reader is None:
-        on_skip(str(path), f"format: suffix {path.suffix!r} is not a text format; "
-                           f"known: {', '.join(sorted(TEXT_EXTENSIONS))}")
+        suffix = fmt + (compression or "")
+        on_skip(str(path), f"format: suffix {suffix!r} is not a text format; known: "
+                           f"{', '.join(sorted(_PLAIN_EXTENSIONS | {'.parquet'}))}, "
+                           f"and all but .parquet compressed as {', '.join(COMPRESSIONS)}")
         return
     produced = skipped = 0
 
@@ -380,6 +423,9 @@ def iter_records(path: str | Path, *, text_field: str = "text", id_field: str = 
             yield record
     except _Skip as skip:
         on_skip(str(path), str(skip))
+        return
+    except _DECOMPRESS_ERRORS as exc:
+        on_skip(str(path), f"decompress: {exc}; the rest of the file is skipped")
         return
     except UnicodeDecodeError as exc:
         on_skip(str(path), f"decode: {exc.reason}; the rest of the file is skipped")

@@ -260,3 +260,21 @@ def test_file_names_that_are_not_utf8_are_indexed_and_reported(tmp_path):
     (hit,), = open_index(out).search(["coffee"], k=1)
     assert hit.source == "caf\\xe9.txt"
     assert build_index(corpus, out=str(out), **FAST)["units_unchanged"] == 2
+
+
+def test_compressed_corpus_files(tmp_path):
+    import bz2
+    import gzip
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    lines = "\n".join(json.dumps({"id": f"p{i}", "text": p}) for i, p in enumerate(PARAGRAPHS[:3]))
+    (corpus / "part-0.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+    (corpus / "note.txt.bz2").write_bytes(bz2.compress(PARAGRAPHS[3].encode()))
+    (corpus / "archive.tar.gz").write_bytes(gzip.compress(b"not a text format"))
+    out = tmp_path / "idx"
+    s = build_index(corpus, out=str(out), **FAST)
+    assert s["units_indexed"] == 2 and s["chunks"] == 4 and s["skipped"] == 0
+    (hit,), = open_index(out).search([PARAGRAPHS[1]], k=1)
+    assert (hit.source, hit.record_id) == ("part-0.jsonl.gz", "p1")
+    assert build_index(corpus, out=str(out), **FAST)["units_unchanged"] == 2

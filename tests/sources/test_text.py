@@ -7,6 +7,7 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -30,9 +31,40 @@ def keywords(skipped) -> list[str]:
     return [reason.split(":")[0] for _, reason in skipped]
 
 
+PLAIN = {".txt", ".md", ".rst", ".html", ".htm", ".jsonl", ".ndjson", ".json", ".csv", ".tsv"}
+
+
 def test_extensions():
-    assert TEXT_EXTENSIONS == {".txt", ".md", ".rst", ".html", ".htm", ".jsonl", ".ndjson",
-                               ".json", ".csv", ".tsv", ".parquet"}
+    assert TEXT_EXTENSIONS == PLAIN | {".parquet"} | {e + c for e in PLAIN for c in (".gz", ".bz2", ".xz")}
+
+
+@pytest.mark.parametrize("suffix", [".gz", ".bz2", ".xz"])
+def test_compressed_files_read_like_plain_ones(tmp_path, suffix):
+    import bz2
+    import gzip
+    import lzma
+
+    compress = {".gz": gzip.compress, ".bz2": bz2.compress, ".xz": lzma.compress}[suffix]
+    lines = "\n".join(json.dumps({"id": f"r{i}", "text": f"record {i} é"}) for i in range(3))
+    jsonl = write(tmp_path, "docs.JSONL" + suffix, compress(lines.encode()))
+    tsv = write(tmp_path, "t.tsv" + suffix, compress("id\ttext\nx\tcell\n".encode()))
+    txt = write(tmp_path, "n.txt" + suffix, compress("café notes".encode("cp1252")))
+    assert read(jsonl) == ([(f"r{i}", f"record {i} é") for i in range(3)], [])
+    assert read(tsv) == ([("x", "cell")], []) and read(txt) == ([("", "café notes")], [])
+
+
+def test_corrupt_or_cut_compressed_files(tmp_path):
+    import gzip
+
+    rng = np.random.default_rng(0)
+    lines = "\n".join(json.dumps({"text": rng.bytes(100).hex()}) for _ in range(2000)).encode()
+    cut = write(tmp_path, "cut.jsonl.gz", gzip.compress(lines)[:100_000])
+    records, skipped = read(cut)
+    assert 0 < len(records) < 2000  # the records before the cut are kept
+    assert keywords(skipped) == ["decompress"] and "rest of the file" in skipped[0][1]
+    assert keywords(read(write(tmp_path, "bad.txt.gz", b"not gzip at all"))[1]) == ["decompress"]
+    assert keywords(read(write(tmp_path, "bad.json.xz", b"\xfd7zXZ\x00garbage"))[1]) == ["decompress"]
+    assert keywords(read(write(tmp_path, "a.parquet.gz", gzip.compress(b"x")))[1]) == ["format"]
 
 
 @pytest.mark.parametrize("name", ["a.txt", "a.md", "a.rst", "A.TXT"])
