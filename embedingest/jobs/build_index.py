@@ -104,7 +104,7 @@ def _record_candidates(records: Iterable, cfg: IndexConfig, report: SkipReport) 
             continue
         problem = lone_surrogate(text) or lone_surrogate(str(rid))
         if problem:
-            report.add(f"record {str(rid)!a}", f"unicode: the text or id holds {problem}", stage="read")
+            report.add(f"record {rid}", f"unicode: the text or id holds {problem}", stage="read")
             continue
         data = text.encode("utf-8")
         yield {"key": f"record:{rid}", "size": len(data), "mtime_ns": None,
