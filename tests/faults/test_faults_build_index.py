@@ -9,6 +9,7 @@ that /dev/shm holds no new file.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import random
@@ -342,6 +343,14 @@ def _poisoned_corpus(root: Path) -> tuple[dict[str, set[str]], str | None]:
     good = json.dumps({"id": "ok", "text": words(rng, 60)}).encode()
     put("junk-mixed.jsonl", good + b"\n" + junk + b"\n" + good.replace(b'"ok"', b'"ok2"') + b"\n",
         "json", "decode")
+    # a broken \ud83d escape: that record alone is skipped, the ones after it are indexed
+    put("surrogate.jsonl", good + b'\n{"id": "cut", "text": "half an emoji \\ud83d"}\n'
+        + good.replace(b'"ok"', b'"ok3"') + b"\n", "unicode")
+    records = b"".join(json.dumps({"id": i, "text": words(rng, 40)}).encode() + b"\n" for i in range(400))
+    put("cut.jsonl.gz", gzip.compress(records)[:6000], "decompress")  # a download cut short
+    if hasattr(os, "mkfifo"):
+        os.mkfifo(root / "pipe.txt")  # reading it would wait forever
+        bad["pipe.txt"] = {"not a regular file"}
     (root / "sub" / "loop").symlink_to("..")  # a folder link loop
     bad["sub/loop"] = {"symlink loop"}
     (root / "self.txt").symlink_to("self.txt")  # a file link loop
@@ -375,6 +384,7 @@ def test_poisoned_inputs_are_each_reported_and_every_good_file_is_indexed(cli, t
     os.chmod(corpus / "locked.txt", 0o644)
     expected = expected_chunks(corpus)
     expected.pop("locked.txt")
-    assert expected["junk-mixed.jsonl"] >= 2  # its two good records
+    assert expected["junk-mixed.jsonl"] >= 2 and expected["surrogate.jsonl"] >= 2  # their good records
+    assert expected["cut.jsonl.gz"] >= 1  # the records before the cut
     ids = check_exactly_once(out, expected)
     assert len(ids) == sum(expected.values()) and json.loads(run.stdout)["skipped"] >= len(bad)
