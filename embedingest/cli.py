@@ -17,6 +17,7 @@ import click
 from . import __version__
 from .config import IndexConfig, load_config
 from .errors import EmbedingestError
+from .report import passed_over_sentence
 from .jobs.segment_cli import segment_command
 
 
@@ -164,7 +165,7 @@ def _index_paragraph(s: dict) -> str:
     return (f"Indexed {s['units_indexed']} files ({s['docs']} documents, {s['chunks']} chunks) in "
             f"{s['seconds']:.1f} s: {s['docs_per_s']:,.0f} docs/s, {s['chunks_per_s']:,.0f} chunks/s "
             f"on {s['device']} ({s['dtype']}). {s['units_unchanged']} files unchanged, "
-            f"{s['units_removed']} removed; {skipped}. The index at {s['index']} holds "
+            f"{s['units_removed']} removed; {skipped}.{passed_over_sentence(s)} The index at {s['index']} holds "
             f"{s['vectors_total']} vectors in {s['segments']} segments; query it with: "
             f"embedingest search {s['index']} \"your question\"")
 

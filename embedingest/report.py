@@ -40,7 +40,13 @@ class SkipReport:
     """Collects skipped inputs; thread-safe, cheap, written once at the end of a run."""
 
     entries: list[dict] = field(default_factory=list)
+    # Files of a folder that are not of a format the job reads, counted by suffix: not
+    # skipped inputs, but a folder of PDFs must not look like an empty corpus.
+    passed_over: Counter = field(default_factory=Counter)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def pass_over(self, path: str | os.PathLike) -> None:
+        self.passed_over[Path(path).suffix.lower() or "(no suffix)"] += 1
 
     def add(self, path: str, reason: str, stage: str = "read", **extra) -> None:
         entry = {"path": str(path), "reason": reason, "stage": stage, **extra}
@@ -62,3 +68,13 @@ class SkipReport:
         # A file name that is not UTF-8 reaches here as surrogates: write them as escapes.
         atomic_write_bytes(path, data.encode("utf-8", "backslashreplace"))
         return path
+
+
+def passed_over_sentence(summary: dict) -> str:
+    """The sentence of a run's summary on files of formats the job does not read, or ''."""
+    counts = summary.get("passed_over") or {}
+    if not counts:
+        return ""
+    kinds = ", ".join(f"{suffix} {n}" for suffix, n in counts.items())
+    return (f" Passed over {sum(counts.values())} files of formats it does not read ({kinds}); "
+            "the README lists the ones it does.")

@@ -73,7 +73,8 @@ class _Plan:
 
 def _file_candidates(root: Path, report: SkipReport) -> Iterable[dict]:
     base = root if root.is_dir() else root.parent
-    for path in walk_files(root, TEXT_EXTENSIONS, on_skip=lambda p, r: report.add(p, r, stage="list")):
+    for path in walk_files(root, TEXT_EXTENSIONS, on_skip=lambda p, r: report.add(p, r, stage="list"),
+                           on_other=report.pass_over):
         try:
             st = path.stat()
         except OSError as exc:
@@ -324,6 +325,7 @@ def _build(corpus, cfg: IndexConfig, out: Path, encoder: TextEncoder, devices: l
         "vectors_removed": removed, "docs": counts["docs"], "chunks": counts["chunks"],
         "vectors_total": total, "segments": len(manifest.segments),
         "skipped": len(report), "skipped_by_reason": report.by_reason(),
+        "passed_over": dict(report.passed_over.most_common()),
         "report": str(out / "skipped.jsonl"), "seconds": round(seconds, 3),
         "docs_per_s": round(counts["docs"] / seconds, 1) if seconds else 0.0,
         "chunks_per_s": round(counts["chunks"] / seconds, 1) if seconds else 0.0,

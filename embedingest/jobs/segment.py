@@ -136,7 +136,12 @@ def list_inputs(config: SegmentConfig, report: SkipReport) -> tuple[list[tuple[s
     root, out = Path(config.images), Path(config.out)
     out_rel = output_inside_input(config.images, config.out)
     todo, done = [], 0
-    for path in walk_files(root, set(IMAGE_EXTENSIONS), on_skip=report.add):
+
+    def other(path: str) -> None:  # the run's own outputs are not passed-over inputs
+        if not (out_rel and Path(path).relative_to(root).as_posix().startswith(out_rel)):
+            report.pass_over(path)
+
+    for path in walk_files(root, set(IMAGE_EXTENSIONS), on_skip=report.add, on_other=other):
         rel = path.name if root.is_file() else path.relative_to(root).as_posix()
         if out_rel and rel.startswith(out_rel):
             continue
@@ -192,7 +197,8 @@ def segment(config: SegmentConfig, progress: bool = True, timeline: str | None =
         report_path = report.write(out)
     seconds = time.perf_counter() - t0
     summary.update({
-        "skipped": len(report), "skip_reasons": report.by_reason(), "seconds": round(seconds, 3),
+        "skipped": len(report), "skip_reasons": report.by_reason(),
+        "passed_over": dict(report.passed_over.most_common()), "seconds": round(seconds, 3),
         "images_per_s": round(summary["written"] / seconds, 2) if seconds > 0 else 0.0,
         "out": str(out), "report": str(report_path),
     })

@@ -14,6 +14,7 @@ import sys
 import click
 
 from ..errors import EmbedingestError
+from ..report import passed_over_sentence
 
 
 @click.command("segment")
@@ -85,4 +86,4 @@ def _paragraph(s: dict) -> str:
     ran = (f" on {s['device']} ({s['dtype']}, weights: {s['model']})" if "device" in s else "")
     return (f"Segmented {s['written']} of {s['images']} images in {s['seconds']:.1f} s "
             f"({s['images_per_s']:,.1f} images/s){ran}; {s['already_done']} already done, "
-            f"{skipped}. Masks are in {s['out']}.")
+            f"{skipped}.{passed_over_sentence(s)} Masks are in {s['out']}.")

@@ -26,7 +26,7 @@ def has_extension(name: str, extensions: set[str]) -> bool:
 
 
 def walk_files(root: str | os.PathLike, extensions: set[str] | None = None,
-               on_skip: OnSkip = _noop) -> Iterator[Path]:
+               on_skip: OnSkip = _noop, on_other: Callable[[str], None] | None = None) -> Iterator[Path]:
     """Yield the files under ``root`` whose suffix (lower case, with the dot; see
     :func:`has_extension`) is in ``extensions``; ``root`` itself when it is a file
     (whatever its suffix).
@@ -34,7 +34,7 @@ def walk_files(root: str | os.PathLike, extensions: set[str] | None = None,
     Hidden files and folders (name starting with '.') are passed over. Symbolic links
     are followed, but a folder is entered once only, so a link loop ends. Folders that
     cannot be listed, broken links, and pipes, sockets or devices with a wanted suffix
-    go to ``on_skip(path, reason)``.
+    go to ``on_skip(path, reason)``; other files with another suffix to ``on_other(path)``.
     """
     root = Path(root)
     if root.is_file():
@@ -82,4 +82,6 @@ def walk_files(root: str | os.PathLike, extensions: set[str] | None = None,
                 continue
             if wanted:
                 yield Path(entry.path)
+            elif on_other is not None:
+                on_other(entry.path)
         stack.extend(reversed(subdirs))

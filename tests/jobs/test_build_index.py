@@ -143,6 +143,7 @@ def test_bad_inputs_are_skipped_and_reported(tmp_path):
     assert sorted(r["reason"].split(":")[0] for r in report if "bad.jsonl" in r["path"]) == \
         ["field", "json", "unicode"]
     assert s["chunks"] == 14  # the 12 good paragraphs and the two good records of bad.jsonl
+    assert s["passed_over"] == {}
     (hit,), = open_index(out).search(["sailing ships"], k=1)
     assert hit.source == "bad.jsonl" and hit.record_id == "1"
 
@@ -278,3 +279,15 @@ def test_compressed_corpus_files(tmp_path):
     (hit,), = open_index(out).search([PARAGRAPHS[1]], k=1)
     assert (hit.source, hit.record_id) == ("part-0.jsonl.gz", "p1")
     assert build_index(corpus, out=str(out), **FAST)["units_unchanged"] == 2
+
+
+def test_a_folder_of_other_formats_says_so(tmp_path):
+    corpus = tmp_path / "pdfs"
+    corpus.mkdir()
+    for name in ("a.pdf", "b.pdf", "c.docx"):
+        (corpus / name).write_bytes(b"%PDF-1.4")
+    result = CliRunner().invoke(main, ["build-index", str(corpus), "--out", str(tmp_path / "idx"),
+                                       "--num-workers", "0"])
+    assert result.exit_code == 0, result.output
+    assert "Indexed 0 files" in result.output
+    assert "Passed over 3 files of formats it does not read (.pdf 2, .docx 1)" in result.output

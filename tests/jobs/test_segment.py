@@ -142,11 +142,13 @@ def test_output_inside_the_input_is_not_read_back(tmp_path, small):
     images = tmp_path / "images"
     images.mkdir()
     Image.fromarray(noise(20, 30)).save(images / "a.png")
+    (images / "IMG_0001.HEIC").write_bytes(b"ftypheic")
     out = images / "masks"
     segment(config(images, out, small), progress=False)
     second = segment(config(images, out, small, overwrite=True), progress=False)
     assert second["images"] == 1 and second["written"] == 1
     assert sorted(p.name for p in out.iterdir()) == ["a.png.png", "skipped.jsonl"]
+    assert second["passed_over"] == {".heic": 1}  # the run's own skipped.jsonl is not counted
 
 
 def test_single_file_input(tmp_path, weights, reference):

@@ -12,10 +12,13 @@ def walk(root, extensions=None):
 
 
 def test_sorted_hidden_passed_over_suffix_filtered(tmp_path):
-    for rel in ("b.txt", "a.TXT", "c.bin", ".hidden.txt", "sub/d.txt", ".git/e.txt"):
+    for rel in ("b.txt", "a.TXT", "c.bin", ".hidden.txt", "sub/d.txt", ".git/e.txt", "f.jsonl.GZ"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text("x")
-    assert walk(tmp_path, {".txt"}) == (["a.TXT", "b.txt", "sub/d.txt"], [])
+    assert walk(tmp_path, {".txt", ".jsonl.gz"}) == (["a.TXT", "b.txt", "f.jsonl.GZ", "sub/d.txt"], [])
+    other = []
+    list(walk_files(tmp_path, {".txt"}, on_other=other.append))
+    assert [os.path.basename(p) for p in other] == ["c.bin", "f.jsonl.GZ"]
 
 
 def test_links_loops_and_special_files_are_reported(tmp_path):

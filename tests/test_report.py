@@ -1,0 +1,26 @@
+import json
+
+from embedingest.report import SkipReport, passed_over_sentence
+
+
+def test_report_is_json_lines_even_for_names_that_are_not_utf8(tmp_path):
+    report = SkipReport()
+    report.add("/data/caf\udce9.txt", "binary: NUL byte", stage="list")
+    report.add("/data/a.jsonl:line 3", "json: line 3: bad")
+    path = report.write(tmp_path)
+    text = path.read_text(encoding="utf-8")  # valid UTF-8: the odd byte is an escape
+    rows = [json.loads(line) for line in text.splitlines()]
+    assert "caf\\udce9" in text and rows[0]["path"] == "/data/caf\udce9.txt"  # reads back as it was
+    assert rows[1]["stage"] == "read"
+    assert report.by_reason() == {"binary": 1, "json": 1}
+
+
+def test_passed_over_counts_by_suffix_and_says_so():
+    report = SkipReport()
+    for name in ("a.PDF", "b.pdf", "notes", "c.docx"):
+        report.pass_over(name)
+    counts = dict(report.passed_over.most_common())
+    assert counts == {".pdf": 2, "(no suffix)": 1, ".docx": 1}
+    assert passed_over_sentence({"passed_over": counts}).startswith(
+        " Passed over 4 files of formats it does not read (.pdf 2, (no suffix) 1, .docx 1)")
+    assert passed_over_sentence({"passed_over": {}}) == ""
