@@ -32,7 +32,7 @@ from ..engine.egress import EgressEngine
 from ..engine.markers import annotate
 from ..errors import ConfigError
 from ..report import SkipReport
-from ..scaleout.devices import devices_of
+from ..scaleout.devices import devices_of, share_of_cpus
 from ..sinks.masks import MaskSinkFactory, output_paths, restore_mask
 from ..sources.files import walk_files
 from ..sources.image_decode import (DEFAULT_MAX_PIXELS, IMAGE_EXTENSIONS, ImageRejected,
@@ -72,8 +72,9 @@ class SegmentConfig:
     # Several devices, one process each, the images split between them: "all" (every
     # GPU), "0,1" (GPU numbers), "cuda:0,cuda:1", or "cpu,cpu" (for testing); "" is the one device.
     devices: str = ""
-    # DataLoader worker processes decoding images (0: decode in the main process).
-    num_workers: int = 4
+    # DataLoader worker processes decoding images (0: decode in the main process; -1: the
+    # usable cores but two, shared between device processes, and no more than the batches).
+    num_workers: int = -1
     # Engine consumer processes writing masks (PNG encoding is their main cost).
     num_consumers: int = 4
     # Engine host slots; 0 means twice the consumers.
@@ -94,7 +95,7 @@ class SegmentConfig:
         checks = [
             (self.size >= 32, f"size={self.size}: must be at least 32 (DeepLabV3 downsamples 8x)"),
             (self.batch_size >= 1, f"batch_size={self.batch_size}: must be at least 1"),
-            (self.num_workers >= 0, f"num_workers={self.num_workers}: must be 0 or more"),
+            (self.num_workers >= -1, f"num_workers={self.num_workers}: must be -1 (auto), 0 or more"),
             (self.num_consumers >= 1, f"num_consumers={self.num_consumers}: must be at least 1"),
             (self.num_slots >= 0, f"num_slots={self.num_slots}: must be 0 (auto) or more"),
             (self.max_pixels >= 0, f"max_pixels={self.max_pixels}: must be 0 (no limit) or more"),
@@ -207,21 +208,22 @@ def segment(config: SegmentConfig, progress: bool = True, timeline: str | None =
 
 def run_on_device(config: SegmentConfig, device: torch.device, todo: list[tuple[str, str]],
                   report: SkipReport, progress: bool = False, timeline: str | None = None,
-                  on_images=None) -> dict:
+                  on_images=None, processes: int = 1) -> dict:
     """Segment ``todo`` ((rel_path, path) pairs) on one device; bad images go to
-    ``report``; ``on_images(n)`` is told of every n images handled. Returns the summary
-    fields of the run."""
+    ``report``; ``on_images(n)`` is told of every n images handled; ``processes`` device
+    processes share the host's cores. Returns the summary fields of the run."""
     loaded = load_segmentation_model(config.arch, config.weights, config.num_classes,
                                      config.random_weights)
     segmenter = Segmenter(loaded, device, config.dtype)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True   # one input shape for the whole run
+    workers = min(share_of_cpus(config.num_workers, processes), -(-len(todo) // config.batch_size))
     loader = DataLoader(
         ImageFileDataset(todo, config.size, config.max_pixels or None),
-        batch_size=config.batch_size, num_workers=config.num_workers,
+        batch_size=config.batch_size, num_workers=workers,
         collate_fn=collate_images, pin_memory=device.type == "cuda",
         persistent_workers=False, worker_init_fn=functools.partial(exit_with_parent, os.getpid()),
-        multiprocessing_context=loader_context() if config.num_workers else None)
+        multiprocessing_context=loader_context() if workers else None)
     spec = {"mask": ((config.batch_size, config.size, config.size), "uint8")}
     if config.save_logits:
         spec["logits"] = ((config.batch_size, loaded.num_classes, config.size, config.size), "float16")

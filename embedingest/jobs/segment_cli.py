@@ -37,7 +37,9 @@ from ..report import passed_over_sentence
 @click.option("--device", help="auto, cuda, cuda:N or cpu.")
 @click.option("--devices", help="Several devices, one process each, images split between them: "
                                 "all, 0,1, cuda:0,cuda:1 (or cpu,cpu to try it).")
-@click.option("--num-workers", type=int, help="DataLoader processes decoding images. [4]")
+@click.option("--num-workers", type=int,
+              help="DataLoader processes decoding images (-1: the cores but two, shared "
+                   "between devices). [-1]")
 @click.option("--num-consumers", type=int, help="Processes writing masks. [4]")
 @click.option("--num-slots", type=int, help="Engine host slots; 0 is twice the consumers.")
 @click.option("--save-logits/--no-save-logits", default=None,

@@ -36,7 +36,7 @@ def segment_on_devices(devices: list[str], config, todo: list[tuple[str, str]],
     jobs = []
     for device, group in zip(used, groups):
         env, local = child_env(device)
-        jobs.append(DeviceJob(device, (local, child_config, [todo[i] for i in group]), env))
+        jobs.append(DeviceJob(device, (local, child_config, [todo[i] for i in group], len(used)), env))
     # disable=None: a bar on a terminal only, never in logs or pipes.
     with tqdm(total=len(todo), unit="img", desc=f"segment x{len(used)}", dynamic_ncols=True,
               disable=None if progress else True) as bar:
@@ -50,13 +50,15 @@ def segment_on_devices(devices: list[str], config, todo: list[tuple[str, str]],
                                       for d, r in zip(used, results)]}}
 
 
-def _segment_part(device: str, config, todo: list[tuple[str, str]], report_progress) -> dict:
+def _segment_part(device: str, config, todo: list[tuple[str, str]], processes: int,
+                  report_progress) -> dict:
     """The child: the single-device segment step on this process's images."""
     from ..jobs.segment import run_on_device
     from ..stages.device import resolve_device
 
     report = SkipReport()
     progress = BatchedProgress(report_progress)
-    summary = run_on_device(config, resolve_device(device), todo, report, on_images=progress.add)
+    summary = run_on_device(config, resolve_device(device), todo, report, on_images=progress.add,
+                            processes=processes)
     progress.flush()
     return {"summary": summary, "skipped": report.entries}

@@ -181,6 +181,8 @@ def test_config_errors(tmp_path, weights, monkeypatch):
         segment(config(tmp_path, tmp_path / "o", weights, size=8))
     with pytest.raises(ConfigError, match="dtype='half'"):
         segment(config(tmp_path, tmp_path / "o", weights, dtype="half"))
+    with pytest.raises(ConfigError, match="num_workers=-2"):
+        segment(config(tmp_path, tmp_path / "o", weights, num_workers=-2))
     with pytest.raises(ConfigError, match="is the input folder"):
         segment(config(tmp_path, tmp_path, weights))
     assert not (tmp_path / "skipped.jsonl").exists()
