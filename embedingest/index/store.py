@@ -16,6 +16,7 @@ alone tell which units are fully embedded (:meth:`IndexStore.reconcile`).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -69,6 +70,16 @@ _UNIT_ROWS = f"id BETWEEN ?1 << {CHUNK_BITS} AND (?1 << {CHUNK_BITS}) | {2**CHUN
 _INSERT_JSON = ("INSERT OR REPLACE INTO chunks SELECT "
                 + ", ".join(f"json_extract(value, '$[{i}]')" for i in range(7))
                 + " FROM json_each(?)")
+
+
+@functools.lru_cache(maxsize=1)
+def sqlite_has_json() -> bool:
+    """Whether this sqlite has json_each (built in since 3.38, an option before)."""
+    try:
+        sqlite3.connect(":memory:").execute("SELECT count(*) FROM json_each('[1]')")
+        return True
+    except sqlite3.OperationalError:
+        return False
 
 
 def package_version() -> str:
@@ -501,10 +512,15 @@ class IndexStore:
         char_start, char_end, text) rows (:class:`~embedingest.sources.text_dataset.Chunks`),
         replacing rows of the same id, in one transaction. The build's hot path: each
         payload is one statement, parsed by sqlite with the GIL released. ``db`` is a
-        connection from :meth:`connect` when called from another thread."""
+        connection from :meth:`connect` when called from another thread. An sqlite built
+        without its JSON functions gets the rows bound one by one instead."""
         with db or self.db as conn:
             for payload in payloads:
-                conn.execute(_INSERT_JSON, (payload,))
+                if sqlite_has_json():
+                    conn.execute(_INSERT_JSON, (payload,))
+                else:
+                    conn.executemany("INSERT OR REPLACE INTO chunks VALUES (?, ?, ?, ?, ?, ?, ?)",
+                                     json.loads(payload))
 
     def mark_units_done(self, done: Iterable[tuple[int, int]], db: sqlite3.Connection | None = None) -> None:
         """Mark ``(unit_no, n_chunks)`` units done (after their chunk rows are written)."""

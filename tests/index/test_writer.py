@@ -53,6 +53,18 @@ def test_deleting_a_unit_leaves_its_neighbours(tmp_path):
     assert sorted({i >> 32 for i in left}) == [4, 6] and len(left) == 4
 
 
+def test_sqlite_without_json_functions_gets_the_same_rows(tmp_path, monkeypatch):
+    from embedingest.index import store as store_mod
+
+    monkeypatch.setattr(store_mod, "sqlite_has_json", lambda: False)
+    store = IndexStore(tmp_path)
+    texts = ["one", "tw\"o", "thrée"]
+    with MetadataWriter(store) as meta:
+        meta.add({"chunks": Chunks(chunk_rows(9, texts)), "units_done": []})
+    got = store.chunks(vector_ids(9, range(3)).tolist())
+    assert [got[i].text for i in sorted(got)] == texts
+
+
 def test_dict_chunks_with_numpy_values(tmp_path):
     """Ray hands rows from Arrow columns: numpy integers, no id."""
     store = IndexStore(tmp_path)
