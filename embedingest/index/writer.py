@@ -5,8 +5,8 @@ id -> source rows. The DataLoader workers already made each batch's rows into on
 text (:class:`~embedingest.sources.text_dataset.Chunks`); they are buffered here, handed
 over a few times a second, and written by a thread with its own connection, one
 statement per batch, during which sqlite holds no GIL. (Rows bound one by one through
-``executemany`` take the GIL for each row: next to a busy main thread the writer then
-managed a few thousand rows a second.) The queue is bounded: when the thread falls
+``executemany`` take the GIL for each row: next to a busy thread the writer then
+managed ~1,500 rows a second, see ``benchmarks/metadata_gil.py``.) The queue is bounded: when the thread falls
 behind, ``add`` waits instead of memory growing.
 
 A unit is marked done only after its chunk rows are written, never before: a run killed

@@ -78,8 +78,8 @@ def test_dict_chunks_with_numpy_values(tmp_path):
 
 def test_writer_keeps_up_beside_a_busy_thread(tmp_path):
     """The metadata thread must not need the GIL per row: with rows bound one by one
-    (executemany) it wrote ~700 rows/s next to a busy Python thread, here 100k rows
-    take about a second."""
+    (executemany) it wrote ~1,500 rows/s next to a busy Python thread, here 100k rows
+    take a few seconds."""
     store = IndexStore(tmp_path)
     stop = threading.Event()
 
