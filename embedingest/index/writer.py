@@ -6,8 +6,8 @@ text (:class:`~embedingest.sources.text_dataset.Chunks`); they are buffered here
 over a few times a second, and written by a thread with its own connection, one
 statement per batch, during which sqlite holds no GIL. (Rows bound one by one through
 ``executemany`` take the GIL for each row: next to a busy thread the writer then
-managed ~1,500 rows a second, see ``benchmarks/metadata_gil.py``.) The queue is bounded: when the thread falls
-behind, ``add`` waits instead of memory growing.
+managed ~1,500 rows a second; ``benchmarks/metadata_gil.py``.) The queue is bounded:
+when the thread falls behind, ``add`` waits instead of memory growing.
 
 A unit is marked done only after its chunk rows are written, never before: a run killed
 at any point leaves units that are not done, and the next run redoes them.

@@ -88,7 +88,7 @@ class Chunks:
     The main process hands the text to sqlite as is, in one statement that runs with
     the GIL released (:meth:`~embedingest.index.store.IndexStore.insert_chunk_json`);
     binding Python rows one by one took the GIL for every row, and with the main thread
-    busy feeding the GPU the metadata thread wrote a few thousand rows a second. A plain
+    busy feeding the GPU the metadata thread fell far behind. A plain
     string also pickles fast, and an object that is not a ``Sequence`` or ``Mapping``
     passes the DataLoader's pin-memory step untouched. ``n_docs`` counts the records
     whose first chunk is in this batch. Iterating decodes the rows, as dicts.
