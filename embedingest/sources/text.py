@@ -37,6 +37,8 @@ so a cp1252 file, or a UTF-8 file with a few stray legacy bytes, is read without
 instead of being skipped. The five bytes cp1252 leaves undefined (0x81 0x8D 0x8F 0x90
 0x9D) almost never occur in real legacy text, so meeting one skips the file as
 ``decode`` (for the streamed formats: the rest of it, with the records before kept).
+An HTML page that is not valid UTF-8 is read in the encoding its ``<meta charset>``
+declares when that is not a Western one (Shift_JIS, GB2312, windows-1251, ...).
 """
 
 from __future__ import annotations
@@ -78,6 +80,11 @@ _HTML_DROP = ("script", "style", "noscript", "template")
 _HTML_BLOCKS = ("p", "div", "br", "li", "tr", "h1", "h2", "h3", "h4", "h5", "h6", "pre",
                 "blockquote", "section", "article", "header", "footer", "title", "dt",
                 "dd", "table", "ul", "ol", "hr", "figcaption", "caption", "nav", "aside")
+# Declared encodings read as UTF-8-else-cp1252 anyway, and the supersets browsers use.
+# (A page that declares UTF-16 but is not, a common slip, is read as UTF-8, as browsers do.)
+_DEFAULT_DECODED = {"utf-8", "ascii", "iso8859-1", "cp1252", "utf-16", "utf-16-le", "utf-16-be",
+                    "utf-32", "utf-32-le", "utf-32-be"}
+_HTML_SUPERSETS = {"gb2312": "gb18030", "gbk": "gb18030", "euc_kr": "cp949", "shift_jis": "cp932"}
 _SPACES = re.compile(r"[^\S\n]+")
 _BLANK_LINES = re.compile(r"\s*\n\s*")
 
@@ -267,10 +274,35 @@ def _read_whole_text(path: Path, text_field, id_field, on_skip):
     yield "", _decode(_read_bytes(path))
 
 
+def _decode_html(data: bytes) -> str:
+    """A page in the encoding its ``<meta charset>`` (or XML prolog) declares, such as
+    Shift_JIS, GB2312 or windows-1251, which read as UTF-8-else-cp1252 would be
+    mojibake. Bytes that are valid UTF-8 are UTF-8 whatever the page says (legacy text
+    almost never is, mislabelled pages often are); Western and undeclared pages, and
+    pages that do not decode as declared, are read as any text file."""
+    from bs4.dammit import EncodingDetector
+
+    declared = EncodingDetector.find_declared_encoding(data[:4096], is_html=True)
+    try:
+        codec = codecs.lookup(declared).name if declared else None
+    except LookupError:
+        codec = None
+    codec = _HTML_SUPERSETS.get(codec, codec)
+    if codec and codec not in _DEFAULT_DECODED and b"\x00" not in data[:BINARY_PROBE_BYTES]:
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError:
+            try:
+                return data.decode(codec)
+            except UnicodeDecodeError:
+                pass
+    return _decode(data)
+
+
 def _read_html(path: Path, text_field, id_field, on_skip):
     from bs4 import BeautifulSoup
 
-    soup = BeautifulSoup(_decode(_read_bytes(path)), "html.parser")
+    soup = BeautifulSoup(_decode_html(_read_bytes(path)), "html.parser")
     for tag in soup.find_all(_HTML_DROP):
         tag.decompose()
     for tag in soup.find_all(_HTML_BLOCKS):

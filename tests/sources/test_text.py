@@ -264,6 +264,26 @@ def test_html_visible_text(tmp_path):
     assert records == [("", "Title\nHello boldworld\ntwo\nthree")]
 
 
+@pytest.mark.parametrize("charset,text", [
+    ("Shift_JIS", "東京の天気は晴れです"), ("gb2312", "北京今天天气很好"),
+    ("windows-1251", "Погода в Москве хорошая"), ("euc-kr", "서울 날씨가 좋습니다"),
+])
+def test_html_in_its_declared_encoding(tmp_path, charset, text):
+    page = f'<html><head><meta charset="{charset}"><title>t</title></head><body><p>{text}</p></body></html>'
+    path = write(tmp_path, "p.html", page.encode(charset))
+    records, skipped = read(path)
+    assert skipped == [] and text in records[0][1]
+
+
+def test_html_declarations_browsers_override(tmp_path):
+    latin = write(tmp_path, "l.html", '<meta charset="iso-8859-1"><p>“quoted” café</p>'.encode("cp1252"))
+    slip = write(tmp_path, "u.html", '<meta charset="utf-16"><p>plain café</p>'.encode("utf-8"))
+    wrong = write(tmp_path, "w.html", '<meta charset="shift_jis"><p>naïve café</p>'.encode("utf-8"))
+    assert "“quoted” café" in read(latin)[0][0][1]
+    assert "plain café" in read(slip)[0][0][1]
+    assert "naïve café" in read(wrong)[0][0][1]  # valid UTF-8 wins over a wrong label
+
+
 def test_html_without_visible_text(tmp_path):
     path = write(tmp_path, "a.htm", "<html><script>x()</script></html>")
     assert read(path) == ([], [(str(path), "empty: no visible text in the HTML")])
