@@ -22,8 +22,10 @@ from typing import NamedTuple
 import numpy as np
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
-# An animated GIF (or a multi-page TIFF) is read as its first frame.
-IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif"})
+# An animated GIF (or a multi-page TIFF) is read as its first frame. AVIF needs a Pillow
+# built with libavif (the wheels of 11.2 and later); without it each is skipped, named.
+IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif",
+                              ".avif"})
 
 # Larger than any camera photo (a 100 MP medium-format frame fits), small enough that
 # one DataLoader worker never holds more than ~450 MB of decoded RGB.

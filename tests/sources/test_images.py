@@ -18,7 +18,18 @@ from embedingest.sources.images import (IMAGE_EXTENSIONS, BadImage, ImageFileDat
 
 
 def test_extensions():
-    assert IMAGE_EXTENSIONS == {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif"}
+    assert IMAGE_EXTENSIONS == {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif",
+                                ".avif"}
+
+
+def test_avif_decodes_where_pillow_reads_it(tmp_path):
+    from PIL import features
+
+    if not features.check("avif"):
+        pytest.skip("this Pillow has no AVIF support")
+    Image.fromarray(np.full((30, 40, 3), 200, np.uint8)).save(tmp_path / "a.avif")
+    im, size = open_rgb(tmp_path / "a.avif")
+    assert size == (40, 30) and im.mode == "RGB" and abs(int(np.asarray(im).mean()) - 200) < 8
 
 
 def test_animated_gif_is_its_first_frame(tmp_path):
