@@ -71,10 +71,10 @@ class _Plan:
     seen_keys: int
 
 
-def _file_candidates(root: Path, report: SkipReport) -> Iterable[dict]:
+def _file_candidates(root: Path, report: SkipReport, out: Path) -> Iterable[dict]:
     base = root if root.is_dir() else root.parent
     for path in walk_files(root, TEXT_EXTENSIONS, on_skip=lambda p, r: report.add(p, r, stage="list"),
-                           on_other=report.pass_over):
+                           on_other=report.pass_over, exclude=out):
         try:
             st = path.stat()
         except OSError as exc:
@@ -248,6 +248,9 @@ def _prepare_and_build(corpus, cfg: IndexConfig, devices: list[str], device: str
     if not in_memory and not Path(corpus).exists():
         raise ConfigError(f"corpus {str(corpus)!r} does not exist; pass a folder or a file")
     out = Path(cfg.out) if cfg.out else default_out(corpus)
+    if not in_memory and Path(out).resolve() == Path(corpus).resolve():
+        raise ConfigError(f"out={str(out)!r} is the corpus folder: the index files would be read "
+                          "as documents; use another folder, or a subfolder of it")
     phases = {}  # seconds of each step, for the summary: where a run's time goes
     encoder = TextEncoder.load(cfg.model, device=device, dtype=dtype, cuda_graphs=cfg.cuda_graphs)
     phases["load_model_s"] = time.perf_counter() - t_start
@@ -275,7 +278,7 @@ def _build(corpus, cfg: IndexConfig, out: Path, encoder: TextEncoder, devices: l
                      dtype=dtype), overwrite=cfg.overwrite)
         store.clean_garbage()
         cands = (_record_candidates(corpus, cfg, report) if in_memory
-                 else _file_candidates(Path(corpus), report))
+                 else _file_candidates(Path(corpus), report, out))
         plan = plan_units(store, cands, report)
         gone = plan.redo + plan.deleted
         removed = store.remove_units(gone) if gone else 0

@@ -26,7 +26,8 @@ def has_extension(name: str, extensions: set[str]) -> bool:
 
 
 def walk_files(root: str | os.PathLike, extensions: set[str] | None = None,
-               on_skip: OnSkip = _noop, on_other: Callable[[str], None] | None = None) -> Iterator[Path]:
+               on_skip: OnSkip = _noop, on_other: Callable[[str], None] | None = None,
+               exclude: str | os.PathLike | None = None) -> Iterator[Path]:
     """Yield the files under ``root`` whose suffix (lower case, with the dot; see
     :func:`has_extension`) is in ``extensions``; ``root`` itself when it is a file
     (whatever its suffix).
@@ -35,6 +36,8 @@ def walk_files(root: str | os.PathLike, extensions: set[str] | None = None,
     are followed, but a folder is entered once only, so a link loop ends. Folders that
     cannot be listed, broken links, and pipes, sockets or devices with a wanted suffix
     go to ``on_skip(path, reason)``; other files with another suffix to ``on_other(path)``.
+    The folder ``exclude`` (a job's output inside its input) is not entered, under
+    whatever path it is reached.
     """
     root = Path(root)
     if root.is_file():
@@ -43,6 +46,11 @@ def walk_files(root: str | os.PathLike, extensions: set[str] | None = None,
     if not root.is_dir():
         raise FileNotFoundError(f"input path {str(root)!r} does not exist or is not a file or folder")
     seen: set[tuple[int, int]] = set()
+    try:
+        st = os.stat(exclude) if exclude is not None else None
+        excluded = (st.st_dev, st.st_ino) if st else None
+    except OSError:  # not made yet: nothing of it to read
+        excluded = None
     stack = [root]
     while stack:
         folder = stack.pop()
@@ -52,6 +60,8 @@ def walk_files(root: str | os.PathLike, extensions: set[str] | None = None,
             on_skip(str(folder), f"cannot stat folder: {exc.strerror or exc}")
             continue
         key = (st.st_dev, st.st_ino)
+        if key == excluded:
+            continue
         if key in seen:
             on_skip(str(folder), "symlink loop: folder already visited")
             continue

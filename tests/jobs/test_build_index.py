@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 from embedingest import build_index, open_index
 from embedingest.cli import main
+from embedingest.errors import ConfigError
 from embedingest.index.store import IndexStore
 
 PARAGRAPHS = [
@@ -232,7 +233,6 @@ def test_real_paragraphs_each_found_first_and_rerun_adds_nothing(tmp_path):
 
 def test_batch_size_auto_by_device_and_presets_hold_the_defaults():
     from embedingest.config import IndexConfig, load_config
-    from embedingest.errors import ConfigError
 
     assert IndexConfig().batch_size == 0
     assert IndexConfig().for_device(cuda=True).batch_size == 1024
@@ -291,3 +291,15 @@ def test_a_folder_of_other_formats_says_so(tmp_path):
     assert result.exit_code == 0, result.output
     assert "Indexed 0 files" in result.output
     assert "Passed over 3 files of formats it does not read (.pdf 2, .docx 1)" in result.output
+
+
+def test_an_index_inside_its_corpus_is_not_read_back(tmp_path):
+    corpus = make_corpus(tmp_path / "corpus")
+    out = corpus / "idx"
+    first = build_index(corpus, out=str(out), **FAST)
+    again = build_index(corpus, out=str(out), **FAST)
+    assert first["chunks"] == 12 and first["skipped"] == 0 and first["passed_over"] == {}
+    assert again["units_unchanged"] == first["units_indexed"] and again["skipped"] == 0
+    assert again["passed_over"] == {} and again["units_indexed"] == 0
+    with pytest.raises(ConfigError, match="is the corpus folder"):
+        build_index(corpus, out=str(corpus), **FAST)

@@ -42,3 +42,13 @@ def test_a_file_root_is_yielded_whatever_its_suffix(tmp_path):
     assert list(walk_files(tmp_path / "one.weird", {".txt"})) == [tmp_path / "one.weird"]
     with pytest.raises(FileNotFoundError, match="does not exist"):
         list(walk_files(tmp_path / "missing", {".txt"}))
+
+
+def test_an_excluded_folder_is_not_entered_by_any_path(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "manifest.json").write_text("{}")
+    (tmp_path / "a.json").write_text("{}")
+    (tmp_path / "link").symlink_to(tmp_path / "out")
+    found = list(walk_files(tmp_path, {".json"}, exclude=tmp_path / "out"))
+    assert [p.name for p in found] == ["a.json"]
+    assert len(list(walk_files(tmp_path, {".json"}, exclude=tmp_path / "not-made-yet"))) == 2
