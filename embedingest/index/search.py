@@ -109,6 +109,10 @@ class Index:
             queries = [queries]
         if not queries:
             return []
+        blank = [i for i, q in enumerate(queries) if not isinstance(q, str) or not q.strip()]
+        if blank:
+            raise ConfigError(f"query {blank[0]} ({queries[blank[0]]!r}) is empty or not text; "
+                              "give each query some words")
         return self.search_vectors(self.encoder.encode(list(queries)), k)
 
     def search_vectors(self, vectors: np.ndarray, k: int = 10) -> list[list[Hit]]:

@@ -54,6 +54,8 @@ def test_text_queries_use_the_encoder(tmp_path):
         both = index.search(["alpha", "beta"], k=2)
         assert [h[0].id for h in both] == [built.ids[3], built.ids[17]]
         assert index.search([]) == []
+        with pytest.raises(ConfigError, match=r"query 1 \('  '\) is empty"):
+            index.search(["alpha", "  "])
     assert enc.calls == [["alpha"], ["alpha", "beta"]]
 
 
