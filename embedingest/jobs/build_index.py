@@ -35,7 +35,7 @@ from ..index.writer import MetadataWriter
 from ..report import SkipReport
 from ..scaleout.devices import devices_of
 from ..sinks.faiss_shards import FaissShardSinkFactory, new_run_id
-from ..sources.files import walk_files
+from ..sources.files import refuse_output_as_input, walk_files
 from ..sources.text import TEXT_EXTENSIONS, lone_surrogate
 from ..sources.text_dataset import TextChunkDataset, Unit
 from ..stages.device import resolve_device
@@ -248,9 +248,8 @@ def _prepare_and_build(corpus, cfg: IndexConfig, devices: list[str], device: str
     if not in_memory and not Path(corpus).exists():
         raise ConfigError(f"corpus {str(corpus)!r} does not exist; pass a folder or a file")
     out = Path(cfg.out) if cfg.out else default_out(corpus)
-    if not in_memory and Path(out).resolve() == Path(corpus).resolve():
-        raise ConfigError(f"out={str(out)!r} is the corpus folder: the index files would be read "
-                          "as documents; use another folder, or a subfolder of it")
+    if not in_memory:
+        refuse_output_as_input(out, corpus, "corpus folder", "the index files")
     phases = {}  # seconds of each step, for the summary: where a run's time goes
     encoder = TextEncoder.load(cfg.model, device=device, dtype=dtype, cuda_graphs=cfg.cuda_graphs)
     phases["load_model_s"] = time.perf_counter() - t_start

@@ -34,7 +34,7 @@ from ..errors import ConfigError
 from ..report import SkipReport
 from ..scaleout.devices import devices_of, share_of_cpus
 from ..sinks.masks import MaskSinkFactory, output_paths, restore_mask
-from ..sources.files import walk_files
+from ..sources.files import refuse_output_as_input, walk_files
 from ..sources.image_decode import (DEFAULT_MAX_PIXELS, IMAGE_EXTENSIONS, ImageRejected,
                                     prepare_picture)
 from ..sources.images import ImageBatch, ImageFileDataset, collate_images
@@ -116,36 +116,15 @@ def _is_done(out: Path, rel: str, config: SegmentConfig) -> bool:
     return all(paths[name].exists() for name in wanted)
 
 
-def output_inside_input(images: str, out: str) -> str | None:
-    """``out`` relative to ``images`` ('/'-terminated) when it lies inside it, else None.
-
-    Such an output folder is left out of the listing: masks are PNGs and would
-    otherwise be segmented on the next run. ``out`` equal to ``images`` is refused.
-    """
-    try:
-        rel = Path(out).resolve().relative_to(Path(images).resolve()).as_posix()
-    except ValueError:
-        return None
-    if rel == ".":
-        raise ConfigError(f"out={out!r} is the input folder: the PNG masks would be read as "
-                          "inputs next time; use another folder, or a subfolder of it")
-    return rel + "/"
-
-
 def list_inputs(config: SegmentConfig, report: SkipReport) -> tuple[list[tuple[str, str]], int]:
     """The (rel_path, path) pairs still to do, and how many were already done."""
     root, out = Path(config.images), Path(config.out)
-    out_rel = output_inside_input(config.images, config.out)
     todo, done = [], 0
-
-    def other(path: str) -> None:  # the run's own outputs are not passed-over inputs
-        if not (out_rel and Path(path).relative_to(root).as_posix().startswith(out_rel)):
-            report.pass_over(path)
-
-    for path in walk_files(root, set(IMAGE_EXTENSIONS), on_skip=report.add, on_other=other):
+    # An output folder inside the input is not listed: masks are PNGs and would be
+    # segmented on the next run.
+    for path in walk_files(root, set(IMAGE_EXTENSIONS), on_skip=report.add,
+                           on_other=report.pass_over, exclude=out):
         rel = path.name if root.is_file() else path.relative_to(root).as_posix()
-        if out_rel and rel.startswith(out_rel):
-            continue
         if not config.overwrite and _is_done(out, rel, config):
             done += 1
         else:
@@ -179,7 +158,7 @@ def segment(config: SegmentConfig, progress: bool = True, timeline: str | None =
     device = resolve_device(config.device) if len(devices) < 2 else None
     if len(devices) == 1:
         device = resolve_device(devices[0])
-    output_inside_input(config.images, config.out)
+    refuse_output_as_input(config.out, config.images, "input folder", "the PNG masks")
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     report = SkipReport()

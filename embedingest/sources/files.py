@@ -11,11 +11,22 @@ import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from ..errors import ConfigError
+
 OnSkip = Callable[[str, str], None]
 
 
 def _noop(path: str, reason: str) -> None:
     pass
+
+
+def refuse_output_as_input(out: str | os.PathLike, inputs: str | os.PathLike, folder: str,
+                           outputs: str) -> None:
+    """Refuse an output folder that is the input folder itself: :func:`walk_files`
+    leaves an output folder inside the input out (``exclude``), but not the whole input."""
+    if Path(out).resolve() == Path(inputs).resolve():
+        raise ConfigError(f"out={str(out)!r} is the {folder}: {outputs} would be read as "
+                          "inputs next time; use another folder, or a subfolder of it")
 
 
 def has_extension(name: str, extensions: set[str]) -> bool:
