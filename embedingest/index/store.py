@@ -67,6 +67,7 @@ _QUERY_BATCH = 500
 # A unit's chunk rows are an id range (ids are unit_no << 32 | chunk_no): no index on
 # unit_no to keep up on every insert.
 _UNIT_ROWS = f"id BETWEEN ?1 << {CHUNK_BITS} AND (?1 << {CHUNK_BITS}) | {2**CHUNK_BITS - 1}"
+_INSERT_ROWS = "INSERT OR REPLACE INTO chunks VALUES (?, ?, ?, ?, ?, ?, ?)"
 _INSERT_JSON = ("INSERT OR REPLACE INTO chunks SELECT "
                 + ", ".join(f"json_extract(value, '$[{i}]')" for i in range(7))
                 + " FROM json_each(?)")
@@ -504,7 +505,7 @@ class IndexStore:
                 count += 1
                 yield (int(vector_ids(unit_no, chunk_no)), unit_no, record_id, chunk_no, start, end, text)
         with self.db as db:
-            db.executemany("INSERT OR REPLACE INTO chunks VALUES (?, ?, ?, ?, ?, ?, ?)", with_ids())
+            db.executemany(_INSERT_ROWS, with_ids())
         return count
 
     def insert_chunk_json(self, payloads: Iterable[str], db: sqlite3.Connection | None = None) -> None:
@@ -519,8 +520,7 @@ class IndexStore:
                 if sqlite_has_json():
                     conn.execute(_INSERT_JSON, (payload,))
                 else:
-                    conn.executemany("INSERT OR REPLACE INTO chunks VALUES (?, ?, ?, ?, ?, ?, ?)",
-                                     json.loads(payload))
+                    conn.executemany(_INSERT_ROWS, json.loads(payload))
 
     def mark_units_done(self, done: Iterable[tuple[int, int]], db: sqlite3.Connection | None = None) -> None:
         """Mark ``(unit_no, n_chunks)`` units done (after their chunk rows are written)."""

@@ -51,9 +51,7 @@ class GraphedFunction:
         allocator cannot serve a larger request from the blocks a smaller shape left
         behind, so shapes met in growing order reserve the sum of their sizes; after the
         largest, every smaller shape reuses its blocks."""
-        key = tuple((tuple(t.shape), t.dtype) for t in inputs)
-        if key not in self._graphs and self.disabled_reason is None and len(self._graphs) < self.max_graphs:
-            self._capture(key, inputs)
+        self._entry(inputs)
 
     def release(self) -> None:
         """Drop the graphs and their memory pool; later calls capture again."""
@@ -61,19 +59,23 @@ class GraphedFunction:
         self._pool = None
 
     def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
-        key = tuple((tuple(t.shape), t.dtype) for t in inputs)
-        entry = self._graphs.get(key)
+        entry = self._entry(inputs)
         if entry is None:
-            if self.disabled_reason is not None or len(self._graphs) >= self.max_graphs:
-                return self.fn(*inputs)
-            entry = self._capture(key, inputs)
-            if entry is None:
-                return self.fn(*inputs)
+            return self.fn(*inputs)
         static_in, graph, static_out = entry
         for dst, src in zip(static_in, inputs):
             dst.copy_(src, non_blocking=True)
         graph.replay()
         return static_out.clone()
+
+    def _entry(self, inputs: tuple[torch.Tensor, ...]):
+        """The graph of these input shapes, captured now if need be; None to run eagerly
+        (graphs off, or ``max_graphs`` taken)."""
+        key = tuple((tuple(t.shape), t.dtype) for t in inputs)
+        entry = self._graphs.get(key)
+        if entry is None and self.disabled_reason is None and len(self._graphs) < self.max_graphs:
+            entry = self._capture(key, inputs)
+        return entry
 
     def _capture(self, key: tuple, inputs: tuple[torch.Tensor, ...]):
         static_in = [t.clone() for t in inputs]
