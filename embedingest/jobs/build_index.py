@@ -226,7 +226,9 @@ def build_index(corpus, config: IndexConfig | None = None, *, progress: bool = F
     cfg.validate()
     t_start = time.perf_counter()
     devices = devices_of(cfg)
-    device = str(resolve_device(devices[0] if devices else cfg.device))
+    # Several devices were checked by devices_of, without touching CUDA here: their
+    # processes can then be forked.
+    device = devices[0] if len(devices) > 1 else str(resolve_device(devices[0] if devices else cfg.device))
     dtype = cfg.dtype if cfg.dtype != "auto" else ("fp16" if device.startswith("cuda") else "fp32")
     cfg = cfg.for_device(device.startswith("cuda"))
     early = None
@@ -251,7 +253,12 @@ def _prepare_and_build(corpus, cfg: IndexConfig, devices: list[str], device: str
     if not in_memory:
         refuse_output_as_input(out, corpus, "corpus folder", "the index files")
     phases = {}  # seconds of each step, for the summary: where a run's time goes
-    encoder = TextEncoder.load(cfg.model, device=device, dtype=dtype, cuda_graphs=cfg.cuda_graphs)
+    if early is not None:  # the device processes hold the model
+        from ..scaleout.multi_device import encoder_on_devices
+
+        encoder = encoder_on_devices(early)
+    else:
+        encoder = TextEncoder.load(cfg.model, device=device, dtype=dtype, cuda_graphs=cfg.cuda_graphs)
     phases["load_model_s"] = time.perf_counter() - t_start
     chunk_tokens = min(cfg.chunk_tokens, encoder.max_seq_length)
     if cfg.overlap >= chunk_tokens:
@@ -289,7 +296,13 @@ def _build(corpus, cfg: IndexConfig, out: Path, encoder: TextEncoder, devices: l
                       record_id=c.get("record_id")) for c in plan.todo]
         t_plan = time.perf_counter()
         phases["plan_s"] = t_plan - t_start - phases["load_model_s"]
-        trained = _train_if_needed(store, manifest, encoder, units, cfg, chunk_tokens) if units else None
+        trained = None
+        if units and early is not None:
+            from ..scaleout.multi_device import train_on_device
+
+            trained = train_on_device(early, out, manifest, units, cfg, chunk_tokens)
+        elif units:
+            trained = _train_if_needed(store, manifest, encoder, units, cfg, chunk_tokens)
         t_encode = time.perf_counter()
         phases["train_s"] = t_encode - t_plan
         counts = {"chunks": 0, "docs": 0, "units_done": 0}

@@ -1,10 +1,14 @@
 """build-index on several devices of one host: the encode step of
 :func:`~embedingest.jobs.build_index.build_index`, one process per device.
 
-The parent has already planned the run (removals done, units to index marked pending)
-and trained the index if its factory needs it. Each child gets a share of the units,
-balanced by bytes, and runs the single-device encode step unchanged: its own encoder,
-DataLoader, egress engine and consumers, segments under its own run id.
+The children start first and load the encoder, each on its device; the parent holds no
+model and never touches CUDA, so on a GPU host it can fork them (no interpreter start
+and no torch import in each: seconds that one GPU does not pay either). It takes what the
+manifest needs from the first child's encoder (:class:`EncoderOnDevices`), plans the run
+(removals done, units to index marked pending), has the first child train the index if
+its factory needs it, then gives each child a share of the units, balanced by bytes.
+Each runs the single-device encode step unchanged: its own DataLoader, egress engine and
+consumers, segments under its own run id.
 
 Chunk rows go straight from each child into the one ``metadata.sqlite``. SQLite in WAL
 mode lets one writer at a time commit while the others wait on the busy timeout; each
@@ -29,8 +33,7 @@ from ..report import SkipReport
 from ..sinks.faiss_shards import new_run_id
 from ..sources.text_dataset import Unit
 from .devices import child_env, share_of_cpus, split_by_size, usable_cpus
-from .procs import BatchedProgress, DeviceJob, DeviceProcesses
-
+from .procs import BatchedProgress, DeviceJob, DeviceProcesses, fork_is_safe
 
 
 @dataclass
@@ -77,17 +80,58 @@ class MultiDeviceStats:
         }
 
 
+@dataclass
+class EncoderOnDevices:
+    """The parent's view of the encoder its device processes hold: what the manifest and
+    the chunking need, from the first child's :meth:`TextEncoder.info`."""
+
+    description: dict
+
+    def info(self) -> dict:
+        return self.description
+
+    @property
+    def dim(self) -> int:
+        return int(self.description["dim"])
+
+    @property
+    def max_seq_length(self) -> int:
+        return int(self.description["max_seq_length"])
+
+    def release(self) -> None:
+        """Nothing to free here: the children hold the model."""
+
+
 def start_device_processes(devices: list[str], cfg: IndexConfig, dtype: str) -> DeviceProcesses:
-    """Start one process per device now; each imports torch and loads the encoder on its
-    device while the caller plans the run (seconds each that no longer add up), then
-    waits for :func:`encode_on_devices` to hand it its units."""
+    """Start one process per device now; each loads the encoder on its device while the
+    caller plans the run, then serves :func:`encoder_on_devices`, :func:`train_on_device`
+    and :func:`encode_on_devices`."""
     threads = max(1, usable_cpus() // len(devices))
+    method = start_method(devices)
     jobs = []
     for device in devices:
         env, local = child_env(device)
-        jobs.append(DeviceJob(device, (local, dtype, cfg.model, cfg.cuda_graphs, threads, time.time()),
-                              env))
-    return DeviceProcesses(_load_encoder, jobs)
+        jobs.append(DeviceJob(device, (local, dtype, cfg.model, cfg.cuda_graphs, threads, time.time(),
+                                      method), env))
+    return DeviceProcesses(_load_encoder, jobs, start_method=method)
+
+
+def start_method(devices: list[str]) -> str:
+    """Fork GPU processes when :func:`fork_is_safe`; spawn CPU ones, which compute with
+    torch's CPU thread pool, and a pool this process may have started does not survive
+    a fork."""
+    return "fork" if all(d != "cpu" for d in devices) and fork_is_safe() else "spawn"
+
+
+def encoder_on_devices(procs: DeviceProcesses) -> EncoderOnDevices:
+    """The encoder as the first device process loaded it (waits until it has)."""
+    return EncoderOnDevices(procs.info(0))
+
+
+def train_on_device(procs: DeviceProcesses, out: Path, manifest, units: list[Unit], cfg: IndexConfig,
+                    chunk_tokens: int) -> str | None:
+    """Train the index factory in the first device process, as one device would."""
+    return procs.call(0, _train_part, (str(out), manifest, units, cfg, chunk_tokens))
 
 
 def encode_on_devices(procs: DeviceProcesses, units: list[Unit], sizes: list[int], cfg: IndexConfig,
@@ -127,8 +171,9 @@ def encode_on_devices(procs: DeviceProcesses, units: list[Unit], sizes: list[int
 
 
 def _load_encoder(device: str, dtype: str, model: str | None, cuda_graphs: bool, threads: int,
-                  started_at: float):
-    """The child's start-up: imports and the encoder on its device, timed."""
+                  started_at: float, start_method: str):
+    """The child's start-up: imports and the encoder on its device, timed. Returns the
+    child's state and, for the parent, the encoder's description."""
     t_begin = time.time()
     import torch
 
@@ -139,8 +184,19 @@ def _load_encoder(device: str, dtype: str, model: str | None, cuda_graphs: bool,
     t_import = time.time()
     encoder = TextEncoder.load(model, device=device, dtype=dtype, cuda_graphs=cuda_graphs)
     t_ready = time.time()
-    return encoder, {"process_start_s": t_begin - started_at, "imports_s": t_import - t_begin,
-                     "model_load_s": t_ready - t_import, "ready_at": t_ready}
+    timing = {"start_method": start_method, "process_start_s": t_begin - started_at,
+              "imports_s": t_import - t_begin, "model_load_s": t_ready - t_import, "ready_at": t_ready}
+    return (encoder, timing), encoder.info()
+
+
+def _train_part(prepared, out: str, manifest, units: list[Unit], cfg: IndexConfig, chunk_tokens: int,
+                report_progress) -> str | None:
+    from ..index.store import IndexStore
+    from ..jobs.build_index import _train_if_needed
+
+    encoder, _ = prepared
+    with IndexStore(out) as store:
+        return _train_if_needed(store, manifest, encoder, units, cfg, chunk_tokens)
 
 
 def _encode_part(prepared, units: list[Unit], cfg: IndexConfig, out: str, chunk_tokens: int,
@@ -166,4 +222,4 @@ def _encode_part(prepared, units: list[Unit], cfg: IndexConfig, out: str, chunk_
     progress.flush()
     timing.update(encode_s=time.time() - t_model, engine_wall_s=stats.wall_seconds, **main_loop)
     return {"counts": counts, "stats": stats, "skipped": report.entries,
-            "timing": {k: round(v, 3) for k, v in timing.items()}}
+            "timing": {k: round(v, 3) if isinstance(v, float) else v for k, v in timing.items()}}

@@ -1,8 +1,10 @@
 """One process per device: start them, relay their progress, collect their results, and
 make a child's failure, or Ctrl-C, the parent's.
 
-Children are spawned (never forked: the parent may hold CUDA state and threads) and are
-not daemons, because each starts its own DataLoader workers and engine consumers. A
+Children are spawned, or forked when :func:`fork_is_safe` says the parent holds no CUDA
+state and no other thread (a forked child skips seconds of interpreter start and
+imports). They are not daemons, because each starts its own DataLoader workers and
+engine consumers. A
 child ignores SIGINT, so a Ctrl-C in the terminal reaches the parent only; the parent
 then sends SIGTERM, which a child turns into KeyboardInterrupt once, so its engine stops
 the usual way (sinks closed, segments committed) before it exits. A child also gets
@@ -17,6 +19,7 @@ import multiprocessing as mp
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -56,6 +59,28 @@ def run_per_device(target: Callable, jobs: Sequence[DeviceJob], *,
         return procs.run(target, [job.args for job in jobs], on_progress=on_progress)
 
 
+def fork_is_safe() -> bool:
+    """Whether a child forked from this process now could use CUDA and its own threads.
+
+    Not when another thread runs here (a fork copies its locks, held or not), nor once
+    this process has touched CUDA (``torch.cuda.is_available()`` counts: it initialises
+    the driver, which a forked child cannot use). torch marks such a child itself, so a
+    throw-away fork asks it.
+    """
+    if not sys.platform.startswith("linux") or threading.active_count() > 1:
+        return False
+    import torch
+
+    in_bad_fork = getattr(torch.cuda, "_is_in_bad_fork", None)
+    if in_bad_fork is None or torch.cuda.is_initialized():
+        return False
+    pid = os.fork()
+    if pid == 0:
+        os._exit(1 if in_bad_fork() else 0)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
+
+
 class BatchedProgress:
     """A child's progress counts, summed and sent to the parent (``report``) at most every
     ``every`` seconds: one pipe message per batch would cost more than the batch's own
@@ -78,28 +103,40 @@ class BatchedProgress:
 
 
 class DeviceProcesses:
-    """One spawned process per job, started before its work is known.
+    """One process per job, started before its work is known.
 
-    Each child first runs ``prepare(*job.args)`` (imports, CUDA, model loading: seconds)
-    while the parent goes on (planning the run), then waits for its share of the work,
-    given by :meth:`run`. A context manager: leaving it stops children that were given
-    no work; errors and Ctrl-C behave as in :func:`run_per_device`.
+    Each child first runs ``prepare(*job.args)`` (imports, CUDA, model loading: seconds),
+    which returns ``(state, info)``: ``state`` stays in the child for its work, ``info``
+    (small, picklable) comes to the parent as :meth:`info`. Meanwhile the parent goes on
+    (planning the run), then hands out work with :meth:`call` (one child) or :meth:`run`
+    (all of them); a child serves calls until the parent leaves. A context manager:
+    leaving it ends the children (those still preparing by SIGTERM); errors and Ctrl-C
+    behave as in :func:`run_per_device`.
+
+    ``start_method`` is ``"spawn"`` (a fresh interpreter: always safe) or ``"fork"``,
+    which skips the child's interpreter start and imports but is only safe from a
+    process with no other threads and no CUDA state (see :func:`fork_is_safe`).
     """
 
     def __init__(self, prepare: Callable | None, jobs: Sequence[DeviceJob], *,
-                 stop_timeout: float = 60.0):
+                 start_method: str = "spawn", stop_timeout: float = 60.0):
         self.jobs = list(jobs)
+        self.start_method = start_method
         self.stop_timeout = stop_timeout
         self.procs: list = []
         self.conns: list = []
-        self._ran = False
-        ctx = mp.get_context("spawn")
+        self._info: dict[int, object] = {}
+        self._busy: set[int] = set()
+        self._results: dict[int, object] = {}
+        ctx = mp.get_context(start_method)
         level = log.getEffectiveLevel()
         try:
             for job in self.jobs:
                 mine, theirs = ctx.Pipe(duplex=True)
+                # A forked child inherits the parent's ends of its siblings' pipes: it closes them.
+                siblings = list(self.conns) if start_method == "fork" else []
                 proc = ctx.Process(target=_child_main, name=f"embedingest-{job.name}",
-                                   args=(prepare, job.args, theirs, os.getpid(), level))
+                                   args=(prepare, job.args, theirs, os.getpid(), level, siblings))
                 with _environ(job.env):
                     proc.start()
                 theirs.close()
@@ -115,41 +152,74 @@ class DeviceProcesses:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def info(self, i: int) -> object:
+        """The ``info`` child ``i``'s prepare returned, once it is ready (a failure of any
+        child while waiting is raised here)."""
+        self._guarded(lambda: i in self._info)
+        return self._info[i]
+
+    def call(self, i: int, target: Callable, args: tuple, *,
+             on_progress: Callable[..., None] | None = None) -> object:
+        """Child ``i`` runs ``target(state, *args, report)``; return its result."""
+        return self.run(target, [args if j == i else None for j in range(len(self.jobs))],
+                        on_progress=on_progress)[i]
+
     def run(self, target: Callable, work: Sequence[tuple | None], *,
             on_progress: Callable[..., None] | None = None) -> list:
-        """Give child ``i`` the call ``target(prepared, *work[i], report)`` (without a
+        """Give child ``i`` the call ``target(state, *work[i], report)`` (without a
         ``prepare``: ``target(*work[i], report)``), or nothing when ``work[i]`` is None;
         return the results in job order (None for a child given nothing)."""
-        self._ran = True
-        try:
-            for conn, args in zip(self.conns, work, strict=True):
-                try:
-                    conn.send(None if args is None else (target, args))
-                except (BrokenPipeError, OSError):
-                    pass  # the child already ended (its prepare failed): _collect says why
-            return _collect(self.jobs, self.procs, self.conns, on_progress)
-        except BaseException:
-            _stop(self.procs, self.stop_timeout)
-            raise
+        if len(work) != len(self.jobs):
+            raise ValueError(f"{len(work)} work items for {len(self.jobs)} device processes")
+        self._results = {}
+        for i, args in enumerate(work):
+            if args is None:
+                continue
+            self._busy.add(i)
+            try:
+                self.conns[i].send((target, args))
+            except (BrokenPipeError, OSError):
+                pass  # the child already ended (its prepare failed): _pump says why
+        self._guarded(lambda: not self._busy, on_progress)
+        return [self._results.get(i) for i in range(len(self.jobs))]
 
     def close(self) -> None:
-        """Stop the children that were never given work; wait for all to end."""
-        if not self._ran:
-            _stop(self.procs, self.stop_timeout)
+        """End the children: a ready, idle one is told to leave; any other (still
+        preparing, or busy after an error) is stopped. Wait for all to end."""
+        for i, conn in enumerate(self.conns):
+            with contextlib.suppress(EOFError, OSError):
+                while conn.poll():  # a "ready" not read yet
+                    kind, payload = conn.recv()
+                    if kind == "ready":
+                        self._info[i] = payload
+            if i in self._info and i not in self._busy:
+                with contextlib.suppress(OSError):
+                    conn.send(None)
+        _stop([p for i, p in enumerate(self.procs) if i not in self._info or i in self._busy],
+              self.stop_timeout)
+        deadline = time.monotonic() + self.stop_timeout
         for proc in self.procs:
-            proc.join()
+            proc.join(max(0.0, deadline - time.monotonic()))
+        _stop(self.procs, 0)
         for conn in self.conns:
             conn.close()
         self.procs, self.conns = [], []
 
+    def _guarded(self, done: Callable[[], bool], on_progress=None) -> None:
+        """Handle the children's messages until ``done()``; on any error (a child's, or
+        Ctrl-C here) stop them all and raise it."""
+        try:
+            while not done():
+                self._pump(on_progress)
+        except BaseException:
+            _stop(self.procs, self.stop_timeout)
+            self._busy.clear()
+            raise
 
-def _collect(jobs, procs, conns, on_progress) -> list:
-    results: dict[int, object] = {}
-    live = set(range(len(procs)))
-    while live:
-        wait([conns[i] for i in live] + [procs[i].sentinel for i in live], timeout=1.0)
-        for i in sorted(live):
-            conn, ended = conns[i], False
+    def _pump(self, on_progress) -> None:
+        wait(self.conns + [p.sentinel for p in self.procs], timeout=1.0)
+        for i, (conn, proc) in enumerate(zip(self.conns, self.procs)):
+            ended = False
             while conn.poll():
                 try:
                     kind, payload = conn.recv()
@@ -159,21 +229,20 @@ def _collect(jobs, procs, conns, on_progress) -> list:
                 if kind == "progress":
                     if on_progress is not None:
                         on_progress(i, *payload)
+                elif kind == "ready":
+                    self._info[i] = payload
                 elif kind == "ok":
-                    results[i] = payload
-                    break
+                    self._results[i] = payload
+                    self._busy.discard(i)
                 else:
-                    raise _remote_error(jobs[i].name, *payload)
-            if i in results:
-                live.discard(i)
-            elif ended or not procs[i].is_alive():
-                procs[i].join(5)
+                    raise _remote_error(self.jobs[i].name, *payload)
+            if ended or (not proc.is_alive() and not conn.poll()):
+                proc.join(5)
                 raise EngineError(
-                    f"the process of device {jobs[i].name} ended (exit code "
-                    f"{procs[i].exitcode}) without a result; a negative code is the signal "
+                    f"the process of device {self.jobs[i].name} ended (exit code "
+                    f"{proc.exitcode}) without a result; a negative code is the signal "
                     "that killed it (-9: SIGKILL, often the OOM killer). Run the same "
                     "command again to resume")
-    return [results[i] for i in range(len(procs))]
 
 
 def _remote_error(name: str, data: bytes | None, text: str, tb: str) -> BaseException:
@@ -218,9 +287,12 @@ def _interrupt_once(signum, frame):
     raise KeyboardInterrupt
 
 
-def _child_main(prepare, prepare_args, conn, parent_pid: int, level: int) -> None:
+def _child_main(prepare, prepare_args, conn, parent_pid: int, level: int, siblings) -> None:
+    """A device process: prepare, say ready, then serve calls until told to leave."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _interrupt_once)
+    for other in siblings:
+        other.close()
     logging.basicConfig(level=level, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
 
@@ -229,22 +301,22 @@ def _child_main(prepare, prepare_args, conn, parent_pid: int, level: int) -> Non
 
     try:
         _die_with_parent(parent_pid)
-        prepared = prepare(*prepare_args) if prepare is not None else None
-        try:
-            work = conn.recv()
-        except EOFError:
-            return  # the parent is gone
-        if work is None:
-            msg = ("ok", None)
-        else:
+        state, info = prepare(*prepare_args) if prepare is not None else (None, None)
+        conn.send(("ready", info))
+        while (work := _receive(conn)) is not None:
             target, args = work
-            result = target(*args, report) if prepare is None else target(prepared, *args, report)
-            msg = ("ok", result)
+            result = target(*args, report) if prepare is None else target(state, *args, report)
+            conn.send(("ok", result))
     except BaseException as exc:
-        msg = ("error", error_payload(exc))
-    try:
-        conn.send(msg)
-    except (BrokenPipeError, EOFError, OSError):
-        pass  # the parent is gone or stopped listening
+        with contextlib.suppress(OSError):  # the parent may be gone or no longer listening
+            conn.send(("error", error_payload(exc)))
     finally:
         conn.close()
+
+
+def _receive(conn):
+    """The next call, or None when the parent says leave (or is gone)."""
+    try:
+        return conn.recv()
+    except EOFError:
+        return None

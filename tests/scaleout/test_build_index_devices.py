@@ -12,6 +12,7 @@ from pathlib import Path
 
 import faiss
 import numpy as np
+import pytest
 from click.testing import CliRunner
 
 from embedingest import build_index, open_index
@@ -147,3 +148,48 @@ def test_ctrl_c_stops_all_devices_and_the_same_command_resumes(tmp_path, no_leak
         ids = np.concatenate([seg.ids() for seg in store.segments()])
     assert len(ids) == len(set(ids.tolist())) == sum(u.n_chunks for u in units.values()) == 96
     assert len(chunk_rows(out, ids.tolist())) == 96
+
+
+FORKED_BUILD = """
+import json, sys
+import embedingest.scaleout.multi_device as md
+md.start_method = lambda devices: "fork"
+from embedingest import build_index
+s = build_index(sys.argv[1], out=sys.argv[2], devices="cpu,cpu", **json.loads(sys.argv[3]))
+print(json.dumps([d["timing"]["start_method"] for d in s["engine"]["per_device"]]))
+"""
+
+
+def test_forked_device_processes_build_the_same_index(tmp_path, no_leaks):
+    """The fork path GPUs take, run on two CPU processes from a fresh interpreter (no
+    CPU thread pool started before the fork)."""
+    corpus = make_corpus(tmp_path / "corpus")
+    one, two = tmp_path / "one", tmp_path / "two"
+    build_index(corpus, out=str(one), **FAST)
+    run = subprocess.run([sys.executable, "-c", FORKED_BUILD, str(corpus), str(two), json.dumps(FAST)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout.splitlines()[-1]) == ["fork", "fork"]
+    v1, v2 = vectors_by_id(one), vectors_by_id(two)
+    assert sorted(v1) == sorted(v2) and len(v1) > 30
+    assert max(float(np.abs(v1[i] - v2[i]).max()) for i in v1) <= 1e-5
+    assert chunk_rows(one, v1) == chunk_rows(two, v2)
+
+
+@pytest.mark.needs_cuda
+def test_gpu_processes_are_forked_and_build_the_one_gpu_index(tmp_path, no_leaks):
+    """Two processes on GPU 0 (named twice, so one GPU is enough): forked, since this
+    process never touched CUDA for them, and the same vectors as one GPU."""
+    corpus = make_corpus(tmp_path / "corpus")
+    one, two = tmp_path / "one", tmp_path / "two"
+    code = ("import json, sys; from embedingest import build_index; "
+            "s = build_index(sys.argv[1], out=sys.argv[2], devices=sys.argv[3], **json.loads(sys.argv[4])); "
+            "print(json.dumps([d['timing']['start_method'] for d in s['engine'].get('per_device', [])]))")
+    for out, devices in ((one, "0"), (two, "0,0")):
+        run = subprocess.run([sys.executable, "-c", code, str(corpus), str(out), devices, json.dumps(FAST)],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout.splitlines()[-1]) == ["fork", "fork"]
+    v1, v2 = vectors_by_id(one), vectors_by_id(two)
+    assert sorted(v1) == sorted(v2) and len(v1) > 30
+    assert max(float(np.abs(v1[i] - v2[i]).max()) for i in v1) <= 2e-3  # fp16, other batches

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -100,8 +102,9 @@ def test_ctrl_c_stops_every_child_cleanly(tmp_path, no_leaks):
 
 
 def prepare_pid(tag):
-    """A stand-in for loading a model: what the child keeps for its work."""
-    return {"tag": tag, "pid": os.getpid()}
+    """A stand-in for loading a model: what the child keeps for its work, and what it
+    tells the parent."""
+    return {"tag": tag, "pid": os.getpid()}, {"tag": tag, "pid": os.getpid()}
 
 
 def prepare_fails(tag):
@@ -116,7 +119,23 @@ def prepare_forever(marker):
 
 def use_prepared(prepared, x, report):
     report(x)
+    prepared["calls"] = prepared.get("calls", 0) + 1
     return {"tag": prepared["tag"], "same_process": prepared["pid"] == os.getpid(), "x": x}
+
+
+def count_calls(prepared, report):
+    return prepared.get("calls", 0)
+
+
+PARENT_STATE = {"loaded_in_parent": False}
+
+
+def prepare_sees_parent(tag):
+    return None, {"tag": tag, "inherited": PARENT_STATE["loaded_in_parent"]}
+
+
+def square_prepared(prepared, x, report):
+    return square(x, report)
 
 
 def test_prepared_state_reaches_the_work_and_idle_children_get_none(no_leaks):
@@ -151,3 +170,57 @@ def test_leaving_without_work_stops_children_still_preparing(tmp_path, no_leaks)
             time.sleep(0.02)
         assert marker.exists()
     assert time.monotonic() - t0 < 30
+
+
+def test_children_report_ready_and_serve_several_calls(no_leaks):
+    from embedingest.scaleout.procs import DeviceProcesses
+
+    jobs = [DeviceJob(f"cpu{i}", (f"t{i}",)) for i in range(2)]
+    with DeviceProcesses(prepare_pid, jobs) as procs:
+        infos = [procs.info(i) for i in range(2)]
+        assert [i["tag"] for i in infos] == ["t0", "t1"]
+        assert len({i["pid"] for i in infos} | {os.getpid()}) == 3
+        assert procs.call(1, use_prepared, (5,)) == {"tag": "t1", "same_process": True, "x": 5}
+        assert procs.run(count_calls, [(), ()]) == [0, 1]  # the state lives on between calls
+    assert all(not p.is_alive() for p in procs.procs)
+
+
+@pytest.mark.parametrize("method", ["spawn", "fork"])
+def test_forked_children_inherit_the_parents_imports_and_state(method, monkeypatch, no_leaks):
+    from embedingest.scaleout.procs import DeviceProcesses
+
+    monkeypatch.setitem(PARENT_STATE, "loaded_in_parent", True)
+    jobs = [DeviceJob(f"cpu{i}", (f"t{i}",), {"EMBEDINGEST_TEST_ENV": f"e{i}"}) for i in range(2)]
+    with DeviceProcesses(prepare_sees_parent, jobs, start_method=method) as procs:
+        assert [procs.info(i)["inherited"] for i in range(2)] == [method == "fork"] * 2
+        out = procs.run(square_prepared, [(2,), (3,)])
+    assert [r["x"] for r in out] == [4, 9] and [r["env"] for r in out] == ["e0", "e1"]
+    assert "EMBEDINGEST_TEST_ENV" not in os.environ
+
+
+def test_a_failed_prepare_is_raised_while_waiting_for_its_info(no_leaks):
+    from embedingest.scaleout.procs import DeviceProcesses
+
+    with DeviceProcesses(prepare_fails, [DeviceJob("cuda:1", ("/nope",))],
+                         start_method="fork") as procs:
+        with pytest.raises(ConfigError, match="model folder '/nope' does not exist"):
+            procs.info(0)
+
+
+def test_fork_is_safe_only_without_threads_and_cuda():
+    from embedingest.scaleout.procs import fork_is_safe
+
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    try:
+        assert not fork_is_safe()
+    finally:
+        stop.set()
+        thread.join()
+    # torch.cuda.is_available() initialises the driver (where there is one): a child
+    # forked afterwards cannot use CUDA, so fork is refused from then on.
+    code = ("from embedingest.scaleout.procs import fork_is_safe; import torch; a = fork_is_safe(); "
+            "torch.cuda.is_available(); print(a, fork_is_safe())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["True", "False"], out.stderr
