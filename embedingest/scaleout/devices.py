@@ -55,9 +55,12 @@ def parse_devices(spec: str) -> list[str]:
 
 
 def _cuda_count() -> int:
+    """The GPUs torch sees, counted through NVML where it can: unlike
+    ``torch.cuda.is_available()`` that leaves CUDA uninitialised here, so the device
+    processes can be forked."""
     import torch
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return torch.cuda.device_count()
 
 
 def devices_of(config) -> list[str]:
