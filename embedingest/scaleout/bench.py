@@ -48,10 +48,13 @@ def run(cfg: DevicesBenchConfig, log=print) -> dict:
     try:
         corpus = write_corpus(make_paragraphs(cfg.docs, cfg.seed), work / "corpus", cfg.files)
         rows = []
-        for name, where in ((f"1 GPU ({cfg.single})", ["--device", cfg.single]),
-                            (f"--devices {cfg.devices}", ["--devices", cfg.devices])):
+        for n, (name, where) in enumerate(((f"1 GPU ({cfg.single})", ["--device", cfg.single]),
+                                           (f"--devices {cfg.devices}", ["--devices", cfg.devices]))):
+            # Each row builds a new folder: overwriting the other row's index would charge
+            # this one for deleting gigabytes.
+            out = work / f"index{n}"
             cmd = [sys.executable, "-m", "embedingest", "build-index", str(corpus), "--out",
-                   str(work / "index"), "--overwrite", "--json", "--dtype", cfg.dtype,
+                   str(out), "--json", "--dtype", cfg.dtype,
                    "--batch-size", str(cfg.batch_size), "--num-workers", str(cfg.num_workers),
                    "--num-consumers", str(cfg.num_consumers), *where,
                    *(["--model", cfg.model] if cfg.model else [])]
@@ -62,6 +65,7 @@ def run(cfg: DevicesBenchConfig, log=print) -> dict:
                 raise RuntimeError(f"{' '.join(cmd)} exited with {done.returncode}")
             s = json.loads(done.stdout[done.stdout.index("{"):])
             rows.append(_row(name, s, wall))
+            shutil.rmtree(out)  # not timed
             log(f"  {name}: {rows[-1]['docs_per_s']:,.0f} docs/s end to end, "
                 f"{rows[-1]['steady_docs_per_s']:,.0f} steady, {wall:.1f} s")
     finally:
