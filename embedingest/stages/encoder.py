@@ -393,6 +393,21 @@ def _read_pooling(path: Path) -> tuple[str, ...]:
     return modes
 
 
+def import_model_code(model: str | Path | None = None) -> None:
+    """Import the transformers code :meth:`TextEncoder.load` runs for ``model`` (its
+    architecture's module included), without loading weights: a process that forks
+    encoders does it once. A model folder that cannot be read is left for the load to
+    report."""
+    from transformers import AutoConfig, AutoModel, AutoTokenizer  # noqa: F401
+
+    try:
+        layout = _read_layout(_resolve_model_dir(model)[0])
+        config = AutoConfig.from_pretrained(layout.transformer_dir, local_files_only=True)
+        AutoModel._model_mapping[type(config)]
+    except (ConfigError, OSError, ValueError, KeyError):
+        pass
+
+
 def _load_model(path: Path, dtype: torch.dtype) -> torch.nn.Module:
     from transformers import AutoModel
     from transformers.utils import logging as hf_logging
