@@ -55,9 +55,9 @@ def parse_devices(spec: str) -> list[str]:
 
 
 def _cuda_count() -> int:
-    """The GPUs torch sees, counted through NVML where it can: unlike
-    ``torch.cuda.is_available()`` that leaves CUDA uninitialised here, so the device
-    processes can be forked."""
+    """The GPUs torch sees, counted through NVML where it can, which (unlike
+    ``torch.cuda.is_available()``) leaves CUDA uninitialised in this process, so the
+    device processes can be forked."""
     import torch
 
     return torch.cuda.device_count()

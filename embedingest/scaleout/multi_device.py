@@ -109,7 +109,11 @@ def start_device_processes(devices: list[str], cfg: IndexConfig, dtype: str) -> 
     threads = max(1, usable_cpus() // len(devices))
     method = start_method(devices)
     if method == "fork":
-        _import_model_code(cfg.model)  # once here, not once per child at the same time
+        # Once here, for the children to share: it is the bulk of loading an encoder, and
+        # children importing it at once contend for the same cores and files.
+        from ..stages.encoder import import_model_code
+
+        import_model_code(cfg.model)
     jobs = []
     for device in devices:
         env, local = child_env(device)
@@ -123,16 +127,6 @@ def start_method(devices: list[str]) -> str:
     torch's CPU thread pool, and a pool this process may have started does not survive
     a fork."""
     return "fork" if all(d != "cpu" for d in devices) and fork_is_safe() else "spawn"
-
-
-def _import_model_code(model: str | None) -> None:
-    """Import transformers' model loading code, which forked children then share.
-
-    It is the bulk of loading an encoder (seconds where Python compiles its modules), and
-    children importing it all at once contend for the same cores and files."""
-    from ..stages.encoder import import_model_code
-
-    import_model_code(model)
 
 
 def encoder_on_devices(procs: DeviceProcesses) -> EncoderOnDevices:

@@ -4,11 +4,10 @@ make a child's failure, or Ctrl-C, the parent's.
 Children are spawned, or forked when :func:`fork_is_safe` says the parent holds no CUDA
 state and no other thread (a forked child skips seconds of interpreter start and
 imports). They are not daemons, because each starts its own DataLoader workers and
-engine consumers. A
-child ignores SIGINT, so a Ctrl-C in the terminal reaches the parent only; the parent
-then sends SIGTERM, which a child turns into KeyboardInterrupt once, so its engine stops
-the usual way (sinks closed, segments committed) before it exits. A child also gets
-SIGTERM when the parent dies, so none outlives its run.
+engine consumers. A child ignores SIGINT, so a Ctrl-C in the terminal reaches the parent
+only; the parent then sends SIGTERM, which a child turns into KeyboardInterrupt once, so
+its engine stops the usual way (sinks closed, segments committed) before it exits. A
+child also gets SIGTERM when the parent dies, so none outlives its run.
 """
 
 from __future__ import annotations

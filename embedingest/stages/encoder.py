@@ -398,12 +398,12 @@ def import_model_code(model: str | Path | None = None) -> None:
     architecture's module included), without loading weights: a process that forks
     encoders does it once. A model folder that cannot be read is left for the load to
     report."""
-    from transformers import AutoConfig, AutoModel, AutoTokenizer  # noqa: F401
+    from transformers import MODEL_MAPPING, AutoConfig, AutoModel, AutoTokenizer  # noqa: F401
 
     try:
         layout = _read_layout(_resolve_model_dir(model)[0])
         config = AutoConfig.from_pretrained(layout.transformer_dir, local_files_only=True)
-        AutoModel._model_mapping[type(config)]
+        MODEL_MAPPING[type(config)]  # imports the architecture's module
     except (ConfigError, OSError, ValueError, KeyError):
         pass
 

@@ -332,3 +332,17 @@ def test_fp16_copy_of_another_folder_keeps_its_name(tiny_hf, tmp_path):
     encoder = TextEncoder.load(dest)
     assert encoder.info()["name"] == tiny_hf.name
     assert cosine(encoder.encode(TEXTS), TextEncoder.load(tiny_hf).encode(TEXTS)).min() >= 0.999
+
+
+def test_import_model_code_imports_the_architecture_and_tolerates_bad_folders(tmp_path):
+    """What a process that forks encoders imports first: the model's own module, in a
+    fresh interpreter so nothing was imported before; a bad folder is left to the load."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from embedingest.stages.encoder import import_model_code; "
+            "before = 'transformers.models.bert.modeling_bert' in sys.modules; "
+            f"import_model_code({str(tmp_path / 'nope')!r}); import_model_code(None); "
+            "print(before, 'transformers.models.bert.modeling_bert' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.stdout.split() == ["False", "True"], run.stderr
