@@ -33,7 +33,7 @@ from ..report import SkipReport
 from ..sinks.faiss_shards import new_run_id
 from ..sources.text_dataset import Unit
 from .devices import child_env, share_of_cpus, split_by_size, usable_cpus
-from .procs import BatchedProgress, DeviceJob, DeviceProcesses, fork_is_safe
+from .procs import BatchedProgress, DeviceJob, DeviceProcesses, start_method
 
 
 @dataclass
@@ -120,13 +120,6 @@ def start_device_processes(devices: list[str], cfg: IndexConfig, dtype: str) -> 
         jobs.append(DeviceJob(device, (local, dtype, cfg.model, cfg.cuda_graphs, threads, time.time(),
                                       method), env))
     return DeviceProcesses(_load_encoder, jobs, start_method=method)
-
-
-def start_method(devices: list[str]) -> str:
-    """Fork GPU processes when :func:`fork_is_safe`; spawn CPU ones, which compute with
-    torch's CPU thread pool, and a pool this process may have started does not survive
-    a fork."""
-    return "fork" if all(d != "cpu" for d in devices) and fork_is_safe() else "spawn"
 
 
 def encoder_on_devices(procs: DeviceProcesses) -> EncoderOnDevices:

@@ -2,7 +2,9 @@
 single-device job on its share of the images.
 
 The parent lists the images (resume included) once and splits the ones still to do by
-bytes. Masks are one file per image, written by rename, so the children need no
+bytes. It never touches CUDA, so GPU processes are forked where that is safe (no
+interpreter start and imports in each), and before any progress bar starts a thread.
+Masks are one file per image, written by rename, so the children need no
 coordination: they write into the same output folder, and the parent writes the one
 skip report from what each child read. A run stopped at any point resumes like a
 single-device run (an image with its mask is done).
@@ -15,7 +17,7 @@ import os
 
 from ..report import SkipReport
 from .devices import child_env, split_by_size
-from .procs import BatchedProgress, DeviceJob, run_per_device
+from .procs import BatchedProgress, DeviceJob, DeviceProcesses, start_method
 
 
 def segment_on_devices(devices: list[str], config, todo: list[tuple[str, str]],
@@ -33,14 +35,16 @@ def segment_on_devices(devices: list[str], config, todo: list[tuple[str, str]],
     groups = [g for g in split_by_size(sizes, len(devices)) if g]
     used = devices[:len(groups)]
     child_config = dataclasses.replace(config, devices="")
-    jobs = []
+    method = start_method(used)
+    jobs, work = [], []
     for device, group in zip(used, groups):
         env, local = child_env(device)
-        jobs.append(DeviceJob(device, (local, child_config, [todo[i] for i in group], len(used)), env))
-    # disable=None: a bar on a terminal only, never in logs or pipes.
-    with tqdm(total=len(todo), unit="img", desc=f"segment x{len(used)}", dynamic_ncols=True,
-              disable=None if progress else True) as bar:
-        results = run_per_device(_segment_part, jobs, on_progress=lambda _, n: bar.update(n))
+        jobs.append(DeviceJob(device, (), env))
+        work.append((local, child_config, [todo[i] for i in group], len(used), method))
+    with DeviceProcesses(None, jobs, start_method=method) as procs, \
+            tqdm(total=len(todo), unit="img", desc=f"segment x{len(used)}", dynamic_ncols=True,
+                 disable=None if progress else True) as bar:  # None: only on a terminal
+        results = procs.run(_segment_part, work, on_progress=lambda _, n: bar.update(n))
     for r in results:
         report.entries.extend(r["skipped"])
     first = results[0]["summary"]
@@ -50,7 +54,7 @@ def segment_on_devices(devices: list[str], config, todo: list[tuple[str, str]],
                                       for d, r in zip(used, results)]}}
 
 
-def _segment_part(device: str, config, todo: list[tuple[str, str]], processes: int,
+def _segment_part(device: str, config, todo: list[tuple[str, str]], processes: int, method: str,
                   report_progress) -> dict:
     """The child: the single-device segment step on this process's images."""
     from ..jobs.segment import run_on_device
@@ -61,4 +65,5 @@ def _segment_part(device: str, config, todo: list[tuple[str, str]], processes: i
     summary = run_on_device(config, resolve_device(device), todo, report, on_images=progress.add,
                             processes=processes)
     progress.flush()
+    summary["engine"]["start_method"] = method
     return {"summary": summary, "skipped": report.entries}

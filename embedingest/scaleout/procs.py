@@ -80,6 +80,13 @@ def fork_is_safe() -> bool:
     return os.waitstatus_to_exitcode(status) == 0
 
 
+def start_method(devices: Sequence[str]) -> str:
+    """Fork GPU processes when :func:`fork_is_safe`; spawn CPU ones, which compute with
+    torch's CPU thread pool, and a pool this process may have started does not survive
+    a fork."""
+    return "fork" if all(d != "cpu" for d in devices) and fork_is_safe() else "spawn"
+
+
 class BatchedProgress:
     """A child's progress counts, summed and sent to the parent (``report``) at most every
     ``every`` seconds: one pipe message per batch would cost more than the batch's own

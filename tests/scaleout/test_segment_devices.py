@@ -72,3 +72,66 @@ def test_cli_devices_and_conflicting_device(tmp_path, weights):
     assert clash.exit_code == 1 and "devices" in clash.output
     with pytest.raises(ConfigError, match="devices="):
         segment(config(images, tmp_path / "x", weights, devices="cpu,cuda:0"), progress=False)
+
+
+FORKED_SEGMENT = """
+import json, sys
+import embedingest.scaleout.multi_segment as ms
+ms.start_method = lambda devices: "fork"
+from embedingest.jobs.segment import SegmentConfig, segment
+s = segment(SegmentConfig(**json.loads(sys.argv[1])), progress=False)
+print(json.dumps([p["start_method"] for p in s["engine"]["per_device"]]))
+"""
+
+
+def _forked_segment(images, out, weights, devices) -> list[str]:
+    import subprocess
+    import sys
+
+    cfg = dict(images=str(images), out=str(out), weights=str(weights), arch=SMALL, size=SIZE,
+               batch_size=3, num_workers=0, num_consumers=1, devices=devices)
+    run = subprocess.run([sys.executable, "-c", FORKED_SEGMENT, json.dumps(cfg)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout.splitlines()[-1])
+
+
+def test_forked_device_processes_write_the_same_masks(tmp_path, weights):
+    """The fork path GPUs take, on two CPU processes from a fresh interpreter."""
+    images = tmp_path / "images"
+    sizes = make_images(images)
+    segment(config(images, tmp_path / "one", weights, device="cpu"), progress=False)
+    assert _forked_segment(images, tmp_path / "two", weights, "cpu,cpu") == ["fork", "fork"]
+    for rel in sizes:
+        a = np.asarray(Image.open(output_paths(tmp_path / "one", rel)["mask"]))
+        b = np.asarray(Image.open(output_paths(tmp_path / "two", rel)["mask"]))
+        assert np.array_equal(a, b), rel
+
+
+@pytest.mark.needs_cuda
+def test_gpu_processes_are_forked_and_write_the_one_gpu_masks(tmp_path, weights):
+    """Two processes on GPU 0 (named twice, so one GPU is enough): forked, since the
+    parent never touched CUDA, and the masks of one GPU."""
+    import subprocess
+    import sys
+
+    images = tmp_path / "images"
+    sizes = make_images(images)
+    code = ("import json, sys; from embedingest.jobs.segment import SegmentConfig, segment; "
+            "s = segment(SegmentConfig(**json.loads(sys.argv[1])), progress=False); "
+            "print(json.dumps([p['start_method'] for p in s['engine'].get('per_device', [])]))")
+    methods = []
+    for out, devices in (("one", "0"), ("two", "0,0")):
+        cfg = dict(images=str(images), out=str(tmp_path / out), weights=str(weights), arch=SMALL,
+                   size=SIZE, batch_size=3, num_workers=0, num_consumers=1, devices=devices,
+                   dtype="fp32")
+        run = subprocess.run([sys.executable, "-c", code, json.dumps(cfg)], capture_output=True,
+                             text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        methods = json.loads(run.stdout.splitlines()[-1])
+    assert methods == ["fork", "fork"]
+    for rel in sizes:
+        a = np.asarray(Image.open(output_paths(tmp_path / "one", rel)["mask"]))
+        b = np.asarray(Image.open(output_paths(tmp_path / "two", rel)["mask"]))
+        # cuDNN may pick other kernels in another process: near-ties of random weights may flip
+        assert a.shape == b.shape and (a != b).mean() < 0.01, rel
