@@ -74,8 +74,12 @@ def fork_is_safe() -> bool:
     if in_bad_fork is None or torch.cuda.is_initialized():
         return False
     pid = os.fork()
-    if pid == 0:
-        os._exit(1 if in_bad_fork() else 0)
+    if pid == 0:  # the probe: whatever happens, it must not go on running the caller's code
+        code = 1
+        try:
+            code = 1 if in_bad_fork() else 0
+        finally:
+            os._exit(code)
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status) == 0
 
