@@ -318,10 +318,20 @@ def _child_main(prepare, prepare_args, conn, parent_pid: int, level: int, siblin
             result = target(*args, report) if prepare is None else target(state, *args, report)
             conn.send(("ok", result))
     except BaseException as exc:
-        with contextlib.suppress(OSError):  # the parent may be gone or no longer listening
-            conn.send(("error", error_payload(exc)))
+        _report_error(conn, exc)
     finally:
         conn.close()
+
+
+def _report_error(conn, exc: BaseException) -> None:
+    """Send the child's error to the parent. The parent stops every child on the first
+    error it reads, and this one is ending anyway, so a SIGTERM no longer interrupts the
+    send (it would print a second traceback over the error the user should read)."""
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        conn.send(("error", error_payload(exc)))
+    except (OSError, KeyboardInterrupt):
+        pass  # the parent is gone or no longer listening
 
 
 def _receive(conn):

@@ -193,3 +193,15 @@ def test_gpu_processes_are_forked_and_build_the_one_gpu_index(tmp_path, no_leaks
     v1, v2 = vectors_by_id(one), vectors_by_id(two)
     assert sorted(v1) == sorted(v2) and len(v1) > 30
     assert max(float(np.abs(v1[i] - v2[i]).max()) for i in v1) <= 2e-3  # fp16, other batches
+
+
+def test_a_bad_model_on_two_devices_is_one_clear_error(tmp_path):
+    """Both children fail the same way; the user reads the error once, with no traceback
+    of the child that was stopped while reporting it."""
+    corpus = make_corpus(tmp_path / "corpus")
+    cmd = [sys.executable, "-m", "embedingest", "build-index", str(corpus), "--out", str(tmp_path / "i"),
+           "--devices", "cpu,cpu", "--model", str(tmp_path / "nope")]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1
+    assert "Traceback" not in run.stderr, run.stderr
+    assert run.stderr.count("does not exist or is not a folder") == 1, run.stderr
