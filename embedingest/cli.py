@@ -142,10 +142,10 @@ def build_index_cmd(corpus, config_path, as_json, timeline, **options) -> None:
     inputs indexed; 3 finished but some inputs were skipped (see skipped.jsonl in the
     index folder); 1 error; 130 interrupted (re-run the same command to resume).
     """
-    from .jobs.build_index import build_index
-
     cfg = load_config(IndexConfig, config_path, **options)
-    try:
+    try:  # the imports too: a Ctrl-C during seconds of torch import is an interrupt, not a crash
+        from .jobs.build_index import build_index
+
         summary = build_index(corpus, cfg, progress=not as_json and sys.stderr.isatty(),
                               timeline=timeline)
     except KeyboardInterrupt:

@@ -113,6 +113,20 @@ def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "con
         time.sleep(interval)
 
 
+def check_ctrl_c_during_start_up(start, delays=(0.4, 1.5)) -> None:
+    """``start(n)`` starts run ``n``; each is interrupted ``delay`` s in (importing torch,
+    loading the model, starting device processes) and must exit 130 with the usual
+    message, no traceback and nothing left running."""
+    for n, delay in enumerate(delays):
+        run = start(n)
+        time.sleep(delay)
+        assert run.running(), run.describe()
+        run.signal_group(signal.SIGINT)
+        assert run.wait(60) == 130, run.describe()
+        assert "interrupted:" in run.stderr and "Traceback" not in run.stderr, run.describe()
+        run.assert_no_leftovers()
+
+
 class Run:
     """One CLI process in a session of its own; stdout/stderr go to files (a pipe left
     unread could block the run)."""

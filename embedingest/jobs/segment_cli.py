@@ -60,10 +60,10 @@ def segment_command(images, config_path, as_json, timeline, **options) -> None:
     but some images were skipped (see skipped.jsonl in OUT); 1 error; 130 interrupted
     (re-run the same command to resume).
     """
-    from ..config import load_config
-    from .segment import SegmentConfig, segment
+    try:  # the imports too: a Ctrl-C during seconds of torch import is an interrupt, not a crash
+        from ..config import load_config
+        from .segment import SegmentConfig, segment
 
-    try:
         config = load_config(SegmentConfig, config_path, images=images, **options)
         summary = segment(config, progress=not as_json, timeline=timeline)
     except (EmbedingestError, FileNotFoundError) as exc:

@@ -20,7 +20,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from fault_helpers import (
+    BUILD_ARGS,
     build_args,
+    check_ctrl_c_during_start_up,
     check_exactly_once,
     check_index_files,
     expected_chunks,
@@ -288,6 +290,15 @@ def test_ctrl_c_exits_130_within_5_s_and_resume_keeps_saved_work(cli, tmp_path, 
                  and u.unit_no not in incomplete]
     summary = finish(cli, corpus, out, device)
     assert summary["units_unchanged"] == len(saved) >= 1, summary  # kept, not redone
+
+
+@pytest.mark.parametrize("where", [["--device", "cpu"], ["--devices", "cpu,cpu"]], ids=["one", "devices"])
+def test_ctrl_c_during_start_up_exits_130_without_a_traceback(cli, tmp_path, where):
+    """Interrupted while importing torch, loading the model or starting device processes:
+    the same exit and message as later, nothing left running."""
+    corpus = make_corpus(tmp_path / "corpus", 3, seed=4)
+    check_ctrl_c_during_start_up(
+        lambda n: cli("build-index", corpus, "--out", tmp_path / f"idx{n}", *BUILD_ARGS, *where))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fault_helpers import stopped_by_dead_consumer, tmp_files, wait_for
+from fault_helpers import check_ctrl_c_during_start_up, stopped_by_dead_consumer, tmp_files, wait_for
 from PIL import Image
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.needs_cuda)]
@@ -200,6 +200,19 @@ def test_ctrl_c_exits_130_within_5_s_and_resume_keeps_masks(cli, tmp_path, devic
     assert 4 <= kept < len(sizes)
     summary = finish(cli, images, out, sizes, device)
     assert summary["already_done"] == kept  # nothing saved was redone
+
+
+@pytest.mark.parametrize("devices", [None, "cpu,cpu"], ids=["one", "devices"])
+def test_ctrl_c_during_start_up_exits_130_without_a_traceback(cli, tmp_path, devices):
+    """Interrupted while importing torch, building the model or starting device
+    processes: the same exit and message as later, nothing left running."""
+    images = tmp_path / "images"
+    make_images(images, n=6, seed=5)
+    args = seg_args()
+    if devices:
+        at = args.index("--device")
+        args[at:at + 2] = ["--devices", devices]
+    check_ctrl_c_during_start_up(lambda n: cli("segment", images, "--out", tmp_path / f"masks{n}", *args))
 
 
 @pytest.mark.parametrize("device", DEVICES)
