@@ -205,3 +205,21 @@ def test_a_bad_model_on_two_devices_is_one_clear_error(tmp_path):
     assert run.returncode == 1
     assert "Traceback" not in run.stderr, run.stderr
     assert run.stderr.count("does not exist or is not a folder") == 1, run.stderr
+
+
+def test_an_index_that_needs_training_is_trained_by_the_first_device(tmp_path, no_leaks):
+    """IVF: the first device process trains on the same first chunks one process would,
+    so the trained index is byte for byte the same, and every vector lands in it."""
+    corpus = make_corpus(tmp_path / "corpus")
+    one, two = tmp_path / "one", tmp_path / "two"
+    options = dict(FAST, index="IVF4,Flat", train_size=20)
+    s1 = build_index(corpus, out=str(one), **options)
+    s2 = build_index(corpus, out=str(two), devices="cpu,cpu", **options)
+    assert s2["vectors_total"] == s1["vectors_total"] > 30
+    assert (two / "trained.faiss").read_bytes() == (one / "trained.faiss").read_bytes()
+    v1, v2 = vectors_by_id(one), vectors_by_id(two)
+    assert sorted(v1) == sorted(v2)
+    assert max(float(np.abs(v1[i] - v2[i]).max()) for i in v1) <= 1e-5
+    with open_index(two) as index:
+        (hits,) = index.search([TOPICS[1]], k=1)
+        assert hits[0].text == TOPICS[1]
