@@ -144,6 +144,7 @@ def build_index_cmd(corpus, config_path, as_json, timeline, **options) -> None:
     """
     cfg = load_config(IndexConfig, config_path, **options)
     try:  # the imports too: a Ctrl-C during seconds of torch import is an interrupt, not a crash
+        import_numpy_first()
         from .jobs.build_index import build_index
 
         summary = build_index(corpus, cfg, progress=not as_json and sys.stderr.isatty(),
@@ -157,6 +158,13 @@ def build_index_cmd(corpus, config_path, as_json, timeline, **options) -> None:
     else:
         click.echo(_index_paragraph(summary))
     sys.exit(summary["exit_code"])
+
+
+def import_numpy_first() -> None:
+    """Import numpy before torch does: torch imports it from C and takes any error,
+    KeyboardInterrupt included, for "no numpy", so a Ctrl-C landing there is lost and
+    numpy is left half imported (np.load then fails later, far from the cause)."""
+    import numpy  # noqa: F401
 
 
 def _index_paragraph(s: dict) -> str:

@@ -122,7 +122,9 @@ def check_ctrl_c_during_start_up(start, delays=(0.4, 1.5)) -> None:
         time.sleep(delay)
         assert run.running(), run.describe()
         run.signal_group(signal.SIGINT)
-        assert run.wait(60) == 130, run.describe()
+        # 130, or ended by the SIGINT itself after printing the message (rarely, when it
+        # lands inside torch's import); a shell shows 130 for both.
+        assert run.wait(60) in (130, -signal.SIGINT), run.describe()
         assert "interrupted:" in run.stderr and "Traceback" not in run.stderr, run.describe()
         run.assert_no_leftovers()
 

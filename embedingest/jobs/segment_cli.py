@@ -61,6 +61,9 @@ def segment_command(images, config_path, as_json, timeline, **options) -> None:
     (re-run the same command to resume).
     """
     try:  # the imports too: a Ctrl-C during seconds of torch import is an interrupt, not a crash
+        from ..cli import import_numpy_first
+
+        import_numpy_first()
         from ..config import load_config
         from .segment import SegmentConfig, segment
 

@@ -147,7 +147,7 @@ class DeviceProcesses:
                 siblings = list(self.conns) if start_method == "fork" else []
                 proc = ctx.Process(target=_child_main, name=f"embedingest-{job.name}",
                                    args=(prepare, job.args, theirs, os.getpid(), level, siblings))
-                with _environ(job.env):
+                with _environ(job.env), _sigint_ignored():
                     proc.start()
                 theirs.close()
                 self.procs.append(proc)
@@ -290,6 +290,23 @@ def _environ(extra: dict[str, str]):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _sigint_ignored():
+    """SIGINT ignored while a child starts, so the child starts ignoring it (an ignored
+    signal stays ignored through exec, and Python then installs no handler): a Ctrl-C
+    in the terminal reaches the whole process group, and a spawned child still importing
+    would die of it with a traceback before it could ignore it itself. The parent only
+    ignores it for the milliseconds of the start (only the main thread may set it)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _interrupt_once(signum, frame):
