@@ -299,10 +299,12 @@ def _sigint_ignored():
     in the terminal reaches the whole process group, and a spawned child still importing
     would die of it with a traceback before it could ignore it itself. The parent only
     ignores it for the milliseconds of the start (only the main thread may set it)."""
-    if threading.current_thread() is not threading.main_thread():
+    previous = signal.getsignal(signal.SIGINT)
+    # Not from another thread, nor over a handler set outside Python (it could not be put back).
+    if threading.current_thread() is not threading.main_thread() or previous is None:
         yield
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         yield
     finally:
