@@ -131,7 +131,6 @@ class DeviceProcesses:
     def __init__(self, prepare: Callable | None, jobs: Sequence[DeviceJob], *,
                  start_method: str = "spawn", stop_timeout: float = 60.0):
         self.jobs = list(jobs)
-        self.start_method = start_method
         self.stop_timeout = stop_timeout
         self.procs: list = []
         self.conns: list = []
