@@ -143,10 +143,8 @@ def build_index_cmd(corpus, config_path, as_json, timeline, **options) -> None:
     index folder); 1 error; 130 interrupted (re-run the same command to resume).
     """
     cfg = load_config(IndexConfig, config_path, **options)
-    try:  # the imports too: a Ctrl-C during seconds of torch import is an interrupt, not a crash
-        import_numpy_first()
-        from .jobs.build_index import build_index
-
+    try:
+        build_index = import_interruptibly("embedingest.jobs.build_index").build_index
         summary = build_index(corpus, cfg, progress=not as_json and sys.stderr.isatty(),
                               timeline=timeline)
     except KeyboardInterrupt:
@@ -160,11 +158,22 @@ def build_index_cmd(corpus, config_path, as_json, timeline, **options) -> None:
     sys.exit(summary["exit_code"])
 
 
-def import_numpy_first() -> None:
-    """Import numpy before torch does: torch imports it from C and takes any error,
-    KeyboardInterrupt included, for "no numpy", so a Ctrl-C landing there is lost and
-    numpy is left half imported (np.load then fails later, far from the cause)."""
-    import numpy  # noqa: F401
+def import_interruptibly(module: str):
+    """Import a job's module (torch, numpy, faiss, transformers: seconds) with SIGINT
+    held back until it is done, so a Ctrl-C meanwhile arrives as a KeyboardInterrupt
+    right after it, where the command turns it into exit 130. Inside those imports it
+    is not safe: torch imports numpy from C and takes any error for "no numpy" (the
+    Ctrl-C is lost, numpy left half imported), and pybind11 aborts the process."""
+    import importlib
+    import signal
+
+    if not hasattr(signal, "pthread_sigmask"):
+        return importlib.import_module(module)
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        return importlib.import_module(module)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def _index_paragraph(s: dict) -> str:

@@ -60,15 +60,13 @@ def segment_command(images, config_path, as_json, timeline, **options) -> None:
     but some images were skipped (see skipped.jsonl in OUT); 1 error; 130 interrupted
     (re-run the same command to resume).
     """
-    try:  # the imports too: a Ctrl-C during seconds of torch import is an interrupt, not a crash
-        from ..cli import import_numpy_first
+    from ..cli import import_interruptibly
+    from ..config import load_config
 
-        import_numpy_first()
-        from ..config import load_config
-        from .segment import SegmentConfig, segment
-
-        config = load_config(SegmentConfig, config_path, images=images, **options)
-        summary = segment(config, progress=not as_json, timeline=timeline)
+    try:
+        job = import_interruptibly("embedingest.jobs.segment")
+        config = load_config(job.SegmentConfig, config_path, images=images, **options)
+        summary = job.segment(config, progress=not as_json, timeline=timeline)
     except (EmbedingestError, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from exc
     except OSError as exc:  # disk full, permissions, I/O errors, in a sink too

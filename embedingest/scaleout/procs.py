@@ -296,8 +296,9 @@ def _sigint_ignored():
     """SIGINT ignored while a child starts, so the child starts ignoring it (an ignored
     signal stays ignored through exec, and Python then installs no handler): a Ctrl-C
     in the terminal reaches the whole process group, and a spawned child still importing
-    would die of it with a traceback before it could ignore it itself. The parent only
-    ignores it for the milliseconds of the start (only the main thread may set it)."""
+    would die of it with a traceback before it could ignore it itself. A Ctrl-C in the
+    milliseconds of the start is lost here too (blocking it would not keep it: the
+    kernel hands it to a thread of numpy's BLAS, which ignores it)."""
     previous = signal.getsignal(signal.SIGINT)
     # Not from another thread, nor over a handler set outside Python (it could not be put back).
     if threading.current_thread() is not threading.main_thread() or previous is None:
