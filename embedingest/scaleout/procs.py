@@ -296,19 +296,26 @@ def _sigint_ignored():
     """SIGINT ignored while a child starts, so the child starts ignoring it (an ignored
     signal stays ignored through exec, and Python then installs no handler): a Ctrl-C
     in the terminal reaches the whole process group, and a spawned child still importing
-    would die of it with a traceback before it could ignore it itself. A Ctrl-C in the
-    milliseconds of the start is lost here too (blocking it would not keep it: the
-    kernel hands it to a thread of numpy's BLAS, which ignores it)."""
+    would die of it with a traceback before it could ignore it itself.
+
+    Here it is blocked too, so a Ctrl-C meanwhile stays pending (Linux keeps a blocked
+    signal even when ignored) and arrives once the handler is back. That holds when no
+    other thread takes it: the CLI imports torch and numpy with SIGINT blocked, so their
+    threads keep it blocked (:func:`embedingest.cli.import_interruptibly`)."""
     previous = signal.getsignal(signal.SIGINT)
     # Not from another thread, nor over a handler set outside Python (it could not be put back).
     if threading.current_thread() is not threading.main_thread() or previous is None:
         yield
         return
+    held = (signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            if hasattr(signal, "pthread_sigmask") else None)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+        if held is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def _interrupt_once(signum, frame):
