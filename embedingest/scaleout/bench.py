@@ -44,7 +44,7 @@ class DevicesBenchConfig:
     arch: str = "deeplabv3_resnet50"  # segment: the architecture of the random weights
     files: int = 128  # build-index: JSON-lines files, the units split between devices
     num_workers: int = -1  # loader workers per device process (-1: shared out)
-    num_consumers: int = 2  # per device process
+    num_consumers: int = 0  # per device process (0: the job's default, 2 for build-index, 4 for segment)
     seed: int = 0
 
 
@@ -65,7 +65,8 @@ def run(cfg: DevicesBenchConfig, log=print) -> dict:
             out = work / f"out{n}"
             cmd = [sys.executable, "-m", "embedingest", cfg.job, str(inputs), "--out", str(out),
                    "--json", "--dtype", cfg.dtype, "--num-workers", str(cfg.num_workers),
-                   "--num-consumers", str(cfg.num_consumers), *options, *where,
+                   *options, *where,
+                   *(["--num-consumers", str(cfg.num_consumers)] if cfg.num_consumers else []),
                    *(["--batch-size", str(cfg.batch_size)] if cfg.batch_size else [])]
             t0 = time.perf_counter()
             done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
