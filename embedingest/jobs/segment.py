@@ -163,9 +163,11 @@ def segment(config: SegmentConfig, progress: bool = True, timeline: str | None =
     out.mkdir(parents=True, exist_ok=True)
     report = SkipReport()
     t0 = time.perf_counter()
+    phases = {}  # seconds of each step, for the summary: where a run's time goes
     try:
         todo, already = list_inputs(config, report)
         remove_stale_tmp_files(out, todo)
+        phases["list_s"] = time.perf_counter() - t0
         summary = {"images": len(todo) + already, "already_done": already, "written": 0}
         if todo and device is None:
             from ..scaleout.multi_segment import segment_on_devices
@@ -173,13 +175,16 @@ def segment(config: SegmentConfig, progress: bool = True, timeline: str | None =
             summary.update(segment_on_devices(devices, config, todo, report, progress))
         elif todo:
             summary.update(run_on_device(config, device, todo, report, progress, timeline))
+        phases["segment_s"] = time.perf_counter() - t0 - phases["list_s"]
     finally:
         report_path = report.write(out)
     seconds = time.perf_counter() - t0
+    phases["finish_s"] = seconds - sum(phases.values())
     summary.update({
         "skipped": len(report), "skip_reasons": report.by_reason(),
         "passed_over": dict(report.passed_over.most_common()), "seconds": round(seconds, 3),
         "images_per_s": round(summary["written"] / seconds, 2) if seconds > 0 else 0.0,
+        "phases": {k: round(v, 3) for k, v in phases.items()},
         "out": str(out), "report": str(report_path),
     })
     return summary
@@ -190,12 +195,21 @@ def run_on_device(config: SegmentConfig, device: torch.device, todo: list[tuple[
                   on_images=None, processes: int = 1) -> dict:
     """Segment ``todo`` ((rel_path, path) pairs) on one device; bad images go to
     ``report``; ``on_images(n)`` is told of every n images handled; ``processes`` device
-    processes share the host's cores. Returns the summary fields of the run."""
+    processes share the host's cores. Returns the summary fields of the run, ``timing``
+    among them: where this process's time went (model load; starting the decoding workers
+    and the engine; waiting for the first batch and for later ones, where the decoders are
+    the bound; the first forward, which includes cuDNN's algorithm search; the others with
+    their hand-over to the engine; closing, the consumers' last masks)."""
+    t0 = time.perf_counter()
+    timing = dict.fromkeys(("load_model_s", "start_s", "first_batch_s", "first_forward_s",
+                            "input_wait_s", "forward_submit_s", "close_s"), 0.0)
     loaded = load_segmentation_model(config.arch, config.weights, config.num_classes,
                                      config.random_weights)
     segmenter = Segmenter(loaded, device, config.dtype)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True   # one input shape for the whole run
+    t_loaded = time.perf_counter()
+    timing["load_model_s"] = t_loaded - t0
     workers = min(share_of_cpus(config.num_workers, processes), -(-len(todo) // config.batch_size))
     loader = DataLoader(
         ImageFileDataset(todo, config.size, config.max_pixels or None),
@@ -219,7 +233,14 @@ def run_on_device(config: SegmentConfig, device: torch.device, todo: list[tuple[
     # disable=None: a bar on a terminal only, never in logs or pipes.
     with tqdm(total=len(todo), unit="img", desc="segment", dynamic_ncols=True,
               disable=None if progress else True) as bar, engine:
-        for batch, pixels in prefetch(batches, send, device, engine.span):
+        moved = prefetch(batches, send, device, engine.span)
+        t_wait = time.perf_counter()
+        timing["start_s"] = t_wait - t_loaded
+        first_wait, first_forward = True, True
+        for batch, pixels in moved:
+            t_got = time.perf_counter()
+            timing["first_batch_s" if first_wait else "input_wait_s"] += t_got - t_wait
+            first_wait = False
             for bad in batch.bad:
                 report.add(bad.path, bad.reason, stage="read")
             if pixels is not None:
@@ -230,9 +251,14 @@ def run_on_device(config: SegmentConfig, device: torch.device, todo: list[tuple[
                     if config.save_logits:
                         outputs["logits"] = logits.to(torch.float16).contiguous()
                 engine.submit(batch.items, outputs)
+                timing["first_forward_s" if first_forward else "forward_submit_s"] += (
+                    time.perf_counter() - t_got)
+                first_forward = False
             bar.update(len(batch) + len(batch.bad))
             if on_images is not None:
                 on_images(len(batch) + len(batch.bad))
+            t_wait = time.perf_counter()
+    timing["close_s"] = time.perf_counter() - t_wait
     if timeline and engine.stats.records:
         from ..engine.timeline import render_timeline
 
@@ -246,7 +272,7 @@ def run_on_device(config: SegmentConfig, device: torch.device, todo: list[tuple[
                 report.add(path, reason, stage="overlay")
     return {"written": written, "model": loaded.source, "num_classes": loaded.num_classes,
             "device": str(device), "dtype": str(segmenter.dtype).replace("torch.", ""),
-            "engine": engine.stats.summary()}
+            "engine": engine.stats.summary(), "timing": {k: round(v, 3) for k, v in timing.items()}}
 
 
 def segment_images(images: Iterable, config: SegmentConfig | None = None, *,

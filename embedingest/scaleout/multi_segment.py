@@ -50,7 +50,7 @@ def segment_on_devices(devices: list[str], config, todo: list[tuple[str, str]],
     first = results[0]["summary"]
     return {"written": sum(r["summary"]["written"] for r in results), "model": first["model"],
             "num_classes": first["num_classes"], "device": ",".join(used), "dtype": first["dtype"],
-            "engine": {"per_device": [r["summary"]["engine"] | {"device": d}
+            "engine": {"per_device": [r["summary"]["engine"] | {"device": d, "timing": r["summary"]["timing"]}
                                       for d, r in zip(used, results)]}}
 
 
@@ -65,5 +65,5 @@ def _segment_part(device: str, config, todo: list[tuple[str, str]], processes: i
     summary = run_on_device(config, resolve_device(device), todo, report, on_images=progress.add,
                             processes=processes)
     progress.flush()
-    summary["engine"]["start_method"] = method
+    summary["timing"] = {"start_method": method} | summary["timing"]
     return {"summary": summary, "skipped": report.entries}

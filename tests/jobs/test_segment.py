@@ -91,6 +91,10 @@ def test_segment_folder_end_to_end(tree, tmp_path, weights, reference, no_leaks)
     assert summary["written"] == len(sizes) and summary["skipped"] == len(bad)
     assert summary["already_done"] == 0 and summary["num_classes"] == NUM_CLASSES
     assert summary["engine"]["batches"] >= len(sizes) // 3 and summary["out"] == str(out)
+    assert sum(summary["phases"].values()) == pytest.approx(summary["seconds"], abs=0.01)
+    timing = summary["timing"]
+    assert min(timing.values()) >= 0 and timing["load_model_s"] > 0 and timing["first_forward_s"] > 0
+    assert sum(timing.values()) <= summary["phases"]["segment_s"] + 0.01
     expected = dict(zip(sizes, reference(*(images / rel for rel in sizes)), strict=True))
     for rel, (w, h) in sizes.items():
         paths = output_paths(out, rel)

@@ -50,6 +50,9 @@ def test_two_processes_write_the_same_masks_as_one(tmp_path, weights):
     assert two["skipped"] == one["skipped"] == 2 and two["device"] == "cpu,cpu"
     assert len(two["engine"]["per_device"]) == 2
     assert all(p["batches"] > 0 for p in two["engine"]["per_device"]), "both processes worked"
+    for part in two["engine"]["per_device"]:
+        assert part["timing"]["start_method"] == "spawn"  # CPU device processes never fork
+        assert part["timing"]["first_forward_s"] > 0 and part["timing"]["load_model_s"] > 0
     for rel, (w, h) in sizes.items():
         a = np.asarray(Image.open(output_paths(tmp_path / "one", rel)["mask"]))
         b = np.asarray(Image.open(output_paths(tmp_path / "two", rel)["mask"]))
@@ -80,7 +83,7 @@ import embedingest.scaleout.multi_segment as ms
 ms.start_method = lambda devices: "fork"
 from embedingest.jobs.segment import SegmentConfig, segment
 s = segment(SegmentConfig(**json.loads(sys.argv[1])), progress=False)
-print(json.dumps([p["start_method"] for p in s["engine"]["per_device"]]))
+print(json.dumps([p["timing"]["start_method"] for p in s["engine"]["per_device"]]))
 """
 
 
@@ -119,7 +122,7 @@ def test_gpu_processes_are_forked_and_write_the_one_gpu_masks(tmp_path, weights)
     sizes = make_images(images)
     code = ("import json, sys; from embedingest.jobs.segment import SegmentConfig, segment; "
             "s = segment(SegmentConfig(**json.loads(sys.argv[1])), progress=False); "
-            "print(json.dumps([p['start_method'] for p in s['engine'].get('per_device', [])]))")
+            "print(json.dumps([p['timing']['start_method'] for p in s['engine'].get('per_device', [])]))")
     methods = []
     for out, devices in (("one", "0"), ("two", "0,0")):
         cfg = dict(images=str(images), out=str(tmp_path / out), weights=str(weights), arch=SMALL,
