@@ -127,8 +127,9 @@ def _write_photo(job: tuple[str, int, int]) -> None:
     rng = np.random.default_rng(seed)
     h, w = side * 3 // 4, side
     coarse = rng.integers(0, 256, (6, 8, 3), dtype=np.uint8)
-    image = np.asarray(Image.fromarray(coarse).resize((w, h), Image.BICUBIC), dtype=np.int16)
-    image = np.clip(image + rng.normal(0, 6, image.shape), 0, 255).astype(np.uint8)
+    image = np.asarray(Image.fromarray(coarse).resize((w, h), Image.BICUBIC), dtype=np.float32)
+    image += rng.standard_normal(image.shape, dtype=np.float32) * 6
+    image = np.clip(image, 0, 255, out=image).astype(np.uint8)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray(image).save(path, quality=90)
 

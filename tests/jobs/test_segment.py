@@ -16,8 +16,9 @@ from segment_fixtures import NUM_CLASSES, SIZE, bad_files, image_tree, noise, ra
 
 from embedingest.config import load_config
 from embedingest.errors import ConfigError
-from embedingest.jobs.segment import SegmentConfig, segment, segment_images
+from embedingest.jobs.segment import SegmentConfig, list_inputs, segment, segment_images
 from embedingest.jobs.segment_cli import segment_command
+from embedingest.report import SkipReport
 from embedingest.sinks.masks import output_paths, restore_mask
 from embedingest.sources.image_decode import prepare_file
 
@@ -240,3 +241,25 @@ def test_segment_on_cuda_matches_cpu(tree, tmp_path, weights, no_leaks):
         assert a.shape == (h, w) and (a == b).mean() > 0.99, rel
     fp16 = segment(config(images, tmp_path / "fp16", weights, device="cuda"), progress=False)
     assert fp16["dtype"] == "float16" and fp16["written"] == len(sizes)
+
+
+def test_list_inputs_reads_each_output_folder_once(tmp_path, monkeypatch):
+    """Done images come from the output folders' listings, whatever form the input path takes."""
+    images, out = tmp_path / "images", tmp_path / "out"
+    for rel in ["a.png", "sub/b.jpg", "sub/deeper/c.webp"]:
+        (images / rel).parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(noise(8, 8, seed=0)).save(images / rel)
+    (out / "sub").mkdir(parents=True)
+    (out / "sub" / "b.jpg.png").write_bytes(b"mask")
+    (out / "a.png.png").write_bytes(b"mask")  # a's logits are missing below
+    listed = []
+    real = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda p: listed.append(p) or real(p))
+    monkeypatch.chdir(images)
+    for root in (str(images), str(images) + "/", ".", "sub/.."):
+        todo, done = list_inputs(SegmentConfig(images=root, out=str(out)), SkipReport())
+        assert done == 2 and [rel for rel, _ in todo] == ["sub/deeper/c.webp"], root
+        assert os.path.samefile(todo[0][1], images / "sub/deeper/c.webp")
+        todo, done = list_inputs(SegmentConfig(images=root, out=str(out), save_logits=True), SkipReport())
+        assert done == 0 and len(todo) == 3
+    assert len(listed) == 8 * 3  # out, out/sub, out/sub/deeper: once per call
