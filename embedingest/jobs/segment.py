@@ -227,7 +227,7 @@ def run_on_device(config: SegmentConfig, device: torch.device, todo: list[tuple[
     processes share the host's cores. Returns the summary fields of the run, ``timing``
     among them: where this process's time went (model load; starting the decoding workers
     and the engine; waiting for the first batch and for later ones, where the decoders are
-    the bound; the first forward, which includes cuDNN's algorithm search; the others with
+    the bound; the first forward, which includes CUDA's lazy set-up; the others with
     their hand-over to the engine; closing, the consumers' last masks)."""
     t0 = time.perf_counter()
     timing = dict.fromkeys(("load_model_s", "start_s", "first_batch_s", "first_forward_s",
@@ -235,12 +235,10 @@ def run_on_device(config: SegmentConfig, device: torch.device, todo: list[tuple[
     loaded = load_segmentation_model(config.arch, config.weights, config.num_classes,
                                      config.random_weights)
     segmenter = Segmenter(loaded, device, config.dtype)
-    if device.type == "cuda" and segmenter.dtype == torch.float32:
-        # One input shape for the whole run, so cuDNN's search pays off in fp32. In half
-        # precision its heuristics already pick the tensor-core kernels: on an H200 the
-        # search found none faster (fp16, batch 16: 741 against 739 images/s) and cost
-        # 1.6-3.6 s at every start.
-        torch.backends.cudnn.benchmark = True
+    # cuDNN's algorithm search (torch.backends.cudnn.benchmark) stays off: on an H200 it
+    # found no faster kernels for DeepLabV3-ResNet50 at batch 16 (fp16 741 against 739
+    # images/s, fp32 392 against 392) and cost 1.6-3.6 s (fp16) and 12 s (fp32) at the
+    # start of every process.
     t_loaded = time.perf_counter()
     timing["load_model_s"] = t_loaded - t0
     workers = min(share_of_cpus(config.num_workers, processes), -(-len(todo) // config.batch_size))
