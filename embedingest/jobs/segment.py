@@ -122,6 +122,7 @@ def list_inputs(config: SegmentConfig, report: SkipReport) -> tuple[list[tuple[s
     suffixes = ([MASK_SUFFIX] + [LOGITS_SUFFIX] * config.save_logits
                 + [OVERLAY_SUFFIX] * config.overlay)
     present = _FolderNames(str(out))
+    single = root.is_file()
     prefix = "" if str(root) == "." else os.path.join(str(root), "")  # walk_files' paths start so
     todo, done = [], 0
     # An output folder inside the input is not listed: masks are PNGs and would be
@@ -129,7 +130,7 @@ def list_inputs(config: SegmentConfig, report: SkipReport) -> tuple[list[tuple[s
     for path in walk_files(root, set(IMAGE_EXTENSIONS), on_skip=report.add,
                            on_other=report.pass_over, exclude=out):
         full = str(path)
-        if root.is_file():
+        if single:
             rel = path.name
         elif full.startswith(prefix):
             rel = full[len(prefix):].replace(os.sep, "/")
@@ -165,7 +166,7 @@ def remove_stale_tmp_files(out: Path, todo: list[tuple[str, str]]) -> None:
     """Delete the temporary files (``.<name>.tmp-<pid>``, see ``atomic_write_bytes``) that a
     killed run left half-written in ``out`` and in the folders of the images still to do
     (an image whose write was cut is one of those: its mask, written last, is missing)."""
-    for folder in {str(out)} | {os.path.join(out, posixpath.dirname(rel)) for rel, _ in todo}:
+    for folder in {os.path.join(out, sub) for sub in {""} | {posixpath.dirname(rel) for rel, _ in todo}}:
         try:
             entries = list(os.scandir(folder))
         except OSError:
