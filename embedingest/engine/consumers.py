@@ -8,6 +8,7 @@ kernel to send it SIGTERM if the producer dies, so no consumer outlives its run.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -74,10 +75,9 @@ def _error_message(worker: int, seq, batch_id, exc: BaseException) -> tuple:
 
 
 def _send(conn, msg) -> None:
-    try:
+    """Send to the producer; when it is gone nothing is listening, and that is no error."""
+    with contextlib.suppress(EOFError, OSError):
         conn.send(msg)
-    except (BrokenPipeError, EOFError, OSError):
-        pass  # the producer is gone; nothing is listening
 
 
 def consumer_main(worker: int, sink_factory, handle, conn, abort, parent_pid: int) -> None:

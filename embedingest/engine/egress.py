@@ -519,10 +519,8 @@ class EgressEngine:
                 self._stream.synchronize()  # no copy may still write into the pool
                 self._sampler.stop()
             for c in self._conns:
-                try:
+                with contextlib.suppress(OSError):  # that consumer is already gone
                     c.send(None)
-                except OSError:
-                    pass  # that consumer is already gone
             self._stop_consumers(self.config.shutdown_timeout)
             self._collector.join(timeout=5.0)
         finally:

@@ -10,6 +10,7 @@ through the process start-up (``DupFd``), not through a path.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
@@ -90,10 +91,9 @@ class HostPool:
             self._registered_ptr = None
         self._views = []
         if not self._mm.closed:
-            try:
+            # BufferError: a caller still holds a view; the mapping goes with the last one.
+            with contextlib.suppress(BufferError):
                 self._mm.close()
-            except BufferError:
-                pass  # a caller still holds a view; the mapping goes with the last one
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

@@ -185,10 +185,9 @@ class DeviceProcesses:
             if args is None:
                 continue
             self._busy.add(i)
-            try:
+            # A child whose prepare failed has ended: _pump reads and raises why.
+            with contextlib.suppress(OSError):
                 self.conns[i].send((target, args))
-            except (BrokenPipeError, OSError):
-                pass  # the child already ended (its prepare failed): _pump says why
         self._guarded(lambda: not self._busy, on_progress)
         return [self._results.get(i) for i in range(len(self.jobs))]
 
@@ -352,12 +351,11 @@ def _child_main(prepare, prepare_args, conn, parent_pid: int, level: int, siblin
 def _report_error(conn, exc: BaseException) -> None:
     """Send the child's error to the parent. The parent stops every child on the first
     error it reads, and this one is ending anyway, so a SIGTERM no longer interrupts the
-    send (it would print a second traceback over the error the user should read)."""
-    try:
+    send (it would print a second traceback over the error the user should read). A
+    parent that is gone or no longer listening is not told."""
+    with contextlib.suppress(OSError, KeyboardInterrupt):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         conn.send(("error", error_payload(exc)))
-    except (OSError, KeyboardInterrupt):
-        pass  # the parent is gone or no longer listening
 
 
 def _receive(conn):
