@@ -39,6 +39,7 @@ import re  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+from bisect import bisect_right  # noqa: E402
 from itertools import accumulate, chain  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -267,40 +268,118 @@ class NanotokenSpans(_BoundarySpans, Nanotoken):
         return out
 
 
-class NanotokenPieceSpans(NanotokenSpans):
-    """Rows of ~1k characters (cut at a space or newline): far fewer rows than words; a
-    window edge's piece is split into its words only when needed."""
-    name, note = "nanotoken pieces + boundary spans", "rows of ~1k chars"
+_ASCII_PRE = re.compile(r"[A-Za-z0-9]+|[^A-Za-z0-9 \t\n\r]")
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
+class EdgeOffsets:
+    """Character offsets of single tokens, computed only at window edges.
+
+    A document is cut into pieces of about ``piece`` characters, just before a space or a
+    newline (a hard boundary, so the pieces' ids joined are the document's ids); an ids-only
+    tokenizer encodes the pieces as rows of one batch, and the row lengths say which piece
+    holds a window's first or last token. For a piece of plain printable ASCII (no control
+    characters, no special token written as text) the token's offsets follow from the
+    ids alone: BERT's pre-tokenizer cuts such text into runs of letters and digits and
+    single punctuation characters, a word piece covers as many characters as its
+    vocabulary string (less the ``##``), and [UNK] covers its whole pre-token. Any other
+    piece is encoded once more by the model's own tokenizer, with offsets.
+    """
+
+    def __init__(self, hf, piece: int = 128):
+        self.hf = hf
+        self.piece = piece
+        vocab = hf.get_vocab()
+        self.piece_len = [0] * (max(vocab.values()) + 1)
+        for text, i in vocab.items():
+            self.piece_len[i] = len(text) - 2 if text.startswith("##") else len(text)
+        self.unk = hf.token_to_id("[UNK]")
+        self.added = [t.content for t in hf.get_added_tokens_decoder().values()]
+
+    def pieces(self, doc: str):
+        cuts = cut_points(doc, self.piece)
+        return cuts, [doc[a:b] for a, b in zip(cuts, cuts[1:])]
+
+    def spans(self, cuts, pieces, flat, rows) -> np.ndarray:
+        bounds = window_bounds(len(flat))
+        spans = np.empty((len(bounds), 2), dtype=np.int64)
+        if not bounds:
+            return spans
+        rows = rows.tolist() if isinstance(rows, np.ndarray) else rows
+        slow: dict[int, list] = {}
+        out = spans.ravel()
+        k = 0
+        for a, b in bounds:
+            for e, side in ((a, 0), (b - 1, 1)):
+                p = bisect_right(rows, e) - 1
+                j = e - rows[p]
+                x = self._plain(pieces[p], flat[rows[p]:rows[p + 1]], j, side)
+                if x is None:
+                    offs = slow.get(p)
+                    if offs is None:
+                        offs = slow[p] = self.hf.encode(pieces[p], add_special_tokens=False).offsets
+                    x = offs[j][side]
+                out[k] = cuts[p] + x
+                k += 1
+        return spans
+
+    def _plain(self, piece: str, ids, j: int, side: int):
+        if (not piece.isascii() or _CONTROL.search(piece)
+                or ("[" in piece and any(t in piece for t in self.added))):
+            return None
+        ids = ids.tolist() if isinstance(ids, np.ndarray) else ids
+        k, plen, unk = 0, self.piece_len, self.unk
+        for m in _ASCII_PRE.finditer(piece):
+            a, b = m.span()
+            if ids[k] == unk:
+                if k == j:
+                    return (a, b)[side]
+                k += 1
+                continue
+            while a < b:
+                e = a + plen[ids[k]]
+                if k == j:
+                    return (a, e)[side]
+                a = e
+                k += 1
+        raise AssertionError(f"token {j} is past the end of piece {piece!r}")
+
+
+def _rows_from_lists(lists):
+    rows = np.fromiter(accumulate(map(len, lists), initial=0), dtype=np.int64, count=len(lists) + 1)
+    return np.fromiter(chain.from_iterable(lists), dtype=np.int64, count=int(rows[-1])), rows
+
+
+class NanotokenEdges(Nanotoken):
+    """The proposed path: nanotoken ids over ~128-character pieces, offsets at window edges."""
+    name, note = "nanotoken + edge offsets", "pieces of ~128 chars; EdgeOffsets"
+
+    def __init__(self, model_dir):
+        super().__init__(model_dir)
+        self.edges = EdgeOffsets(hf_tokenizer(model_dir))
 
     def run(self, docs):
         out = []
         for doc in docs:
-            cuts = cut_points(doc, 1024)
-            pieces = [doc[a:b] for a, b in zip(cuts, cuts[1:])]
+            cuts, pieces = self.edges.pieces(doc)
             flat, rows = self.encode_rows(pieces)
             ids = flat.astype(np.int64)
-            bounds = window_bounds(len(ids))
-            spans = np.empty((len(bounds), 2), dtype=np.int64)
-            if bounds:
-                edges = np.array([(a, b - 1) for a, b in bounds], dtype=np.int64).ravel()
-                where = np.searchsorted(rows, edges, side="right") - 1
-                split: dict[int, tuple] = {}
-                flat_spans = spans.ravel()
-                for k, (tok_i, p) in enumerate(zip(edges.tolist(), where.tolist())):
-                    inner = split.get(p)
-                    if inner is None:
-                        words, word_pos = self.split(pieces[p])
-                        _, wrows = self.encode_rows(words)
-                        inner = split[p] = (words, word_pos, wrows, {})
-                    words, word_pos, wrows, encoded = inner
-                    j = tok_i - rows[p]
-                    w = int(np.searchsorted(wrows, j, side="right")) - 1
-                    offs = encoded.get(w)
-                    if offs is None:
-                        offs = encoded[w] = self.hf.encode(words[w], add_special_tokens=False).offsets
-                    flat_spans[k] = cuts[p] + word_pos[w] + offs[j - wrows[w]][k & 1]
-            out.append((ids, spans))
+            out.append((ids, self.edges.spans(cuts, pieces, ids, rows)))
         return out
+
+
+class HfFastEdges(NanotokenEdges):
+    name, note = "hf encode_batch_fast + edge offsets", "tokenizers only; pieces of ~256 chars"
+
+    def __init__(self, model_dir):
+        self.hf = hf_tokenizer(model_dir)
+        self.edges = EdgeOffsets(self.hf, piece=256)
+
+    def reset(self):
+        pass
+
+    def encode_rows(self, texts):
+        return _rows_from_lists([e.ids for e in self.hf.encode_batch_fast(texts, add_special_tokens=False)])
 
 
 class PyCacheSpans(_BoundarySpans):
@@ -520,8 +599,9 @@ class BlingFire(Morpheme):
 
 
 CANDIDATES = [HfOffsets, ChunkerToday, HfEncodeDoc, HfFast, HfFastPieces, HfFastWordsSpans,
-              PyCacheSpans, Nanotoken, NanotokenSpans, NanotokenPieceSpans, Morpheme, Tokie,
-              TokieOffsets, Budtiktok, Kitoken, LaghuWordPiece, FlashTokenizer, BlingFire]
+              PyCacheSpans, HfFastEdges, Nanotoken, NanotokenSpans, NanotokenEdges, Morpheme,
+              Tokie, TokieOffsets, Budtiktok, Kitoken, LaghuWordPiece,
+              FlashTokenizer, BlingFire]
 
 
 def _slug(cls) -> str:
@@ -535,6 +615,7 @@ def compare(ref_out, out, docs, kinds):
     """Mismatching windows (ids, spans) and the first examples, against the reference."""
     n_win = bad_ids = bad_spans = bad_docs = 0
     examples: list[str] = []
+    by_kind: dict[str, int] = {}
     has_spans = True
     for k, ((rids, rspans), (ids, spans)) in enumerate(zip(ref_out, out)):
         bounds = window_bounds(len(rids))
@@ -558,11 +639,12 @@ def compare(ref_out, out, docs, kinds):
             doc_bad |= nb > 0
         if doc_bad:
             bad_docs += 1
-            if len(examples) < 3:
+            by_kind[kinds[k]] = by_kind.get(kinds[k], 0) + 1
+            if len(examples) < 3 or kinds[k] not in {e[1:e.index("]")] for e in examples}:
                 examples.append(_example(docs[k], kinds[k], rids, ids, rspans, spans))
     return {"windows": n_win, "bad_id_windows": bad_ids,
             "bad_span_windows": bad_spans if has_spans else None,
-            "bad_docs": bad_docs, "examples": examples}
+            "bad_docs": bad_docs, "bad_docs_by_kind": by_kind, "examples": examples[:6]}
 
 
 def _example(doc, kind, rids, ids, rspans, spans) -> str:
@@ -590,26 +672,37 @@ def _timed(cand, docs) -> tuple[float, float]:
     return time.process_time() - c0, time.perf_counter() - w0
 
 
-def _shard_worker(args):
-    cls, model_dir, docs = args
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _shard_worker(cls, model_dir, docs, barrier, results) -> None:
+    before = _rss_mb()
     cand = cls(model_dir)
-    cpu, wall = _timed(cand, docs)
-    return cpu, wall
+    barrier.wait()
+    cpu0 = time.process_time()
+    cand.run(docs)
+    results.put((_rss_mb() - before, time.process_time() - cpu0))
 
 
-def multi(cls, model_dir, docs, procs: int) -> float:
-    """Wall seconds for ``procs`` forked processes over interleaved shards (load included
-    in each process, as a worker would; the pool is started before the clock)."""
-    shards = [docs[i::procs] for i in range(procs)]
-    with mp.get_context("fork").Pool(procs) as pool:
-        pool.map(_noop, range(procs))
-        t0 = time.perf_counter()
-        pool.map(_shard_worker, [(cls, model_dir, s) for s in shards])
-        return time.perf_counter() - t0
-
-
-def _noop(_):
-    return None
+def multi(cls, model_dir, docs, procs: int) -> tuple[float, float, float]:
+    """Wall seconds for ``procs`` forked processes over interleaved shards, from the moment
+    all have loaded their tokenizer to the last one's end; the largest growth of a
+    process's resident memory (load and run), MB; the CPU seconds of all of them."""
+    ctx = mp.get_context("fork")
+    barrier, results = ctx.Barrier(procs + 1), ctx.Queue()
+    workers = [ctx.Process(target=_shard_worker, args=(cls, model_dir, docs[i::procs], barrier, results))
+               for i in range(procs)]
+    for w in workers:
+        w.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    got = [results.get() for _ in workers]
+    wall = time.perf_counter() - t0
+    for w in workers:
+        w.join()
+    return wall, max(mb for mb, _ in got), sum(cpu for _, cpu in got)
 
 
 def main(argv=None) -> None:
@@ -630,11 +723,9 @@ def main(argv=None) -> None:
     hard = hard_cases(docs)
     print(f"corpus: {len(docs)} documents, {sum(map(len, docs)) / 1e6:.1f}M chars "
           f"(built in {time.perf_counter() - t0:.1f}s); hard cases: {len(hard)} documents, "
-          f"{sum(map(len, hard)) / 1e6:.1f}M chars", flush=True)
-    check_docs = docs + hard
-    kinds = ["corpus"] * len(docs) + [("crlf", "long-words", "no-whitespace", "odd-chars",
-                                       "special-tokens", "odd-whitespace")[i % 6]
-                                      for i in range(len(hard))]
+          f"{sum(len(t) for _, t in hard) / 1e6:.1f}M chars", flush=True)
+    check_docs = docs + [text for _, text in hard]
+    kinds = ["corpus"] * len(docs) + [kind for kind, _ in hard]
     ref = HfOffsets(model_dir)
     ref_out = ref.run(check_docs)
     n_tokens = sum(len(ids) for ids, _ in ref_out[:len(docs)])
@@ -670,13 +761,23 @@ def main(argv=None) -> None:
         print(f"repeat {r + 1}/{args.repeats} done", flush=True)
 
     scaling: dict[type, dict[int, float]] = {}
+    scaling_cpu: dict[type, dict[int, float]] = {}
+    grown: dict[type, float] = {}
     if not args.no_scaling:
         for cls in loaded:
-            scaling[cls] = {p: n_tokens / multi(cls, model_dir, docs, p) for p in procs}
+            scaling[cls], scaling_cpu[cls] = {}, {}
+            for p in procs:
+                wall, mb, cpu = multi(cls, model_dir, docs, p)
+                scaling[cls][p] = n_tokens / wall
+                scaling_cpu[cls][p] = n_tokens / cpu
+                grown[cls] = max(grown.get(cls, 0.0), mb)
+        print(f"scaling runs done (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)",
+              flush=True)
 
     ref_rate = statistics.median(cpu_rates[HfOffsets])
     head = f"{'candidate':44} {'k tok/s/core':>12} {'x ref':>6} {'ids exact':>14} {'spans exact':>14}"
-    head += "".join(f" {f'{p}p k tok/s':>12}" for p in procs if not args.no_scaling)
+    if not args.no_scaling:
+        head += "".join(f" {f'{p}p k tok/s':>11}" for p in procs) + f" {'+MB':>5}"
     print("\n" + head + "  notes")
     rows = []
     for cls in CANDIDATES:
@@ -694,13 +795,18 @@ def main(argv=None) -> None:
         else:
             spans_ok = "yes" if res["bad_span_windows"] == 0 else f"{res['bad_span_windows']}/{res['windows']} bad"
         line = f"{cls.name:44} {rate / 1e3:12,.0f} {rate / ref_rate:6.2f} {ids_ok:>14} {spans_ok:>14}"
-        line += "".join(f" {scaling[cls][p] / 1e3:12,.0f}" for p in procs if cls in scaling)
+        if cls in scaling:
+            line += "".join(f" {scaling[cls][p] / 1e3:11,.0f}" for p in procs) + f" {grown[cls]:5.0f}"
         print(line + f"  {cls.note}")
         rows.append({"candidate": cls.name, "ktok_per_core_s": rate / 1e3, "x_ref": rate / ref_rate,
                      "cpu_rates": cpu_rates[cls], "scaling_wall_tok_s": scaling.get(cls, {}),
+                     "rss_growth_mb": grown.get(cls),
+                     "scaling_cpu_tok_s_per_proc": scaling_cpu.get(cls, {}),
                      **res})
-    print("\nmismatch examples:")
+    print("\nmismatches (documents by kind, then examples):")
     for row in rows:
+        if row.get("bad_docs"):
+            print(f"  {row['candidate']}: {row['bad_docs_by_kind']}")
         for ex in row.get("examples", []):
             print(f"  {row['candidate']}: {ex}")
     if args.json:

@@ -105,14 +105,29 @@ ODD_CHARS = (
 )
 
 
-def hard_cases(docs: list[str], n: int = 240, seed: int = 18) -> list[str]:
-    """Documents derived from real ones that stress a tokenizer's exactness."""
+HARD_KINDS = ("crlf", "long-words", "no-whitespace", "odd-chars", "special-tokens",
+              "odd-whitespace", "random-unicode")
+
+
+def _random_char(rng: random.Random) -> str:
+    while True:
+        c = rng.choice([rng.randrange(0x20, 0x7F), rng.randrange(0, 0x300),
+                        rng.randrange(0, 0x3000), rng.randrange(0x3000, 0x10000),
+                        rng.randrange(0x10000, 0x30000)])
+        if not 0xD800 <= c <= 0xDFFF:
+            return chr(c)
+
+
+def hard_cases(docs: list[str], n: int = 280, seed: int = 18) -> list[tuple[str, str]]:
+    """``(kind, text)``: documents derived from real ones that stress a tokenizer's
+    exactness (kinds in :data:`HARD_KINDS`), then two large ones: about 300k characters
+    of real text, and the same with no whitespace at all."""
     rng = random.Random(seed)
     pool = [d for d in docs if 1_000 <= len(d) <= 60_000]
-    out: list[str] = []
+    out: list[tuple[str, str]] = []
     for i in range(n):
         text = rng.choice(pool)
-        kind = i % 6
+        kind = i % len(HARD_KINDS)
         if kind == 0:  # CRLF and CR line ends
             text = text.replace("\n", "\r\n" if i % 12 == 0 else "\r")
         elif kind == 1:  # long words: real words glued together, some over 100 characters
@@ -137,8 +152,18 @@ def hard_cases(docs: list[str], n: int = 240, seed: int = 18) -> list[str]:
                 pos = rng.randrange(len(chars))
                 chars[pos] = chars[pos] + rng.choice(SPECIAL_AS_TEXT) + rng.choice(["", " "])
             text = " ".join(chars)
-        else:  # decomposed accents, tabs, odd whitespace between words
+        elif kind == 5:  # decomposed accents, tabs, odd whitespace between words
             text = "".join(rng.choice(["\t", "  ", "\u00a0", " \u0301", " "]) if c == " " else c
                            for c in text)
-        out.append(text)
+        else:  # one character in eight replaced by any code point (no lone surrogates)
+            text = "".join(_random_char(rng) if rng.random() < 0.125 else c for c in text)
+        out.append((HARD_KINDS[kind], text))
+    big, size = [], 0
+    for d in pool:
+        if size > 300_000:
+            break
+        big.append(d)
+        size += len(d)
+    out.append(("large", "\n\n".join(big)))
+    out.append(("large-no-whitespace", "".join("\n\n".join(big).split())))
     return out
