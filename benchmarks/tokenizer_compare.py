@@ -35,9 +35,11 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 import argparse  # noqa: E402
 import json  # noqa: E402
 import multiprocessing as mp  # noqa: E402
+import queue  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 from bisect import bisect_right  # noqa: E402
 from itertools import accumulate, chain  # noqa: E402
@@ -686,19 +688,27 @@ def _shard_worker(cls, model_dir, docs, barrier, results) -> None:
     results.put((_rss_mb() - before, time.process_time() - cpu0))
 
 
-def multi(cls, model_dir, docs, procs: int) -> tuple[float, float, float]:
+def multi(cls, model_dir, docs, procs: int, timeout: float) -> tuple[float, float, float] | None:
     """Wall seconds for ``procs`` forked processes over interleaved shards, from the moment
     all have loaded their tokenizer to the last one's end; the largest growth of a
-    process's resident memory (load and run), MB; the CPU seconds of all of them."""
+    process's resident memory (load and run), MB; the CPU seconds of all of them. None when
+    they did not finish within ``timeout`` seconds (then they are killed): forked after
+    this process used the library, as a DataLoader worker may be, some thread pools hang."""
     ctx = mp.get_context("fork")
     barrier, results = ctx.Barrier(procs + 1), ctx.Queue()
     workers = [ctx.Process(target=_shard_worker, args=(cls, model_dir, docs[i::procs], barrier, results))
                for i in range(procs)]
     for w in workers:
         w.start()
-    barrier.wait()
-    t0 = time.perf_counter()
-    got = [results.get() for _ in workers]
+    try:
+        barrier.wait(timeout)
+        t0 = time.perf_counter()
+        got = [results.get(timeout=timeout) for _ in workers]
+    except (queue.Empty, threading.BrokenBarrierError):
+        for w in workers:
+            w.kill()
+            w.join()
+        return None
     wall = time.perf_counter() - t0
     for w in workers:
         w.join()
@@ -733,44 +743,48 @@ def main(argv=None) -> None:
           f"{sum(len(window_bounds(len(i))) for i, _ in ref_out[:len(docs)]):,} windows", flush=True)
 
     wanted = set(args.only.split(",")) if args.only else None
-    loaded = {}
-    results = {}
+    loaded, results = {}, {}
     for cls in CANDIDATES:
         if wanted and _slug(cls) not in wanted and cls is not HfOffsets:
             continue
         try:
             loaded[cls] = cls(model_dir)
-        except Exception as exc:  # a missing package or a model it cannot read
-            results[cls] = {"error": f"{type(exc).__name__}: {exc}"[:160]}
-            print(f"{cls.name}: not run ({results[cls]['error']})", flush=True)
-            continue
-        try:
             results[cls] = compare(ref_out, loaded[cls].run(check_docs), check_docs, kinds)
-        except Exception as exc:
-            results[cls] = {"error": f"failed on the check set: {type(exc).__name__}: {exc}"[:160]}
-            del loaded[cls]
-            print(f"{cls.name}: {results[cls]['error']}", flush=True)
+        except Exception as exc:  # a missing package, a model it cannot read, a crash
+            results[cls] = {"error": f"{type(exc).__name__}: {exc}"[:160]}
+            loaded.pop(cls, None)
+        res = results[cls]
+        print(f"checked {cls.name}: " + (res["error"] if "error" in res else
+              f"{res['bad_id_windows']} id / {res['bad_span_windows']} span windows of "
+              f"{res['windows']} differ, by kind {res['bad_docs_by_kind']}"), flush=True)
 
     cpu_rates: dict[type, list[float]] = {cls: [] for cls in loaded}
     for r in range(args.repeats):
         order = list(loaded)
         order = order[r % len(order):] + order[:r % len(order)]
         for cls in order:
-            cpu, wall = _timed(loaded[cls], docs)
+            cpu, _ = _timed(loaded[cls], docs)
             cpu_rates[cls].append(n_tokens / cpu)
-        print(f"repeat {r + 1}/{args.repeats} done", flush=True)
+        print(f"repeat {r + 1}/{args.repeats}: " + ", ".join(
+            f"{cls.name} {cpu_rates[cls][-1] / 1e3:,.0f}k" for cls in loaded), flush=True)
 
-    scaling: dict[type, dict[int, float]] = {}
+    scaling: dict[type, dict[int, float | None]] = {}
     scaling_cpu: dict[type, dict[int, float]] = {}
     grown: dict[type, float] = {}
     if not args.no_scaling:
         for cls in loaded:
             scaling[cls], scaling_cpu[cls] = {}, {}
+            # a generous limit: ten times the single-process time at the reference's rate
+            timeout = 60 + 10 * n_tokens / statistics.median(cpu_rates[HfOffsets])
             for p in procs:
-                wall, mb, cpu = multi(cls, model_dir, docs, p)
-                scaling[cls][p] = n_tokens / wall
-                scaling_cpu[cls][p] = n_tokens / cpu
-                grown[cls] = max(grown.get(cls, 0.0), mb)
+                got = multi(cls, model_dir, docs, p, timeout)
+                scaling[cls][p] = None if got is None else n_tokens / got[0]
+                if got is not None:
+                    scaling_cpu[cls][p] = n_tokens / got[2]
+                    grown[cls] = max(grown.get(cls, 0.0), got[1])
+            print(f"scaled {cls.name}: " + ", ".join(
+                f"{p}p {'hung' if v is None else f'{v / 1e3:,.0f}k'}" for p, v in scaling[cls].items()),
+                flush=True)
         print(f"scaling runs done (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)",
               flush=True)
 
@@ -788,7 +802,7 @@ def main(argv=None) -> None:
             print(f"{cls.name:44} {'-':>12} {'-':>6} {'-':>14} {'-':>14}  {res['error']}")
             rows.append({"candidate": cls.name, "error": res["error"]})
             continue
-        rate = statistics.median(cpu_rates[cls]) if cls in cpu_rates else float("nan")
+        rate = statistics.median(cpu_rates[cls])
         ids_ok = "yes" if res["bad_id_windows"] == 0 else f"{res['bad_id_windows']}/{res['windows']} bad"
         if res["bad_span_windows"] is None:
             spans_ok = "no offsets"
@@ -796,13 +810,14 @@ def main(argv=None) -> None:
             spans_ok = "yes" if res["bad_span_windows"] == 0 else f"{res['bad_span_windows']}/{res['windows']} bad"
         line = f"{cls.name:44} {rate / 1e3:12,.0f} {rate / ref_rate:6.2f} {ids_ok:>14} {spans_ok:>14}"
         if cls in scaling:
-            line += "".join(f" {scaling[cls][p] / 1e3:11,.0f}" for p in procs) + f" {grown[cls]:5.0f}"
+            line += "".join(f" {'hung':>11}" if scaling[cls][p] is None else f" {scaling[cls][p] / 1e3:11,.0f}"
+                            for p in procs)
+            line += f" {grown[cls]:5.0f}" if cls in grown else f" {'-':>5}"
         print(line + f"  {cls.note}")
         rows.append({"candidate": cls.name, "ktok_per_core_s": rate / 1e3, "x_ref": rate / ref_rate,
                      "cpu_rates": cpu_rates[cls], "scaling_wall_tok_s": scaling.get(cls, {}),
                      "rss_growth_mb": grown.get(cls),
-                     "scaling_cpu_tok_s_per_proc": scaling_cpu.get(cls, {}),
-                     **res})
+                     "scaling_cpu_tok_s": scaling_cpu.get(cls, {}), **res})
     print("\nmismatches (documents by kind, then examples):")
     for row in rows:
         if row.get("bad_docs"):
