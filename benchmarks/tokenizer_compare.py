@@ -1,7 +1,8 @@
 """Which tokenizer can feed the GPU: tokens/s per core, and exactness against the model's own.
 
     python benchmarks/tokenizer_compare.py [--mb 8] [--repeats 3] [--procs 1,2]
-                                           [--model-dir DIR] [--only a,b] [--json FILE]
+                                           [--model-dir DIR] [--only a,b] [--scale a,b]
+                                           [--json FILE]
 
 The job is the chunker's: each document's token ids (no special tokens), cut into windows
 of ``max_tokens`` (256, the two special tokens included) that overlap by 32 tokens, and
@@ -723,6 +724,7 @@ def main(argv=None) -> None:
     ap.add_argument("--model-dir", help="model folder with tokenizer.json (default: bundled)")
     ap.add_argument("--only", help="comma-separated candidate class names (lower case)")
     ap.add_argument("--no-scaling", action="store_true")
+    ap.add_argument("--scale", help="comma-separated candidates for the scaling runs (default: all)")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
     model_dir = _model_dir(args.model_dir)
@@ -772,7 +774,10 @@ def main(argv=None) -> None:
     scaling_cpu: dict[type, dict[int, float]] = {}
     grown: dict[type, float] = {}
     if not args.no_scaling:
+        to_scale = set(args.scale.split(",")) if args.scale else None
         for cls in loaded:
+            if to_scale and _slug(cls) not in to_scale and cls is not HfOffsets:
+                continue
             scaling[cls], scaling_cpu[cls] = {}, {}
             # a generous limit: ten times the single-process time at the reference's rate
             timeout = 60 + 10 * n_tokens / statistics.median(cpu_rates[HfOffsets])
