@@ -327,8 +327,7 @@ class EdgeOffsets:
         return spans
 
     def _plain(self, piece: str, ids, j: int, side: int):
-        if (not piece.isascii() or _CONTROL.search(piece)
-                or ("[" in piece and any(t in piece for t in self.added))):
+        if not piece.isascii() or _CONTROL.search(piece) or any(t in piece for t in self.added):
             return None
         ids = ids.tolist() if isinstance(ids, np.ndarray) else ids
         k, plen, unk = 0, self.piece_len, self.unk
