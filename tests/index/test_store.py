@@ -30,8 +30,18 @@ def test_manifest_create_reopen_and_mismatch(tmp_path):
     assert data["dim"] == DIM and data["metric"] == "ip" and data["factory"] == "Flat"
     assert data["version"] and data["created"] and data["corpus"] == "c1"
     assert store.create_or_open(manifest()).created == first.created
+    # No segment yet (a first build stopped before its first commit): other settings are
+    # taken, and a trained index of the old ones goes with them.
+    store.train_index("IVF2,Flat", DIM, "ip", unit_vectors(100))
+    assert store.create_or_open(manifest(factory="HNSW8")).factory == "HNSW8"
+    assert json.loads(store.manifest_path.read_text())["factory"] == "HNSW8"
+    assert not store.trained_path.exists()
+    assert store.create_or_open(manifest()).factory == "Flat"
+    index = faiss.IndexIDMap(faiss.IndexFlatIP(DIM))
+    index.add_with_ids(unit_vectors(2), np.arange(2))
+    write_segment(store.segments_dir / "seg-a-w0-00000.faiss", index, np.arange(2))
     for bad, what in [({"dim": 8}, "dim 8"), ({"metric": "l2"}, "metric l2"),
-                      ({"model": {"name": "other"}}, "'other'")]:
+                      ({"model": {"name": "other"}}, "'other'"), ({"factory": "HNSW8"}, "'HNSW8'")]:
         with pytest.raises(ConfigError, match=f"{what}.*--overwrite"):
             store.create_or_open(manifest(**bad))
     assert store.create_or_open(manifest(dim=8), overwrite=True).dim == 8
