@@ -135,7 +135,7 @@ class Run:
     unread could block the run)."""
 
     def __init__(self, args: list[str], log_dir: Path, env: dict | None = None,
-                 cwd: Path | None = None, marker: str | None = None):
+                 cwd: Path | None = None, marker: str | None = None, preexec_fn=None):
         log_dir.mkdir(parents=True, exist_ok=True)
         n = len(list(log_dir.glob("run*.out")))
         self.out_path = log_dir / f"run{n}.out"
@@ -154,7 +154,8 @@ class Run:
         self.marker = marker  # a string in the command line (the output folder)
         with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
             self.proc = subprocess.Popen(self.args, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                         env=full_env, cwd=cwd, start_new_session=True)
+                                         env=full_env, cwd=cwd, start_new_session=True,
+                                         preexec_fn=preexec_fn)
         self.pid = self.proc.pid
         self.t0 = time.monotonic()
 

@@ -163,6 +163,17 @@ class Index:
         return heap.D, heap.I
 
 
+def _ids_match(index: faiss.Index, seg) -> bool:
+    """The first and last ids of a segment equal its sidecar's: a file cut short inside
+    its last page still loads memory-mapped (the rest of the page reads as zeros), with
+    its last ids wrong."""
+    id_map = getattr(index, "id_map", None)
+    if id_map is None or index.ntotal == 0:
+        return True
+    ids = np.load(seg.ids_path, mmap_mode="r")
+    return id_map.at(0) == ids[0] and id_map.at(index.ntotal - 1) == ids[-1]
+
+
 def open_index(path: str | os.PathLike, device: str = "cpu", *, encoder=None,
                params: str | None = None) -> Index:
     """Open the index folder ``path`` for search.
@@ -177,11 +188,11 @@ def open_index(path: str | os.PathLike, device: str = "cpu", *, encoder=None,
     segments = []
     for seg in store.segments():
         index = read_segment(seg.path)
-        if index.ntotal != seg.count or index.d != manifest.dim:
+        if index.ntotal != seg.count or index.d != manifest.dim or not _ids_match(index, seg):
             raise ConfigError(
                 f"segment {str(seg.path)!r} holds {index.ntotal} vectors of dim {index.d}, but its "
-                f"sidecar lists {seg.count} and the manifest says dim {manifest.dim}: the folder "
-                "was damaged; delete that segment's .faiss and .ids.npy files and run build-index "
+                f"sidecar lists {seg.count} (or other ids) and the manifest says dim {manifest.dim}: "
+                "the file is damaged; delete that segment's .faiss and .ids.npy files and run build-index "
                 "again to redo the units it held")
         if params:
             try:

@@ -156,7 +156,9 @@ class _FolderNames:
         names = self.names.get(folder)
         if names is None:
             try:
-                names = frozenset(os.listdir(os.path.join(self.out, folder)))
+                # a link is no mask: its image is redone (the link replaced, not followed)
+                with os.scandir(os.path.join(self.out, folder)) as entries:
+                    names = frozenset(e.name for e in entries if not e.is_symlink())
             except OSError:  # not made yet, or not a folder: nothing in it is done
                 names = frozenset()
             self.names[folder] = names
