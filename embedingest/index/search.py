@@ -185,8 +185,11 @@ def open_index(path: str | os.PathLike, device: str = "cpu", *, encoder=None,
     """
     store = IndexStore(path, read_only=True)
     manifest = store.read_manifest()
+    listed = store.segments()
+    if any(seg.count for seg in listed) or os.path.lexists(store.metadata_path):
+        store.connect().close()  # a missing or damaged database fails here, not after a query
     segments = []
-    for seg in store.segments():
+    for seg in listed:
         index = read_segment(seg.path)
         if index.ntotal != seg.count or index.d != manifest.dim or not _ids_match(index, seg):
             raise ConfigError(
