@@ -148,7 +148,7 @@ class Manifest:
         if missing:
             raise ConfigError(f"{where} lacks {', '.join(missing)}: rebuild the index with --overwrite")
         for name, value in data.items():
-            if name in _FIELD_TYPES and not _field_ok(name, value):
+            if name in _FIELD_TYPES and not _FIELD_TYPES[name][0](value):
                 raise ConfigError(f"{where}: {name} is {value!r}, not {_FIELD_TYPES[name][1]}; the "
                                   "manifest was changed or damaged: put back the value it was built "
                                   "with, or rebuild the index with --overwrite")
@@ -189,10 +189,6 @@ _FIELD_TYPES = {
     "updated": (lambda v: isinstance(v, str), "a string"),
     "format": (_is_int, "an integer"),
 }
-
-
-def _field_ok(name: str, value) -> bool:
-    return _FIELD_TYPES[name][0](value)
 
 
 @dataclass(frozen=True)
@@ -393,13 +389,14 @@ class IndexStore:
             pairs = [(old, new) for old, new in json.loads(self.journal_path.read_text("utf-8"))["replace"]]
             bad = next((p for p in pairs if not (_is_segment_name(p[0])
                                                  and (p[1] is None or _is_segment_name(p[1])))), None)
+            problem = None if bad is None else f"{list(bad)!r} is not a pair of segment names in segments/"
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            bad = f"unreadable: {exc}"
-        if bad is not None:
+            problem = f"{type(exc).__name__}: {exc}"
+        if problem is not None:
             raise ConfigError(
-                f"{str(self.journal_path)!r} is not a removal journal embedingest wrote ({bad!r} is "
-                "not a pair of segment names in segments/); nothing it names is touched: delete it "
-                "and run build-index again (the units it concerned are checked and redone)")
+                f"{str(self.journal_path)!r} is not a removal journal embedingest wrote ({problem}); "
+                "nothing it names is touched: delete it and run build-index again (the units it "
+                "concerned are checked and redone)")
         return pairs
 
     def _superseded(self) -> set[str]:
