@@ -107,18 +107,31 @@ def test_writing_a_large_segment_holds_no_second_copy(tmp_path):
     assert grown_mib < 16, f"peak memory grew by {grown_mib:.0f} MiB while writing"
 
 
+REPLACE_IN_FULL_FS = textwrap.dedent("""
+    import os, resource, sys
+    from embedingest.outfiles import atomic_write_bytes
+    folder, limit, page = sys.argv[1], int(sys.argv[2]), os.sysconf("SC_PAGE_SIZE")
+    atomic_write_bytes(os.path.join(folder, "manifest.json"), b"old")
+    if limit:  # no tmpfs: each file this process writes stops at ``limit`` bytes (EFBIG)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    try:
+        atomic_write_bytes(os.path.join(folder, "manifest.json"), b"x" * 5 * page)
+    except OSError as exc:
+        print("raised", exc.errno)
+""")
+
+
 def test_a_full_disk_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
-    """The manifest, skip report, masks ... on a real full tmpfs: ENOSPC, the previous
-    version stays whole, no temporary file."""
+    """The manifest, skip report, masks ... on a real full tmpfs (else a file cut by
+    RLIMIT_FSIZE): the write raises, the previous version stays whole, no temporary file."""
     with small_tmpfs(tmp_path / "fs", 4 * PAGE) as fs:
-        if fs is None:
-            pytest.skip("mounting a tmpfs is not allowed here; the RLIMIT_FSIZE variant of this "
-                        "write path is test_faiss_write_error_at_the_last_flush_raises_and_renames_nothing")
-        atomic_write_bytes(fs / "manifest.json", b"old")
-        with pytest.raises(OSError) as err:
-            atomic_write_bytes(fs / "manifest.json", b"x" * 5 * PAGE)
-        assert err.value.errno == errno.ENOSPC
-        assert os.listdir(fs) == ["manifest.json"] and (fs / "manifest.json").read_bytes() == b"old"
+        folder, limit = (fs, 0) if fs is not None else (tmp_path, 4 * PAGE)
+        proc = subprocess.run([sys.executable, "-c", REPLACE_IN_FULL_FS, str(folder), str(limit)],
+                              capture_output=True, text=True, timeout=120, check=False)
+        assert proc.stdout.split() == ["raised", str(errno.ENOSPC if fs is not None else errno.EFBIG)], \
+            proc.stdout + proc.stderr
+        assert os.listdir(folder) == ["manifest.json"]
+        assert (folder / "manifest.json").read_bytes() == b"old"
 
 
 def test_links_at_the_final_or_temporary_name_are_replaced_not_followed(tmp_path):
