@@ -309,8 +309,8 @@ class RayIndexPlan:
                    "vectors_total": sum(s["count"] for s in manifest.segments),
                    "segments": len(manifest.segments), "skipped": len(report),
                    "skipped_by_reason": report.by_reason(),
-                   "report": str(self.out / REPORT_NAME),
-                   "seconds": round(seconds, 3),
+                   "report": str(self.out / REPORT_NAME), "report_run": report.run,
+                   "skipped_earlier": report.earlier, "seconds": round(seconds, 3),
                    "docs_per_s": round(counts["docs"] / seconds, 1) if seconds else 0.0,
                    "chunks_per_s": round(counts["chunks"] / seconds, 1) if seconds else 0.0}
         summary["exit_code"] = 3 if report.entries else 0
