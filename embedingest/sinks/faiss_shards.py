@@ -4,10 +4,10 @@ segments on disk.
 It runs inside the engine's consumer processes, so it imports numpy and faiss only (never
 torch). Every ``commit_every`` vectors the in-memory index is committed as a segment: the
 ids sidecar is written first, then the ``.faiss`` file, each through a temporary file,
-checked to be whole, fsynced and ``os.replace``d (``embedingest.outfiles``). A segment exists iff its ``.faiss`` file exists, so a crash
-leaves whole segments plus garbage (temporary files, an orphan sidecar) that
-:meth:`IndexStore.clean_garbage` removes; the vectors added since the last commit are
-lost and the resume step redoes their units.
+checked to be whole, fsynced and ``os.replace``d (``embedingest.outfiles``). A segment
+exists iff its ``.faiss`` file exists, so a crash leaves whole segments plus garbage
+(temporary files, an orphan sidecar) that :meth:`IndexStore.clean_garbage` removes; the
+vectors added since the last commit are lost and the resume step redoes their units.
 """
 
 from __future__ import annotations
