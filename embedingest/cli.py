@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import sqlite3
 import sys
 
 import click
@@ -32,7 +33,7 @@ def library_errors(fn):
             raise click.ClickException(str(exc)) from exc
         except FileNotFoundError as exc:
             raise click.ClickException(str(exc)) from exc
-        except OSError as exc:  # disk full, permissions, I/O errors, in a sink too
+        except (OSError, sqlite3.Error) as exc:  # disk full, permissions, I/O errors, in a sink too
             raise click.ClickException(f"{exc}; what was committed before is kept: fix the "
                                        "cause and run the same command again") from exc
 
@@ -178,7 +179,9 @@ def import_interruptibly(module: str):
 
 def _index_paragraph(s: dict) -> str:
     skipped = (f"{s['skipped']} inputs skipped ({', '.join(f'{k}: {v}' for k, v in s['skipped_by_reason'].items())}; "
-               f"reasons in {s['report']})" if s["skipped"] else "nothing skipped")
+               f"reasons in {s['report']}, run {s['report_run']})" if s["skipped"] else "nothing skipped")
+    if s.get("skipped_earlier"):
+        skipped += f" ({s['skipped_earlier']} skips of earlier runs kept in {s['report']})"
     return (f"Indexed {s['units_indexed']} files ({s['docs']} documents, {s['chunks']} chunks) in "
             f"{s['seconds']:.1f} s: {s['docs_per_s']:,.0f} docs/s, {s['chunks_per_s']:,.0f} chunks/s "
             f"on {s['device']} ({s['dtype']}). {s['units_unchanged']} files unchanged, "
@@ -213,7 +216,7 @@ def search(index_dir, query, k, device, params, as_json) -> None:
     if not hits:
         click.echo("no results (the index is empty)")
     for h in hits:
-        where = h.source + (f" [{h.record_id}]" if h.record_id else "") + f" #{h.chunk_no}"
+        where = f"{h.source}" + (f" [{h.record_id}]" if h.record_id else "") + f" #{h.chunk_no}"
         click.echo(f"{h.rank:>3}  {h.score:.4f}  {where}")
         click.echo("     " + (h.text or "").replace("\n", " ")[:300])
 

@@ -2,11 +2,16 @@
 
 Bad inputs never stop a run and never pass silently: each one is counted, logged and
 written to ``skipped.jsonl`` in the output folder (atomically, so a crash mid-write
-leaves the previous report, never half of one).
+leaves the previous report, never half of one). Each entry names the run that skipped
+the input (``run``); a run adds its entries to those of earlier runs, so a re-run that
+skips nothing (an unchanged corpus) never erases what an earlier run reported. An entry
+a later run repeats (same path, reason and stage) is kept once, with the later run.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
@@ -15,24 +20,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .outfiles import atomic_write_bytes, new_run_id
+
 log = logging.getLogger("embedingest")
 
 REPORT_NAME = "skipped.jsonl"
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file and ``os.replace``."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 @dataclass
@@ -43,6 +35,11 @@ class SkipReport:
     # Files of a folder that are not of a format the job reads, counted by suffix: not
     # skipped inputs, but a folder of PDFs must not look like an empty corpus.
     passed_over: Counter = field(default_factory=Counter)
+    # This run's id, written with each of its entries (those that device processes
+    # collected and handed over too).
+    run: str = field(default_factory=new_run_id)
+    # Entries of earlier runs that the last write kept in the report.
+    earlier: int = field(default=0, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def pass_over(self, path: str | os.PathLike) -> None:
@@ -61,13 +58,41 @@ class SkipReport:
         return dict(Counter(e["reason"].split(":")[0] for e in self.entries))
 
     def write(self, folder: str | os.PathLike) -> Path:
-        """Write the report as JSON lines into ``folder`` and return its path."""
+        """Add this run's entries to the report in ``folder`` (JSON lines) and return its path."""
         path = Path(folder) / REPORT_NAME
         with self._lock:
-            data = "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in self.entries)
+            mine = [json.dumps({**e, "run": self.run}, ensure_ascii=False) for e in self.entries]
+            again = {_same(e) for e in self.entries}
+        earlier = [line for line, entry in _read_lines(path) if _same(entry) not in again]
+        self.earlier = len(earlier)
+        data = "".join(line + "\n" for line in earlier + mine)
         # A file name that is not UTF-8 reaches here as surrogates: write them as escapes.
         atomic_write_bytes(path, data.encode("utf-8", "backslashreplace"))
         return path
+
+
+def _same(entry: dict) -> tuple:
+    return entry.get("path"), entry.get("reason"), entry.get("stage")
+
+
+def _read_lines(path: Path) -> list[tuple[str, dict]]:
+    """The entries of an existing report, as (line, parsed). A link there is not read
+    through (it is replaced by the new report); lines that are not entries are dropped."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOENT, errno.ELOOP):
+            log.warning("cannot read the earlier skip report %s (%s): it is replaced", path, exc)
+        return []
+    with open(fd, encoding="utf-8", errors="surrogateescape") as fh:
+        lines = fh.read().splitlines()
+    out = []
+    for line in lines:
+        with contextlib.suppress(ValueError):
+            entry = json.loads(line)
+            if isinstance(entry, dict):
+                out.append((line, entry))
+    return out
 
 
 def passed_over_sentence(summary: dict) -> str:

@@ -10,6 +10,7 @@ The engine sinks of the property test live here too: consumers must import them.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -134,7 +135,7 @@ class Run:
     unread could block the run)."""
 
     def __init__(self, args: list[str], log_dir: Path, env: dict | None = None,
-                 cwd: Path | None = None, marker: str | None = None):
+                 cwd: Path | None = None, marker: str | None = None, preexec_fn=None):
         log_dir.mkdir(parents=True, exist_ok=True)
         n = len(list(log_dir.glob("run*.out")))
         self.out_path = log_dir / f"run{n}.out"
@@ -153,7 +154,8 @@ class Run:
         self.marker = marker  # a string in the command line (the output folder)
         with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
             self.proc = subprocess.Popen(self.args, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                         env=full_env, cwd=cwd, start_new_session=True)
+                                         env=full_env, cwd=cwd, start_new_session=True,
+                                         preexec_fn=preexec_fn)
         self.pid = self.proc.pid
         self.t0 = time.monotonic()
 
@@ -227,6 +229,38 @@ class Run:
 
     def describe(self) -> str:
         return f"{self!r} exit {self.proc.returncode}\n--- stdout\n{self.stdout[-2000:]}\n--- stderr\n{self.stderr[-4000:]}"
+
+
+# -- a disk that fills up -------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def small_tmpfs(folder: Path, size: int):
+    """A real tmpfs of ``size`` bytes (whole pages) mounted at ``folder`` for the block, or
+    None where this machine does not let the tests mount one (not root, no CAP_SYS_ADMIN);
+    each test that uses it says what it does then."""
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs",
+                               str(folder)], capture_output=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        done = None
+    if done is None or done.returncode != 0:
+        yield None
+        return
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True, timeout=30, check=False)
+
+
+def fill_until(folder: Path, free: int) -> Path:
+    """Fill the file system of ``folder`` with a file until about ``free`` bytes are left."""
+    st = os.statvfs(folder)
+    filler = folder / "filler"
+    with open(filler, "ab") as fh:
+        fh.write(b"\0" * max(0, st.f_bavail * st.f_frsize - free))
+    return filler
 
 
 # -- corpora --------------------------------------------------------------------------

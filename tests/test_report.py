@@ -24,3 +24,27 @@ def test_passed_over_counts_by_suffix_and_says_so():
     assert passed_over_sentence({"passed_over": counts}).startswith(
         " Passed over 4 files of formats it does not read (.pdf 2, (no suffix) 1, .docx 1)")
     assert passed_over_sentence({"passed_over": {}}) == ""
+
+
+def test_earlier_runs_stay_in_the_report_each_entry_naming_its_run(tmp_path):
+    first = SkipReport()
+    first.add("/data/a.jsonl:line 2", "json: bad")
+    first.add("/data/bin.txt", "binary: NUL byte", stage="list")
+    first.write(tmp_path)
+    second = SkipReport()  # an unchanged corpus: only the file skipped whole is read again
+    second.add("/data/bin.txt", "binary: NUL byte", stage="list")
+    second.write(tmp_path)
+    third = SkipReport()  # nothing skipped at all
+    path = third.write(tmp_path)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows == [
+        {"path": "/data/a.jsonl:line 2", "reason": "json: bad", "stage": "read", "run": first.run},
+        {"path": "/data/bin.txt", "reason": "binary: NUL byte", "stage": "list", "run": second.run},
+    ]
+    assert first.run != second.run and (second.earlier, third.earlier) == (1, 2)
+    (tmp_path / "elsewhere.jsonl").write_text('{"path": "x", "reason": "y"}\n')
+    path.unlink()
+    path.symlink_to(tmp_path / "elsewhere.jsonl")  # not read through, replaced
+    third.write(tmp_path)
+    assert not path.is_symlink() and path.read_text() == ""
+    assert (tmp_path / "elsewhere.jsonl").read_text() == '{"path": "x", "reason": "y"}\n'

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
-from ..report import atomic_write_bytes
+from ..outfiles import atomic_write_bytes
 from .telemetry import BatchRecord
 
 LANE_COLORS = {

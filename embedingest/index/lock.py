@@ -16,13 +16,15 @@ stale lock behind.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
+import stat
 import time
 from pathlib import Path
 
-from ..errors import EmbedingestError
+from ..errors import ConfigError, EmbedingestError
 
 log = logging.getLogger("embedingest")
 
@@ -32,6 +34,27 @@ WRITERS_LOCK = ".writers.lock"
 
 class IndexBusy(EmbedingestError, RuntimeError):
     """Another build is using the index folder, or its writers did not finish in time."""
+
+
+def open_lock_file(path: Path, sole: bool = False) -> int:
+    """Open (or create) the lock file ``path``; refuse a symbolic link there (never followed)
+    or anything but a regular file, and with ``sole`` (the run lock, whose content is
+    rewritten with the holder's pid) a file that has other hard links."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        fd = None
+    st = os.fstat(fd) if fd is not None else None
+    if st is None or not stat.S_ISREG(st.st_mode) or (sole and st.st_nlink != 1):
+        if fd is not None:
+            os.close(fd)
+        kind = ("a symbolic link" if st is None else "not a regular file"
+                if not stat.S_ISREG(st.st_mode) else "a file with other hard links")
+        raise ConfigError(f"{str(path)!r} is {kind}, not a lock file embedingest made; it is not "
+                          "opened for writing: delete it and run again")
+    return fd
 
 
 class RunLock:
@@ -44,7 +67,7 @@ class RunLock:
 
     def __enter__(self) -> RunLock:
         self.folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.folder / RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_lock_file(self.folder / RUN_LOCK, sole=True)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -71,7 +94,7 @@ class RunLock:
             self._fd = None
 
     def _wait_for_writers(self) -> None:
-        fd = os.open(self.folder / WRITERS_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_lock_file(self.folder / WRITERS_LOCK)
         try:
             deadline, said = time.monotonic() + self.writers_timeout, False
             while True:
@@ -96,6 +119,6 @@ class RunLock:
 def hold_writer_lock(folder: str | os.PathLike) -> int:
     """Take ``folder``'s writers lock shared, for the life of this (consumer) process;
     returns the descriptor, which must stay open."""
-    fd = os.open(Path(folder) / WRITERS_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = open_lock_file(Path(folder) / WRITERS_LOCK)
     fcntl.flock(fd, fcntl.LOCK_SH)
     return fd

@@ -15,7 +15,7 @@ import faiss
 import numpy as np
 
 from ..errors import ConfigError
-from .store import IndexStore, Manifest
+from .store import IndexStore, Manifest, read_index_file
 
 _MMAP_FLAGS = (
     faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY,  # flat codes, HNSW
@@ -25,7 +25,8 @@ _MMAP_FLAGS = (
 
 @dataclass(frozen=True)
 class Hit:
-    """One result; rank 1 is the best. Metadata fields are None when the id has no chunk row."""
+    """One result; rank 1 is the best. ``record_id``, ``char_start`` and ``char_end`` are None
+    where the source has none."""
 
     rank: int
     score: float
@@ -39,13 +40,14 @@ class Hit:
 
 
 def read_segment(path: Path) -> faiss.Index:
-    """Read a segment memory-mapped where faiss supports it for its kind, else into memory."""
+    """Read a segment memory-mapped where faiss supports it for its kind, else into memory;
+    a damaged file is a ConfigError naming it."""
     for flags in _MMAP_FLAGS:
         try:
             return faiss.read_index(str(path), flags)
         except RuntimeError:
             continue
-    return faiss.read_index(str(path))
+    return read_index_file(path)
 
 
 class Index:
@@ -118,7 +120,15 @@ class Index:
     def search_vectors(self, vectors: np.ndarray, k: int = 10) -> list[list[Hit]]:
         """Top ``k`` chunks for each query vector (used as given: normalise them for "ip")."""
         scores, ids = self.search_raw(vectors, k)
-        rows = self.store.chunks(np.unique(ids[ids >= 0]).tolist())
+        found = np.unique(ids[ids >= 0]).tolist()
+        rows = self.store.chunks(found)
+        missing = [i for i in found if i not in rows]
+        if missing:
+            raise ConfigError(
+                f"{len(missing)} of the vectors found have no metadata row in "
+                f"{str(self.store.metadata_path)!r} (e.g. id {missing[0]}): the last build of this "
+                "index was stopped before it finished (or one is running now); run the same "
+                "build-index command again to finish it, then search")
         out = []
         for row_scores, row_ids in zip(scores, ids):
             hits = []
@@ -153,6 +163,17 @@ class Index:
         return heap.D, heap.I
 
 
+def _ids_match(index: faiss.Index, seg) -> bool:
+    """The first and last ids of a segment equal its sidecar's: a file cut short inside
+    its last page still loads memory-mapped (the rest of the page reads as zeros), with
+    its last ids wrong."""
+    id_map = getattr(index, "id_map", None)
+    if id_map is None or index.ntotal == 0:
+        return True
+    ids = np.load(seg.ids_path, mmap_mode="r")
+    return id_map.at(0) == ids[0] and id_map.at(index.ntotal - 1) == ids[-1]
+
+
 def open_index(path: str | os.PathLike, device: str = "cpu", *, encoder=None,
                params: str | None = None) -> Index:
     """Open the index folder ``path`` for search.
@@ -162,11 +183,20 @@ def open_index(path: str | os.PathLike, device: str = "cpu", *, encoder=None,
     the manifest's model. ``params``: faiss search parameters for every segment, e.g.
     ``"nprobe=16"`` (IVF) or ``"efSearch=128"`` (HNSW).
     """
-    store = IndexStore(path)
+    store = IndexStore(path, read_only=True)
     manifest = store.read_manifest()
+    listed = store.segments()
+    if any(seg.count for seg in listed) or os.path.lexists(store.metadata_path):
+        store.connect().close()  # a missing or damaged database fails here, not after a query
     segments = []
-    for seg in store.segments():
+    for seg in listed:
         index = read_segment(seg.path)
+        if index.ntotal != seg.count or index.d != manifest.dim or not _ids_match(index, seg):
+            raise ConfigError(
+                f"segment {str(seg.path)!r} holds {index.ntotal} vectors of dim {index.d}, but its "
+                f"sidecar lists {seg.count} (or other ids) and the manifest says dim {manifest.dim}: "
+                "the file is damaged; delete that segment's .faiss and .ids.npy files and run build-index "
+                "again to redo the units it held")
         if params:
             try:
                 faiss.ParameterSpace().set_index_parameters(index, params)

@@ -16,12 +16,15 @@ alone tell which units are fully embedded (:meth:`IndexStore.reconcile`).
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
+import logging
 import os
 import shutil
 import sqlite3
 import time
+import urllib.parse
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from importlib import metadata as importlib_metadata
@@ -31,21 +34,31 @@ import faiss
 import numpy as np
 
 from ..errors import ConfigError, EmbedingestError
-from ..report import REPORT_NAME, atomic_write_bytes
+from ..outfiles import (
+    atomic_write_bytes,
+    ensure_folder,
+    fsync_dir,
+    is_tmp_name,
+    new_run_id,
+    refuse_link,
+    write_faiss_index,
+)
+from ..report import REPORT_NAME
 from ..sinks.faiss_shards import (
+    METRICS,
+    SEGMENT_NAME,
     SEGMENT_SUFFIX,
     SEGMENTS_DIR,
     TRAINED_NAME,
     empty_index,
-    fsync_dir,
-    is_tmp_name,
+    faiss_message,
     metric_code,
-    new_run_id,
     segment_name,
     sidecar_path,
-    write_index_atomic,
     write_segment,
 )
+
+log = logging.getLogger("embedingest")
 
 MANIFEST_NAME = "manifest.json"
 METADATA_NAME = "metadata.sqlite"
@@ -134,6 +147,11 @@ class Manifest:
         missing = sorted({"model", "dim"} - set(data))
         if missing:
             raise ConfigError(f"{where} lacks {', '.join(missing)}: rebuild the index with --overwrite")
+        for name, value in data.items():
+            if name in _FIELD_TYPES and not _FIELD_TYPES[name][0](value):
+                raise ConfigError(f"{where}: {name} is {value!r}, not {_FIELD_TYPES[name][1]}; the "
+                                  "manifest was changed or damaged: put back the value it was built "
+                                  "with, or rebuild the index with --overwrite")
         if data.get("format", FORMAT) > FORMAT:
             raise ConfigError(f"{where} has format {data['format']}, newer than this embedingest "
                               f"({package_version()}) reads: upgrade embedingest")
@@ -148,6 +166,29 @@ class Manifest:
     def compatible_with(self, other: Manifest) -> bool:
         return (model_identity(self.model) == model_identity(other.model) and self.dim == other.dim
                 and self.metric == other.metric and self.factory == other.factory)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_FIELD_TYPES = {
+    "model": (lambda v: isinstance(v, dict) and all(
+        v.get(k) is None or isinstance(v.get(k), str) for k in ("name", "path")),
+        "an object with a string name and path"),
+    "dim": (lambda v: _is_int(v) and v > 0, "a positive integer"),
+    "metric": (lambda v: v in METRICS, f"one of {', '.join(map(repr, METRICS))}"),
+    "factory": (lambda v: isinstance(v, str) and v.strip() != "", "a faiss factory string"),
+    "dtype": (lambda v: isinstance(v, str), "a string"),
+    "segments": (lambda v: isinstance(v, list) and all(
+        isinstance(s, dict) and isinstance(s.get("name"), str) and _is_int(s.get("count")) for s in v),
+        "a list of {name, count}"),
+    "corpus": (lambda v: v is None or isinstance(v, str), "a string or null"),
+    "version": (lambda v: isinstance(v, str), "a string"),
+    "created": (lambda v: isinstance(v, str), "a string"),
+    "updated": (lambda v: isinstance(v, str), "a string"),
+    "format": (_is_int, "an integer"),
+}
 
 
 @dataclass(frozen=True)
@@ -187,12 +228,39 @@ class Chunk:
     text: str | None
 
 
+def _sqlite_errors(method):
+    """sqlite errors of an :class:`IndexStore` method as errors that say what to do: a full
+    disk as ENOSPC (the CLI's "what was committed is kept" message), a damaged file as a
+    ConfigError naming it."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except sqlite3.Error as exc:
+            raise _sqlite_error(exc, self.metadata_path) from exc
+    return wrapper
+
+
+def _sqlite_error(exc: sqlite3.Error, path: Path) -> Exception:
+    name = getattr(exc, "sqlite_errorname", "") or ""
+    if name.startswith("SQLITE_FULL"):
+        return OSError(errno.ENOSPC, f"No space left on device (sqlite: {exc})", str(path))
+    if name.startswith("SQLITE_IOERR"):
+        return OSError(errno.EIO, f"I/O error (sqlite: {exc})", str(path))
+    if name.startswith(("SQLITE_NOTADB", "SQLITE_CORRUPT")) or "no such table" in str(exc):
+        return ConfigError(f"cannot read {str(path)!r} ({exc}): the index's metadata is damaged; "
+                           "rebuild the index with --overwrite")
+    return EmbedingestError(f"metadata database {str(path)!r}: {exc}")
+
+
 class IndexStore:
     """One index folder. Not safe for two writers at once; readers (search) only list and
     read committed segments."""
 
-    def __init__(self, folder: str | os.PathLike):
+    def __init__(self, folder: str | os.PathLike, read_only: bool = False):
         self.folder = Path(folder)
+        # A reader (search) never creates, changes or converts anything in the folder.
+        self.read_only = read_only
         self.manifest_path = self.folder / MANIFEST_NAME
         self.metadata_path = self.folder / METADATA_NAME
         self.trained_path = self.folder / TRAINED_NAME
@@ -237,18 +305,24 @@ class IndexStore:
     def create_or_open(self, manifest: Manifest, overwrite: bool = False) -> Manifest:
         """Start a build with the settings in ``manifest``: a new index, or the existing one
         when it was built with the same model, dim, metric and factory (then its manifest,
-        created time included, is returned). ``overwrite`` wipes whatever is there first."""
+        created time included, is returned). ``overwrite`` wipes whatever is there first.
+        An index that holds no segment yet (its first build stopped before any commit,
+        e.g. training failed) takes the new settings: there is nothing to rebuild."""
         if overwrite:
             self.wipe()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        ensure_folder(self.folder, self.segments_dir)
         if self.exists():
             existing = self.read_manifest()
-            if not existing.compatible_with(manifest):
+            if existing.compatible_with(manifest):
+                return existing
+            if any(self.segments_dir.glob("seg-*" + SEGMENT_SUFFIX)):
                 raise ConfigError(
                     f"the index at {str(self.folder)!r} was built with {existing.describe()}, "
                     f"not {manifest.describe()}: use --overwrite to rebuild it, or another folder")
-            self.segments_dir.mkdir(parents=True, exist_ok=True)
-            return existing
-        self.segments_dir.mkdir(parents=True, exist_ok=True)
+            log.info("the index at %s holds no segment yet: its settings (%s) become %s",
+                     self.folder, existing.describe(), manifest.describe())
+            self.trained_path.unlink(missing_ok=True)  # trained for the old settings
         self.write_manifest(manifest)
         return manifest
 
@@ -264,7 +338,10 @@ class IndexStore:
     def wipe(self) -> None:
         """Delete everything embedingest keeps in the folder (other files stay)."""
         self.close()
-        shutil.rmtree(self.segments_dir, ignore_errors=True)
+        if self.segments_dir.is_symlink():
+            self.segments_dir.unlink()  # the link only: nothing outside the folder
+        else:
+            shutil.rmtree(self.segments_dir, ignore_errors=True)
         for name in (MANIFEST_NAME, TRAINED_NAME, REPORT_NAME, METADATA_NAME,
                      METADATA_NAME + "-wal", METADATA_NAME + "-shm"):
             (self.folder / name).unlink(missing_ok=True)
@@ -291,21 +368,36 @@ class IndexStore:
             raise ConfigError(f"cannot train {factory!r} on {len(sample)} vectors: "
                               f"{str(exc).splitlines()[0]}; use a larger sample or fewer lists") from exc
         self.folder.mkdir(parents=True, exist_ok=True)
-        write_index_atomic(index, self.trained_path)
+        write_faiss_index(index, self.trained_path)
         return self.trained_path
 
     def empty_index(self, manifest: Manifest | None = None) -> faiss.Index:
         """An empty index of the kind the segments hold (trained when the factory needs it)."""
         manifest = manifest or self.read_manifest()
-        trained = faiss.read_index(str(self.trained_path)) if self.trained_path.is_file() else None
+        trained = read_index_file(self.trained_path, redo="delete it and run build-index again "
+                                  "(it is trained again)") if self.trained_path.is_file() else None
         return empty_index(manifest.dim, manifest.factory, manifest.metric, trained)
 
     # -- segments -------------------------------------------------------------------------
 
     def _journal(self) -> list[tuple[str, str | None]]:
+        """The (old, new) segment names of an interrupted removal. Only plain segment names
+        inside segments/ are taken: anything else is an error, never a path followed."""
         if not self.journal_path.is_file():
             return []
-        return [tuple(pair) for pair in json.loads(self.journal_path.read_text())["replace"]]
+        try:
+            pairs = [(old, new) for old, new in json.loads(self.journal_path.read_text("utf-8"))["replace"]]
+            bad = next((p for p in pairs if not (_is_segment_name(p[0])
+                                                 and (p[1] is None or _is_segment_name(p[1])))), None)
+            problem = None if bad is None else f"{list(bad)!r} is not a pair of segment names in segments/"
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+        if problem is not None:
+            raise ConfigError(
+                f"{str(self.journal_path)!r} is not a removal journal embedingest wrote ({problem}); "
+                "nothing it names is touched: delete it and run build-index again (the units it "
+                "concerned are checked and redone)")
+        return pairs
 
     def _superseded(self) -> set[str]:
         """Old segments of an interrupted :meth:`remove_units` whose replacement committed."""
@@ -322,11 +414,13 @@ class IndexStore:
             if path.name in superseded:
                 continue
             try:
-                count = np.load(sidecar_path(path), mmap_mode="r").shape[0]
+                ids = np.load(sidecar_path(path), mmap_mode="r")
+                if ids.dtype != np.int64 or ids.ndim != 1:
+                    raise ValueError(f"it holds {ids.dtype} of shape {ids.shape}, not int64 ids")
             except (OSError, ValueError) as exc:
-                raise ConfigError(f"segment {str(path)!r} has no readable ids sidecar ({exc}): "
-                                  "the folder was damaged; rebuild with --overwrite") from exc
-            out.append(Segment(path.name, path, count))
+                raise ConfigError(f"segment {str(path)!r} has no readable ids sidecar ({exc}): the "
+                                  f"folder was damaged; {_REDO_SEGMENT}") from exc
+            out.append(Segment(path.name, path, ids.shape[0]))
         return out
 
     def clean_garbage(self) -> list[str]:
@@ -421,7 +515,7 @@ class IndexStore:
             if new is None:
                 removed += seg.count
                 continue
-            index = faiss.read_index(str(seg.path))
+            index = read_index_file(seg.path)
             keep = ~np.isin(faiss.vector_to_array(index.id_map) >> CHUNK_BITS, units)
             if template is None and not _removes_in_place(index):
                 template = self.empty_index()
@@ -439,14 +533,29 @@ class IndexStore:
 
     @property
     def db(self) -> sqlite3.Connection:
-        """The metadata database (created on first use), for this store's thread."""
+        """The metadata database (created on first use by a writer), for this store's thread."""
         if self._db is None:
             self._db = self.connect()
         return self._db
 
+    @_sqlite_errors
     def connect(self, busy_timeout_ms: int = 0) -> sqlite3.Connection:
         """A new connection to the metadata database, for another thread or process
-        (sqlite connections stay in the thread that made them)."""
+        (sqlite connections stay in the thread that made them). A read-only store opens
+        an existing database read-only; a link in place of the database or its journal
+        files is refused (sqlite would write through it)."""
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            refuse_link(self.folder / (METADATA_NAME + suffix))
+        if self.read_only and not self.metadata_path.is_file():
+            raise ConfigError(
+                f"{str(self.metadata_path)!r} does not exist: the build of this index was stopped "
+                "before it wrote any metadata, or the file was deleted; run the same build-index "
+                "command again to finish it")
+        if self.read_only:
+            db = sqlite3.connect(f"file:{urllib.parse.quote(str(self.metadata_path))}?mode=ro",
+                                 uri=True)
+            db.execute("SELECT count(*) FROM units JOIN chunks LIMIT 0").fetchall()
+            return db
         self.folder.mkdir(parents=True, exist_ok=True)
         db = sqlite3.connect(self.metadata_path)
         if busy_timeout_ms:
@@ -456,6 +565,7 @@ class IndexStore:
         db.executescript(_SCHEMA)
         return db
 
+    @_sqlite_errors
     def upsert_units(self, rows: Iterable[Mapping]) -> dict[str, int]:
         """Insert or update units by key (one transaction); return {key: unit_no}.
 
@@ -478,11 +588,13 @@ class IndexStore:
                 out[row["key"]] = unit_no
         return out
 
+    @_sqlite_errors
     def set_status(self, unit_nos: Iterable[int], status: str) -> None:
         with self.db as db:
             db.executemany("UPDATE units SET status=? WHERE unit_no=?",
                            ((status, int(u)) for u in unit_nos))
 
+    @_sqlite_errors
     def units(self, keys: Iterable[str] | None = None) -> dict[str, Unit]:
         """Unit rows by key: all of them, or those of ``keys`` that exist."""
         if keys is None:
@@ -494,6 +606,7 @@ class IndexStore:
                 out[r[1]] = Unit(*r)
         return out
 
+    @_sqlite_errors
     def insert_chunks(self, rows: Iterable[tuple]) -> int:
         """Insert (unit_no, record_id, chunk_no, char_start, char_end, text) rows in one
         transaction; a row with the id of an existing one replaces it (a redone unit)."""
@@ -508,6 +621,7 @@ class IndexStore:
             db.executemany(_INSERT_ROWS, with_ids())
         return count
 
+    @_sqlite_errors
     def insert_chunk_json(self, payloads: Iterable[str], db: sqlite3.Connection | None = None) -> None:
         """Insert chunk rows given as JSON arrays of (id, unit_no, record_id, chunk_no,
         char_start, char_end, text) rows (:class:`~embedingest.sources.text_dataset.Chunks`),
@@ -522,17 +636,20 @@ class IndexStore:
                 else:
                     conn.executemany(_INSERT_ROWS, json.loads(payload))
 
+    @_sqlite_errors
     def mark_units_done(self, done: Iterable[tuple[int, int]], db: sqlite3.Connection | None = None) -> None:
         """Mark ``(unit_no, n_chunks)`` units done (after their chunk rows are written)."""
         with db or self.db as conn:
             conn.executemany("UPDATE units SET n_chunks=?, status='done' WHERE unit_no=?",
                              ((int(n), int(u)) for u, n in done))
 
+    @_sqlite_errors
     def delete_chunks(self, unit_nos: Iterable[int]) -> None:
         """Delete the chunk rows of ``unit_nos`` (before they are chunked again)."""
         with self.db as db:
             db.executemany(f"DELETE FROM chunks WHERE {_UNIT_ROWS}", ((int(u),) for u in unit_nos))
 
+    @_sqlite_errors
     def delete_units(self, unit_nos: Iterable[int]) -> None:
         """Delete units and their chunk rows (call :meth:`remove_units` for the vectors first)."""
         unit_nos = [(int(u),) for u in unit_nos]
@@ -540,6 +657,7 @@ class IndexStore:
             db.executemany(f"DELETE FROM chunks WHERE {_UNIT_ROWS}", unit_nos)
             db.executemany("DELETE FROM units WHERE unit_no=?", unit_nos)
 
+    @_sqlite_errors
     def chunks(self, ids: Iterable[int]) -> dict[int, Chunk]:
         """Chunk rows (with their unit's key as source) by vector id; unknown ids are absent."""
         out = {}
@@ -551,6 +669,24 @@ class IndexStore:
             for r in self.db.execute(sql, batch):
                 out[r[0]] = Chunk(*r)
         return out
+
+
+_REDO_SEGMENT = ("delete that segment's .faiss and .ids.npy files and run build-index again to "
+                 "redo the units it held")
+
+
+def read_index_file(path: Path, flags: int = 0, redo: str = _REDO_SEGMENT) -> faiss.Index:
+    """``faiss.read_index``; a damaged file is a ConfigError naming it and saying how to
+    redo it (``redo``), never a traceback of faiss."""
+    try:
+        return faiss.read_index(str(path), flags)
+    except RuntimeError as exc:
+        raise ConfigError(f"cannot read {str(path)!r} ({faiss_message(exc)}): the file is damaged; "
+                          f"{redo}") from exc
+
+
+def _is_segment_name(name) -> bool:
+    return isinstance(name, str) and SEGMENT_NAME.fullmatch(name) is not None
 
 
 def _batches(items: list, size: int = _QUERY_BATCH):

@@ -32,9 +32,9 @@ from ..errors import ConfigError
 from ..index.lock import RunLock
 from ..index.store import IndexStore, Manifest
 from ..index.writer import MetadataWriter
-from ..report import SkipReport
+from ..report import REPORT_NAME, SkipReport
 from ..scaleout.devices import devices_of
-from ..sinks.faiss_shards import FaissShardSinkFactory, new_run_id
+from ..sinks.faiss_shards import FaissShardSinkFactory, new_run_id, parse_factory
 from ..sources.files import refuse_output_as_input, walk_files
 from ..sources.text import TEXT_EXTENSIONS, lone_surrogate
 from ..sources.text_dataset import TextChunkDataset, Unit
@@ -263,6 +263,7 @@ def _prepare_and_build(corpus, cfg: IndexConfig, devices: list[str], device: str
     chunk_tokens = min(cfg.chunk_tokens, encoder.max_seq_length)
     if cfg.overlap >= chunk_tokens:
         raise ConfigError(f"overlap={cfg.overlap} must be smaller than the chunk size {chunk_tokens}")
+    parse_factory(encoder.dim, cfg.index, cfg.metric)  # every option checked before the first write
     report = SkipReport()
     out.mkdir(parents=True, exist_ok=True)
     try:
@@ -341,7 +342,8 @@ def _build(corpus, cfg: IndexConfig, out: Path, encoder: TextEncoder, devices: l
         "vectors_total": total, "segments": len(manifest.segments),
         "skipped": len(report), "skipped_by_reason": report.by_reason(),
         "passed_over": dict(report.passed_over.most_common()),
-        "report": str(out / "skipped.jsonl"), "seconds": round(seconds, 3),
+        "report": str(out / REPORT_NAME), "report_run": report.run,
+        "skipped_earlier": report.earlier, "seconds": round(seconds, 3),
         "docs_per_s": round(counts["docs"] / seconds, 1) if seconds else 0.0,
         "chunks_per_s": round(counts["chunks"] / seconds, 1) if seconds else 0.0,
         "engine": stats.summary() if stats else None,

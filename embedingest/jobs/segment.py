@@ -32,6 +32,7 @@ from ..engine.consumers import exit_with_parent, loader_context
 from ..engine.egress import EgressEngine
 from ..engine.markers import annotate
 from ..errors import ConfigError
+from ..outfiles import through_link
 from ..report import SkipReport
 from ..scaleout.devices import devices_of, share_of_cpus
 from ..sinks.masks import (LOGITS_SUFFIX, MASK_SUFFIX, OVERLAY_SUFFIX, MaskSinkFactory,
@@ -155,7 +156,9 @@ class _FolderNames:
         names = self.names.get(folder)
         if names is None:
             try:
-                names = frozenset(os.listdir(os.path.join(self.out, folder)))
+                # a link is no mask: its image is redone (the link replaced, not followed)
+                with os.scandir(os.path.join(self.out, folder)) as entries:
+                    names = frozenset(e.name for e in entries if not e.is_symlink())
             except OSError:  # not made yet, or not a folder: nothing in it is done
                 names = frozenset()
             self.names[folder] = names
@@ -167,6 +170,8 @@ def remove_stale_tmp_files(out: Path, todo: list[tuple[str, str]]) -> None:
     killed run left half-written in ``out`` and in the folders of the images still to do
     (an image whose write was cut is one of those: its mask, written last, is missing)."""
     for folder in {os.path.join(out, sub) for sub in {""} | {posixpath.dirname(rel) for rel, _ in todo}}:
+        if through_link(out, folder):  # never delete through a link: it may lead out of ``out``
+            continue
         try:
             entries = list(os.scandir(folder))
         except OSError:
@@ -215,7 +220,7 @@ def segment(config: SegmentConfig, progress: bool = True, timeline: str | None =
         "passed_over": dict(report.passed_over.most_common()), "seconds": round(seconds, 3),
         "images_per_s": round(summary["written"] / seconds, 2) if seconds > 0 else 0.0,
         "phases": {k: round(v, 3) for k, v in phases.items()},
-        "out": str(out), "report": str(report_path),
+        "out": str(out), "report": str(report_path), "report_run": report.run,
     })
     return summary
 

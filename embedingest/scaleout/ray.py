@@ -54,7 +54,7 @@ from ..config import IndexConfig
 from ..errors import ConfigError
 from ..index.store import IndexStore, Manifest
 from ..report import REPORT_NAME, SkipReport
-from ..sinks.faiss_shards import new_run_id
+from ..sinks.faiss_shards import new_run_id, parse_factory
 
 log = logging.getLogger("embedingest")
 
@@ -309,8 +309,8 @@ class RayIndexPlan:
                    "vectors_total": sum(s["count"] for s in manifest.segments),
                    "segments": len(manifest.segments), "skipped": len(report),
                    "skipped_by_reason": report.by_reason(),
-                   "report": str(self.out / REPORT_NAME),
-                   "seconds": round(seconds, 3),
+                   "report": str(self.out / REPORT_NAME), "report_run": report.run,
+                   "skipped_earlier": report.earlier, "seconds": round(seconds, 3),
                    "docs_per_s": round(counts["docs"] / seconds, 1) if seconds else 0.0,
                    "chunks_per_s": round(counts["chunks"] / seconds, 1) if seconds else 0.0}
         summary["exit_code"] = 3 if report.entries else 0
@@ -359,6 +359,7 @@ def plan_ray_index(dataset: ray.data.Dataset, out: str | os.PathLike,
     if cfg.overlap >= chunk_tokens:
         raise ConfigError(f"overlap={cfg.overlap} must be smaller than the chunk size "
                           f"{chunk_tokens}")
+    parse_factory(encoder.dim, cfg.index, cfg.metric)  # every option checked before the first write
     report = SkipReport()
     out.mkdir(parents=True, exist_ok=True)
     store = IndexStore(out)

@@ -4,18 +4,16 @@ segments on disk.
 It runs inside the engine's consumer processes, so it imports numpy and faiss only (never
 torch). Every ``commit_every`` vectors the in-memory index is committed as a segment: the
 ids sidecar is written first, then the ``.faiss`` file, each through a temporary file,
-fsync and ``os.replace``. A segment exists iff its ``.faiss`` file exists, so a crash
-leaves whole segments plus garbage (temporary files, an orphan sidecar) that
-:meth:`IndexStore.clean_garbage` removes; the vectors added since the last commit are
-lost and the resume step redoes their units.
+checked to be whole, fsynced and ``os.replace``d (``embedingest.outfiles``). A segment
+exists iff its ``.faiss`` file exists, so a crash leaves whole segments plus garbage
+(temporary files, an orphan sidecar) that :meth:`IndexStore.clean_garbage` removes; the
+vectors added since the last commit are lost and the resume step redoes their units.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import secrets
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +22,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..index.lock import hold_writer_lock
+from ..outfiles import atomic_file, ensure_folder, new_run_id, write_faiss_index
 
 SEGMENTS_DIR = "segments"
 TRAINED_NAME = "trained.faiss"
@@ -31,6 +30,7 @@ SEGMENT_SUFFIX = ".faiss"
 IDS_SUFFIX = ".ids.npy"
 METRICS = {"ip": faiss.METRIC_INNER_PRODUCT, "l2": faiss.METRIC_L2}
 _RUN_ID = re.compile(r"[A-Za-z0-9_]+")
+SEGMENT_NAME = re.compile(r"seg-[A-Za-z0-9_]+-w[0-9]+-[0-9]+" + re.escape(SEGMENT_SUFFIX))
 
 
 def metric_code(metric: str) -> int:
@@ -39,12 +39,6 @@ def metric_code(metric: str) -> int:
         return METRICS[metric]
     except KeyError:
         raise ConfigError(f"unknown metric {metric!r}; use one of {', '.join(METRICS)}") from None
-
-
-def new_run_id() -> str:
-    """A run id unique across runs (time + randomness), so a resumed run never reuses the
-    segment names of the run it resumes."""
-    return time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + "_" + secrets.token_hex(3)
 
 
 def segment_name(run_id: str, worker: int, part: int) -> str:
@@ -57,55 +51,32 @@ def sidecar_path(segment: Path) -> Path:
     return segment.with_name(segment.name[: -len(SEGMENT_SUFFIX)] + IDS_SUFFIX)
 
 
-def tmp_path(path: Path) -> Path:
-    """Temporary name used while writing ``path``; same pattern as
-    ``report.atomic_write_bytes``, so one garbage rule covers both."""
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
-def is_tmp_name(name: str) -> bool:
-    return name.startswith(".") and ".tmp-" in name
-
-
-def fsync_dir(folder: Path) -> None:
-    """Make the renames in ``folder`` durable, so their order survives a power cut."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _commit_file(tmp: Path, path: Path) -> None:
-    with open(tmp, "rb+") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def write_index_atomic(index: faiss.Index, path: Path) -> None:
-    """Write a faiss index through a temporary file, fsync and ``os.replace``."""
-    tmp = tmp_path(path)
-    try:
-        faiss.write_index(index, str(tmp))
-        _commit_file(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def write_segment(path: Path, index: faiss.Index, ids: np.ndarray) -> None:
-    """Commit one segment: the ids sidecar, then the ``.faiss`` file that makes it exist."""
+    """Commit one segment: the ids sidecar, then the ``.faiss`` file that makes it exist;
+    each checked to be whole before it is renamed into place."""
     if index.ntotal != len(ids):
         raise ValueError(f"segment {path.name}: index holds {index.ntotal} vectors, ids {len(ids)}")
-    side = sidecar_path(path)
-    tmp = tmp_path(side)
+    with atomic_file(sidecar_path(path), sync_dir=True) as fh:
+        np.save(fh, np.ascontiguousarray(ids, dtype=np.int64))
+    write_faiss_index(index, path)
+
+
+def faiss_message(exc: RuntimeError) -> str:
+    """What a faiss error says failed, without the C++ function and source line it names."""
+    lines = str(exc).strip().splitlines() or [type(exc).__name__]
+    return re.sub(r"^Error in .*? at \S+:\d+: (Error: )?", "", lines[0])
+
+
+def parse_factory(dim: int, factory: str, metric: str) -> faiss.Index:
+    """``faiss.index_factory(dim, factory, metric)``, a ConfigError naming the string when
+    faiss cannot make it. A build calls it before it writes anything, so a bad
+    ``--index`` never gets into a manifest."""
     try:
-        with open(tmp, "wb") as fh:
-            np.save(fh, np.ascontiguousarray(ids, dtype=np.int64))
-        _commit_file(tmp, side)
-    finally:
-        tmp.unlink(missing_ok=True)
-    write_index_atomic(index, path)
+        return faiss.index_factory(dim, factory, metric_code(metric))
+    except RuntimeError as exc:
+        raise ConfigError(f"faiss cannot build index factory {factory!r} for dim {dim}: "
+                          f"{faiss_message(exc)}; see faiss's index_factory strings (e.g. Flat, IVF1024,Flat, "
+                          "HNSW32)") from exc
 
 
 def empty_index(dim: int, factory: str, metric: str, trained: faiss.Index | None = None) -> faiss.Index:
@@ -113,11 +84,7 @@ def empty_index(dim: int, factory: str, metric: str, trained: faiss.Index | None
     ``trained`` when given, else ``faiss.index_factory(dim, factory, metric)``."""
     if trained is not None:
         return faiss.clone_index(trained)
-    try:
-        index = faiss.index_factory(dim, factory, metric_code(metric))
-    except RuntimeError as exc:
-        raise ConfigError(f"faiss cannot build index factory {factory!r} for dim {dim}: "
-                          f"{str(exc).splitlines()[0]}") from exc
+    index = parse_factory(dim, factory, metric)
     if not index.is_trained:
         raise ConfigError(f"index factory {factory!r} needs training: train it on a sample "
                           "with IndexStore.train_index and pass the trained index path")
@@ -176,7 +143,7 @@ class FaissShardSink:
         self.spec = spec
         self.worker = worker
         self.folder = Path(spec.folder) / SEGMENTS_DIR
-        self.folder.mkdir(parents=True, exist_ok=True)
+        ensure_folder(Path(spec.folder), self.folder)
         # Held until the last commit (close) or this process's death: a new build of the
         # folder waits for it (index/lock.py).
         self._writer_lock: int | None = hold_writer_lock(spec.folder)

@@ -12,8 +12,10 @@ is kept whole, so ``a.jpg`` and ``a.png`` in one folder never share an output):
 * ``<rel>.overlay.jpg`` (``overlay``): the original, re-read from disk, with non-background
   classes blended in their palette colour.
 
-Every file goes through a temporary name and ``os.replace``, and the mask is written
-last, so an existing mask means the image is finished: that is what resume checks.
+Every file goes through a temporary name, is checked to be whole and is ``os.replace``d
+(``embedingest.outfiles``), and the mask is written last, so an existing mask means the
+image is finished: that is what resume checks. No folder under ``out`` is a link the
+sink writes through: a mask never lands outside ``out``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from ..report import atomic_write_bytes
+from ..outfiles import atomic_write_bytes, ensure_folder
 from ..sources.image_decode import ImageMeta, ImageRejected, open_rgb
 
 MASK_SUFFIX = ".png"
@@ -131,7 +133,7 @@ class MaskSink:
         paths = output_paths(self.cfg.out, meta.rel_path)
         folder = paths["mask"].parent
         if folder not in self._folders:
-            folder.mkdir(parents=True, exist_ok=True)
+            ensure_folder(Path(self.cfg.out), folder)  # never through a link: masks stay in out
             self._folders.add(folder)
         full = restore_mask(mask, meta)
         if self.cfg.save_logits and logits is not None:

@@ -9,7 +9,7 @@ from fault_helpers import Run, new_shm_files, shm_listing
 
 @pytest.fixture
 def cli(tmp_path, request):
-    """``cli(*args, env={...})`` starts ``python -m embedingest *args`` in a new session
+    """``cli(*args, env={...}, preexec_fn=...)`` starts ``python -m embedingest *args`` in a new session
     (fault hooks on PYTHONPATH, cwd ``tmp_path``) and returns its :class:`Run`. At the
     end of the test every run must have ended with all its processes (those of its
     session, and any whose command line names ``tmp_path``), and /dev/shm must hold no
@@ -17,9 +17,9 @@ def cli(tmp_path, request):
     runs: list[Run] = []
     shm_before = shm_listing()
 
-    def start(*args, env: dict | None = None) -> Run:
+    def start(*args, env: dict | None = None, preexec_fn=None) -> Run:
         run = Run([str(a) for a in args], tmp_path / "logs", env=env, cwd=tmp_path,
-                  marker=str(tmp_path))
+                  marker=str(tmp_path), preexec_fn=preexec_fn)
         runs.append(run)
         return run
 

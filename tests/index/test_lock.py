@@ -80,3 +80,29 @@ def test_build_index_refuses_a_folder_in_use(tmp_path):
             build_index([("a", "some text to index")], out=str(out), device="cpu")
     summary = build_index([("a", "some text to index")], out=str(out), device="cpu")
     assert summary["vectors_total"] == 1
+
+
+@pytest.mark.parametrize("name", [".run.lock", ".writers.lock"])
+@pytest.mark.parametrize("kind", ["symlink", "hardlink", "fifo"])
+def test_a_lock_file_that_is_a_link_or_no_file_is_refused_never_written(tmp_path, name, kind):
+    import os
+
+    from embedingest.errors import ConfigError
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("not yours")
+    folder = tmp_path / "idx"
+    folder.mkdir()
+    if kind == "symlink":
+        (folder / name).symlink_to(victim)
+    elif kind == "hardlink":
+        os.link(victim, folder / name)
+    else:
+        os.mkfifo(folder / name)
+    if kind == "hardlink" and name == ".writers.lock":  # only flocked, never written: fine
+        with RunLock(folder):
+            pass
+    else:
+        with pytest.raises(ConfigError, match=rf"{name}' is .*not a lock file embedingest made"):
+            RunLock(folder).__enter__()
+    assert victim.read_text() == "not yours"

@@ -30,8 +30,18 @@ def test_manifest_create_reopen_and_mismatch(tmp_path):
     assert data["dim"] == DIM and data["metric"] == "ip" and data["factory"] == "Flat"
     assert data["version"] and data["created"] and data["corpus"] == "c1"
     assert store.create_or_open(manifest()).created == first.created
+    # No segment yet (a first build stopped before its first commit): other settings are
+    # taken, and a trained index of the old ones goes with them.
+    store.train_index("IVF2,Flat", DIM, "ip", unit_vectors(100))
+    assert store.create_or_open(manifest(factory="HNSW8")).factory == "HNSW8"
+    assert json.loads(store.manifest_path.read_text())["factory"] == "HNSW8"
+    assert not store.trained_path.exists()
+    assert store.create_or_open(manifest()).factory == "Flat"
+    index = faiss.IndexIDMap(faiss.IndexFlatIP(DIM))
+    index.add_with_ids(unit_vectors(2), np.arange(2))
+    write_segment(store.segments_dir / "seg-a-w0-00000.faiss", index, np.arange(2))
     for bad, what in [({"dim": 8}, "dim 8"), ({"metric": "l2"}, "metric l2"),
-                      ({"model": {"name": "other"}}, "'other'")]:
+                      ({"model": {"name": "other"}}, "'other'"), ({"factory": "HNSW8"}, "'HNSW8'")]:
         with pytest.raises(ConfigError, match=f"{what}.*--overwrite"):
             store.create_or_open(manifest(**bad))
     assert store.create_or_open(manifest(dim=8), overwrite=True).dim == 8
@@ -214,3 +224,122 @@ def test_train_index(tmp_path):
         store.train_index("IVF64,Flat", DIM, "ip", unit_vectors(3))
     with pytest.raises(ConfigError, match=r"shape \(10, 4\)"):
         store.train_index("IVF4,Flat", DIM, "ip", np.zeros((10, 4)))
+
+
+# -- a tampered or damaged folder --------------------------------------------------------
+
+@pytest.mark.parametrize("journal", [
+    {"replace": [["../../victim.txt", None]]},
+    {"replace": [["seg-a-w0-00000.faiss", "../seg-b-w0-00000.faiss"]]},
+    {"replace": [["/etc/hostname", None]]},
+    {"replace": [["seg-a-w0-00000.faiss"]]},
+    {"replace": 5},
+    {"other": []},
+    "{broken",
+])
+def test_a_forged_journal_is_an_error_and_nothing_it_names_is_touched(tmp_path, journal):
+    built = build_index(tmp_path / "ix", n_units=2, chunks=5)
+    store = built.store
+    victim = tmp_path / "victim.txt"
+    victim.write_text("not yours")
+    names = sorted(p.name for p in store.segments_dir.iterdir())
+    store.journal_path.write_text(journal if isinstance(journal, str) else json.dumps(journal))
+    for call in (store.segments, store.clean_garbage, lambda: store.remove_units([1]), store.reconcile):
+        with pytest.raises(ConfigError, match="replacing.json.*not a removal journal.*delete it"):
+            call()
+    assert victim.read_text() == "not yours"
+    assert sorted(p.name for p in store.segments_dir.iterdir()) == sorted(names + ["replacing.json"])
+    store.journal_path.unlink()  # as the error says
+    assert store.reconcile() == set() and store.clean_garbage() == []
+
+
+@pytest.mark.parametrize("field,value,expected", [
+    ("dim", "16", "a positive integer"), ("dim", 0, "a positive integer"), ("dim", True, "a positive integer"),
+    ("metric", "cosine", "one of"), ("metric", 3, "one of"), ("factory", ["Flat"], "a faiss factory string"),
+    ("model", "m", "an object"), ("model", {"name": 3}, "an object"), ("segments", 5, "a list"),
+    ("segments", [{"name": "x"}], "a list"), ("format", "1", "an integer"), ("corpus", 3, "a string or null"),
+])
+def test_a_manifest_field_of_the_wrong_type_is_a_clear_error(tmp_path, field, value, expected):
+    store = IndexStore(tmp_path)
+    store.create_or_open(manifest())
+    data = json.loads(store.manifest_path.read_text())
+    store.manifest_path.write_text(json.dumps({**data, field: value}))
+    with pytest.raises(ConfigError, match=rf"manifest.json: {field} is .*not {expected}.*--overwrite"):
+        store.read_manifest()
+    with pytest.raises(ConfigError, match=rf"manifest.json: {field} is"):
+        open_index(tmp_path)
+
+
+def test_links_in_place_of_the_metadata_or_the_segments_folder_are_refused(tmp_path):
+    built = build_index(tmp_path / "ix", n_units=1, chunks=3)
+    store = built.store
+    store.close()
+    other = tmp_path / "other.sqlite"
+    other.write_bytes(b"")
+    for name in ("metadata.sqlite", "metadata.sqlite-wal", "metadata.sqlite-journal"):
+        moved = store.folder / name
+        kept = tmp_path / "kept"
+        if moved.exists():
+            moved.rename(kept)
+        moved.symlink_to(other)
+        for read_only in (False, True):
+            with pytest.raises(ConfigError, match=f"{name}' is a symbolic link"):
+                IndexStore(store.folder, read_only=read_only).units()
+        moved.unlink()
+        if kept.exists():
+            kept.rename(moved)
+    assert other.read_bytes() == b""
+    elsewhere = tmp_path / "elsewhere"
+    store.segments_dir.rename(elsewhere)
+    store.segments_dir.symlink_to(elsewhere)
+    with pytest.raises(ConfigError, match="segments' .*is a symbolic link"):
+        store.create_or_open(manifest())
+    store.wipe()  # removes the link, not what it points to
+    assert not store.segments_dir.exists() and len(list(elsewhere.iterdir())) == 2
+
+
+def test_a_reader_creates_nothing_and_damaged_metadata_is_a_clear_error(tmp_path):
+    store = IndexStore(tmp_path, read_only=True)
+    with pytest.raises(ConfigError, match="metadata.sqlite' does not exist.*build-index command again"):
+        store.chunks([1])
+    assert store.chunks([]) == {} and sorted(p.name for p in tmp_path.iterdir()) == []
+    (tmp_path / "metadata.sqlite").write_bytes(b"not a database" * 500)
+    for read_only in (True, False):
+        with pytest.raises(ConfigError, match="metadata.sqlite' .*damaged.*--overwrite"):
+            IndexStore(tmp_path, read_only=read_only).chunks([1])
+
+
+DISK_FULL = """
+import resource, sys
+from embedingest.index.store import IndexStore
+folder, limit = sys.argv[1], int(sys.argv[2])
+if limit:  # no tmpfs: each file this process writes stops at ``limit`` bytes
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+store = IndexStore(folder)
+try:
+    for n in range(200):
+        nos = store.upsert_units([{"key": f"doc{n}", "n_chunks": 50}])
+        store.insert_chunks((nos[f"doc{n}"], None, c, 0, 100, "x" * 400) for c in range(50))
+except OSError as exc:
+    print(exc.errno, exc)
+"""
+
+
+def test_sqlite_on_a_full_disk_is_an_os_error_naming_the_database(tmp_path):
+    """A real tmpfs of 256 KB: "database or disk is full" comes out as ENOSPC naming
+    metadata.sqlite, which the CLI prints as one line (where mounting is not allowed, the
+    file cut by RLIMIT_FSIZE comes out as EIO the same way)."""
+    import subprocess
+    import sys
+
+    from fault_helpers import small_tmpfs
+
+    with small_tmpfs(tmp_path / "fs", 256 * 1024) as fs:
+        folder, limit = (fs, 0) if fs is not None else (tmp_path, 256 * 1024)
+        proc = subprocess.run([sys.executable, "-c", DISK_FULL, str(folder), str(limit)],
+                              capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0 and "metadata.sqlite" in proc.stdout, proc.stdout + proc.stderr
+    if fs is not None:
+        assert proc.stdout.startswith("28 ") and "database or disk is full" in proc.stdout, proc.stdout
+    else:  # a file cut by RLIMIT_FSIZE is an I/O error to sqlite
+        assert proc.stdout.startswith("5 ") and "disk I/O error" in proc.stdout, proc.stdout

@@ -303,3 +303,44 @@ def test_an_index_inside_its_corpus_is_not_read_back(tmp_path):
     assert again["passed_over"] == {} and again["units_indexed"] == 0
     with pytest.raises(ConfigError, match="is the corpus folder"):
         build_index(corpus, out=str(corpus), **FAST)
+
+
+def test_a_bad_index_option_is_refused_before_anything_is_written(tmp_path):
+    """--index 'IVF99,Bogus' got into the manifest before faiss refused it, and then the
+    same folder refused --index Flat. Now: a clear error and no folder at all; a factory
+    that fails only at training leaves an index with no segment, which takes the next
+    run's settings."""
+    corpus = make_corpus(tmp_path / "corpus")
+    out = tmp_path / "idx"
+    runner = CliRunner()
+    args = ["build-index", str(corpus), "--out", str(out), "--num-workers", "0", "--batch-size", "8"]
+    r = runner.invoke(main, [*args, "--index", "IVF99,Bogus"])
+    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+    assert "faiss cannot build index factory 'IVF99,Bogus' for dim 384" in r.output
+    assert not out.exists()
+    r = runner.invoke(main, [*args, "--index", "IVF64,Flat"])  # 12 chunks for 64 lists
+    assert r.exit_code == 1 and "cannot train" in r.output, r.output
+    r = runner.invoke(main, [*args, "--index", "Flat", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["vectors_total"] == 12
+    assert json.loads((out / "manifest.json").read_text())["factory"] == "Flat"
+
+
+def test_a_rerun_keeps_the_skip_report_of_earlier_runs(tmp_path):
+    """A bad record in a good file is reported by the run that reads the file; the re-run
+    of the unchanged corpus reads nothing and used to leave an empty skipped.jsonl."""
+    corpus = make_corpus(tmp_path / "corpus")
+    (corpus / "bad.jsonl").write_text('{"id": 1, "text": "A fine record about sailing ships."}\n'
+                                      '{"id": 2, "text": 42}\n')
+    out = tmp_path / "idx"
+    first = build_index(corpus, out=str(out), **FAST)
+    assert first["exit_code"] == 3 and first["skipped"] == 1 and first["skipped_earlier"] == 0
+    r = CliRunner().invoke(main, ["build-index", str(corpus), "--out", str(out), "--num-workers", "0"])
+    assert r.exit_code == 0, r.output  # nothing skipped this time
+    assert f"nothing skipped (1 skips of earlier runs kept in {out / 'skipped.jsonl'})" in r.output
+    again = build_index(corpus, out=str(out), **FAST)
+    assert again["exit_code"] == 0 and again["skipped"] == 0 and again["skipped_earlier"] == 1
+    assert again["report"] == str(out / "skipped.jsonl") and again["report_run"] != first["report_run"]
+    (entry,) = [json.loads(line) for line in (out / "skipped.jsonl").read_text().splitlines()]
+    assert entry["path"].startswith(str(corpus / "bad.jsonl")) and entry["reason"].startswith("field")
+    assert entry["run"] == first["report_run"]

@@ -132,3 +132,13 @@ def test_segments_partition_the_stream(sizes, commit_every):
         segs = read_segments(folder)
         got = np.concatenate([s[2] for s in segs]) if segs else np.empty(0, np.int64)
         np.testing.assert_array_equal(got, ids)
+
+
+def test_a_segments_folder_that_is_a_link_is_refused(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (tmp_path / "idx").mkdir()
+    (tmp_path / "idx" / "segments").symlink_to(outside)
+    with pytest.raises(ConfigError, match="segments' .*is a symbolic link"):
+        FaissShardSinkFactory(tmp_path / "idx", DIM, run_id="l")(0)
+    assert list(outside.iterdir()) == []

@@ -123,3 +123,21 @@ def test_random_mask_roundtrip(tmp_path):
     mask = (noise(S, S, seed=1) % 21)[..., 0]
     run_sink(MaskSinkFactory(str(tmp_path)), [ImageMeta("r.bmp", "", S, S, S, S)], {"mask": mask[None]})
     assert np.array_equal(np.asarray(Image.open(tmp_path / "r.bmp.png")), mask)
+
+
+def test_a_link_in_the_output_tree_is_never_written_through(tmp_path):
+    from embedingest.errors import ConfigError
+
+    out, outside = tmp_path / "out", tmp_path / "outside"
+    outside.mkdir()
+    (out / "sub").mkdir(parents=True)
+    (out / "sub" / "deeper").symlink_to(outside)
+    with pytest.raises(ConfigError, match="deeper' .*is a symbolic link"):
+        run_sink(MaskSinkFactory(str(out)), [ImageMeta("sub/deeper/x.png", "", S, S, S, S)],
+                 {"mask": blocks()[None]})
+    victim = tmp_path / "victim.png"
+    victim.write_bytes(b"not yours")
+    (out / "y.png.png").symlink_to(victim)  # a link at the mask's name is replaced
+    run_sink(MaskSinkFactory(str(out)), [ImageMeta("y.png", "", S, S, S, S)], {"mask": blocks()[None]})
+    assert list(outside.iterdir()) == [] and victim.read_bytes() == b"not yours"
+    assert not (out / "y.png.png").is_symlink() and Image.open(out / "y.png.png").size == (S, S)

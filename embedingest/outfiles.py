@@ -1,0 +1,167 @@
+"""Writing the files the tool owns: each one whole or not at all, and only inside its folder.
+
+Every output file (FAISS segments and sidecars, ``trained.faiss``, ``manifest.json``,
+``skipped.jsonl``, masks, logits, overlays) is written to a hidden temporary name
+(``.<name>.tmp-<pid>``), checked to hold exactly the bytes that were meant (a short
+write, or a write error a library only printed, never reaches the final name), fsynced
+and ``os.replace``d. The temporary file is created afresh with ``O_NOFOLLOW``, and
+``os.replace`` swaps a symbolic link at the final name for the file instead of writing
+through it, so a link planted in an output folder is never followed for writing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+import stat
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from .errors import ConfigError
+
+# faiss asks for this many bytes at most per call of the Python writer: peak memory stays
+# the index itself plus this, where faiss.serialize_index held a second full copy.
+_FAISS_CHUNK = 1 << 20
+
+
+def new_run_id() -> str:
+    """A run id unique across runs (time + randomness): it names a run's segments, so a
+    resumed run never reuses those of the run it resumes, and its entries in skip reports."""
+    return time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + "_" + secrets.token_hex(3)
+
+
+def tmp_path(path: Path) -> Path:
+    """The temporary name used while writing ``path``; one garbage rule covers them all."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def is_tmp_name(name: str) -> bool:
+    return name.startswith(".") and ".tmp-" in name
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make the renames in ``folder`` durable, so their order survives a power cut."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def refuse_link(path: Path, what: str = "") -> None:
+    """ConfigError when ``path`` is a symbolic link: nothing in an output or index folder
+    is followed for writing."""
+    if os.path.islink(path):
+        raise ConfigError(f"{str(path)!r}{what} is a symbolic link; embedingest never writes "
+                          "through links in its folders: remove the link (or use another folder)")
+
+
+def ensure_folder(root: Path, folder: Path) -> None:
+    """Make ``folder`` (``root`` or below it, ``root`` included), refusing a symbolic link in
+    any part of it below ``root``, so whatever is written there lands inside ``root``."""
+    rel = folder.relative_to(root)
+    root.mkdir(parents=True, exist_ok=True)
+    here = root
+    for part in rel.parts:
+        if part in ("", ".", ".."):
+            raise ConfigError(f"{str(folder)!r} is not a plain path below {str(root)!r}")
+        here = here / part
+        try:
+            st = os.lstat(here)
+        except FileNotFoundError:
+            with contextlib.suppress(FileExistsError):  # another consumer made it just now
+                os.mkdir(here)
+            st = os.lstat(here)
+        if stat.S_ISLNK(st.st_mode):
+            refuse_link(here, f" (inside {str(root)!r})")
+        if not stat.S_ISDIR(st.st_mode):
+            raise NotADirectoryError(errno.ENOTDIR, "Not a directory, where an output folder goes",
+                                     str(here))
+
+
+def through_link(root: str | os.PathLike, path: str | os.PathLike) -> bool:
+    """Whether a part of ``path`` below ``root`` is a symbolic link (or leaves ``root``)."""
+    here = Path(root)
+    for part in Path(path).relative_to(root).parts:
+        if part == "..":
+            return True
+        here = here / part
+        if os.path.islink(here):
+            return True
+    return False
+
+
+def _create(tmp: Path) -> BinaryIO:
+    """A new file at ``tmp``: a stale one of a dead process with this pid, or a link planted
+    there, is removed (not followed) first."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    return os.fdopen(fd, "wb")
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike, *, sync_dir: bool = False) -> Iterator[BinaryIO]:
+    """Yield a new binary file at the temporary name of ``path``. On a clean exit it is
+    flushed, fsynced, checked to hold every byte written to it, and renamed to ``path``
+    (then the folder is fsynced too with ``sync_dir``); on an error it is deleted."""
+    path = Path(path)
+    tmp = tmp_path(path)
+    try:
+        with _create(tmp) as fh:
+            yield fh
+            fh.flush()
+            os.fsync(fh.fileno())
+            meant, on_disk = fh.tell(), os.fstat(fh.fileno()).st_size
+            if on_disk != meant:
+                raise OSError(errno.EIO, f"{on_disk} bytes on disk after writing {meant}", str(tmp))
+        os.replace(tmp, path)
+        if sync_dir:
+            fsync_dir(path.parent)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, sync_dir: bool = False) -> None:
+    """Write ``data`` to ``path`` through :func:`atomic_file`."""
+    with atomic_file(path, sync_dir=sync_dir) as fh:
+        fh.write(data)
+
+
+def write_streamed(path: str | os.PathLike, produce: Callable[[Callable[[bytes], None]], None],
+                   *, sync_dir: bool = False) -> None:
+    """Write what ``produce(write)`` hands to ``write`` to ``path`` through
+    :func:`atomic_file`. ``write`` never raises into ``produce`` (a C++ library calling
+    it could not pass the error on cleanly): the first write error is raised here
+    once ``produce`` returns, and the file is not committed."""
+    with atomic_file(path, sync_dir=sync_dir) as fh:
+        failed: list[BaseException] = []
+
+        def write(chunk: bytes) -> None:
+            if not failed:
+                try:
+                    fh.write(chunk)
+                except BaseException as exc:
+                    failed.append(exc)
+
+        produce(write)
+        if failed:
+            raise failed[0]
+
+
+def write_faiss_index(index, path: str | os.PathLike, *, sync_dir: bool = True) -> None:
+    """Write a faiss index to ``path`` with Python file writes, so a write error raises.
+    (faiss's own file writer only prints an error of its final flush, and the short
+    file would be renamed into place.) faiss streams the bytes through a callback in
+    chunks, so no second copy of the index is held."""
+    import faiss
+
+    def produce(write: Callable[[bytes], None]) -> None:
+        faiss.write_index(index, faiss.PyCallbackIOWriter(write, _FAISS_CHUNK))
+
+    write_streamed(path, produce, sync_dir=sync_dir)

@@ -1,0 +1,164 @@
+"""Output files: whole or absent, on a disk that really fills up, and never through a link."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import faiss
+import numpy as np
+import pytest
+from fault_helpers import small_tmpfs
+
+from embedingest.errors import ConfigError
+from embedingest.outfiles import (
+    atomic_write_bytes,
+    ensure_folder,
+    through_link,
+    write_faiss_index,
+)
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def flat_index(n: int, dim: int = 384) -> faiss.Index:
+    index = faiss.IndexIDMap(faiss.IndexFlatIP(dim))
+    index.add_with_ids(np.random.default_rng(0).standard_normal((n, dim), dtype=np.float32),
+                       np.arange(n, dtype=np.int64))
+    return index
+
+
+def _faiss_bytes(index) -> bytes:
+    return faiss.serialize_index(index).tobytes()
+
+
+# The disk fills up during faiss's last flush: faiss's own file writer buffers the tail of
+# the file (under a page) and writes it when the file is closed, where a failure is only
+# printed ("close error: No space left on device"); the short file then got renamed into
+# place and every later read failed (read_xb_vector ...). A filesystem with room for the
+# whole pages of the file but not its tail makes exactly that happen.
+WRITE_IN_FULL_FS = textwrap.dedent("""
+    import os, resource, sys
+    import faiss, numpy as np
+    from embedingest.outfiles import write_faiss_index
+    folder, limit = sys.argv[1], int(sys.argv[2])
+    if limit:  # no tmpfs: each file this process writes stops at ``limit`` bytes (EFBIG)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    index = faiss.IndexIDMap(faiss.IndexFlatIP(384))
+    index.add_with_ids(np.random.default_rng(0).standard_normal((32, 384), dtype=np.float32),
+                       np.arange(32, dtype=np.int64))
+    try:
+        write_faiss_index(index, os.path.join(folder, "seg.faiss"))
+    except OSError as exc:
+        print("raised", exc.errno)
+""")
+
+
+def test_faiss_write_error_at_the_last_flush_raises_and_renames_nothing(tmp_path):
+    """On a real tmpfs with room for every page of a segment but its tail (where mounting
+    is not allowed: the same write cut by RLIMIT_FSIZE at that size), writing the
+    segment raises ENOSPC (EFBIG), and no file, whole or short, is left."""
+    size = len(_faiss_bytes(flat_index(32)))
+    assert size % PAGE, "the tail must be a part page for the last flush to fail"
+    whole_pages = size // PAGE * PAGE
+    with small_tmpfs(tmp_path / "fs", whole_pages) as fs:
+        folder, limit = (fs, 0) if fs is not None else (tmp_path, whole_pages)
+        proc = subprocess.run([sys.executable, "-c", WRITE_IN_FULL_FS, str(folder), str(limit)],
+                              capture_output=True, text=True, timeout=120, check=False)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.split() == ["raised", str(errno.ENOSPC if fs is not None else errno.EFBIG)], \
+            proc.stdout + proc.stderr
+        assert sorted(os.listdir(folder)) == [], os.listdir(folder)
+
+
+def test_faiss_index_written_whole_equals_faiss_own_bytes(tmp_path):
+    index = flat_index(50, dim=16)
+    write_faiss_index(index, tmp_path / "a.faiss")
+    assert (tmp_path / "a.faiss").read_bytes() == _faiss_bytes(index)
+    assert faiss.read_index(str(tmp_path / "a.faiss")).ntotal == 50
+    assert os.listdir(tmp_path) == ["a.faiss"]
+
+
+PEAK = textwrap.dedent("""
+    import faiss, numpy as np, sys
+    from embedingest.outfiles import write_faiss_index
+    index = faiss.IndexIDMap(faiss.IndexFlatIP(384))
+    index.add_with_ids(np.zeros((100_000, 384), np.float32), np.arange(100_000))
+    def kib(key):
+        return int(open("/proc/self/status").read().split(key + ":")[1].split()[0])
+    open("/proc/self/clear_refs", "w").write("5")  # the peak starts again from here
+    before = kib("VmRSS")
+    write_faiss_index(index, sys.argv[1])
+    print(kib("VmHWM") - before)
+""")
+
+
+def test_writing_a_large_segment_holds_no_second_copy(tmp_path):
+    """A 150 MB segment is written streamed: peak memory grows by a few MB, not by the
+    size of the index (faiss.serialize_index would add it twice)."""
+    proc = subprocess.run([sys.executable, "-c", PEAK, str(tmp_path / "big.faiss")],
+                          capture_output=True, text=True, timeout=120, check=True)
+    grown_mib = int(proc.stdout) / 1024
+    assert (tmp_path / "big.faiss").stat().st_size > 150e6
+    assert grown_mib < 16, f"peak memory grew by {grown_mib:.0f} MiB while writing"
+
+
+REPLACE_IN_FULL_FS = textwrap.dedent("""
+    import os, resource, sys
+    from embedingest.outfiles import atomic_write_bytes
+    folder, limit, page = sys.argv[1], int(sys.argv[2]), os.sysconf("SC_PAGE_SIZE")
+    atomic_write_bytes(os.path.join(folder, "manifest.json"), b"old")
+    if limit:  # no tmpfs: each file this process writes stops at ``limit`` bytes (EFBIG)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    try:
+        atomic_write_bytes(os.path.join(folder, "manifest.json"), b"x" * 5 * page)
+    except OSError as exc:
+        print("raised", exc.errno)
+""")
+
+
+def test_a_full_disk_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
+    """The manifest, skip report, masks ... on a real full tmpfs (else a file cut by
+    RLIMIT_FSIZE): the write raises, the previous version stays whole, no temporary file."""
+    with small_tmpfs(tmp_path / "fs", 4 * PAGE) as fs:
+        folder, limit = (fs, 0) if fs is not None else (tmp_path, 4 * PAGE)
+        proc = subprocess.run([sys.executable, "-c", REPLACE_IN_FULL_FS, str(folder), str(limit)],
+                              capture_output=True, text=True, timeout=120, check=False)
+        assert proc.stdout.split() == ["raised", str(errno.ENOSPC if fs is not None else errno.EFBIG)], \
+            proc.stdout + proc.stderr
+        assert os.listdir(folder) == ["manifest.json"]
+        assert (folder / "manifest.json").read_bytes() == b"old"
+
+
+def test_links_at_the_final_or_temporary_name_are_replaced_not_followed(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"keep")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "skipped.jsonl").symlink_to(victim)
+    (out / f".a.png.tmp-{os.getpid()}").symlink_to(victim)
+    atomic_write_bytes(out / "skipped.jsonl", b"new")
+    atomic_write_bytes(out / "a.png", b"mask")
+    assert victim.read_bytes() == b"keep"
+    assert not (out / "skipped.jsonl").is_symlink() and (out / "skipped.jsonl").read_bytes() == b"new"
+    assert sorted(os.listdir(out)) == ["a.png", "skipped.jsonl"]
+
+
+def test_output_folders_never_go_through_a_link(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    out = tmp_path / "out"
+    ensure_folder(out, out / "a" / "b")
+    assert (out / "a" / "b").is_dir()
+    (out / "a" / "link").symlink_to(outside)
+    with pytest.raises(ConfigError, match="link.*symbolic link"):
+        ensure_folder(out, out / "a" / "link" / "c")
+    with pytest.raises(ConfigError, match="not a plain path"):
+        ensure_folder(out, out / "a" / ".." / "..")
+    assert list(outside.iterdir()) == []
+    assert through_link(out, out / "a" / "link" / "c") and not through_link(out, out / "a" / "b")
+    assert through_link(out, out / ".." / "x")
