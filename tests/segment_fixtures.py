@@ -15,14 +15,14 @@ SIZE = 64
 
 def random_weights_file(path: Path, arch: str = "deeplabv3_resnet50", num_classes: int = NUM_CLASSES,
                         aux_loss: bool = True, wrap: str | None = None) -> Path:
-    """Save a randomly initialised torchvision DeepLabV3 (with its aux head, as training
-    checkpoints have) and return the path. ``wrap``: "model" or "state_dict" to save a
-    training checkpoint dict, "module" to pickle the whole module."""
-    from embedingest.stages.segmentation import ARCHITECTURES
+    """Save a randomly initialised torchvision segmentation model (with its aux head where
+    it has one, as training checkpoints have) and return the path. ``wrap``: "model" or
+    "state_dict" to save a training checkpoint dict, "module" to pickle the whole module."""
+    from torchvision.models import get_model
 
     torch.manual_seed(0)
-    model = ARCHITECTURES[arch][0](weights=None, weights_backbone=None, num_classes=num_classes,
-                                   aux_loss=aux_loss)
+    model = get_model(arch, weights=None, weights_backbone=None, num_classes=num_classes,
+                      aux_loss=aux_loss and not arch.startswith("lraspp"))
     if wrap == "module":
         obj = model
     elif wrap is not None:
