@@ -98,3 +98,19 @@ def bad_files(root: Path) -> dict[str, str]:
     (root / "garbage.webp").write_bytes(b"RIFF\x10\x00\x00\x00WEBPVP8 " + bytes(range(200)))
     return {"empty.png": "empty file", "notes.jpg": "not an image", "cut.jpg": "corrupt or truncated",
             "cut.png": "corrupt or truncated", "garbage.webp": None}
+
+
+def image_tensor(path) -> torch.Tensor:
+    """An RGB image file as torchvision's own decoder reads it (uint8 [3, H, W]); Pillow's
+    decode through ``pil_to_tensor`` where torchvision no longer decodes images."""
+    import warnings
+
+    try:
+        from torchvision.io import ImageReadMode, read_image
+    except ImportError:
+        from torchvision.transforms.functional import pil_to_tensor
+
+        return pil_to_tensor(Image.open(path).convert("RGB"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return read_image(str(path), ImageReadMode.RGB)
