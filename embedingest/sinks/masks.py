@@ -115,10 +115,11 @@ def split_flat(flat: np.ndarray, metas: Sequence[ImageMeta], per_pixel: int = 1,
             shape = (per_pixel, m.content_height, m.content_width) if per_pixel > 1 else \
                 (m.content_height, m.content_width)
         n = int(np.prod(shape))
+        if offset + n > len(flat):
+            raise ValueError(f"a batch of {len(flat)} values is short of its {len(metas)} images' "
+                             f"{offset + n} or more")
         out.append(flat[offset:offset + n].reshape(shape))
         offset += n
-    if offset > len(flat):
-        raise ValueError(f"a batch of {len(flat)} values is short of its {len(metas)} images' {offset}")
     return out
 
 
