@@ -110,6 +110,9 @@ class SegmentConfig:
     # Also write stats/*.parquet: a row per image (source, width, height, the share of
     # its pixels of each class), resumable like the masks.
     stats: bool = False
+    # Seconds between commits of each writer's rows (a killed run loses at most the rows
+    # of this long; their images are redone on resume). Fewer seconds, more part files.
+    stats_commit_seconds: float = 10.0
     # Redo images whose mask exists (otherwise they are skipped: resume).
     overwrite: bool = False
     # Images with more pixels are skipped with a reason (0: no limit).
@@ -126,6 +129,8 @@ class SegmentConfig:
             (self.num_consumers >= 1, f"num_consumers={self.num_consumers}: must be at least 1"),
             (self.num_slots >= 0, f"num_slots={self.num_slots}: must be 0 (auto) or more"),
             (self.max_pixels >= 0, f"max_pixels={self.max_pixels}: must be 0 (no limit) or more"),
+            (self.stats_commit_seconds >= 0,
+             f"stats_commit_seconds={self.stats_commit_seconds}: must be 0 or more"),
             (0.0 <= self.overlay_alpha <= 1.0, f"overlay_alpha={self.overlay_alpha}: must be in 0..1"),
             (self.dtype == "auto" or self.dtype in DTYPES,
              f"dtype={self.dtype!r}: choose auto, {', '.join(DTYPES)}"),
@@ -323,7 +328,8 @@ def run_on_device(config: SegmentConfig, device: torch.device, todo: list[tuple[
     factory = MaskSinkFactory(str(config.out), config.save_logits, config.overlay,
                               config.overlay_alpha, config.max_pixels or None,
                               num_classes=loaded.num_classes, stats=config.stats,
-                              categories=tuple(loaded.categories))
+                              categories=tuple(loaded.categories),
+                              stats_commit_seconds=config.stats_commit_seconds)
     # Start the decoding workers (fork) before the engine starts its threads.
     batches = regroup(iter(loader), config.batch_size, max_waiting=4 * config.batch_size)
 

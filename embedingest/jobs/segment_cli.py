@@ -59,6 +59,9 @@ from ..report import passed_over_sentence
 @click.option("--stats/--no-stats", default=None,
               help="Also write stats/*.parquet: a row per image (source, width, height, share "
                    "of each class), resumable like the masks.")
+@click.option("--stats-commit-seconds", type=float,
+              help="Seconds between commits of each writer's stats rows (a killed run loses "
+                   "at most these; their images are redone). [10]")
 @click.option("--overwrite/--no-overwrite", default=None,
               help="Redo images whose mask exists (default: skip them, i.e. resume).")
 @click.option("--max-pixels", type=int, help="Skip larger images with a reason; 0: no limit.")

@@ -98,7 +98,7 @@ class StatsWriter:
     ``seconds`` (checked as rows come), and at ``close``."""
 
     def __init__(self, out: str, categories: Sequence[str], rows_per_part: int = 4096,
-                 seconds: float = 30.0):
+                 seconds: float = 10.0):
         self.folder = Path(out) / STATS_DIR
         self.columns = stats_columns(categories)
         self.rows_per_part, self.seconds = rows_per_part, seconds

@@ -182,6 +182,7 @@ class MaskSinkFactory:
     # Write a row per image to stats/ (category names of the columns).
     stats: bool = False
     categories: tuple[str, ...] = field(default_factory=tuple)
+    stats_commit_seconds: float = 10.0
 
     def __call__(self, worker_index: int) -> MaskSink:
         return MaskSink(self)
@@ -203,7 +204,8 @@ class MaskSink:
         if factory.stats:
             from .mask_stats import StatsWriter
 
-            self.stats = StatsWriter(factory.out, factory.categories)
+            self.stats = StatsWriter(factory.out, factory.categories,
+                                     seconds=factory.stats_commit_seconds)
 
     def __call__(self, batch_id: tuple[ImageMeta, ...], arrays: dict[str, np.ndarray]) -> None:
         logits = arrays.get("logits")

@@ -7,6 +7,8 @@ import json
 import os
 
 import numpy as np
+import pyarrow.dataset as pads
+import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.nn.functional as F
@@ -327,3 +329,129 @@ def test_list_inputs_reads_each_output_folder_once(tmp_path, monkeypatch):
         todo, done = list_inputs(SegmentConfig(images=root, out=str(out), save_logits=True), SkipReport())
         assert done == 0 and len(todo) == 3
     assert len(listed) == 8 * 3  # out, out/sub, out/sub/deeper: once per call
+
+
+def stats_rows(out) -> list[dict]:
+    return pads.dataset(out / "stats").to_table().to_pylist()
+
+
+def test_stats_rows_are_the_masks_shares_and_resume_exactly_once(tmp_path, small):
+    """--stats: a row per image, its shares the class counts of the written mask; rows lost
+    with a part (a run killed before its writers committed) make their images redone,
+    and every image ends with exactly one row; --overwrite replaces the rows."""
+    images, out = tmp_path / "images", tmp_path / "out"
+    sizes = photo_set(images) | {"noise.png": (33, 21)}
+    Image.fromarray(noise(21, 33, seed=3)).save(images / "noise.png")
+    (images / "bad.png").write_bytes(b"")
+    first = segment(config(images, out, small, stats=True, num_consumers=2), progress=False)
+    assert first["written"] == first["stats_rows"] == len(sizes)
+    rows = {r["source"]: r for r in stats_rows(out)}
+    assert set(rows) == set(sizes)
+    categories = json.loads((out / "labels.json").read_text())["categories"]
+    for rel, (w, h) in sizes.items():
+        mask = mask_of(out, rel)
+        counts = np.bincount(mask.ravel(), minlength=len(categories)) / mask.size
+        row = rows[rel]
+        assert (row["width"], row["height"]) == (w, h)
+        assert np.allclose([row[c] for c in categories], counts, atol=1e-7), rel
+    # a killed run: a part's rows never committed, their masks on disk
+    parts = sorted((out / "stats").glob("part-*.parquet"))
+    lost = set(pq.read_table(parts[0]).column("source").to_pylist())
+    parts[0].unlink()
+    again = segment(config(images, out, small, stats=True), progress=False)
+    assert again["written"] == len(lost) and again["already_done"] == len(sizes) - len(lost)
+    sources = [r["source"] for r in stats_rows(out)]
+    assert sorted(sources) == sorted(sizes), "each image exactly once"
+    nothing = segment(config(images, out, small, stats=True), progress=False)
+    assert nothing["written"] == 0 and nothing["already_done"] == len(sizes)
+    redo = segment(config(images, out, small, stats=True, overwrite=True), progress=False)
+    assert redo["written"] == len(sizes)
+    assert sorted(r["source"] for r in stats_rows(out)) == sorted(sizes), "replaced, not added"
+    plain = segment(config(images, tmp_path / "plain", small), progress=False)
+    assert "stats_rows" not in plain and not (tmp_path / "plain" / "stats").exists()
+
+
+def test_labels_json_refuses_to_mix_kinds_of_masks(tmp_path, small):
+    images = tmp_path / "images"
+    images.mkdir()
+    Image.fromarray(noise(20, 30)).save(images / "a.png")
+    Image.fromarray(noise(30, 20)).save(images / "b.png")
+    segment(config(images, tmp_path / "out", small), progress=False)
+    labels = json.loads((tmp_path / "out" / "labels.json").read_text())
+    assert labels["arch"] == SMALL and labels["categories"] == [f"class_{i}" for i in range(NUM_CLASSES)]
+    assert labels["palette"][:2] == [[0, 0, 0], [128, 0, 0]] and len(labels["palette"]) == NUM_CLASSES
+    assert labels["masks"]["resize"].startswith("the logits scaled bilinearly")
+    output_paths(tmp_path / "out", "b.png")["mask"].unlink()
+    with pytest.raises(ConfigError, match="other settings.*preprocessing"):
+        segment(config(images, tmp_path / "out", small, resize="fit"), progress=False)
+    redo = segment(config(images, tmp_path / "out", small, resize="fit", overwrite=True), progress=False)
+    assert redo["written"] == 2
+    assert json.loads((tmp_path / "out" / "labels.json").read_text())["preprocessing"]["resize"] == "fit"
+
+
+def test_max_pixels_skips_images_over_the_option_under_pillows_limit(tmp_path, small):
+    """An image over --max-pixels but far under Pillow's own guard (89 MP): skipped by the
+    option, with the reason naming it; the smaller image is segmented."""
+    from PIL import Image as PILImage
+
+    images = tmp_path / "images"
+    images.mkdir()
+    Image.fromarray(noise(60, 50, seed=1)).save(images / "big.png")    # 3000 pixels
+    Image.fromarray(noise(20, 30, seed=2)).save(images / "small.png")  # 600 pixels
+    assert 3000 < PILImage.MAX_IMAGE_PIXELS
+    summary = segment(config(images, tmp_path / "out", small, max_pixels=2000), progress=False)
+    assert summary["written"] == 1 and summary["skipped"] == 1
+    [entry] = [json.loads(line) for line in (tmp_path / "out" / "skipped.jsonl").read_text().splitlines()]
+    assert entry["path"].endswith("big.png")
+    assert entry["reason"].startswith("too large: 50x60 = 3000 pixels is over max_pixels=2000")
+    assert summary["skip_reasons"] == {"too large": 1}
+    again = segment(config(images, tmp_path / "out", small, max_pixels=0), progress=False)
+    assert again["written"] == 1 and again["already_done"] == 1 and again["skipped"] == 0
+
+
+def test_upsample_max_pixels_switches_to_the_model_size_argmax(tmp_path, weights):
+    """Over --upsample-max-pixels the mask is the model-size argmax scaled nearest (what
+    labels.json says), under it torchvision's pipeline."""
+    images = tmp_path / "photos"
+    sizes = photo_set(images, [("coffee.png", (120, 80), "png"), ("chelsea.png", (45, 30), "png")])
+    out = tmp_path / "out"
+    segment(config(images, out, weights, upsample_max_pixels=2000), progress=False)
+    expected = torchvision_masks(reference_model(weights), "deeplabv3_resnet50", *(images / r for r in sizes))
+    big, small_one = list(sizes)
+    assert np.array_equal(mask_of(out, small_one), expected[1])
+    assert mask_of(out, big).shape == (80, 120) and not np.array_equal(mask_of(out, big), expected[0])
+    assert (mask_of(out, big) == expected[0]).mean() > 0.8  # the same mask, blockier edges
+    assert "over 2000 pixels" in json.loads((out / "labels.json").read_text())["masks"]["resize"]
+
+
+def test_num_classes_and_timeline_through_the_cli(tmp_path, small):
+    images = tmp_path / "in"
+    images.mkdir()
+    for i in range(4):
+        Image.fromarray(noise(24 + i, 40, seed=i)).save(images / f"a{i}.jpg")
+    args = [str(images), "--out", str(tmp_path / "o"), "--weights", str(small), "--arch", SMALL,
+            "--size", str(SIZE), "--device", "cpu", "--num-workers", "0", "--num-consumers", "1",
+            "--batch-size", "1", "--json"]
+    wrong = CliRunner().invoke(segment_command, [*args, "--num-classes", "7"])
+    assert wrong.exit_code == 1 and f"num_classes=7 but the weights from file {small} have {NUM_CLASSES}" in wrong.output
+    timeline = tmp_path / "t.png"
+    ok = CliRunner().invoke(segment_command, [*args, "--num-classes", str(NUM_CLASSES), "--timeline",
+                                              str(timeline), "--overlay", "--overlay-alpha", "1"])
+    assert ok.exit_code == 0, ok.output
+    assert json.loads(ok.output)["num_classes"] == NUM_CLASSES
+    with Image.open(timeline) as im:
+        assert im.format == "PNG" and im.width > 200 and im.height > 100
+    # --overlay-alpha 1: every classified pixel shows its class colour alone
+    mask = mask_of(tmp_path / "o", "a0.jpg")
+    overlay = np.asarray(Image.open(output_paths(tmp_path / "o", "a0.jpg")["overlay"])).astype(int)
+    palette = np.array(json.loads((tmp_path / "o" / "labels.json").read_text())["palette"])
+    shown = mask != 0
+    assert shown.mean() > 0.5
+    assert np.abs(overlay[shown] - palette[mask[shown]]).mean() < 8
+    random = CliRunner().invoke(segment_command, [str(images), "--out", str(tmp_path / "r"),
+                                                  "--random-weights", "--arch", SMALL, "--num-classes", "3",
+                                                  "--size", str(SIZE), "--device", "cpu",
+                                                  "--num-workers", "0", "--num-consumers", "1", "--json"])
+    assert random.exit_code == 0, random.output
+    assert json.loads(random.output)["num_classes"] == 3
+    assert json.loads((tmp_path / "r" / "labels.json").read_text())["categories"] == ["class_0", "class_1", "class_2"]
