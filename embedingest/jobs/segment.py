@@ -46,7 +46,8 @@ from ..sinks.masks import (LOGITS_SUFFIX, MASK_SUFFIX, OVERLAY_SUFFIX, MaskSinkF
 from ..sources.files import refuse_output_as_input, walk_files
 from ..sources.image_decode import (DEFAULT_MAX_PIXELS, IMAGE_EXTENSIONS, LONG_SIDE_LIMIT,
                                     RESIZE_MODES, ImageMeta, ImageRejected)
-from ..sources.images import ImageBatch, ImageFileDataset, collate_images, prepare_picture, regroup
+from ..sources.images import (ImageBatch, ImageFileDataset, collate_images, input_shape,
+                              prepare_picture, regroup)
 from ..stages.device import resolve_device
 from ..stages.prefetch import prefetch
 from ..stages.segmentation import (ARCHITECTURES, DTYPES, Segmenter, SegmentationModel,
@@ -321,7 +322,8 @@ def run_on_device(config: SegmentConfig, device: torch.device, todo: list[tuple[
     loader = DataLoader(
         ImageFileDataset(todo, prep, config.max_pixels or None),
         batch_size=config.batch_size, num_workers=workers,
-        collate_fn=collate_images, pin_memory=device.type == "cuda",
+        collate_fn=functools.partial(collate_images, resize=config.resize),
+        pin_memory=device.type == "cuda",
         persistent_workers=False, worker_init_fn=functools.partial(exit_with_parent, os.getpid()),
         multiprocessing_context=loader_context() if workers else None)
     spec = slot_spec(config, loaded.num_classes)
@@ -334,8 +336,9 @@ def run_on_device(config: SegmentConfig, device: torch.device, todo: list[tuple[
     batches = regroup(iter(loader), config.batch_size, max_waiting=4 * config.batch_size)
 
     def send(batch: ImageBatch) -> torch.Tensor | None:
-        parts = [pixels.to(device, non_blocking=True) for pixels, _ in batch.groups]
-        return torch.cat(parts) if len(parts) > 1 else (parts[0] if parts else None)
+        if not batch.groups:
+            return None
+        return segmenter.model_input([pixels for pixels, _, _ in batch.groups], batch.groups[0][2])
 
     shapes: Counter = Counter()
     engine = EgressEngine(factory, num_consumers=config.num_consumers,
@@ -420,10 +423,11 @@ def segment_images(images: Iterable, config: SegmentConfig | None = None, *,
         prepared = [_prepare(picture, prep, len(masks) + i) for i, picture in enumerate(chunk)]
         done: dict[int, np.ndarray] = {}
         shapes: dict[tuple[int, ...], list[int]] = {}
-        for i, (pixels, _) in enumerate(prepared):
-            shapes.setdefault(tuple(pixels.shape), []).append(i)
-        for index in shapes.values():
-            logits = segmenter.logits(torch.stack([prepared[i][0] for i in index]))
+        for i, (pixels, meta) in enumerate(prepared):
+            shapes.setdefault(input_shape(meta, pixels, config.resize), []).append(i)
+        for size, index in shapes.items():
+            pixels = segmenter.model_input([prepared[i][0][None] for i in index], size)
+            logits = segmenter.logits(pixels)
             got, metas = segmenter.image_masks(logits, [prepared[i][1] for i in index],
                                                None if config.resize == "short" else 0)
             for i, mask, meta in zip(index, got, metas, strict=True):

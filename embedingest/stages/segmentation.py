@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision import models as tvmodels
 from torchvision.models import segmentation as tvseg
+from torchvision.transforms import InterpolationMode
+from torchvision.transforms import functional as TF
 
 from ..errors import ConfigError
 from ..sources.image_decode import ImageMeta, Preprocessing
@@ -209,6 +211,23 @@ class Segmenter:
                                      memory_format=self.memory_format).eval()
         self.mean = torch.as_tensor(loaded.mean, dtype=torch.float32, device=self.device).view(-1, 1, 1)
         self.std = torch.as_tensor(loaded.std, dtype=torch.float32, device=self.device).view(-1, 1, 1)
+        self.interpolation = InterpolationMode(loaded.interpolation)
+        self.antialias = loaded.antialias
+
+    def model_input(self, parts: Sequence[torch.Tensor], size: tuple[int, int]) -> torch.Tensor:
+        """uint8 [B, 3, h, w] on the device from pictures uint8 [n, H, W, 3] of any size:
+        each part is copied over (``non_blocking`` from pinned memory) and resized to
+        ``size`` (h, w) by torchvision's own ``resize`` with the preset's interpolation and
+        antialiasing, on the tensor layout ``pil_to_tensor`` gives, so on the CPU the
+        pixels are those of ``weights.transforms()`` to the bit; a part already of that
+        size is used as it is."""
+        out = []
+        for pixels in parts:
+            x = pixels.to(self.device, non_blocking=True).permute(0, 3, 1, 2)
+            if tuple(x.shape[2:]) != tuple(size):
+                x = TF.resize(x, list(size), interpolation=self.interpolation, antialias=self.antialias)
+            out.append(x)
+        return torch.cat(out) if len(out) > 1 else out[0]
 
     def preprocess(self, pixels: torch.Tensor) -> torch.Tensor:
         """uint8 [B, 3, H, W] -> normalised [B, 3, H, W] in the model dtype, on the device.

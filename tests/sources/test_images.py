@@ -64,29 +64,30 @@ def test_every_kind_decodes_with_its_own_size(tmp_path):
     for i, (rel, (w, h)) in enumerate(sizes.items()):
         item = ds[i]
         assert isinstance(item, LoadedImage), (rel, item)
-        assert item.pixels.dtype == torch.uint8 and item.pixels.shape == (3, SIZE, SIZE)
+        assert item.pixels.dtype == torch.uint8 and item.pixels.shape == (SIZE, SIZE, 3)
         meta = item.meta
         assert (meta.rel_path, meta.width, meta.height) == (rel, w, h)
         cw, ch = content_size(w, h, SIZE)
         assert (meta.content_width, meta.content_height) == (cw, ch)
-        pad = item.pixels.permute(1, 2, 0).numpy()
+        pad = item.pixels.numpy()
         assert (pad[ch:] == PAD_RGB).all() and (pad[:, cw:] == PAD_RGB).all()
     short = ImageFileDataset(files, SHORT)
     for i, (rel, (w, h)) in enumerate(sizes.items()):
         item = short[i]
-        assert min(item.pixels.shape[1:]) == SIZE, rel  # the short side, no pad
+        assert item.pixels.shape == (h, w, 3), rel  # the whole picture: the device resizes it
         assert (item.meta.content_width, item.meta.content_height) == short_side_size(w, h, SIZE)
-        assert item.pixels.shape[1:] == (item.meta.content_height, item.meta.content_width)
 
 
 @pytest.mark.parametrize("width,height", [(90, 60), (60, 90), (64, 64), (33, 100), (301, 80), (20, 20)])
-def test_short_side_resize_is_torchvisions_own(tmp_path, width, height):
-    """The workers' pixels are those of the preset's Resize on torchvision's own decode."""
+def test_short_mode_hands_over_torchvisions_picture(tmp_path, width, height):
+    """The workers' picture is what torchvision's own decoder reads; the model input size
+    is the preset's Resize of it (the resize itself: tests/stages/test_segmentation.py)."""
     Image.fromarray(noise(height, width, seed=width)).save(tmp_path / "a.png")
     pixels, meta = prepare_file("a.png", str(tmp_path / "a.png"), SHORT)
-    expect = TF.resize(image_tensor(tmp_path / "a.png"), [SIZE], antialias=True)
-    assert pixels.dtype == torch.uint8 and torch.equal(pixels, expect)
+    assert pixels.dtype == torch.uint8 and torch.equal(pixels.permute(2, 0, 1), image_tensor(tmp_path / "a.png"))
     assert (meta.width, meta.height) == (width, height)
+    expect = TF.resize(image_tensor(tmp_path / "a.png"), [SIZE], antialias=True)
+    assert (meta.content_height, meta.content_width) == tuple(expect.shape[1:])
 
 
 @settings(max_examples=300, deadline=None)
@@ -101,7 +102,7 @@ def test_short_side_size_is_torchvisions(width, height, size):
 def test_panoramas_are_capped_at_the_long_side_limit(tmp_path):
     Image.fromarray(noise(10, 100, seed=1)).save(tmp_path / "pano.png")
     pixels, meta = prepare_file("pano.png", str(tmp_path / "pano.png"), SHORT)
-    assert pixels.shape == (3, SIZE * 10 * LONG_SIDE_LIMIT // 100, SIZE * LONG_SIDE_LIMIT)
+    assert (meta.content_height, meta.content_width) == (SIZE * 10 * LONG_SIDE_LIMIT // 100, SIZE * LONG_SIDE_LIMIT)
     assert SHORT.max_size == LONG_SIDE_LIMIT * SIZE and FIT.max_size is None
 
 
@@ -136,7 +137,7 @@ def test_exif_rotation_is_applied(tmp_path):
     pixels, meta = prepare_file("r.jpg", str(exif_rotated_jpeg(tmp_path / "r.jpg", 48, 24)), FIT)
     assert (meta.width, meta.height) == (24, 48)
     assert (meta.content_width, meta.content_height) == (32, 64)
-    pixels = pixels.permute(1, 2, 0).numpy()
+    pixels = pixels.numpy()
     top, bottom = pixels[4, 16].astype(int), pixels[60, 16].astype(int)
     assert top[0] > 200 and top[2] < 60, "orientation 6 turns the red left half to the top"
     assert bottom[2] > 200 and bottom[0] < 60
@@ -191,9 +192,10 @@ def test_loader_drops_bad_files_and_carries_them(tmp_path):
                         collate_fn=collate_images)
     good, dropped = [], []
     for batch in loader:
-        for pixels, metas in batch.groups:
+        for pixels, metas, hw in batch.groups:
             assert pixels.shape[0] == len(metas)
-            assert all(pixels.shape[2:] == (m.content_height, m.content_width) for m in metas)
+            assert all(pixels.shape[1:3] == (m.height, m.width) for m in metas)
+            assert all(hw == (m.content_height, m.content_width) for m in metas)
         good += [m.rel_path for m in batch.items]
         dropped += [b.rel_path for b in batch.bad]
     assert sorted(good) == sorted(sizes) and dropped == list(bad)
@@ -202,7 +204,7 @@ def test_loader_drops_bad_files_and_carries_them(tmp_path):
 
 
 def _chunk(shapes: list[tuple[int, int]], start: int, bad: int = 0) -> ImageBatch:
-    samples = [LoadedImage(torch.full((3, h, w), start + i, dtype=torch.uint8),
+    samples = [LoadedImage(torch.full((h, w, 3), start + i, dtype=torch.uint8),
                            ImageMeta(f"{start + i}", "", w, h, w, h)) for i, (h, w) in enumerate(shapes)]
     samples += [BadImage(f"bad{start + i}", "", "empty file: 0 bytes") for i in range(bad)]
     return collate_images(samples)
@@ -230,16 +232,23 @@ def test_regroup_makes_batches_of_one_shape(chunks, batch_size, extra, bads):
         bad_seen += [b.rel_path for b in batch.bad]
         if not len(batch):
             continue
-        assert len({tuple(p.shape[1:]) for p, _ in batch.groups}) == 1, "one shape a batch"
+        assert len({hw for _, _, hw in batch.groups}) == 1, "one shape a batch"
         assert len(batch) <= batch_size
-        for pixels, metas in batch.groups:
+        for pixels, metas, hw in batch.groups:
             for image, meta in zip(pixels, metas, strict=True):
                 assert int(image[0, 0, 0]) == int(meta.rel_path), "pixels stay with their meta"
-                assert image.shape[1:] == (meta.content_height, meta.content_width)
+                assert image.shape[:2] == hw == (meta.content_height, meta.content_width)
         seen += [m.rel_path for m in batch.items]
     assert sorted(seen, key=int) == [str(i) for i in range(start)], "every image exactly once"
     assert max(waiting, default=0) <= max_waiting
     assert sorted(bad_seen) == sorted(b.rel_path for c in made for b in c.bad)
+
+
+def test_regroup_bounds_the_bytes_waiting():
+    chunks = [_chunk([(40, 60)], i) for i in range(5)] + [_chunk([(60, 40)], 5 + i) for i in range(5)]
+    one = 40 * 60 * 3
+    sizes = [len(b) for b in regroup(iter(chunks), 8, 100, max_bytes=3 * one)]
+    assert sum(sizes) == 10 and max(sizes) <= 4  # never more than three pictures held
 
 
 def test_regroup_fills_batches_and_bounds_the_wait():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 
 import numpy as np
+from PIL import Image
 import pytest
 import torch
 import torch.nn.functional as F
@@ -151,6 +152,29 @@ def test_preprocess_is_torchvisions_normalisation_to_the_bit(r50_weights):
     x = pixels()
     ref = DeepLabV3_ResNet50_Weights.COCO_WITH_VOC_LABELS_V1.transforms(resize_size=None)
     assert torch.equal(seg.preprocess(x), torch.stack([ref(img) for img in x]))
+
+
+@pytest.mark.parametrize("sizes", [[(90, 60), (45, 30), (120, 80)], [(60, 90)], [(33, 100), (66, 200)]])
+def test_model_input_is_the_presets_resize_to_the_bit(tmp_path, sizes):
+    """Pictures of several sizes with one model input shape, resized where the model runs:
+    each exactly torchvision's ``Resize`` of the preset on the picture alone."""
+    from segment_fixtures import image_tensor
+    from torchvision.transforms import functional as TF
+
+    from embedingest.sources.image_decode import short_side_size
+
+    seg = Segmenter(load_segmentation_model(SMALL, random_weights=True), "cpu", "fp32")
+    pictures = []
+    for i, (w, h) in enumerate(sizes):
+        Image.fromarray(noise(h, w, seed=i)).save(tmp_path / f"{i}.png")
+        pictures.append(image_tensor(tmp_path / f"{i}.png"))
+    w, h = short_side_size(*sizes[0], SIZE)
+    got = seg.model_input([p.permute(1, 2, 0)[None].contiguous() for p in pictures], (h, w))
+    expect = torch.stack([TF.resize(p, [SIZE], antialias=True) for p in pictures])
+    assert got.dtype == torch.uint8 and got.shape == expect.shape and torch.equal(got, expect)
+    stacked = torch.stack([p.permute(1, 2, 0) for p in pictures]) if len({p.shape for p in pictures}) == 1 else None
+    if stacked is not None:  # a part of several pictures of one size: the same
+        assert torch.equal(seg.model_input([stacked], (h, w)), expect)
 
 
 def test_masks_are_the_argmax_of_the_reference_model(r50_weights):
