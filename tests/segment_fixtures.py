@@ -106,12 +106,13 @@ PHOTO_SET = [  # (photo, (width, height), format): aspect ratios 1:1 to 3.2:1 an
     ("chelsea.png", (45, 30), "png"), ("coffee.png", (120, 80), "png"),
     ("rocket.jpg", (60, 90), "jpg"), ("rocket.jpg", (160, 50), "png"),
     ("coffee.png", (50, 75), "jpg"), ("astronaut.png", (31, 97), "png"),
+    ("coffee.png", (330, 220), "jpg"),  # over 16 x 64^2 pixels: resized in the worker
 ]
 
 
 def photo_set(root: Path, specs=PHOTO_SET) -> dict[str, tuple[int, int]]:
-    """Real photographs (benchmarks/photos) resized to ``specs``: three of them (3:2 at
-    three sizes) have one model input shape and make one batch. Returns rel -> (w, h)."""
+    """Real photographs (benchmarks/photos) resized to ``specs``: four of them (3:2 at
+    four sizes) have one model input shape and make one batch. Returns rel -> (w, h)."""
     photos = Path(__file__).parent.parent / "benchmarks" / "photos"
     root.mkdir(parents=True, exist_ok=True)
     sizes = {}

@@ -321,7 +321,10 @@ def run_on_device(config: SegmentConfig, device: torch.device, todo: list[tuple[
     workers = min(share_of_cpus(config.num_workers, processes), -(-len(todo) // config.batch_size))
     loader = DataLoader(
         ImageFileDataset(todo, prep, config.max_pixels or None),
-        batch_size=config.batch_size, num_workers=workers,
+        # short: whole pictures travel (up to 16x a model input each), so a worker's
+        # chunk is a quarter batch; regroup makes the batches
+        batch_size=config.batch_size if config.resize == "fit" else max(1, config.batch_size // 4),
+        num_workers=workers,
         collate_fn=functools.partial(collate_images, resize=config.resize),
         pin_memory=device.type == "cuda",
         persistent_workers=False, worker_init_fn=functools.partial(exit_with_parent, os.getpid()),

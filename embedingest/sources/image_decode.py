@@ -53,6 +53,12 @@ LONG_SIDE_LIMIT = 4
 
 RESIZE_MODES = ("short", "fit")
 
+# In ``short`` mode a picture of up to this many times ``size``² pixels (4.3 MP at 520)
+# goes to the device whole and is resized there; a larger one is resized in the worker
+# (the same torchvision function, slower there), so what the DataLoader holds in flight
+# stays bounded whatever the photographs' size.
+DEVICE_RESIZE_FACTOR = 16
+
 
 @dataclass(frozen=True)
 class Preprocessing:
@@ -74,6 +80,10 @@ class Preprocessing:
     def max_size(self) -> int | None:
         """The cap on the long side in ``short`` mode (``Resize(max_size=...)``)."""
         return LONG_SIDE_LIMIT * self.size if self.resize == "short" else None
+
+    @property
+    def device_resize_max_pixels(self) -> int:
+        return DEVICE_RESIZE_FACTOR * self.size * self.size
 
     def model_size(self, width: int, height: int) -> tuple[int, int]:
         """(width, height) of the image part of the model input for an image of this size."""

@@ -6,7 +6,9 @@ geometries): in ``fit`` mode the letterboxed square itself; in the default ``sho
 mode the decoded image at its own size, which the device resizes to the model input
 (``stages.segmentation``) with torchvision's own ``resize`` and the preset's arguments:
 exactly what ``weights.transforms()`` computes, and on a GPU a fraction of a millisecond
-where a CPU worker spends tens (the antialiased float resize of a photo). Normalisation
+where a CPU worker spends tens (the antialiased float resize of a photo). Pictures over
+16 times the model input's square are resized in the worker instead (the same call), so
+the pictures in flight stay small. Normalisation
 happens on the device too: uint8 is a quarter of the bytes of float32 through pinned
 memory and the host-to-device copy.
 
@@ -24,6 +26,8 @@ import torch
 import numpy as np
 from PIL import Image
 from torch.utils.data import Dataset
+from torchvision.transforms import InterpolationMode
+from torchvision.transforms import functional as TF
 
 from .image_decode import (DEFAULT_MAX_PIXELS, IMAGE_EXTENSIONS, ImageMeta, ImageRejected,
                            Preprocessing, letterbox, open_rgb, picture_rgb)
@@ -47,11 +51,18 @@ def model_input(im: Image.Image, original: tuple[int, int], prep: Preprocessing
                 ) -> tuple[torch.Tensor, tuple[int, int]]:
     """The uint8 [H, W, 3] picture handed to the device for an upright RGB picture of
     ``original`` size (in ``fit`` mode possibly a smaller JPEG draft of it), and the
-    (width, height) of its image part of the model input."""
+    (width, height) of its image part of the model input. In ``short`` mode a picture
+    over ``prep.device_resize_max_pixels`` is resized here, by the same torchvision call
+    the device makes (``Segmenter.model_input``)."""
     if prep.resize == "fit":
         canvas, content = letterbox(im, original, prep.size)
         return torch.from_numpy(canvas), content
-    return torch.from_numpy(np.array(im)), prep.model_size(*original)
+    w, h = prep.model_size(*original)
+    if im.width * im.height <= prep.device_resize_max_pixels:
+        return torch.from_numpy(np.array(im)), (w, h)
+    pixels = TF.resize(TF.pil_to_tensor(im), [h, w], interpolation=InterpolationMode(prep.interpolation),
+                       antialias=prep.antialias)
+    return pixels.permute(1, 2, 0).contiguous(), (w, h)
 
 
 def prepare_file(rel_path: str, path: str, prep: Preprocessing,

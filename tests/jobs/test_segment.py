@@ -131,7 +131,7 @@ def test_segment_folder_end_to_end(tree, tmp_path, weights, reference, no_leaks)
 
 
 def test_masks_are_torchvisions_pipeline_for_every_aspect_ratio(tmp_path, weights):
-    """Real photographs of eight sizes and aspect ratios, PNG and JPEG: every mask equals,
+    """Real photographs of nine sizes and aspect ratios, PNG and JPEG: every mask equals,
     pixel for pixel, torchvision's pipeline run on each image alone (its decoder,
     ``weights.transforms()``, the model, the logits scaled to the image's size, argmax).
     Exact: the job batches images of one shape (five batches here), and batching does not
@@ -142,8 +142,8 @@ def test_masks_are_torchvisions_pipeline_for_every_aspect_ratio(tmp_path, weight
     summary = segment(config(images, out, weights, batch_size=4), progress=False)
     assert summary["written"] == len(sizes) and summary["resize"] == "short"
     shapes = summary["batch_shapes"]
-    # 90x60, 45x30, 120x80 make one batch; 60x90 and 50x75 another
-    assert [3, SIZE, 96, 1] in shapes and [2, 96, SIZE, 1] in shapes, shapes
+    # 90x60, 45x30, 120x80, 330x220 (resized in its worker) make one batch; 60x90 and 50x75 another
+    assert [4, SIZE, 96, 1] in shapes and [2, 96, SIZE, 1] in shapes, shapes
     assert len(shapes) == 5 and sum(n * k for n, _, _, k in shapes) == len(sizes)
     paths = [images / rel for rel in sizes]
     expected = dict(zip(sizes, torchvision_masks(reference_model(weights), "deeplabv3_resnet50", *paths),
@@ -153,7 +153,7 @@ def test_masks_are_torchvisions_pipeline_for_every_aspect_ratio(tmp_path, weight
         mask = mask_of(out, rel)
         assert mask.shape == (h, w) and np.array_equal(mask, expected[rel]), rel
     fit = segment(config(images, tmp_path / "fit", weights, batch_size=4, resize="fit"), progress=False)
-    assert fit["batch_shapes"] == [[4, SIZE, SIZE, 2]]
+    assert fit["batch_shapes"] == [[1, SIZE, SIZE, 1], [4, SIZE, SIZE, 2]]
     # (a square photo has no pad: there only the resize and the mask scaling differ)
     wrong = [(mask_of(tmp_path / "fit", rel) != expected[rel]).mean() for rel, (w, h) in sizes.items() if w != h]
     assert min(wrong) > 0.02 and np.mean(wrong) > 0.05, wrong

@@ -99,6 +99,16 @@ def test_short_side_size_is_torchvisions(width, height, size):
     assert short_side_size(width, height, size) == (expect_w, expect_h)
 
 
+def test_large_pictures_are_resized_in_the_worker_by_the_same_call(tmp_path):
+    """Over 16 x size^2 pixels the worker resizes: exactly the preset's Resize."""
+    Image.fromarray(noise(300, 280, seed=5)).save(tmp_path / "big.png")
+    assert 300 * 280 > SHORT.device_resize_max_pixels
+    pixels, meta = prepare_file("big.png", str(tmp_path / "big.png"), SHORT)
+    expect = TF.resize(image_tensor(tmp_path / "big.png"), [SIZE], antialias=True)
+    assert torch.equal(pixels.permute(2, 0, 1), expect) and pixels.is_contiguous()
+    assert (meta.width, meta.height, meta.content_width, meta.content_height) == (280, 300, SIZE, 68)
+
+
 def test_panoramas_are_capped_at_the_long_side_limit(tmp_path):
     Image.fromarray(noise(10, 100, seed=1)).save(tmp_path / "pano.png")
     pixels, meta = prepare_file("pano.png", str(tmp_path / "pano.png"), SHORT)
