@@ -279,6 +279,19 @@ def test_resolve_dtype():
 
 
 @pytest.mark.needs_cuda
+def test_cuda_model_input_is_the_cpu_resize_within_rounding():
+    """On the GPU torchvision's resize runs CUDA's kernel: the same formula, other float
+    rounding, so a pixel may land on the other side of .5 (1 of 255) and no further."""
+    seg_cpu = Segmenter(load_segmentation_model(SMALL, random_weights=True), "cpu", "fp32")
+    seg_gpu = Segmenter(load_segmentation_model(SMALL, random_weights=True), "cuda", "fp32")
+    parts = [torch.from_numpy(noise(h, w, seed=h)[None]) for w, h in [(900, 600), (450, 300), (120, 80)]]
+    cpu = seg_cpu.model_input(parts, (520, 780)).int()
+    gpu = seg_gpu.model_input([p.pin_memory() for p in parts], (520, 780)).cpu().int()
+    assert cpu.shape == gpu.shape == (3, 3, 520, 780)
+    assert (cpu - gpu).abs().max() <= 1 and (cpu != gpu).float().mean() < 0.01
+
+
+@pytest.mark.needs_cuda
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
 def test_cuda_forward_channels_last(r50_weights, dtype):
     seg = Segmenter(load_segmentation_model(weights=str(r50_weights)), "cuda", dtype)
