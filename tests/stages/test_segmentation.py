@@ -177,6 +177,21 @@ def test_model_input_is_the_presets_resize_to_the_bit(tmp_path, sizes):
         assert torch.equal(seg.model_input([stacked], (h, w)), expect)
 
 
+def test_padding_would_change_the_masks(r50_weights):
+    """Why batches hold one exact shape instead of padding images to a shared canvas: even a
+    pad that normalises to zero changes the scores inside the image (ASPP's image pooling
+    averages the whole input, convolutions near the edge see the pad, the 8x upsampling
+    grid moves)."""
+    seg = Segmenter(load_segmentation_model(weights=str(r50_weights)), "cpu", "fp32")
+    x = pixels(1)
+    alone = seg.logits(x)
+    mean = torch.tensor([round(255 * m) for m in (0.485, 0.456, 0.406)], dtype=torch.uint8)
+    padded = torch.cat([x, mean.view(1, 3, 1, 1).expand(1, 3, SIZE, 16)], dim=3)
+    inside = seg.logits(padded)[..., :SIZE]
+    assert (alone - inside).abs().max() > 0.05 * alone.abs().max()
+    assert not torch.equal(seg.masks(alone), seg.masks(inside))
+
+
 def test_masks_are_the_argmax_of_the_reference_model(r50_weights):
     seg = Segmenter(load_segmentation_model(weights=str(r50_weights)), "cpu", "auto")
     assert seg.dtype == torch.float32
