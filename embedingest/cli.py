@@ -77,6 +77,8 @@ def bench() -> None:
                                          "alone at the shapes it ran.")
 @click.option("--photo-sides", default="240,1600", show_default=True,
               help="With --photos: the range of the photographs' long side, in pixels.")
+@click.option("--photo-odd-share", default=0.1, show_default=True,
+              help="With --photos: the share cropped to any ratio and size (each a shape of its own).")
 @click.option("--photo-dir", type=click.Path(file_okay=False),
               help="With --photos: keep the photographs here (reused when it holds as many).")
 @click.option("--arch", default="deeplabv3_resnet50", show_default=True, help="With --photos.")
@@ -84,8 +86,8 @@ def bench() -> None:
 @click.option("--device", default="auto", show_default=True, help="With --photos (cpu to try it).")
 @library_errors
 def bench_segmentation(steps, warmup, batch_size, image_size, consumers, slots, loader_workers,
-                       only, json_path, timeline, photos, photo_sides, photo_dir, arch, size,
-                       device) -> None:
+                       only, json_path, timeline, photos, photo_sides, photo_odd_share, photo_dir,
+                       arch, size, device) -> None:
     """The seed article's DeepLabV3 workload: its five loops, the forward-only bound and
     embedingest's engine, in one run. With --photos: the segment job end to end on real
     photographs against the model's forward alone at the shapes the job ran."""
@@ -96,8 +98,9 @@ def bench_segmentation(steps, warmup, batch_size, image_size, consumers, slots, 
         from .bench.segment_photos import PhotoBenchConfig, run, table
 
         low, high = (int(v) for v in photo_sides.split(","))
-        cfg = PhotoBenchConfig(photos=photos, min_side=low, max_side=high, arch=arch, size=size,
-                               batch_size=batch_size or 16, device=device, folder=photo_dir)
+        cfg = PhotoBenchConfig(photos=photos, min_side=low, max_side=high, odd_share=photo_odd_share,
+                               arch=arch, size=size, batch_size=batch_size or 16, device=device,
+                               folder=photo_dir)
         info = machine_info()
         click.echo(f"# {info.get('gpu', 'no GPU')}, torch {info.get('torch')}, {info['date']}")
         result = run(cfg, log=lambda m: click.echo(m, err=True))

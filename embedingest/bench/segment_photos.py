@@ -43,7 +43,7 @@ class PhotoBenchConfig:
     photos: int = 2048  # images generated
     min_side: int = 240  # long side range of the generated images
     max_side: int = 1600
-    odd_share: float = 0.15  # images cropped to any aspect ratio and size
+    odd_share: float = 0.1  # images cropped to any aspect ratio and size
     png_share: float = 0.3  # the rest are JPEG
     arch: str = "deeplabv3_resnet50"
     size: int = 520  # the preset's short side
