@@ -198,8 +198,10 @@ class _FolderNames:
 def remove_stale_tmp_files(out: Path, todo: list[tuple[str, str]]) -> None:
     """Delete the temporary files (``.<name>.tmp-<pid>``, see ``atomic_write_bytes``) that a
     killed run left half-written in ``out`` and in the folders of the images still to do
-    (an image whose write was cut is one of those: its mask, written last, is missing)."""
-    for folder in {os.path.join(out, sub) for sub in {""} | {posixpath.dirname(rel) for rel, _ in todo}}:
+    (an image whose write was cut is one of those: its mask, written last, is missing), and
+    in the statistics folder."""
+    subs = {"", STATS_DIR} | {posixpath.dirname(rel) for rel, _ in todo}
+    for folder in {os.path.join(out, sub) for sub in subs}:
         try:
             entries = list(os.scandir(folder))
         except OSError:

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from PIL import Image
 from segment_fixtures import (NUM_CLASSES, SIZE, bad_files, image_tensor, image_tree, noise,
                               photo_set, random_weights_file, reference_model)
-from torchvision.models import get_model, get_model_weights
+from torchvision.models import get_model_weights
 from torchvision.transforms.functional import pil_to_tensor
 
 from embedingest.config import load_config
@@ -358,7 +358,10 @@ def test_stats_rows_are_the_masks_shares_and_resume_exactly_once(tmp_path, small
     parts = sorted((out / "stats").glob("part-*.parquet"))
     lost = set(pq.read_table(parts[0]).column("source").to_pylist())
     parts[0].unlink()
+    stale = out / "stats" / f".{parts[0].name}.tmp-99999"  # what a writer killed mid-commit leaves
+    stale.write_bytes(b"PAR1 half")
     again = segment(config(images, out, small, stats=True), progress=False)
+    assert not stale.exists()
     assert again["written"] == len(lost) and again["already_done"] == len(sizes) - len(lost)
     sources = [r["source"] for r in stats_rows(out)]
     assert sorted(sources) == sorted(sizes), "each image exactly once"

@@ -4,7 +4,6 @@ the per-image statistics."""
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import subprocess
 import sys
