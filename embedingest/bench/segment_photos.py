@@ -58,6 +58,11 @@ class PhotoBenchConfig:
 
 def photo_specs(cfg: PhotoBenchConfig) -> list[tuple[str, int, int, str, int]]:
     """(source photo, width, height, format, seed) of each image to make."""
+    from ..errors import ConfigError
+
+    if not PHOTOS.is_dir():
+        raise ConfigError(f"no photographs at {PHOTOS}: run the benchmark from a checkout of the "
+                          "repository (benchmarks/photos is not installed with the package)")
     rng = random.Random(cfg.seed)
     sources = sorted(p.name for p in PHOTOS.iterdir() if p.suffix in (".png", ".jpg"))
     sides = [s for s in LONG_SIDES if cfg.min_side <= s <= cfg.max_side] or [cfg.max_side]
