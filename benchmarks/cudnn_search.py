@@ -26,7 +26,7 @@ segmenter = Segmenter(loaded, torch.device("cuda:0"), dtype)
 torch.cuda.synchronize()
 t_device = time.perf_counter()
 torch.backends.cudnn.benchmark = search
-x = torch.randint(0, 255, (batch, 520, 520, 3), dtype=torch.uint8, device="cuda:0")
+x = torch.randint(0, 255, (batch, 3, 520, 520), dtype=torch.uint8, device="cuda:0")
 segmenter.masks(segmenter.logits(x))
 torch.cuda.synchronize()
 t_first = time.perf_counter()

@@ -64,7 +64,7 @@ def bench() -> None:
 @bench.command("segmentation")
 @click.option("--steps", default=30, show_default=True, help="Timed steps for the fast loops.")
 @click.option("--warmup", default=5, show_default=True, help="Steps before the clock starts.")
-@click.option("--batch-size", default=64, show_default=True)
+@click.option("--batch-size", type=int, help="[64; with --photos the job's 16]")
 @click.option("--image-size", default=512, show_default=True)
 @click.option("--consumers", default=8, show_default=True, help="Consumer processes.")
 @click.option("--slots", default=12, show_default=True, help="Engine host slots.")
@@ -73,12 +73,43 @@ def bench() -> None:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write rows here.")
 @click.option("--timeline", type=click.Path(dir_okay=False),
               help="PNG timeline of the segment stage's bf16 full-logits run.")
+@click.option("--photos", type=int, help="Instead: the segment job on this many real photographs "
+                                         "(varied sizes and aspect ratios) against the forward "
+                                         "alone at the shapes it ran.")
+@click.option("--photo-sides", default="240,1600", show_default=True,
+              help="With --photos: the range of the photographs' long side, in pixels.")
+@click.option("--photo-odd-share", default=0.1, show_default=True,
+              help="With --photos: the share cropped to any ratio and size (each a shape of its own).")
+@click.option("--photo-dir", type=click.Path(file_okay=False),
+              help="With --photos: keep the photographs here (reused when it holds as many).")
+@click.option("--arch", default="deeplabv3_resnet50", show_default=True, help="With --photos.")
+@click.option("--size", default=520, show_default=True, help="With --photos: the short side.")
+@click.option("--device", default="auto", show_default=True, help="With --photos (cpu to try it).")
 @library_errors
 def bench_segmentation(steps, warmup, batch_size, image_size, consumers, slots, loader_workers,
-                       only, json_path, timeline) -> None:
+                       only, json_path, timeline, photos, photo_sides, photo_odd_share, photo_dir,
+                       arch, size, device) -> None:
     """The seed article's DeepLabV3 workload: its five loops, the forward-only bound and
-    embedingest's engine, in one run."""
+    embedingest's engine, in one run. With --photos: the segment job end to end on real
+    photographs against the model's forward alone at the shapes the job ran."""
     import torch
+
+    if photos:
+        from .bench.report import machine_info, write_json
+        from .bench.segment_photos import PhotoBenchConfig, run, table
+
+        low, high = (int(v) for v in photo_sides.split(","))
+        cfg = PhotoBenchConfig(photos=photos, min_side=low, max_side=high, odd_share=photo_odd_share,
+                               arch=arch, size=size, batch_size=batch_size or 16, device=device,
+                               folder=photo_dir)
+        info = machine_info()
+        click.echo(f"# {info.get('gpu', 'no GPU')}, torch {info.get('torch')}, {info['date']}")
+        result = run(cfg, log=lambda m: click.echo(m, err=True))
+        click.echo(table(result))
+        if json_path:
+            write_json(json_path, {"machine": info, "config": cfg.__dict__, "result": result})
+        return
+    batch_size = batch_size or 64
 
     if not torch.cuda.is_available():
         raise click.ClickException("this benchmark needs a CUDA GPU; torch sees none here")

@@ -15,14 +15,14 @@ SIZE = 64
 
 def random_weights_file(path: Path, arch: str = "deeplabv3_resnet50", num_classes: int = NUM_CLASSES,
                         aux_loss: bool = True, wrap: str | None = None) -> Path:
-    """Save a randomly initialised torchvision DeepLabV3 (with its aux head, as training
-    checkpoints have) and return the path. ``wrap``: "model" or "state_dict" to save a
-    training checkpoint dict, "module" to pickle the whole module."""
-    from embedingest.stages.segmentation import ARCHITECTURES
+    """Save a randomly initialised torchvision segmentation model (with its aux head where
+    it has one, as training checkpoints have) and return the path. ``wrap``: "model" or
+    "state_dict" to save a training checkpoint dict, "module" to pickle the whole module."""
+    from torchvision.models import get_model
 
     torch.manual_seed(0)
-    model = ARCHITECTURES[arch][0](weights=None, weights_backbone=None, num_classes=num_classes,
-                                   aux_loss=aux_loss)
+    model = get_model(arch, weights=None, weights_backbone=None, num_classes=num_classes,
+                      aux_loss=aux_loss and not arch.startswith("lraspp"))
     if wrap == "module":
         obj = model
     elif wrap is not None:
@@ -33,11 +33,12 @@ def random_weights_file(path: Path, arch: str = "deeplabv3_resnet50", num_classe
     return path
 
 
-def reference_model(weights: Path, num_classes: int = NUM_CLASSES):
-    """torchvision's model loaded the plain way, to compare against."""
-    from torchvision.models.segmentation import deeplabv3_resnet50
+def reference_model(weights: Path, num_classes: int = NUM_CLASSES, arch: str = "deeplabv3_resnet50"):
+    """torchvision's model loaded the plain way (aux head and all), to compare against."""
+    from torchvision.models import get_model
 
-    model = deeplabv3_resnet50(weights=None, weights_backbone=None, num_classes=num_classes, aux_loss=True)
+    model = get_model(arch, weights=None, weights_backbone=None, num_classes=num_classes,
+                      aux_loss=not arch.startswith("lraspp"))
     model.load_state_dict(torch.load(weights, weights_only=True))
     return model.eval()
 
@@ -97,4 +98,43 @@ def bad_files(root: Path) -> dict[str, str]:
     (root / "cut.png").write_bytes(png.getvalue()[: len(png.getvalue()) // 2])
     (root / "garbage.webp").write_bytes(b"RIFF\x10\x00\x00\x00WEBPVP8 " + bytes(range(200)))
     return {"empty.png": "empty file", "notes.jpg": "not an image", "cut.jpg": "corrupt or truncated",
-            "cut.png": "corrupt or truncated", "garbage.webp": None}
+            "cut.png": "corrupt or truncated", "garbage.webp": "corrupt or truncated"}
+
+
+PHOTO_SET = [  # (photo, (width, height), format): aspect ratios 1:1 to 3.2:1 and back
+    ("astronaut.png", (72, 72), "png"), ("chelsea.png", (90, 60), "jpg"),
+    ("chelsea.png", (45, 30), "png"), ("coffee.png", (120, 80), "png"),
+    ("rocket.jpg", (60, 90), "jpg"), ("rocket.jpg", (160, 50), "png"),
+    ("coffee.png", (50, 75), "jpg"), ("astronaut.png", (31, 97), "png"),
+    ("coffee.png", (330, 220), "jpg"),  # over 16 x 64^2 pixels: resized in the worker
+]
+
+
+def photo_set(root: Path, specs=PHOTO_SET) -> dict[str, tuple[int, int]]:
+    """Real photographs (benchmarks/photos) resized to ``specs``: four of them (3:2 at
+    four sizes) have one model input shape and make one batch. Returns rel -> (w, h)."""
+    photos = Path(__file__).parent.parent / "benchmarks" / "photos"
+    root.mkdir(parents=True, exist_ok=True)
+    sizes = {}
+    for i, (name, (w, h), fmt) in enumerate(specs):
+        rel = f"p{i}_{w}x{h}.{fmt}"
+        Image.open(photos / name).convert("RGB").resize((w, h), Image.Resampling.LANCZOS).save(
+            root / rel, quality=90)
+        sizes[rel] = (w, h)
+    return sizes
+
+
+def image_tensor(path) -> torch.Tensor:
+    """An RGB image file as torchvision's own decoder reads it (uint8 [3, H, W]); Pillow's
+    decode through ``pil_to_tensor`` where torchvision no longer decodes images."""
+    import warnings
+
+    try:
+        from torchvision.io import ImageReadMode, read_image
+    except ImportError:
+        from torchvision.transforms.functional import pil_to_tensor
+
+        return pil_to_tensor(Image.open(path).convert("RGB"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return read_image(str(path), ImageReadMode.RGB)

@@ -172,7 +172,10 @@ def segment_stage_run(cfg: SegBenchConfig, precision: str, egress: str, sink: st
 
     def forward():
         logits = segmenter.logits(next(stream)[1])
-        return segmenter.masks(logits) if egress == "mask" else logits
+        if egress != "mask":
+            return logits
+        masks = segmenter.masks(logits)
+        return masks.reshape(-1) if sink == "png" else masks  # the job's sink takes a flat batch
 
     ids = _image_ids(cfg) if sink == "png" else _batch_ids
     row = _through_engine(cfg, forward, egress, factory, ids)
@@ -227,7 +230,7 @@ def _through_engine(cfg: SegBenchConfig, forward: Callable[[], torch.Tensor], eg
 
 
 class FakePictures(Dataset):
-    """Random uint8 pictures, as the segment job's decoders hand them over (H, W, 3)."""
+    """Random uint8 pictures, as the segment job's decoders hand them over (3, H, W)."""
 
     def __init__(self, n: int, size: int):
         self.n, self.size = n, size
@@ -236,7 +239,7 @@ class FakePictures(Dataset):
         return self.n
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.randint(0, 256, (self.size, self.size, 3), dtype=torch.uint8)
+        return torch.randint(0, 256, (3, self.size, self.size), dtype=torch.uint8)
 
 
 def _segmenter(cfg: SegBenchConfig, precision: str):
@@ -250,7 +253,7 @@ def _segmenter(cfg: SegBenchConfig, precision: str):
 def stage_forward_only(cfg: SegBenchConfig, precision: str) -> dict:
     """The bound of the segment stage: its preprocess + forward on a fixed uint8 batch."""
     segmenter = _segmenter(cfg, precision)
-    x = torch.randint(0, 256, (cfg.batch_size, cfg.image_size, cfg.image_size, 3), dtype=torch.uint8,
+    x = torch.randint(0, 256, (cfg.batch_size, 3, cfg.image_size, cfg.image_size), dtype=torch.uint8,
                       device="cuda")
     rate = timed(lambda i: segmenter.logits(x), torch.cuda.synchronize, cfg.warmup, cfg.steps)
     return {"name": f"segment stage forward only, {precision}", "precision": f"stage-{precision}",

@@ -1,12 +1,17 @@
-"""The segment job: DeepLabV3 over a folder of images, one mask per image on disk.
+"""The segment job: a torchvision segmentation model over a folder of images, one mask
+per image on disk.
 
 Pipeline: list the images (resuming: those with a mask already are left out), decode
-and letterbox them in DataLoader workers into pinned uint8 batches, copy each batch to
-the GPU on a side stream one batch ahead (``stages.prefetch``), normalise and run the
-model there, take the argmax there, and hand only the uint8 masks (a 42nd of the fp16
-logits' bytes with 21 classes) to the egress engine, whose consumer processes write
-the files (``sinks.masks``). With ``save_logits`` the logits go through as well, as float16:
-DeepLabV3's scores are far inside float16's range and half the bytes of float32.
+and resize them in DataLoader workers (by default exactly as the weights' own
+``transforms()``: the short side to 520, so aspect ratios give different shapes), regroup
+them into pinned uint8 batches of one shape each (``sources.images.regroup``), copy each
+batch to the GPU on a side stream one batch ahead (``stages.prefetch``), normalise and
+run the model there, scale the logits to each image's size and take the argmax there,
+and hand only the uint8 masks (a 42nd of the fp16 logits' bytes with 21 classes) to the
+egress engine, whose consumer processes write the files (``sinks.masks``). A batch
+crosses flat (the masks one after the other), so images of any size share the slots.
+With ``save_logits`` the logits at model size go through as well, as float16: the scores
+are far inside float16's range and half the bytes of float32.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ import itertools
 import os
 import posixpath
 import time
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,12 +41,14 @@ from ..errors import ConfigError
 from ..outfiles import through_link
 from ..report import SkipReport
 from ..scaleout.devices import devices_of, share_of_cpus
+from ..sinks.mask_stats import STATS_DIR, drop_stats_rows, stats_sources
 from ..sinks.masks import (LOGITS_SUFFIX, MASK_SUFFIX, OVERLAY_SUFFIX, MaskSinkFactory,
-                           restore_mask)
+                           labels_info, restore_mask, write_labels)
 from ..sources.files import refuse_output_as_input, walk_files
-from ..sources.image_decode import (DEFAULT_MAX_PIXELS, IMAGE_EXTENSIONS, ImageRejected,
-                                    prepare_picture)
-from ..sources.images import ImageBatch, ImageFileDataset, collate_images
+from ..sources.image_decode import (DEFAULT_MAX_PIXELS, IMAGE_EXTENSIONS, LONG_SIDE_LIMIT,
+                                    RESIZE_MODES, ImageMeta, ImageRejected)
+from ..sources.images import (ImageBatch, ImageFileDataset, collate_images, input_shape,
+                              prepare_picture, regroup)
 from ..stages.device import resolve_device
 from ..stages.prefetch import prefetch
 from ..stages.segmentation import (ARCHITECTURES, DTYPES, Segmenter, SegmentationModel,
@@ -53,19 +61,31 @@ class SegmentConfig:
 
     # Input folder (read recursively) or a single image file.
     images: str | None = None
-    # Output folder: masks mirror the input tree; skipped.jsonl goes here too.
+    # Output folder: masks mirror the input tree; labels.json and skipped.jsonl go here too.
     out: str | None = None
     # Weights file: a state dict, a checkpoint with "model"/"state_dict", or a pickled
     # module. Default: torchvision's COCO_WITH_VOC_LABELS_V1 file if in the hub cache.
     weights: str | None = None
-    # Model architecture (a torchvision DeepLabV3 builder).
+    # Model architecture: any torchvision segmentation model (fcn_resnet50, fcn_resnet101,
+    # deeplabv3_resnet50, deeplabv3_resnet101, deeplabv3_mobilenet_v3_large,
+    # lraspp_mobilenet_v3_large).
     arch: str = "deeplabv3_resnet50"
     # Classes of the weights; read from the weights file, so only a check when given.
     num_classes: int | None = None
     # Run with random weights when no weights are found (pipeline tests, benchmarks).
     random_weights: bool = False
-    # Model input side: each image is scaled to fit size x size, aspect kept, padded.
+    # "short": the weights' own preprocessing (short side to size, aspect kept, no pad;
+    # images batched by shape); "fit": each image fitted into size x size and padded (one
+    # shape for all).
+    resize: str = "short"
+    # The short side of the model input ("short"; 520 is the weights' preset), or the
+    # side of the square ("fit").
     size: int = 520
+    # Masks of images up to this many pixels are made at the image's size on the device
+    # (the logits scaled bilinearly, then argmax: torchvision's pipeline); larger images
+    # get the argmax at model size scaled up nearest-neighbour. Each host slot holds at
+    # least this many bytes. With resize "fit" every mask is made at model size.
+    upsample_max_pixels: int = 40_000_000
     # Images per forward pass.
     batch_size: int = 16
     # Model precision: auto (fp16 on CUDA, fp32 on CPU), fp32, fp16 or bf16.
@@ -89,6 +109,12 @@ class SegmentConfig:
     overlay: bool = False
     # Weight of the class colour in overlays (0..1).
     overlay_alpha: float = 0.5
+    # Also write stats/*.parquet: a row per image (source, width, height, the share of
+    # its pixels of each class), resumable like the masks.
+    stats: bool = False
+    # Seconds between commits of each writer's rows (a killed run loses at most the rows
+    # of this long; their images are redone on resume). Fewer seconds, more part files.
+    stats_commit_seconds: float = 10.0
     # Redo images whose mask exists (otherwise they are skipped: resume).
     overwrite: bool = False
     # Images with more pixels are skipped with a reason (0: no limit).
@@ -96,12 +122,17 @@ class SegmentConfig:
 
     def validate(self) -> None:
         checks = [
-            (self.size >= 32, f"size={self.size}: must be at least 32 (DeepLabV3 downsamples 8x)"),
+            (self.size >= 32, f"size={self.size}: must be at least 32 (the models downsample 8x or more)"),
+            (self.resize in RESIZE_MODES, f"resize={self.resize!r}: choose {' or '.join(RESIZE_MODES)}"),
+            (self.upsample_max_pixels >= 0,
+             f"upsample_max_pixels={self.upsample_max_pixels}: must be 0 (never) or more"),
             (self.batch_size >= 1, f"batch_size={self.batch_size}: must be at least 1"),
             (self.num_workers >= -1, f"num_workers={self.num_workers}: must be -1 (auto), 0 or more"),
             (self.num_consumers >= 1, f"num_consumers={self.num_consumers}: must be at least 1"),
             (self.num_slots >= 0, f"num_slots={self.num_slots}: must be 0 (auto) or more"),
             (self.max_pixels >= 0, f"max_pixels={self.max_pixels}: must be 0 (no limit) or more"),
+            (self.stats_commit_seconds >= 0,
+             f"stats_commit_seconds={self.stats_commit_seconds}: must be 0 or more"),
             (0.0 <= self.overlay_alpha <= 1.0, f"overlay_alpha={self.overlay_alpha}: must be in 0..1"),
             (self.dtype == "auto" or self.dtype in DTYPES,
              f"dtype={self.dtype!r}: choose auto, {', '.join(DTYPES)}"),
@@ -123,6 +154,7 @@ def list_inputs(config: SegmentConfig, report: SkipReport) -> tuple[list[tuple[s
     suffixes = ([MASK_SUFFIX] + [LOGITS_SUFFIX] * config.save_logits
                 + [OVERLAY_SUFFIX] * config.overlay)
     present = _FolderNames(str(out))
+    with_row = stats_sources(out) if config.stats and not config.overwrite else set()
     single = root.is_file()
     prefix = "" if str(root) == "." else os.path.join(str(root), "")  # walk_files' paths start so
     todo, done = [], 0
@@ -138,7 +170,8 @@ def list_inputs(config: SegmentConfig, report: SkipReport) -> tuple[list[tuple[s
         else:
             rel = path.relative_to(root).as_posix()
         folder, name = posixpath.split(rel)
-        if not config.overwrite and all(present.has(folder, name + s) for s in suffixes):
+        if (not config.overwrite and all(present.has(folder, name + s) for s in suffixes)
+                and (not config.stats or rel in with_row)):
             done += 1
         else:
             todo.append((rel, full))
@@ -168,8 +201,10 @@ class _FolderNames:
 def remove_stale_tmp_files(out: Path, todo: list[tuple[str, str]]) -> None:
     """Delete the temporary files (``.<name>.tmp-<pid>``, see ``atomic_write_bytes``) that a
     killed run left half-written in ``out`` and in the folders of the images still to do
-    (an image whose write was cut is one of those: its mask, written last, is missing)."""
-    for folder in {os.path.join(out, sub) for sub in {""} | {posixpath.dirname(rel) for rel, _ in todo}}:
+    (an image whose write was cut is one of those: its mask, written last, is missing), and
+    in the statistics folder."""
+    subs = {"", STATS_DIR} | {posixpath.dirname(rel) for rel, _ in todo}
+    for folder in {os.path.join(out, sub) for sub in subs}:
         if through_link(out, folder):  # never delete through a link: it may lead out of ``out``
             continue
         try:
@@ -202,6 +237,8 @@ def segment(config: SegmentConfig, progress: bool = True, timeline: str | None =
     try:
         todo, already = list_inputs(config, report)
         remove_stale_tmp_files(out, todo)
+        if config.stats and config.overwrite and todo:
+            drop_stats_rows(out, {rel for rel, _ in todo})
         phases["list_s"] = time.perf_counter() - t0
         summary = {"images": len(todo) + already, "already_done": already, "written": 0}
         if todo and device is None:
@@ -225,6 +262,41 @@ def segment(config: SegmentConfig, progress: bool = True, timeline: str | None =
     return summary
 
 
+def slot_spec(config: SegmentConfig, num_classes: int) -> dict:
+    """The flat arrays of one host slot: room for a full batch at the largest model input,
+    and for at least one mask of ``upsample_max_pixels`` (a batch that does not fit is
+    handed over in several parts, see ``_parts``)."""
+    square = config.size * config.size
+    if config.resize == "fit":
+        masks, logits = config.batch_size * square, config.batch_size * num_classes * square
+    else:
+        masks = max(config.batch_size * LONG_SIDE_LIMIT * square, config.upsample_max_pixels)
+        logits = max(config.batch_size, LONG_SIDE_LIMIT) * num_classes * square
+    spec = {"mask": ((masks,), "uint8")}
+    if config.save_logits:
+        spec["logits"] = ((logits,), "float16")
+    return spec
+
+
+def _parts(metas: list[ImageMeta], masks: list[torch.Tensor], logits: list[torch.Tensor] | None,
+           spec: dict) -> Iterator[tuple[tuple[ImageMeta, ...], dict[str, torch.Tensor]]]:
+    """The flat arrays of a batch in as few parts as fit a slot, images in order."""
+    room = {name: shape[0] for name, (shape, _) in spec.items()}
+    start, used = 0, dict.fromkeys(room, 0)
+    for i in range(len(metas) + 1):
+        sizes = {} if i == len(metas) else {"mask": masks[i].numel(),
+                                             **({"logits": logits[i].numel()} if logits else {})}
+        if i == len(metas) or any(used[k] + n > room[k] for k, n in sizes.items()):
+            if i > start:
+                arrays = {"mask": torch.cat([m.reshape(-1) for m in masks[start:i]])}
+                if logits:
+                    arrays["logits"] = torch.cat([lg.reshape(-1) for lg in logits[start:i]])
+                yield tuple(metas[start:i]), arrays
+            start, used = i, dict.fromkeys(room, 0)
+        for k, n in sizes.items():
+            used[k] += n
+
+
 def run_on_device(config: SegmentConfig, device: torch.device, todo: list[tuple[str, str]],
                   report: SkipReport, progress: bool = False, timeline: str | None = None,
                   on_images=None, processes: int = 1) -> dict:
@@ -234,37 +306,51 @@ def run_on_device(config: SegmentConfig, device: torch.device, todo: list[tuple[
     among them: where this process's time went (model load; starting the decoding workers
     and the engine; waiting for the first batch and for later ones, where the decoders are
     the bound; the first forward, which includes CUDA's lazy set-up; the others with
-    their hand-over to the engine; closing, the consumers' last masks)."""
+    their hand-over to the engine; closing, the consumers' last masks), and
+    ``batch_shapes``: how many batches of each size and model input shape ran."""
     t0 = time.perf_counter()
     timing = dict.fromkeys(("load_model_s", "start_s", "first_batch_s", "first_forward_s",
                             "input_wait_s", "forward_submit_s", "close_s"), 0.0)
     loaded = load_segmentation_model(config.arch, config.weights, config.num_classes,
                                      config.random_weights)
+    prep = loaded.preprocessing(config.resize, config.size)
+    full_max = config.upsample_max_pixels if config.resize == "short" else 0
+    write_labels(config.out, labels_info(loaded.arch, loaded.source, loaded.categories,
+                                         prep.describe(), full_max, loaded.preset),
+                 replace=config.overwrite)
     segmenter = Segmenter(loaded, device, config.dtype)
     # cuDNN's algorithm search (torch.backends.cudnn.benchmark) stays off: on an H200 it
     # found no faster kernels for DeepLabV3-ResNet50 at batch 16 (fp16 741 against 739
     # images/s, fp32 392 against 392) and cost 1.6-3.6 s (fp16) and 12 s (fp32) at the
-    # start of every process.
+    # start of every process, and it would search again for every new input shape.
     t_loaded = time.perf_counter()
     timing["load_model_s"] = t_loaded - t0
     workers = min(share_of_cpus(config.num_workers, processes), -(-len(todo) // config.batch_size))
     loader = DataLoader(
-        ImageFileDataset(todo, config.size, config.max_pixels or None),
-        batch_size=config.batch_size, num_workers=workers,
-        collate_fn=collate_images, pin_memory=device.type == "cuda",
+        ImageFileDataset(todo, prep, config.max_pixels or None),
+        # short: whole pictures travel (up to 16x a model input each), so a worker's
+        # chunk is a quarter batch; regroup makes the batches
+        batch_size=config.batch_size if config.resize == "fit" else max(1, config.batch_size // 4),
+        num_workers=workers,
+        collate_fn=functools.partial(collate_images, resize=config.resize),
+        pin_memory=device.type == "cuda",
         persistent_workers=False, worker_init_fn=functools.partial(exit_with_parent, os.getpid()),
         multiprocessing_context=loader_context() if workers else None)
-    spec = {"mask": ((config.batch_size, config.size, config.size), "uint8")}
-    if config.save_logits:
-        spec["logits"] = ((config.batch_size, loaded.num_classes, config.size, config.size), "float16")
+    spec = slot_spec(config, loaded.num_classes)
     factory = MaskSinkFactory(str(config.out), config.save_logits, config.overlay,
-                              config.overlay_alpha, config.max_pixels or None)
+                              config.overlay_alpha, config.max_pixels or None,
+                              num_classes=loaded.num_classes, stats=config.stats,
+                              categories=tuple(loaded.categories),
+                              stats_commit_seconds=config.stats_commit_seconds)
     # Start the decoding workers (fork) before the engine starts its threads.
-    batches = iter(loader)
+    batches = regroup(iter(loader), config.batch_size, max_waiting=4 * config.batch_size)
 
     def send(batch: ImageBatch) -> torch.Tensor | None:
-        return None if batch.pixels is None else batch.pixels.to(device, non_blocking=True)
+        if not batch.groups:
+            return None
+        return segmenter.model_input([pixels for pixels, _, _ in batch.groups], batch.groups[0][2])
 
+    shapes: Counter = Counter()
     engine = EgressEngine(factory, num_consumers=config.num_consumers,
                           num_slots=config.num_slots or None, device=str(device), slot_spec=spec)
     # disable=None: a bar on a terminal only, never in logs or pipes.
@@ -281,13 +367,17 @@ def run_on_device(config: SegmentConfig, device: torch.device, todo: list[tuple[
             for bad in batch.bad:
                 report.add(bad.path, bad.reason, stage="read")
             if pixels is not None:
+                shapes[tuple(pixels.shape[:1]) + tuple(pixels.shape[2:])] += 1
                 engine.mark_compute_start()
                 with annotate("segment forward", "compute"):
                     logits = segmenter.logits(pixels)
-                    outputs = {"mask": segmenter.masks(logits)}
+                    masks, metas = segmenter.image_masks(logits, batch.items, full_max)
+                    crops = None
                     if config.save_logits:
-                        outputs["logits"] = logits.to(torch.float16).contiguous()
-                engine.submit(batch.items, outputs)
+                        crops = [logits[i, :, :m.content_height, :m.content_width].to(torch.float16)
+                                 for i, m in enumerate(metas)]
+                for part_metas, arrays in _parts(metas, masks, crops, spec):
+                    engine.submit(part_metas, arrays)
                 timing["first_forward_s" if first_forward else "forward_submit_s"] += (
                     time.perf_counter() - t_got)
                 first_forward = False
@@ -301,15 +391,21 @@ def run_on_device(config: SegmentConfig, device: torch.device, todo: list[tuple[
 
         render_timeline(engine.stats.records, timeline, spans=engine.stats.spans,
                         title=f"segment {config.images} ({device}, {segmenter.dtype})")
-    written = 0
+    written = stats_rows = 0
     for result in engine.closed_results:
         if result:
             written += result["written"]
+            stats_rows += result.get("stats_rows", 0)
             for path, reason in result["failed"]:
                 report.add(path, reason, stage="overlay")
-    return {"written": written, "model": loaded.source, "num_classes": loaded.num_classes,
-            "device": str(device), "dtype": str(segmenter.dtype).replace("torch.", ""),
-            "engine": engine.stats.summary(), "timing": {k: round(v, 3) for k, v in timing.items()}}
+    summary = {"written": written, "model": loaded.source, "arch": loaded.arch,
+               "num_classes": loaded.num_classes, "device": str(device),
+               "dtype": str(segmenter.dtype).replace("torch.", ""), "resize": config.resize,
+               "batch_shapes": [[n, h, w, k] for (n, h, w), k in sorted(shapes.items())],
+               "engine": engine.stats.summary(), "timing": {k: round(v, 3) for k, v in timing.items()}}
+    if config.stats:
+        summary["stats_rows"] = stats_rows
+    return summary
 
 
 def segment_images(images: Iterable, config: SegmentConfig | None = None, *,
@@ -329,19 +425,29 @@ def segment_images(images: Iterable, config: SegmentConfig | None = None, *,
     if model is None:
         model = load_segmentation_model(config.arch, config.weights, config.num_classes,
                                         config.random_weights)
+    prep = model.preprocessing(config.resize, config.size)
     segmenter = Segmenter(model, device, config.dtype)
     masks: list[np.ndarray] = []
     pictures = iter(images)
     while chunk := list(itertools.islice(pictures, config.batch_size)):
-        prepared = [_prepare(picture, config.size, len(masks) + i) for i, picture in enumerate(chunk)]
-        pixels = torch.from_numpy(np.stack([p for p, _ in prepared]))
-        batch = segmenter.masks(segmenter.logits(pixels)).cpu().numpy()
-        masks += [restore_mask(m, meta) for m, (_, meta) in zip(batch, prepared, strict=True)]
+        prepared = [_prepare(picture, prep, len(masks) + i) for i, picture in enumerate(chunk)]
+        done: dict[int, np.ndarray] = {}
+        shapes: dict[tuple[int, ...], list[int]] = {}
+        for i, (pixels, meta) in enumerate(prepared):
+            shapes.setdefault(input_shape(meta, pixels, config.resize), []).append(i)
+        for size, index in shapes.items():
+            pixels = segmenter.model_input([prepared[i][0][None] for i in index], size)
+            logits = segmenter.logits(pixels)
+            got, metas = segmenter.image_masks(logits, [prepared[i][1] for i in index],
+                                               None if config.resize == "short" else 0)
+            for i, mask, meta in zip(index, got, metas, strict=True):
+                done[i] = restore_mask(mask.cpu().numpy(), meta)
+        masks += [done[i] for i in range(len(prepared))]
     return masks
 
 
-def _prepare(picture, size: int, index: int):
+def _prepare(picture, prep, index: int):
     try:
-        return prepare_picture(picture, size)
+        return prepare_picture(picture, prep)
     except ImageRejected as exc:
         raise ConfigError(f"image {index}: {exc.reason}") from exc

@@ -25,12 +25,21 @@ from ..report import passed_over_sentence
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.option("--weights", type=click.Path(exists=True, dir_okay=False),
               help="State dict or checkpoint. Default: torchvision's file in the torch hub cache.")
-@click.option("--arch", help="deeplabv3_resnet50 (default), deeplabv3_resnet101, "
-                             "deeplabv3_mobilenet_v3_large.")
+@click.option("--arch", help="Any torchvision segmentation model: deeplabv3_resnet50 (default), "
+                             "deeplabv3_resnet101, deeplabv3_mobilenet_v3_large, fcn_resnet50, "
+                             "fcn_resnet101, lraspp_mobilenet_v3_large.")
 @click.option("--num-classes", type=int, help="Classes of the weights (read from the file; a check).")
 @click.option("--random-weights/--no-random-weights", default=None,
               help="Use random weights when none are found (pipeline tests only).")
-@click.option("--size", type=int, help="Model input side; images are fitted, aspect kept, padded. [520]")
+@click.option("--resize", type=click.Choice(["short", "fit"]),
+              help="short: the weights' own preprocessing (short side to --size, no pad; "
+                   "images batched by shape); fit: fitted into a --size square, padded. [short]")
+@click.option("--size", type=int, help="Short side of the model input (short; the weights' "
+                                       "preset is 520), or the square's side (fit). [520]")
+@click.option("--upsample-max-pixels", type=int,
+              help="Images up to this many pixels get masks from logits scaled to their size "
+                   "(torchvision's pipeline); larger ones the model-size argmax scaled up "
+                   "nearest-neighbour. [40000000]")
 @click.option("--batch-size", type=int, help="Images per forward pass. [16]")
 @click.option("--dtype", type=click.Choice(["auto", "fp32", "fp16", "bf16"]),
               help="Model precision; auto is fp16 on CUDA, fp32 on CPU.")
@@ -47,14 +56,21 @@ from ..report import passed_over_sentence
 @click.option("--overlay/--no-overlay", default=None,
               help="Also write <image>.overlay.jpg, the classes blended over the image.")
 @click.option("--overlay-alpha", type=float, help="Weight of the class colours in overlays. [0.5]")
+@click.option("--stats/--no-stats", default=None,
+              help="Also write stats/*.parquet: a row per image (source, width, height, share "
+                   "of each class), resumable like the masks.")
+@click.option("--stats-commit-seconds", type=float,
+              help="Seconds between commits of each writer's stats rows (a killed run loses "
+                   "at most these; their images are redone). [10]")
 @click.option("--overwrite/--no-overwrite", default=None,
               help="Redo images whose mask exists (default: skip them, i.e. resume).")
 @click.option("--max-pixels", type=int, help="Skip larger images with a reason; 0: no limit.")
 @click.option("--timeline", type=click.Path(dir_okay=False),
               help="Write a PNG timeline of the last batches (compute, copies, consumers).")
 def segment_command(images, config_path, as_json, timeline, **options) -> None:
-    """DeepLabV3 over the images under IMAGES (or one image): a PNG mask per image, at
-    the image's own size, in OUT.
+    """A torchvision segmentation model over the images under IMAGES (or one image): a PNG
+    mask per image, at the image's own size, in OUT, with OUT/labels.json saying what the
+    values mean.
 
     Re-running skips images whose mask exists. Exit status: 0 all images done; 3 finished
     but some images were skipped (see skipped.jsonl in OUT); 1 error; 130 interrupted

@@ -49,8 +49,11 @@ def segment_on_devices(devices: list[str], config, todo: list[tuple[str, str]],
         report.entries.extend(r["skipped"])
     first = results[0]["summary"]
     return {"written": sum(r["summary"]["written"] for r in results), "model": first["model"],
-            "num_classes": first["num_classes"], "device": ",".join(used), "dtype": first["dtype"],
-            "engine": {"per_device": [r["summary"]["engine"] | {"device": d, "timing": r["summary"]["timing"]}
+            "arch": first["arch"], "num_classes": first["num_classes"], "device": ",".join(used),
+            "dtype": first["dtype"], "resize": first["resize"],
+            **({"stats_rows": sum(r["summary"]["stats_rows"] for r in results)} if config.stats else {}),
+            "engine": {"per_device": [r["summary"]["engine"] | {"device": d, "timing": r["summary"]["timing"],
+                                                                "batch_shapes": r["summary"]["batch_shapes"]}
                                       for d, r in zip(used, results)]}}
 
 

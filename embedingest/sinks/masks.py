@@ -1,16 +1,23 @@
-"""The mask sink: segmentation outputs to PNG masks (and optional logits and overlays) on disk.
+"""The mask sink: segmentation outputs to PNG masks (and optional logits, overlays and
+per-image statistics) on disk, and the folder's ``labels.json``.
 
-It runs inside the engine's consumer processes, so it imports numpy and Pillow only.
-Per image it writes, under ``out`` and mirroring the input tree (the source file name
-is kept whole, so ``a.jpg`` and ``a.png`` in one folder never share an output):
+It runs inside the engine's consumer processes, so it imports numpy and Pillow only
+(pyarrow too, with statistics). A batch arrives flat: ``mask`` is the images' masks one
+after the other (each ``width x height`` bytes when the job made it at the image's size,
+``meta.full_mask``, else ``content_width x content_height`` at model size), ``logits``
+likewise ``C x content_height x content_width`` float16 values each. Per image it
+writes, under ``out`` and mirroring the input tree (the source file name is kept whole,
+so ``a.jpg`` and ``a.png`` in one folder never share an output):
 
 * ``<rel>.png``: class index per pixel, mode "P" with the PASCAL VOC palette, at the
-  image's own width and height (nearest-neighbour, so every value is a real class);
+  image's own width and height (a model-size mask is scaled nearest-neighbour, so
+  every value is a real class);
 * ``<rel>.logits.npy`` (``save_logits``): float16 [C, h, w] per-class scores at model
-  resolution, cropped to the image part of the letterboxed input (upscaling C planes
-  to the original size would multiply the bytes for no information);
+  resolution, the image part of the input (upscaling C planes to the original size
+  would multiply the bytes for no information);
 * ``<rel>.overlay.jpg`` (``overlay``): the original, re-read from disk, with non-background
-  classes blended in their palette colour.
+  classes blended in their palette colour;
+* a row in ``stats/`` (``stats``, see ``mask_stats``), after the mask.
 
 Every file goes through a temporary name, is checked to be whole and is ``os.replace``d
 (``embedingest.outfiles``), and the mask is written last, so an existing mask means the
@@ -21,16 +28,20 @@ sink writes through: a mask never lands outside ``out``.
 from __future__ import annotations
 
 import io
+import json
 import os
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
+from ..errors import ConfigError
 from ..outfiles import atomic_write_bytes, ensure_folder
 from ..sources.image_decode import ImageMeta, ImageRejected, open_rgb
 
+LABELS_FILE = "labels.json"
 MASK_SUFFIX = ".png"
 LOGITS_SUFFIX = ".logits.npy"
 OVERLAY_SUFFIX = ".overlay.jpg"
@@ -62,7 +73,10 @@ def output_paths(out: str | os.PathLike, rel_path: str) -> dict[str, Path]:
 
 
 def restore_mask(mask: np.ndarray, meta: ImageMeta) -> np.ndarray:
-    """Crop the pad off a model-size mask and scale it to the image's own size (nearest)."""
+    """Crop the pad off a model-size mask and scale it to the image's own size (nearest);
+    a mask already at the image's size (``meta.full_mask``) is returned as it is."""
+    if meta.full_mask:
+        return mask
     mask = mask[:meta.content_height, :meta.content_width]
     if mask.shape != (meta.height, meta.width):
         mask = np.asarray(Image.fromarray(np.ascontiguousarray(mask)).resize(
@@ -90,6 +104,68 @@ def _encode(im: Image.Image, fmt: str, **params) -> bytes:
     return buf.getvalue()
 
 
+def split_flat(flat: np.ndarray, metas: Sequence[ImageMeta], per_pixel: int = 1,
+               full: bool = True) -> list[np.ndarray]:
+    """The per-image arrays of a flat batch (see the module docstring): masks
+    (``per_pixel`` 1) at the image's size where ``full`` and the meta say so, or
+    ``per_pixel`` planes at model size."""
+    out, offset = [], 0
+    for m in metas:
+        if full and m.full_mask:
+            shape = (m.height, m.width)
+        else:
+            shape = (per_pixel, m.content_height, m.content_width) if per_pixel > 1 else \
+                (m.content_height, m.content_width)
+        n = int(np.prod(shape))
+        if offset + n > len(flat):
+            raise ValueError(f"a batch of {len(flat)} values is short of its {len(metas)} images' "
+                             f"{offset + n} or more")
+        out.append(flat[offset:offset + n].reshape(shape))
+        offset += n
+    return out
+
+
+def labels_info(arch: str, weights: str, categories: Sequence[str], preprocessing: dict,
+                full_max_pixels: int | None, preset: str = "") -> dict:
+    """What the values of the masks mean and how they were made: ``labels.json``."""
+    n = len(categories)
+    masks = {"format": "PNG, mode P: the class index of each pixel, at the image's own size, "
+                       "with the palette below",
+             "resize": ("the logits scaled bilinearly to the image's size, then the argmax "
+                        f"(images over {full_max_pixels} pixels: the argmax at model size "
+                        "scaled nearest-neighbour)") if full_max_pixels else
+                       "the argmax at model size, the pad cropped, scaled nearest-neighbour"}
+    return {"arch": arch, "weights": weights, "weights_preset": preset, "num_classes": n,
+            "categories": list(categories),
+            "palette": [VOC_PALETTE[3 * i:3 * i + 3] for i in range(n)],
+            "preprocessing": preprocessing, "masks": masks}
+
+
+# What must agree for masks of one folder to mean the same: resuming into a folder made
+# with another model or preprocessing would mix two kinds of mask.
+_LABELS_MUST_MATCH = ("arch", "num_classes", "categories", "preprocessing", "masks")
+
+
+def write_labels(out: str | os.PathLike, info: dict, replace: bool = False) -> Path:
+    """Write ``labels.json`` (atomically); refuse a folder whose labels differ, unless ``replace``."""
+    path = Path(out) / LABELS_FILE
+    if path.exists() and not replace:
+        try:
+            old = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"{path} is unreadable ({exc}); remove it or pass --overwrite") from exc
+        differ = [k for k in _LABELS_MUST_MATCH if old.get(k) != info.get(k)]
+        if differ:
+            raise ConfigError(
+                f"{out} holds masks made with other settings ({', '.join(differ)} differ: "
+                f"{', '.join(f'{k}={old.get(k)!r}' for k in differ[:2])}); use another --out, "
+                "or --overwrite to redo every image")
+        if old == info:
+            return path
+    atomic_write_bytes(path, (json.dumps(info, indent=2) + "\n").encode())
+    return path
+
+
 @dataclass
 class MaskSinkFactory:
     """Picklable: the engine sends it to each consumer and calls it there once."""
@@ -103,6 +179,12 @@ class MaskSinkFactory:
     # zlib level of the mask PNGs: masks are flat regions, level 1 is within a few
     # percent of level 9 in size and several times faster to encode.
     png_compress_level: int = 1
+    # Classes of the logits (to split a flat batch of them).
+    num_classes: int = 0
+    # Write a row per image to stats/ (category names of the columns).
+    stats: bool = False
+    categories: tuple[str, ...] = field(default_factory=tuple)
+    stats_commit_seconds: float = 10.0
 
     def __call__(self, worker_index: int) -> MaskSink:
         return MaskSink(self)
@@ -120,12 +202,22 @@ class MaskSink:
         self.written = 0
         self.failed: list[tuple[str, str]] = []
         self._folders: set[Path] = set()
+        self.stats = None
+        if factory.stats:
+            from .mask_stats import StatsWriter
+
+            self.stats = StatsWriter(factory.out, factory.categories,
+                                     seconds=factory.stats_commit_seconds)
 
     def __call__(self, batch_id: tuple[ImageMeta, ...], arrays: dict[str, np.ndarray]) -> None:
-        masks = arrays.get("mask")
         logits = arrays.get("logits")
+        if logits is not None:
+            logits = split_flat(logits, batch_id, self.cfg.num_classes, full=False)
+        masks = arrays.get("mask")
         if masks is None:
-            masks = logits.argmax(axis=1).astype(np.uint8)
+            masks = [lg.argmax(axis=0).astype(np.uint8) for lg in logits]
+        else:
+            masks = split_flat(masks, batch_id)
         for i, meta in enumerate(batch_id):
             self._write_one(meta, masks[i], None if logits is None else logits[i])
 
@@ -137,16 +229,16 @@ class MaskSink:
             self._folders.add(folder)
         full = restore_mask(mask, meta)
         if self.cfg.save_logits and logits is not None:
-            crop = np.ascontiguousarray(logits[:, :meta.content_height, :meta.content_width],
-                                        dtype=np.float16)
             buf = io.BytesIO()
-            np.save(buf, crop)
+            np.save(buf, np.ascontiguousarray(logits, dtype=np.float16))
             atomic_write_bytes(paths["logits"], buf.getvalue())
         if self.cfg.overlay:
             self._write_overlay(meta, full, paths["overlay"])
         atomic_write_bytes(paths["mask"], _encode(
             mask_image(full), "PNG", compress_level=self.cfg.png_compress_level))
         self.written += 1
+        if self.stats is not None:
+            self.stats.add(meta.rel_path, full)
 
     def _write_overlay(self, meta: ImageMeta, mask: np.ndarray, path: Path) -> None:
         try:
@@ -162,4 +254,7 @@ class MaskSink:
                                          "JPEG", quality=90))
 
     def close(self) -> dict:
-        return {"written": self.written, "failed": self.failed}
+        if self.stats is not None:
+            self.stats.close()
+        return {"written": self.written, "failed": self.failed,
+                "stats_rows": self.stats.committed if self.stats is not None else 0}

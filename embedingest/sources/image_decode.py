@@ -2,14 +2,17 @@
 
 This module never imports torch: the mask sink re-reads originals with it inside the
 engine's consumer processes, so the overlay shows exactly the picture the model saw
-(same EXIF rotation, same mode conversion).
+(same EXIF rotation, same mode conversion). The resize that follows decoding is in
+``sources.images`` (it is torchvision's own, in the DataLoader workers).
 
-Geometry: the whole image is scaled to fit a ``size`` x ``size`` square, aspect ratio
-kept, and padded right and bottom with the normalisation mean (zero after
-normalising). A centre crop would leave parts of the image without a mask, and a
-stretch would show the model shapes it was never trained on; the pad costs some
-compute on very wide or tall images and is cropped off again before the mask is scaled
-back to the image's own size.
+Two geometries (:class:`Preprocessing`):
+
+* ``short`` (the default): the weights' own preset, torchvision's ``Resize(size)``: the
+  short side becomes ``size``, aspect kept, no pad, so images of different aspect
+  ratios have different model input shapes (the job batches images of one shape);
+* ``fit``: the whole image is scaled to fit a ``size`` x ``size`` square, aspect kept,
+  and padded right and bottom with the normalisation mean. One shape for every image;
+  the pad is cropped off again before the mask is scaled back to the image's size.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -42,6 +46,57 @@ _SIXTEEN_BIT = {"I;16", "I;16L", "I;16B", "I;16N", "I"}
 _ROTATED = {5, 6, 7, 8}
 
 
+# In ``short`` mode the long side of the model input is capped at this many times
+# ``size`` (torchvision's ``Resize(max_size=...)``): only panoramas wider than 4:1 are
+# affected, and the host slots can be sized for the largest input.
+LONG_SIDE_LIMIT = 4
+
+RESIZE_MODES = ("short", "fit")
+
+# In ``short`` mode a picture of up to this many times ``size``² pixels (4.3 MP at 520)
+# goes to the device whole and is resized there; a larger one is resized in the worker
+# (the same torchvision function, slower there), so what the DataLoader holds in flight
+# stays bounded whatever the photographs' size.
+DEVICE_RESIZE_FACTOR = 16
+
+
+@dataclass(frozen=True)
+class Preprocessing:
+    """How a decoded picture becomes the model input; written to labels.json.
+
+    ``short`` is torchvision's ``SemanticSegmentation`` preset of the weights (resize of the
+    short side with antialiasing, ``ToTensor``, normalisation with ``mean``/``std``);
+    ``fit`` the letterbox into a ``size`` square.
+    """
+
+    resize: str = "short"
+    size: int = 520
+    mean: tuple[float, ...] = (0.485, 0.456, 0.406)
+    std: tuple[float, ...] = (0.229, 0.224, 0.225)
+    interpolation: str = "bilinear"
+    antialias: bool = True
+
+    @property
+    def max_size(self) -> int | None:
+        """The cap on the long side in ``short`` mode (``Resize(max_size=...)``)."""
+        return LONG_SIDE_LIMIT * self.size if self.resize == "short" else None
+
+    @property
+    def device_resize_max_pixels(self) -> int:
+        return DEVICE_RESIZE_FACTOR * self.size * self.size
+
+    def model_size(self, width: int, height: int) -> tuple[int, int]:
+        """(width, height) of the image part of the model input for an image of this size."""
+        if self.resize == "fit":
+            return content_size(width, height, self.size)
+        return short_side_size(width, height, self.size, self.max_size)
+
+    def describe(self) -> dict:
+        return {"resize": self.resize, "size": self.size, "max_size": self.max_size,
+                "interpolation": self.interpolation, "antialias": self.antialias,
+                "mean": list(self.mean), "std": list(self.std)}
+
+
 class ImageMeta(NamedTuple):
     """What a sink needs to put one image's mask back on the image's own pixels."""
 
@@ -49,8 +104,11 @@ class ImageMeta(NamedTuple):
     path: str            # the source file, re-read for overlays
     width: int           # the image's size after EXIF rotation: the mask's size
     height: int
-    content_width: int   # the part of the size x size model input that is image, not pad
+    content_width: int   # the part of the model input that is image, not pad
     content_height: int
+    # Set by the job: the mask handed to the sink is already width x height (else it is
+    # content_width x content_height, and the sink scales it up nearest-neighbour).
+    full_mask: bool = False
 
 
 class ImageRejected(Exception):
@@ -65,6 +123,17 @@ def content_size(width: int, height: int, size: int) -> tuple[int, int]:
     """Size of the image inside the ``size`` square: longer side ``size``, aspect kept."""
     scale = size / max(width, height)
     return max(1, min(size, round(width * scale))), max(1, min(size, round(height * scale)))
+
+
+def short_side_size(width: int, height: int, size: int, max_size: int | None = None) -> tuple[int, int]:
+    """torchvision's ``Resize([size], max_size=max_size)`` output (width, height): the short
+    side ``size``, the long side truncated (``int``), both at least 1."""
+    short, long = (width, height) if width <= height else (height, width)
+    new_short, new_long = size, int(size * long / short)
+    if max_size is not None and new_long > max_size:
+        new_short, new_long = int(max_size * new_short / new_long), max_size
+    new_short = max(1, new_short)
+    return (new_short, new_long) if width <= height else (new_long, new_short)
 
 
 @contextlib.contextmanager
@@ -169,17 +238,9 @@ def letterbox(im: Image.Image, original: tuple[int, int], size: int) -> tuple[np
     return canvas, (cw, ch)
 
 
-def prepare_file(rel_path: str, path: str, size: int,
-                 max_pixels: int | None = DEFAULT_MAX_PIXELS) -> tuple[np.ndarray, ImageMeta]:
-    """Decode and letterbox one file; raises :class:`ImageRejected` with the reason."""
-    im, (width, height) = open_rgb(path, max_pixels, fit=size)
-    pixels, (cw, ch) = letterbox(im, (width, height), size)
-    return pixels, ImageMeta(rel_path, str(path), width, height, cw, ch)
-
-
-def prepare_picture(picture, size: int, name: str = "") -> tuple[np.ndarray, ImageMeta]:
-    """Letterbox an in-memory picture: a PIL image (any mode, already upright: no EXIF
-    rotation is applied), or a uint8 or uint16 array shaped H x W, H x W x 3 or H x W x 4."""
+def picture_rgb(picture) -> Image.Image:
+    """An in-memory picture as an RGB image: a PIL image (any mode, already upright: no
+    EXIF rotation is applied), or a uint8 or uint16 array shaped H x W, H x W x 3 or H x W x 4."""
     if not isinstance(picture, Image.Image):
         a = np.asarray(picture)
         if a.dtype == np.uint16:
@@ -189,6 +250,4 @@ def prepare_picture(picture, size: int, name: str = "") -> tuple[np.ndarray, Ima
                 f"unsupported array: dtype {a.dtype}, shape {a.shape}; "
                 "pass uint8 or uint16 shaped HxW, HxWx3 or HxWx4")
         picture = Image.fromarray(a)
-    im = to_rgb(picture)
-    pixels, (cw, ch) = letterbox(im, im.size, size)
-    return pixels, ImageMeta(name, "", im.width, im.height, cw, ch)
+    return to_rgb(picture)

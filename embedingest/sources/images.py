@@ -1,33 +1,44 @@
-"""A torch Dataset over image files that decodes in DataLoader workers and never raises.
+"""A torch Dataset over image files that decodes in DataLoader workers and never raises,
+and the regrouping of decoded images into batches of one model input shape.
 
-Each item is the letterboxed picture as uint8 H x W x 3 (see ``image_decode`` for the
-geometry). Normalisation happens on the device (``stages.segmentation``): uint8 is a
-quarter of the bytes of float32 through pinned memory and the host-to-device copy, and
-H x W x C is already channels-last once permuted on the GPU.
+Each item is a uint8 [H, W, 3] picture and its meta (see ``image_decode`` for the two
+geometries): in ``fit`` mode the letterboxed square itself; in the default ``short``
+mode the decoded image at its own size, which the device resizes to the model input
+(``stages.segmentation``) with torchvision's own ``resize`` and the preset's arguments:
+exactly what ``weights.transforms()`` computes, and on a GPU a fraction of a millisecond
+where a CPU worker spends tens (the antialiased float resize of a photo). Pictures over
+16 times the model input's square are resized in the worker instead (the same call), so
+the pictures in flight stay small. Normalisation
+happens on the device too: uint8 is a quarter of the bytes of float32 through pinned
+memory and the host-to-device copy.
 
 A file that cannot be used becomes a :class:`BadImage` with the reason;
-:func:`collate_images` drops those from the tensor batch and carries them to the main
+:func:`collate_images` drops those from the tensors and carries them to the main
 process, which writes them to the skip report.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 import torch
+import numpy as np
+from PIL import Image
 from torch.utils.data import Dataset
+from torchvision.transforms import InterpolationMode
+from torchvision.transforms import functional as TF
 
 from .image_decode import (DEFAULT_MAX_PIXELS, IMAGE_EXTENSIONS, ImageMeta, ImageRejected,
-                           prepare_file)
+                           Preprocessing, letterbox, open_rgb, picture_rgb)
 
 __all__ = ["IMAGE_EXTENSIONS", "BadImage", "ImageBatch", "ImageFileDataset", "LoadedImage",
-           "collate_images"]
+           "collate_images", "model_input", "prepare_file", "prepare_picture", "regroup"]
 
 
 class LoadedImage(NamedTuple):
-    pixels: torch.Tensor   # uint8 [size, size, 3]
-    meta: ImageMeta
+    pixels: torch.Tensor   # uint8 [H, W, 3]: the decoded image (short) or the square (fit)
+    meta: ImageMeta        # content_width x content_height: the model input (short)
 
 
 class BadImage(NamedTuple):
@@ -36,32 +47,86 @@ class BadImage(NamedTuple):
     reason: str
 
 
-class ImageBatch:
-    """The good images of one batch, stacked, and the bad ones with their reasons."""
+def model_input(im: Image.Image, original: tuple[int, int], prep: Preprocessing
+                ) -> tuple[torch.Tensor, tuple[int, int]]:
+    """The uint8 [H, W, 3] picture handed to the device for an upright RGB picture of
+    ``original`` size (in ``fit`` mode possibly a smaller JPEG draft of it), and the
+    (width, height) of its image part of the model input. In ``short`` mode a picture
+    over ``prep.device_resize_max_pixels`` is resized here, by the same torchvision call
+    the device makes (``Segmenter.model_input``)."""
+    if prep.resize == "fit":
+        canvas, content = letterbox(im, original, prep.size)
+        return torch.from_numpy(canvas), content
+    w, h = prep.model_size(*original)
+    if im.width * im.height <= prep.device_resize_max_pixels:
+        return torch.from_numpy(np.array(im)), (w, h)
+    pixels = TF.resize(TF.pil_to_tensor(im), [h, w], interpolation=InterpolationMode(prep.interpolation),
+                       antialias=prep.antialias)
+    return pixels.permute(1, 2, 0).contiguous(), (w, h)
 
-    def __init__(self, pixels: torch.Tensor | None, items: tuple[ImageMeta, ...],
-                 bad: tuple[BadImage, ...]):
-        self.pixels = pixels   # uint8 [n, size, size, 3], None when every image was bad
-        self.items = items
+
+def prepare_file(rel_path: str, path: str, prep: Preprocessing,
+                 max_pixels: int | None = DEFAULT_MAX_PIXELS) -> tuple[torch.Tensor, ImageMeta]:
+    """Decode one file (and letterbox it in ``fit`` mode); raises :class:`ImageRejected`
+    with the reason.
+
+    Only ``fit`` mode decodes JPEGs at a reduced scale (``draft``): it changes the pixels,
+    so the preset's mode decodes every image whole."""
+    im, (width, height) = open_rgb(path, max_pixels, fit=prep.size if prep.resize == "fit" else None)
+    pixels, (cw, ch) = model_input(im, (width, height), prep)
+    return pixels, ImageMeta(rel_path, str(path), width, height, cw, ch)
+
+
+def prepare_picture(picture, prep: Preprocessing, name: str = "") -> tuple[torch.Tensor, ImageMeta]:
+    """An in-memory picture as :func:`prepare_file` makes a file (see
+    ``image_decode.picture_rgb`` for what it may be)."""
+    im = picture_rgb(picture)
+    pixels, (cw, ch) = model_input(im, im.size, prep)
+    return pixels, ImageMeta(name, "", im.width, im.height, cw, ch)
+
+
+Group = tuple[torch.Tensor, tuple[ImageMeta, ...], tuple[int, int]]
+
+
+def input_shape(meta: ImageMeta, pixels: torch.Tensor, prep_resize: str) -> tuple[int, int]:
+    """(height, width) of the model input of an image."""
+    if prep_resize == "fit":
+        return tuple(pixels.shape[-3:-1])
+    return meta.content_height, meta.content_width
+
+
+class ImageBatch:
+    """Good images grouped by model input shape, and the bad ones with their reasons."""
+
+    def __init__(self, groups: Sequence[Group], bad: tuple[BadImage, ...] = ()):
+        # (uint8 [n, H, W, 3] pictures of one size, their metas, the model input (h, w))
+        self.groups = list(groups)
         self.bad = bad
 
+    @property
+    def items(self) -> tuple[ImageMeta, ...]:
+        return tuple(m for _, metas, _ in self.groups for m in metas)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(pixels.nbytes for pixels, _, _ in self.groups)
+
     def __len__(self) -> int:
-        return len(self.items)
+        return sum(len(metas) for _, metas, _ in self.groups)
 
     def pin_memory(self, *args) -> ImageBatch:
         """Called by the DataLoader's pin thread (``pin_memory=True``)."""
-        if self.pixels is not None:
-            self.pixels = self.pixels.pin_memory()
+        self.groups = [(pixels.pin_memory(), metas, hw) for pixels, metas, hw in self.groups]
         return self
 
 
 class ImageFileDataset(Dataset):
     """Images from ``files``, a sequence of (rel_path, path) pairs."""
 
-    def __init__(self, files: Sequence[tuple[str, str]], size: int,
+    def __init__(self, files: Sequence[tuple[str, str]], prep: Preprocessing,
                  max_pixels: int | None = DEFAULT_MAX_PIXELS):
         self.files = files
-        self.size = size
+        self.prep = prep
         self.max_pixels = max_pixels
 
     def __len__(self) -> int:
@@ -70,14 +135,78 @@ class ImageFileDataset(Dataset):
     def __getitem__(self, index: int) -> LoadedImage | BadImage:
         rel_path, path = self.files[index]
         try:
-            pixels, meta = prepare_file(rel_path, str(path), self.size, self.max_pixels)
+            pixels, meta = prepare_file(rel_path, str(path), self.prep, self.max_pixels)
         except ImageRejected as exc:
             return BadImage(rel_path, str(path), exc.reason)
-        return LoadedImage(torch.from_numpy(pixels), meta)
+        return LoadedImage(pixels, meta)
 
 
-def collate_images(samples: Sequence[LoadedImage | BadImage]) -> ImageBatch:
-    good = [s for s in samples if isinstance(s, LoadedImage)]
-    bad = tuple(s for s in samples if isinstance(s, BadImage))
-    pixels = torch.stack([s.pixels for s in good]) if good else None
-    return ImageBatch(pixels, tuple(s.meta for s in good), bad)
+def collate_images(samples: Sequence[LoadedImage | BadImage], resize: str = "short") -> ImageBatch:
+    """Stack the good images of each picture size and model input shape (in the worker:
+    one tensor per group crosses to the main process) and carry the bad ones."""
+    groups: dict[tuple, list[LoadedImage]] = {}
+    for s in samples:
+        if isinstance(s, LoadedImage):
+            key = (tuple(s.pixels.shape), input_shape(s.meta, s.pixels, resize))
+            groups.setdefault(key, []).append(s)
+    return ImageBatch([(torch.stack([s.pixels for s in group]), tuple(s.meta for s in group), key[1])
+                       for key, group in groups.items()],
+                      tuple(s for s in samples if isinstance(s, BadImage)))
+
+
+def regroup(chunks: Iterable[ImageBatch], batch_size: int, max_waiting: int,
+            max_bytes: int = 1 << 30) -> Iterator[ImageBatch]:
+    """Batches of at most ``batch_size`` images of one model input shape each, from
+    decoded chunks.
+
+    A model input is one tensor, so a batch holds one shape. Images of a shape wait until
+    they fill a batch; when more than ``max_waiting`` images, or more than ``max_bytes``
+    of pictures, wait, the shape with the most images goes as a short batch (a folder of
+    many aspect ratios costs short batches, never unbounded memory); the rest go at the
+    end. Bad images travel with the next batch yielded (or alone), so they are reported
+    as they come.
+    """
+    waiting: dict[tuple[int, int], list[Group]] = {}
+    count: dict[tuple[int, int], int] = {}
+    held = [0]  # bytes of the waiting pictures
+
+    def take(shape, n: int) -> ImageBatch:
+        parts, taken = [], 0
+        queue = waiting[shape]
+        while taken < n:
+            pixels, metas, hw = queue.pop(0)
+            k = min(n - taken, len(metas))
+            parts.append((pixels[:k], metas[:k], hw))
+            held[0] -= pixels[:k].nbytes
+            if k < len(metas):
+                queue.insert(0, (pixels[k:], metas[k:], hw))
+            taken += k
+        count[shape] -= n
+        if not count[shape]:
+            del waiting[shape], count[shape]
+        return ImageBatch(parts)
+
+    bad: tuple[BadImage, ...] = ()
+    for chunk in chunks:
+        bad += chunk.bad
+        for pixels, metas, hw in chunk.groups:
+            waiting.setdefault(hw, []).append((pixels, metas, hw))
+            count[hw] = count.get(hw, 0) + len(metas)
+            held[0] += pixels.nbytes
+        ready = []
+        for shape in list(waiting):
+            while count.get(shape, 0) >= batch_size:
+                ready.append(take(shape, batch_size))
+        while count and (sum(count.values()) > max_waiting or held[0] > max_bytes):
+            shape = max(count, key=count.get)
+            ready.append(take(shape, min(count[shape], batch_size)))
+        if bad and not ready:
+            ready.append(ImageBatch([]))
+        for batch in ready:
+            batch.bad, bad = bad, ()
+            yield batch
+    for shape in list(waiting):
+        while shape in count:
+            yield take(shape, min(count[shape], batch_size))
+    if bad:
+        yield ImageBatch([], bad)

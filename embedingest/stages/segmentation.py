@@ -1,47 +1,54 @@
-"""DeepLabV3 from torchvision: loading weights without ever downloading, and the forward pass.
+"""torchvision's semantic segmentation models: loading weights without ever downloading,
+the forward pass, and the masks.
 
-The model is always built empty (``weights=None, weights_backbone=None``), so nothing
-is fetched, then filled from, in order: a ``weights`` file; torchvision's
-COCO_WITH_VOC_LABELS_V1 checkpoint if it is already in the torch hub cache;
-random weights when asked for (to test a pipeline). Otherwise the error says where to
-put the file. The auxiliary classifier is only a training aid: its keys are dropped
-and the model is built without it, which saves its compute on every batch.
+Every model of ``torchvision.models.segmentation`` (FCN, DeepLabV3, LR-ASPP) is built
+through ``torchvision.models.get_model`` empty (``weights=None, weights_backbone=None``),
+so nothing is fetched, not even a backbone, then filled from, in order: a ``weights``
+file; the architecture's COCO_WITH_VOC_LABELS_V1 checkpoint if it is already in the
+torch hub cache; random weights when asked for (to test a pipeline). Otherwise the error
+says where to put the file. The auxiliary classifier is only a training aid: its keys
+are dropped and the model is built without it, which saves its compute on every batch.
+The weights' preset (``get_model_weights(arch).DEFAULT``) gives the categories and the
+preprocessing (``transforms()``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torchvision import models as tvmodels
 from torchvision.models import segmentation as tvseg
+from torchvision.transforms import InterpolationMode
+from torchvision.transforms import functional as TF
 
 from ..errors import ConfigError
+from ..sources.image_decode import ImageMeta, Preprocessing
 
 log = logging.getLogger("embedingest")
 
-# name -> (builder, the torchvision weights whose checkpoint, transforms and
-# categories apply when no other weights are given)
-ARCHITECTURES = {
-    "deeplabv3_resnet50": (tvseg.deeplabv3_resnet50,
-                           tvseg.DeepLabV3_ResNet50_Weights.COCO_WITH_VOC_LABELS_V1),
-    "deeplabv3_resnet101": (tvseg.deeplabv3_resnet101,
-                            tvseg.DeepLabV3_ResNet101_Weights.COCO_WITH_VOC_LABELS_V1),
-    "deeplabv3_mobilenet_v3_large": (tvseg.deeplabv3_mobilenet_v3_large,
-                                     tvseg.DeepLabV3_MobileNet_V3_Large_Weights.COCO_WITH_VOC_LABELS_V1),
-}
+# Every torchvision segmentation model, by the name get_model knows it.
+ARCHITECTURES = tuple(tvmodels.list_models(module=tvseg))
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 # Masks are uint8 class indices.
 MAX_CLASSES = 256
 
-_HEAD_KEY = "classifier.4.weight"   # the last conv of DeepLabHead: [num_classes, 256, 1, 1]
+# The last convolution of the head, [num_classes, channels, 1, 1]: FCN and DeepLabV3
+# (FCNHead, DeepLabHead), LR-ASPP.
+_HEAD_KEYS = ("classifier.4.weight", "classifier.high_classifier.weight")
+
+# Bytes of upsampled scores one mask may hold at once on the device; larger images
+# are upsampled a few classes at a time (same result, see ``upsampled_argmax``).
+UPSAMPLE_BUDGET = 1 << 29
 
 
 @dataclass
@@ -55,19 +62,26 @@ class SegmentationModel:
     source: str              # where the weights came from, for logs and summaries
     mean: tuple[float, ...]
     std: tuple[float, ...]
-    default_size: int        # the weights' preset input size (520 for DeepLabV3)
+    default_size: int        # the weights' preset resize (520 for every torchvision model)
+    interpolation: str = "bilinear"
+    antialias: bool = True
+    preset: str = ""         # the torchvision weights whose meta and transforms apply
+
+    def preprocessing(self, resize: str = "short", size: int | None = None) -> Preprocessing:
+        """The preset's preprocessing, in ``resize`` mode, at ``size`` (default the preset's)."""
+        return Preprocessing(resize, size or self.default_size, self.mean, self.std,
+                             self.interpolation, self.antialias)
 
 
 def _weights_enum(arch: str):
-    try:
-        return ARCHITECTURES[arch]
-    except KeyError:
-        raise ConfigError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHITECTURES)}") from None
+    if arch not in ARCHITECTURES:
+        raise ConfigError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
+    return tvmodels.get_model_weights(arch).DEFAULT
 
 
 def hub_checkpoint_path(arch: str = "deeplabv3_resnet50") -> Path:
     """Where torchvision keeps the pretrained checkpoint of ``arch`` once downloaded."""
-    url = _weights_enum(arch)[1].url
+    url = _weights_enum(arch).url
     return Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(urlparse(url).path)
 
 
@@ -81,7 +95,7 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"weights file {str(path)!r} does not exist; pass the path of a "
-                          "DeepLabV3 state dict or checkpoint")
+                          "torchvision segmentation state dict or checkpoint")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as safe_exc:
@@ -103,11 +117,18 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return {k.removeprefix("module."): v for k, v in obj.items()}
 
 
+def _head_classes(state: Mapping[str, torch.Tensor]) -> int | None:
+    for key in _HEAD_KEYS:
+        if key in state:
+            return int(state[key].shape[0])
+    return None
+
+
 def load_segmentation_model(arch: str = "deeplabv3_resnet50", weights: str | None = None,
                             num_classes: int | None = None,
                             random_weights: bool = False) -> SegmentationModel:
     """Build ``arch`` and fill it as described in the module docstring; returns it in eval mode."""
-    builder, preset = _weights_enum(arch)
+    preset = _weights_enum(arch)
     if num_classes is not None and not 1 <= num_classes <= MAX_CLASSES:
         raise ConfigError(f"num_classes={num_classes} is out of range; masks are uint8, so "
                           f"1..{MAX_CLASSES}")
@@ -127,10 +148,11 @@ def load_segmentation_model(arch: str = "deeplabv3_resnet50", weights: str | Non
             "ever downloaded")
     if state is not None:
         state = {k: v for k, v in state.items() if not k.startswith("aux_classifier.")}
-        if _HEAD_KEY not in state:
-            raise ConfigError(f"weights from {source} have no {_HEAD_KEY!r}: not a torchvision "
-                              f"{arch} state dict (first keys: {', '.join(list(state)[:5])})")
-        found = state[_HEAD_KEY].shape[0]
+        found = _head_classes(state)
+        if found is None:
+            raise ConfigError(f"weights from {source} have none of {', '.join(map(repr, _HEAD_KEYS))}: "
+                              f"not a torchvision segmentation state dict (first keys: "
+                              f"{', '.join(list(state)[:5])})")
         if num_classes is not None and num_classes != found:
             raise ConfigError(f"num_classes={num_classes} but the weights from {source} have "
                               f"{found} classes; drop --num-classes or pass {found}")
@@ -139,7 +161,8 @@ def load_segmentation_model(arch: str = "deeplabv3_resnet50", weights: str | Non
     if num_classes > MAX_CLASSES:
         raise ConfigError(f"the weights from {source} have {num_classes} classes; masks are "
                           f"uint8, so at most {MAX_CLASSES}")
-    model = builder(weights=None, weights_backbone=None, num_classes=num_classes, aux_loss=False)
+    model = tvmodels.get_model(arch, weights=None, weights_backbone=None, num_classes=num_classes,
+                               aux_loss=False)
     if state is not None:
         try:
             model.load_state_dict(state)
@@ -153,7 +176,8 @@ def load_segmentation_model(arch: str = "deeplabv3_resnet50", weights: str | Non
     transforms = preset.transforms()
     return SegmentationModel(model.eval(), arch, num_classes, categories, source,
                              tuple(transforms.mean), tuple(transforms.std),
-                             int(transforms.resize_size[0]))
+                             int(transforms.resize_size[0]), transforms.interpolation.value,
+                             bool(transforms.antialias), f"{type(preset).__name__}.{preset.name}")
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -170,7 +194,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class Segmenter:
     """The forward pass on one device: uint8 pictures in, logits or uint8 masks out.
 
-    The model is cast to ``dtype`` (no autocast: DeepLabV3 is convolutions and batch
+    The model is cast to ``dtype`` (no autocast: these models are convolutions and batch
     norm, which run fine in half precision, and a cast model skips autocast's per-op
     casts); on CUDA weights and inputs are channels-last, the layout cuDNN's tensor-core
     kernels want.
@@ -185,14 +209,34 @@ class Segmenter:
                               else torch.contiguous_format)
         self.model = loaded.model.to(self.device, self.dtype,
                                      memory_format=self.memory_format).eval()
-        shape = (1, 3, 1, 1)
-        self.scale = (255.0 * torch.tensor(loaded.std, device=self.device)).view(shape)
-        self.shift = (255.0 * torch.tensor(loaded.mean, device=self.device)).view(shape)
+        self.mean = torch.as_tensor(loaded.mean, dtype=torch.float32, device=self.device).view(-1, 1, 1)
+        self.std = torch.as_tensor(loaded.std, dtype=torch.float32, device=self.device).view(-1, 1, 1)
+        self.interpolation = InterpolationMode(loaded.interpolation)
+        self.antialias = loaded.antialias
+
+    def model_input(self, parts: Sequence[torch.Tensor], size: tuple[int, int]) -> torch.Tensor:
+        """uint8 [B, 3, h, w] on the device from pictures uint8 [n, H, W, 3] of any size:
+        each part is copied over (``non_blocking`` from pinned memory) and resized to
+        ``size`` (h, w) by torchvision's own ``resize`` with the preset's interpolation and
+        antialiasing, on the tensor layout ``pil_to_tensor`` gives, so on the CPU the
+        pixels are those of ``weights.transforms()`` to the bit; a part already of that
+        size is used as it is."""
+        out = []
+        for pixels in parts:
+            x = pixels.to(self.device, non_blocking=True).permute(0, 3, 1, 2)
+            if tuple(x.shape[2:]) != tuple(size):
+                x = TF.resize(x, list(size), interpolation=self.interpolation, antialias=self.antialias)
+            out.append(x)
+        return torch.cat(out) if len(out) > 1 else out[0]
 
     def preprocess(self, pixels: torch.Tensor) -> torch.Tensor:
-        """uint8 [B, H, W, 3] on the device -> normalised [B, 3, H, W] in the model dtype."""
-        x = pixels.to(self.device, non_blocking=True).permute(0, 3, 1, 2).float()
-        x = (x - self.shift) / self.scale
+        """uint8 [B, 3, H, W] -> normalised [B, 3, H, W] in the model dtype, on the device.
+
+        The operations of torchvision's ``convert_image_dtype`` and ``normalize``, in their
+        order and in float32 (``/ 255``, ``- mean``, ``/ std``), so the input is the
+        preset's to the bit; the cast to the model dtype comes last."""
+        x = pixels.to(self.device, non_blocking=True).to(torch.float32) / 255.0
+        x = x.sub_(self.mean).div_(self.std)
         return x.to(self.dtype).contiguous(memory_format=self.memory_format)
 
     @torch.inference_mode()
@@ -204,3 +248,63 @@ class Segmenter:
     def masks(logits: torch.Tensor) -> torch.Tensor:
         """Argmax over classes where the logits are (the GPU): uint8 [B, H, W], a C-th of the bytes."""
         return logits.argmax(dim=1).to(torch.uint8)
+
+    @torch.inference_mode()
+    def image_masks(self, logits: torch.Tensor, metas: Sequence[ImageMeta],
+                    full_max_pixels: int | None) -> tuple[list[torch.Tensor], list[ImageMeta]]:
+        """One uint8 mask per image, on the device, and the metas saying which size it has.
+
+        An image of at most ``full_max_pixels`` pixels (None: any) gets torchvision's
+        pipeline: its logits scaled to the image's size (bilinear, as the model scales
+        its own output), then the argmax; the images of one size go in one call (or a
+        few, to stay within ``UPSAMPLE_BUDGET`` bytes of scaled scores). Others
+        get the argmax at model size, cropped to the image part (``full_mask`` False: the
+        sink scales it up nearest-neighbour)."""
+        masks: list[torch.Tensor | None] = [None] * len(metas)
+        out = list(metas)
+        by_size: dict[tuple[int, int], list[int]] = {}
+        for i, m in enumerate(metas):
+            if full_max_pixels is None or m.width * m.height <= full_max_pixels:
+                by_size.setdefault((m.height, m.width), []).append(i)
+                out[i] = m._replace(full_mask=True)
+            else:
+                masks[i] = self.masks(logits[i:i + 1, :, :m.content_height, :m.content_width])[0]
+        per_image = logits.shape[1] * logits.element_size()
+        for (h, w), index in by_size.items():
+            ch, cw = metas[index[0]].content_height, metas[index[0]].content_width
+            step = max(1, UPSAMPLE_BUDGET // (per_image * h * w))
+            for k in range(0, len(index), step):
+                part = index[k:k + step]
+                rows = (logits[part[0]:part[-1] + 1] if part[-1] - part[0] + 1 == len(part)
+                        else logits[part])
+                for i, mask in zip(part, upsampled_argmax(rows[:, :, :ch, :cw], (h, w)), strict=True):
+                    masks[i] = mask
+        return masks, out
+
+
+def upsampled_argmax(logits: torch.Tensor, size: tuple[int, int],
+                     budget: int = UPSAMPLE_BUDGET) -> torch.Tensor:
+    """uint8 [B, H, W]: the argmax of ``logits`` [B, C, h, w] scaled bilinearly to ``size``
+    (H, W), ``align_corners=False`` as torchvision's models scale their output.
+
+    When all C scaled planes would exceed ``budget`` bytes, the classes are scaled a few at
+    a time and the best kept: each plane is scaled on its own either way, and a later
+    class replaces the best only when strictly greater, so ties go to the lowest class as
+    in ``argmax``: the same mask."""
+    b, c = logits.shape[:2]
+    step = max(1, budget // max(1, b * size[0] * size[1] * logits.element_size()))
+    if step >= c:
+        up = F.interpolate(logits, size=size, mode="bilinear", align_corners=False)
+        return up.argmax(dim=1).to(torch.uint8)
+    best_value = best_index = None
+    for c0 in range(0, c, step):
+        up = F.interpolate(logits[:, c0:c0 + step], size=size, mode="bilinear", align_corners=False)
+        value, index = up.max(dim=1)
+        index += c0
+        if best_value is None:
+            best_value, best_index = value, index
+        else:
+            better = value > best_value
+            best_value = torch.where(better, value, best_value)
+            best_index = torch.where(better, index, best_index)
+    return best_index.to(torch.uint8)

@@ -45,10 +45,13 @@ def test_two_processes_write_the_same_masks_as_one(tmp_path, weights):
     images = tmp_path / "images"
     sizes = make_images(images)
     one = segment(config(images, tmp_path / "one", weights, device="cpu"), progress=False)
-    two = segment(config(images, tmp_path / "two", weights, devices="cpu,cpu"), progress=False)
+    two = segment(config(images, tmp_path / "two", weights, devices="cpu,cpu", stats=True), progress=False)
     assert one["written"] == two["written"] == len(sizes)
     assert two["skipped"] == one["skipped"] == 2 and two["device"] == "cpu,cpu"
+    assert two["arch"] == one["arch"] == SMALL and two["resize"] == "short"
     assert len(two["engine"]["per_device"]) == 2
+    shapes = [s for p in two["engine"]["per_device"] for s in p["batch_shapes"]]
+    assert sum(n * k for n, _, _, k in shapes) == sum(n * k for n, _, _, k in one["batch_shapes"]) == len(sizes)
     assert all(p["batches"] > 0 for p in two["engine"]["per_device"]), "both processes worked"
     for part in two["engine"]["per_device"]:
         assert part["timing"]["start_method"] == "spawn"  # CPU device processes never fork
@@ -59,7 +62,11 @@ def test_two_processes_write_the_same_masks_as_one(tmp_path, weights):
         assert a.shape == (h, w) and np.array_equal(a, b), rel
     report = [json.loads(line) for line in (tmp_path / "two" / "skipped.jsonl").read_text().splitlines()]
     assert sorted(r["path"].rsplit("/", 1)[-1] for r in report) == ["empty.png", "junk.jpg"]
-    again = segment(config(images, tmp_path / "two", weights, devices="cpu,cpu"), progress=False)
+    import pyarrow.dataset as pads
+
+    rows = pads.dataset(tmp_path / "two" / "stats").to_table().column("source").to_pylist()
+    assert two["stats_rows"] == len(sizes) and sorted(rows) == sorted(sizes), "one row per image"
+    again = segment(config(images, tmp_path / "two", weights, devices="cpu,cpu", stats=True), progress=False)
     assert again["already_done"] == len(sizes) and again["written"] == 0
 
 

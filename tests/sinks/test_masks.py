@@ -1,18 +1,24 @@
-"""The mask sink, called directly as a consumer process would call it."""
+"""The mask sink, called directly as a consumer process would call it; labels.json and
+the per-image statistics."""
 
 from __future__ import annotations
 
+import json
 import pickle
 import subprocess
 import sys
 
 import numpy as np
+import pyarrow.dataset as ds
 import pytest
 from PIL import Image
 from segment_fixtures import noise
 
-from embedingest.sinks.masks import (VOC_PALETTE, MaskSinkFactory, output_paths, restore_mask,
-                                     voc_palette)
+from embedingest.errors import ConfigError
+from embedingest.sinks.mask_stats import (StatsWriter, drop_stats_rows, part_files, stats_columns,
+                                          stats_sources)
+from embedingest.sinks.masks import (VOC_PALETTE, MaskSinkFactory, labels_info, output_paths,
+                                     restore_mask, split_flat, voc_palette, write_labels)
 from embedingest.sources.image_decode import ImageMeta
 
 S = 16
@@ -23,6 +29,11 @@ def blocks() -> np.ndarray:
     mask = np.full((S, S), 9, np.uint8)  # the pad region: must be cropped away
     mask[:4, :8] = np.kron(np.array([[0, 1, 2, 3], [3, 2, 1, 0]], np.uint8), np.ones((2, 2), np.uint8))
     return mask
+
+
+def content() -> np.ndarray:
+    """The 8x4 image part of ``blocks``, flat: what the job hands over for a model-size mask."""
+    return blocks()[:4, :8].reshape(-1)
 
 
 def run_sink(factory: MaskSinkFactory, metas, arrays) -> dict:
@@ -38,8 +49,8 @@ def test_palette():
 
 def test_mask_is_cropped_and_scaled_to_the_image(tmp_path):
     meta = ImageMeta("a/b/c.jpg", "", 16, 8, 8, 4)  # the image is twice the content
-    result = run_sink(MaskSinkFactory(str(tmp_path)), [meta], {"mask": blocks()[None]})
-    assert result == {"written": 1, "failed": []}
+    result = run_sink(MaskSinkFactory(str(tmp_path)), [meta], {"mask": content()})
+    assert result == {"written": 1, "failed": [], "stats_rows": 0}
     im = Image.open(tmp_path / "a" / "b" / "c.jpg.png")
     assert im.mode == "P" and im.size == (16, 8) and im.getpalette()[:6] == [0, 0, 0, 128, 0, 0]
     expect = np.kron(np.array([[0, 1, 2, 3], [3, 2, 1, 0]], np.uint8), np.ones((4, 4), np.uint8))
@@ -52,17 +63,38 @@ def test_nearest_keeps_only_real_classes():
     assert out.shape == (23, 37) and set(np.unique(out)) == {0, 1, 2, 3}
 
 
+def test_full_size_masks_pass_through_and_a_flat_batch_splits(tmp_path):
+    """A batch of a full-size mask (made at the image's size), a model-size one, and a
+    full one again, flat: each lands on its image unchanged or scaled."""
+    full_a = (noise(6, 10, seed=1) % 5)[..., 0]
+    full_b = (noise(3, 7, seed=2) % 5)[..., 0]
+    metas = [ImageMeta("a.png", "", 10, 6, 4, 2, True), ImageMeta("b.png", "", 16, 8, 8, 4),
+             ImageMeta("c.png", "", 7, 3, 9, 9, True)]
+    flat = np.concatenate([full_a.ravel(), content(), full_b.ravel(), np.full(5, 77, np.uint8)])
+    parts = split_flat(flat, metas)
+    assert [p.shape for p in parts] == [(6, 10), (4, 8), (3, 7)]
+    run_sink(MaskSinkFactory(str(tmp_path)), metas, {"mask": flat})
+    assert np.array_equal(np.asarray(Image.open(tmp_path / "a.png.png")), full_a)
+    assert np.array_equal(np.asarray(Image.open(tmp_path / "c.png.png")), full_b)
+    expect = np.kron(np.array([[0, 1, 2, 3], [3, 2, 1, 0]], np.uint8), np.ones((4, 4), np.uint8))
+    assert np.array_equal(np.asarray(Image.open(tmp_path / "b.png.png")), expect)
+    with pytest.raises(ValueError, match="short"):
+        split_flat(flat[:50], metas)
+
+
 def test_batch_logits_and_no_temporary_files(tmp_path):
     rng = np.random.default_rng(0)
-    logits = rng.standard_normal((2, 4, S, S)).astype(np.float32)
+    logits = rng.standard_normal((2, 4, S, S)).astype(np.float16)
     masks = logits.argmax(1).astype(np.uint8)
     metas = [ImageMeta("one.png", "", S, S, S, S), ImageMeta("sub/two.tif", "", 8, 16, 8, 16)]
-    result = run_sink(MaskSinkFactory(str(tmp_path), save_logits=True), metas,
-                      {"mask": masks, "logits": logits})
+    flat_logits = np.concatenate([logits[0].ravel(), logits[1, :, :16, :8].ravel()])
+    flat_masks = np.concatenate([masks[0].ravel(), masks[1, :16, :8].ravel()])
+    result = run_sink(MaskSinkFactory(str(tmp_path), save_logits=True, num_classes=4), metas,
+                      {"mask": flat_masks, "logits": flat_logits})
     assert result["written"] == 2
     saved = np.load(tmp_path / "sub" / "two.tif.logits.npy")
     assert saved.dtype == np.float16 and saved.shape == (4, 16, 8)
-    np.testing.assert_array_equal(saved, logits[1, :, :16, :8].astype(np.float16))
+    np.testing.assert_array_equal(saved, logits[1, :, :16, :8])
     assert np.array_equal(np.asarray(Image.open(tmp_path / "one.png.png")), masks[0])
     names = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*"))
     assert names == ["one.png.logits.npy", "one.png.png", "sub", "sub/two.tif.logits.npy",
@@ -72,7 +104,8 @@ def test_batch_logits_and_no_temporary_files(tmp_path):
 def test_logits_alone_are_argmaxed(tmp_path):
     logits = np.zeros((1, 3, S, S), np.float16)
     logits[0, 2, :, 8:] = 1.0
-    run_sink(MaskSinkFactory(str(tmp_path)), [ImageMeta("l.png", "", S, S, S, S)], {"logits": logits})
+    run_sink(MaskSinkFactory(str(tmp_path), num_classes=3), [ImageMeta("l.png", "", S, S, S, S)],
+             {"logits": logits.ravel()})
     mask = np.asarray(Image.open(tmp_path / "l.png.png"))
     assert (mask[:, :8] == 0).all() and (mask[:, 8:] == 2).all()
     assert not (tmp_path / "l.png.logits.npy").exists()
@@ -83,16 +116,18 @@ def test_overlay_blends_classes_over_the_original(tmp_path):
     Image.fromarray(np.full((8, 16, 3), 200, np.uint8)).save(src)
     meta = ImageMeta("in.png", str(src), 16, 8, 8, 4)
     out = tmp_path / "out"
-    run_sink(MaskSinkFactory(str(out), overlay=True, overlay_alpha=0.5), [meta], {"mask": blocks()[None]})
-    ov = np.asarray(Image.open(out / "in.png.overlay.jpg")).astype(int)
-    assert ov.shape == (8, 16, 3)
-    assert np.abs(ov[0, 0] - 200).max() < 12, "background (class 0) keeps the original"
-    assert abs(ov[0, 5, 0] - (200 + 128) / 2) < 12 and ov[0, 5, 1] < 130, "class 1 is tinted red"
+    for alpha in (0.5, 0.25, 1.0):
+        run_sink(MaskSinkFactory(str(out), overlay=True, overlay_alpha=alpha), [meta], {"mask": content()})
+        ov = np.asarray(Image.open(out / "in.png.overlay.jpg")).astype(int)
+        assert ov.shape == (8, 16, 3)
+        assert np.abs(ov[0, 0] - 200).max() < 12, "background (class 0) keeps the original"
+        red = 200 + alpha * (128 - 200)  # class 1 is (128, 0, 0), blended by alpha
+        assert abs(ov[1, 5, 0] - red) < 10 and abs(ov[1, 5, 1] - 200 * (1 - alpha)) < 10, (alpha, ov[1, 5])
 
 
 def test_overlay_source_gone_is_reported_and_the_mask_still_written(tmp_path):
     meta = ImageMeta("gone.jpg", str(tmp_path / "gone.jpg"), 16, 8, 8, 4)
-    result = run_sink(MaskSinkFactory(str(tmp_path), overlay=True), [meta], {"mask": blocks()[None]})
+    result = run_sink(MaskSinkFactory(str(tmp_path), overlay=True), [meta], {"mask": content()})
     assert result["written"] == 1 and (tmp_path / "gone.jpg.png").exists()
     [(path, reason)] = result["failed"]
     assert path == meta.path and reason.startswith("overlay source unreadable")
@@ -102,7 +137,7 @@ def test_write_failure_raises(tmp_path):
     (tmp_path / "blocked").write_text("a file where the folder should be")
     with pytest.raises(OSError):
         run_sink(MaskSinkFactory(str(tmp_path)), [ImageMeta("blocked/x.png", "", S, S, S, S)],
-                 {"mask": blocks()[None]})
+                 {"mask": blocks().ravel()})
 
 
 def test_output_paths_keep_the_source_extension(tmp_path):
@@ -121,7 +156,7 @@ def test_sink_module_does_not_import_torch():
 
 def test_random_mask_roundtrip(tmp_path):
     mask = (noise(S, S, seed=1) % 21)[..., 0]
-    run_sink(MaskSinkFactory(str(tmp_path)), [ImageMeta("r.bmp", "", S, S, S, S)], {"mask": mask[None]})
+    run_sink(MaskSinkFactory(str(tmp_path)), [ImageMeta("r.bmp", "", S, S, S, S)], {"mask": mask.ravel()})
     assert np.array_equal(np.asarray(Image.open(tmp_path / "r.bmp.png")), mask)
 
 
@@ -134,10 +169,61 @@ def test_a_link_in_the_output_tree_is_never_written_through(tmp_path):
     (out / "sub" / "deeper").symlink_to(outside)
     with pytest.raises(ConfigError, match="deeper' .*is a symbolic link"):
         run_sink(MaskSinkFactory(str(out)), [ImageMeta("sub/deeper/x.png", "", S, S, S, S)],
-                 {"mask": blocks()[None]})
+                 {"mask": blocks().ravel()})
     victim = tmp_path / "victim.png"
     victim.write_bytes(b"not yours")
     (out / "y.png.png").symlink_to(victim)  # a link at the mask's name is replaced
-    run_sink(MaskSinkFactory(str(out)), [ImageMeta("y.png", "", S, S, S, S)], {"mask": blocks()[None]})
+    run_sink(MaskSinkFactory(str(out)), [ImageMeta("y.png", "", S, S, S, S)], {"mask": blocks().ravel()})
     assert list(outside.iterdir()) == [] and victim.read_bytes() == b"not yours"
     assert not (out / "y.png.png").is_symlink() and Image.open(out / "y.png.png").size == (S, S)
+
+
+def test_labels_json_is_written_and_guards_the_folder(tmp_path):
+    prep = {"resize": "short", "size": 520}
+    info = labels_info("fcn_resnet50", "random", ["__background__", "aeroplane", "bicycle"], prep,
+                       40_000_000, "FCN_ResNet50_Weights.COCO_WITH_VOC_LABELS_V1")
+    assert info["palette"] == [[0, 0, 0], [128, 0, 0], [0, 128, 0]]
+    path = write_labels(tmp_path, info)
+    assert json.loads(path.read_text()) == info and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    write_labels(tmp_path, {**info, "weights": "file other.pth"})  # same kind of masks: fine
+    other = labels_info("fcn_resnet50", "random", info["categories"], {**prep, "resize": "fit"}, 0)
+    with pytest.raises(ConfigError, match="preprocessing.*--overwrite"):
+        write_labels(tmp_path, other)
+    write_labels(tmp_path, other, replace=True)
+    assert json.loads(path.read_text())["preprocessing"]["resize"] == "fit"
+
+
+def test_stats_rows_are_committed_in_parts_and_read_as_one_table(tmp_path):
+    writer = StatsWriter(str(tmp_path), ["__background__", "cat", "cat", "width"], rows_per_part=2)
+    assert writer.columns == ["__background__", "cat", "class_2", "class_3"]
+    masks = {"a.jpg": np.array([[0, 1], [1, 1]], np.uint8), "b/c.png": np.full((3, 5), 3, np.uint8),
+             "d.png": np.array([[2, 0, 0]], np.uint8)}
+    for source, mask in masks.items():
+        writer.add(source, mask)
+    assert len(part_files(tmp_path)) == 1 and writer.committed == 2  # the third is not yet committed
+    writer.close()
+    assert len(part_files(tmp_path)) == 2 and writer.committed == 3
+    table = ds.dataset(tmp_path / "stats").to_table().to_pylist()
+    rows = {r["source"]: r for r in table}
+    assert set(rows) == set(masks) == stats_sources(tmp_path)
+    assert rows["a.jpg"] == {"source": "a.jpg", "width": 2, "height": 2, "__background__": 0.25,
+                             "cat": 0.75, "class_2": 0.0, "class_3": 0.0}
+    assert (rows["b/c.png"]["width"], rows["b/c.png"]["height"], rows["b/c.png"]["class_3"]) == (5, 3, 1.0)
+    assert rows["d.png"]["class_2"] == pytest.approx(1 / 3)
+    assert not [p for p in (tmp_path / "stats").iterdir() if p.name.startswith(".")]
+    drop_stats_rows(tmp_path, {"a.jpg", "d.png"})
+    assert stats_sources(tmp_path) == {"b/c.png"}
+    assert sorted(r["source"] for r in ds.dataset(tmp_path / "stats").to_table().to_pylist()) == ["b/c.png"]
+
+
+def test_sink_writes_stats_after_each_mask(tmp_path):
+    metas = [ImageMeta("a.png", "", 16, 8, 8, 4), ImageMeta("b.png", "", 2, 1, 2, 1, True)]
+    flat = np.concatenate([content(), np.array([1, 1], np.uint8)])
+    result = run_sink(MaskSinkFactory(str(tmp_path), stats=True, categories=("bg", "x", "y", "z")),
+                      metas, {"mask": flat})
+    assert result["stats_rows"] == 2
+    rows = {r["source"]: r for r in ds.dataset(tmp_path / "stats").to_table().to_pylist()}
+    assert rows["a.png"] == {"source": "a.png", "width": 16, "height": 8, "bg": 0.25, "x": 0.25,
+                             "y": 0.25, "z": 0.25}
+    assert rows["b.png"]["x"] == 1.0
+    assert stats_columns(["source"]) == ["class_0"]

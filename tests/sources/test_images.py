@@ -1,4 +1,5 @@
-"""Image decoding: every mode to RGB, EXIF rotation, letterbox geometry, bad files as reasons."""
+"""Image decoding: every mode to RGB, EXIF rotation, the preset's resize and the letterbox,
+bad files as reasons, regrouping by shape."""
 
 from __future__ import annotations
 
@@ -7,14 +8,23 @@ import os
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
-from segment_fixtures import SIZE, bad_files, exif_rotated_jpeg, image_tree, noise
+from segment_fixtures import SIZE, bad_files, exif_rotated_jpeg, image_tensor, image_tree, noise
 from torch.utils.data import DataLoader
+from torchvision.transforms import functional as TF
+from torchvision.transforms.functional import _compute_resized_output_size
 
-from embedingest.sources.image_decode import (PAD_RGB, ImageRejected, content_size, open_rgb,
-                                              prepare_file, prepare_picture, to_rgb)
-from embedingest.sources.images import (IMAGE_EXTENSIONS, BadImage, ImageFileDataset, LoadedImage,
-                                        collate_images)
+from embedingest.sources.image_decode import (LONG_SIDE_LIMIT, PAD_RGB, ImageMeta, ImageRejected,
+                                              Preprocessing, content_size, open_rgb,
+                                              short_side_size, to_rgb)
+from embedingest.sources.images import (IMAGE_EXTENSIONS, BadImage, ImageBatch, ImageFileDataset,
+                                        LoadedImage, collate_images, prepare_file, prepare_picture,
+                                        regroup)
+
+FIT = Preprocessing("fit", SIZE)
+SHORT = Preprocessing("short", SIZE)
 
 
 def test_extensions():
@@ -50,7 +60,7 @@ def test_content_size_keeps_aspect(width, height, expect):
 def test_every_kind_decodes_with_its_own_size(tmp_path):
     sizes = image_tree(tmp_path)
     files = [(rel, str(tmp_path / rel)) for rel in sizes]
-    ds = ImageFileDataset(files, SIZE)
+    ds = ImageFileDataset(files, FIT)
     for i, (rel, (w, h)) in enumerate(sizes.items()):
         item = ds[i]
         assert isinstance(item, LoadedImage), (rel, item)
@@ -61,6 +71,49 @@ def test_every_kind_decodes_with_its_own_size(tmp_path):
         assert (meta.content_width, meta.content_height) == (cw, ch)
         pad = item.pixels.numpy()
         assert (pad[ch:] == PAD_RGB).all() and (pad[:, cw:] == PAD_RGB).all()
+    short = ImageFileDataset(files, SHORT)
+    for i, (rel, (w, h)) in enumerate(sizes.items()):
+        item = short[i]
+        assert item.pixels.shape == (h, w, 3), rel  # the whole picture: the device resizes it
+        assert (item.meta.content_width, item.meta.content_height) == short_side_size(w, h, SIZE)
+
+
+@pytest.mark.parametrize("width,height", [(90, 60), (60, 90), (64, 64), (33, 100), (301, 80), (20, 20)])
+def test_short_mode_hands_over_torchvisions_picture(tmp_path, width, height):
+    """The workers' picture is what torchvision's own decoder reads; the model input size
+    is the preset's Resize of it (the resize itself: tests/stages/test_segmentation.py)."""
+    Image.fromarray(noise(height, width, seed=width)).save(tmp_path / "a.png")
+    pixels, meta = prepare_file("a.png", str(tmp_path / "a.png"), SHORT)
+    assert pixels.dtype == torch.uint8 and torch.equal(pixels.permute(2, 0, 1), image_tensor(tmp_path / "a.png"))
+    assert (meta.width, meta.height) == (width, height)
+    expect = TF.resize(image_tensor(tmp_path / "a.png"), [SIZE], antialias=True)
+    assert (meta.content_height, meta.content_width) == tuple(expect.shape[1:])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 5000), st.integers(1, 5000), st.integers(32, 1024))
+def test_short_side_size_is_torchvisions(width, height, size):
+    expect_h, expect_w = _compute_resized_output_size((height, width), [size], LONG_SIDE_LIMIT * size)
+    assert short_side_size(width, height, size, LONG_SIDE_LIMIT * size) == (max(1, expect_w), max(1, expect_h))
+    expect_h, expect_w = _compute_resized_output_size((height, width), [size])
+    assert short_side_size(width, height, size) == (expect_w, expect_h)
+
+
+def test_large_pictures_are_resized_in_the_worker_by_the_same_call(tmp_path):
+    """Over 16 x size^2 pixels the worker resizes: exactly the preset's Resize."""
+    Image.fromarray(noise(300, 280, seed=5)).save(tmp_path / "big.png")
+    assert 300 * 280 > SHORT.device_resize_max_pixels
+    pixels, meta = prepare_file("big.png", str(tmp_path / "big.png"), SHORT)
+    expect = TF.resize(image_tensor(tmp_path / "big.png"), [SIZE], antialias=True)
+    assert torch.equal(pixels.permute(2, 0, 1), expect) and pixels.is_contiguous()
+    assert (meta.width, meta.height, meta.content_width, meta.content_height) == (280, 300, SIZE, 68)
+
+
+def test_panoramas_are_capped_at_the_long_side_limit(tmp_path):
+    Image.fromarray(noise(10, 100, seed=1)).save(tmp_path / "pano.png")
+    pixels, meta = prepare_file("pano.png", str(tmp_path / "pano.png"), SHORT)
+    assert (meta.content_height, meta.content_width) == (SIZE * 10 * LONG_SIDE_LIMIT // 100, SIZE * LONG_SIDE_LIMIT)
+    assert SHORT.max_size == LONG_SIDE_LIMIT * SIZE and FIT.max_size is None
 
 
 def test_sixteen_bit_is_scaled_not_clipped(tmp_path):
@@ -91,9 +144,10 @@ def test_grey_palette_and_alpha_become_rgb():
 
 
 def test_exif_rotation_is_applied(tmp_path):
-    pixels, meta = prepare_file("r.jpg", str(exif_rotated_jpeg(tmp_path / "r.jpg", 48, 24)), SIZE)
+    pixels, meta = prepare_file("r.jpg", str(exif_rotated_jpeg(tmp_path / "r.jpg", 48, 24)), FIT)
     assert (meta.width, meta.height) == (24, 48)
     assert (meta.content_width, meta.content_height) == (32, 64)
+    pixels = pixels.numpy()
     top, bottom = pixels[4, 16].astype(int), pixels[60, 16].astype(int)
     assert top[0] > 200 and top[2] < 60, "orientation 6 turns the red left half to the top"
     assert bottom[2] > 200 and bottom[0] < 60
@@ -101,13 +155,15 @@ def test_exif_rotation_is_applied(tmp_path):
 
 def test_large_jpeg_keeps_its_full_size_when_drafted(tmp_path):
     Image.fromarray(noise(768, 1024, seed=3)).save(tmp_path / "big.jpg", quality=80)
-    pixels, meta = prepare_file("big.jpg", str(tmp_path / "big.jpg"), SIZE)
+    pixels, meta = prepare_file("big.jpg", str(tmp_path / "big.jpg"), FIT)
     assert (meta.width, meta.height, meta.content_width, meta.content_height) == (1024, 768, 64, 48)
+    _, meta = prepare_file("big.jpg", str(tmp_path / "big.jpg"), SHORT)
+    assert (meta.width, meta.height, meta.content_width, meta.content_height) == (1024, 768, 85, 64)
 
 
 def test_bad_files_become_reasons(tmp_path):
     expected = bad_files(tmp_path)
-    ds = ImageFileDataset([(rel, str(tmp_path / rel)) for rel in expected], SIZE)
+    ds = ImageFileDataset([(rel, str(tmp_path / rel)) for rel in expected], SHORT)
     for i, (rel, kind) in enumerate(expected.items()):
         item = ds[i]
         assert isinstance(item, BadImage), rel
@@ -142,24 +198,84 @@ def test_loader_drops_bad_files_and_carries_them(tmp_path):
     bad = bad_files(tmp_path)
     files = [(rel, str(tmp_path / "good" / rel)) for rel in sizes] + \
             [(rel, str(tmp_path / rel)) for rel in bad]
-    loader = DataLoader(ImageFileDataset(files, SIZE), batch_size=4, num_workers=2,
+    loader = DataLoader(ImageFileDataset(files, SHORT), batch_size=4, num_workers=2,
                         collate_fn=collate_images)
     good, dropped = [], []
     for batch in loader:
-        assert batch.pixels is None or batch.pixels.shape == (len(batch), SIZE, SIZE, 3)
+        for pixels, metas, hw in batch.groups:
+            assert pixels.shape[0] == len(metas)
+            assert all(pixels.shape[1:3] == (m.height, m.width) for m in metas)
+            assert all(hw == (m.content_height, m.content_width) for m in metas)
         good += [m.rel_path for m in batch.items]
         dropped += [b.rel_path for b in batch.bad]
-    assert good == list(sizes) and dropped == list(bad)
+    assert sorted(good) == sorted(sizes) and dropped == list(bad)
     all_bad = collate_images([BadImage("x", "x", "empty file: 0 bytes")])
-    assert all_bad.pixels is None and len(all_bad) == 0 and len(all_bad.bad) == 1
+    assert all_bad.groups == [] and len(all_bad) == 0 and len(all_bad.bad) == 1
+
+
+def _chunk(shapes: list[tuple[int, int]], start: int, bad: int = 0) -> ImageBatch:
+    samples = [LoadedImage(torch.full((h, w, 3), start + i, dtype=torch.uint8),
+                           ImageMeta(f"{start + i}", "", w, h, w, h)) for i, (h, w) in enumerate(shapes)]
+    samples += [BadImage(f"bad{start + i}", "", "empty file: 0 bytes") for i in range(bad)]
+    return collate_images(samples)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.sampled_from([(4, 6), (6, 4), (5, 5), (4, 7)]), max_size=6), max_size=8),
+       st.integers(1, 5), st.integers(0, 12), st.lists(st.integers(0, 2), min_size=8, max_size=8))
+def test_regroup_makes_batches_of_one_shape(chunks, batch_size, extra, bads):
+    max_waiting = batch_size + extra
+    made, start = [], 0
+    for shapes, bad in zip(chunks, bads):
+        made.append(_chunk(shapes, start, bad))
+        start += len(shapes)
+    seen, bad_seen, waiting = [], [], []
+
+    def pulled():
+        consumed = 0
+        for chunk in made:
+            waiting.append(consumed - len(seen))  # images held back when it asks for more
+            consumed += len(chunk)
+            yield chunk
+
+    for batch in regroup(pulled(), batch_size, max_waiting):
+        bad_seen += [b.rel_path for b in batch.bad]
+        if not len(batch):
+            continue
+        assert len({hw for _, _, hw in batch.groups}) == 1, "one shape a batch"
+        assert len(batch) <= batch_size
+        for pixels, metas, hw in batch.groups:
+            for image, meta in zip(pixels, metas, strict=True):
+                assert int(image[0, 0, 0]) == int(meta.rel_path), "pixels stay with their meta"
+                assert image.shape[:2] == hw == (meta.content_height, meta.content_width)
+        seen += [m.rel_path for m in batch.items]
+    assert sorted(seen, key=int) == [str(i) for i in range(start)], "every image exactly once"
+    assert max(waiting, default=0) <= max_waiting
+    assert sorted(bad_seen) == sorted(b.rel_path for c in made for b in c.bad)
+
+
+def test_regroup_bounds_the_bytes_waiting():
+    chunks = [_chunk([(40, 60)], i) for i in range(5)] + [_chunk([(60, 40)], 5 + i) for i in range(5)]
+    one = 40 * 60 * 3
+    sizes = [len(b) for b in regroup(iter(chunks), 8, 100, max_bytes=3 * one)]
+    assert sum(sizes) == 10 and max(sizes) <= 4  # never more than three pictures held
+
+
+def test_regroup_fills_batches_and_bounds_the_wait():
+    one_shape = [_chunk([(4, 6)] * 3, 3 * i) for i in range(4)]
+    assert [len(b) for b in regroup(iter(one_shape), 4, 8)] == [4, 4, 4]
+    # four shapes in turn, two waiting at most beyond a batch: short batches, never more waiting
+    mixed = [_chunk([s], i) for i, s in enumerate([(4, 6), (6, 4), (5, 5), (4, 7)] * 3)]
+    sizes = [len(b) for b in regroup(iter(mixed), 4, 5)]
+    assert sum(sizes) == 12 and max(sizes) <= 4 and len(sizes) > 3
 
 
 def test_prepare_picture_accepts_arrays_and_pil():
-    _, meta = prepare_picture(noise(30, 40), SIZE)
+    _, meta = prepare_picture(noise(30, 40), FIT)
     assert (meta.width, meta.height) == (40, 30)
-    _, meta = prepare_picture(noise(30, 40, channels=1, dtype=np.uint16), SIZE)
+    _, meta = prepare_picture(noise(30, 40, channels=1, dtype=np.uint16), SHORT)
     assert (meta.width, meta.height) == (40, 30)
-    _, meta = prepare_picture(Image.new("LA", (5, 9)), SIZE)
+    _, meta = prepare_picture(Image.new("LA", (5, 9)), SHORT)
     assert (meta.width, meta.height) == (5, 9)
     with pytest.raises(ImageRejected, match="float64"):
-        prepare_picture(np.zeros((4, 4, 3)), SIZE)
+        prepare_picture(np.zeros((4, 4, 3)), SHORT)

@@ -1,0 +1,229 @@
+"""The segment job on varied real photographs, against the model's forward alone at the
+shapes the job actually ran, side by side in one process and one run.
+
+Photographs: the real photos in ``benchmarks/photos`` (from scikit-image's bundled data:
+public domain and CC0, see the README there) cropped to common camera and screen aspect
+ratios (4:3, 3:2, 16:9, 1:1 and their portrait forms) at common long sides from 240 to
+1600 px, and a share of odd crops (any ratio from 1:2.2 to 2.2:1, any size in the range);
+saved as JPEG (quality 90) and PNG. Real photographs decode and compress as an archive
+does; the weights are random (speed does not depend on them).
+
+Rows, in order:
+
+* ``job``: ``segment()`` over the folder with the default preprocessing (the weights'
+  own resize, images batched by shape, PNG masks written by the consumers): images per
+  second over the call (end to end: model load, workers, every batch, closing) and over
+  the engine's span (steady);
+* ``forward alone``: ``Segmenter.logits`` (normalisation and the model) on uint8 inputs
+  already on the device, at every (batch size, height, width) the job ran, as many times
+  as it ran it; each shape is run once untimed first, its first-call cost reported.
+
+A warm-up job on a few images runs first, so CUDA's and cuDNN's start-up is in no row.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+PHOTOS = Path(__file__).resolve().parents[2] / "benchmarks" / "photos"
+
+# (width, height) ratios of cameras and screens; portrait forms added below
+RATIOS = [(4, 3), (3, 2), (16, 9), (1, 1)]
+LONG_SIDES = [240, 320, 480, 640, 800, 1024, 1280, 1600]
+
+
+@dataclass
+class PhotoBenchConfig:
+    photos: int = 2048  # images generated
+    min_side: int = 240  # long side range of the generated images
+    max_side: int = 1600
+    odd_share: float = 0.1  # images cropped to any aspect ratio and size
+    png_share: float = 0.3  # the rest are JPEG
+    arch: str = "deeplabv3_resnet50"
+    size: int = 520  # the preset's short side
+    batch_size: int = 16
+    dtype: str = "auto"
+    device: str = "auto"
+    num_workers: int = -1
+    num_consumers: int = 4
+    seed: int = 0
+    folder: str | None = None  # keep the photographs here (reused when it holds them)
+
+
+def photo_specs(cfg: PhotoBenchConfig) -> list[tuple[str, int, int, str, int]]:
+    """(source photo, width, height, format, seed) of each image to make."""
+    from ..errors import ConfigError
+
+    if not PHOTOS.is_dir():
+        raise ConfigError(f"no photographs at {PHOTOS}: run the benchmark from a checkout of the "
+                          "repository (benchmarks/photos is not installed with the package)")
+    rng = random.Random(cfg.seed)
+    sources = sorted(p.name for p in PHOTOS.iterdir() if p.suffix in (".png", ".jpg"))
+    sides = [s for s in LONG_SIDES if cfg.min_side <= s <= cfg.max_side] or [cfg.max_side]
+    ratios = RATIOS + [(b, a) for a, b in RATIOS if a != b]
+    specs = []
+    for i in range(cfg.photos):
+        if rng.random() < cfg.odd_share:
+            long = rng.randint(cfg.min_side, cfg.max_side)
+            ratio = rng.uniform(1.0, 2.2)
+            short = max(1, round(long / ratio))
+            w, h = (long, short) if rng.random() < 0.5 else (short, long)
+        else:
+            a, b = rng.choice(ratios)
+            long = rng.choice(sides)
+            w, h = (long, round(long * b / a)) if a >= b else (round(long * a / b), long)
+        fmt = "png" if rng.random() < cfg.png_share else "jpg"
+        specs.append((sources[i % len(sources)], w, h, fmt, rng.randrange(1 << 30)))
+    return specs
+
+
+def _make_one(args) -> None:
+    from PIL import Image
+
+    folder, i, (source, w, h, fmt, seed) = args
+    rng = random.Random(seed)
+    with Image.open(PHOTOS / source) as im:
+        im = im.convert("RGB")
+        sw, sh = im.size
+        scale = min(sw / w, sh / h)  # the largest crop of the target ratio
+        cw, ch = max(1, int(w * scale)), max(1, int(h * scale))
+        x, y = rng.randint(0, sw - cw), rng.randint(0, sh - ch)
+        out = im.crop((x, y, x + cw, y + ch)).resize((w, h), Image.Resampling.LANCZOS)
+    path = Path(folder) / f"{i // 256:03d}" / f"{i:06d}_{w}x{h}.{fmt}"
+    path.parent.mkdir(exist_ok=True)
+    out.save(path, quality=90) if fmt == "jpg" else out.save(path, compress_level=6)
+
+
+def make_photos(cfg: PhotoBenchConfig, folder: str | os.PathLike) -> dict:
+    """Write the photographs into ``folder`` (skipped when it already holds as many)."""
+    folder = Path(folder)
+    specs = photo_specs(cfg)
+    have = [p for p in folder.rglob("*") if p.suffix in (".jpg", ".png")] if folder.exists() else []
+    if len(have) != len(specs):
+        folder.mkdir(parents=True, exist_ok=True)
+        with ProcessPoolExecutor(max(1, min(16, (os.cpu_count() or 2)))) as pool:
+            list(pool.map(_make_one, [(str(folder), i, s) for i, s in enumerate(specs)], chunksize=16))
+    files = [p for p in folder.rglob("*") if p.suffix in (".jpg", ".png")]
+    return {"images": len(files), "bytes": sum(p.stat().st_size for p in files),
+            "jpeg": sum(p.suffix == ".jpg" for p in files), "png": sum(p.suffix == ".png" for p in files),
+            "sources": sorted({s for s, *_ in specs})}
+
+
+def _sync(device):
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def forward_alone(cfg: PhotoBenchConfig, device, batch_shapes: list[list[int]]) -> dict:
+    """The job's forward (``Segmenter.logits``) at its batch shapes, inputs on the device,
+    each shape called once untimed first; and what a shape never seen before costs on its
+    first call over a warm one (``new_shape_extra_s``, at up to five shapes the job did
+    not run: its shapes seven pixels wider)."""
+    import torch
+
+    from ..stages.segmentation import Segmenter, load_segmentation_model
+
+    torch.manual_seed(cfg.seed)
+    segmenter = Segmenter(load_segmentation_model(cfg.arch, None, None, random_weights=True),
+                          device, cfg.dtype)
+
+    def call(x) -> float:
+        t0 = time.perf_counter()
+        segmenter.logits(x)
+        _sync(segmenter.device)
+        return time.perf_counter() - t0
+
+    def pixels(n, h, w):
+        return torch.randint(0, 256, (n, 3, h, w), dtype=torch.uint8, device=segmenter.device)
+
+    inputs = {(n, h, w): pixels(n, h, w) for n, h, w, _ in batch_shapes}
+    for x in inputs.values():
+        call(x)
+    t0 = time.perf_counter()
+    for n, h, w, k in batch_shapes:
+        for _ in range(k):
+            segmenter.logits(inputs[(n, h, w)])
+    _sync(segmenter.device)
+    seconds = time.perf_counter() - t0
+    images = sum(n * k for n, _, _, k in batch_shapes)
+    extra = []
+    for n, h, w, _ in sorted(batch_shapes, key=lambda s: -s[3])[:5]:
+        x = pixels(n, h, w + 7)
+        first = call(x)
+        extra.append(first - call(x))
+    return {"seconds": seconds, "images": images, "images_per_s": images / seconds,
+            "dtype": str(segmenter.dtype).replace("torch.", ""),
+            "new_shape_extra_s": [round(e, 4) for e in extra]}
+
+
+def run(cfg: PhotoBenchConfig, log=print) -> dict:
+    """Make (or reuse) the photographs, run the warm-up job, the timed job, the forward alone."""
+    from ..jobs.segment import SegmentConfig, segment
+    from ..stages.device import resolve_device
+
+    device = resolve_device(cfg.device)
+    with tempfile.TemporaryDirectory(prefix="embedingest-bench-photos-") as tmp:
+        folder = Path(cfg.folder) if cfg.folder else Path(tmp) / "photos"
+        t0 = time.perf_counter()
+        made = make_photos(cfg, folder)
+        log(f"  {made['images']} photographs ({made['jpeg']} JPEG, {made['png']} PNG, "
+            f"{made['bytes'] / 1e6:.0f} MB) in {time.perf_counter() - t0:.1f} s")
+        job = SegmentConfig(images=str(folder), random_weights=True, arch=cfg.arch, size=cfg.size,
+                            batch_size=cfg.batch_size, dtype=cfg.dtype, device=str(device),
+                            num_workers=cfg.num_workers, num_consumers=cfg.num_consumers)
+        warm = Path(tmp) / "warm-up"
+        warm.mkdir()
+        for p in sorted(folder.rglob("*"))[: 2 * cfg.batch_size]:
+            if p.is_file():
+                (warm / p.name).symlink_to(p.resolve())
+        segment(SegmentConfig(**{**job.__dict__, "images": str(warm), "out": str(Path(tmp) / "warm-out")}),
+                progress=False)
+        summary = segment(SegmentConfig(**{**job.__dict__, "out": str(Path(tmp) / "masks")}), progress=False)
+        log(f"  job: {summary['written']} images in {summary['seconds']:.2f} s")
+        shapes = summary["batch_shapes"]
+        alone = forward_alone(cfg, device, shapes)
+        log(f"  forward alone: {alone['images']} images in {alone['seconds']:.2f} s")
+    engine = summary["engine"]
+    steady_s = engine["wall_seconds"]
+    images = summary["written"]
+    return {
+        "photos": made, "device": str(device), "dtype": summary["dtype"], "arch": cfg.arch,
+        "distinct_shapes": len({(h, w) for _, h, w, _ in shapes}),
+        "batches": sum(k for *_, k in shapes),
+        "short_batches": sum(k for n, _, _, k in shapes if n < cfg.batch_size),
+        "job": {"images": images, "seconds": summary["seconds"],
+                "images_per_s": images / summary["seconds"],
+                "steady_seconds": steady_s, "steady_images_per_s": images / steady_s if steady_s else None,
+                "gpu_idle_fraction": engine.get("gpu_idle_fraction"), "timing": summary["timing"],
+                "phases": summary["phases"], "skipped": summary["skipped"]},
+        "forward_alone": alone,
+        "job_vs_forward": (images / summary["seconds"]) / alone["images_per_s"],
+        "steady_vs_forward": (images / steady_s) / alone["images_per_s"] if steady_s else None,
+        "batch_shapes": shapes,
+    }
+
+
+def table(result: dict) -> str:
+    """The two rows as a Markdown table."""
+    job, alone = result["job"], result["forward_alone"]
+    lines = ["| row | images | seconds | images/s | × forward alone |", "|---|---|---|---|---|",
+             f"| forward alone ({result['dtype']}, inputs on the device, the job's shapes) | "
+             f"{alone['images']} | {alone['seconds']:.2f} | {alone['images_per_s']:.1f} | 1.00 |",
+             f"| segment job, end to end (the call) | {job['images']} | {job['seconds']:.2f} | "
+             f"{job['images_per_s']:.1f} | {result['job_vs_forward']:.2f} |"]
+    if job["steady_images_per_s"]:
+        lines.append(f"| segment job, steady (engine span) | {job['images']} | {job['steady_seconds']:.2f} | "
+                     f"{job['steady_images_per_s']:.1f} | {result['steady_vs_forward']:.2f} |")
+    extra = alone["new_shape_extra_s"]
+    lines.append(f"\n{result['distinct_shapes']} model input shapes, {result['batches']} batches "
+                 f"({result['short_batches']} short); the first call at a shape never run before "
+                 f"took {min(extra, default=0):.3f}-{max(extra, default=0):.3f} s more than a warm one.")
+    return "\n".join(lines)

@@ -1,0 +1,139 @@
+"""Per-image class statistics as Parquet: one row per image, written by the mask writers.
+
+Each consumer process collects rows (source, width, height, then the share of the
+image's pixels of each class, one float32 column per class) and commits them as a part
+file ``stats/part-<time>-<pid>-<n>.parquet``: serialised in memory, read back, written
+under a temporary name, fsynced and renamed. A row is added only after its image's mask
+is written, so a committed row always has its mask; a killed run loses the rows not yet
+committed, and resume (``stats_sources``) treats an image with a mask but no committed
+row as not done, so the re-run writes its row: every image ends with exactly one row.
+Read the folder as one table with ``pyarrow.dataset.dataset(out / "stats")`` or
+``pandas.read_parquet(out / "stats")``.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ..report import atomic_write_bytes
+
+STATS_DIR = "stats"
+FIXED_COLUMNS = ("source", "width", "height")
+
+
+def stats_columns(categories: Sequence[str]) -> list[str]:
+    """The share columns, one per class, named by the category (``class_<i>`` where a
+    name is empty, repeated, or one of the fixed columns)."""
+    seen, names = set(FIXED_COLUMNS), []
+    for i, name in enumerate(categories):
+        name = name if name and name not in seen else f"class_{i}"
+        seen.add(name)
+        names.append(name)
+    return names
+
+
+def part_files(out: str | os.PathLike) -> list[Path]:
+    folder = Path(out) / STATS_DIR
+    try:
+        return sorted(p for p in folder.iterdir() if p.suffix == ".parquet" and not p.name.startswith("."))
+    except OSError:
+        return []
+
+
+def stats_sources(out: str | os.PathLike) -> set[str]:
+    """The sources (input-relative paths) that have a committed row."""
+    import pyarrow.parquet as pq
+
+    sources: set[str] = set()
+    for part in part_files(out):
+        sources.update(pq.read_table(part, columns=["source"]).column("source").to_pylist())
+    return sources
+
+
+def drop_stats_rows(out: str | os.PathLike, sources: set[str]) -> None:
+    """Remove the rows of ``sources`` (images about to be redone), part by part.
+
+    The old part is removed before its other rows are committed again under a new name:
+    a crash in between loses rows, never duplicates them, and an image without a row is
+    redone by the next run."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    for n, part in enumerate(part_files(out)):
+        table = pq.read_table(part)
+        keep = pc.invert(pc.is_in(table.column("source"), value_set=_string_array(sources)))
+        kept = table.filter(keep)
+        if kept.num_rows == table.num_rows:
+            continue
+        os.unlink(part)
+        if kept.num_rows:
+            _commit(part.parent / f"part-{time.time_ns()}-{os.getpid()}-kept{n}.parquet", kept)
+
+
+def _string_array(values: Iterable[str]):
+    import pyarrow as pa
+
+    return pa.array(sorted(values), type=pa.string())
+
+
+def _commit(path: Path, table) -> None:
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    data = buf.getvalue()
+    if pq.read_metadata(io.BytesIO(data)).num_rows != table.num_rows:
+        raise OSError(f"stats part {path} did not read back with its {table.num_rows} rows")
+    atomic_write_bytes(path, data)
+
+
+class StatsWriter:
+    """Rows of one consumer process; committed every ``rows_per_part`` rows or
+    ``seconds`` (checked as rows come), and at ``close``."""
+
+    def __init__(self, out: str, categories: Sequence[str], rows_per_part: int = 4096,
+                 seconds: float = 10.0):
+        self.folder = Path(out) / STATS_DIR
+        self.columns = stats_columns(categories)
+        self.rows_per_part, self.seconds = rows_per_part, seconds
+        self.sources: list[str] = []
+        self.sizes: list[tuple[int, int]] = []
+        self.shares: list[np.ndarray] = []
+        self.parts = 0
+        self.committed = 0
+        self._since = time.monotonic()
+
+    def add(self, source: str, mask: np.ndarray) -> None:
+        """The row of one image whose mask (uint8 [height, width], class per pixel) is written."""
+        counts = np.bincount(mask.ravel(), minlength=len(self.columns))[:len(self.columns)]
+        self.sources.append(source)
+        self.sizes.append((mask.shape[1], mask.shape[0]))
+        self.shares.append((counts / max(1, mask.size)).astype(np.float32))
+        if len(self.sources) >= self.rows_per_part or time.monotonic() - self._since >= self.seconds:
+            self.commit()
+
+    def commit(self) -> None:
+        import pyarrow as pa
+
+        self._since = time.monotonic()
+        if not self.sources:
+            return
+        shares = np.stack(self.shares)
+        sizes = np.asarray(self.sizes, dtype=np.int32)
+        table = pa.table({"source": pa.array(self.sources, type=pa.string()),
+                          "width": sizes[:, 0], "height": sizes[:, 1],
+                          **{name: shares[:, i] for i, name in enumerate(self.columns)}})
+        self.folder.mkdir(exist_ok=True)
+        _commit(self.folder / f"part-{time.time_ns()}-{os.getpid()}-{self.parts}.parquet", table)
+        self.parts += 1
+        self.committed += len(self.sources)
+        self.sources, self.sizes, self.shares = [], [], []
+
+    def close(self) -> None:
+        self.commit()

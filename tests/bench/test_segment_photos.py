@@ -1,0 +1,52 @@
+"""The photo benchmark of the segment job, at a tiny size on the CPU (it runs on the GPU
+for figures; here only that it runs and measures what it says)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from PIL import Image
+
+from embedingest.bench.segment_photos import PhotoBenchConfig, make_photos, photo_specs
+
+
+def test_photo_specs_cover_the_sizes_ratios_and_formats():
+    cfg = PhotoBenchConfig(photos=400)
+    specs = photo_specs(cfg)
+    assert len(specs) == 400 and specs == photo_specs(cfg), "the same set every run"
+    longs = [max(w, h) for _, w, h, _, _ in specs]
+    assert min(longs) >= 240 and max(longs) == 1600
+    ratios = {round(max(w, h) / min(w, h), 2) for _, w, h, _, _ in specs}
+    assert {1.0, 1.33, 1.5, 1.78} <= ratios and len(ratios) > 20  # camera ratios and odd crops
+    assert any(w > h for _, w, h, _, _ in specs) and any(w < h for _, w, h, _, _ in specs)
+    formats = [f for *_, f, _ in specs]
+    assert 0.2 < formats.count("png") / len(formats) < 0.4
+    assert len({s for s, *_ in specs}) == 4
+
+
+def test_made_photographs_have_their_sizes(tmp_path):
+    cfg = PhotoBenchConfig(photos=10, min_side=40, max_side=120)
+    made = make_photos(cfg, tmp_path)
+    assert made["images"] == 10 and made["jpeg"] + made["png"] == 10
+    for (_, w, h, fmt, _), path in zip(photo_specs(cfg), sorted(tmp_path.rglob("*.*")), strict=True):
+        with Image.open(path) as im:
+            assert im.size == (w, h) and im.format == ("PNG" if fmt == "png" else "JPEG")
+
+
+@pytest.mark.slow
+def test_the_benchmark_runs_on_cpu_at_a_tiny_size(tmp_path):
+    from embedingest.cli import main
+
+    result = CliRunner().invoke(main, ["bench", "segmentation", "--photos", "12", "--photo-sides", "48,96",
+                                       "--size", "32", "--arch", "lraspp_mobilenet_v3_large",
+                                       "--device", "cpu", "--batch-size", "4",
+                                       "--json", str(tmp_path / "r.json")])
+    assert result.exit_code == 0, result.output
+    assert "| segment job, end to end (the call) | 12 |" in result.output
+    out = json.loads((tmp_path / "r.json").read_text())["result"]
+    assert out["job"]["images"] == out["forward_alone"]["images"] == 12
+    assert sum(n * k for n, _, _, k in out["batch_shapes"]) == 12
+    assert out["distinct_shapes"] == len({(h, w) for _, h, w, _ in out["batch_shapes"]}) > 1
+    assert out["job_vs_forward"] == pytest.approx(out["job"]["images_per_s"] / out["forward_alone"]["images_per_s"])
