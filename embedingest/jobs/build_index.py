@@ -41,6 +41,7 @@ from ..sources.text_dataset import TextChunkDataset, Unit
 from ..stages.device import resolve_device
 from ..stages.encoder import TextEncoder, load_tokenizer
 from ..stages.prefetch import prefetch
+from ..stages.prompts import Prompts, chunk_prompt, with_prompt
 
 log = logging.getLogger("embedingest")
 
@@ -158,12 +159,16 @@ def plan_units(store: IndexStore, candidates: Iterable[dict], report: SkipReport
 
 def _loader(units: list[Unit], encoder: TextEncoder, cfg: IndexConfig, workers: int,
             chunk_tokens: int, pin: bool) -> DataLoader:
+    """Batches of tokenized chunks, the document prompt's tokens in each chunk."""
+    doc_prompt = encoder.prompts.for_role("document", cfg.doc_prompt)
+    encoder.check_prompt(doc_prompt)
+    prompt = chunk_prompt(encoder.tokenizer, doc_prompt, chunk_tokens, cfg.overlap)
     ds = TextChunkDataset(units, encoder.model_dir, batch_size=cfg.batch_size,
-                          max_tokens=chunk_tokens, overlap=cfg.overlap,
+                          max_tokens=prompt.max_tokens, overlap=cfg.overlap,
                           window=cfg.sort_window * cfg.batch_size, text_field=cfg.text_field,
                           id_field=cfg.id_field, tokenizer_loader=load_tokenizer,
                           pad_multiple=16 if encoder.device.type == "cuda" else 1)
-    return DataLoader(ds, batch_size=None, num_workers=workers, pin_memory=pin,
+    return DataLoader(with_prompt(ds, prompt), batch_size=None, num_workers=workers, pin_memory=pin,
                       prefetch_factor=4 if workers else None, persistent_workers=False,
                       worker_init_fn=functools.partial(exit_with_parent, os.getpid()),
                       multiprocessing_context=loader_context() if workers else None)
@@ -278,10 +283,17 @@ def _build(corpus, cfg: IndexConfig, out: Path, encoder: TextEncoder, devices: l
            timeline, t_start: float, phases: dict) -> dict:
     """The body of :func:`build_index`, run while holding the folder's run lock."""
     store = IndexStore(out)
+    settings = {}  # what the manifest keeps besides the vectors: prompts, search defaults
     try:
+        wanted = Prompts.read(encoder.info()["path"]).resolve(cfg.doc_prompt, cfg.query_prompt)
         manifest = store.create_or_open(
             Manifest(model=encoder.info(), dim=encoder.dim, metric=cfg.metric, factory=cfg.index,
-                     dtype=dtype), overwrite=cfg.overwrite)
+                     dtype=dtype, prompts=wanted, corpus_path=_corpus_path(corpus, in_memory)),
+            overwrite=cfg.overwrite)
+        settings = {"prompts": _settled_prompts(manifest, cfg, str(out)),
+                    "search": _search_defaults(manifest, cfg),
+                    "corpus_path": _corpus_path(corpus, in_memory)}
+        cfg = dataclasses.replace(cfg, doc_prompt=settings["prompts"]["document"])
         store.clean_garbage()
         cands = (_record_candidates(corpus, cfg, report) if in_memory
                  else _file_candidates(Path(corpus), report, out))
@@ -325,7 +337,7 @@ def _build(corpus, cfg: IndexConfig, out: Path, encoder: TextEncoder, devices: l
     finally:
         try:
             if store.exists():
-                manifest = store.update_segments(corpus=_fingerprint(store))
+                manifest = store.update_segments(corpus=_fingerprint(store), **settings)
             report.write(out)
         finally:
             store.close()
@@ -350,6 +362,51 @@ def _build(corpus, cfg: IndexConfig, out: Path, encoder: TextEncoder, devices: l
     }
     summary["exit_code"] = EXIT_SKIPPED if report.entries else EXIT_OK
     return summary
+
+
+def _corpus_path(corpus, in_memory: bool) -> str | None:
+    """The folder unit keys are relative to (for serving a hit's file), None for records."""
+    if in_memory:
+        return None
+    root = Path(corpus).resolve()
+    return str(root if root.is_dir() else root.parent)
+
+
+def _settled_prompts(manifest: Manifest, cfg: IndexConfig, where: str) -> dict:
+    """The prompts this run uses: the index's document prompt stays what its vectors were
+    made with (a different one given is refused); the query prompt can change."""
+    document = manifest.prompts.get("document", "")
+    if cfg.doc_prompt is not None and cfg.doc_prompt != document:
+        raise ConfigError(f"the index at {where!r} was built with document prompt {document!r}, "
+                          f"not {cfg.doc_prompt!r}: pass --doc-prompt {document!r}, or --overwrite "
+                          f"to rebuild it with the new prompt")
+    query = cfg.query_prompt if cfg.query_prompt is not None else manifest.prompts.get("query", "")
+    return {"document": document, "query": query}
+
+
+def _search_defaults(manifest: Manifest, cfg: IndexConfig) -> dict:
+    """The index's search defaults updated with those given (``search_params=""`` drops
+    the stored parameters); parameters are checked against the factory now, not at the
+    first search."""
+    search = dict(manifest.search)
+    if cfg.search_params is not None:
+        search.pop("params", None)
+        if cfg.search_params.strip():
+            import faiss
+
+            from ..sinks.faiss_shards import metric_code
+
+            try:
+                probe = faiss.index_factory(manifest.dim, manifest.factory, metric_code(manifest.metric))
+                faiss.ParameterSpace().set_index_parameters(probe, cfg.search_params)
+            except RuntimeError as exc:
+                raise ConfigError(f"--search-params {cfg.search_params!r} do not apply to index "
+                                  f"{manifest.factory!r}: {str(exc).splitlines()[0]}; nprobe is for "
+                                  f"IVF factories, efSearch for HNSW") from exc
+            search["params"] = cfg.search_params.strip()
+    if cfg.search_k is not None:
+        search["k"] = cfg.search_k
+    return search
 
 
 def _fingerprint(store: IndexStore) -> str:
