@@ -190,19 +190,24 @@ def _index_paragraph(s: dict) -> str:
 @main.command()
 @click.argument("index_dir", type=click.Path(exists=True, file_okay=False, path_type=str))
 @click.argument("query", nargs=-1, required=True)
-@click.option("-k", "k", default=5, show_default=True, help="Results to show.")
+@click.option("-k", "k", type=click.IntRange(min=1), default=None,
+              help="Results to show [default: the index's, from build-index --search-k, else 5].")
 @click.option("--device", default="cpu", show_default=True, help="Device for the query encoder.")
-@click.option("--params", default=None, help="faiss search parameters, e.g. nprobe=16.")
+@click.option("--params", default=None,
+              help="faiss search parameters, e.g. nprobe=16 [default: the index's, from "
+                   "build-index --search-params]; '' for none.")
+@click.option("--query-prompt", default=None,
+              help="Text put before the query [default: the index's query prompt].")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of hits.")
 @library_errors
-def search(index_dir, query, k, device, params, as_json) -> None:
+def search(index_dir, query, k, device, params, query_prompt, as_json) -> None:
     """Search INDEX_DIR for QUERY; prints rank, score, source and the chunk's text."""
     from .index.search import open_index
 
     text = " ".join(query)
-    index = open_index(index_dir, device=device, params=params)
+    index = open_index(index_dir, device=device, params=params, query_prompt=query_prompt)
     try:
-        (hits,) = index.search([text], k=k)
+        (hits,) = index.search([text], k=k or index.manifest.search.get("k") or 5)
     finally:
         index.close()
     if as_json:
@@ -223,7 +228,8 @@ def search(index_dir, query, k, device, params, as_json) -> None:
 @click.option("--batch-size", default=256, show_default=True)
 @click.option("--device", default="auto", show_default=True)
 @click.option("--dtype", default="auto", show_default=True, help="auto: fp16 on CUDA, fp32 on CPU.")
-@click.option("--model", default=None, help="Model folder (default: the bundled all-MiniLM-L6-v2).")
+@click.option("--model", default=None,
+              help="Model folder or Hugging Face id in the local cache (default: the bundled all-MiniLM-L6-v2).")
 @click.option("--num-workers", default=-1, show_default=True)
 @click.option("--num-consumers", default=2, show_default=True)
 @click.option("--st-fp32/--no-st-fp32", default=True, show_default=True,

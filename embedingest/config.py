@@ -42,7 +42,9 @@ class IndexConfig:
 
     # Output folder; default indexes/<corpus folder or file name>.
     out: str | None = None
-    # Local sentence-transformers / Hugging Face model folder; default the bundled all-MiniLM-L6-v2.
+    # Local sentence-transformers / Hugging Face model folder, or a Hugging Face id
+    # ("org/name") found in the local Hugging Face cache (never downloaded); default the
+    # bundled all-MiniLM-L6-v2.
     model: str | None = None
     # faiss index_factory string; "Flat" is exact search. IVF/PQ/HNSW are trained on a sample.
     index: str = "Flat"
