@@ -153,10 +153,15 @@ class Index:
         texts = [self.query_prompt + q for q in queries]
         return self.search_vectors(self.encoder.encode(texts), k)
 
+    def chunks(self, ids) -> dict:
+        """Chunk rows by vector id (:class:`~embedingest.index.store.Chunk`, with its
+        source); unknown ids are absent."""
+        return self._thread_store().chunks(ids)
+
     def search_vectors(self, vectors: np.ndarray, k: int | None = None) -> list[list[Hit]]:
         """Top ``k`` chunks for each query vector (used as given: normalise them for "ip")."""
         scores, ids = self.search_raw(vectors, k)
-        rows = self._thread_store().chunks(np.unique(ids[ids >= 0]).tolist())
+        rows = self.chunks(np.unique(ids[ids >= 0]).tolist())
         out = []
         for row_scores, row_ids in zip(scores, ids):
             hits = []

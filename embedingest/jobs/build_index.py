@@ -219,13 +219,15 @@ def _train_if_needed(store: IndexStore, manifest: Manifest, encoder: TextEncoder
 
 
 def build_index(corpus, config: IndexConfig | None = None, *, progress: bool = False,
-                timeline: str | os.PathLike | None = None, **overrides) -> dict:
+                timeline: str | os.PathLike | None = None, trace: str | os.PathLike | None = None,
+                **overrides) -> dict:
     """Build or update the index of ``corpus`` and return a summary dict.
 
     ``corpus`` is a file or folder path, or an iterable of ``(id, text)`` pairs or dicts
     with the configured text and id fields. Options are the fields of
     :class:`IndexConfig`, given as ``config`` and/or keyword ``overrides``; ``timeline``
-    names a PNG to draw the last batches' engine timeline into.
+    names a PNG to draw the last batches' engine timeline into, ``trace`` a JSON file for
+    the run's phases and every batch's engine records in the Chrome trace format.
     """
     cfg = dataclasses.replace(config or IndexConfig(), **overrides)
     cfg.validate()
@@ -242,14 +244,15 @@ def build_index(corpus, config: IndexConfig | None = None, *, progress: bool = F
 
         early = start_device_processes(devices, cfg, dtype)
     try:
-        return _prepare_and_build(corpus, cfg, devices, device, dtype, early, progress, timeline, t_start)
+        return _prepare_and_build(corpus, cfg, devices, device, dtype, early, progress, timeline, t_start,
+                                  trace)
     finally:
         if early is not None:
             early.close()
 
 
 def _prepare_and_build(corpus, cfg: IndexConfig, devices: list[str], device: str, dtype: str, early,
-                       progress: bool, timeline, t_start: float) -> dict:
+                       progress: bool, timeline, t_start: float, trace=None) -> dict:
     """Load the encoder, then build under the folder's run lock."""
     in_memory = not isinstance(corpus, (str, os.PathLike))
     if not in_memory and not Path(corpus).exists():
@@ -273,14 +276,14 @@ def _prepare_and_build(corpus, cfg: IndexConfig, devices: list[str], device: str
     try:
         with RunLock(out):
             return _build(corpus, cfg, out, encoder, devices, device, dtype, early, in_memory,
-                          chunk_tokens, report, progress, timeline, t_start, phases)
+                          chunk_tokens, report, progress, timeline, t_start, phases, trace)
     finally:
         encoder.release()  # a job in a longer process must not keep the GPU's memory
 
 
 def _build(corpus, cfg: IndexConfig, out: Path, encoder: TextEncoder, devices: list[str], device: str,
            dtype: str, early, in_memory: bool, chunk_tokens: int, report: SkipReport, progress: bool,
-           timeline, t_start: float, phases: dict) -> dict:
+           timeline, t_start: float, phases: dict, trace=None) -> dict:
     """The body of :func:`build_index`, run while holding the folder's run lock."""
     store = IndexStore(out)
     settings = {}  # what the manifest keeps besides the vectors: prompts, search defaults
@@ -361,6 +364,13 @@ def _build(corpus, cfg: IndexConfig, out: Path, encoder: TextEncoder, devices: l
         "main_loop": {key: round(value, 3) for key, value in main_loop.items()} or None,
     }
     summary["exit_code"] = EXIT_SKIPPED if report.entries else EXIT_OK
+    if trace:
+        from ..engine.trace import phase_spans, write_trace
+
+        engines = ([] if stats is None else list(zip(stats.devices, stats.per_device))
+                   if hasattr(stats, "per_device") else [(device, stats)])
+        summary["trace"] = str(write_trace(trace, engines, phases=phase_spans("build-index", t_start, phases),
+                                           title=f"build-index {out} ({summary['device']}, {dtype})"))
     return summary
 
 
