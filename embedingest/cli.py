@@ -257,9 +257,12 @@ def serve(index_dir, host, port, device, params, query_prompt, max_query_chars, 
     """
     from .serve import serve as run_server
 
-    run_server(index_dir, host, port, device=device, params=params, query_prompt=query_prompt,
-               max_query_chars=max_query_chars, max_k=max_k,
-               on_ready=lambda url: click.echo(f"serving {index_dir} at {url} (Ctrl-C stops)", err=True))
+    try:
+        run_server(index_dir, host, port, device=device, params=params, query_prompt=query_prompt,
+                   max_query_chars=max_query_chars, max_k=max_k,
+                   on_ready=lambda url: click.echo(f"serving {index_dir} at {url} (Ctrl-C stops)", err=True))
+    except KeyboardInterrupt:  # how a server is stopped: not an error
+        click.echo("stopped", err=True)
 
 
 @bench.command("text")
