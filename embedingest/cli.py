@@ -248,8 +248,10 @@ def search(index_dir, query, k, device, params, query_prompt, as_json) -> None:
               help="Longer queries are refused (422).")
 @click.option("--max-k", type=click.IntRange(min=1), default=100, show_default=True,
               help="Most results one request may ask for.")
+@click.option("--threads", type=click.IntRange(min=0), default=1, show_default=True,
+              help="torch threads of the query encoder; 0: torch's default (every core).")
 @library_errors
-def serve(index_dir, host, port, device, params, query_prompt, max_query_chars, max_k) -> None:
+def serve(index_dir, host, port, device, params, query_prompt, max_query_chars, max_k, threads) -> None:
     """Serve INDEX_DIR over HTTP: a search page at / and JSON at /search?q=...&k=...
 
     The model and the index stay loaded between requests. Needs the serve extra
@@ -259,7 +261,7 @@ def serve(index_dir, host, port, device, params, query_prompt, max_query_chars, 
 
     try:
         run_server(index_dir, host, port, device=device, params=params, query_prompt=query_prompt,
-                   max_query_chars=max_query_chars, max_k=max_k,
+                   max_query_chars=max_query_chars, max_k=max_k, threads=threads or None,
                    on_ready=lambda url: click.echo(f"serving {index_dir} at {url} (Ctrl-C stops)", err=True))
     except KeyboardInterrupt:  # how a server is stopped: not an error
         click.echo("stopped", err=True)

@@ -23,6 +23,7 @@ import numpy as np
 from ..errors import ConfigError
 from .store import IndexStore, Manifest
 
+PARALLEL_FROM = 20_000  # vectors; below, threads cost more than the scan
 _MMAP_FLAGS = (
     faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY,  # flat codes, HNSW
     faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY,  # IVF inverted lists
@@ -70,6 +71,7 @@ class Index:
         self._local.store = store
         self.query_prompt = manifest.prompts.get("query", "") if query_prompt is None else query_prompt
         self.params = params  # the faiss search parameters in force ("" or None: none)
+        self._pool = None
 
     @property
     def default_k(self) -> int:
@@ -91,6 +93,9 @@ class Index:
 
     def close(self) -> None:
         self.segments = []
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
         self.store.close()
 
     def _thread_store(self) -> IndexStore:
@@ -190,11 +195,25 @@ class Index:
         if k == 0:
             return np.empty((len(q), 0), np.float32), np.empty((len(q), 0), np.int64)
         heap = faiss.ResultHeap(len(q), k, keep_max=self.manifest.metric == "ip")
-        for seg in self.segments:
-            if seg.ntotal:
-                heap.add_result(*seg.search(q, min(k, seg.ntotal)))
+        segments = [seg for seg in self.segments if seg.ntotal]
+        for result in self._map_segments(lambda seg: seg.search(q, min(k, seg.ntotal)), segments):
+            heap.add_result(*result)
         heap.finalize()
         return heap.D, heap.I
+
+    def _map_segments(self, fn, segments: list):
+        """``fn`` over the segments, on several cores when there is enough to scan: faiss
+        scans for a few queries on one thread (and releases the GIL), so large segments
+        are searched side by side."""
+        if len(segments) < 2 or sum(seg.ntotal for seg in segments) < PARALLEL_FROM:
+            return map(fn, segments)
+        with self._encoder_lock:
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._pool = ThreadPoolExecutor(min(len(segments), os.cpu_count() or 1),
+                                                thread_name_prefix="embedingest-search")
+        return self._pool.map(fn, segments)
 
 
 def open_index(path: str | os.PathLike, device: str = "cpu", *, encoder=None,

@@ -25,12 +25,14 @@ def is_loopback(host: str) -> bool:
 
 def serve(index_dir: str | os.PathLike, host: str = "127.0.0.1", port: int = 8000, *, device: str = "cpu",
           params: str | None = None, query_prompt: str | None = None, max_query_chars: int | None = None,
-          max_k: int | None = None, on_ready=None) -> None:
+          max_k: int | None = None, threads: int | None = 1, on_ready=None) -> None:
     """Open ``index_dir``, load its model, and serve it until interrupted.
 
     ``params`` and ``query_prompt`` as for :func:`~embedingest.open_index` (None: the
-    index's own); ``on_ready(url)`` is called once the model is loaded, before the server
-    starts listening.
+    index's own). ``threads``: torch threads of the query encoder (None: torch's default,
+    every core); one query of a few words gains little from more, and they wait on each
+    other as soon as the cores are busy with anything else. ``on_ready(url)`` is called
+    once the model is loaded, before the server starts listening.
     """
     try:
         import uvicorn
@@ -41,6 +43,10 @@ def serve(index_dir: str | os.PathLike, host: str = "127.0.0.1", port: int = 800
                           f"pip install 'embedingest[serve]'") from exc
     from ..index.search import open_index
 
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
     index = open_index(index_dir, device=device, params=params, query_prompt=query_prompt)
     try:
         index.search(["warm up the model"], k=1)  # load it now, not at the first request
