@@ -67,6 +67,7 @@ class Index:
         self.device = device
         self._encoder = encoder
         self._encoder_lock = threading.Lock()
+        self._encode_lock = threading.Lock()
         self._local = threading.local()
         self._local.store = store
         self.query_prompt = manifest.prompts.get("query", "") if query_prompt is None else query_prompt
@@ -156,7 +157,10 @@ class Index:
             raise ConfigError(f"query {blank[0]} ({queries[blank[0]]!r}) is empty or not text; "
                               "give each query some words")
         texts = [self.query_prompt + q for q in queries]
-        return self.search_vectors(self.encoder.encode(texts), k)
+        encoder = self.encoder
+        with self._encode_lock:  # a tokenizer is not safe to share between threads
+            vectors = encoder.encode(texts)
+        return self.search_vectors(vectors, k)
 
     def chunks(self, ids) -> dict:
         """Chunk rows by vector id (:class:`~embedingest.index.store.Chunk`, with its

@@ -9,14 +9,13 @@
 * ``GET /info``: what is served (vectors, model, prompts, search defaults).
 
 Bad requests get a 4xx with a message: an empty or too long query, ``k`` out of
-``1..max_k``, wrong types (FastAPI checks them). Searches run one at a time under a
-lock (the model's tokenizer is not safe to share between threads and the model uses
-every core anyway); the page and files are served meanwhile.
+``1..max_k``, wrong types (FastAPI checks them). Requests run in the server's thread
+pool; the index encodes one query at a time (its tokenizer is not safe to share between
+threads) and reads the metadata through one connection per thread.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from importlib import resources
 from pathlib import Path
@@ -61,7 +60,6 @@ def hit_json(index: Index, hit: Hit) -> dict:
 def create_app(index: Index, *, max_query_chars: int = MAX_QUERY_CHARS, max_k: int = MAX_K) -> FastAPI:
     """The app serving ``index`` (opened by the caller, who closes it)."""
     app = FastAPI(title="embedingest search", docs_url=None, redoc_url=None, openapi_url=None)
-    lock = threading.Lock()
     page = resources.files(__package__).joinpath("static/index.html").read_text(encoding="utf-8")
 
     @app.get("/", response_class=HTMLResponse)
@@ -87,8 +85,7 @@ def create_app(index: Index, *, max_query_chars: int = MAX_QUERY_CHARS, max_k: i
         k = k if k is not None else min(index.default_k, max_k)
         t0 = time.perf_counter()
         try:
-            with lock:
-                (hits,) = index.search([q], k=k)
+            (hits,) = index.search([q], k=k)
         except ConfigError as exc:
             raise HTTPException(422, str(exc)) from exc
         took = time.perf_counter() - t0
