@@ -1,12 +1,14 @@
 """Latency of `embedingest serve`: p50/p99 over HTTP of QUERIES questions, one at a time.
 
     python benchmarks/serve_latency.py [--chunks 100000] [--queries 200] [--index DIR]
-                                       [--threads 1] [--json OUT.json]
+                                       [--factory Flat] [--params nprobe=32] [--threads 1]
+                                       [--json OUT.json]
 
 Without --index it makes an index of CHUNKS chunks in a temporary folder, the way
-build-index lays one out (a Flat segment per 50,000 vectors written by the build's own
-shard sink, chunk rows with their text in metadata.sqlite, 100 source files), with the
-bundled model in its manifest. The chunk texts are the text benchmark's synthetic
+build-index lays one out (a segment of the faiss FACTORY per 50,000 vectors written by
+the build's own shard sink, trained first when the factory needs it; chunk rows with
+their text in metadata.sqlite, 100 source files), with the bundled model in its manifest
+and PARAMS as its stored search parameters. The chunk texts are the text benchmark's synthetic
 paragraphs; the vectors are random unit vectors (embedding 100,000 chunks takes this
 CPU a quarter of an hour, and the cost of a Flat search does not depend on the values).
 The queries are encoded by the real model in the server.
@@ -49,23 +51,30 @@ from embedingest.stages.encoder import TextEncoder  # noqa: E402
 FILES = 100
 
 
-def make_index(folder: Path, chunks: int, seed: int = 0) -> Path:
+def make_index(folder: Path, chunks: int, factory: str = "Flat", params: str | None = None,
+               seed: int = 0) -> Path:
     encoder = TextEncoder.load(None, device="cpu")
     store = IndexStore(folder)
-    store.create_or_open(Manifest(model=encoder.info(), dim=encoder.dim))
+    store.create_or_open(Manifest(model=encoder.info(), dim=encoder.dim, factory=factory,
+                                  search={"params": params} if params else {}))
     per_file = -(-chunks // FILES)
     texts = make_paragraphs(chunks, seed)
     nos = store.upsert_units({"key": f"part-{f:03d}.jsonl", "size": 0, "mtime_ns": 0, "sha256": str(f),
                               "n_chunks": min(per_file, chunks - f * per_file), "status": "done"}
                              for f in range(FILES) if f * per_file < chunks)
     rng = np.random.default_rng(seed)
-    sink = FaissShardSinkFactory(str(folder), encoder.dim, commit_every=50_000)(0)
+
+    def unit_vectors(n: int) -> np.ndarray:
+        emb = rng.standard_normal((n, encoder.dim)).astype(np.float32)
+        return emb / np.linalg.norm(emb, axis=1, keepdims=True)
+
+    trained = store.train_index(factory, encoder.dim, "ip", unit_vectors(min(chunks, 50_000)))
+    sink = FaissShardSinkFactory(str(folder), encoder.dim, factory=factory, commit_every=50_000,
+                                 trained=str(trained) if trained else None)(0)
     for f, (key, no) in enumerate(sorted(nos.items())):
         lo, hi = f * per_file, min((f + 1) * per_file, chunks)
         store.insert_chunks((no, f"r{i}", i - lo, 0, len(texts[i]), texts[i]) for i in range(lo, hi))
-        emb = rng.standard_normal((hi - lo, encoder.dim)).astype(np.float32)
-        emb /= np.linalg.norm(emb, axis=1, keepdims=True)
-        sink(f, {"emb": emb, "ids": vector_ids(no, np.arange(hi - lo))})
+        sink(f, {"emb": unit_vectors(hi - lo), "ids": vector_ids(no, np.arange(hi - lo))})
     sink.close()
     store.update_segments()
     store.close()
@@ -117,12 +126,14 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=100_000)
     ap.add_argument("--queries", type=int, default=200)
     ap.add_argument("--index", type=Path, help="an existing index folder instead of a synthetic one")
+    ap.add_argument("--factory", default="Flat", help="faiss index_factory of the synthetic index")
+    ap.add_argument("--params", default=None, help="its stored search parameters, e.g. nprobe=32")
     ap.add_argument("--threads", type=int, default=1, help="serve --threads (torch threads), 0: all")
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="embedingest-serve-bench-"))
     t0 = time.perf_counter()
-    index = args.index or make_index(work / "index", args.chunks)
+    index = args.index or make_index(work / "index", args.chunks, args.factory, args.params)
     print(f"index {index}: made in {time.perf_counter() - t0:.1f} s", flush=True)
     queries = make_paragraphs(args.queries + 10, seed=1, words=8)
     warmup, timed = queries[:10], queries[10:]
@@ -152,7 +163,7 @@ def main() -> None:
 
         torch.set_num_threads(args.threads)
     with open_index(index) as opened:
-        ntotal = opened.ntotal
+        ntotal, factory, params = opened.ntotal, opened.manifest.factory, opened.params
         encoder = opened.encoder
         encode_ms, faiss_ms, vectors = [], [], []
         for q in warmup + timed:
@@ -166,14 +177,15 @@ def main() -> None:
     result = {
         "machine": machine(), "load_average_before": load_before, "load_average_after": load_after,
         "command": "python benchmarks/serve_latency.py " + " ".join(sys.argv[1:]),
-        "index": {"chunks": ntotal, "synthetic": args.index is None, "factory": "Flat"},
+        "index": {"chunks": ntotal, "synthetic": args.index is None, "factory": factory, "params": params},
         "queries": len(timed), "k": 10,
         "round_trip_ms": percentiles(round_trip), "server_took_ms": percentiles(server_ms),
         "encode_alone_ms": percentiles(encode_ms[10:]), "faiss_alone_ms": percentiles(faiss_ms[10:]),
     }
     print(json.dumps(result, indent=2))
     print(f"round trip over HTTP: p50 {result['round_trip_ms']['p50']:.1f} ms, "
-          f"p99 {result['round_trip_ms']['p99']:.1f} ms ({len(timed)} queries, {ntotal:,} chunks); "
+          f"p99 {result['round_trip_ms']['p99']:.1f} ms ({len(timed)} queries, {ntotal:,} chunks, "
+          f"{factory} {params or ''}); "
           f"median of the server's own time {statistics.median(server_ms):.1f} ms")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
