@@ -237,7 +237,7 @@ def search(index_dir, query, k, device, params, query_prompt, as_json) -> None:
 @main.command()
 @click.argument("index_dir", type=click.Path(exists=True, file_okay=False, path_type=str))
 @click.option("--host", default="127.0.0.1", show_default=True,
-              help="Address to listen on; another than 127.0.0.1 exposes the index and its files.")
+              help="Address to listen on; any but 127.0.0.1 lets other machines query the index and read its files.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--device", default="cpu", show_default=True, help="Device for the query encoder.")
 @click.option("--params", default=None,
