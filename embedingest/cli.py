@@ -85,10 +85,12 @@ def bench() -> None:
 @click.option("--arch", default="deeplabv3_resnet50", show_default=True, help="With --photos.")
 @click.option("--size", default=520, show_default=True, help="With --photos: the short side.")
 @click.option("--device", default="auto", show_default=True, help="With --photos (cpu to try it).")
+@click.option("--trace", type=click.Path(dir_okay=False),
+              help="Chrome trace (JSON) of the segment stage's bf16 full-logits run, every batch.")
 @library_errors
 def bench_segmentation(steps, warmup, batch_size, image_size, consumers, slots, loader_workers,
                        only, json_path, timeline, photos, photo_sides, photo_odd_share, photo_dir,
-                       arch, size, device) -> None:
+                       arch, size, device, trace) -> None:
     """The seed article's DeepLabV3 workload: its five loops, the forward-only bound and
     embedingest's engine, in one run. With --photos: the segment job end to end on real
     photographs against the model's forward alone at the shapes the job ran."""
@@ -129,6 +131,12 @@ def bench_segmentation(steps, warmup, batch_size, image_size, consumers, slots, 
 
         render_timeline(drawn["records"], timeline, spans=drawn["spans"], last_n=12,
                         title=f"segment stage, bf16, full logits, {info.get('gpu', '')}")
+    if trace and drawn:
+        from .engine.telemetry import EngineStats
+        from .engine.trace import write_trace
+
+        stats = EngineStats(device="cuda", records=drawn["records"], spans=drawn["spans"])
+        write_trace(trace, [("cuda", stats)], title=f"segment stage, bf16, full logits, {info.get('gpu', '')}")
     for r in rows:
         r.pop("records", None)
         r.pop("spans", None)
@@ -165,9 +173,12 @@ def _config_options(cls, skip=()):
               help="TOML preset with IndexConfig fields (configs/*.toml).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.option("--timeline", type=click.Path(dir_okay=False), help="Write a PNG timeline of the last batches.")
+@click.option("--trace", type=click.Path(dir_okay=False),
+              help="Write the run's phases and every batch's engine records (compute, copy, hand-off, "
+                   "consumers) as a Chrome trace (JSON; open it in Perfetto or chrome://tracing).")
 @_config_options(IndexConfig)
 @library_errors
-def build_index_cmd(corpus, config_path, as_json, timeline, **options) -> None:
+def build_index_cmd(corpus, config_path, as_json, timeline, trace, **options) -> None:
     """Index the text files under CORPUS (or one file) into FAISS shards.
 
     Re-running adds only new or changed files and drops deleted ones. Exit status: 0 all
@@ -178,7 +189,7 @@ def build_index_cmd(corpus, config_path, as_json, timeline, **options) -> None:
     try:
         build_index = import_interruptibly("embedingest.jobs.build_index").build_index
         summary = build_index(corpus, cfg, progress=not as_json and sys.stderr.isatty(),
-                              timeline=timeline)
+                              timeline=timeline, trace=trace)
     except KeyboardInterrupt:
         click.echo("\ninterrupted: every file finished so far is saved in the index; run the "
                    "same command again to resume (only unfinished files are redone)", err=True)
@@ -224,19 +235,24 @@ def _index_paragraph(s: dict) -> str:
 @main.command()
 @click.argument("index_dir", type=click.Path(exists=True, file_okay=False, path_type=str))
 @click.argument("query", nargs=-1, required=True)
-@click.option("-k", "k", default=5, show_default=True, help="Results to show.")
+@click.option("-k", "k", type=click.IntRange(min=1), default=None,
+              help="Results to show [default: the index's, from build-index --search-k, else 5].")
 @click.option("--device", default="cpu", show_default=True, help="Device for the query encoder.")
-@click.option("--params", default=None, help="faiss search parameters, e.g. nprobe=16.")
+@click.option("--params", default=None,
+              help="faiss search parameters, e.g. nprobe=16 [default: the index's, from "
+                   "build-index --search-params]; '' for none.")
+@click.option("--query-prompt", default=None,
+              help="Text put before the query [default: the index's query prompt].")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of hits.")
 @library_errors
-def search(index_dir, query, k, device, params, as_json) -> None:
+def search(index_dir, query, k, device, params, query_prompt, as_json) -> None:
     """Search INDEX_DIR for QUERY; prints rank, score, source and the chunk's text."""
     from .index.search import open_index
 
     text = " ".join(query)
-    index = open_index(index_dir, device=device, params=params)
+    index = open_index(index_dir, device=device, params=params, query_prompt=query_prompt)
     try:
-        (hits,) = index.search([text], k=k)
+        (hits,) = index.search([text], k=k or index.manifest.search.get("k") or 5)
     finally:
         index.close()
     if as_json:
@@ -252,12 +268,46 @@ def search(index_dir, query, k, device, params, as_json) -> None:
         click.echo("     " + (h.text or "").replace("\n", " ")[:300])
 
 
+@main.command()
+@click.argument("index_dir", type=click.Path(exists=True, file_okay=False, path_type=str))
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on; any but 127.0.0.1 lets other machines query the index and read its files.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--device", default="cpu", show_default=True, help="Device for the query encoder.")
+@click.option("--params", default=None,
+              help="faiss search parameters, e.g. nprobe=16 [default: the index's]; '' for none.")
+@click.option("--query-prompt", default=None,
+              help="Text put before every query [default: the index's query prompt].")
+@click.option("--max-query-chars", type=click.IntRange(min=1), default=2000, show_default=True,
+              help="Longer queries are refused (422).")
+@click.option("--max-k", type=click.IntRange(min=1), default=100, show_default=True,
+              help="Most results one request may ask for.")
+@click.option("--threads", type=click.IntRange(min=0), default=1, show_default=True,
+              help="torch threads of the query encoder; 0: torch's default (every core).")
+@library_errors
+def serve(index_dir, host, port, device, params, query_prompt, max_query_chars, max_k, threads) -> None:
+    """Serve INDEX_DIR over HTTP: a search page at / and JSON at /search?q=...&k=...
+
+    The model and the index stay loaded between requests. Needs the serve extra
+    (pip install 'embedingest[serve]').
+    """
+    from .serve import serve as run_server
+
+    try:
+        run_server(index_dir, host, port, device=device, params=params, query_prompt=query_prompt,
+                   max_query_chars=max_query_chars, max_k=max_k, threads=threads or None,
+                   on_ready=lambda url: click.echo(f"serving {index_dir} at {url} (Ctrl-C stops)", err=True))
+    except KeyboardInterrupt:  # how a server is stopped: not an error
+        click.echo("stopped", err=True)
+
+
 @bench.command("text")
 @click.option("--docs", default=200_000, show_default=True, help="Paragraphs (~50 tokens each).")
 @click.option("--batch-size", default=256, show_default=True)
 @click.option("--device", default="auto", show_default=True)
 @click.option("--dtype", default="auto", show_default=True, help="auto: fp16 on CUDA, fp32 on CPU.")
-@click.option("--model", default=None, help="Model folder (default: the bundled all-MiniLM-L6-v2).")
+@click.option("--model", default=None,
+              help="Model folder or Hugging Face id in the local cache (default: the bundled all-MiniLM-L6-v2).")
 @click.option("--num-workers", default=-1, show_default=True)
 @click.option("--num-consumers", default=2, show_default=True)
 @click.option("--st-fp32/--no-st-fp32", default=True, show_default=True,
@@ -265,9 +315,11 @@ def search(index_dir, query, k, device, params, as_json) -> None:
 @click.option("--compare-eager/--no-compare-eager", default=True, show_default=True,
               help="On CUDA, also time the rows without CUDA graphs.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write rows here.")
+@click.option("--trace", type=click.Path(dir_okay=False),
+              help="Chrome trace (JSON) of the build-index row: its phases and every batch.")
 @library_errors
 def bench_text(docs, batch_size, device, dtype, model, num_workers, num_consumers, st_fp32,
-               compare_eager, json_path) -> None:
+               compare_eager, json_path, trace) -> None:
     """sentence-transformers encode() + faiss.add against build-index end to end, with the
     encoder's forward alone as the bound, on one corpus (runs on CPU too)."""
     import torch
@@ -281,7 +333,7 @@ def bench_text(docs, batch_size, device, dtype, model, num_workers, num_consumer
         dtype = "fp16" if device.startswith("cuda") else "fp32"
     cfg = TextBenchConfig(docs=docs, batch_size=batch_size, device=device, dtype=dtype, model=model,
                           num_workers=num_workers, num_consumers=num_consumers, st_fp32=st_fp32,
-                          compare_eager=compare_eager)
+                          compare_eager=compare_eager, trace=trace)
     info = machine_info()
     click.echo(f"# {info.get('gpu', 'CPU')} {info.get('driver', '')}, torch {info.get('torch')}, {info['date']}")
     rows = run_all(cfg, log=lambda m: click.echo(m, err=True))

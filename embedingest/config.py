@@ -42,7 +42,9 @@ class IndexConfig:
 
     # Output folder; default indexes/<corpus folder or file name>.
     out: str | None = None
-    # Local sentence-transformers / Hugging Face model folder; default the bundled all-MiniLM-L6-v2.
+    # Local sentence-transformers / Hugging Face model folder, or a Hugging Face id
+    # ("org/name") found in the local Hugging Face cache (never downloaded); default the
+    # bundled all-MiniLM-L6-v2.
     model: str | None = None
     # faiss index_factory string; "Flat" is exact search. IVF/PQ/HNSW are trained on a sample.
     index: str = "Flat"
@@ -83,6 +85,17 @@ class IndexConfig:
     train_size: int = 50_000
     # Delete whatever index is in the output folder first.
     overwrite: bool = False
+    # Text put before each chunk for the encoder (default: the model folder's document
+    # prompt, from config_sentence_transformers.json); "" for none. Stored spans stay the source's.
+    doc_prompt: str | None = None
+    # Text put before each query (default: the model folder's query prompt); kept in the
+    # manifest, so search, serve and open_index apply it.
+    query_prompt: str | None = None
+    # faiss search parameters kept with the index, used by search, serve and open_index
+    # unless they give their own, e.g. "nprobe=16" (IVF) or "efSearch=128" (HNSW).
+    search_params: str | None = None
+    # Results per query kept with the index, used when a search gives no k.
+    search_k: int | None = None
 
     def for_device(self, cuda: bool) -> IndexConfig:
         """This config with ``batch_size`` 0 (auto) made concrete for the device kind."""
@@ -102,6 +115,8 @@ class IndexConfig:
                               f"chunk-tokens ({self.chunk_tokens})")
         if self.metric not in ("ip", "l2"):
             raise ConfigError(f"metric={self.metric!r}: use 'ip' or 'l2'")
+        if self.search_k is not None and self.search_k < 1:
+            raise ConfigError(f"search-k={self.search_k}: must be at least 1")
 
 
 

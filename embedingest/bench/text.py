@@ -36,6 +36,7 @@ class TextBenchConfig:
     seed: int = 0
     st_fp32: bool = True  # also time sentence-transformers in fp32
     compare_eager: bool = True  # on CUDA, also time the forward and build-index without CUDA graphs
+    trace: str | None = None  # Chrome trace of the build-index row (with CUDA graphs on a GPU)
 
 
 def _sentences() -> list[str]:
@@ -188,7 +189,8 @@ def build_index_run(cfg: TextBenchConfig, corpus: Path, model_dir: str | None, o
 
     s = build_index(corpus, out=str(out), model=model_dir, device=cfg.device, dtype=cfg.dtype,
                     batch_size=cfg.batch_size, num_workers=cfg.num_workers,
-                    num_consumers=cfg.num_consumers, cuda_graphs=cuda_graphs, overwrite=True)
+                    num_consumers=cfg.num_consumers, cuda_graphs=cuda_graphs, overwrite=True,
+                    trace=cfg.trace if cuda_graphs else None)
     eng = s["engine"] or {}
     steady = s["docs"] / eng["wall_seconds"] if eng.get("wall_seconds") else None
     name = f"embedingest build-index, {cfg.dtype}" + ("" if cuda_graphs else ", no CUDA graphs")

@@ -3,11 +3,17 @@ so the result equals one search over all vectors (exactly so for Flat segments).
 
 Segments are memory-mapped where faiss can (flat codes, IVF lists), so opening a large
 index costs little memory and starts fast; the page cache holds what queries touch.
+
+The manifest's query prompt goes before every text query, and its search defaults
+(faiss parameters such as ``nprobe``, and ``k``) apply unless the caller gives its own.
+An open index may be searched from several threads (a server's): each thread reads the
+chunk metadata through its own sqlite connection.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +23,7 @@ import numpy as np
 from ..errors import ConfigError
 from .store import IndexStore, Manifest, read_index_file
 
+PARALLEL_FROM = 20_000  # vectors; below, threads cost more than the scan
 _MMAP_FLAGS = (
     faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY,  # flat codes, HNSW
     faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY,  # IVF inverted lists
@@ -54,12 +61,25 @@ class Index:
     """A searchable index folder; see :func:`open_index`."""
 
     def __init__(self, store: IndexStore, manifest: Manifest, segments: list[faiss.Index],
-                 encoder=None, device: str = "cpu"):
+                 encoder=None, device: str = "cpu", query_prompt: str | None = None,
+                 params: str | None = None):
         self.store = store
         self.manifest = manifest
         self.segments = segments
         self.device = device
         self._encoder = encoder
+        self._encoder_lock = threading.Lock()
+        self._encode_lock = threading.Lock()
+        self._local = threading.local()
+        self._local.store = store
+        self.query_prompt = manifest.prompts.get("query", "") if query_prompt is None else query_prompt
+        self.params = params  # the faiss search parameters in force ("" or None: none)
+        self._pool = None
+
+    @property
+    def default_k(self) -> int:
+        """Results per query when a search gives no k: the manifest's, else 10."""
+        return int(self.manifest.search.get("k") or 10)
 
     def __enter__(self) -> Index:
         return self
@@ -76,37 +96,60 @@ class Index:
 
     def close(self) -> None:
         self.segments = []
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
         self.store.close()
+
+    def _thread_store(self) -> IndexStore:
+        """This thread's store (sqlite connections stay in the thread that made them)."""
+        store = getattr(self._local, "store", None)
+        if store is None:
+            store = self._local.store = IndexStore(self.store.folder, read_only=True)
+        return store
 
     @property
     def encoder(self):
         """The query encoder: the one given, else the manifest's model, loaded on first use.
 
         fp16 becomes fp32 on the CPU (the encoder refuses fp16 there); a model folder that
-        is not on this machine is replaced by the bundled model when the manifest names it.
+        is not on this machine is found by the manifest's model name instead.
         """
-        if self._encoder is None:
-            from ..stages.encoder import BUNDLED_NAME, TextEncoder
-            model = self.manifest.model
-            path, name = model.get("path"), model.get("name")
-            if not path or not Path(path).is_dir():
-                if name != BUNDLED_NAME:
-                    raise ConfigError(f"the model of {str(self.store.folder)!r} ({name!r}) is not on "
-                                      f"this machine (path {path!r}): pass encoder= or query vectors")
-                path = None
-            dtype = self.manifest.dtype
-            if dtype == "fp16" and str(self.device).startswith("cpu"):
-                dtype = "fp32"
-            encoder = TextEncoder.load(path, self.device, dtype)
-            if encoder.info().get("name") != name or encoder.dim != self.manifest.dim:
-                raise ConfigError(f"model at {path!r} is {encoder.info().get('name')!r} (dim "
-                                  f"{encoder.dim}), but the index was built with {name!r} (dim "
-                                  f"{self.manifest.dim}): rebuild with --overwrite or pass encoder=")
-            self._encoder = encoder
+        with self._encoder_lock:
+            if self._encoder is None:
+                self._encoder = self._load_encoder()
         return self._encoder
 
-    def search(self, queries: str | list[str], k: int = 10) -> list[list[Hit]]:
-        """Top ``k`` chunks for each query text, best first."""
+    def _load_encoder(self):
+        """The manifest's model, from its path or else by its name (the bundled model, a
+        Hugging Face id in the local cache)."""
+        from ..stages.encoder import BUNDLED_NAME, TextEncoder, resolve_model
+        from ..stages.hub import is_hub_id
+
+        model = self.manifest.model
+        path, name = model.get("path"), model.get("name")
+        if not path or not Path(path).is_dir():
+            if name != BUNDLED_NAME and not (isinstance(name, str) and is_hub_id(name)):
+                raise ConfigError(f"the model of {str(self.store.folder)!r} ({name!r}) is not on "
+                                  f"this machine (path {path!r}): pass encoder= or query vectors")
+            try:
+                path = str(resolve_model(name)[0])
+            except ConfigError as exc:
+                raise ConfigError(f"the model of {str(self.store.folder)!r} ({name!r}) is not on this "
+                                  f"machine (path {path!r}) and not found by its name: {exc}") from exc
+        dtype = self.manifest.dtype
+        if dtype == "fp16" and str(self.device).startswith("cpu"):
+            dtype = "fp32"
+        encoder = TextEncoder.load(path, self.device, dtype)
+        if encoder.info().get("name") != name or encoder.dim != self.manifest.dim:
+            raise ConfigError(f"model at {path!r} is {encoder.info().get('name')!r} (dim "
+                              f"{encoder.dim}), but the index was built with {name!r} (dim "
+                              f"{self.manifest.dim}): rebuild with --overwrite or pass encoder=")
+        return encoder
+
+    def search(self, queries: str | list[str], k: int | None = None) -> list[list[Hit]]:
+        """Top ``k`` chunks for each query text, best first (``k`` None: :attr:`default_k`);
+        the query prompt goes before each text."""
         if isinstance(queries, str):
             queries = [queries]
         if not queries:
@@ -115,13 +158,22 @@ class Index:
         if blank:
             raise ConfigError(f"query {blank[0]} ({queries[blank[0]]!r}) is empty or not text; "
                               "give each query some words")
-        return self.search_vectors(self.encoder.encode(list(queries)), k)
+        texts = [self.query_prompt + q for q in queries]
+        encoder = self.encoder
+        with self._encode_lock:  # a tokenizer is not safe to share between threads
+            vectors = encoder.encode(texts)
+        return self.search_vectors(vectors, k)
 
-    def search_vectors(self, vectors: np.ndarray, k: int = 10) -> list[list[Hit]]:
+    def chunks(self, ids) -> dict:
+        """Chunk rows by vector id (:class:`~embedingest.index.store.Chunk`, with its
+        source); unknown ids are absent."""
+        return self._thread_store().chunks(ids)
+
+    def search_vectors(self, vectors: np.ndarray, k: int | None = None) -> list[list[Hit]]:
         """Top ``k`` chunks for each query vector (used as given: normalise them for "ip")."""
         scores, ids = self.search_raw(vectors, k)
         found = np.unique(ids[ids >= 0]).tolist()
-        rows = self.store.chunks(found)
+        rows = self.chunks(found)
         missing = [i for i in found if i not in rows]
         if missing:
             raise ConfigError(
@@ -142,25 +194,40 @@ class Index:
             out.append(hits)
         return out
 
-    def search_raw(self, vectors: np.ndarray, k: int = 10) -> tuple[np.ndarray, np.ndarray]:
+    def search_raw(self, vectors: np.ndarray, k: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(scores, ids), each [nq, k], best first; id -1 pads rows when fewer than k exist."""
+        k = self.default_k if k is None else k
         q = np.ascontiguousarray(vectors, dtype=np.float32)
         if q.ndim == 1:
             q = q[None, :]
         if q.ndim != 2 or q.shape[1] != self.manifest.dim:
             raise ConfigError(f"query vectors of shape {np.shape(vectors)}, expected "
                               f"(n, {self.manifest.dim}) for the index at {str(self.store.folder)!r}")
-        if k <= 0:
-            raise ConfigError(f"k must be positive, got {k}")
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k <= 0:
+            raise ConfigError(f"k must be a positive integer, got {k!r}")
         k = min(k, self.ntotal)
         if k == 0:
             return np.empty((len(q), 0), np.float32), np.empty((len(q), 0), np.int64)
         heap = faiss.ResultHeap(len(q), k, keep_max=self.manifest.metric == "ip")
-        for seg in self.segments:
-            if seg.ntotal:
-                heap.add_result(*seg.search(q, min(k, seg.ntotal)))
+        segments = [seg for seg in self.segments if seg.ntotal]
+        for result in self._map_segments(lambda seg: seg.search(q, min(k, seg.ntotal)), segments):
+            heap.add_result(*result)
         heap.finalize()
         return heap.D, heap.I
+
+    def _map_segments(self, fn, segments: list):
+        """``fn`` over the segments, on several cores when there is enough to scan: faiss
+        scans for a few queries on one thread (and releases the GIL), so large segments
+        are searched side by side."""
+        if len(segments) < 2 or sum(seg.ntotal for seg in segments) < PARALLEL_FROM:
+            return map(fn, segments)
+        with self._encoder_lock:
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._pool = ThreadPoolExecutor(min(len(segments), os.cpu_count() or 1),
+                                                thread_name_prefix="embedingest-search")
+        return self._pool.map(fn, segments)
 
 
 def _ids_match(index: faiss.Index, seg) -> bool:
@@ -175,16 +242,20 @@ def _ids_match(index: faiss.Index, seg) -> bool:
 
 
 def open_index(path: str | os.PathLike, device: str = "cpu", *, encoder=None,
-               params: str | None = None) -> Index:
+               params: str | None = None, query_prompt: str | None = None) -> Index:
     """Open the index folder ``path`` for search.
 
     ``device`` is where the query encoder runs (faiss search itself runs on the CPU).
     ``encoder``: any object with ``encode(list[str]) -> np.ndarray``, instead of loading
     the manifest's model. ``params``: faiss search parameters for every segment, e.g.
-    ``"nprobe=16"`` (IVF) or ``"efSearch=128"`` (HNSW).
+    ``"nprobe=16"`` (IVF) or ``"efSearch=128"`` (HNSW); None: those stored with the index
+    (``build-index --search-params``), "" for none. ``query_prompt``: text put before each
+    query; None: the index's (the model's query prompt, or ``build-index --query-prompt``).
     """
     store = IndexStore(path, read_only=True)
     manifest = store.read_manifest()
+    if params is None:
+        params = manifest.search.get("params")
     listed = store.segments()
     if any(seg.count for seg in listed) or os.path.lexists(store.metadata_path):
         store.connect().close()  # a missing or damaged database fails here, not after a query
@@ -204,4 +275,5 @@ def open_index(path: str | os.PathLike, device: str = "cpu", *, encoder=None,
                 raise ConfigError(f"search parameters {params!r} do not apply to {seg.name} "
                                   f"(factory {manifest.factory!r}): {str(exc).splitlines()[0]}") from exc
         segments.append(index)
-    return Index(store, manifest, segments, encoder=encoder, device=device)
+    return Index(store, manifest, segments, encoder=encoder, device=device, query_prompt=query_prompt,
+                 params=params or None)

@@ -134,6 +134,9 @@ class Manifest:
     dtype: str = "fp32"  # the encoder's compute dtype ("fp32", "fp16", "bf16")
     segments: list[dict] = field(default_factory=list)  # {name, count}, as of the last update
     corpus: str | None = None  # fingerprint of the corpus the last run read
+    corpus_path: str | None = None  # folder that unit keys (file paths) are relative to
+    prompts: dict = field(default_factory=dict)  # {"document", "query"}: text put before each
+    search: dict = field(default_factory=dict)  # search defaults: {"params": "nprobe=16", "k": 10}
     version: str = field(default_factory=package_version)
     created: str = field(default_factory=_now)
     updated: str = field(default_factory=_now)

@@ -41,6 +41,7 @@ from ..sources.text_dataset import TextChunkDataset, Unit
 from ..stages.device import resolve_device
 from ..stages.encoder import TextEncoder, load_tokenizer
 from ..stages.prefetch import prefetch
+from ..stages.prompts import Prompts, chunk_prompt, with_prompt
 
 log = logging.getLogger("embedingest")
 
@@ -158,12 +159,16 @@ def plan_units(store: IndexStore, candidates: Iterable[dict], report: SkipReport
 
 def _loader(units: list[Unit], encoder: TextEncoder, cfg: IndexConfig, workers: int,
             chunk_tokens: int, pin: bool) -> DataLoader:
+    """Batches of tokenized chunks, the document prompt's tokens in each chunk."""
+    doc_prompt = encoder.prompts.for_role("document", cfg.doc_prompt)
+    encoder.check_prompt(doc_prompt)
+    prompt = chunk_prompt(encoder.tokenizer, doc_prompt, chunk_tokens, cfg.overlap)
     ds = TextChunkDataset(units, encoder.model_dir, batch_size=cfg.batch_size,
-                          max_tokens=chunk_tokens, overlap=cfg.overlap,
+                          max_tokens=prompt.max_tokens, overlap=cfg.overlap,
                           window=cfg.sort_window * cfg.batch_size, text_field=cfg.text_field,
                           id_field=cfg.id_field, tokenizer_loader=load_tokenizer,
                           pad_multiple=16 if encoder.device.type == "cuda" else 1)
-    return DataLoader(ds, batch_size=None, num_workers=workers, pin_memory=pin,
+    return DataLoader(with_prompt(ds, prompt), batch_size=None, num_workers=workers, pin_memory=pin,
                       prefetch_factor=4 if workers else None, persistent_workers=False,
                       worker_init_fn=functools.partial(exit_with_parent, os.getpid()),
                       multiprocessing_context=loader_context() if workers else None)
@@ -214,13 +219,15 @@ def _train_if_needed(store: IndexStore, manifest: Manifest, encoder: TextEncoder
 
 
 def build_index(corpus, config: IndexConfig | None = None, *, progress: bool = False,
-                timeline: str | os.PathLike | None = None, **overrides) -> dict:
+                timeline: str | os.PathLike | None = None, trace: str | os.PathLike | None = None,
+                **overrides) -> dict:
     """Build or update the index of ``corpus`` and return a summary dict.
 
     ``corpus`` is a file or folder path, or an iterable of ``(id, text)`` pairs or dicts
     with the configured text and id fields. Options are the fields of
     :class:`IndexConfig`, given as ``config`` and/or keyword ``overrides``; ``timeline``
-    names a PNG to draw the last batches' engine timeline into.
+    names a PNG to draw the last batches' engine timeline into, ``trace`` a JSON file for
+    the run's phases and every batch's engine records in the Chrome trace format.
     """
     cfg = dataclasses.replace(config or IndexConfig(), **overrides)
     cfg.validate()
@@ -237,14 +244,15 @@ def build_index(corpus, config: IndexConfig | None = None, *, progress: bool = F
 
         early = start_device_processes(devices, cfg, dtype)
     try:
-        return _prepare_and_build(corpus, cfg, devices, device, dtype, early, progress, timeline, t_start)
+        return _prepare_and_build(corpus, cfg, devices, device, dtype, early, progress, timeline, t_start,
+                                  trace)
     finally:
         if early is not None:
             early.close()
 
 
 def _prepare_and_build(corpus, cfg: IndexConfig, devices: list[str], device: str, dtype: str, early,
-                       progress: bool, timeline, t_start: float) -> dict:
+                       progress: bool, timeline, t_start: float, trace=None) -> dict:
     """Load the encoder, then build under the folder's run lock."""
     in_memory = not isinstance(corpus, (str, os.PathLike))
     if not in_memory and not Path(corpus).exists():
@@ -269,20 +277,27 @@ def _prepare_and_build(corpus, cfg: IndexConfig, devices: list[str], device: str
     try:
         with RunLock(out):
             return _build(corpus, cfg, out, encoder, devices, device, dtype, early, in_memory,
-                          chunk_tokens, report, progress, timeline, t_start, phases)
+                          chunk_tokens, report, progress, timeline, t_start, phases, trace)
     finally:
         encoder.release()  # a job in a longer process must not keep the GPU's memory
 
 
 def _build(corpus, cfg: IndexConfig, out: Path, encoder: TextEncoder, devices: list[str], device: str,
            dtype: str, early, in_memory: bool, chunk_tokens: int, report: SkipReport, progress: bool,
-           timeline, t_start: float, phases: dict) -> dict:
+           timeline, t_start: float, phases: dict, trace=None) -> dict:
     """The body of :func:`build_index`, run while holding the folder's run lock."""
     store = IndexStore(out)
+    settings = {}  # what the manifest keeps besides the vectors: prompts, search defaults
     try:
+        wanted = Prompts.read(encoder.info()["path"]).resolve(cfg.doc_prompt, cfg.query_prompt)
         manifest = store.create_or_open(
             Manifest(model=encoder.info(), dim=encoder.dim, metric=cfg.metric, factory=cfg.index,
-                     dtype=dtype), overwrite=cfg.overwrite)
+                     dtype=dtype, prompts=wanted, corpus_path=_corpus_path(corpus, in_memory)),
+            overwrite=cfg.overwrite)
+        settings = {"prompts": _settled_prompts(manifest, cfg, str(out)),
+                    "search": _search_defaults(manifest, cfg),
+                    "corpus_path": _corpus_path(corpus, in_memory)}
+        cfg = dataclasses.replace(cfg, doc_prompt=settings["prompts"]["document"])
         store.clean_garbage()
         cands = (_record_candidates(corpus, cfg, report) if in_memory
                  else _file_candidates(Path(corpus), report, out))
@@ -326,7 +341,7 @@ def _build(corpus, cfg: IndexConfig, out: Path, encoder: TextEncoder, devices: l
     finally:
         try:
             if store.exists():
-                manifest = store.update_segments(corpus=_fingerprint(store))
+                manifest = store.update_segments(corpus=_fingerprint(store), **settings)
             report.write(out)
         finally:
             store.close()
@@ -351,7 +366,59 @@ def _build(corpus, cfg: IndexConfig, out: Path, encoder: TextEncoder, devices: l
         "main_loop": {key: round(value, 3) for key, value in main_loop.items()} or None,
     }
     summary["exit_code"] = EXIT_SKIPPED if report.entries else EXIT_OK
+    if trace:
+        from ..engine.trace import phase_spans, write_trace
+
+        engines = ([] if stats is None else list(zip(stats.devices, stats.per_device))
+                   if hasattr(stats, "per_device") else [(device, stats)])
+        summary["trace"] = str(write_trace(trace, engines, phases=phase_spans("build-index", t_start, phases),
+                                           title=f"build-index {out} ({summary['device']}, {dtype})"))
     return summary
+
+
+def _corpus_path(corpus, in_memory: bool) -> str | None:
+    """The folder unit keys are relative to (for serving a hit's file), None for records."""
+    if in_memory:
+        return None
+    root = Path(corpus).resolve()
+    return str(root if root.is_dir() else root.parent)
+
+
+def _settled_prompts(manifest: Manifest, cfg: IndexConfig, where: str) -> dict:
+    """The prompts this run uses: the index's document prompt stays what its vectors were
+    made with (a different one given is refused); the query prompt can change."""
+    document = manifest.prompts.get("document", "")
+    if cfg.doc_prompt is not None and cfg.doc_prompt != document:
+        raise ConfigError(f"the index at {where!r} was built with document prompt {document!r}, "
+                          f"not {cfg.doc_prompt!r}: pass --doc-prompt {document!r}, or --overwrite "
+                          f"to rebuild it with the new prompt")
+    query = cfg.query_prompt if cfg.query_prompt is not None else manifest.prompts.get("query", "")
+    return {"document": document, "query": query}
+
+
+def _search_defaults(manifest: Manifest, cfg: IndexConfig) -> dict:
+    """The index's search defaults updated with those given (``search_params=""`` drops
+    the stored parameters); parameters are checked against the factory now, not at the
+    first search."""
+    search = dict(manifest.search)
+    if cfg.search_params is not None:
+        search.pop("params", None)
+        if cfg.search_params.strip():
+            import faiss
+
+            from ..sinks.faiss_shards import metric_code
+
+            try:
+                probe = faiss.index_factory(manifest.dim, manifest.factory, metric_code(manifest.metric))
+                faiss.ParameterSpace().set_index_parameters(probe, cfg.search_params)
+            except RuntimeError as exc:
+                raise ConfigError(f"--search-params {cfg.search_params!r} do not apply to index "
+                                  f"{manifest.factory!r}: {str(exc).splitlines()[0]}; nprobe is for "
+                                  f"IVF factories, efSearch for HNSW") from exc
+            search["params"] = cfg.search_params.strip()
+    if cfg.search_k is not None:
+        search["k"] = cfg.search_k
+    return search
 
 
 def _fingerprint(store: IndexStore) -> str:

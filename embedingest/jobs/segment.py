@@ -217,14 +217,19 @@ def remove_stale_tmp_files(out: Path, todo: list[tuple[str, str]]) -> None:
                     os.unlink(entry.path)
 
 
-def segment(config: SegmentConfig, progress: bool = True, timeline: str | None = None) -> dict:
+def segment(config: SegmentConfig, progress: bool = True, timeline: str | None = None,
+            trace: str | None = None) -> dict:
     """Run the job; returns a summary dict. Bad images are skipped and reported.
 
-    ``timeline`` names a PNG to draw the last batches' engine timeline into."""
+    ``timeline`` names a PNG to draw the last batches' engine timeline into, ``trace`` a
+    JSON file for every batch's engine records in the Chrome trace format."""
     config.validate()
     if not config.images or not config.out:
         raise ConfigError("segment needs images (an input folder or file) and out (a folder)")
     devices = devices_of(config)
+    if trace and len(devices) > 1:
+        raise ConfigError(f"--trace records one device's engine; drop it or run on one device "
+                          f"(--devices {config.devices!r} names {len(devices)})")
     device = resolve_device(config.device) if len(devices) < 2 else None
     if len(devices) == 1:
         device = resolve_device(devices[0])
@@ -246,7 +251,7 @@ def segment(config: SegmentConfig, progress: bool = True, timeline: str | None =
 
             summary.update(segment_on_devices(devices, config, todo, report, progress))
         elif todo:
-            summary.update(run_on_device(config, device, todo, report, progress, timeline))
+            summary.update(run_on_device(config, device, todo, report, progress, timeline, trace=trace))
         phases["segment_s"] = time.perf_counter() - t0 - phases["list_s"]
     finally:
         report_path = report.write(out)
@@ -299,7 +304,7 @@ def _parts(metas: list[ImageMeta], masks: list[torch.Tensor], logits: list[torch
 
 def run_on_device(config: SegmentConfig, device: torch.device, todo: list[tuple[str, str]],
                   report: SkipReport, progress: bool = False, timeline: str | None = None,
-                  on_images=None, processes: int = 1) -> dict:
+                  on_images=None, processes: int = 1, trace: str | None = None) -> dict:
     """Segment ``todo`` ((rel_path, path) pairs) on one device; bad images go to
     ``report``; ``on_images(n)`` is told of every n images handled; ``processes`` device
     processes share the host's cores. Returns the summary fields of the run, ``timing``
@@ -391,6 +396,11 @@ def run_on_device(config: SegmentConfig, device: torch.device, todo: list[tuple[
 
         render_timeline(engine.stats.records, timeline, spans=engine.stats.spans,
                         title=f"segment {config.images} ({device}, {segmenter.dtype})")
+    if trace:
+        from ..engine.trace import write_trace
+
+        write_trace(trace, [(str(device), engine.stats)], phases=[("segment", t0, time.perf_counter())],
+                    title=f"segment {config.images} ({device}, {segmenter.dtype})")
     written = stats_rows = 0
     for result in engine.closed_results:
         if result:

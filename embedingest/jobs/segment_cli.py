@@ -67,7 +67,10 @@ from ..report import passed_over_sentence
 @click.option("--max-pixels", type=int, help="Skip larger images with a reason; 0: no limit.")
 @click.option("--timeline", type=click.Path(dir_okay=False),
               help="Write a PNG timeline of the last batches (compute, copies, consumers).")
-def segment_command(images, config_path, as_json, timeline, **options) -> None:
+@click.option("--trace", type=click.Path(dir_okay=False),
+              help="Write every batch's engine records as a Chrome trace (JSON; Perfetto, "
+                   "chrome://tracing); one device only.")
+def segment_command(images, config_path, as_json, timeline, trace, **options) -> None:
     """A torchvision segmentation model over the images under IMAGES (or one image): a PNG
     mask per image, at the image's own size, in OUT, with OUT/labels.json saying what the
     values mean.
@@ -82,7 +85,7 @@ def segment_command(images, config_path, as_json, timeline, **options) -> None:
     try:
         job = import_interruptibly("embedingest.jobs.segment")
         config = load_config(job.SegmentConfig, config_path, images=images, **options)
-        summary = job.segment(config, progress=not as_json, timeline=timeline)
+        summary = job.segment(config, progress=not as_json, timeline=timeline, trace=trace)
     except (EmbedingestError, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from exc
     except OSError as exc:  # disk full, permissions, I/O errors, in a sink too

@@ -202,10 +202,14 @@ class EmbedBatches:
         from ..sinks.faiss_shards import FaissShardSinkFactory
         from ..sources.text_dataset import TextChunkDataset
         from ..stages.prefetch import prefetch
+        from ..stages.prompts import chunk_prompt, with_prompt
 
         cfg, enc, device = self.cfg, self.encoder, self.device
+        doc_prompt = enc.prompts.for_role("document", cfg.doc_prompt)
+        enc.check_prompt(doc_prompt)
+        prompt = chunk_prompt(enc.tokenizer, doc_prompt, self.chunk_tokens, cfg.overlap)
         ds = TextChunkDataset(units, str(enc.model_dir), batch_size=cfg.batch_size,
-                              max_tokens=self.chunk_tokens, overlap=cfg.overlap,
+                              max_tokens=prompt.max_tokens, overlap=cfg.overlap,
                               window=cfg.sort_window * cfg.batch_size, tokenizer_loader=_tokenizer,
                               pad_multiple=16 if enc.device.type == "cuda" else 1)
         sinks = FaissShardSinkFactory(self.out, enc.dim, cfg.index, cfg.metric,
@@ -225,7 +229,7 @@ class EmbedBatches:
 
         with EgressEngine(sinks, num_consumers=cfg.num_consumers, num_slots=cfg.num_slots or None,
                           device=device, slot_spec=spec) as engine, torch.inference_mode():
-            for batch_no, (item, moved) in enumerate(prefetch(_ahead(iter(ds)), send, device,
+            for batch_no, (item, moved) in enumerate(prefetch(_ahead(iter(with_prompt(ds, prompt))), send, device,
                                                               engine.span)):
                 if moved is not None:
                     engine.mark_compute_start()
@@ -267,6 +271,7 @@ class RayIndexPlan:
     report: SkipReport
     store: IndexStore
     started: float
+    settings: dict = dataclasses.field(default_factory=dict)  # manifest fields: prompts, search defaults
 
     def actor_kwargs(self) -> dict:
         """``fn_constructor_kwargs`` for :class:`EmbedBatches`."""
@@ -300,7 +305,7 @@ class RayIndexPlan:
             counts["units_incomplete"] = len(bad)
         finally:
             bar.close()
-            manifest = store.update_segments(corpus=_fingerprint(store))
+            manifest = store.update_segments(corpus=_fingerprint(store), **self.settings)
             report.write(self.out)
             store.close()
         seconds = time.perf_counter() - self.started
@@ -338,9 +343,10 @@ def plan_ray_index(dataset: ray.data.Dataset, out: str | os.PathLike,
     module docstring). ``num_gpus`` is what the actors will get: with GPUs the default
     precision is fp16, else fp32. ``device``, ``devices`` and ``num_workers`` do not
     apply here; Ray places the actors."""
-    from ..jobs.build_index import _train_if_needed, plan_units
+    from ..jobs.build_index import _search_defaults, _settled_prompts, _train_if_needed, plan_units
     from ..sources.text_dataset import Unit
     from ..stages.encoder import TextEncoder
+    from ..stages.prompts import Prompts
 
     cfg = dataclasses.replace(config or IndexConfig(), **overrides)
     cfg.validate()
@@ -364,9 +370,13 @@ def plan_ray_index(dataset: ray.data.Dataset, out: str | os.PathLike,
     out.mkdir(parents=True, exist_ok=True)
     store = IndexStore(out)
     try:
+        wanted = Prompts.read(encoder.model_dir).resolve(cfg.doc_prompt, cfg.query_prompt)
         manifest = store.create_or_open(
             Manifest(model=encoder.info() | {"dtype": dtype}, dim=encoder.dim, metric=cfg.metric,
-                     factory=cfg.index, dtype=dtype), overwrite=cfg.overwrite)
+                     factory=cfg.index, dtype=dtype, prompts=wanted), overwrite=cfg.overwrite)
+        settings = {"prompts": _settled_prompts(manifest, cfg, str(out)),
+                    "search": _search_defaults(manifest, cfg)}
+        cfg = dataclasses.replace(cfg, doc_prompt=settings["prompts"]["document"])
         store.clean_garbage()
         with _in_order(_hashed(dataset, cfg)) as hashed:
             plan = plan_units(store, _candidates(hashed, cfg, report), report)
@@ -390,7 +400,7 @@ def plan_ray_index(dataset: ray.data.Dataset, out: str | os.PathLike,
               "units_removed": len(plan.deleted), "vectors_removed": removed, "docs": 0,
               "chunks": 0}
     return RayIndexPlan(out, cfg, dtype, chunk_tokens, trained, ray.put(TodoMap.build(todo)),
-                        len(todo), encoder.info()["name"], counts, report, store, started)
+                        len(todo), encoder.info()["name"], counts, report, store, started, settings)
 
 
 @contextlib.contextmanager

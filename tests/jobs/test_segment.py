@@ -289,7 +289,7 @@ def test_cli_options_match_the_config_fields():
     from embedingest.cli import main
 
     assert main.commands["segment"] is segment_command
-    options = {p.name for p in segment_command.params} - {"config_path", "as_json", "timeline"}
+    options = {p.name for p in segment_command.params} - {"config_path", "as_json", "timeline", "trace"}
     assert options == {f.name for f in dataclasses.fields(SegmentConfig)}
 
 

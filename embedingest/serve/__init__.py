@@ -1,0 +1,61 @@
+"""``embedingest serve``: an index kept open behind a small HTTP server (FastAPI on uvicorn).
+
+Needs the ``serve`` extra (``pip install 'embedingest[serve]'``).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+
+from ..errors import ConfigError
+
+log = logging.getLogger("embedingest")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve(index_dir: str | os.PathLike, host: str = "127.0.0.1", port: int = 8000, *, device: str = "cpu",
+          params: str | None = None, query_prompt: str | None = None, max_query_chars: int | None = None,
+          max_k: int | None = None, threads: int | None = 1, on_ready=None) -> None:
+    """Open ``index_dir``, load its model, and serve it until interrupted.
+
+    ``params`` and ``query_prompt`` as for :func:`~embedingest.open_index` (None: the
+    index's own). ``threads``: torch threads of the query encoder (None: torch's default,
+    every core); one query of a few words gains little from more, and they wait on each
+    other as soon as the cores are busy with anything else. ``on_ready(url)`` is called
+    once the model is loaded, before the server starts listening.
+    """
+    try:
+        import uvicorn
+
+        from .app import MAX_K, MAX_QUERY_CHARS, create_app
+    except ImportError as exc:
+        raise ConfigError(f"serve needs FastAPI and uvicorn ({exc}); install them with "
+                          f"pip install 'embedingest[serve]'") from exc
+    from ..index.search import open_index
+
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    index = open_index(index_dir, device=device, params=params, query_prompt=query_prompt)
+    try:
+        index.search(["warm up the model"], k=1)  # load it now, not at the first request
+        app = create_app(index, max_query_chars=max_query_chars or MAX_QUERY_CHARS, max_k=max_k or MAX_K)
+        if not is_loopback(host):
+            log.warning("serving on %s: every machine that reaches it can query the index and "
+                        "read the corpus files it names", host)
+        if on_ready is not None:
+            on_ready(f"http://{host if ':' not in host else f'[{host}]'}:{port}/")
+        uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run()
+    finally:
+        index.close()

@@ -1,0 +1,109 @@
+"""The search server's ASGI app: one open index, its model loaded once, JSON and a page.
+
+* ``GET /search?q=...&k=...``: the top ``k`` chunks as JSON (score, source, record id,
+  span, text, and a link to the source file where the index's corpus is on this machine).
+* ``GET /``: the search page (``static/index.html``: a box, results with their source and
+  the query's words highlighted in the chunk's text).
+* ``GET /files/{id}``: the source file of the chunk with vector id ``id``, only when it is
+  a file of the index's corpus folder (never a path the client names), as plain text.
+* ``GET /info``: what is served (vectors, model, prompts, search defaults).
+
+Bad requests get a 4xx with a message: an empty or too long query, ``k`` out of
+``1..max_k``, wrong types (FastAPI checks them). Requests run in the server's thread
+pool; the index encodes one query at a time (its tokenizer is not safe to share between
+threads) and reads the metadata through one connection per thread.
+"""
+
+from __future__ import annotations
+
+import time
+from importlib import resources
+from pathlib import Path
+
+from fastapi import FastAPI, HTTPException, Query
+from fastapi import Path as PathParam
+from fastapi.responses import FileResponse, HTMLResponse
+
+from ..errors import ConfigError
+from ..index.search import Hit, Index
+
+MAX_QUERY_CHARS = 2000
+MAX_K = 100
+# Suffixes a browser may show as text; anything else is offered as a download.
+TEXT_SUFFIXES = {".txt", ".md", ".rst", ".html", ".htm", ".json", ".jsonl", ".ndjson", ".csv", ".tsv"}
+
+
+def corpus_file(index: Index, source: str | None) -> Path | None:
+    """The file of unit ``source`` inside the index's corpus folder, or None when there is
+    none: records held in memory, a corpus not on this machine, a file gone, or a path
+    that leads out of the corpus folder (a link, a key with ``..``)."""
+    root = index.manifest.corpus_path
+    if not root or not source or source.startswith("record:"):
+        return None
+    try:
+        base = Path(root).resolve(strict=True)
+        path = (base / source).resolve(strict=True)
+    except (OSError, RuntimeError):
+        return None
+    if not path.is_relative_to(base) or not path.is_file():
+        return None
+    return path
+
+
+def hit_json(index: Index, hit: Hit) -> dict:
+    return {"rank": hit.rank, "score": hit.score, "id": hit.id, "source": hit.source,
+            "record_id": hit.record_id, "chunk_no": hit.chunk_no, "char_start": hit.char_start,
+            "char_end": hit.char_end, "text": hit.text,
+            "file": f"/files/{hit.id}" if corpus_file(index, hit.source) else None}
+
+
+def create_app(index: Index, *, max_query_chars: int = MAX_QUERY_CHARS, max_k: int = MAX_K) -> FastAPI:
+    """The app serving ``index`` (opened by the caller, who closes it)."""
+    app = FastAPI(title="embedingest search", docs_url=None, redoc_url=None, openapi_url=None)
+    page = resources.files(__package__).joinpath("static/index.html").read_text(encoding="utf-8")
+
+    @app.get("/", response_class=HTMLResponse)
+    def search_page() -> str:
+        return page
+
+    @app.get("/info")
+    def info() -> dict:
+        m = index.manifest
+        return {"index": str(index.store.folder), "vectors": index.ntotal, "model": m.model.get("name"),
+                "dim": m.dim, "factory": m.factory, "query_prompt": index.query_prompt,
+                "params": index.params, "default_k": min(index.default_k, max_k), "max_k": max_k,
+                "max_query_chars": max_query_chars}
+
+    @app.get("/search")
+    def search(q: str = Query(..., description="the question"),
+               k: int | None = Query(None, ge=1, le=max_k, description="results")) -> dict:
+        if not q.strip():
+            raise HTTPException(422, "the query is empty: give it some words (q=...)")
+        if len(q) > max_query_chars:
+            raise HTTPException(422, f"the query has {len(q):,} characters, more than the "
+                                     f"{max_query_chars:,} this server takes; shorten it")
+        k = k if k is not None else min(index.default_k, max_k)
+        t0 = time.perf_counter()
+        try:
+            (hits,) = index.search([q], k=k)
+        except ConfigError as exc:
+            raise HTTPException(422, str(exc)) from exc
+        took = time.perf_counter() - t0
+        return {"query": q, "k": k, "took_ms": round(took * 1e3, 3),
+                "hits": [hit_json(index, h) for h in hits]}
+
+    @app.get("/files/{vector_id}")
+    def source_file(vector_id: int = PathParam(..., ge=0, le=2**63 - 1)) -> FileResponse:
+        chunk = index.chunks([vector_id]).get(vector_id)
+        path = corpus_file(index, chunk.source if chunk else None)
+        if path is None:
+            raise HTTPException(404, f"no file of the corpus for id {vector_id}: the id is unknown, "
+                                     "its text came from records, or the corpus is not on this machine")
+        headers = {"X-Content-Type-Options": "nosniff", "Content-Security-Policy": "sandbox"}
+        if path.suffix.lower() in TEXT_SUFFIXES:
+            return FileResponse(path, media_type="text/plain; charset=utf-8", headers=headers,
+                                content_disposition_type="inline", filename=path.name)
+        return FileResponse(path, media_type="application/octet-stream", headers=headers,
+                            filename=path.name)
+
+    return app

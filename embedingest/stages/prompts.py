@@ -1,0 +1,124 @@
+"""Prompts: the text a model wants before each query or document ("query: ", "passage: ").
+
+Models such as e5, bge, gte or nomic are trained with them, declared in the folder's
+``config_sentence_transformers.json`` (``prompts``, ``default_prompt_name``), and search
+worse without them. sentence-transformers puts the prompt before the text and tokenizes
+both; here queries are encoded the same way (``TextEncoder.encode(..., prompt=...)``),
+and chunks, which are token windows cut before the encoder sees them, get the prompt's
+tokens right after their leading special tokens (:class:`PromptedBatches`, in the
+DataLoader workers). The chunk's character span and stored text stay those of the
+source; the prompt's tokens count against the chunk's token budget.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.data import IterableDataset
+
+from ..errors import ConfigError
+
+ST_CONFIG_FILE = "config_sentence_transformers.json"
+DOCUMENT_PROMPT_NAMES = ("document", "passage", "corpus")  # sentence-transformers' order
+
+
+@dataclass(frozen=True)
+class Prompts:
+    """The prompts a model folder declares, and which one each role gets."""
+
+    named: dict[str, str]
+    default_name: str | None = None
+
+    @classmethod
+    def read(cls, model_dir: str | Path) -> Prompts:
+        """From ``config_sentence_transformers.json`` (no file: no prompts)."""
+        path = Path(model_dir) / ST_CONFIG_FILE
+        try:
+            config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read {path}: {exc}") from exc
+        named = config.get("prompts") or {}
+        default = config.get("default_prompt_name")
+        if not isinstance(named, dict) or not all(isinstance(v, str) for v in named.values()):
+            raise ConfigError(f"{path}: 'prompts' must map prompt names to texts")
+        if default is not None and default not in named:
+            raise ConfigError(f"{path}: default_prompt_name {default!r} is not one of its prompts "
+                              f"({', '.join(map(repr, named)) or 'none'})")
+        return cls(dict(named), default)
+
+    def for_role(self, role: str, override: str | None = None) -> str:
+        """The prompt of ``role`` ("query" or "document"): ``override`` when given ("" for
+        none), else the folder's prompt of that name ("document", "passage" or "corpus"
+        for documents), else its default prompt, else ""."""
+        if override is not None:
+            return override
+        names = ("query",) if role == "query" else DOCUMENT_PROMPT_NAMES
+        for name in names:
+            if name in self.named:
+                return self.named[name]
+        return self.named.get(self.default_name, "") if self.default_name else ""
+
+    def resolve(self, document: str | None = None, query: str | None = None) -> dict[str, str]:
+        """``{"document": ..., "query": ...}`` with the overrides given (what a manifest records)."""
+        return {"document": self.for_role("document", document), "query": self.for_role("query", query)}
+
+
+@dataclass(frozen=True)
+class ChunkPrompt:
+    """How chunks carry a prompt: its token ids, inserted after ``after`` leading special
+    tokens; the chunker then cuts windows of ``max_tokens`` (the budget less the prompt)."""
+
+    ids: tuple[int, ...]
+    after: int
+    max_tokens: int
+
+
+def chunk_prompt(tokenizer, prompt: str, chunk_tokens: int, overlap: int) -> ChunkPrompt:
+    """The :class:`ChunkPrompt` of ``prompt`` for chunks of ``chunk_tokens`` tokens."""
+    from .chunker import Chunker
+
+    ids = tuple(tokenizer(prompt, add_special_tokens=False)["input_ids"]) if prompt else ()
+    if not ids:
+        return ChunkPrompt((), 0, chunk_tokens)
+    prefix = Chunker(tokenizer, chunk_tokens, 0).prefix
+    max_tokens = chunk_tokens - len(ids)
+    # The chunker itself needs room for its special tokens and the overlap.
+    if max_tokens <= overlap + len(prefix) + 1:
+        raise ConfigError(f"the document prompt {prompt!r} takes {len(ids)} of the {chunk_tokens} "
+                          f"tokens of a chunk, leaving too few for the text (overlap {overlap}); "
+                          f"raise --chunk-tokens or shorten the prompt (--doc-prompt)")
+    return ChunkPrompt(ids, len(prefix), max_tokens)
+
+
+class PromptedBatches(IterableDataset):
+    """The batches of ``batches`` (items as :class:`~embedingest.sources.text_dataset.
+    TextChunkDataset` yields them) with the prompt's tokens in every row of
+    ``input_ids``/``attention_mask``; runs where the dataset runs (the DataLoader
+    workers). Rows are right-padded and all start with the same special tokens, so the
+    prompt goes at the same column in each."""
+
+    def __init__(self, batches: IterableDataset, prompt: ChunkPrompt):
+        self.batches = batches
+        self.prompt = prompt
+
+    def __iter__(self) -> Iterator[dict]:
+        ids = torch.tensor(self.prompt.ids, dtype=torch.long)
+        at = self.prompt.after
+        for item in self.batches:
+            rows = item["input_ids"].shape[0]
+            if rows:
+                tokens, mask = item["input_ids"], item["attention_mask"]
+                item["input_ids"] = torch.cat([tokens[:, :at], ids.expand(rows, -1).to(tokens.dtype),
+                                               tokens[:, at:]], dim=1)
+                item["attention_mask"] = torch.cat([mask[:, :at], torch.ones(rows, len(ids), dtype=mask.dtype),
+                                                    mask[:, at:]], dim=1)
+            yield item
+
+
+def with_prompt(batches: IterableDataset, prompt: ChunkPrompt) -> IterableDataset:
+    """``batches`` as they are without a prompt, else wrapped in :class:`PromptedBatches`."""
+    return PromptedBatches(batches, prompt) if prompt.ids else batches

@@ -1,0 +1,107 @@
+"""Search defaults (faiss parameters, k) stored with the index at build time and used by
+open_index and the search command unless they give their own."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import faiss
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from embedingest import build_index, open_index  # noqa: E402
+from embedingest.cli import main  # noqa: E402
+from embedingest.errors import ConfigError  # noqa: E402
+
+TOPICS = ["rivers", "bread", "volcanoes", "networks", "whales", "chess", "orbits", "glaciers"]
+RECORDS = [(f"r{i}", f"Note {i} on {TOPICS[i % 8]} and {TOPICS[(i * 3) % 8]}, item {i * 7919 % 1000}.")
+           for i in range(240)]
+FAST = dict(num_workers=0, num_consumers=2, batch_size=64, train_size=240)
+
+
+@pytest.fixture(scope="module")
+def ivf(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ivf") / "idx"
+    build_index(RECORDS, out=str(out), index="IVF8,Flat", search_params="nprobe=8", search_k=3, **FAST)
+    return out
+
+
+def nprobes(index) -> set[int]:
+    return {faiss.extract_index_ivf(seg).nprobe for seg in index.segments}
+
+
+def test_stored_nprobe_and_k_are_applied(ivf):
+    manifest = json.loads((ivf / "manifest.json").read_text())
+    assert manifest["search"] == {"params": "nprobe=8", "k": 3}
+    queries = [f"{t} and {u}" for t in TOPICS for u in TOPICS[:3]]
+    with open_index(ivf) as index:
+        assert nprobes(index) == {8} and index.params == "nprobe=8" and index.default_k == 3
+        default = index.search(queries)
+        vectors = index.encoder.encode(queries)
+        scores, ids = index.search_raw(vectors)
+    with open_index(ivf, params="nprobe=1") as one:
+        assert nprobes(one) == {1}
+        scores1, ids1 = one.search_raw(vectors, 3)
+    assert all(len(hits) == 3 for hits in default)
+    assert [[h.id for h in hits] for hits in default] == ids.tolist()
+    assert (ids1 != ids).any(), "nprobe=1 should miss some neighbours that nprobe=8 finds"
+    assert (scores1 <= scores + 1e-6).all()  # a probe of fewer lists never finds better ones
+    with open_index(ivf, params="") as none:  # "" turns the stored parameters off
+        assert none.params is None and nprobes(none) == {1}
+
+
+def test_stored_nprobe_of_every_list_equals_brute_force(ivf):
+    with open_index(ivf) as index:
+        vectors = index.encoder.encode(["bread and rivers", "whales and chess"])
+        scores, ids = index.search_raw(vectors, 10)
+        exact = faiss.IndexFlatIP(index.manifest.dim)
+        all_ids = []
+        for seg in index.segments:
+            id_map = faiss.vector_to_array(seg.id_map)  # segments are IDMaps over the IVF
+            ivf_index = faiss.extract_index_ivf(seg)
+            for lst in range(ivf_index.nlist):
+                n = ivf_index.invlists.list_size(lst)
+                if not n:
+                    continue
+                codes = faiss.rev_swig_ptr(ivf_index.invlists.get_codes(lst), n * ivf_index.code_size)
+                exact.add(np.frombuffer(codes.tobytes(), dtype=np.float32).reshape(n, -1))
+                all_ids.append(id_map[faiss.rev_swig_ptr(ivf_index.invlists.get_ids(lst), n)])
+        want_s, want_pos = exact.search(vectors, 10)
+    np.testing.assert_array_equal(ids, np.concatenate(all_ids)[want_pos])
+    np.testing.assert_allclose(scores, want_s, rtol=1e-5)
+
+
+def test_cli_search_uses_the_stored_k_and_params(ivf):
+    runner = CliRunner()
+    r = runner.invoke(main, ["search", str(ivf), "bread", "--json"])
+    assert r.exit_code == 0, r.output
+    assert len(json.loads(r.output)) == 3
+    r = runner.invoke(main, ["search", str(ivf), "bread", "--json", "-k", "5", "--params", "nprobe=2"])
+    assert r.exit_code == 0 and len(json.loads(r.output)) == 5
+    r = runner.invoke(main, ["search", str(ivf), "bread", "-k", "0"])
+    assert r.exit_code == 2 and "-k" in r.output
+
+
+def test_rerun_keeps_updates_and_drops_defaults(tmp_path):
+    out = tmp_path / "idx"
+    build_index(RECORDS[:20], out=str(out), index="HNSW8", search_params="efSearch=64", **FAST)
+    manifest = lambda: json.loads((out / "manifest.json").read_text())  # noqa: E731
+    assert manifest()["search"] == {"params": "efSearch=64"}
+    build_index(RECORDS[:21], out=str(out), index="HNSW8", **FAST)
+    assert manifest()["search"] == {"params": "efSearch=64"}
+    with open_index(out) as index:
+        assert {faiss.downcast_index(seg.index).hnsw.efSearch for seg in index.segments} == {64}
+    build_index(RECORDS[:21], out=str(out), index="HNSW8", search_params="", search_k=7, **FAST)
+    assert manifest()["search"] == {"k": 7}
+
+
+def test_parameters_that_do_not_apply_are_refused_before_the_work(tmp_path):
+    with pytest.raises(ConfigError, match=r"--search-params 'nprobe=4' do not apply to index 'Flat'"):
+        build_index(RECORDS[:5], out=str(tmp_path / "idx"), search_params="nprobe=4", **FAST)
+    assert json.loads((tmp_path / "idx" / "manifest.json").read_text())["segments"] == []
+    with pytest.raises(ConfigError, match="search-k=0"):
+        build_index(RECORDS[:5], out=str(tmp_path / "idx2"), search_k=0, **FAST)

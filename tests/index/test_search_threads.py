@@ -1,0 +1,34 @@
+"""An open index searched from several threads, and its segments scanned side by side."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+from index_fixtures import build_index, unit_vectors
+
+from embedingest.index import search
+from embedingest.index.search import open_index
+
+
+def test_segments_scanned_in_threads_equal_brute_force(tmp_path, monkeypatch):
+    built = build_index(tmp_path, n_units=8, chunks=25, commit_every=30, workers=3)
+    queries = unit_vectors(7, seed=11)
+    monkeypatch.setattr(search, "PARALLEL_FROM", 0)
+    with open_index(built.store.folder) as index:
+        assert len(index.segments) > 3
+        scores, ids = index.search_raw(queries, 15)
+        assert index._pool is not None  # the threaded path ran
+    want_s, want_i = built.brute_force(queries, 15)
+    np.testing.assert_array_equal(ids, want_i)
+    np.testing.assert_allclose(scores, want_s, rtol=1e-5)
+
+
+def test_hits_from_many_threads_at_once(tmp_path):
+    built = build_index(tmp_path, n_units=4, chunks=20)
+    queries = unit_vectors(24, seed=3)
+    with open_index(built.store.folder) as index:
+        alone = [index.search_vectors(q, k=3)[0] for q in queries]
+        with ThreadPoolExecutor(6) as pool:  # each thread reads the metadata on its own connection
+            together = list(pool.map(lambda q: index.search_vectors(q, k=3)[0], queries))
+    assert together == alone and all(h.text for hits in together for h in hits)

@@ -1,0 +1,141 @@
+"""The search server's app through Starlette's TestClient: results equal the library's,
+files only from the corpus, bad requests a 4xx with a message."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+pytest.importorskip("fastapi")
+
+from fastapi.testclient import TestClient  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from embedingest import build_index, open_index  # noqa: E402
+from embedingest.serve.app import corpus_file, create_app  # noqa: E402
+
+PARAGRAPHS = {
+    "bread.txt": "Bread rises because yeast ferments sugars and releases carbon dioxide into the dough.",
+    "net/tcp.md": "TCP provides reliable, ordered delivery of a stream of bytes between applications.",
+    "whales.txt": "Whales are marine mammals that breathe air through blowholes on top of their heads.",
+}
+RECORDS = [{"id": "v1", "text": "Volcanoes form where magma reaches the surface through the crust."},
+           {"id": "e1", "text": "Mount Everest is the highest mountain above sea level on Earth."}]
+
+
+def make_corpus(root):
+    for name, text in PARAGRAPHS.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    (root / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    return root
+
+
+@pytest.fixture(scope="module")
+def index(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    corpus = make_corpus(root / "corpus")
+    build_index(corpus, out=str(root / "idx"), num_workers=0, num_consumers=1, batch_size=8)
+    with open_index(root / "idx") as index:
+        yield index
+
+
+@pytest.fixture(scope="module")
+def client(index):
+    with TestClient(create_app(index)) as client:
+        yield client
+
+
+def test_search_json_equals_the_library(client, index):
+    r = client.get("/search", params={"q": "how does bread rise", "k": 3})
+    assert r.status_code == 200
+    data = r.json()
+    (want,) = index.search(["how does bread rise"], k=3)
+    assert data["k"] == 3 and data["query"] == "how does bread rise" and data["took_ms"] > 0
+    assert [(h["id"], h["source"], h["text"]) for h in data["hits"]] == [(h.id, h.source, h.text) for h in want]
+    first = data["hits"][0]
+    assert first["text"] == PARAGRAPHS["bread.txt"] and first["source"] == "bread.txt"
+    assert first["score"] == pytest.approx(want[0].score, abs=1e-6)
+    assert (first["char_start"], first["char_end"]) == (0, len(PARAGRAPHS["bread.txt"]))
+    assert first["file"] == f"/files/{first['id']}" and first["rank"] == 1
+
+
+def test_files_of_the_corpus_only(client, index):
+    hits = {h["source"]: h for h in client.get("/search", params={"q": "volcano magma tcp", "k": 10}).json()["hits"]}
+    r = client.get(hits["net/tcp.md"]["file"])
+    assert r.status_code == 200 and r.text == PARAGRAPHS["net/tcp.md"]
+    assert r.headers["content-type"].startswith("text/plain")
+    assert r.headers["x-content-type-options"] == "nosniff"
+    jsonl = hits["records.jsonl"]
+    assert jsonl["record_id"] in ("v1", "e1") and jsonl["file"] is not None
+    assert client.get("/files/12345678").status_code == 404
+    for bad in ("-1", "99999999999999999999999", "abc", "..%2F..%2Fetc%2Fpasswd"):
+        assert client.get(f"/files/{bad}").status_code in (404, 422), bad
+
+
+def test_corpus_file_never_leaves_the_corpus(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "in.txt").write_text("inside")
+    (tmp_path / "secret.txt").write_text("outside")
+    (corpus / "link.txt").symlink_to(tmp_path / "secret.txt")
+    index = SimpleNamespace(manifest=SimpleNamespace(corpus_path=str(corpus)))
+    assert corpus_file(index, "in.txt") == (corpus / "in.txt").resolve()
+    for source in ("../secret.txt", "link.txt", "/etc/passwd", "missing.txt", "record:1", None, "", "."):
+        assert corpus_file(index, source) is None, source
+    assert corpus_file(SimpleNamespace(manifest=SimpleNamespace(corpus_path=None)), "in.txt") is None
+
+
+@pytest.mark.parametrize("params,fragment", [
+    ({}, "Field required"),
+    ({"q": ""}, "empty"),
+    ({"q": "   \n\t "}, "empty"),
+    ({"q": "x" * 50_000}, "50,000 characters"),  # 10 MB: see test_server.py (the client refuses it)
+    ({"q": "bread", "k": 0}, "greater than or equal to 1"),
+    ({"q": "bread", "k": 10**9}, "less than or equal to 100"),
+    ({"q": "bread", "k": -3}, "greater than or equal to 1"),
+    ({"q": "bread", "k": "ten"}, "valid integer"),
+    ({"q": "bread", "k": 2.5}, "valid integer"),
+])
+def test_bad_requests_get_a_4xx_with_a_message(client, params, fragment):
+    t0 = time.perf_counter()
+    r = client.get("/search", params=params)
+    assert r.status_code == 422, r.text
+    assert fragment in json.dumps(r.json()["detail"])
+    assert time.perf_counter() - t0 < 10
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(q=st.text(max_size=300), k=st.one_of(st.integers(-5, 200), st.text(max_size=5), st.none()))
+def test_any_query_is_answered_or_refused_never_a_500(client, q, k):
+    params = {"q": q} if k is None else {"q": q, "k": k}
+    r = client.get("/search", params=params)
+    assert r.status_code in (200, 422), (r.status_code, r.text)
+    if r.status_code == 200:
+        assert len(r.json()["hits"]) <= min(5, int(k) if k is not None else 10)
+
+
+def test_concurrent_requests_agree(client):
+    queries = ["bread", "whales breathe", "tcp streams", "highest mountain"] * 3
+
+    def ask(q):
+        return client.get("/search", params={"q": q, "k": 2}).json()["hits"][0]["id"]
+
+    with ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(ask, queries))
+    assert got == [ask(q) for q in queries]
+
+
+def test_page_and_info(client, index):
+    page = client.get("/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert 'id="q"' in page.text and "/search?q=" in page.text
+    info = client.get("/info").json()
+    assert info["vectors"] == index.ntotal == 5 and info["model"] == "sentence-transformers/all-MiniLM-L6-v2"
