@@ -85,31 +85,52 @@ def _file_candidates(root: Path, report: SkipReport, out: Path) -> Iterable[dict
 
 
 def unit_key(relative_path: str) -> str:
-    """A file's key in the index: its path below the corpus folder. The bytes of a name
-    that is not UTF-8 (which Python holds as surrogates) are written as ``\\xNN``
-    escapes, since the metadata store and JSON take only valid text."""
-    return relative_path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    """A file's key in the index: its path below the corpus folder.
+
+    The metadata store and JSON take only valid text, so the bytes of a name that is not
+    UTF-8 (which Python holds as surrogates) are written as ``\\xNN`` escapes; a
+    backslash is written twice, so that a name holding a literal ``\\xe9`` keeps a key
+    of its own. Every other name (valid UTF-8, no backslash) is its own key.
+    """
+    escaped = relative_path.replace("\\", "\\\\")
+    return escaped.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
-def _record_candidates(records: Iterable, cfg: IndexConfig, report: SkipReport) -> Iterable[dict]:
+def _record_candidates(records: Iterable, cfg: IndexConfig, report: SkipReport) -> list[dict]:
+    """The in-memory records as units, all checked before anything is written.
+
+    Ids are compared as text (``1`` and ``"1"`` are one id); a record without an id, or
+    with ``None``, takes its position as id. The index keeps one entry per id, so an id
+    given twice is a :class:`ConfigError` naming both positions, never a silent merge.
+    """
+    out, first = [], {}
     for n, rec in enumerate(records):
         if isinstance(rec, Mapping):
-            rid, text = rec.get(cfg.id_field, n), rec.get(cfg.text_field)
+            rid, text = rec.get(cfg.id_field), rec.get(cfg.text_field)
         elif isinstance(rec, (tuple, list)) and len(rec) == 2:
             rid, text = rec
         else:
             report.add(f"record {n}", "field: expected (id, text) or a dict", stage="read")
             continue
+        rid = str(n if rid is None else rid)
+        if rid in first:
+            raise ConfigError(
+                f"record id {rid!r} is given twice, by records {first[rid]} and {n} (counting "
+                f"from 0); the index keeps one entry per id, compared as text, so give each "
+                f"record its own id (or leave ids out: a record without one is numbered by "
+                f"its position)")
+        first[rid] = n
         if not isinstance(text, str):
             report.add(f"record {rid}", f"field: {cfg.text_field!r} is not a string", stage="read")
             continue
-        problem = lone_surrogate(text) or lone_surrogate(str(rid))
+        problem = lone_surrogate(text) or lone_surrogate(rid)
         if problem:
             report.add(f"record {rid}", f"unicode: the text or id holds {problem}", stage="read")
             continue
         data = text.encode("utf-8")
-        yield {"key": f"record:{rid}", "size": len(data), "mtime_ns": None,
-               "sha256": hashlib.sha256(data).hexdigest(), "text": text, "record_id": str(rid)}
+        out.append({"key": f"record:{rid}", "size": len(data), "mtime_ns": None,
+                    "sha256": hashlib.sha256(data).hexdigest(), "text": text, "record_id": rid})
+    return out
 
 
 def plan_units(store: IndexStore, candidates: Iterable[dict], report: SkipReport) -> _Plan:
@@ -124,7 +145,9 @@ def plan_units(store: IndexStore, candidates: Iterable[dict], report: SkipReport
     touched = []
     for cand in candidates:
         key = cand["key"]
-        if key in seen:
+        if key in seen:  # two files or records under one key: keep the first, say so
+            report.add(cand.get("path") or key, f"duplicate: the key {key!r} is given twice; "
+                       "only the first is indexed", stage="plan")
             continue
         seen.add(key)
         old = known.get(key)
@@ -231,20 +254,24 @@ def build_index(corpus, config: IndexConfig | None = None, *, progress: bool = F
     device = devices[0] if len(devices) > 1 else str(resolve_device(devices[0] if devices else cfg.device))
     dtype = cfg.dtype if cfg.dtype != "auto" else ("fp16" if device.startswith("cuda") else "fp32")
     cfg = cfg.for_device(device.startswith("cuda"))
+    report = SkipReport()
+    if not isinstance(corpus, (str, os.PathLike)):  # checked whole before anything starts
+        corpus = _record_candidates(corpus, cfg, report)
     early = None
     if len(devices) > 1:  # they start up (imports, model) while this process plans
         from ..scaleout.multi_device import start_device_processes
 
         early = start_device_processes(devices, cfg, dtype)
     try:
-        return _prepare_and_build(corpus, cfg, devices, device, dtype, early, progress, timeline, t_start)
+        return _prepare_and_build(corpus, cfg, devices, device, dtype, early, report, progress,
+                                  timeline, t_start)
     finally:
         if early is not None:
             early.close()
 
 
 def _prepare_and_build(corpus, cfg: IndexConfig, devices: list[str], device: str, dtype: str, early,
-                       progress: bool, timeline, t_start: float) -> dict:
+                       report: SkipReport, progress: bool, timeline, t_start: float) -> dict:
     """Load the encoder, then build under the folder's run lock."""
     in_memory = not isinstance(corpus, (str, os.PathLike))
     if not in_memory and not Path(corpus).exists():
@@ -263,7 +290,6 @@ def _prepare_and_build(corpus, cfg: IndexConfig, devices: list[str], device: str
     chunk_tokens = min(cfg.chunk_tokens, encoder.max_seq_length)
     if cfg.overlap >= chunk_tokens:
         raise ConfigError(f"overlap={cfg.overlap} must be smaller than the chunk size {chunk_tokens}")
-    report = SkipReport()
     out.mkdir(parents=True, exist_ok=True)
     try:
         with RunLock(out):
@@ -283,8 +309,7 @@ def _build(corpus, cfg: IndexConfig, out: Path, encoder: TextEncoder, devices: l
             Manifest(model=encoder.info(), dim=encoder.dim, metric=cfg.metric, factory=cfg.index,
                      dtype=dtype), overwrite=cfg.overwrite)
         store.clean_garbage()
-        cands = (_record_candidates(corpus, cfg, report) if in_memory
-                 else _file_candidates(Path(corpus), report, out))
+        cands = corpus if in_memory else _file_candidates(Path(corpus), report, out)
         plan = plan_units(store, cands, report)
         gone = plan.redo + plan.deleted
         removed = store.remove_units(gone) if gone else 0
