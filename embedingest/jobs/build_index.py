@@ -35,7 +35,7 @@ from ..index.writer import MetadataWriter
 from ..report import SkipReport
 from ..scaleout.devices import devices_of
 from ..sinks.faiss_shards import FaissShardSinkFactory, new_run_id
-from ..sources.files import refuse_output_as_input, walk_files
+from ..sources.files import open_regular, os_error_reason, refuse_output_as_input, walk_files
 from ..sources.text import TEXT_EXTENSIONS, lone_surrogate
 from ..sources.text_dataset import TextChunkDataset, Unit
 from ..stages.device import resolve_device
@@ -56,7 +56,7 @@ def default_out(corpus) -> Path:
 
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as fh:
+    with open_regular(path) as fh:  # a file turned into a pipe must not hang the planning
         for block in iter(lambda: fh.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
@@ -162,7 +162,7 @@ def plan_units(store: IndexStore, candidates: Iterable[dict], report: SkipReport
             try:
                 cand["sha256"] = _sha256(Path(cand["path"]))
             except OSError as exc:
-                report.add(cand["path"], f"unreadable: {exc.strerror or exc}", stage="hash")
+                report.add(cand["path"], os_error_reason(exc), stage="hash")
                 continue
         if ok and cand["sha256"] == old.sha256:
             unchanged += 1
