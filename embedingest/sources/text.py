@@ -1,8 +1,9 @@
 """Read text records out of one file, whatever its format.
 
 :func:`iter_records` streams ``(record_id, text)`` pairs so a corpus of any size passes
-through bounded memory (JSON lines, CSV and Parquet are read a record at a time; formats
-that are one document by nature, like .txt, .html or a JSON array, are read whole).
+through bounded memory: JSON lines, CSV and Parquet are read a record at a time, a plain
+text, Markdown or reST file a block at a time when ``stream_above`` asks for it; an HTML
+page or a .json document is parsed whole, and so bounded in size (``too-large``).
 
 Nothing a file contains stops a run: every problem goes to ``on_skip(where, reason)``.
 ``where`` is the path for a whole-file problem, and ``"<path>:<location>"`` (``line 12``,
@@ -12,6 +13,9 @@ starts with a stable keyword (the part before the first colon, what
 
 ==============  ===============================================================
 ``unreadable``  the file cannot be opened or read (permission, I/O error, a folder)
+``not a regular file``  a named pipe, socket or device (one that replaced a file
+                after it was listed too): never opened for reading, which could wait
+                for ever
 ``binary``      a NUL byte in the first 8 KiB: not text (UTF-16 without a BOM too)
 ``empty``       no bytes, only whitespace, no records, or a record with empty text
 ``decode``      bytes that are neither UTF-8 nor cp1252 (or a broken UTF-16 file)
@@ -24,7 +28,10 @@ starts with a stable keyword (the part before the first colon, what
 ``format``      a suffix that is not in :data:`TEXT_EXTENSIONS`
 ``decompress``  a ``.gz``/``.bz2``/``.xz`` file that is corrupt or cut short (for the
                 streamed formats: the rest of it, with the records before kept)
-``too-large``   a whole-document file (text, HTML, JSON) over 1 GiB once decompressed
+``too-large``   once decompressed: an HTML page over 16 MiB, a .json document over
+                256 MiB, a text file read whole over 1 GiB; a JSON line, a CSV line or
+                field, or a Parquet text over 64 Mi characters (that record only; for
+                CSV the rest of the file)
 ==============  ===============================================================
 
 Every format but Parquet may also come compressed as ``.gz``, ``.bz2`` or ``.xz``
@@ -36,7 +43,8 @@ not part of valid UTF-8 is read as cp1252, the usual encoding of legacy Western 
 so a cp1252 file, or a UTF-8 file with a few stray legacy bytes, is read without loss
 instead of being skipped. The five bytes cp1252 leaves undefined (0x81 0x8D 0x8F 0x90
 0x9D) almost never occur in real legacy text, so meeting one skips the file as
-``decode`` (for the streamed formats: the rest of it, with the records before kept).
+``decode`` (for the streamed formats: the rest of it, with every line before the one
+that holds the byte kept, and that line named).
 An HTML page that is not valid UTF-8 is read in the encoding its ``<meta charset>``
 declares when that is not a Western one (Shift_JIS, GB2312, windows-1251, ...).
 """
