@@ -3,6 +3,7 @@ duplicate record ids, file names that differ only as bytes vs escapes, NUL chara
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -96,3 +97,30 @@ def test_a_byte_name_and_its_escaped_spelling_are_two_files(tmp_path):
     assert [(h[0].source, h[0].text) for h in hits] == [("caf\\xe9.txt", TEXTS[0]),
                                                         ("caf\\\\xe9.txt", TEXTS[1])]
     assert build_index(corpus, out=str(out), **FAST)["units_unchanged"] == 2
+
+
+def test_a_nul_character_is_stored_as_the_replacement_character(tmp_path):
+    """``alpha\\0beta gamma`` was stored as ``alpha`` (the store cuts text at NUL) while
+    its span said 16 characters: NUL is read as U+FFFD, so the stored text is the span of
+    the text as read, and the tokens (BERT drops both characters) are the same."""
+    text = "alpha\u0000beta gamma"
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    sources = {"r.jsonl": "jsonl " + text, "big.txt": "x " * 5000 + text}  # past the 8 KiB check
+    (corpus / "r.jsonl").write_text(json.dumps({"id": "n\u0000l", "text": sources["r.jsonl"]}))
+    (corpus / "big.txt").write_text(sources["big.txt"])
+    for name, corpus_or_records in [("mem", [("m\u0000", text)]), ("files", corpus)]:
+        out = tmp_path / name
+        s = build_index(corpus_or_records, out=str(out), **FAST)
+        assert s["exit_code"] == 0 and s["skipped"] == 0
+        hits = open_index(out).search([text], k=s["vectors_total"])[0]
+        assert len(hits) == s["vectors_total"]
+        with_nul = 0
+        for hit in hits:
+            source = text if name == "mem" else sources[hit.source]
+            span = source[hit.char_start:hit.char_end]
+            assert hit.text == span.replace("\u0000", "\ufffd")
+            with_nul += "\u0000" in span
+        assert with_nul == (1 if name == "mem" else 2)
+        ids = {h.record_id for h in hits}
+        assert ids == ({"m\ufffd"} if name == "mem" else {"n\ufffdl", ""})
