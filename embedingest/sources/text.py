@@ -200,12 +200,17 @@ def _open_raw(path: Path):
         raise
 
 
-def _read_bytes(path: Path, limit: int, what: str = "") -> bytes:
+def _read_bytes(path: Path, limit: int, what: str = "") -> bytearray:
     """The file's bytes (decompressed), at most ``limit``; more is ``too-large`` unless
     ``what`` is empty (the caller then sees ``limit + 1`` bytes and decides)."""
+    data = bytearray()
     try:
         with _open_raw(path) as fh:
-            data = fh.read(limit + 1)
+            while len(data) <= limit:  # a block at a time: read(limit) would allocate it all
+                block = fh.read(min(2**20, limit + 1 - len(data)))
+                if not block:
+                    break
+                data += block
     except _DECOMPRESS_ERRORS as exc:
         raise _Skip(f"decompress: {exc}") from None
     except OSError as exc:
@@ -481,7 +486,8 @@ def _decode_html(data: bytes) -> str:
 def _read_html(path: Path, text_field, id_field, on_skip):
     from bs4 import BeautifulSoup
 
-    soup = BeautifulSoup(_decode_html(_read_bytes(path, MAX_HTML_BYTES, "HTML page")), "html.parser")
+    page = bytes(_read_bytes(path, MAX_HTML_BYTES, "HTML page"))
+    soup = BeautifulSoup(_decode_html(page), "html.parser")
     for tag in soup.find_all(_HTML_DROP):
         tag.decompose()
     for tag in soup.find_all(_HTML_BLOCKS):
