@@ -20,6 +20,7 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -39,6 +40,20 @@ from .telemetry import BatchRecord, EngineStats
 
 SinkFactory = Callable[[int], Callable]
 _POLL = 0.1  # seconds between checks for failures while blocked
+
+
+def refuse_while_bootstrapping(what: str) -> None:
+    """Stop ``what`` (a job or an engine) when it is called while this process is being
+    started by another one: a spawned process imports its parent's main script first,
+    and a script that starts a run without an ``if __name__ == "__main__":`` guard would
+    start it again in every process it starts."""
+    if getattr(mp.current_process(), "_inheriting", False):
+        # the parent's main module, being imported here under the name __mp_main__
+        main = getattr(sys.modules.get("__mp_main__"), "__file__", None) or "the main module"
+        raise ConfigError(
+            f"{what} was called while a process it started was importing {main}: put the "
+            f"code that calls it under `if __name__ == \"__main__\":` (consumer processes "
+            "are spawned, and a spawned process imports the main module first)")
 
 
 def _is_torch(x) -> bool:
@@ -96,6 +111,7 @@ class EgressEngine:
                  slot_spec: Mapping[str, tuple] | None = None, pin_memory: bool = True,
                  shutdown_timeout: float = 5.0,
                  on_result: Callable[[object, object], None] | None = None):
+        refuse_while_bootstrapping("EgressEngine()")
         if num_consumers < 1:
             raise ConfigError(f"num_consumers={num_consumers}: need at least 1 consumer process")
         self.config = EngineConfig(num_consumers=num_consumers, num_slots=num_slots or 0,
@@ -249,6 +265,7 @@ class EgressEngine:
         # ever created in /dev/shm, whatever way the run ends.
         self._abort = ctx.RawArray("b", 1)
         self._conns, self._closed_ok = [], [False] * cfg.num_consumers
+        self._ready = [False] * cfg.num_consumers
         self._outstanding: list[list[int]] = [[] for _ in range(cfg.num_consumers)]
         self._next_worker = 0
         handle = self._pool.handle()
@@ -458,6 +475,8 @@ class EgressEngine:
             _, _, seq, batch_id, payload, summary, tb = msg
             self._fail(rebuild_error(payload, f"consumer {w} failed on batch {batch_id!r}: {summary}",
                                      f"in consumer {w}, batch {batch_id!r}", tb))
+        elif kind == "ready":
+            self._ready[w] = True
         elif kind == "closed":
             self._closed_ok[w] = True
             self.closed_results[w] = msg[2]
@@ -478,9 +497,16 @@ class EgressEngine:
             seq = self._outstanding[w][0] if self._outstanding[w] else -1
             batch = self._inflight.get(seq) if seq >= 0 else None
         held = f"while holding batch {batch!r} (seq {seq})" if seq >= 0 else "while idle"
+        cause = ""
+        if not self._ready[w] and code is not None and code > 0:
+            main = getattr(sys.modules.get("__main__"), "__file__", None) or "the main module"
+            cause = (f"; it ended before it started (its error is printed above). A spawned "
+                     f"process imports the main module first: if {main} starts the run "
+                     f"outside `if __name__ == \"__main__\":`, put it under that guard")
         self._fail(ConsumerDied(
-            f"consumer {w} (pid {p.pid}) {how} {held}; the run was stopped. Outputs written "
-            "before are kept; re-run to redo the rest", worker=w, exitcode=code, batch_id=batch))
+            f"consumer {w} (pid {p.pid}) {how} {held}{cause}; the run was stopped. Outputs "
+            "written before are kept; re-run to redo the rest", worker=w, exitcode=code,
+            batch_id=batch))
 
     def _fail(self, exc: BaseException) -> None:
         with self._lock:

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader
 from ..config import IndexConfig
 from ..engine import EgressEngine
 from ..engine.consumers import exit_with_parent, loader_context
+from ..engine.egress import refuse_while_bootstrapping
 from ..errors import ConfigError
 from ..index.lock import RunLock
 from ..index.store import IndexStore, Manifest
@@ -245,6 +246,7 @@ def build_index(corpus, config: IndexConfig | None = None, *, progress: bool = F
     :class:`IndexConfig`, given as ``config`` and/or keyword ``overrides``; ``timeline``
     names a PNG to draw the last batches' engine timeline into.
     """
+    refuse_while_bootstrapping("build_index()")
     cfg = dataclasses.replace(config or IndexConfig(), **overrides)
     cfg.validate()
     t_start = time.perf_counter()
