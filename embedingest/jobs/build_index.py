@@ -11,6 +11,7 @@ any point is finished by running the same command again, with every chunk exactl
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -415,14 +416,17 @@ def _encode_all(units: list[Unit], encoder: TextEncoder, store: IndexStore, repo
     engine = EgressEngine(sinks, num_consumers=cfg.num_consumers, num_slots=cfg.num_slots or None,
                           device=device, slot_spec=spec)
     try:
-        with engine, torch.inference_mode():
+        with engine, torch.inference_mode(), contextlib.ExitStack() as stack:
             def send(item):
                 if not len(item["ids"]):
                     return None
                 return (item["input_ids"].to(device, non_blocking=True),
                         item["attention_mask"].to(device, non_blocking=True))
 
-            batches = prefetch(loader, send, device, engine.span)
+            # closed on the way out, whatever stops the loop: the loader's workers are
+            # shut down here, not whenever the generator is collected
+            batches = stack.enter_context(
+                contextlib.closing(prefetch(loader, send, device, engine.span)))
             timing["start_s"] = time.perf_counter() - t0  # the engine's consumers started
             for batch_no in itertools.count():
                 t_wait = time.perf_counter()
