@@ -328,9 +328,9 @@ def _lines(path: Path, translate: bool) -> Iterator[str | _Skip]:
 class TextStream:
     """The text of a whole-text file too large to hold at once (see ``stream_above`` of
     :func:`iter_records`): iterating it reads and decodes the file again, a block at a
-    time, as ``str`` parts. A problem met on the way (bytes that do not decode, a
-    compressed file cut short, a read error) goes to ``on_skip`` and ends the text there;
-    what came before it is kept. NUL characters are not checked past the first
+    time, as ``str`` parts. The file was decoded once before (a file that does not decode
+    is skipped whole); a problem met on the way all the same (the file changed, a read
+    error) goes to ``on_skip`` and ends the text there; what came before it is kept. NUL characters are not checked past the first
     :data:`BINARY_PROBE_BYTES` bytes."""
 
     __slots__ = ("path", "on_skip")
@@ -455,7 +455,24 @@ def _read_whole_text(path: Path, text_field, id_field, on_skip, stream_above=Non
         return
     _encoding(data[:BINARY_PROBE_BYTES])
     del data
+    _check_decodes(path)
     yield "", TextStream(path, on_skip)
+
+
+def _check_decodes(path: Path) -> None:
+    """Decode the whole file once, keeping nothing, before it is streamed: a file with
+    bytes that do not decode (or cut short) is skipped whole, as a small one is, instead
+    of being indexed up to them. Tokenizing costs a thousand times more than this pass."""
+    raw, head = _opened(path)
+    n = 0
+    with raw:
+        try:
+            for part in _decoded(raw, head):
+                n += len(part)
+        except _BadBytes as exc:
+            raise _Skip(f"decode: {exc} (after character {n})") from None
+        except _DECOMPRESS_ERRORS as exc:
+            raise _Skip(f"decompress: {exc}") from None
 
 
 def _decode_html(data: bytes) -> str:

@@ -457,3 +457,34 @@ def test_parquet_dictionary_text_and_ids_of_any_type(tmp_path):
     nested = tmp_path / "n.parquet"
     pq.write_table(pa.table({"id": [[1, 2], None], "text": pa.array(["x", "y"], pa.large_string())}), nested)
     assert read(nested) == ([("[1,2]", "x"), ("row-2", "y")], [])
+
+
+@pytest.mark.parametrize("suffix", ["", ".gz"])
+def test_a_large_text_file_streams_and_is_skipped_whole_when_it_does_not_decode(tmp_path, suffix):
+    """Past ``stream_above`` a text file comes as a TextStream, read a block at a time;
+    bytes that do not decode at its end skip it whole (as a small file), not after
+    everything before them was indexed."""
+    import gzip
+
+    from embedingest.sources.text import TextStream
+
+    text = "naïve words and more words\n" * 40_000
+    pack = gzip.compress if suffix else (lambda b: b)
+    good = write(tmp_path, "big.txt" + suffix, pack(b"\xef\xbb\xbf" + text.encode()))
+    skipped = []
+    (rid, stream), = iter_records(good, on_skip=lambda w, r: skipped.append((w, r)),
+                                  stream_above=2**16)
+    assert rid == "" and isinstance(stream, TextStream) and "".join(stream) == text
+    assert skipped == []
+    bad = write(tmp_path, "bad.txt" + suffix, pack(text.encode() + b"\x81 tail"))
+    records, skipped = read(bad, stream_above=2**16)
+    assert records == [] and keywords(skipped) == ["decode"]
+    assert f"after character {len(text)}" in skipped[0][1]
+    utf16 = write(tmp_path, "u.md" + suffix, pack(text.encode("utf-16")))
+    (_, stream), = iter_records(utf16, stream_above=2**16)
+    assert "".join(stream) == text
+    # changed after that check: the stream keeps what came before, and says where it ended
+    ended = []
+    assert "".join(TextStream(bad, lambda w, r: ended.append((w, r)))) == text
+    assert ended == [(str(bad), f"decode: bytes 81 are neither UTF-8 nor cp1252 after character "
+                                f"{len(text)}; the rest of the file is skipped")]
