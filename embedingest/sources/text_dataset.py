@@ -30,6 +30,10 @@ An item may carry bookkeeping only: then B is 0 and ``input_ids``/``attention_ma
 shape ``[0, 0]`` and ``ids`` shape ``[0]``; such an item comes only at the end of a
 worker's units, when the last units had no chunks left to carry their bookkeeping.
 
+A text file larger than :data:`STREAM_ABOVE` is read and chunked a block at a time, and
+a long text is chunked lazily, so a worker's memory does not grow with one input's size.
+A NUL character is read as U+FFFD (:data:`NUL_AS`), in texts and record ids alike.
+
 Every worker gets a pickled copy of the whole unit list, memory texts included, so
 large in-memory corpora are better given as files.
 """
@@ -297,7 +301,8 @@ class _WorkerBatches:
     def _group_chunks(self, group: list[tuple[str, str]]
                       ) -> Iterator[tuple[str, Iterator[tuple[Chunk, str]]]]:
         if group:
-            for (record_id, text), chunks in zip(group, self.chunker.chunk_many([t for _, t in group])):
+            chunked = self.chunker.chunk_many([text for _, text in group])
+            for (record_id, text), chunks in zip(group, chunked):
                 yield record_id, ((c, text[c.char_start:c.char_end]) for c in chunks)
 
     def _skip(self, where: str, reason: str) -> None:
