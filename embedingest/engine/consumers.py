@@ -61,11 +61,16 @@ def loader_context():
 
 def exit_with_parent(parent_pid: int, worker_id: int = 0) -> None:
     """``worker_init_fn`` for DataLoaders (as ``functools.partial(exit_with_parent,
-    os.getpid())``): the worker gets SIGKILL when the process that started it dies.
+    os.getpid())``): the worker gets SIGKILL when the process that started it dies, and
+    leaves Ctrl-C to that process.
 
     PyTorch's own parent check is armed only after the dataset's iterator is made (our
     datasets load a tokenizer there), so a parent killed before that left the worker
-    running forever."""
+    running forever. A worker that takes Ctrl-C (sent to the whole process group) as
+    KeyboardInterrupt leaves its loop before the loader is shut down, then waits at exit
+    to flush a queue nobody reads, and the loader's shutdown waits 5 s for it; ignoring
+    SIGINT, it goes as soon as the main process shuts the loader down."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _parent_death_signal(signal.SIGKILL)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)

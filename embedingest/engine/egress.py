@@ -15,8 +15,10 @@ so CI tests all of it without a GPU.
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import queue
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -27,12 +29,26 @@ from .consumer_group import ConsumerGroup
 from .copy_paths import CudaCopyPath, HostCopyPath, Pending
 from .layout import SlotLayout
 from .markers import annotate
-from .messages import Closed, Done, Failed, Skipped, Task
+from .messages import Closed, Done, Failed, Ready, Skipped, Task
 from .pool import HostPool
 from .telemetry import BatchRecord, EngineStats
 
 SinkFactory = Callable[[int], Callable]
 _POLL = 0.1  # seconds between checks for failures while blocked
+
+
+def refuse_while_bootstrapping(what: str) -> None:
+    """Stop ``what`` (a job or an engine) when it is called while this process is being
+    started by another one: a spawned process imports its parent's main script first,
+    and a script that starts a run without an ``if __name__ == "__main__":`` guard would
+    start it again in every process it starts."""
+    if getattr(mp.current_process(), "_inheriting", False):
+        # the parent's main module, being imported here under the name __mp_main__
+        main = getattr(sys.modules.get("__mp_main__"), "__file__", None) or "the main module"
+        raise ConfigError(
+            f"{what} was called while a process it started was importing {main}: put the "
+            f"code that calls it under `if __name__ == \"__main__\":` (consumer processes "
+            "are spawned, and a spawned process imports the main module first)")
 
 
 class EgressEngine:
@@ -67,6 +83,7 @@ class EgressEngine:
                  slot_spec: Mapping[str, tuple] | None = None, pin_memory: bool = True,
                  shutdown_timeout: float = 5.0,
                  on_result: Callable[[object, object], None] | None = None):
+        refuse_while_bootstrapping("EgressEngine()")
         if num_consumers < 1:
             raise ConfigError(f"num_consumers={num_consumers}: need at least 1 consumer process")
         self.config = EngineConfig(num_consumers=num_consumers, num_slots=num_slots or 0,
@@ -78,6 +95,7 @@ class EgressEngine:
         self.device = _resolve_device(device)
         self.cuda = self.device.startswith("cuda")
         self.closed_results: list = [None] * num_consumers
+        self._ready: set[int] = set()  # consumers that said they started
         self._path = CudaCopyPath(self.device) if self.cuda else HostCopyPath(self.device)
         self._slot_spec = slot_spec
         self._pool: HostPool | None = None
@@ -250,6 +268,8 @@ class EgressEngine:
             self._fail(rebuild_error(msg.payload,
                                      f"consumer {msg.worker} failed on batch {msg.batch_id!r}: {msg.summary}",
                                      f"in consumer {msg.worker}, batch {msg.batch_id!r}", msg.traceback))
+        elif isinstance(msg, Ready):
+            self._ready.add(msg.worker)
         elif isinstance(msg, Closed):
             self.closed_results[msg.worker] = msg.result
         elif isinstance(msg, BaseException):
@@ -270,9 +290,16 @@ class EgressEngine:
         with self._lock:
             batch = self._inflight.get(seq) if seq >= 0 else None
         held = f"while holding batch {batch!r} (seq {seq})" if seq >= 0 else "while idle"
+        cause = ""
+        if w not in self._ready and code is not None and code > 0:
+            main = getattr(sys.modules.get("__main__"), "__file__", None) or "the main module"
+            cause = (f"; it ended before it started (its error is printed above). A spawned "
+                     f"process imports the main module first: if {main} starts the run "
+                     f"outside `if __name__ == \"__main__\":`, put it under that guard")
         self._fail(ConsumerDied(
-            f"consumer {w} (pid {p.pid}) {how} {held}; the run was stopped. Outputs written "
-            "before are kept; re-run to redo the rest", worker=w, exitcode=code, batch_id=batch))
+            f"consumer {w} (pid {p.pid}) {how} {held}{cause}; the run was stopped. Outputs "
+            "written before are kept; re-run to redo the rest", worker=w, exitcode=code,
+            batch_id=batch))
 
     def _fail(self, exc: BaseException) -> None:
         with self._lock:

@@ -11,6 +11,7 @@ any point is finished by running the same command again, with every chunk exactl
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -28,6 +29,7 @@ from torch.utils.data import DataLoader
 from ..config import IndexConfig
 from ..engine import EgressEngine
 from ..engine.consumers import exit_with_parent, loader_context
+from ..engine.egress import refuse_while_bootstrapping
 from ..errors import ConfigError
 from ..index.lock import RunLock
 from ..index.store import IndexStore, Manifest
@@ -35,7 +37,7 @@ from ..index.writer import MetadataWriter
 from ..report import REPORT_NAME, SkipReport
 from ..scaleout.devices import devices_of
 from ..sinks.faiss_shards import FaissShardSinkFactory, new_run_id, parse_factory
-from ..sources.files import refuse_output_as_input, walk_files
+from ..sources.files import open_regular, os_error_reason, refuse_output_as_input, walk_files
 from ..sources.text import TEXT_EXTENSIONS, lone_surrogate
 from ..sources.text_dataset import TextChunkDataset, Unit
 from ..stages.device import resolve_device
@@ -57,7 +59,7 @@ def default_out(corpus) -> Path:
 
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as fh:
+    with open_regular(path) as fh:  # a file turned into a pipe must not hang the planning
         for block in iter(lambda: fh.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
@@ -86,31 +88,52 @@ def _file_candidates(root: Path, report: SkipReport, out: Path) -> Iterable[dict
 
 
 def unit_key(relative_path: str) -> str:
-    """A file's key in the index: its path below the corpus folder. The bytes of a name
-    that is not UTF-8 (which Python holds as surrogates) are written as ``\\xNN``
-    escapes, since the metadata store and JSON take only valid text."""
-    return relative_path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    """A file's key in the index: its path below the corpus folder.
+
+    The metadata store and JSON take only valid text, so the bytes of a name that is not
+    UTF-8 (which Python holds as surrogates) are written as ``\\xNN`` escapes; a
+    backslash is written twice, so that a name holding a literal ``\\xe9`` keeps a key
+    of its own. Every other name (valid UTF-8, no backslash) is its own key.
+    """
+    escaped = relative_path.replace("\\", "\\\\")
+    return escaped.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
-def _record_candidates(records: Iterable, cfg: IndexConfig, report: SkipReport) -> Iterable[dict]:
+def _record_candidates(records: Iterable, cfg: IndexConfig, report: SkipReport) -> list[dict]:
+    """The in-memory records as units, all checked before anything is written.
+
+    Ids are compared as text (``1`` and ``"1"`` are one id); a record without an id, or
+    with ``None``, takes its position as id. The index keeps one entry per id, so an id
+    given twice is a :class:`ConfigError` naming both positions, never a silent merge.
+    """
+    out, first = [], {}
     for n, rec in enumerate(records):
         if isinstance(rec, Mapping):
-            rid, text = rec.get(cfg.id_field, n), rec.get(cfg.text_field)
+            rid, text = rec.get(cfg.id_field), rec.get(cfg.text_field)
         elif isinstance(rec, (tuple, list)) and len(rec) == 2:
             rid, text = rec
         else:
             report.add(f"record {n}", "field: expected (id, text) or a dict", stage="read")
             continue
+        rid = str(n if rid is None else rid)
+        if rid in first:
+            raise ConfigError(
+                f"record id {rid!r} is given twice, by records {first[rid]} and {n} (counting "
+                f"from 0); the index keeps one entry per id, compared as text, so give each "
+                f"record its own id (or leave ids out: a record without one is numbered by "
+                f"its position)")
+        first[rid] = n
         if not isinstance(text, str):
             report.add(f"record {rid}", f"field: {cfg.text_field!r} is not a string", stage="read")
             continue
-        problem = lone_surrogate(text) or lone_surrogate(str(rid))
+        problem = lone_surrogate(text) or lone_surrogate(rid)
         if problem:
             report.add(f"record {rid}", f"unicode: the text or id holds {problem}", stage="read")
             continue
         data = text.encode("utf-8")
-        yield {"key": f"record:{rid}", "size": len(data), "mtime_ns": None,
-               "sha256": hashlib.sha256(data).hexdigest(), "text": text, "record_id": str(rid)}
+        out.append({"key": f"record:{rid}", "size": len(data), "mtime_ns": None,
+                    "sha256": hashlib.sha256(data).hexdigest(), "text": text, "record_id": rid})
+    return out
 
 
 def plan_units(store: IndexStore, candidates: Iterable[dict], report: SkipReport) -> _Plan:
@@ -125,7 +148,9 @@ def plan_units(store: IndexStore, candidates: Iterable[dict], report: SkipReport
     touched = []
     for cand in candidates:
         key = cand["key"]
-        if key in seen:
+        if key in seen:  # two files or records under one key: keep the first, say so
+            report.add(cand.get("path") or key, f"duplicate: the key {key!r} is given twice; "
+                       "only the first is indexed", stage="plan")
             continue
         seen.add(key)
         old = known.get(key)
@@ -140,7 +165,7 @@ def plan_units(store: IndexStore, candidates: Iterable[dict], report: SkipReport
             try:
                 cand["sha256"] = _sha256(Path(cand["path"]))
             except OSError as exc:
-                report.add(cand["path"], f"unreadable: {exc.strerror or exc}", stage="hash")
+                report.add(cand["path"], os_error_reason(exc), stage="hash")
                 continue
         if ok and cand["sha256"] == old.sha256:
             unchanged += 1
@@ -229,6 +254,7 @@ def build_index(corpus, config: IndexConfig | None = None, *, progress: bool = F
     names a PNG to draw the last batches' engine timeline into, ``trace`` a JSON file for
     the run's phases and every batch's engine records in the Chrome trace format.
     """
+    refuse_while_bootstrapping("build_index()")
     cfg = dataclasses.replace(config or IndexConfig(), **overrides)
     cfg.validate()
     t_start = time.perf_counter()
@@ -238,21 +264,24 @@ def build_index(corpus, config: IndexConfig | None = None, *, progress: bool = F
     device = devices[0] if len(devices) > 1 else str(resolve_device(devices[0] if devices else cfg.device))
     dtype = cfg.dtype if cfg.dtype != "auto" else ("fp16" if device.startswith("cuda") else "fp32")
     cfg = cfg.for_device(device.startswith("cuda"))
+    report = SkipReport()
+    if not isinstance(corpus, (str, os.PathLike)):  # checked whole before anything starts
+        corpus = _record_candidates(corpus, cfg, report)
     early = None
     if len(devices) > 1:  # they start up (imports, model) while this process plans
         from ..scaleout.multi_device import start_device_processes
 
         early = start_device_processes(devices, cfg, dtype)
     try:
-        return _prepare_and_build(corpus, cfg, devices, device, dtype, early, progress, timeline, t_start,
-                                  trace)
+        return _prepare_and_build(corpus, cfg, devices, device, dtype, early, report, progress,
+                                  timeline, t_start, trace)
     finally:
         if early is not None:
             early.close()
 
 
 def _prepare_and_build(corpus, cfg: IndexConfig, devices: list[str], device: str, dtype: str, early,
-                       progress: bool, timeline, t_start: float, trace=None) -> dict:
+                       report: SkipReport, progress: bool, timeline, t_start: float, trace=None) -> dict:
     """Load the encoder, then build under the folder's run lock."""
     in_memory = not isinstance(corpus, (str, os.PathLike))
     if not in_memory and not Path(corpus).exists():
@@ -272,7 +301,6 @@ def _prepare_and_build(corpus, cfg: IndexConfig, devices: list[str], device: str
     if cfg.overlap >= chunk_tokens:
         raise ConfigError(f"overlap={cfg.overlap} must be smaller than the chunk size {chunk_tokens}")
     parse_factory(encoder.dim, cfg.index, cfg.metric)  # every option checked before the first write
-    report = SkipReport()
     out.mkdir(parents=True, exist_ok=True)
     try:
         with RunLock(out):
@@ -299,8 +327,7 @@ def _build(corpus, cfg: IndexConfig, out: Path, encoder: TextEncoder, devices: l
                     "corpus_path": _corpus_path(corpus, in_memory)}
         cfg = dataclasses.replace(cfg, doc_prompt=settings["prompts"]["document"])
         store.clean_garbage()
-        cands = (_record_candidates(corpus, cfg, report) if in_memory
-                 else _file_candidates(Path(corpus), report, out))
+        cands = corpus if in_memory else _file_candidates(Path(corpus), report, out)
         plan = plan_units(store, cands, report)
         gone = plan.redo + plan.deleted
         removed = store.remove_units(gone) if gone else 0
@@ -457,14 +484,17 @@ def _encode_all(units: list[Unit], encoder: TextEncoder, store: IndexStore, repo
     engine = EgressEngine(sinks, num_consumers=cfg.num_consumers, num_slots=cfg.num_slots or None,
                           device=device, slot_spec=spec)
     try:
-        with engine, torch.inference_mode():
+        with engine, torch.inference_mode(), contextlib.ExitStack() as stack:
             def send(item):
                 if not len(item["ids"]):
                     return None
                 return (item["input_ids"].to(device, non_blocking=True),
                         item["attention_mask"].to(device, non_blocking=True))
 
-            batches = prefetch(loader, send, device, engine.span)
+            # closed on the way out, whatever stops the loop: the loader's workers are
+            # shut down here, not whenever the generator is collected
+            batches = stack.enter_context(
+                contextlib.closing(prefetch(loader, send, device, engine.span)))
             timing["start_s"] = time.perf_counter() - t0  # the engine's consumers started
             for batch_no in itertools.count():
                 t_wait = time.perf_counter()

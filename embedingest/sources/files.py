@@ -7,7 +7,9 @@ loops, and every folder or file that cannot be read is reported instead of crash
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -18,6 +20,61 @@ OnSkip = Callable[[str, str], None]
 
 def _noop(path: str, reason: str) -> None:
     pass
+
+
+class NotRegularFile(OSError):
+    """A path that names a pipe, socket or device where a file was expected; ``str()``
+    is the skip reason (``not a regular file: a named pipe (FIFO)``)."""
+
+    def __str__(self) -> str:
+        return f"not a regular file: {self.strerror}"
+
+
+_KINDS = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def file_kind(mode: int) -> str:
+    """What a non-regular file of ``st_mode`` is, in words."""
+    return next((kind for test, kind in _KINDS if test(mode)), "not a regular file")
+
+
+def open_regular(path: str | os.PathLike):
+    """Open ``path`` for reading in binary, without ever blocking: a path that names a
+    pipe, socket or device raises :class:`NotRegularFile` (a folder
+    :class:`IsADirectoryError`) instead of opening it.
+
+    A file listed as regular may be replaced by a named pipe before it is read, and
+    opening a pipe waits for a writer, for ever; ``O_NONBLOCK`` makes the open return at
+    once, ``fstat`` on what was opened says what it is, and the flag is cleared again
+    for a regular file.
+    """
+    try:
+        fh = open(path, "rb", opener=_open_nonblocking)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:  # a socket (or a device with no driver) cannot be opened
+            raise NotRegularFile(errno.ENXIO, "a socket or a device", str(path)) from None
+        raise
+    try:
+        mode = os.fstat(fh.fileno()).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFile(errno.EINVAL, file_kind(mode), str(path))
+        os.set_blocking(fh.fileno(), True)
+        return fh
+    except BaseException:
+        fh.close()
+        raise
+
+
+def _open_nonblocking(path, flags: int) -> int:
+    return os.open(path, flags | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0), 0o666)
+
+
+def os_error_reason(exc: OSError) -> str:
+    """The skip reason of a file that could not be opened or read."""
+    if isinstance(exc, NotRegularFile):
+        return str(exc)
+    return f"unreadable: {exc.strerror or exc}"
 
 
 def refuse_output_as_input(out: str | os.PathLike, inputs: str | os.PathLike, folder: str,
@@ -45,8 +102,8 @@ def walk_files(root: str | os.PathLike, extensions: set[str] | None = None,
 
     Hidden files and folders (name starting with '.') are passed over. Symbolic links
     are followed, but a folder is entered once only, so a link loop ends. Folders that
-    cannot be listed, broken links, and pipes, sockets or devices with a wanted suffix
-    go to ``on_skip(path, reason)``; other files with another suffix to ``on_other(path)``.
+    cannot be listed, broken links, and pipes, sockets or devices (or links to them)
+    with a wanted suffix go to ``on_skip(path, reason)``; other files with another suffix to ``on_other(path)``.
     The folder ``exclude`` (a job's output inside its input) is not entered, under
     whatever path it is reached.
     """
@@ -96,13 +153,29 @@ def walk_files(root: str | os.PathLike, extensions: set[str] | None = None,
                 continue
             wanted = extensions is None or has_extension(entry.name, extensions)
             if not is_file:
-                if entry.is_symlink():
-                    on_skip(entry.path, "broken or looping symbolic link")
-                elif wanted:  # reading a pipe would wait forever
-                    on_skip(entry.path, "not a regular file (a pipe, socket or device)")
+                reason = _not_a_file(entry)
+                if reason is not None and (wanted or not reason.startswith("not a regular file")):
+                    on_skip(entry.path, reason)
                 continue
             if wanted:
                 yield Path(entry.path)
             elif on_other is not None:
                 on_other(entry.path)
         stack.extend(reversed(subdirs))
+
+
+def _not_a_file(entry: os.DirEntry) -> str | None:
+    """Why an entry that is neither a folder nor a regular file is no input (None when it
+    vanished meanwhile). Reading a pipe would wait forever, a device may never end."""
+    try:
+        mode = os.stat(entry.path).st_mode  # through a link, to what it names
+    except FileNotFoundError:
+        return "broken or looping symbolic link" if entry.is_symlink() else None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "broken or looping symbolic link"
+        return f"cannot stat: {exc.strerror or exc}"
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):  # replaced meanwhile: not worth a guess
+        return None
+    link = "a symbolic link to " if entry.is_symlink() else ""
+    return f"not a regular file: {link}{file_kind(mode)}"

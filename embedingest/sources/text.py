@@ -1,8 +1,9 @@
 """Read text records out of one file, whatever its format.
 
 :func:`iter_records` streams ``(record_id, text)`` pairs so a corpus of any size passes
-through bounded memory (JSON lines, CSV and Parquet are read a record at a time; formats
-that are one document by nature, like .txt, .html or a JSON array, are read whole).
+through bounded memory: JSON lines, CSV and Parquet are read a record at a time, a plain
+text, Markdown or reST file a block at a time when ``stream_above`` asks for it; an HTML
+page or a .json document is parsed whole, and so bounded in size (``too-large``).
 
 Nothing a file contains stops a run: every problem goes to ``on_skip(where, reason)``.
 ``where`` is the path for a whole-file problem, and ``"<path>:<location>"`` (``line 12``,
@@ -12,6 +13,9 @@ starts with a stable keyword (the part before the first colon, what
 
 ==============  ===============================================================
 ``unreadable``  the file cannot be opened or read (permission, I/O error, a folder)
+``not a regular file``  a named pipe, socket or device (one that replaced a file
+                after it was listed too): never opened for reading, which could wait
+                for ever
 ``binary``      a NUL byte in the first 8 KiB: not text (UTF-16 without a BOM too)
 ``empty``       no bytes, only whitespace, no records, or a record with empty text
 ``decode``      bytes that are neither UTF-8 nor cp1252 (or a broken UTF-16 file)
@@ -24,7 +28,10 @@ starts with a stable keyword (the part before the first colon, what
 ``format``      a suffix that is not in :data:`TEXT_EXTENSIONS`
 ``decompress``  a ``.gz``/``.bz2``/``.xz`` file that is corrupt or cut short (for the
                 streamed formats: the rest of it, with the records before kept)
-``too-large``   a whole-document file (text, HTML, JSON) over 1 GiB once decompressed
+``too-large``   once decompressed: an HTML page over 16 MiB, a .json document over
+                256 MiB, a text file read whole over 1 GiB; a JSON line, a CSV line or
+                field, or a Parquet text over 64 Mi characters (that record only; for
+                CSV the rest of the file)
 ==============  ===============================================================
 
 Every format but Parquet may also come compressed as ``.gz``, ``.bz2`` or ``.xz``
@@ -36,7 +43,8 @@ not part of valid UTF-8 is read as cp1252, the usual encoding of legacy Western 
 so a cp1252 file, or a UTF-8 file with a few stray legacy bytes, is read without loss
 instead of being skipped. The five bytes cp1252 leaves undefined (0x81 0x8D 0x8F 0x90
 0x9D) almost never occur in real legacy text, so meeting one skips the file as
-``decode`` (for the streamed formats: the rest of it, with the records before kept).
+``decode`` (for the streamed formats: the rest of it, with every line before the one
+that holds the byte kept, and that line named).
 An HTML page that is not valid UTF-8 is read in the encoding its ``<meta charset>``
 declares when that is not a Western one (Shift_JIS, GB2312, windows-1251, ...).
 """
@@ -45,16 +53,20 @@ from __future__ import annotations
 
 import bz2
 import codecs
+import contextlib
 import csv
+import functools
 import gzip
 import io
 import json
 import lzma
+import os
 import re
-import sys
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from .files import open_regular, os_error_reason
 
 OnSkip = Callable[[str, str], None]
 
@@ -69,7 +81,12 @@ TEXT_EXTENSIONS = frozenset(_PLAIN_EXTENSIONS | {".parquet"}
                             | {ext + c for ext in _PLAIN_EXTENSIONS for c in COMPRESSIONS})
 # What a corrupt or truncated compressed stream raises (gzip's BadGzipFile is an OSError).
 _DECOMPRESS_ERRORS = (EOFError, zlib.error, lzma.LZMAError, gzip.BadGzipFile)
-MAX_WHOLE_BYTES = 2**30  # a whole-document file larger than this once read is skipped
+# Size bounds (decompressed): what is read whole must fit memory several times over.
+MAX_WHOLE_BYTES = 2**30  # a text file read whole (without stream_above)
+MAX_JSON_BYTES = 2**28  # a .json document (parsed whole; JSON lines are streamed)
+MAX_HTML_BYTES = 2**24  # an HTML page (its parse tree takes tens of times its size)
+MAX_LINE_CHARS = 2**26  # one line of JSON lines or CSV, and one CSV field or Parquet text
+STREAM_BLOCK = 2**16  # bytes read at a time when streaming
 
 BINARY_PROBE_BYTES = 8192
 PARQUET_BATCH_ROWS = 1024
@@ -89,7 +106,7 @@ _SPACES = re.compile(r"[^\S\n]+")
 _BLANK_LINES = re.compile(r"\s*\n\s*")
 
 # One CSV field may be a whole document; the default limit (128 KiB) would reject it.
-csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
+csv.field_size_limit(MAX_LINE_CHARS)
 
 
 def _utf8_then_cp1252(exc: UnicodeError) -> tuple[str, int]:
@@ -146,57 +163,213 @@ def text_format(path: str | Path) -> tuple[str, str | None]:
     return (suffixes[-1] if suffixes else ""), None
 
 
+class _Closing:
+    """A decompressing reader that also closes the file under it (gzip, bz2 and lzma
+    leave a file object they were given open)."""
+
+    def __init__(self, outer, inner):
+        self._outer, self._inner = outer, inner
+
+    def read(self, n: int = -1) -> bytes:
+        return self._outer.read(n)
+
+    def close(self) -> None:
+        try:
+            self._outer.close()
+        finally:
+            self._inner.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def _open_raw(path: Path):
-    """The file's bytes, decompressed on the fly when its name says so."""
-    return COMPRESSIONS.get(text_format(path)[1], open)(path, "rb")
+    """The file's bytes, decompressed on the fly when its name says so. Opening never
+    blocks: a pipe, socket or device raises :class:`NotRegularFile`."""
+    fh = open_regular(path)
+    opener = COMPRESSIONS.get(text_format(path)[1])
+    if opener is None:
+        return fh
+    try:
+        return _Closing(opener(fh, "rb"), fh)
+    except BaseException:
+        fh.close()
+        raise
 
 
-def _read_bytes(path: Path) -> bytes:
+def _read_bytes(path: Path, limit: int, what: str = "") -> bytearray:
+    """The file's bytes (decompressed), at most ``limit``; more is ``too-large`` unless
+    ``what`` is empty (the caller then sees ``limit + 1`` bytes and decides)."""
+    data = bytearray()
     try:
         with _open_raw(path) as fh:
-            data = fh.read(MAX_WHOLE_BYTES + 1)
+            while len(data) <= limit:  # a block at a time: read(limit) would allocate it all
+                block = fh.read(min(2**20, limit + 1 - len(data)))
+                if not block:
+                    break
+                data += block
     except _DECOMPRESS_ERRORS as exc:
         raise _Skip(f"decompress: {exc}") from None
     except OSError as exc:
-        raise _Skip(f"unreadable: {exc.strerror or exc}") from None
-    if len(data) > MAX_WHOLE_BYTES:
-        raise _Skip(f"too-large: more than {MAX_WHOLE_BYTES} bytes in one document; "
-                    "split it, or give its records as JSON lines")
+        raise _Skip(os_error_reason(exc)) from None
+    if what and len(data) > limit:
+        raise _Skip(f"too-large: more than {limit} bytes in one {what}; split it, or give "
+                    "its records as JSON lines")
     return data
 
 
-def _open_text(path: Path, newline: str | None) -> io.TextIOWrapper:
-    """Open ``path`` for streaming, after the binary and empty checks."""
+class _BadBytes(Exception):
+    """Bytes that do not decode, met while streaming; the message is the reason."""
+
+
+def _stream_codec(head: bytes) -> tuple[str, str, int]:
+    """``(codec, errors, BOM length)`` to decode a stream that starts with ``head``,
+    after the binary check (the BOM is skipped, so a part can be decoded afresh)."""
+    if head.startswith(codecs.BOM_UTF16_LE):
+        return "utf-16-le", "strict", 2
+    if head.startswith(codecs.BOM_UTF16_BE):
+        return "utf-16-be", "strict", 2
+    _encoding(head)
+    return "utf-8", _ERRORS, len(codecs.BOM_UTF8) if head.startswith(codecs.BOM_UTF8) else 0
+
+
+def _decoded(raw, head: bytes) -> Iterator[str]:
+    """The text of ``raw`` (whose first bytes, ``head``, were read already) a block at a
+    time. Bytes that do not decode raise :class:`_BadBytes`, after everything before them
+    was yielded (a text decoder would drop the whole block they are in)."""
+    codec, errors, bom = _stream_codec(head)
+    decoder = codecs.getincrementaldecoder(codec)(errors)
+    block = head[bom:]
+    while True:
+        final = not block
+        try:
+            text = decoder.decode(block, final)
+        except UnicodeDecodeError as exc:
+            good = exc.object[:exc.start].decode(codec, errors)
+            if good:
+                yield good
+            raise _BadBytes(exc.reason) from None
+        if text:
+            yield text
+        if final:
+            return
+        block = raw.read(STREAM_BLOCK)
+
+
+def _opened(path: Path):
+    """``(raw, head)``: the file open for streaming, and its first bytes, after the
+    empty and binary checks."""
     try:
         raw = _open_raw(path)
     except OSError as exc:
-        raise _Skip(f"unreadable: {exc.strerror or exc}") from None
+        raise _Skip(os_error_reason(exc)) from None
     try:
         head = raw.read(BINARY_PROBE_BYTES)
         if not head:
             raise _Skip("empty: the file has no bytes")
-        encoding, errors = _encoding(head)
-        raw.seek(0)
-    except _DECOMPRESS_ERRORS as exc:
-        raw.close()
-        raise _Skip(f"decompress: {exc}") from None
-    except OSError as exc:
-        raw.close()
-        raise _Skip(f"unreadable: {exc.strerror or exc}") from None
-    except _Skip:
+        _encoding(head)
+    except BaseException:
         raw.close()
         raise
-    return io.TextIOWrapper(raw, encoding=encoding, errors=errors, newline=newline)
+    return raw, head
+
+
+_EOL = re.compile(r"\r\n|\r|\n")
+
+
+def _lines(path: Path, translate: bool) -> Iterator[str | _Skip]:
+    """The lines of the file at ``path``, each with its line end (``\\n`` for every kind
+    when ``translate``, else as written, as csv wants it). A line of more than
+    :data:`MAX_LINE_CHARS` characters comes as a ``too-large`` :class:`_Skip` instead,
+    never held whole. Bytes that do not decode end the file with a ``decode`` skip that
+    names their line; every line before it is yielded."""
+    raw, head = _opened(path)
+    parts: list[str] = []
+    size = n = 0
+    long = carry = False
+    with raw:
+        try:
+            for text in _decoded(raw, head):
+                if carry:  # a \r at the end of the block before: is it a \r\n?
+                    text, carry = "\r" + text, False
+                if text.endswith("\r"):
+                    text, carry = text[:-1], True
+                pos = 0
+                for m in _EOL.finditer(text):
+                    n += 1
+                    if long or size + m.start() - pos > MAX_LINE_CHARS:
+                        yield _Skip(f"too-large: line {n}: more than {MAX_LINE_CHARS} "
+                                    "characters on one line; split the record")
+                    else:
+                        parts.append(text[pos:m.start()])
+                        parts.append("\n" if translate else m.group())
+                        yield "".join(parts)
+                    parts, size, long = [], 0, False
+                    pos = m.end()
+                if pos < len(text) and not long:
+                    parts.append(text[pos:])
+                    size += len(text) - pos
+                    if size > MAX_LINE_CHARS:
+                        parts, size, long = [], 0, True
+        except _BadBytes as exc:
+            raise _Skip(f"decode: line {n + 1}: {exc}; the rest of the file is skipped") from None
+    if carry:
+        parts.append("\n" if translate else "\r")
+    if long:
+        yield _Skip(f"too-large: line {n + 1}: more than {MAX_LINE_CHARS} characters on one "
+                    "line; split the record")
+    elif parts:
+        yield "".join(parts)
+
+
+class TextStream:
+    """The text of a whole-text file too large to hold at once (see ``stream_above`` of
+    :func:`iter_records`): iterating it reads and decodes the file again, a block at a
+    time, as ``str`` parts. The file was decoded once before (a file that does not decode
+    is skipped whole); a problem met on the way all the same (the file changed, a read
+    error) goes to ``on_skip`` and ends the text there; what came before it is kept. NUL characters are not checked past the first
+    :data:`BINARY_PROBE_BYTES` bytes."""
+
+    __slots__ = ("path", "on_skip")
+
+    def __init__(self, path: Path, on_skip: OnSkip):
+        self.path, self.on_skip = path, on_skip
+
+    def __iter__(self) -> Iterator[str]:
+        where, n = str(self.path), 0
+        try:
+            raw, head = _opened(self.path)
+            with raw:
+                for part in _decoded(raw, head):
+                    n += len(part)
+                    yield part
+            return
+        except _Skip as skip:
+            reason = str(skip)
+        except _BadBytes as exc:
+            reason = f"decode: {exc} after character {n}"
+        except _DECOMPRESS_ERRORS as exc:
+            reason = f"decompress: {exc} after character {n}"
+        except OSError as exc:
+            reason = os_error_reason(exc)
+        self.on_skip(where, f"{reason}; the rest of the file is skipped")
 
 
 def _record_id(value, default: str) -> str:
+    """A record's id as text, whatever its type: bytes as UTF-8 (other bytes as ``\\xNN``),
+    numbers, dates and times as ``str`` gives them, lists and objects as JSON."""
     if value is None:
         return default
     if isinstance(value, str):
         return value
-    if isinstance(value, (int, float, bool)):
-        return str(value)
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).decode("utf-8", "backslashreplace")
+    if isinstance(value, (list, tuple, dict)):
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)
+    return str(value)
 
 
 def _fields(keys) -> str:
@@ -266,12 +439,40 @@ def _parse_line(line: str, n: int):
 
 
 def _json_lines(lines, text_field, id_field, path, on_skip):
-    numbered = ((n, _parse_line(line, n)) for n, line in enumerate(lines, 1) if line.strip())
+    numbered = ((n, line if isinstance(line, _Skip) else _parse_line(line, n))
+                for n, line in enumerate(lines, 1) if isinstance(line, _Skip) or line.strip())
     return _objects(numbered, text_field, id_field, "line", path, on_skip)
 
 
-def _read_whole_text(path: Path, text_field, id_field, on_skip):
-    yield "", _decode(_read_bytes(path))
+def _read_whole_text(path: Path, text_field, id_field, on_skip, stream_above=None):
+    """One record; a file of more than ``stream_above`` bytes as a :class:`TextStream`."""
+    if stream_above is None:
+        yield "", _decode(_read_bytes(path, MAX_WHOLE_BYTES, "document"))
+        return
+    data = _read_bytes(path, stream_above)
+    if len(data) <= stream_above:
+        yield "", _decode(data)
+        return
+    _encoding(data[:BINARY_PROBE_BYTES])
+    del data
+    _check_decodes(path)
+    yield "", TextStream(path, on_skip)
+
+
+def _check_decodes(path: Path) -> None:
+    """Decode the whole file once, keeping nothing, before it is streamed: a file with
+    bytes that do not decode (or cut short) is skipped whole, as a small one is, instead
+    of being indexed up to them. Tokenizing costs a thousand times more than this pass."""
+    raw, head = _opened(path)
+    n = 0
+    with raw:
+        try:
+            for part in _decoded(raw, head):
+                n += len(part)
+        except _BadBytes as exc:
+            raise _Skip(f"decode: {exc} (after character {n})") from None
+        except _DECOMPRESS_ERRORS as exc:
+            raise _Skip(f"decompress: {exc}") from None
 
 
 def _decode_html(data: bytes) -> str:
@@ -302,7 +503,8 @@ def _decode_html(data: bytes) -> str:
 def _read_html(path: Path, text_field, id_field, on_skip):
     from bs4 import BeautifulSoup
 
-    soup = BeautifulSoup(_decode_html(_read_bytes(path)), "html.parser")
+    page = bytes(_read_bytes(path, MAX_HTML_BYTES, "HTML page"))
+    soup = BeautifulSoup(_decode_html(page), "html.parser")
     for tag in soup.find_all(_HTML_DROP):
         tag.decompose()
     for tag in soup.find_all(_HTML_BLOCKS):
@@ -316,7 +518,7 @@ def _read_html(path: Path, text_field, id_field, on_skip):
 def _read_json(path: Path, text_field, id_field, on_skip):
     """A JSON array of objects, one object, or (when the whole is not one JSON value
     and its first line is) JSON lines."""
-    text = _decode(_read_bytes(path))
+    text = _decode(_read_bytes(path, MAX_JSON_BYTES, "JSON document"))
     try:
         doc = json.loads(text)
     except RecursionError:
@@ -339,14 +541,21 @@ def _read_json(path: Path, text_field, id_field, on_skip):
 
 
 def _read_jsonl(path: Path, text_field, id_field, on_skip):
-    with _open_text(path, newline=None) as fh:
-        yield from _json_lines(fh, text_field, id_field, path, on_skip)
+    yield from _json_lines(_lines(path, translate=True), text_field, id_field, path, on_skip)
+
+
+def _csv_lines(path: Path) -> Iterator[str]:
+    for line in _lines(path, translate=False):
+        if isinstance(line, _Skip):
+            raise _Skip(f"{line}; the rest of the file is skipped")
+        yield line
 
 
 def _read_csv(path: Path, text_field, id_field, on_skip):
     delimiter = "\t" if text_format(path)[0] == ".tsv" else ","
-    with _open_text(path, newline="") as fh:
-        reader = csv.DictReader(fh, delimiter=delimiter)
+    lines = _csv_lines(path)
+    with contextlib.closing(lines):
+        reader = csv.DictReader(lines, delimiter=delimiter)
         try:
             columns = reader.fieldnames
             if not columns:
@@ -370,47 +579,77 @@ def _read_csv(path: Path, text_field, id_field, on_skip):
                         f"is skipped") from None
 
 
+def _is_text_type(kind) -> bool:
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(kind):  # a column of few distinct strings, stored once each
+        kind = kind.value_type
+    return (pa.types.is_string(kind) or pa.types.is_large_string(kind)
+            or getattr(pa.types, "is_string_view", lambda t: False)(kind))
+
+
+def _id_values(column) -> list:
+    """The values of an id column of any type, for :func:`_record_id`: dates, times and
+    decimals as Arrow writes them as text (``2024-01-02 03:04:05.000000``)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if pa.types.is_dictionary(column.type):
+        column = column.dictionary_decode()
+    if pa.types.is_temporal(column.type) or pa.types.is_decimal(column.type):
+        try:
+            return pc.cast(column, pa.string()).to_pylist()
+        except pa.ArrowException:
+            pass
+    return column.to_pylist()
+
+
 def _read_parquet(path: Path, text_field, id_field, on_skip):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        if path.stat().st_size == 0:
-            raise _Skip("empty: the file has no bytes")
-        pf = pq.ParquetFile(path)
+        fh = open_regular(path)
     except OSError as exc:
-        if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError)):
-            raise _Skip(f"unreadable: {exc.strerror or exc}") from None
-        raise _Skip(f"parquet: {exc}") from None
-    except pa.ArrowException as exc:
-        raise _Skip(f"parquet: {exc}") from None
-    schema = pf.schema_arrow
-    if text_field not in schema.names:
-        raise _Skip(f"field: no {text_field!r} column (columns: {_fields(schema.names)}); "
-                    f"choose the text column with text_field=")
-    kind = schema.field(text_field).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
-            or getattr(pa.types, "is_string_view", lambda t: False)(kind)):
-        raise _Skip(f"field: column {text_field!r} is {kind}, expected a string column")
-    columns = [text_field] + ([id_field] if id_field in schema.names and id_field != text_field
-                              else [])
-    n = 0
-    try:
-        for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
-            texts = batch.column(text_field).to_pylist()
-            ids = (batch.column(id_field).to_pylist() if id_field in batch.schema.names
-                   else [None] * len(texts))
-            for text, rid in zip(texts, ids):
-                n += 1
-                loc = f"row {n}"
-                if text is None:
-                    on_skip(f"{path}:{loc}", f"field: {loc}: {text_field!r} is null")
-                elif not text.strip():
-                    on_skip(f"{path}:{loc}", f"empty: {loc}: {text_field!r} is empty")
-                else:
-                    yield _record_id(rid, f"row-{n}"), text
-    except (OSError, pa.ArrowException) as exc:
-        raise _Skip(f"parquet: row {n + 1}: {exc}; the rest of the file is skipped") from None
+        raise _Skip(os_error_reason(exc)) from None
+    with fh:
+        try:
+            if os.fstat(fh.fileno()).st_size == 0:
+                raise _Skip("empty: the file has no bytes")
+            pf = pq.ParquetFile(fh)
+        except OSError as exc:
+            raise _Skip(f"parquet: {exc}") from None
+        except pa.ArrowException as exc:
+            raise _Skip(f"parquet: {exc}") from None
+        schema = pf.schema_arrow
+        if text_field not in schema.names:
+            raise _Skip(f"field: no {text_field!r} column (columns: {_fields(schema.names)}); "
+                        f"choose the text column with text_field=")
+        kind = schema.field(text_field).type
+        if not _is_text_type(kind):
+            raise _Skip(f"field: column {text_field!r} is {kind}, expected a string column")
+        columns = [text_field] + ([id_field] if id_field in schema.names and id_field != text_field
+                                  else [])
+        n = 0
+        try:
+            for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
+                texts = batch.column(text_field).to_pylist()
+                ids = (_id_values(batch.column(id_field)) if id_field in batch.schema.names
+                       else [None] * len(texts))
+                for text, rid in zip(texts, ids):
+                    n += 1
+                    loc = f"row {n}"
+                    if text is None:
+                        on_skip(f"{path}:{loc}", f"field: {loc}: {text_field!r} is null")
+                    elif not text.strip():
+                        on_skip(f"{path}:{loc}", f"empty: {loc}: {text_field!r} is empty")
+                    elif len(text) > MAX_LINE_CHARS:
+                        on_skip(f"{path}:{loc}", f"too-large: {loc}: {text_field!r} holds more "
+                                                 f"than {MAX_LINE_CHARS} characters")
+                    else:
+                        yield _record_id(rid, f"row-{n}"), text
+        except (OSError, pa.ArrowException) as exc:
+            raise _Skip(f"parquet: row {n + 1}: {exc}; the rest of the file is skipped") from None
 
 
 _READERS = {
@@ -424,10 +663,14 @@ _READERS = {
 
 
 def iter_records(path: str | Path, *, text_field: str = "text", id_field: str = "id",
-                 on_skip: OnSkip = _noop) -> Iterator[tuple[str, str]]:
+                 on_skip: OnSkip = _noop, stream_above: int | None = None
+                 ) -> Iterator[tuple[str, str | TextStream]]:
     """Yield ``(record_id, text)`` for every good record of the file at ``path``.
 
-    Plain text, Markdown, reStructuredText and HTML files are one record with id ``""``.
+    Plain text, Markdown, reStructuredText and HTML files are one record with id ``""``;
+    with ``stream_above``, a plain text, Markdown or reStructuredText file of more than
+    that many bytes (decompressed) comes as a :class:`TextStream` instead of a string, to
+    be read a block at a time, so its size is not bounded by memory.
     Records of JSON, JSON lines, CSV/TSV and Parquet take their text from ``text_field``
     and their id from ``id_field``; a record without an id gets ``line-N`` (JSON lines),
     ``row-N`` (CSV, Parquet; N counts data rows from 1) or ``item-N`` (JSON array).
@@ -449,6 +692,8 @@ def iter_records(path: str | Path, *, text_field: str = "text", id_field: str = 
         skipped += 1
         on_skip(where, reason)
 
+    if stream_above is not None and reader is _read_whole_text:
+        reader = functools.partial(reader, stream_above=stream_above)
     try:
         for record in reader(path, text_field, id_field, count_skip):
             produced += 1
@@ -466,7 +711,7 @@ def iter_records(path: str | Path, *, text_field: str = "text", id_field: str = 
         on_skip(str(path), f"decode: {exc}; the rest of the file is skipped")
         return
     except OSError as exc:
-        on_skip(str(path), f"unreadable: {exc.strerror or exc}")
+        on_skip(str(path), os_error_reason(exc))
         return
     if produced == 0 and skipped == 0:
         on_skip(str(path), "empty: no records")

@@ -30,6 +30,10 @@ An item may carry bookkeeping only: then B is 0 and ``input_ids``/``attention_ma
 shape ``[0, 0]`` and ``ids`` shape ``[0]``; such an item comes only at the end of a
 worker's units, when the last units had no chunks left to carry their bookkeeping.
 
+A text file larger than :data:`STREAM_ABOVE` is read and chunked a block at a time, and
+a long text is chunked lazily, so a worker's memory does not grow with one input's size.
+A NUL character is read as U+FFFD (:data:`NUL_AS`), in texts and record ids alike.
+
 Every worker gets a pickled copy of the whole unit list, memory texts included, so
 large in-memory corpora are better given as files.
 """
@@ -46,7 +50,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..errors import ConfigError
-from ..stages.chunker import DEFAULT_PIECE_CHARS, Chunker, load_tokenizer
+from ..stages.chunker import DEFAULT_PIECE_CHARS, Chunk, Chunker, load_tokenizer
 from .text import iter_records, lone_surrogate
 
 MAX_UNIT_NO = 2**31 - 1
@@ -77,6 +81,13 @@ class Unit:
 
 
 RECORDS_PER_CALL = 256  # records tokenized by one encode_batch call
+# Whole-text files (.txt, .md, .rst) larger than this, decompressed, are read and chunked a
+# block at a time: memory stays the same whatever their size.
+STREAM_ABOVE = 4 * 2**20
+# The metadata store cuts a text at a NUL character, so a chunk stored with one would not
+# be its span: NUL is read as the replacement character, which tokenizers drop as they
+# drop NUL (the chunk's tokens, and so its vector, are the same).
+NUL_AS = "\ufffd"
 
 CHUNK_FIELDS = ("id", "unit_no", "record_id", "chunk_no", "char_start", "char_end", "text")
 
@@ -125,18 +136,6 @@ class Chunks:
     def __setstate__(self, state) -> None:
         self.json, self.n_docs, self.n = state
         self._rows = None
-
-
-def _groups(items: Iterable, size: int) -> Iterator[list]:
-    """Lists of up to ``size`` consecutive items; lazily, so a file is still streamed."""
-    group = []
-    for item in items:
-        group.append(item)
-        if len(group) == size:
-            yield group
-            group = []
-    if group:
-        yield group
 
 
 class TextChunkDataset(IterableDataset):
@@ -254,28 +253,57 @@ class _WorkerBatches:
             records = iter([(unit.record_id or "", unit.text)])
         else:
             records = iter_records(unit.path, text_field=self.ds.text_field,
-                                   id_field=self.ds.id_field, on_skip=self._skip)
+                                   id_field=self.ds.id_field, on_skip=self._skip,
+                                   stream_above=STREAM_ABOVE)
         chunk_no = 0
         try:
-            for group in _groups(records, RECORDS_PER_CALL):
-                texts = [text for _, text in group]
-                for (record_id, text), chunks in zip(group, self.chunker.chunk_many(texts)):
-                    if not chunks:
-                        label = f"{where}:{record_id}" if record_id else where
-                        self._skip(label, "empty: the text has no tokens")
-                    for k, chunk in enumerate(chunks):
-                        if chunk_no >= MAX_CHUNKS_PER_UNIT:
-                            self._skip(where, f"limit: more than {MAX_CHUNKS_PER_UNIT} chunks "
-                                              f"in one unit; the rest of it is skipped")
-                            return
-                        yield chunk.input_ids, (
-                            unit.unit_no << 32 | chunk_no, unit.unit_no, record_id, chunk_no,
-                            chunk.char_start, chunk.char_end,
-                            text[chunk.char_start:chunk.char_end], k == 0)
-                        chunk_no += 1
+            for record_id, chunks in self._record_chunks(records):
+                first = True
+                for chunk, text in chunks:
+                    if chunk_no >= MAX_CHUNKS_PER_UNIT:
+                        self._skip(where, f"limit: more than {MAX_CHUNKS_PER_UNIT} chunks "
+                                          f"in one unit; the rest of it is skipped")
+                        return
+                    yield chunk.input_ids, (
+                        unit.unit_no << 32 | chunk_no, unit.unit_no, record_id, chunk_no,
+                        chunk.char_start, chunk.char_end, text, first)
+                    chunk_no += 1
+                    first = False
+                if first:
+                    label = f"{where}:{record_id}" if record_id else where
+                    self._skip(label, "empty: the text has no tokens")
         except Exception as exc:  # a bug or a library error on odd input must not end the run
             self._skip(where, f"read: {type(exc).__name__}: {exc}; the rest of the unit "
                               f"is skipped")
+
+    def _record_chunks(self, records: Iterable[tuple[str, str | Iterable[str]]]
+                       ) -> Iterator[tuple[str, Iterator[tuple[Chunk, str]]]]:
+        """``(record_id, its (chunk, text) pairs)`` in record order. Texts that fit one
+        piece are tokenized a group at a time (one call each); a longer text, or one
+        streamed from its file, is chunked lazily, so it is never held as chunks whole.
+        NUL characters are read as U+FFFD (see :data:`NUL_AS`)."""
+        group: list[tuple[str, str]] = []
+        for record_id, text in records:
+            record_id = record_id.replace("\0", NUL_AS)
+            if isinstance(text, str) and len(text) <= self.chunker.piece_chars:
+                group.append((record_id, text.replace("\0", NUL_AS)))
+                if len(group) == RECORDS_PER_CALL:
+                    yield from self._group_chunks(group)
+                    group = []
+                continue
+            yield from self._group_chunks(group)
+            group = []
+            text = (text.replace("\0", NUL_AS) if isinstance(text, str)
+                    else (part.replace("\0", NUL_AS) for part in text))
+            yield record_id, self.chunker.iter_text(text)
+        yield from self._group_chunks(group)
+
+    def _group_chunks(self, group: list[tuple[str, str]]
+                      ) -> Iterator[tuple[str, Iterator[tuple[Chunk, str]]]]:
+        if group:
+            chunked = self.chunker.chunk_many([text for _, text in group])
+            for (record_id, text), chunks in zip(group, chunked):
+                yield record_id, ((c, text[c.char_start:c.char_end]) for c in chunks)
 
     def _skip(self, where: str, reason: str) -> None:
         self.skipped.append((str(where), reason))

@@ -4,25 +4,42 @@ Chunks are windows over the token sequence of the text, not over characters, so 
 one fills the model's input exactly; the offsets of a *fast* tokenizer map every chunk
 back to its character span, which is what search results show and cite.
 
+A chunk is bounded in characters as well as in tokens: it spans at most ``max_chars``
+characters (by default :data:`CHARS_PER_TOKEN` per token of ``max_tokens``). Ordinary
+text never comes near (a few characters a token); a text with no whitespace does: a
+tokenizer such as BERT's makes one unknown token of a whole word, however long, and
+once made chunks of 25 MB out of a file of ``a\\x01`` repeated. A window that would
+pass the bound ends at the token before, and the next window overlaps it by the same
+share of its tokens that ``overlap`` is of a full window. Spans stay exact: they are the
+first and last token's offsets, as for any chunk.
+
 Texts of any length pass in linear time and bounded memory: the text is tokenized in
-pieces of about ``piece_chars`` characters cut just before a whitespace character (for
-the usual pre-tokenizers, which split at whitespace, this gives the same tokens as
-tokenizing the whole text), and chunks are produced while the next piece is read. A
-piece with no whitespace at all is cut hard, which may split one word in two.
+pieces of at most ``piece_chars`` (and ``max_chars``) characters, cut just before a
+space, tab or line break (for the usual pre-tokenizers, which split there, this gives
+the same tokens as tokenizing the whole text), and chunks are produced while the next
+piece is read. A piece with no such character at all is cut hard, which may split one
+word in two; it also means no token is longer than a piece, so no chunk passes the
+bound. A text may also come as an iterable of parts (a file read a block at a time,
+:meth:`Chunker.iter_text`): it gives the same chunks as the whole string.
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 import re
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
 from ..errors import ConfigError
 
 DEFAULT_PIECE_CHARS = 100_000
+CHARS_PER_TOKEN = 32  # the default bound of a chunk: this many characters per token
 
-_UP_TO_LAST_SPACE = re.compile(r".*\s", re.DOTALL)
+# The whitespace every pre-tokenizer splits at: a Unicode space such as U+001C or a form
+# feed is a control character to BERT, which drops it and joins the words around it.
+_UP_TO_LAST_SPACE = re.compile(r".*[ \t\n\r]", re.DOTALL)
 
 
 class Chunk(NamedTuple):
@@ -50,11 +67,12 @@ def load_tokenizer(model_dir: str | os.PathLike):
 
 
 class Chunker:
-    """Token windows of at most ``max_tokens`` (special tokens included), each sharing
-    ``overlap`` tokens with the one before, so no sentence is only ever seen cut."""
+    """Token windows of at most ``max_tokens`` (special tokens included) and ``max_chars``
+    characters, each sharing ``overlap`` tokens with the one before (fewer when the
+    characters bound the window), so no sentence is only ever seen cut."""
 
     def __init__(self, tokenizer, max_tokens: int = 256, overlap: int = 32,
-                 piece_chars: int = DEFAULT_PIECE_CHARS):
+                 piece_chars: int = DEFAULT_PIECE_CHARS, max_chars: int | None = None):
         if not getattr(tokenizer, "is_fast", False):
             raise ConfigError(f"Chunker needs a fast tokenizer (with offsets), got "
                               f"{type(tokenizer).__name__}; load it with load_tokenizer()")
@@ -75,9 +93,14 @@ class Chunker:
                               f"tokens ({self.budget}); lower overlap or raise max_tokens")
         if not isinstance(piece_chars, int) or piece_chars < 1:
             raise ConfigError(f"piece_chars={piece_chars!r} must be a positive integer")
+        max_chars = CHARS_PER_TOKEN * max_tokens if max_chars is None else max_chars
+        if not isinstance(max_chars, int) or max_chars < 1:
+            raise ConfigError(f"max_chars={max_chars!r} must be a positive integer")
         self.max_tokens = max_tokens
         self.overlap = overlap
-        self.piece_chars = piece_chars
+        self.max_chars = max_chars
+        # No token is longer than the piece it came from, so no single token passes max_chars.
+        self.piece_chars = min(piece_chars, max_chars)
 
     def chunk(self, text: str) -> list[Chunk]:
         """All chunks of ``text`` (none when it has no tokens, e.g. only whitespace)."""
@@ -104,6 +127,7 @@ class Chunker:
             if not ids:
                 out[i] = []
             elif len(ids) <= budget:  # the usual case: the whole text is one chunk
+                # (a text no longer than a piece is within max_chars)
                 text = texts[i]
                 start, end = len(text) - len(text.lstrip()), len(text.rstrip())
                 out[i] = [Chunk(prefix + ids + suffix, start, end)]
@@ -117,54 +141,118 @@ class Chunker:
                 out[i] = self.chunk(t)
         return out
 
+    def _window_end(self, starts: list[int], ends: list[int], pos: int, n: int) -> int | None:
+        """The end (exclusive) of the window that starts at token ``pos``, or None when
+        the ``n`` tokens known so far leave it open (it may be the text's last window)."""
+        if pos >= n:
+            return None
+        hi = min(pos + self.budget, n)
+        limit = starts[pos] + self.max_chars
+        if ends[hi - 1] <= limit:
+            return hi if hi < n else None
+        return bisect.bisect_right(ends, limit, pos + 1, hi)  # the first token past the bound
+
+    def _next_start(self, pos: int, end: int) -> int:
+        """Where the window after ``[pos, end)`` starts: ``overlap`` tokens back for a
+        full window, the same share of a window the characters cut short."""
+        return end - self.overlap * (end - pos) // self.budget
+
     def _windows(self, ids: list[int], starts: list[int], ends: list[int]) -> Iterator[Chunk]:
         """The chunks of one text tokenized whole (the same windows as :meth:`iter_chunks`)."""
-        budget, stride = self.budget, self.budget - self.overlap
-        pos = 0
-        while len(ids) - pos > budget:
-            yield self._make(ids, starts, ends, pos, pos + budget)
-            pos += stride
-        if len(ids) > pos and (pos == 0 or len(ids) - pos > self.overlap):
-            yield self._make(ids, starts, ends, pos, len(ids))
+        pos, covered, n = 0, 0, len(ids)
+        while (end := self._window_end(starts, ends, pos, n)) is not None:
+            yield self._make(ids, starts, ends, pos, end)
+            pos, covered = self._next_start(pos, end), end
+        if n > covered:
+            yield self._make(ids, starts, ends, pos, n)
 
     def iter_chunks(self, text: str) -> Iterator[Chunk]:
         """The chunks of ``text`` one at a time; memory stays bounded by one piece."""
         if not text or text.isspace():
             return
+        for chunk, _ in self._stream(self._pieces(text), with_text=False):
+            yield chunk
+
+    def iter_text(self, text: str | Iterable[str]) -> Iterator[tuple[Chunk, str]]:
+        """``(chunk, its text)`` for every chunk of ``text``: a string, or an iterable of
+        string parts that together make the text (a file decoded a block at a time), with
+        the same chunks and spans. Memory stays bounded by a few pieces and one chunk,
+        whatever the length of the text."""
+        if isinstance(text, str):
+            for chunk in self.iter_chunks(text):
+                yield chunk, text[chunk.char_start:chunk.char_end]
+        else:
+            yield from self._stream(self._stream_pieces(text), with_text=True)
+
+    def _stream(self, pieces: Iterable[tuple[int, str]], with_text: bool
+                ) -> Iterator[tuple[Chunk, str | None]]:
+        """Windows over the tokens of ``(offset, piece)`` pieces, made as pieces come;
+        with their text when ``with_text`` (cut from the pieces still held)."""
         ids: list[int] = []
         starts: list[int] = []
         ends: list[int] = []
-        pos = 0
-        emitted = False
-        budget, stride = self.budget, self.budget - self.overlap
-        for offset, piece in self._pieces(text):
+        held: deque[tuple[int, str]] = deque()  # the pieces that chunks to come may span
+        pos = covered = 0
+        for offset, piece in pieces:
             enc = self._tok.encode(piece, add_special_tokens=False)
             ids.extend(enc.ids)
             starts.extend([s + offset for s, _ in enc.offsets])
             ends.extend([e + offset for _, e in enc.offsets])
-            while len(ids) - pos > budget:
-                yield self._make(ids, starts, ends, pos, pos + budget)
-                emitted = True
-                pos += stride
+            if with_text:
+                held.append((offset, piece))
+            while (end := self._window_end(starts, ends, pos, len(ids))) is not None:
+                chunk = self._make(ids, starts, ends, pos, end)
+                yield chunk, _cut(held, chunk) if with_text else None
+                pos, covered = self._next_start(pos, end), end
             del ids[:pos], starts[:pos], ends[:pos]
+            covered -= pos
             pos = 0
-        if ids and (not emitted or len(ids) > self.overlap):
-            yield self._make(ids, starts, ends, 0, len(ids))
+            keep = starts[0] if starts else offset + len(piece)
+            while held and held[0][0] + len(held[0][1]) <= keep:
+                held.popleft()
+        if len(ids) > covered:
+            chunk = self._make(ids, starts, ends, 0, len(ids))
+            yield chunk, _cut(held, chunk) if with_text else None
 
     def _make(self, ids, starts, ends, a: int, b: int) -> Chunk:
         return Chunk(self.prefix + ids[a:b] + self.suffix, starts[a], ends[b - 1])
+
+    def _cut_at(self, text: str, a: int, n: int) -> int:
+        """Where the piece of ``text`` that starts at ``a`` ends (``n - a`` is more than a
+        piece): just before its last space or line break, else a full piece."""
+        limit = a + self.piece_chars
+        m = _UP_TO_LAST_SPACE.match(text, a + 1, limit)
+        return m.end() - 1 if m else limit
 
     def _pieces(self, text: str) -> Iterator[tuple[int, str]]:
         """``(offset, piece)`` covering ``text``; each cut is at a whitespace character,
         which starts the next piece (byte-level BPE attaches a space to the next word)."""
         a, n = 0, len(text)
         while n - a > self.piece_chars:
-            limit = a + self.piece_chars
-            m = _UP_TO_LAST_SPACE.match(text, a + 1, limit)
-            cut = m.end() - 1 if m else limit
+            cut = self._cut_at(text, a, n)
             yield a, text[a:cut]
             a = cut
         yield a, text[a:]
+
+    def _stream_pieces(self, parts: Iterable[str]) -> Iterator[tuple[int, str]]:
+        """The pieces :meth:`_pieces` cuts from the text the ``parts`` make, read in turn."""
+        buf, base = "", 0
+        for part in parts:
+            buf += part
+            while len(buf) > self.piece_chars:
+                cut = self._cut_at(buf, 0, len(buf))
+                yield base, buf[:cut]
+                base += cut
+                buf = buf[cut:]
+        if buf:
+            yield base, buf
+
+
+def _cut(held: deque[tuple[int, str]], chunk: Chunk) -> str:
+    """The text of ``chunk`` from the pieces that hold it."""
+    a, b = chunk.char_start, chunk.char_end
+    return "".join(piece[max(a - off, 0):b - off] for off, piece in held
+                   if off < b and off + len(piece) > a)
 
 
 def _plain_copy(backend):

@@ -1,8 +1,10 @@
 import os
+import threading
+import time
 
 import pytest
 
-from embedingest.sources.files import walk_files
+from embedingest.sources.files import NotRegularFile, open_regular, walk_files
 
 
 def walk(root, extensions=None):
@@ -34,7 +36,57 @@ def test_links_loops_and_special_files_are_reported(tmp_path):
     assert found == ["sub/ok.txt"]
     assert sorted(skipped) == [("dead.txt", "broken or looping symbolic link"),
                                ("loop", "symlink loop: folder already visited"),
-                               ("pipe.txt", "not a regular file (a pipe, socket or device)")]
+                               ("pipe.txt", "not a regular file: a named pipe (FIFO)")]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")
+def test_links_to_pipes_and_devices_say_so(tmp_path):
+    """Once reported as "broken or looping symbolic link"."""
+    os.mkfifo(tmp_path / "pipe")
+    (tmp_path / "to-pipe.txt").symlink_to(tmp_path / "pipe")
+    (tmp_path / "to-zero.txt").symlink_to("/dev/zero")
+    (tmp_path / "to-zero.other").symlink_to("/dev/zero")  # another suffix: not an input
+    (tmp_path / "to-self.txt").symlink_to(tmp_path / "to-self.txt")
+    (tmp_path / "to-file.txt").symlink_to(tmp_path / "pipe.txt.real")
+    (tmp_path / "pipe.txt.real").write_text("x")
+    found, skipped = walk(tmp_path, {".txt"})
+    assert found == ["to-file.txt"]
+    assert sorted(skipped) == [
+        ("to-pipe.txt", "not a regular file: a symbolic link to a named pipe (FIFO)"),
+        ("to-self.txt", "cannot stat: Too many levels of symbolic links"),
+        ("to-zero.txt", "not a regular file: a symbolic link to a character device")]
+
+
+def unblock_later(fifo, seconds: float = 10.0) -> None:
+    """Open ``fifo`` for writing after ``seconds``, so a reader that blocked on it (the
+    defect under test) wakes up and the test fails instead of hanging."""
+    def write_end():
+        time.sleep(seconds)
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass  # no reader waiting: the open did not block
+
+    threading.Thread(target=write_end, daemon=True).start()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")
+def test_open_regular_never_blocks(tmp_path):
+    fifo = tmp_path / "a.txt"
+    os.mkfifo(fifo)
+    unblock_later(fifo)
+    start = time.monotonic()
+    with pytest.raises(NotRegularFile) as err:
+        open_regular(fifo)
+    assert time.monotonic() - start < 5
+    assert str(err.value) == "not a regular file: a named pipe (FIFO)"
+    with pytest.raises(NotRegularFile, match="a character device"):
+        open_regular("/dev/zero")
+    with pytest.raises(IsADirectoryError):
+        open_regular(tmp_path)
+    (tmp_path / "f").write_bytes(b"data")
+    with open_regular(tmp_path / "f") as fh:
+        assert fh.read() == b"data" and os.get_blocking(fh.fileno())
 
 
 def test_a_file_root_is_yielded_whatever_its_suffix(tmp_path):

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import codecs
+import io
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -321,3 +324,167 @@ def test_50mb_single_line_is_linear(tmp_path, name):
     records, skipped = read(path)
     assert time.perf_counter() - start < 20
     assert skipped == [] and len(records) == 1 and records[0][1] == text
+
+
+def _jsonl_lines(n: int, width: int = 0) -> list[bytes]:
+    return [json.dumps({"id": i, "text": f"record {i} " + "w" * width}).encode() for i in range(1, n + 1)]
+
+
+@pytest.mark.parametrize("width", [0, 1000])  # the bad line in the first block, or a later one
+def test_undecodable_line_keeps_every_line_before_it(tmp_path, width):
+    """Line 100 holds a byte that is neither UTF-8 nor cp1252: lines 1-99 are kept (a text
+    decoder once dropped the whole block around it: lines 67-99, unreported)."""
+    lines = _jsonl_lines(150, width)
+    lines[99] = lines[99].replace(b"record", b"rec\x81ord")
+    path = write(tmp_path, "a.jsonl", b"\n".join(lines) + b"\n")
+    records, skipped = read(path)
+    assert [r for r, _ in records] == [str(i) for i in range(1, 100)]
+    assert skipped == [(str(path), "decode: line 100: bytes 81 are neither UTF-8 nor cp1252; "
+                                   "the rest of the file is skipped")]
+
+
+def test_undecodable_row_keeps_every_row_before_it(tmp_path):
+    rows = [f'{i},"row {i} {"x" * 900}"'.encode() for i in range(1, 121)]
+    rows[89] = rows[89] + b"\x9d"
+    path = write(tmp_path, "a.csv", b"id,text\r\n" + b"\r\n".join(rows) + b"\r\n")
+    records, skipped = read(path)
+    assert [r for r, _ in records] == [str(i) for i in range(1, 90)]
+    assert keywords(skipped) == ["decode"] and skipped[0][1].startswith("decode: line 91: ")
+
+
+def test_undecodable_utf16_keeps_every_line_before_it(tmp_path):
+    good = b"".join(line.decode().encode("utf-16-le") + "\n".encode("utf-16-le")
+                    for line in _jsonl_lines(200, 500))
+    path = write(tmp_path, "a.jsonl", codecs.BOM_UTF16_LE + good + "\ud800".encode("utf-16-le", "surrogatepass")
+                 + "oops\n".encode("utf-16-le"))
+    records, skipped = read(path)
+    assert len(records) == 200 and records[-1][1].startswith("record 200 ")
+    assert keywords(skipped) == ["decode"] and "line 201" in skipped[0][1]
+
+
+@pytest.mark.parametrize("newline", [b"\n", b"\r\n", b"\r"])
+def test_line_ends_across_blocks_as_a_text_file_reads_them(tmp_path, newline):
+    """Lines of every length around the block size, so a \\r\\n falls on a block edge."""
+    from embedingest.sources import text as text_mod
+
+    lines, size = [], 0
+    for i in range(400):
+        line = json.dumps({"id": i, "text": "é" * (i % 7) + "v" * (text_mod.STREAM_BLOCK // 97 + i % 13)})
+        lines.append(line)
+    data = newline.join(line.encode() for line in lines) + newline
+    path = write(tmp_path, "a.jsonl", data)
+    want = [(str(i), json.loads(line)["text"]) for i, line in enumerate(lines)]
+    assert read(path) == (want, [])
+    csv_data = b"id,text" + newline + newline.join(f'{i},"a{newline.decode()}b {i}"'.encode()
+                                                    for i in range(3000)) + newline
+    reference = io.TextIOWrapper(io.BytesIO(csv_data), newline="")
+    import csv as csv_mod
+
+    expected = [(row["id"], row["text"]) for row in csv_mod.DictReader(reference)]
+    assert read(write(tmp_path, "a.csv", csv_data)) == (expected, [])
+
+
+def test_a_line_longer_than_the_bound_is_skipped_alone(tmp_path, monkeypatch):
+    from embedingest.sources import text as text_mod
+
+    monkeypatch.setattr(text_mod, "MAX_LINE_CHARS", 1000)
+    lines = [json.dumps({"id": "a", "text": "short"}), json.dumps({"id": "b", "text": "x" * 300_000}),
+             json.dumps({"id": "c", "text": "after"})]
+    path = write(tmp_path, "a.jsonl", "\n".join(lines))
+    records, skipped = read(path)
+    assert records == [("a", "short"), ("c", "after")]
+    assert skipped == [(f"{path}:line 2", "too-large: line 2: more than 1000 characters on one "
+                                          "line; split the record")]
+    csv_path = write(tmp_path, "a.csv", "text\nshort\n" + "y" * 5000 + "\nafter\n")
+    records, skipped = read(csv_path)
+    assert records == [("row-1", "short")] and keywords(skipped) == ["too-large"]
+    assert "line 3" in skipped[0][1] and "rest of the file" in skipped[0][1]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")
+@pytest.mark.parametrize("name", ["a.txt", "a.jsonl", "a.csv", "a.json", "a.html", "a.parquet",
+                                  "a.txt.gz", "a.jsonl.xz"])
+def test_a_pipe_is_reported_at_once(tmp_path, name):
+    """A file that became a named pipe after it was listed: opening it used to wait for a
+    writer, for ever."""
+    path = tmp_path / name
+    os.mkfifo(path)
+    threading.Thread(target=_unblock, args=(path, 10.0), daemon=True).start()
+    start = time.monotonic()
+    records, skipped = read(path)
+    assert time.monotonic() - start < 5
+    assert records == [] and skipped == [(str(path), "not a regular file: a named pipe (FIFO)")]
+
+
+def _unblock(fifo: Path, seconds: float) -> None:
+    """Open ``fifo`` for writing after ``seconds``: a reader that blocked on it (the
+    defect under test) wakes up, and the test fails instead of hanging."""
+    time.sleep(seconds)
+    try:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        pass  # no reader waiting: nothing blocked
+
+
+def test_a_device_is_not_read(tmp_path):
+    link = tmp_path / "zero.txt"
+    link.symlink_to("/dev/zero")
+    assert read(link) == ([], [(str(link), "not a regular file: a character device")])
+
+
+def test_parquet_dictionary_text_and_ids_of_any_type(tmp_path):
+    """A dictionary-encoded text column was refused; a binary or timestamp id column
+    refused the whole file."""
+    import datetime
+
+    texts = pa.array(["alpha", "beta", "alpha", "gamma"]).dictionary_encode()
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"text": texts, "id": pa.array([b"k1", b"caf\xe9", None, b"k4"])}), path)
+    assert read(path) == ([("k1", "alpha"), ("caf\\xe9", "beta"), ("row-3", "alpha"),
+                           ("k4", "gamma")], [])
+    assert pa.types.is_dictionary(pq.read_schema(path).field("text").type)
+
+    when = [datetime.datetime(2024, 1, 2, 3, 4, 5), datetime.datetime(2024, 1, 2, 3, 4, 6)]
+    for kind, ids in [
+        (pa.timestamp("ns"), ["2024-01-02 03:04:05.000000000", "2024-01-02 03:04:06.000000000"]),
+        (pa.timestamp("us", tz="UTC"), ["2024-01-02 03:04:05.000000Z", "2024-01-02 03:04:06.000000Z"]),
+        (pa.date32(), ["2024-01-02", "2024-01-02"]),
+    ]:
+        stamped = tmp_path / "t.parquet"
+        values = [w.date() for w in when] if kind == pa.date32() else when
+        pq.write_table(pa.table({"id": pa.array(values, kind), "text": ["one", "two"]}), stamped)
+        assert read(stamped) == (list(zip(ids, ["one", "two"])), []), kind
+    nested = tmp_path / "n.parquet"
+    pq.write_table(pa.table({"id": [[1, 2], None], "text": pa.array(["x", "y"], pa.large_string())}), nested)
+    assert read(nested) == ([("[1,2]", "x"), ("row-2", "y")], [])
+
+
+@pytest.mark.parametrize("suffix", ["", ".gz"])
+def test_a_large_text_file_streams_and_is_skipped_whole_when_it_does_not_decode(tmp_path, suffix):
+    """Past ``stream_above`` a text file comes as a TextStream, read a block at a time;
+    bytes that do not decode at its end skip it whole (as a small file), not after
+    everything before them was indexed."""
+    import gzip
+
+    from embedingest.sources.text import TextStream
+
+    text = "naïve words and more words\n" * 40_000
+    pack = gzip.compress if suffix else (lambda b: b)
+    good = write(tmp_path, "big.txt" + suffix, pack(b"\xef\xbb\xbf" + text.encode()))
+    skipped = []
+    (rid, stream), = iter_records(good, on_skip=lambda w, r: skipped.append((w, r)),
+                                  stream_above=2**16)
+    assert rid == "" and isinstance(stream, TextStream) and "".join(stream) == text
+    assert skipped == []
+    bad = write(tmp_path, "bad.txt" + suffix, pack(text.encode() + b"\x81 tail"))
+    records, skipped = read(bad, stream_above=2**16)
+    assert records == [] and keywords(skipped) == ["decode"]
+    assert f"after character {len(text)}" in skipped[0][1]
+    utf16 = write(tmp_path, "u.md" + suffix, pack(text.encode("utf-16")))
+    (_, stream), = iter_records(utf16, stream_above=2**16)
+    assert "".join(stream) == text
+    # changed after that check: the stream keeps what came before, and says where it ended
+    ended = []
+    assert "".join(TextStream(bad, lambda w, r: ended.append((w, r)))) == text
+    assert ended == [(str(bad), f"decode: bytes 81 are neither UTF-8 nor cp1252 after character "
+                                f"{len(text)}; the rest of the file is skipped")]

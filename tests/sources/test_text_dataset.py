@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import pickle
 from collections import Counter
@@ -219,3 +220,90 @@ def test_bad_chunker_settings_fail_in_the_worker():
     ds = TextChunkDataset([Unit(0, "k", text="x")], MODEL, max_tokens=16, overlap=20)
     with pytest.raises(ConfigError, match="overlap=20"):
         next(iter(ds))
+
+
+def _bomb(path, unit: bytes, times: int) -> str:
+    """A small compressed file of a large text without whitespace (the issue's shape)."""
+    import gzip
+
+    with gzip.open(path, "wb", compresslevel=9) as fh:
+        for done in range(0, times, 2**16):
+            fh.write(unit * min(2**16, times - done))
+    return str(path)
+
+
+@functools.lru_cache(maxsize=1)
+def cached_tokenizer(model_dir: str):
+    return load_tokenizer(model_dir)
+
+
+@pytest.mark.parametrize("unit", [b"a\x01\x01\x01\x01\x01", b"a"])
+def test_a_decompression_bomb_streams_in_bounded_memory(tmp_path, monkeypatch, unit):
+    """A .txt.gz of a text with no whitespace once made chunks of 25 MB and peaks of
+    4 GB. Read a block at a time (above STREAM_ABOVE, lowered here so the test is quick)
+    and cut into chunks of at most max_chars, the memory the reading takes (traced after
+    a first run, so imports and the tokenizer do not count) is the same for a text four
+    times as long, and small next to it: the window of chunks, not the text."""
+    import tracemalloc
+
+    monkeypatch.setattr(text_dataset, "STREAM_ABOVE", 2**16)
+    max_tokens = 128
+    max_chars = 32 * max_tokens
+    sizes = [2**16, 2**20, 4 * 2**20]  # text bytes: a first run, then two measured
+    peaks, counts = [], []
+    for size in sizes:
+        times = size // len(unit)
+        path = _bomb(tmp_path / f"b{size}.txt.gz", unit, times)
+        ds = TextChunkDataset([Unit(0, "b", path=path)], MODEL, batch_size=4,
+                              max_tokens=max_tokens, overlap=4, tokenizer_loader=cached_tokenizer)
+        n = end = 0
+        tracemalloc.start()
+        try:
+            for item in DataLoader(ds, batch_size=None, num_workers=0):
+                for c in item["chunks"]:
+                    assert len(c["text"]) == c["char_end"] - c["char_start"] <= max_chars
+                    assert c["text"].replace("\x01", "") == "a" * c["text"].count("a")
+                    end = max(end, c["char_end"])
+                n += len(item["chunks"])
+                assert item["skipped"] == []
+            peaks.append(tracemalloc.get_traced_memory()[1])
+        finally:
+            tracemalloc.stop()
+        counts.append(n)
+        assert len(unit) * times - end < len(unit)  # the whole text is covered
+        assert n >= len(unit) * times // max_chars
+    assert counts[2] >= 4 * counts[1] - 4
+    # Four times the text, the same peak (read whole, it grew by the text twice over:
+    # bytes and str); what there is, is the chunker's tokenizer copy and a window of chunks.
+    assert peaks[2] - peaks[1] < (sizes[2] - sizes[1]) / 32 and peaks[2] < 2**23, peaks
+
+
+def test_ctrl_c_lets_the_loader_workers_go_at_once():
+    """Ctrl-C reaches the DataLoader workers too (one process group). A worker that took
+    it as KeyboardInterrupt left its loop before the main process asked, then waited at
+    exit to flush its full queue, and the main process waited in the loader's shutdown
+    until PyTorch gave up on it (5 s): most of a Ctrl-C that took 6.6 s against the 5 s
+    promised. The workers leave Ctrl-C to the main process, as consumers do, and go when
+    the loader is shut down."""
+    import functools
+    import os
+    import signal
+    import time
+
+    from embedingest.engine.consumers import exit_with_parent, loader_context
+
+    units = [Unit(i, f"u{i}", text=LONG * 8) for i in range(40)]  # large items: a full pipe
+    ds = TextChunkDataset(units, MODEL, batch_size=256, max_tokens=256, overlap=0)
+    loader = DataLoader(ds, batch_size=None, num_workers=1, prefetch_factor=4,
+                        worker_init_fn=functools.partial(exit_with_parent, os.getpid()),
+                        multiprocessing_context=loader_context())
+    it = iter(loader)
+    assert len(next(it)["chunks"]) > 100
+    time.sleep(2.0)  # the worker fills its queue
+    (worker,) = it._workers
+    os.kill(worker.pid, signal.SIGINT)
+    time.sleep(0.5)
+    start = time.monotonic()
+    del it
+    assert time.monotonic() - start < 2.5
+    assert not worker.is_alive()

@@ -168,3 +168,100 @@ def test_any_text(tokenizer, parts, max_tokens, overlap_frac, piece_chars):
         assert chunks == []
         return
     check_windows(tokenizer, text, chunks, max_tokens, overlap)
+
+
+def tokens_of_pieces(tokenizer, chunker: Chunker, text: str) -> tuple[list[int], list[int], list[int]]:
+    """The text's tokens as the chunker makes them (piece by piece), with their offsets."""
+    ids, starts, ends = [], [], []
+    for offset, piece in chunker._pieces(text):
+        enc = tokenizer(piece, add_special_tokens=False, return_offsets_mapping=True)
+        ids += enc["input_ids"]
+        starts += [a + offset for a, _ in enc["offset_mapping"]]
+        ends += [b + offset for _, b in enc["offset_mapping"]]
+    return ids, starts, ends
+
+
+def check_bounded(tokenizer, chunker: Chunker, text: str, chunks: list[Chunk]) -> None:
+    """Every chunk is within both bounds, its span is exactly its tokens' span, the chunks
+    cover every token in order, and overlap no more than ``overlap`` tokens."""
+    ids, starts, ends = tokens_of_pieces(tokenizer, chunker, text)
+    if not ids:
+        assert chunks == []
+        return
+    pos = 0  # token index where each chunk starts, found from its span
+    for k, chunk in enumerate(chunks):
+        body = content(chunk)
+        assert 1 <= len(body) <= chunker.budget
+        assert chunk.char_end - chunk.char_start <= chunker.max_chars
+        a = starts.index(chunk.char_start, pos if k == 0 else pos + 1) if k else 0
+        assert body == ids[a:a + len(body)]
+        assert (chunk.char_start, chunk.char_end) == (starts[a], ends[a + len(body) - 1])
+        if k:
+            assert a <= prev_end, "a token between two chunks is in neither"
+            assert prev_end - a <= chunker.overlap
+        pos, prev_end = a, a + len(body)
+    assert prev_end == len(ids)
+
+
+@pytest.mark.parametrize("unit, n", [("a\x01\x01\x01\x01\x01", 2**17), ("a", 3 * 2**19)])
+def test_text_without_whitespace_gives_small_chunks(tokenizer, unit, n):
+    """The bomb of the issue, smaller: no whitespace, so BERT makes one unknown token of
+    each piece; chunks once spanned 25 MB each (a batch of them was too big for sqlite)."""
+    text = unit * n
+    chunker = Chunker(tokenizer, max_tokens=256, overlap=32)
+    assert chunker.max_chars == 8192
+    chunks = chunker.chunk(text)
+    assert all(c.char_end - c.char_start <= 8192 for c in chunks)
+    assert chunks[0].char_start == 0 and len(text) - chunks[-1].char_end < len(unit)
+    gaps = [text[a.char_end:b.char_start] for a, b in zip(chunks, chunks[1:])]
+    assert set("".join(gaps)) <= {"\x01"}  # one [UNK] a chunk: only what BERT drops between
+    assert len(chunks) == -(-len(text) // 8192)
+    assert [content(c) for c in chunks[:2]] == [[tokenizer.unk_token_id]] * 2
+
+
+def test_whitespace_gaps_bound_a_window(tokenizer):
+    text = "alpha " + " " * 50_000 + "beta gamma" + "\n" * 9_000 + "delta"
+    chunker = Chunker(tokenizer, max_tokens=32, overlap=4, max_chars=1000)
+    chunks = chunker.chunk(text)
+    assert [text[c.char_start:c.char_end] for c in chunks] == ["alpha", "beta gamma", "delta"]
+    check_bounded(tokenizer, chunker, text, chunks)
+
+
+def test_a_bound_chunk_overlaps_by_its_share(tokenizer):
+    """Twenty-character words, 100 characters a chunk at most: four words a window
+    (not 14), and an overlap of 4 * 4 // 14 = 1 token instead of 4."""
+    words = [f"{i:02d}" + "x" * 18 for i in range(30)]
+    text = " ".join(words)
+    chunker = Chunker(tokenizer, max_tokens=16, overlap=4, max_chars=100)
+    chunks = chunker.chunk(text)
+    check_bounded(tokenizer, chunker, text, chunks)
+    assert all(c.char_end - c.char_start <= 100 for c in chunks)
+    assert all(text[c.char_end - 1] == "x" for c in chunks)  # windows end on a whole word
+
+
+def test_ordinary_text_is_cut_as_before(tokenizer):
+    """The character bound never reaches ordinary text: the windows are the tokenizer's."""
+    rng = random.Random(2)
+    text = "\n\n".join(" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 200)))
+                       for _ in range(300))
+    chunks = Chunker(tokenizer, max_tokens=256, overlap=32).chunk(text)
+    check_windows(tokenizer, text, chunks, 256, 32)
+
+
+@settings(max_examples=30, deadline=None)
+@given(text=st.lists(st.sampled_from(["a", "é", "ab" * 40, " ", "\n", "\x01", "東", "\x00", ".", "  "]),
+                    max_size=60).map("".join),
+       max_tokens=st.integers(3, 24), overlap_frac=st.floats(0, 0.99),
+       max_chars=st.integers(1, 120), piece_chars=st.integers(1, 200), cuts=st.lists(st.integers(0, 400)))
+def test_any_text_within_both_bounds(tokenizer, text, max_tokens, overlap_frac, max_chars,
+                                     piece_chars, cuts):
+    overlap = int(overlap_frac * (max_tokens - 2))
+    chunker = Chunker(tokenizer, max_tokens, overlap, piece_chars=piece_chars, max_chars=max_chars)
+    chunks = chunker.chunk(text)
+    check_bounded(tokenizer, chunker, text, chunks)
+    for many in chunker.chunk_many([text, text]):  # one call: spans may take edge whitespace
+        assert [c.input_ids for c in many] == [c.input_ids for c in chunks]
+        assert all(c.char_end - c.char_start <= max_chars for c in many)
+    bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
+    parts = [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    assert list(chunker.iter_text(iter(parts))) == [(c, text[c.char_start:c.char_end]) for c in chunks]

@@ -1,0 +1,246 @@
+"""build-index end to end on the inputs that were once lost or merged without a word:
+duplicate record ids, file names that differ only as bytes vs escapes, NUL characters."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from embedingest import build_index, open_index
+from embedingest.errors import ConfigError
+from embedingest.index.store import IndexStore
+from embedingest.jobs.build_index import unit_key
+
+FAST = dict(num_workers=0, num_consumers=1, batch_size=8)
+TEXTS = ["Strong coffee keeps the night shift awake.", "Green tea is brewed at eighty degrees.",
+         "Glaciers carve deep valleys into the mountains."]
+
+
+@pytest.mark.parametrize("records, rid, first, second", [
+    ([("same", TEXTS[0]), ("same", TEXTS[1]), {"id": "same", "text": TEXTS[2]}], "same", 0, 1),
+    ([("x", TEXTS[0]), ("same", TEXTS[1]), {"id": "same", "text": TEXTS[2]}], "same", 1, 2),
+    ([(1, TEXTS[0]), ("1", TEXTS[1])], "1", 0, 1),
+    ([{"text": TEXTS[0]}, {"id": 0, "text": TEXTS[1]}], "0", 0, 1),  # a position is an id too
+])
+def test_duplicate_record_ids_are_an_error_before_anything_is_written(tmp_path, records, rid,
+                                                                       first, second):
+    out = tmp_path / "mem"
+    with pytest.raises(ConfigError) as err:
+        build_index(iter(records), out=str(out), **FAST)
+    assert f"record id {rid!r} is given twice, by records {first} and {second}" in str(err.value)
+    assert not out.exists()
+
+
+def test_records_without_ids_are_numbered_by_position_and_all_kept(tmp_path):
+    out = tmp_path / "mem"
+    records = [(None, TEXTS[0]), {"id": None, "text": TEXTS[1]}, {"text": TEXTS[2]}]
+    s = build_index(records, out=str(out), **FAST)
+    assert (s["exit_code"], s["units_indexed"], s["chunks"]) == (0, 3, 3)
+    hits = open_index(out).search(TEXTS, k=1)
+    assert [(h[0].record_id, h[0].text) for h in hits] == [("0", TEXTS[0]), ("1", TEXTS[1]),
+                                                           ("2", TEXTS[2])]
+
+
+@pytest.mark.parametrize("name, key", [
+    ("notes/café.txt", "notes/café.txt"),  # an ordinary name is its own key
+    ("a b/东京 (1).md", "a b/东京 (1).md"),
+    ("caf\udce9.txt", "caf\\xe9.txt"),  # byte 0xE9, not UTF-8
+    ("caf\\xe9.txt", "caf\\\\xe9.txt"),  # a literal backslash
+    ("a\\\udcff", "a\\\\\\xff"),
+])
+def test_unit_key(name, key):
+    assert unit_key(name) == key
+
+
+def _name_bytes(key: str) -> bytes:
+    """The file name a key was made from: the inverse of unit_key, so it is injective."""
+    out, i = bytearray(), 0
+    while i < len(key):
+        if key.startswith("\\\\", i):
+            out += b"\\"
+            i += 2
+        elif key.startswith("\\x", i):
+            out.append(int(key[i + 2:i + 4], 16))
+            i += 4
+        else:
+            out += key[i].encode("utf-8")
+            i += 1
+    return bytes(out)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=12).map(lambda b: b.replace(b"\0", b"")))
+def test_unit_key_is_injective(name):
+    assert _name_bytes(unit_key(os.fsdecode(name))) == name
+
+
+def test_a_byte_name_and_its_escaped_spelling_are_two_files(tmp_path):
+    """``caf<0xE9>.txt`` and a file literally named ``caf\\xe9.txt``: once indexed as one."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    try:
+        Path(os.fsdecode(bytes(corpus) + b"/caf\xe9.txt")).write_text(TEXTS[0])
+    except (OSError, UnicodeError):
+        pytest.skip("this file system takes only UTF-8 names")
+    (corpus / "caf\\xe9.txt").write_text(TEXTS[1])
+    out = tmp_path / "idx"
+    s = build_index(corpus, out=str(out), **FAST)
+    assert (s["exit_code"], s["units_seen"], s["units_indexed"], s["chunks"]) == (0, 2, 2, 2)
+    with IndexStore(out) as store:
+        assert sorted(store.units()) == ["caf\\\\xe9.txt", "caf\\xe9.txt"]
+    hits = open_index(out).search(TEXTS[:2], k=1)
+    assert [(h[0].source, h[0].text) for h in hits] == [("caf\\xe9.txt", TEXTS[0]),
+                                                        ("caf\\\\xe9.txt", TEXTS[1])]
+    assert build_index(corpus, out=str(out), **FAST)["units_unchanged"] == 2
+
+
+def test_a_nul_character_is_stored_as_the_replacement_character(tmp_path):
+    """``alpha\\0beta gamma`` was stored as ``alpha`` (the store cuts text at NUL) while
+    its span said 16 characters: NUL is read as U+FFFD, so the stored text is the span of
+    the text as read, and the tokens (BERT drops both characters) are the same."""
+    text = "alpha\u0000beta gamma"
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    sources = {"r.jsonl": "jsonl " + text, "big.txt": "x " * 5000 + text}  # past the 8 KiB check
+    (corpus / "r.jsonl").write_text(json.dumps({"id": "n\u0000l", "text": sources["r.jsonl"]}))
+    (corpus / "big.txt").write_text(sources["big.txt"])
+    for name, corpus_or_records in [("mem", [("m\u0000", text)]), ("files", corpus)]:
+        out = tmp_path / name
+        s = build_index(corpus_or_records, out=str(out), **FAST)
+        assert s["exit_code"] == 0 and s["skipped"] == 0
+        hits = open_index(out).search([text], k=s["vectors_total"])[0]
+        assert len(hits) == s["vectors_total"]
+        with_nul = 0
+        for hit in hits:
+            source = text if name == "mem" else sources[hit.source]
+            span = source[hit.char_start:hit.char_end]
+            assert hit.text == span.replace("\u0000", "\ufffd")
+            with_nul += "\u0000" in span
+        assert with_nul == (1 if name == "mem" else 2)
+        ids = {h.record_id for h in hits}
+        assert ids == ({"m\ufffd"} if name == "mem" else {"n\ufffdl", ""})
+
+
+_PEAK = ("import resource, subprocess, sys\n"
+         "rc = subprocess.call(sys.argv[1:], stdout=subprocess.DEVNULL)\n"
+         "print(rc, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n")
+
+
+def _cli_peak_rss(args: list[str]) -> tuple[int, int]:
+    """``(exit code, peak RSS in bytes of the largest process of the run)``: the CLI in a
+    process of its own, whose waited-for descendants (DataLoader workers and consumers
+    included) are all its children's rusage."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", _PEAK, sys.executable, "-m", "embedingest", *args],
+                         capture_output=True, text=True, env=env, timeout=600, check=True)
+    rc, kib = out.stdout.split()
+    return int(rc), int(kib) * 1024
+
+
+@pytest.mark.slow
+def test_decompression_bombs_build_in_bounded_memory_and_rebuild(tmp_path):
+    """The issue's compressed files, smaller (the bound does not depend on their size:
+    tests/sources/test_text_dataset.py shows it): a .txt.gz of ``a\\x01\\x01\\x01\\x01\\x01``
+    repeated and one of ``aaaa...`` once made 25 MB chunks, 4 GB peaks and then
+    ``sqlite3.DataError: string or blob too big``, in every later build too. They are
+    past STREAM_ABOVE, so they are read a block at a time: every chunk holds at most
+    8,192 characters, the largest process needs no more than for an ordinary file, and
+    the next build finds everything unchanged."""
+    import gzip
+
+    from embedingest.index.store import IndexStore
+
+    base, corpus = tmp_path / "base", tmp_path / "corpus"
+    for folder in (base, corpus):
+        folder.mkdir()
+        (folder / "note.txt").write_text(" ".join(TEXTS * 20))
+    with gzip.open(corpus / "bomb.txt.gz", "wb", compresslevel=9) as fh:
+        for _ in range(16):
+            fh.write(b"a\x01\x01\x01\x01\x01" * 2**16)
+    with gzip.open(corpus / "aaaa.txt.gz", "wb", compresslevel=9) as fh:
+        fh.write(b"a" * 8 * 2**20)
+    assert (corpus / "bomb.txt.gz").stat().st_size < 2**16
+    args = ["--device", "cpu", "--num-workers", "1", "--num-consumers", "1"]
+    rc, base_peak = _cli_peak_rss(["build-index", str(base), "--out", str(tmp_path / "i0"), *args])
+    assert rc == 0
+    out = tmp_path / "idx"
+    rc, peak = _cli_peak_rss(["build-index", str(corpus), "--out", str(out), *args])
+    assert rc == 0
+    assert peak < base_peak + 256 * 2**20, (peak, base_peak)  # read whole: about +350 MiB
+    with IndexStore(out) as store:
+        units = store.units()
+        ids = [int(i) for s in store.segments() for i in s.ids()]
+        rows = store.chunks(ids)
+    assert {k: u.status for k, u in units.items()} == dict.fromkeys(
+        ["aaaa.txt.gz", "bomb.txt.gz", "note.txt"], "done")
+    assert len(rows) == len(ids) == sum(u.n_chunks for u in units.values())
+    assert units["aaaa.txt.gz"].n_chunks == 8 * 2**20 // 8192
+    assert units["bomb.txt.gz"].n_chunks == 6 * 2**20 // 8192
+    assert max(len(r.text) for r in rows.values()) <= 8192
+    assert all(len(r.text) == r.char_end - r.char_start for r in rows.values())
+    again = build_index(corpus, out=str(out), num_workers=0, num_consumers=1)
+    assert (again["exit_code"], again["units_unchanged"], again["chunks"]) == (0, 3, 0)
+
+
+def _readme_library_snippet() -> str:
+    """The README's first Python block that calls build_index, as a user would copy it."""
+    import re
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, re.DOTALL)
+    return next(b for b in blocks if "build_index(" in b and "open_index" in b)
+
+
+def _run_script(tmp_path: Path, code: str):
+    import subprocess
+    import sys
+
+    (tmp_path / "corpus").mkdir(exist_ok=True)
+    for i, text in enumerate(TEXTS):
+        (tmp_path / "corpus" / f"d{i}.txt").write_text(text)
+    (tmp_path / "snippet.py").write_text(code)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                          os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "snippet.py"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600, check=False)
+
+
+@pytest.mark.slow
+def test_the_readme_library_snippet_runs_as_a_script(tmp_path):
+    """Saved as a script and run, the snippet once failed with ConsumerDied: the spawned
+    consumers imported the unguarded script and started the build again."""
+    snippet = _readme_library_snippet()
+    assert 'if __name__ == "__main__":' in snippet
+    run = _run_script(tmp_path, snippet)
+    assert run.returncode == 0, run.stderr[-3000:]
+    hits = run.stdout.splitlines()
+    assert len(hits) == len(TEXTS) and hits[0].startswith("1 ")
+    assert {line.split()[2] for line in hits} == {f"d{i}.txt" for i in range(len(TEXTS))}
+    assert (tmp_path / "indexes" / "mem" / "manifest.json").is_file()
+
+
+@pytest.mark.slow
+def test_an_unguarded_script_is_told_to_add_the_guard(tmp_path):
+    import textwrap
+
+    lines = _readme_library_snippet().splitlines(keepends=True)
+    guard = next(i for i, line in enumerate(lines) if line.startswith("if __name__"))
+    unguarded = "".join(lines[:guard]) + textwrap.dedent("".join(lines[guard + 1:]))
+    run = _run_script(tmp_path, unguarded)
+    assert run.returncode == 1
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("embedingest.errors.ConsumerDied: consumer ") and \
+        "it ended before it started" in last and "put it under that guard" in last and \
+        f'if {tmp_path / "snippet.py"} starts the run outside `if __name__ == "__main__":`' in last, last
+    assert ('ConfigError: build_index() was called while a process it started was importing '
+            f'{tmp_path / "snippet.py"}: put the code that calls it under `if __name__ == "__main__":`'
+            in run.stderr), run.stderr[-3000:]
