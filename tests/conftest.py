@@ -14,6 +14,17 @@ except ImportError:  # pragma: no cover
     HAS_CUDA = False
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_configure(config):
+    """Every process a test starts (a CLI run, a script, a spawned consumer, a Ray worker)
+    imports embedingest from this checkout, not from wherever the venv's install points:
+    the checkout goes first on PYTHONPATH, which child processes inherit."""
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != ROOT]
+    os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, *parts])
+
+
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
     for item in items:

@@ -94,6 +94,6 @@ def test_duplicate_ids_and_missing_columns_are_errors(tmp_path, ray_cluster):
 def test_import_without_ray_says_how_to_install():
     code = "import sys; sys.modules['ray'] = None; import embedingest.scaleout.ray"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False,
-                          env=os.environ | {"PYTHONPATH": os.getcwd()})
+                          env=os.environ)  # PYTHONPATH: the checkout (tests/conftest.py)
     assert proc.returncode == 1
     assert "pip install 'embedingest[ray]'" in proc.stderr
