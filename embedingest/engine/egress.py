@@ -32,7 +32,7 @@ from ..config import EngineConfig
 from ..errors import ConfigError, ConsumerDied, EngineError, rebuild_error
 from .consumers import consumer_main
 from .layout import SlotLayout
-from .gpu_monitor import UtilizationSampler
+from .gpu_monitor import UtilizationSampler, gpu_idle
 from .markers import annotate
 from .pool import HostPool
 from .telemetry import BatchRecord, EngineStats
@@ -555,8 +555,7 @@ class EgressEngine:
             num_consumers=self.config.num_consumers,
             slot_bytes=self._pool.layout.slot_bytes if self._pool else 0)
         if self.cuda:
-            nvml = self._sampler.idle_fraction() if self._sampler is not None else None
-            st.gpu_idle_fraction = nvml if nvml is not None else st.compute_gap_fraction
+            st.gpu_idle_fraction, st.gpu_idle_source = gpu_idle(self._sampler, st.compute_gap_fraction)
         st.spans = [s for s in (self._resolve_span(*sp) for sp in list(self._spans)) if s]
         return st
 
