@@ -137,7 +137,11 @@ def test_search_params_reach_every_segment(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_text_on_the_cpu_writes_its_rows(tmp_path):
+def test_bench_text_on_the_cpu_writes_its_rows(tmp_path, monkeypatch):
+    import embedingest.bench.text as bench_text
+
+    # the corpus's sentences from this file instead of parsing the whole standard library
+    monkeypatch.setattr(bench_text, "_sentences", lambda: TEXTS)
     path = tmp_path / "bench.json"
     r = CliRunner().invoke(main, ["bench", "text", "--docs", "40", "--batch-size", "16", "--device", "cpu",
                                   "--num-workers", "0", "--num-consumers", "1", "--json", str(path)])
