@@ -101,3 +101,31 @@ def test_nvml_sees_a_busy_gpu_busy_and_an_idle_one_idle():
     busy, idle = s.idle_fraction(t0 + 1.0, t1), s.idle_fraction(t1 + 1.0, t2)
     assert busy is not None and idle is not None, s.samples
     assert busy < 0.2 and idle > 0.8, (busy, idle, s.samples)
+
+
+def test_default_reading_is_torch_cuda_utilization_of_the_device(monkeypatch):
+    import torch
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "utilization", lambda device: asked.append(device) or 30)
+    s = UtilizationSampler("cuda:3", period=0.001).start()
+    try:
+        assert s.running and s._thread.name == "embedingest-nvml" and s._thread.daemon
+        deadline = time.monotonic() + 30
+        while len(s.samples) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        s.stop()
+    assert set(asked) == {"cuda:3"} and s.idle_fraction() == pytest.approx(0.7)
+
+
+def test_a_missing_nvml_is_said_once_per_process(caplog):
+    import embedingest.engine.gpu_monitor as gm
+
+    gm._warned = False
+    for _ in range(2):
+        UtilizationSampler("cuda:0", read=FakeNVML([], fail_at=0)).start()
+    (record,) = [r for r in caplog.records if r.name == "embedingest"]
+    assert record.levelname == "WARNING" and record.getMessage() == (
+        "GPU utilisation cannot be sampled (RuntimeError: NVML Shared Library Not Found); "
+        "gpu_idle_fraction falls back to the gaps between batches (pip install nvidia-ml-py)")
