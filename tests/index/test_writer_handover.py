@@ -97,3 +97,27 @@ def test_a_chunk_field_of_another_type_is_named(store):
     with pytest.raises(TypeError, match=r"chunk field \{'a set'\} \(set\) is not a string or number"):
         meta.add({"chunks": bad, "units_done": []})
     meta.close(flush=False)
+
+
+def test_time_blocked_and_writing_add_up_over_hand_overs(store, monkeypatch):
+    """A slow disk (each write 0.05 s) behind a queue of one: the writes' times and the
+    waits of ``add`` are sums over every hand-over, not the last one's. A loaded
+    machine only makes both larger."""
+    (no,) = store.upsert_units([{"key": "a"}]).values()
+    insert = store.insert_chunk_json
+
+    def slow_insert(rows, db):
+        time.sleep(0.05)
+        return insert(rows, db)
+
+    monkeypatch.setattr(store, "insert_chunk_json", slow_insert)
+    meta = MetadataWriter(store, every=0, depth=1)
+    for i in range(6):
+        meta.add({"chunks": Chunks(chunk_rows(no, [f"t{j}" for j in range(i + 1)])[i:]), "units_done": []})
+    assert meta._thread.name == "embedingest-metadata" and meta._thread.daemon
+    t0 = time.perf_counter()
+    meta.close()
+    elapsed = time.perf_counter() - t0
+    assert rows_in_db(store, no, 6) == 6
+    assert 0.25 <= meta.write_s < 30  # six writes of 0.05 s
+    assert 0.08 <= meta.blocked_s < 30 + elapsed  # several adds waited for a write each
