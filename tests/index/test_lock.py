@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 
@@ -50,8 +51,9 @@ class EnterInThread:
         self.waiting, self.entered = threading.Event(), threading.Event()
         self.lock = RunLock(folder, writers_timeout=60)
         self.error = None
+        self.messages = []
         handler = logging.Handler()
-        handler.emit = lambda record: "waiting for the writers" in record.getMessage() and self.waiting.set()
+        handler.emit = lambda record: self.messages.append(record.getMessage()) or self.waiting.set()
         logging.getLogger("embedingest").addHandler(handler)
         caplog.set_level(logging.INFO, logger="embedingest")
         self._handler = handler
@@ -86,9 +88,48 @@ def test_run_waits_for_the_writers_of_a_killed_build(tmp_path, caplog):
     run = EnterInThread(tmp_path, caplog)
     assert run.waiting.wait(30), "the run did not notice the writer"
     assert not run.entered.is_set(), "entered while a writer still held the folder"
+    time.sleep(0.3)  # the lock polls every 0.05 s meanwhile; it says so once
     finish(proc)
     run.join()
     run.lock.release()
+    assert run.messages == [f"waiting for the writers of an earlier build of {tmp_path} to "
+                            "finish their last commit"]
+
+
+def test_lock_files_in_a_new_nested_folder(tmp_path):
+    folder = tmp_path / "a" / "b" / "idx"
+    old = os.umask(0o022)
+    try:
+        with RunLock(folder):
+            assert (folder / RUN_LOCK).read_text() == f"{os.getpid()}\n"
+    finally:
+        os.umask(old)
+    for name in (RUN_LOCK, WRITERS_LOCK):
+        assert (folder / name).stat().st_mode & 0o777 == 0o644, name
+
+
+@pytest.mark.parametrize("content, shown", [(b"", "?"), (b"\xff12\n", "\ufffd12")])
+def test_a_holder_that_wrote_no_pid_is_still_named(tmp_path, content, shown):
+    fd = os.open(tmp_path / RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, content)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(IndexBusy) as err:
+            RunLock(tmp_path).__enter__()
+    finally:
+        os.close(fd)
+    assert str(err.value) == (f"another build (pid {shown}) is writing {tmp_path}; wait for it to end, "
+                              "or stop it and run again (the index resumes)")
+
+
+def test_release_is_idempotent(tmp_path):
+    lock = RunLock(tmp_path)
+    lock.release()  # never entered
+    with lock:
+        lock.release()
+    lock.release()
+    with RunLock(tmp_path):
+        pass
 
 
 def test_writer_killed_releases_at_once(tmp_path, caplog):
