@@ -102,10 +102,11 @@ def test_lock_files_in_a_new_nested_folder(tmp_path):
     try:
         with RunLock(folder):
             assert (folder / RUN_LOCK).read_text() == f"{os.getpid()}\n"
+        os.close(hold_writer_lock(tmp_path))  # a consumer that comes first makes it
     finally:
         os.umask(old)
-    for name in (RUN_LOCK, WRITERS_LOCK):
-        assert (folder / name).stat().st_mode & 0o777 == 0o644, name
+    for path in (folder / RUN_LOCK, folder / WRITERS_LOCK, tmp_path / WRITERS_LOCK):
+        assert path.stat().st_mode & 0o777 == 0o644, path
 
 
 @pytest.mark.parametrize("content, shown", [(b"", "?"), (b"\xff12\n", "\ufffd12")])
