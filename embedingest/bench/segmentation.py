@@ -211,7 +211,7 @@ def _through_engine(cfg: SegBenchConfig, forward: Callable[[], torch.Tensor], eg
                          cfg.warmup, cfg.steps)
         t1 = time.perf_counter()
     st = engine.stats
-    nvml_idle = engine._sampler.idle_fraction(marks["t0"], t1) if engine._sampler else None
+    nvml_idle = engine.gpu_idle_fraction(marks["t0"], t1)
     steady = EngineStats.from_records(
         [r for r in st.records if r.seq >= cfg.warmup], device=st.device,
         wall=cfg.steps / rate, pinned=st.pinned, num_slots=st.num_slots,

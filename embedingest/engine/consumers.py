@@ -17,6 +17,7 @@ import time
 
 from ..errors import error_payload
 from .markers import annotate
+from .messages import Closed, Done, Failed, Ready, Skipped
 
 _PR_SET_PDEATHSIG = 1
 
@@ -70,8 +71,8 @@ def exit_with_parent(parent_pid: int, worker_id: int = 0) -> None:
         os._exit(1)
 
 
-def _error_message(worker: int, seq, batch_id, exc: BaseException) -> tuple:
-    return ("error", worker, seq, batch_id, *error_payload(exc))
+def _error_message(worker: int, seq, batch_id, exc: BaseException) -> Failed:
+    return Failed(worker, seq, batch_id, *error_payload(exc))
 
 
 def _send(conn, msg) -> None:
@@ -83,8 +84,9 @@ def _send(conn, msg) -> None:
 def consumer_main(worker: int, sink_factory, handle, conn, abort, parent_pid: int) -> None:
     """Run one consumer until it reads the ``None`` sentinel, is stopped, or fails.
 
-    ``conn`` carries tasks in and answers out; ``abort`` is a shared byte that, once set,
-    makes the consumer hand slots back without running the sink.
+    ``conn`` carries :class:`~.messages.Task` in and the other messages out; ``abort``
+    is a shared byte that, once set, makes the consumer hand slots back without running
+    the sink.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
@@ -94,7 +96,7 @@ def consumer_main(worker: int, sink_factory, handle, conn, abort, parent_pid: in
         _die_with_parent(parent_pid)
         slots = handle.attach()
         sink = sink_factory(worker)
-        _send(conn, ("ready", worker, os.getpid()))
+        _send(conn, Ready(worker, os.getpid()))
         while True:
             try:
                 msg = conn.recv()
@@ -102,9 +104,9 @@ def consumer_main(worker: int, sink_factory, handle, conn, abort, parent_pid: in
                 break  # the producer is gone
             if msg is None:
                 break
-            seq, slot, batch_id, lengths = msg
+            seq, slot, batch_id, lengths = msg  # a Task
             if abort[0]:
-                _send(conn, ("skipped", worker, seq, slot))
+                _send(conn, Skipped(worker, seq, slot))
             else:
                 views = slots[slot]
                 arrays = {name: views[name][:n] for name, n in lengths.items()}
@@ -113,7 +115,7 @@ def consumer_main(worker: int, sink_factory, handle, conn, abort, parent_pid: in
                     result = sink(batch_id, arrays)
                 t1 = time.perf_counter()
                 del arrays
-                _send(conn, ("done", worker, seq, slot, t0, t1, result))
+                _send(conn, Done(worker, seq, slot, t0, t1, result))
             seq = batch_id = None
     except _Stop:
         pass
@@ -129,5 +131,5 @@ def consumer_main(worker: int, sink_factory, handle, conn, abort, parent_pid: in
                 pass
             except BaseException as exc:
                 _send(conn, _error_message(worker, None, "close", exc))
-        _send(conn, ("closed", worker, closed))
+        _send(conn, Closed(worker, closed))
         conn.close()

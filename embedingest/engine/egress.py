@@ -15,58 +15,25 @@ so CI tests all of it without a GPU.
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing as mp
-import os
 import queue
 import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from multiprocessing.connection import wait
-
-import numpy as np
 
 from ..config import EngineConfig
 from ..errors import ConfigError, ConsumerDied, EngineError, rebuild_error
-from .consumers import consumer_main
+from .consumer_group import ConsumerGroup
+from .copy_paths import CudaCopyPath, HostCopyPath, Pending
 from .layout import SlotLayout
-from .gpu_monitor import UtilizationSampler, gpu_idle
+from .gpu_monitor import gpu_idle
 from .markers import annotate
+from .messages import Closed, Done, Failed, Skipped, Task
 from .pool import HostPool
 from .telemetry import BatchRecord, EngineStats
 
 SinkFactory = Callable[[int], Callable]
 _POLL = 0.1  # seconds between checks for failures while blocked
-
-
-def _is_torch(x) -> bool:
-    return type(x).__module__.startswith("torch") and hasattr(x, "is_cuda")
-
-
-def _host_array(x) -> np.ndarray:
-    """A numpy view (or copy, for device tensors on a CPU engine) of a CPU array."""
-    if isinstance(x, np.ndarray):
-        return x
-    if _is_torch(x):
-        import torch
-
-        x = x.detach()
-        if x.dtype == torch.bfloat16:
-            return x.cpu().view(torch.int16).numpy().view(np.uint16)
-        return x.cpu().numpy()
-    return np.asarray(x)
-
-
-@dataclass
-class _Pending:
-    record: BatchRecord
-    batch_id: object
-    lengths: dict[str, int]
-    done_event: object = None  # CUDA event recorded after the copy
-    timing: tuple = ()  # (compute_start, compute_end, copy_start) events
-    keep: list = field(default_factory=list)  # device tensors alive until the copy ends
 
 
 class EgressEngine:
@@ -89,6 +56,11 @@ class EgressEngine:
         shutdown_timeout: seconds consumers get to close their sinks when stopping.
         on_result: ``callback(batch_id, value)`` for values sinks return, called in a
             background thread of this process.
+
+    The parts: a :class:`~.copy_paths.HostCopyPath` or :class:`~.copy_paths.CudaCopyPath`
+    fills the slots; a monitor thread waits for each copy in submission order and hands
+    the slot to the :class:`~.consumer_group.ConsumerGroup`, whose collector thread
+    brings the answers back here, where the slot is freed.
     """
 
     def __init__(self, sink_factory: SinkFactory, *, num_consumers: int = 4,
@@ -106,9 +78,14 @@ class EgressEngine:
         self.on_result = on_result
         self.device = _resolve_device(device)
         self.cuda = self.device.startswith("cuda")
-        self._slot_spec = slot_spec
         self.closed_results: list = [None] * num_consumers
+        self._path = CudaCopyPath(self.device) if self.cuda else HostCopyPath(self.device)
+        self._slot_spec = slot_spec
         self._pool: HostPool | None = None
+        self._consumers: ConsumerGroup | None = None
+        self._free: queue.Queue[int] = queue.Queue()
+        self._pending: queue.Queue[Pending | None] = queue.Queue()
+        self._monitor: threading.Thread | None = None
         self._failure: BaseException | None = None
         self._failed = threading.Event()
         self._lock = threading.Condition()
@@ -120,11 +97,7 @@ class EgressEngine:
         self._t_last: float | None = None
         self._entered = False
         self._closed = False
-        self._procs: list = []
-        self._compute_start = None
         self._stats: EngineStats | None = None
-        self._sampler: UtilizationSampler | None = None
-        self._spans: list[tuple] = []
 
     # -- public API ----------------------------------------------------------------
 
@@ -153,35 +126,15 @@ class EgressEngine:
         Optional: with it, ``stats.compute_gap_fraction`` counts exactly the time the
         GPU waited between batches; without it, the wait is counted as compute.
         """
-        if not self.cuda:
-            self._compute_start = time.perf_counter()
-            return
-        import torch
+        self._path.mark_compute_start()
 
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record(torch.cuda.current_stream(self.device))
-        self._compute_start = ev
-
-    @contextlib.contextmanager
     def span(self, lane: str, stream=None):
         """Time the work enqueued in the block (on ``stream``, CUDA) for the timeline.
 
-        For the stages' own steps, e.g. the host-to-device prefetch: the engine draws them
-        as lane ``lane`` beside its own lanes.
+        A context manager, for the stages' own steps, e.g. the host-to-device prefetch:
+        the engine draws them as lane ``lane`` beside its own lanes.
         """
-        if not self.cuda:
-            t0 = time.perf_counter()
-            yield
-            self._spans.append((lane, t0, time.perf_counter()))
-            return
-        import torch
-
-        stream = stream or torch.cuda.current_stream(self.device)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(stream)
-        yield
-        b.record(stream)
-        self._spans.append((lane, a, b))
+        return self._path.span(lane, stream)
 
     def submit(self, batch_id, outputs) -> None:
         """Queue ``outputs`` (a tensor, or a dict of tensors / numpy arrays) for the sinks.
@@ -205,14 +158,9 @@ class EgressEngine:
             self._seq += 1
             rec = BatchRecord(seq=seq, slot=slot, nbytes=0, submit_t=t_submit,
                               slot_t=time.perf_counter())
-            pending = _Pending(rec, batch_id, lengths)
+            pending = Pending(rec, batch_id, lengths)
             with annotate("copy", "copy"):
-                t0 = time.perf_counter()
-                rec.nbytes = self._copy(slot, arrays, lengths, pending)
-                if not self.cuda:
-                    rec.copy_start, rec.copy_end = t0, time.perf_counter()
-                    rec.compute_start, rec.compute_end = self._compute_start, t_submit
-                    self._compute_start = None
+                rec.nbytes = self._path.copy(self._pool, slot, arrays, pending)
             with self._lock:
                 self._records[seq] = rec
             self._pending.put(pending)
@@ -226,6 +174,11 @@ class EgressEngine:
             raise EngineError("flush() outside the engine's 'with' block")
         self._drain()
 
+    def gpu_idle_fraction(self, since: float = 0.0, until: float = float("inf")) -> float | None:
+        """The GPU's idle share measured by NVML between two ``time.perf_counter()``
+        times; None on the CPU or where NVML is not available."""
+        return self._path.idle_fraction(since, until)
+
     @property
     def stats(self) -> EngineStats:
         """Run summary; final after the ``with`` block, a snapshot during it."""
@@ -237,62 +190,14 @@ class EgressEngine:
 
     def _open(self, layout: SlotLayout) -> None:
         cfg = self.config
-        self._pool = HostPool(layout, cfg.slots(), pin=self.cuda and cfg.pin_memory)
-        self._free: queue.Queue[int] = queue.Queue()
+        self._pool = HostPool(layout, cfg.slots(), pin=self._path.pins and cfg.pin_memory)
         for i in range(cfg.slots()):
             self._free.put(i)
-        self._pending: queue.Queue[_Pending | None] = queue.Queue()
-        if self.cuda:
-            self._setup_cuda(layout)
-        ctx = mp.get_context("spawn")
-        # Pipes and a lock-free shared flag only: no named semaphores, so nothing is
-        # ever created in /dev/shm, whatever way the run ends.
-        self._abort = ctx.RawArray("b", 1)
-        self._conns, self._closed_ok = [], [False] * cfg.num_consumers
-        self._outstanding: list[list[int]] = [[] for _ in range(cfg.num_consumers)]
-        self._next_worker = 0
-        handle = self._pool.handle()
-        for w in range(cfg.num_consumers):
-            mine, theirs = ctx.Pipe(duplex=True)
-            p = ctx.Process(target=consumer_main, name=f"embedingest-consumer-{w}", daemon=True,
-                            args=(w, self.sink_factory, handle, theirs, self._abort, os.getpid()))
-            try:
-                p.start()
-            except Exception as exc:
-                raise EngineError(f"cannot start consumer {w}: {exc}; the sink factory must "
-                                  "be picklable (a top-level function or class)") from exc
-            finally:
-                theirs.close()
-            self._procs.append(p)
-            self._conns.append(mine)
+        self._path.open(self._pool)
+        self._consumers = ConsumerGroup(self.sink_factory, cfg.num_consumers, self._pool.handle(),
+                                        self._on_message, self._consumer_died)
         self._monitor = threading.Thread(target=self._monitor_loop, name="embedingest-monitor", daemon=True)
-        self._collector = threading.Thread(target=self._collect_loop, name="embedingest-collector", daemon=True)
         self._monitor.start()
-        self._collector.start()
-
-    def _setup_cuda(self, layout: SlotLayout) -> None:
-        import torch
-
-        dev = torch.device(self.device)
-        self._device_index = dev.index if dev.index is not None else torch.cuda.current_device()
-        self._stream = torch.cuda.Stream(device=dev)
-        self._host_tensors = []
-        for i in range(self._pool.num_slots):
-            views = self._pool.views(i)
-            ts = {}
-            for f in layout.fields:
-                v = views[f.name]
-                if f.source_dtype == "bfloat16":
-                    ts[f.name] = torch.from_numpy(v.view(np.int16)).view(torch.bfloat16)
-                else:
-                    ts[f.name] = torch.from_numpy(v)
-            self._host_tensors.append(ts)
-        torch.cuda.synchronize(dev)
-        self._ref_event = torch.cuda.Event(enable_timing=True)
-        self._ref_event.record(torch.cuda.current_stream(dev))
-        self._ref_event.synchronize()
-        self._ref_t = time.perf_counter()
-        self._sampler = UtilizationSampler(dev).start()
 
     # -- producer side -------------------------------------------------------------
 
@@ -303,58 +208,7 @@ class EgressEngine:
             except queue.Empty:
                 self._raise_failure()
 
-    def _copy(self, slot: int, arrays: dict, lengths: dict, pending: _Pending) -> int:
-        nbytes = 0
-        views = self._pool.views(slot)
-        device_items = []
-        for name, a in arrays.items():
-            n = lengths[name]
-            if self.cuda and _is_torch(a) and a.is_cuda:
-                device_items.append((name, a, n))
-                continue
-            if _is_torch(a) and a.is_cuda:
-                raise ConfigError(f"array {name!r} is on {a.device} but the engine runs on "
-                                  f"{self.device}; build the engine with device='cuda'")
-            src = _host_array(a)
-            np.copyto(views[name][:n], src, casting="no")
-            nbytes += src.nbytes
-        if device_items:
-            nbytes += self._copy_cuda(slot, device_items, pending)
-        return nbytes
-
-    def _copy_cuda(self, slot: int, items: list, pending: _Pending) -> int:
-        import torch
-
-        compute = torch.cuda.current_stream(self.device)
-        end = torch.cuda.Event(enable_timing=True)
-        end.record(compute)
-        start_copy = torch.cuda.Event(enable_timing=True)
-        done = torch.cuda.Event(enable_timing=True, blocking=True)
-        self._stream.wait_event(end)
-        host = self._host_tensors[slot]
-        nbytes = 0
-        for name, t, _ in items:
-            if t.device.index != self._device_index:
-                raise ConfigError(f"array {name!r} is on {t.device}, the engine on "
-                                  f"cuda:{self._device_index}; one engine serves one GPU")
-        with torch.cuda.stream(self._stream):
-            start_copy.record(self._stream)
-            for name, t, n in items:
-                host[name][:n].copy_(t, non_blocking=True)
-                nbytes += t.numel() * t.element_size()
-            done.record(self._stream)
-        pending.done_event = done
-        pending.timing = (self._compute_start, end, start_copy)
-        pending.keep = [t for _, t, _ in items]
-        self._compute_start = None
-        return nbytes
-
     # -- background threads --------------------------------------------------------
-
-    def _gpu_time(self, ev) -> float | None:
-        if ev is None:
-            return None
-        return self._ref_t + self._ref_event.elapsed_time(ev) / 1e3
 
     def _monitor_loop(self) -> None:
         """Wait for each copy in submission order and hand the slot to the consumers."""
@@ -364,103 +218,43 @@ class EgressEngine:
                 if p is None:
                     return
                 rec = p.record
-                if p.done_event is not None:
-                    with annotate("wait copy", "handoff"):
-                        p.done_event.synchronize()
-                    cstart, cend, copy_start = p.timing
-                    rec.compute_start = self._gpu_time(cstart)
-                    rec.compute_end = self._gpu_time(cend)
-                    rec.copy_start = self._gpu_time(copy_start)
-                    rec.copy_end = self._gpu_time(p.done_event)
-                    p.keep.clear()
+                with annotate("wait copy", "handoff"):
+                    self._path.wait(p)
                 rec.ready_t = time.perf_counter()
-                if self._abort[0] or self._failed.is_set():
-                    self._finish(rec.seq, rec.slot)
+                if self._consumers.aborting or self._failed.is_set():
+                    self._finish(rec.seq, rec.slot)  # dropped: the run is stopping
                     continue
                 with annotate("handoff", "handoff"):
                     with self._lock:
                         self._inflight[rec.seq] = p.batch_id
-                        w = self._pick_worker()
-                        self._outstanding[w].append(rec.seq)
                     rec.dispatch_t = time.perf_counter()
-                    try:
-                        self._conns[w].send((rec.seq, rec.slot, p.batch_id, p.lengths))
-                    except OSError:
-                        self._procs[w].join(timeout=1.0)
-                        self._consumer_died(w, self._procs[w])
+                    self._consumers.dispatch(Task(rec.seq, rec.slot, p.batch_id, p.lengths))
         except BaseException as exc:
             self._fail(exc)
 
-    def _pick_worker(self) -> int:
-        """The consumer with the fewest batches outstanding, in turn among equals."""
-        n = len(self._conns)
-        order = [(self._next_worker + i) % n for i in range(n)]
-        w = min(order, key=lambda i: len(self._outstanding[i]))
-        self._next_worker = (w + 1) % n
-        return w
-
-    def _collect_loop(self) -> None:
-        """Take consumer answers, free slots, and notice consumers that die."""
-        alive = dict(enumerate(self._procs))
-        conns = dict(enumerate(self._conns))
-        while alive:
-            by_obj = {c: w for w, c in conns.items()}
-            by_obj.update({p.sentinel: w for w, p in alive.items()})
-            try:
-                ready = wait(list(by_obj), timeout=0.5)
-            except OSError:
-                ready = []
-            for obj in ready:
-                w = by_obj[obj]
-                if obj in conns.values():
-                    self._drain_conn(w, conns)
-                elif w in alive:
-                    self._drain_conn(w, conns)
-                    p = alive.pop(w)
-                    p.join(timeout=1.0)
-                    if not self._closed_ok[w]:
-                        self._consumer_died(w, p)
-
-    def _drain_conn(self, w: int, conns: dict) -> None:
-        conn = conns.get(w)
-        if conn is None:
-            return
-        try:
-            while conn.poll():
-                self._handle(conn.recv())
-        except (EOFError, OSError):
-            conns.pop(w, None)
-        except BaseException as exc:  # a message that cannot be read
-            conns.pop(w, None)
-            self._fail(EngineError(f"cannot read the answer of consumer {w}: {exc!r}"))
-
-    def _handle(self, msg: tuple) -> None:
-        kind, w = msg[0], msg[1]
-        if kind in ("done", "skipped"):
-            with self._lock:
-                if msg[2] in self._outstanding[w]:
-                    self._outstanding[w].remove(msg[2])
-        if kind == "done":
-            _, _, seq, slot, t0, t1, result = msg
-            rec = self._records.get(seq)
+    def _on_message(self, msg) -> None:
+        """A consumer's answer (collector thread)."""
+        if isinstance(msg, Done):
+            rec = self._records.get(msg.seq)
             if rec is not None:
-                rec.sink_start_t, rec.sink_end_t, rec.worker = t0, t1, w
-            batch_id = self._inflight.get(seq)
-            if self.on_result is not None and result is not None:
+                rec.sink_start_t, rec.sink_end_t, rec.worker = msg.sink_start, msg.sink_end, msg.worker
+            batch_id = self._inflight.get(msg.seq)
+            if self.on_result is not None and msg.result is not None:
                 try:
-                    self.on_result(batch_id, result)
+                    self.on_result(batch_id, msg.result)
                 except BaseException as exc:
                     self._fail(exc)
-            self._finish(seq, slot)
-        elif kind == "skipped":
-            self._finish(msg[2], msg[3])
-        elif kind == "error":
-            _, _, seq, batch_id, payload, summary, tb = msg
-            self._fail(rebuild_error(payload, f"consumer {w} failed on batch {batch_id!r}: {summary}",
-                                     f"in consumer {w}, batch {batch_id!r}", tb))
-        elif kind == "closed":
-            self._closed_ok[w] = True
-            self.closed_results[w] = msg[2]
+            self._finish(msg.seq, msg.slot)
+        elif isinstance(msg, Skipped):
+            self._finish(msg.seq, msg.slot)
+        elif isinstance(msg, Failed):
+            self._fail(rebuild_error(msg.payload,
+                                     f"consumer {msg.worker} failed on batch {msg.batch_id!r}: {msg.summary}",
+                                     f"in consumer {msg.worker}, batch {msg.batch_id!r}", msg.traceback))
+        elif isinstance(msg, Closed):
+            self.closed_results[msg.worker] = msg.result
+        elif isinstance(msg, BaseException):
+            self._fail(msg)
 
     def _finish(self, seq: int, slot: int) -> None:
         with self._lock:
@@ -470,12 +264,11 @@ class EgressEngine:
             self._lock.notify_all()
         self._free.put(slot)
 
-    def _consumer_died(self, w: int, p) -> None:
+    def _consumer_died(self, w: int, p, seq: int) -> None:
         code = p.exitcode
         how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 \
             else f"exited with code {code}"
         with self._lock:
-            seq = self._outstanding[w][0] if self._outstanding[w] else -1
             batch = self._inflight.get(seq) if seq >= 0 else None
         held = f"while holding batch {batch!r} (seq {seq})" if seq >= 0 else "while idle"
         self._fail(ConsumerDied(
@@ -512,37 +305,16 @@ class EgressEngine:
             return
         try:
             if abort:
-                self._abort[0] = 1
+                self._consumers.drop_queued()
             self._pending.put(None)
             self._monitor.join()
-            if self.cuda:
-                self._stream.synchronize()  # no copy may still write into the pool
-                self._sampler.stop()
-            for c in self._conns:
-                with contextlib.suppress(OSError):  # that consumer is already gone
-                    c.send(None)
-            self._stop_consumers(self.config.shutdown_timeout)
-            self._collector.join(timeout=5.0)
+            self._path.stop()  # no copy may still write into the pool
+            self._consumers.stop(self.config.shutdown_timeout)
         finally:
             self._stats = self._make_stats()
-            self._host_tensors = []
+            self._path.release()
             self._pool.close()
-            for c in self._conns:
-                c.close()
-
-    def _stop_consumers(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        for p in self._procs:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
-        for p in self._procs:
-            if p.is_alive():
-                p.terminate()  # SIGTERM: the consumer still closes its sink
-        deadline = time.monotonic() + 2.0
-        for p in self._procs:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=1.0)
+            self._consumers.close()
 
     def _make_stats(self) -> EngineStats:
         with self._lock:
@@ -555,16 +327,10 @@ class EgressEngine:
             num_consumers=self.config.num_consumers,
             slot_bytes=self._pool.layout.slot_bytes if self._pool else 0)
         if self.cuda:
-            st.gpu_idle_fraction, st.gpu_idle_source = gpu_idle(self._sampler, st.compute_gap_fraction)
-        st.spans = [s for s in (self._resolve_span(*sp) for sp in list(self._spans)) if s]
+            st.gpu_idle_fraction, st.gpu_idle_source = gpu_idle(self._path.idle_fraction(),
+                                                                st.compute_gap_fraction)
+        st.spans = self._path.spans(pool_open=self._pool is not None)
         return st
-
-    def _resolve_span(self, lane, a, b):
-        if not self.cuda:
-            return (lane, a, b)
-        if self._pool is None or not (a.query() and b.query()):
-            return None
-        return (lane, self._gpu_time(a), self._gpu_time(b))
 
 
 def _resolve_device(device) -> str:

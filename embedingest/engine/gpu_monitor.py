@@ -77,10 +77,10 @@ class UtilizationSampler:
         return 1.0 - sum(s) / (100.0 * len(s)) if s else None
 
 
-def gpu_idle(sampler: UtilizationSampler | None, compute_gap: float | None) -> tuple[float | None, str | None]:
-    """The GPU idle fraction and where it comes from: NVML's samples when there are any,
-    else the compute stream's gaps between batches (CUDA events), else nothing."""
-    nvml = sampler.idle_fraction() if sampler is not None else None
+def gpu_idle(nvml: float | None, compute_gap: float | None) -> tuple[float | None, str | None]:
+    """The GPU idle fraction and where it comes from: NVML's samples (``nvml``, from
+    :meth:`UtilizationSampler.idle_fraction`) when there are any, else the compute
+    stream's gaps between batches (CUDA events), else nothing."""
     if nvml is not None:
         return nvml, "nvml"
     if compute_gap is not None:

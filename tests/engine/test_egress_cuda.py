@@ -103,9 +103,10 @@ def test_idle_fraction_is_measured_by_nvml(no_leaks):
             e.submit(i, {"x": torch.ones(1024, device="cuda")})
     st = e.stats
     assert st.compute_gap_fraction is not None and 0.0 <= st.compute_gap_fraction < 0.5
-    assert st.gpu_idle_source == "nvml", e._sampler.error
-    assert len(e._sampler.samples) >= 5
-    assert st.gpu_idle_fraction == e._sampler.idle_fraction() and st.gpu_idle_fraction < 0.5
+    assert st.gpu_idle_source == "nvml", e._path.sampler.error
+    assert len(e._path.sampler.samples) >= 5
+    assert st.gpu_idle_fraction == e.gpu_idle_fraction() == e._path.sampler.idle_fraction()
+    assert st.gpu_idle_fraction < 0.5
 
 
 def test_pools_are_unregistered_between_runs(no_leaks):

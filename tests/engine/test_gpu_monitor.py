@@ -69,10 +69,10 @@ def test_nvml_failing_later_keeps_the_samples_so_far():
 def test_idle_fraction_prefers_nvml_then_event_gaps():
     sampler = UtilizationSampler("cuda:0")
     assert gpu_idle(None, None) == (None, None)
-    assert gpu_idle(sampler, 0.25) == (0.25, "cuda-events")  # no samples
+    assert gpu_idle(sampler.idle_fraction(), 0.25) == (0.25, "cuda-events")  # no samples
     sampler.samples = [(1.0, 70), (2.0, 90)]
-    assert gpu_idle(sampler, 0.25) == (pytest.approx(0.2), "nvml")
-    assert gpu_idle(None, 0.0) == (0.0, "cuda-events")
+    assert gpu_idle(sampler.idle_fraction(), 0.25) == (pytest.approx(0.2), "nvml")
+    assert gpu_idle(0.0, 0.5) == (0.0, "nvml") and gpu_idle(None, 0.0) == (0.0, "cuda-events")
 
 
 @pytest.mark.needs_cuda

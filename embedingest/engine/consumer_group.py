@@ -1,0 +1,159 @@
+"""The consumer processes of one engine: started with the pool's handle, each batch handed
+to the least busy one, their answers collected by a thread, a death noticed at once, and
+stopped within a deadline.
+
+Pipes and a lock-free shared flag only: no named semaphores, so nothing is ever created
+in /dev/shm, whatever way the run ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import wait
+
+from ..errors import EngineError
+from .consumers import consumer_main
+from .messages import Closed, Done, Skipped, Task
+from .pool import PoolHandle
+
+
+class ConsumerGroup:
+    """``num_consumers`` processes running ``consumer_main`` on one pool.
+
+    ``on_message(msg)`` gets every answer (in the collector thread); ``on_death(worker,
+    process, seq)`` is called when a consumer ends without having closed its sink, with
+    the oldest batch it held (-1 when idle).
+    """
+
+    def __init__(self, sink_factory, num_consumers: int, handle: PoolHandle,
+                 on_message: Callable, on_death: Callable):
+        self._on_message = on_message
+        self._on_death = on_death
+        ctx = mp.get_context("spawn")
+        self.abort = ctx.RawArray("b", 1)  # set: consumers hand slots back unused
+        self.procs: list = []
+        self._conns: list = []
+        self._closed_ok = [False] * num_consumers
+        self._outstanding: list[list[int]] = [[] for _ in range(num_consumers)]
+        self._next = 0
+        self._lock = threading.Lock()
+        for w in range(num_consumers):
+            mine, theirs = ctx.Pipe(duplex=True)
+            p = ctx.Process(target=consumer_main, name=f"embedingest-consumer-{w}", daemon=True,
+                            args=(w, sink_factory, handle, theirs, self.abort, os.getpid()))
+            try:
+                p.start()
+            except Exception as exc:
+                raise EngineError(f"cannot start consumer {w}: {exc}; the sink factory must "
+                                  "be picklable (a top-level function or class)") from exc
+            finally:
+                theirs.close()
+            self.procs.append(p)
+            self._conns.append(mine)
+        self._collector = threading.Thread(target=self._collect_loop, name="embedingest-collector",
+                                           daemon=True)
+        self._collector.start()
+
+    def dispatch(self, task: Task) -> None:
+        """Send ``task`` to the consumer with the fewest batches outstanding."""
+        with self._lock:
+            w = self._pick()
+            self._outstanding[w].append(task.seq)
+        try:
+            self._conns[w].send(task)
+        except OSError:
+            self.procs[w].join(timeout=1.0)
+            self._died(w, self.procs[w])
+
+    def _pick(self) -> int:
+        """The consumer with the fewest batches outstanding, in turn among equals."""
+        n = len(self._conns)
+        order = [(self._next + i) % n for i in range(n)]
+        w = min(order, key=lambda i: len(self._outstanding[i]))
+        self._next = (w + 1) % n
+        return w
+
+    def _collect_loop(self) -> None:
+        """Take answers and notice consumers that die."""
+        alive = dict(enumerate(self.procs))
+        conns = dict(enumerate(self._conns))
+        while alive:
+            by_obj = {c: w for w, c in conns.items()}
+            by_obj.update({p.sentinel: w for w, p in alive.items()})
+            try:
+                ready = wait(list(by_obj), timeout=0.5)
+            except OSError:
+                ready = []
+            for obj in ready:
+                w = by_obj[obj]
+                if obj in conns.values():
+                    self._drain(w, conns)
+                elif w in alive:
+                    self._drain(w, conns)
+                    p = alive.pop(w)
+                    p.join(timeout=1.0)
+                    if not self._closed_ok[w]:
+                        self._died(w, p)
+
+    def _drain(self, w: int, conns: dict) -> None:
+        conn = conns.get(w)
+        if conn is None:
+            return
+        try:
+            while conn.poll():
+                msg = conn.recv()
+                if isinstance(msg, (Done, Skipped)):
+                    with self._lock:
+                        if msg.seq in self._outstanding[w]:
+                            self._outstanding[w].remove(msg.seq)
+                elif isinstance(msg, Closed):
+                    self._closed_ok[w] = True
+                self._on_message(msg)
+        except (EOFError, OSError):
+            conns.pop(w, None)
+        except BaseException as exc:  # a message that cannot be read
+            conns.pop(w, None)
+            self._on_message(EngineError(f"cannot read the answer of consumer {w}: {exc!r}"))
+
+    def _died(self, w: int, p) -> None:
+        with self._lock:
+            seq = self._outstanding[w][0] if self._outstanding[w] else -1
+        self._on_death(w, p, seq)
+
+    @property
+    def aborting(self) -> bool:
+        return bool(self.abort[0])
+
+    def drop_queued(self) -> None:
+        """From now on consumers hand the slots they are given back without running the
+        sink (the run is stopping: Ctrl-C, a failure)."""
+        self.abort[0] = 1
+
+    def stop(self, timeout: float) -> None:
+        """Ask every consumer to finish, wait up to ``timeout``, then SIGTERM (the sink
+        still closes), then SIGKILL."""
+        for c in self._conns:
+            with contextlib.suppress(OSError):  # that consumer is already gone
+                c.send(None)
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        deadline = time.monotonic() + 2.0
+        for p in self.procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=1.0)
+        self._collector.join(timeout=5.0)
+
+    def close(self) -> None:
+        for c in self._conns:
+            c.close()
