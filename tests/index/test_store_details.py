@@ -88,3 +88,31 @@ def test_remove_units_from_other_index_kinds(tmp_path, factory, params):
             mask = np.isin(bi, built.ids[keep])
             np.testing.assert_array_equal(i, bi[mask])
             np.testing.assert_allclose(s, bs[mask], rtol=1e-5)
+
+
+def test_vector_ids_check_both_halves():
+    from embedingest.errors import EmbedingestError
+    from embedingest.index.store import MAX_UNIT_NO
+
+    assert vector_ids(0, [0, 5]).tolist() == [0, 5]  # unit 0 is a valid number
+    assert vector_ids(3, [2**32 - 1]).tolist() == [(3 << 32) | (2**32 - 1)]
+    assert vector_ids(2, np.array([1, 2], dtype=np.int32)).dtype == np.int64
+    with pytest.raises(EmbedingestError) as err:
+        vector_ids(MAX_UNIT_NO + 1, [0])
+    assert str(err.value) == f"unit number {MAX_UNIT_NO + 1} does not fit in a vector id"
+    for bad in ([-1, 3], [0, 2**32]):  # each end on its own
+        with pytest.raises(EmbedingestError, match=r"chunk numbers of unit 7 must lie in \[0, 2\*\*32\)"):
+            vector_ids(7, bad)
+
+
+def test_manifest_from_dict_names_what_is_wrong():
+    with pytest.raises(ConfigError) as err:
+        Manifest.from_dict([1, 2])
+    assert str(err.value) == "manifest is not a JSON object: rebuild the index with --overwrite"
+    with pytest.raises(ConfigError) as err:
+        Manifest.from_dict({"metric": "ip"}, where="x/manifest.json")
+    assert str(err.value) == "x/manifest.json lacks dim, model: rebuild the index with --overwrite"
+    with pytest.raises(ConfigError, match=r"^manifest has format 2, newer than this embedingest"):
+        Manifest.from_dict({"model": {}, "dim": 4, "format": 2})
+    m = Manifest.from_dict({"model": {"name": "m"}, "dim": 4, "unknown_later_field": 1})
+    assert (m.model, m.dim, m.format) == ({"name": "m"}, 4, 1)
