@@ -14,6 +14,17 @@ except ImportError:  # pragma: no cover
     HAS_CUDA = False
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_configure(config):
+    """Every process a test starts (a CLI run, a script, a spawned consumer, a Ray worker)
+    imports embedingest from this checkout, not from wherever the venv's install points:
+    the checkout goes first on PYTHONPATH, which child processes inherit."""
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != ROOT]
+    os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, *parts])
+
+
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
     for item in items:
@@ -51,4 +62,8 @@ def no_leaks():
             break
         time.sleep(0.1)
     assert not extra, f"processes left behind: {sorted(extra)}"
-    assert shm_files() - before_shm == set(), f"new /dev/shm files: {shm_files() - before_shm}"
+    # files that a live process (another test run on the machine) still uses are not ours
+    from fault_helpers import new_shm_files
+
+    new = new_shm_files(before_shm)
+    assert not new, f"new /dev/shm files: {sorted(new)}"

@@ -114,6 +114,18 @@ def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "con
         time.sleep(interval)
 
 
+def stop_bound(module: str, floor: float = 5.0) -> float:
+    """Seconds a run of the CLI may take to stop after Ctrl-C on this machine, now: the
+    promised 5 s, or 1.5 times what a fresh interpreter takes right now to import the
+    job's ``module`` (torch, faiss, transformers), whichever is larger. A stop is a few
+    commits and the teardown of such an interpreter (1.9 s on two cores at load 2, where
+    the import takes longer), so it slows down with the machine as the import does; a
+    stop that waits out a timeout or the rest of the work does not fit on an idle one."""
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-c", f"import {module}"], check=True, timeout=600)
+    return max(floor, 1.5 * (time.monotonic() - t0))
+
+
 def check_ctrl_c_during_start_up(start, delays=(0.4, 1.5)) -> None:
     """``start(n)`` starts run ``n``; each is interrupted ``delay`` s in (importing torch,
     loading the model, starting device processes) and must exit 130 with the usual

@@ -28,6 +28,7 @@ from ..errors import ConfigError, ConsumerDied, EngineError, rebuild_error
 from .consumer_group import ConsumerGroup
 from .copy_paths import CudaCopyPath, HostCopyPath, Pending
 from .layout import SlotLayout
+from .gpu_monitor import gpu_idle
 from .markers import annotate
 from .messages import Closed, Done, Failed, Ready, Skipped, Task
 from .pool import HostPool
@@ -353,8 +354,8 @@ class EgressEngine:
             num_consumers=self.config.num_consumers,
             slot_bytes=self._pool.layout.slot_bytes if self._pool else 0)
         if self.cuda:
-            nvml = self._path.idle_fraction()
-            st.gpu_idle_fraction = nvml if nvml is not None else st.compute_gap_fraction
+            st.gpu_idle_fraction, st.gpu_idle_source = gpu_idle(self._path.idle_fraction(),
+                                                                st.compute_gap_fraction)
         st.spans = self._path.spans(pool_open=self._pool is not None)
         return st
 

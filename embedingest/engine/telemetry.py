@@ -58,6 +58,7 @@ class EngineStats:
     copy_gbps: float = 0.0  # bytes over the summed device-to-host (or host) copy time
     producer_blocked_seconds: float = 0.0  # submit() waiting for a free slot
     gpu_idle_fraction: float | None = None  # no kernel running, from NVML samples (CUDA only)
+    gpu_idle_source: str | None = None  # "nvml", or "cuda-events" where NVML cannot be read
     compute_gap_fraction: float | None = None  # compute stream idle between batches (CUDA events)
     pinned: bool = False
     num_slots: int = 0

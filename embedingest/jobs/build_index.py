@@ -329,6 +329,8 @@ def _build(corpus, cfg: IndexConfig, out: Path, encoder: TextEncoder, devices: l
         store.clean_garbage()
         cands = corpus if in_memory else _file_candidates(Path(corpus), report, out)
         plan = plan_units(store, cands, report)
+        log.info("%s: %d units to index, %d unchanged, %d deleted", out, len(plan.todo),
+                 plan.unchanged, len(plan.deleted))
         gone = plan.redo + plan.deleted
         removed = store.remove_units(gone) if gone else 0
         store.delete_units(plan.deleted)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import child_pids
+from fault_helpers import wait_for
 from engine_sinks import (FailingSinkFactory, HashSinkFactory, SuicideSinkFactory,
                           broken_factory, digest, slow_sink_factory)
 
@@ -172,10 +173,29 @@ def test_submit_outside_the_block_is_an_error():
         e.submit(0, np.zeros(2))
 
 
+def test_caller_exception_drops_the_batches_not_yet_in_a_sink(no_leaks):
+    """docs/RELIABILITY.md: on a caller's exception (or Ctrl-C) the slots not yet handed
+    to a sink are dropped. Eight batches are queued behind one consumer that is still
+    starting (a spawned interpreter: far longer than the eight submits); at most the one
+    it may have in hand reaches its sink, not all eight."""
+    with pytest.raises(KeyError, match="stop"):
+        with EgressEngine(HashSinkFactory(delays=(0.2,)), num_consumers=1, num_slots=8,
+                          device="cpu") as e:
+            for i in range(8):
+                e.submit(i, {"x": np.full((4,), i, np.float32)})
+            raise KeyError("stop")
+    (closed,) = e.closed_results
+    assert closed is not None and closed["count"] <= 1, closed
+    assert e.stats.batches == 8  # all eight were taken into slots, and their slots freed
+
+
 def test_empty_run_starts_nothing(no_leaks):
+    before = child_pids()
     with EgressEngine(HashSinkFactory(), num_consumers=2, device="cpu") as e:
-        pass
-    assert e.stats.batches == 0
+        assert child_pids() == before, "consumers were started before the first batch"
+        assert e.stats.slot_bytes == 0, "a pool was made before the first batch"
+    assert child_pids() == before
+    assert e.stats.batches == 0 and e.closed_results == [None, None]
 
 
 CTRL_C_SCRIPT = textwrap.dedent("""
@@ -184,7 +204,8 @@ CTRL_C_SCRIPT = textwrap.dedent("""
     from engine_sinks import slow_sink_factory
     from embedingest import EgressEngine
     if __name__ == "__main__":
-        with EgressEngine(slow_sink_factory, num_consumers=3, num_slots=4, device="cpu") as e:
+        with EgressEngine(slow_sink_factory, num_consumers=3, num_slots=4, device="cpu",
+                          shutdown_timeout=60) as e:
             i = 0
             while True:
                 e.submit(i, {{"x": np.zeros((64, 64), np.float32)}})
@@ -194,7 +215,11 @@ CTRL_C_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_ctrl_c_stops_everything_within_5_seconds(tmp_path, no_leaks):
+def test_ctrl_c_stops_everything_without_waiting_out_a_timeout(tmp_path, no_leaks):
+    """Ctrl-C ends the run once the batches in hand are done (measured about 2 s on two
+    loaded cores). The engine's consumers get a 60-s shutdown timeout here, so a stop that
+    waited for any timeout (a consumer not told to stop, one left for SIGTERM) takes
+    over 60 s: the 30-s bound tells the two apart on however loaded a machine."""
     script = tmp_path / "run.py"
     script.write_text(CTRL_C_SCRIPT.format(tests=os.path.dirname(os.path.dirname(__file__))))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
@@ -205,15 +230,20 @@ def test_ctrl_c_stops_everything_within_5_seconds(tmp_path, no_leaks):
         assert len(kids) >= 3
         t0 = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)  # like Ctrl-C in a terminal: the whole group
-        proc.wait(timeout=5)
-        assert time.monotonic() - t0 < 5
+        proc.wait(timeout=90)
+        assert time.monotonic() - t0 < 30
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode != 0
     assert "KeyboardInterrupt" in proc.stderr.read()
-    time.sleep(0.5)
-    alive = [p for p in kids if os.path.exists(f"/proc/{p}") and
-             not open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"]
-    assert alive == []
+    wait_for(lambda: not [p for p in kids if _alive(p)], 10, what="the consumers to end")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -31,8 +31,24 @@ def test_pool_is_really_pinned_and_fast(no_leaks):
         assert host.is_pinned()
     st = e.stats
     assert st.pinned
-    # pageable copies run near 14 GB/s on an H200, pinned near 55
-    assert st.copy_gbps > 25, f"copy rate {st.copy_gbps:.1f} GB/s looks pageable"
+    # The ceiling of this machine, measured now: the same copy into memory pinned by
+    # torch. Pageable copies reach about a quarter of it (14 against 55 GB/s on an H200).
+    ceiling = copy_gbps(src, torch.empty(n, pin_memory=True))
+    pageable = copy_gbps(src, torch.empty(n))
+    assert st.copy_gbps > 0.6 * ceiling, (st.copy_gbps, ceiling, pageable)
+
+
+def copy_gbps(src, dst, repeat: int = 5) -> float:
+    """Best device-to-host rate of ``repeat`` copies of ``src`` into ``dst``."""
+    best = 0.0
+    for _ in range(repeat):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src, non_blocking=True)
+        b.record()
+        b.synchronize()
+        best = max(best, src.numel() * src.element_size() / (a.elapsed_time(b) / 1e3) / 1e9)
+    return best
 
 
 def test_copy_waits_for_compute_and_memory_is_not_reused_early(no_leaks):
@@ -77,15 +93,20 @@ def test_bfloat16_and_channels_last_outputs(no_leaks):
     assert res[0] == digest({"logits": ref})
 
 
-def test_idle_fraction_is_measured(no_leaks):
+def test_idle_fraction_is_measured_by_nvml(no_leaks):
+    """About two seconds of back-to-back kernels: both measures call the GPU busy, and
+    the reported fraction is NVML's own (its samples, not the CUDA-event fallback)."""
     with EgressEngine(HashSinkFactory(), num_consumers=2, device="cuda") as e:
-        for i in range(6):
+        for i in range(10):
             e.mark_compute_start()
-            torch.cuda._sleep(5_000_000)
+            torch.cuda._sleep(400_000_000)
             e.submit(i, {"x": torch.ones(1024, device="cuda")})
-    f = e.stats.compute_gap_fraction
-    assert f is not None and 0.0 <= f < 0.5
-    assert e.stats.gpu_idle_fraction is not None
+    st = e.stats
+    assert st.compute_gap_fraction is not None and 0.0 <= st.compute_gap_fraction < 0.5
+    assert st.gpu_idle_source == "nvml", e._path.sampler.error
+    assert len(e._path.sampler.samples) >= 5
+    assert st.gpu_idle_fraction == e.gpu_idle_fraction() == e._path.sampler.idle_fraction()
+    assert st.gpu_idle_fraction < 0.5
 
 
 def test_pools_are_unregistered_between_runs(no_leaks):

@@ -27,6 +27,7 @@ from fault_helpers import (
     check_index_files,
     expected_chunks,
     make_corpus,
+    stop_bound,
     stopped_by_dead_consumer,
     tmp_files,
     wait_for,
@@ -267,6 +268,7 @@ def test_remove_units_sigkill_at_every_write_keeps_each_vector_once(tmp_path):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_ctrl_c_exits_130_within_5_s_and_resume_keeps_saved_work(cli, tmp_path, device):
+    bound = stop_bound("embedingest.jobs.build_index")
     corpus = make_corpus(tmp_path / "corpus", 10, seed=2)
     out = tmp_path / "idx"
     run = build(cli, corpus, out, "--num-workers", "1", env=SLOW_SINK, device=device)
@@ -275,7 +277,8 @@ def test_ctrl_c_exits_130_within_5_s_and_resume_keeps_saved_work(cli, tmp_path, 
     run.signal_group(signal.SIGINT)
     t0 = time.monotonic()
     rc = run.wait(60)
-    assert time.monotonic() - t0 < 5, f"the run took {time.monotonic() - t0:.1f} s to stop"
+    stopped = time.monotonic() - t0
+    assert stopped < bound, f"the run took {stopped:.1f} s to stop (bound {bound:.1f} s)"
     assert rc == 130, run.describe()
     assert "interrupted:" in run.stderr and "run the same command again to resume" in run.stderr
     assert "Traceback" not in run.stderr, run.describe()

@@ -94,6 +94,50 @@ def test_duplicate_ids_and_missing_columns_are_errors(tmp_path, ray_cluster):
 def test_import_without_ray_says_how_to_install():
     code = "import sys; sys.modules['ray'] = None; import embedingest.scaleout.ray"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False,
-                          env=os.environ | {"PYTHONPATH": os.getcwd()})
+                          env=os.environ)  # PYTHONPATH: the checkout (tests/conftest.py)
     assert proc.returncode == 1
     assert "pip install 'embedingest[ray]'" in proc.stderr
+
+
+def test_plan_and_embed_batches_called_directly(tmp_path, ray_cluster):
+    """The three steps by hand, as a pipeline of one's own would run them: the plan
+    marks every record with text pending, EmbedBatches (called here, not by Ray) embeds
+    only pending records and returns their chunks in order, finish() writes what
+    build_index writes."""
+    from embedingest.scaleout.ray import RESULT_SCHEMA, EmbedBatches, plan_ray_index
+
+    ray = ray_cluster
+    recs = records()
+    plan = plan_ray_index(ray.data.from_items(recs), tmp_path / "two", **SETTINGS)
+    assert plan.pending == len(recs) and plan.dtype == "fp32"  # the blank one too: read every run
+    assert plan.counts == {"units_seen": len(recs), "units_indexed": 0, "units_unchanged": 0,
+                           "units_removed": 0, "vectors_removed": 0, "docs": 0, "chunks": 0}
+    kwargs = plan.actor_kwargs()
+    assert kwargs["config"]["batch_size"] == SETTINGS["batch_size"] and kwargs["out"] == str(tmp_path / "two")
+    actor = EmbedBatches(**kwargs)
+    assert actor.device == "cpu"
+    first, rest = recs[:5], recs[5:]
+    tables = []
+    for part in (first, rest):
+        batch = {"id": np.array([r["id"] for r in part], dtype=object),
+                 "text": np.array([r["text"] for r in part], dtype=object)}
+        table = actor(batch)
+        assert table.schema == RESULT_SCHEMA
+        tables.append(table)
+    rows = [r for t in tables for r in t.to_pylist()]
+    embedded = {r["record_id"]: r for r in rows if r["unit_no"] >= 0}
+    assert set(embedded) == {r["id"] for r in recs}
+    for rec in recs:
+        row = embedded[rec["id"]]
+        assert row["n_chunks"] == len(row["text"]) and row["char_start"] == sorted(row["char_start"])
+        assert all(rec["text"][a:b] == t for a, b, t in zip(row["char_start"], row["char_end"], row["text"]))
+    assert embedded["blank"]["n_chunks"] == 0 and len(embedded["long0"]["text"]) > 1
+    assert actor.calls == 2  # one engine (and one run id) per call
+    # a record that is not pending passes without work
+    assert actor({"id": np.array(["nope"], dtype=object), "text": np.array(["x"], dtype=object)}).num_rows == 0
+    s2 = plan.finish(ray.data.from_arrow(tables))
+    s1 = build_index(recs, out=str(tmp_path / "one"), num_workers=0, **SETTINGS)
+    for key in ("units_indexed", "docs", "chunks", "vectors_total", "skipped", "exit_code"):
+        assert s2[key] == s1[key], key
+    assert s2["units_incomplete"] == 0
+    assert_same_index(tmp_path / "one", tmp_path / "two")

@@ -154,7 +154,8 @@ def test_a_failed_prepare_is_raised_by_run_with_its_type(no_leaks):
     from embedingest.scaleout.procs import DeviceProcesses
 
     with DeviceProcesses(prepare_fails, [DeviceJob("cuda:1", ("/nope",))]) as procs:
-        time.sleep(0.5)  # the child has failed before its work is sent
+        procs.procs[0].join(60)  # the child has failed, reported it and ended before its work is sent
+        assert procs.procs[0].exitcode == 0
         with pytest.raises(ConfigError, match="model folder '/nope' does not exist"):
             procs.run(use_prepared, [(1,)])
 

@@ -188,5 +188,5 @@ class _PatchAfterImport:
         return spec
 
 
-if _DELAY or _ENOSPC:
+if _DELAY or _ENOSPC or _COMMIT_DELAY:
     sys.meta_path.insert(0, _PatchAfterImport())

@@ -1,0 +1,111 @@
+"""open_index and Index: defaults, messages, empty and partial results, the read fallback:
+cases that mutation testing found untested (docs/TESTING.md)."""
+
+from __future__ import annotations
+
+import faiss
+import numpy as np
+import pytest
+from index_fixtures import DIM, build_index, unit_vectors
+
+import embedingest.index.search as search_mod
+from embedingest.errors import ConfigError
+from embedingest.index.search import Index, open_index, read_segment
+from embedingest.index.store import IndexStore, Manifest
+
+
+class FakeEncoder:
+    def __init__(self, vectors):
+        self.vectors = vectors
+
+    def encode(self, texts):
+        return np.stack([self.vectors[int(t)] for t in texts])
+
+
+def test_read_segment_tries_each_mmap_mode_then_reads_into_memory(tmp_path, monkeypatch):
+    built = build_index(tmp_path, n_units=2, chunks=5)
+    seg = built.store.segments()[0]
+    path, n = seg.path, seg.count
+    real = faiss.read_index
+    calls = []
+
+    def flaky(name, *flags, refuse=()):
+        calls.append(flags)
+        if flags and flags[0] in refuse:
+            raise RuntimeError("cannot mmap this kind")
+        return real(name, *flags)
+
+    first, second = search_mod._MMAP_FLAGS
+    monkeypatch.setattr(faiss, "read_index", lambda n, *f: flaky(n, *f, refuse=(first,)))
+    assert read_segment(path).ntotal == n and calls == [(first,), (second,)]
+    calls.clear()
+    monkeypatch.setattr(faiss, "read_index", lambda n, *f: flaky(n, *f, refuse=(first, second)))
+    assert read_segment(path).ntotal == n and calls == [(first,), (second,), ()]
+
+
+def test_defaults_device_and_close(tmp_path):
+    built = build_index(tmp_path, n_units=2, chunks=10)
+    with open_index(tmp_path) as index:
+        assert index.device == "cpu"
+    index = open_index(tmp_path, device="cuda:1")  # only kept until a text query loads the encoder
+    assert index.device == "cuda:1"
+    index.close()
+    assert index.ntotal == 0 and len(index) == 0
+    assert Index(IndexStore(tmp_path), built.store.read_manifest(), []).device == "cpu"
+
+
+def test_k_defaults_to_ten_and_is_passed_on(tmp_path):
+    built = build_index(tmp_path, n_units=2, chunks=10)
+    q = built.emb[:2]
+    with open_index(tmp_path, encoder=FakeEncoder(built.emb)) as index:
+        assert index.search_raw(q)[1].shape == (2, 10)
+        assert [len(h) for h in index.search_vectors(q)] == [10, 10]
+        assert [len(h) for h in index.search(["0", "1"])] == [10, 10]
+        assert [len(h) for h in index.search(["0", "1"], k=3)] == [3, 3]
+
+
+def test_messages_name_the_bad_value(tmp_path):
+    build_index(tmp_path, n_units=1, chunks=4)
+    with open_index(tmp_path, encoder=FakeEncoder({})) as index:
+        with pytest.raises(ConfigError) as err:
+            index.search(["ok", " "])
+        assert str(err.value) == "query 1 (' ') is empty or not text; give each query some words"
+        with pytest.raises(ConfigError) as err:
+            index.search_raw(np.zeros(3, np.float32))
+        assert str(err.value) == (f"query vectors of shape (3,), expected (n, {DIM}) for the index "
+                                  f"at {str(tmp_path)!r}")
+        with pytest.raises(ConfigError) as err:
+            index.search_raw(np.zeros((1, DIM), np.float32), k=0)
+        assert str(err.value) == "k must be positive, got 0"
+    with pytest.raises(ConfigError) as err:
+        open_index(tmp_path, params="nprobe=4")
+    message = str(err.value)
+    assert "(factory 'Flat'): " in message and not message.endswith("None")
+
+
+def test_an_index_with_no_vectors_answers_empty_arrays(tmp_path):
+    store = IndexStore(tmp_path)
+    store.create_or_open(Manifest(model={"name": "m"}, dim=DIM))
+    store.close()
+    with open_index(tmp_path) as index:
+        scores, ids = index.search_raw(unit_vectors(2), k=5)
+        assert (scores.shape, scores.dtype, ids.shape, ids.dtype) == ((2, 0), np.float32, (2, 0), np.int64)
+        assert index.search_vectors(unit_vectors(2), k=5) == [[], []]
+
+
+def test_fewer_hits_than_k_and_ids_without_rows(tmp_path):
+    """An IVF index probing one list of four finds fewer than k for some queries (faiss
+    pads with -1): each query's hits stop there, the others still come. A vector whose
+    chunk rows are gone still comes back, with its metadata None."""
+    built = build_index(tmp_path, n_units=4, chunks=10, factory="IVF4,Flat")
+    with open_index(tmp_path) as index:
+        hits = index.search_vectors(built.emb[:5], k=40)
+    assert all(len(h) < 40 for h in hits) and all(len(h) > 0 for h in hits)
+    assert all(h.source is not None for row in hits for h in row)
+    gone = int(built.ids[0] >> 32)
+    built.store.delete_chunks([gone])
+    with open_index(tmp_path) as index:
+        (row,) = index.search_vectors(built.emb[:1], k=1)
+    assert row[0].id == built.ids[0]
+    assert (row[0].source, row[0].record_id, row[0].chunk_no, row[0].char_start, row[0].char_end,
+            row[0].text) == (None,) * 6

@@ -1,0 +1,118 @@
+"""IndexStore: wipe, model identity, an empty index, many ids, removal from other index
+kinds: cases that mutation testing found untested (docs/TESTING.md)."""
+
+from __future__ import annotations
+
+import faiss
+import numpy as np
+import pytest
+from index_fixtures import DIM, build_index, unit_vectors
+
+from embedingest.errors import ConfigError
+from embedingest.index.search import open_index
+from embedingest.index.store import (METADATA_NAME, IndexStore, Manifest, model_identity,
+                                     vector_ids)
+
+
+def test_model_identity_is_the_name_else_the_path():
+    assert model_identity({"name": "m", "path": "/a"}) == "m"
+    assert model_identity({"path": "/models/mine"}) == "/models/mine"
+    assert model_identity({}) is None
+    a = Manifest(model={"path": "/models/a"}, dim=4)
+    assert a.compatible_with(Manifest(model={"path": "/models/a"}, dim=4))
+    assert not a.compatible_with(Manifest(model={"path": "/models/b"}, dim=4))
+
+
+def test_overwrite_of_a_folder_without_segments_and_with_sqlite_side_files(tmp_path):
+    store = IndexStore(tmp_path)
+    store.create_or_open(Manifest(model={"path": "/models/a"}, dim=4))
+    store.close()
+    (tmp_path / "segments").rmdir()  # nothing committed yet
+    for suffix in ("-wal", "-shm"):  # what a killed sqlite writer leaves
+        (tmp_path / (METADATA_NAME + suffix)).write_bytes(b"x")
+    with pytest.raises(ConfigError, match="use --overwrite"):
+        IndexStore(tmp_path).create_or_open(Manifest(model={"path": "/models/b"}, dim=4))
+    IndexStore(tmp_path).wipe()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    store = IndexStore(tmp_path)
+    m = store.create_or_open(Manifest(model={"path": "/models/b"}, dim=4), overwrite=True)
+    store.close()
+    assert m.model == {"path": "/models/b"}
+
+
+def test_an_index_with_no_segments_reconciles_to_nothing(tmp_path):
+    store = IndexStore(tmp_path)
+    store.create_or_open(Manifest(model={"name": "m"}, dim=DIM))
+    assert store.segments() == [] and store.reconcile() == set() and store.reconcile({}) == set()
+    store.close()
+
+
+def test_more_ids_than_one_query_batch(tmp_path):
+    store = IndexStore(tmp_path)
+    nos = store.upsert_units([{"key": f"k{i}"} for i in range(1200)])
+    assert set(store.units([f"k{i}" for i in range(1200)])) == {f"k{i}" for i in range(1200)}
+    no = nos["k0"]
+    store.insert_chunks((no, None, c, c, c + 1, f"t{c}") for c in range(1200))
+    got = store.chunks(vector_ids(no, range(1200)).tolist())
+    assert len(got) == 1200 and got[int(vector_ids(no, [1199])[0])].text == "t1199"
+    store.close()
+
+
+@pytest.mark.parametrize("factory, params", [("PCA8,IVF4,PQ4x4", "nprobe=4"), ("IVF16,Flat", "nprobe=16"),
+                                             ("HNSW8_SQ8", "efSearch=256")])
+def test_remove_units_from_other_index_kinds(tmp_path, factory, params):
+    """A transform over IVF-PQ (lists edited in place: the kept codes, hence scores, stay;
+    rebuilt, PQ would re-quantise them),
+    IVF with empty lists among full ones, and a trained HNSW kind (rebuilt from the
+    stored vectors into a clone of the trained index)."""
+    built = build_index(tmp_path, n_units=3, chunks=8, factory=factory, commit_every=100, workers=1)
+    store = built.store
+    if factory == "IVF16,Flat":
+        (seg,) = store.segments()
+        segment = faiss.read_index(str(seg.path))  # kept: the IVF below is part of it
+        ivf = faiss.extract_index_ivf(segment)
+        sizes = [ivf.invlists.list_size(i) for i in range(ivf.nlist)]
+        last = max(i for i, n in enumerate(sizes) if n)
+        assert 0 in sizes[:last], sizes  # an empty list before a full one
+    queries = unit_vectors(4, seed=3)
+    with open_index(store.folder, params=params) as index:
+        before = index.search_raw(queries, 24)
+    gone = list(built.unit_nos.values())[1]
+    assert store.remove_units([gone]) == 8
+    keep = (built.ids >> 32) != gone
+    with open_index(store.folder, params=params) as index:
+        scores, ids = index.search_raw(queries, 16)
+    assert sorted(np.unique(ids).tolist()) == sorted(built.ids[keep].tolist())
+    if "HNSW" not in factory:  # edited in place: what was kept is found as before
+        for s, i, bs, bi in zip(scores, ids, *before):
+            mask = np.isin(bi, built.ids[keep])
+            np.testing.assert_array_equal(i, bi[mask])
+            np.testing.assert_allclose(s, bs[mask], rtol=1e-5)
+
+
+def test_vector_ids_check_both_halves():
+    from embedingest.errors import EmbedingestError
+    from embedingest.index.store import MAX_UNIT_NO
+
+    assert vector_ids(0, [0, 5]).tolist() == [0, 5]  # unit 0 is a valid number
+    assert vector_ids(3, [2**32 - 1]).tolist() == [(3 << 32) | (2**32 - 1)]
+    assert vector_ids(2, np.array([1, 2], dtype=np.int32)).dtype == np.int64
+    with pytest.raises(EmbedingestError) as err:
+        vector_ids(MAX_UNIT_NO + 1, [0])
+    assert str(err.value) == f"unit number {MAX_UNIT_NO + 1} does not fit in a vector id"
+    for bad in ([-1, 3], [0, 2**32]):  # each end on its own
+        with pytest.raises(EmbedingestError, match=r"chunk numbers of unit 7 must lie in \[0, 2\*\*32\)"):
+            vector_ids(7, bad)
+
+
+def test_manifest_from_dict_names_what_is_wrong():
+    with pytest.raises(ConfigError) as err:
+        Manifest.from_dict([1, 2])
+    assert str(err.value) == "manifest is not a JSON object: rebuild the index with --overwrite"
+    with pytest.raises(ConfigError) as err:
+        Manifest.from_dict({"metric": "ip"}, where="x/manifest.json")
+    assert str(err.value) == "x/manifest.json lacks dim, model: rebuild the index with --overwrite"
+    with pytest.raises(ConfigError, match=r"^manifest has format 2, newer than this embedingest"):
+        Manifest.from_dict({"model": {}, "dim": 4, "format": 2})
+    m = Manifest.from_dict({"model": {"name": "m"}, "dim": 4, "unknown_later_field": 1})
+    assert (m.model, m.dim, m.format) == ({"name": "m"}, 4, 1)

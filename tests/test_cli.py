@@ -1,0 +1,165 @@
+"""The command line itself: presets against options, -v, --version, search's outputs and
+--params, the bench commands (small, on the CPU)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from embedingest import __version__, build_index
+from embedingest.cli import main
+from embedingest.config import IndexConfig, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXTS = [
+    "Bread rises because yeast ferments sugars and releases carbon dioxide into the dough.",
+    "TCP provides reliable, ordered delivery of a stream of bytes between applications.",
+    "Whales are marine mammals that breathe air through blowholes on top of their heads.",
+    "Volcanoes form where magma from the mantle reaches the surface through cracks in the crust.",
+    "Gradient descent updates parameters in the direction that most reduces the loss function.",
+    "Mount Everest, at 8,849 metres, is the highest mountain above sea level on Earth.",
+]
+FAST = dict(num_workers=0, num_consumers=1, batch_size=8)
+
+
+@pytest.fixture(scope="module")
+def flat_index(tmp_path_factory):
+    out = tmp_path_factory.mktemp("flat") / "idx"
+    s = build_index([{"id": f"r{i}", "text": t} for i, t in enumerate(TEXTS)], out=str(out), **FAST)
+    assert s["vectors_total"] == len(TEXTS)
+    return out
+
+
+def captured_config(monkeypatch) -> list:
+    """Replace the build job by a recorder of the config the CLI hands it."""
+    import embedingest.jobs.build_index as job
+
+    seen = []
+
+    def fake_build_index(corpus, cfg, progress=False, timeline=None):
+        seen.append(cfg)
+        return {"exit_code": 0}
+
+    monkeypatch.setattr(job, "build_index", fake_build_index)
+    return seen
+
+
+def test_options_on_the_command_line_win_over_the_preset(tmp_path, monkeypatch):
+    preset = tmp_path / "preset.toml"
+    preset.write_text('batch_size = 64\nnum_consumers = 3\ncuda_graphs = true\noverlap = 5\nindex = "HNSW16"\n')
+    seen = captured_config(monkeypatch)
+    r = CliRunner().invoke(main, ["build-index", str(tmp_path), "--config", str(preset), "--json",
+                                  "--batch-size", "8", "--no-cuda-graphs", "--index", "Flat"])
+    assert r.exit_code == 0, r.output
+    (cfg,) = seen
+    # given on the command line: theirs; only in the preset: the preset's; in neither: the default
+    assert (cfg.batch_size, cfg.cuda_graphs, cfg.index) == (8, False, "Flat")
+    assert (cfg.num_consumers, cfg.overlap) == (3, 5)
+    assert cfg.chunk_tokens == IndexConfig().chunk_tokens
+    assert load_config(IndexConfig, preset, batch_size=8, overlap=None) == \
+        IndexConfig(batch_size=8, num_consumers=3, cuda_graphs=True, overlap=5, index="HNSW16")
+
+
+def test_unknown_preset_key_is_an_error_naming_it(tmp_path):
+    preset = tmp_path / "preset.toml"
+    preset.write_text("batch_sise = 64\n")
+    r = CliRunner().invoke(main, ["build-index", str(tmp_path), "--config", str(preset)])
+    assert r.exit_code == 1 and "unknown setting(s) batch_sise" in r.output
+
+
+def test_version_is_the_package_version():
+    r = CliRunner().invoke(main, ["--version"])
+    assert r.exit_code == 0
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert r.output == f"embedingest, version {version}\n" and __version__ == version
+
+
+@pytest.mark.parametrize("verbose", [True, False])
+def test_verbose_logs_progress_to_stderr(tmp_path, monkeypatch, verbose):
+    # pytest puts its own handler on the root logger, which makes basicConfig a no-op
+    monkeypatch.setattr(logging.root, "handlers", [])
+    monkeypatch.setattr(logging.root, "level", logging.root.level)
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(TEXTS[0])
+    args = ["build-index", str(corpus), "--out", str(tmp_path / "idx"), "--num-workers", "0",
+            "--num-consumers", "1", "--json"]
+    r = CliRunner().invoke(main, (["-v"] if verbose else []) + args)
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["chunks"] == 1  # the log goes to stderr only
+    line = f"INFO embedingest: {tmp_path / 'idx'}: 1 units to index, 0 unchanged, 0 deleted"
+    assert (line in r.stderr) is verbose, r.stderr
+
+
+def test_search_prints_rank_score_source_and_text(flat_index):
+    r = CliRunner().invoke(main, ["search", str(flat_index), "why", "does", "bread", "rise", "-k", "2"])
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert len(lines) == 4
+    m = re.fullmatch(r"  1  (\d\.\d{4})  record:r0 \[r0\] #0", lines[0])
+    assert m and 0.3 < float(m.group(1)) <= 1.0, lines[0]
+    assert lines[1] == "     " + TEXTS[0]
+    assert re.fullmatch(r"  2  \d\.\d{4}  record:r\d \[r\d\] #0", lines[2]) and lines[2][5:11] < lines[0][5:11]
+    assert lines[3].startswith("     ") and lines[3][5:] in TEXTS[1:]
+
+
+def test_search_of_an_empty_index_says_so(tmp_path):
+    out = tmp_path / "idx"
+    build_index([], out=str(out), **FAST)
+    r = CliRunner().invoke(main, ["search", str(out), "anything"])
+    assert r.exit_code == 0 and r.output == "no results (the index is empty)\n"
+
+
+def test_search_params_reach_every_segment(tmp_path):
+    """IVF2 over six vectors: one probed list (faiss' default) holds fewer than six, both
+    lists (nprobe=2) hold all, ranked as exact search ranks them."""
+    out = tmp_path / "ivf"
+    records = [{"id": f"r{i}", "text": t} for i, t in enumerate(TEXTS)]
+    build_index(records, out=str(out), index="IVF2,Flat", train_size=6, **FAST)
+    exact = tmp_path / "flat"
+    build_index(records, out=str(exact), **FAST)
+
+    def ranked(folder, *extra):
+        r = CliRunner().invoke(main, ["search", str(folder), "breathing under water", "-k", "6",
+                                      "--json", *extra])
+        assert r.exit_code == 0, r.output
+        return [h["record_id"] for h in json.loads(r.output)]
+
+    assert len(ranked(out)) < 6
+    assert ranked(out, "--params", "nprobe=2") == ranked(exact)
+    r = CliRunner().invoke(main, ["search", str(out), "x", "--params", "efSearch=16"])
+    assert r.exit_code == 1 and "search parameters 'efSearch=16' do not apply" in r.output
+
+
+@pytest.mark.slow
+def test_bench_text_on_the_cpu_writes_its_rows(tmp_path, monkeypatch):
+    import embedingest.bench.text as bench_text
+
+    # the corpus's sentences from this file instead of parsing the whole standard library
+    monkeypatch.setattr(bench_text, "_sentences", lambda: TEXTS)
+    path = tmp_path / "bench.json"
+    r = CliRunner().invoke(main, ["bench", "text", "--docs", "40", "--batch-size", "16", "--device", "cpu",
+                                  "--num-workers", "0", "--num-consumers", "1", "--json", str(path)])
+    assert r.exit_code == 0, r.output
+    assert "| loop | docs/s | x bound | x sentence-transformers |" in r.stdout
+    data = json.loads(path.read_text())
+    rows = {row["kind"]: row for row in data["rows"]}
+    assert set(rows) == {"bound", "loader", "engine", "reference"}  # fp32: no second reference
+    assert rows["bound"]["vs_bound"] == 1.0 and rows["reference"]["vs_st"] == 1.0
+    assert rows["engine"]["vectors"] == rows["reference"]["vectors"] == 40
+    (summary,) = data["build_index_summaries"]
+    assert summary["docs"] == 40 and summary["device"] == "cpu" and summary["dtype"] == "fp32"
+    assert data["config"]["docs"] == 40 and data["config"]["device"] == "cpu"
+
+
+def test_bench_segmentation_without_a_gpu_says_so(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    r = CliRunner().invoke(main, ["bench", "segmentation", "--steps", "1"])
+    assert r.exit_code == 1 and "this benchmark needs a CUDA GPU" in r.output
