@@ -42,7 +42,7 @@ def captured_config(monkeypatch) -> list:
 
     seen = []
 
-    def fake_build_index(corpus, cfg, progress=False, timeline=None):
+    def fake_build_index(corpus, cfg, progress=False, timeline=None, trace=None):
         seen.append(cfg)
         return {"exit_code": 0}
 

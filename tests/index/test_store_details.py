@@ -30,8 +30,10 @@ def test_overwrite_of_a_folder_without_segments_and_with_sqlite_side_files(tmp_p
     (tmp_path / "segments").rmdir()  # nothing committed yet
     for suffix in ("-wal", "-shm"):  # what a killed sqlite writer leaves
         (tmp_path / (METADATA_NAME + suffix)).write_bytes(b"x")
-    with pytest.raises(ConfigError, match="use --overwrite"):
-        IndexStore(tmp_path).create_or_open(Manifest(model={"path": "/models/b"}, dim=4))
+    # nothing committed: the folder takes the new run's settings (a first build that failed)
+    store = IndexStore(tmp_path)
+    assert store.create_or_open(Manifest(model={"path": "/models/b"}, dim=4)).model == {"path": "/models/b"}
+    store.close()
     IndexStore(tmp_path).wipe()
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     store = IndexStore(tmp_path)
