@@ -49,6 +49,7 @@ from ..sources.image_decode import (DEFAULT_MAX_PIXELS, IMAGE_EXTENSIONS, LONG_S
                                     RESIZE_MODES, ImageMeta, ImageRejected)
 from ..sources.images import (ImageBatch, ImageFileDataset, collate_images, input_shape,
                               prepare_picture, regroup)
+from ..sources.shape_batches import ShapeBatchSampler
 from ..stages.device import resolve_device
 from ..stages.prefetch import prefetch
 from ..stages.segmentation import (ARCHITECTURES, DTYPES, Segmenter, SegmentationModel,
@@ -333,9 +334,8 @@ def run_on_device(config: SegmentConfig, device: torch.device, todo: list[tuple[
     workers = min(share_of_cpus(config.num_workers, processes), -(-len(todo) // config.batch_size))
     loader = DataLoader(
         ImageFileDataset(todo, prep, config.max_pixels or None),
-        # short: whole pictures travel (up to 16x a model input each), so a worker's
-        # chunk is a quarter batch; regroup makes the batches
-        batch_size=config.batch_size if config.resize == "fit" else max(1, config.batch_size // 4),
+        # batches of one shape planned from the headers; regroup joins their chunks
+        batch_sampler=ShapeBatchSampler(todo, prep, config.batch_size),
         num_workers=workers,
         collate_fn=functools.partial(collate_images, resize=config.resize),
         pin_memory=device.type == "cuda",
