@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections import Counter
 
 import numpy as np
@@ -16,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from embedingest.sources.image_decode import Preprocessing, header_size, open_rgb
 from embedingest.sources.images import ImageFileDataset, collate_images, regroup
-from embedingest.sources.shape_batches import ShapeBatchSampler
+from embedingest.sources.shape_batches import HeaderReaders, ShapeBatchSampler
 
 SHORT = Preprocessing("short", SIZE)
 
@@ -47,12 +48,13 @@ class _Planned(ShapeBatchSampler):
 
     def __init__(self, shapes, batch_size, chunk_size=None):
         super().__init__([(str(i), str(i)) for i in range(len(shapes))], SHORT, batch_size, chunk_size)
-        self.shapes = shapes
+        self.planned = shapes
         self.looked = 0
 
-    def shape(self, path):
-        self.looked += 1
-        return self.shapes[int(path)]
+    def shapes(self):
+        for shape in self.planned:
+            self.looked += 1
+            yield shape
 
 
 @settings(max_examples=300, deadline=None)
@@ -106,3 +108,16 @@ def test_loader_batches_are_full_across_the_run(tmp_path):
         sizes[len(batch)] += 1
     assert sizes == {3: 6, 1: 3}
     assert np.sum(list(sizes.elements())) == 21
+
+
+def test_header_readers_give_the_sizes_in_order_and_survive_a_dead_reader(tmp_path, monkeypatch):
+    sizes = image_tree(tmp_path)
+    paths = [str(tmp_path / rel) for rel in sizes] * 3 + [str(tmp_path / "missing.png")]
+    want = [header_size(p) for p in paths]
+    with HeaderReaders(2, chunksize=2) as read:
+        assert list(read(paths)) == want
+        assert list(ShapeBatchSampler([(p, p) for p in paths], SHORT, 4, read_sizes=read)) == \
+            list(ShapeBatchSampler([(p, p) for p in paths], SHORT, 4))
+    with HeaderReaders(1, chunksize=1, initializer=functools.partial(os._exit, 3)) as read:  # each reader dies
+        assert list(read(paths)) == want
+    assert list(HeaderReaders(1)(paths)) == want  # not started: read here
