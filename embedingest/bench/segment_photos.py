@@ -134,7 +134,8 @@ def forward_alone(cfg: PhotoBenchConfig, device, batch_shapes: list[list[int]]) 
     in a process of its own started as the job's was warmed: a fresh CUDA context that has
     run only the warm-up shape, so each of the job's shapes is new to it as it was to the
     job (``cold``: every batch once, first calls included, which is what the job paid);
-    then the same batches again (``warm``: every shape seen before)."""
+    then the same batches again (``warm``: every shape seen before). A shape's only,
+    short batch runs as the job runs it (``Segmenter.logits(once=True)``)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -143,6 +144,8 @@ def forward_alone(cfg: PhotoBenchConfig, device, batch_shapes: list[list[int]]) 
 
 
 def _forward_alone(cfg: PhotoBenchConfig, device: str, batch_shapes: list[list[int]]) -> dict:
+    from collections import Counter
+
     import torch
 
     from ..stages.segmentation import Segmenter, load_segmentation_model
@@ -154,12 +157,17 @@ def _forward_alone(cfg: PhotoBenchConfig, device: str, batch_shapes: list[list[i
     def pixels(n, h, w):
         return torch.randint(0, 256, (n, 3, h, w), dtype=torch.uint8, device=segmenter.device)
 
+    batches_of = Counter()
+    for n, h, w, k in batch_shapes:
+        batches_of[(h, w)] += k
+
     def timed(shapes) -> float:
         _sync(segmenter.device)
         t0 = time.perf_counter()
         for n, h, w, k in shapes:
+            once = batches_of[(h, w)] == 1 and n < cfg.batch_size  # as the job decides
             for _ in range(k):
-                segmenter.logits(inputs[(n, h, w)])
+                segmenter.logits(inputs[(n, h, w)], once=once)
         _sync(segmenter.device)
         return time.perf_counter() - t0
 

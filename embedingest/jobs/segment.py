@@ -361,6 +361,7 @@ def run_on_device(config: SegmentConfig, device: torch.device, todo: list[tuple[
         return segmenter.model_input([pixels for pixels, _, _ in batch.groups], batch.groups[0][2])
 
     shapes: Counter = Counter()
+    seen: set[tuple[int, int]] = set()
     engine = EgressEngine(factory, num_consumers=config.num_consumers,
                           num_slots=config.num_slots or None, device=str(device), slot_spec=spec)
     # disable=None: a bar on a terminal only, never in logs or pipes.
@@ -378,9 +379,13 @@ def run_on_device(config: SegmentConfig, device: torch.device, todo: list[tuple[
                 report.add(bad.path, bad.reason, stage="read")
             if pixels is not None:
                 shapes[tuple(pixels.shape[:1]) + tuple(pixels.shape[2:])] += 1
+                # a shape's short batch comes after its full ones, so a short batch of a
+                # shape not run before is the only batch of that shape
+                once = len(batch) < config.batch_size and tuple(pixels.shape[2:]) not in seen
+                seen.add(tuple(pixels.shape[2:]))
                 engine.mark_compute_start()
                 with annotate("segment forward", "compute"):
-                    logits = segmenter.logits(pixels)
+                    logits = segmenter.logits(pixels, once=once)
                     masks, metas = segmenter.image_masks(logits, batch.items, full_max)
                     crops = None
                     if config.save_logits:
