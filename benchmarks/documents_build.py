@@ -45,9 +45,9 @@ def write_documents(folder: Path, mb: float) -> dict:
             "max_bytes": sizes[-1]}
 
 
-def build_index_cold(folder: Path, out: Path, args) -> dict:
+def build_index_cold(folder: Path, out: Path, args, extra: list[str] = ()) -> dict:
     cmd = [sys.executable, "-m", "embedingest", "build-index", str(folder), "--out", str(out),
-           "--json", "--dtype", args.dtype, "--device", args.device]
+           "--json", "--dtype", args.dtype, "--device", args.device, *extra]
     if args.model:
         cmd += ["--model", args.model]
     t0 = time.perf_counter()
@@ -112,6 +112,9 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--batch-size", type=int, default=1024, help="of the forward-alone row")
     parser.add_argument("--folder", help="keep the documents here")
+    parser.add_argument("--also", action="append", default=[],
+                        help="options of another build-index row over the same documents "
+                             "(repeatable; one string, split on spaces)")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args()
     if args.device == "auto":
@@ -130,6 +133,15 @@ def main() -> None:
         job["chunks"] = chunks
         job["chunks_per_s"] = chunks / job["seconds"]
         print(f"build-index: {chunks} chunks in {job['seconds']:.1f} s: {job['chunks_per_s']:.0f} chunks/s", flush=True)
+        others = []
+        for n, extra in enumerate(args.also):
+            other = build_index_cold(folder, Path(tmp) / f"index-also-{n}", args, extra.split())
+            o = other["summary"]
+            other["chunks"] = o.get("vectors_total") or o.get("vectors")
+            other["chunks_per_s"] = other["chunks"] / other["seconds"]
+            print(f"build-index {extra}: {other['chunks']} chunks in {other['seconds']:.1f} s: "
+                  f"{other['chunks_per_s']:.0f} chunks/s", flush=True)
+            others.append(other)
         from embedingest.config import IndexConfig
 
         cfg = IndexConfig()
@@ -137,9 +149,11 @@ def main() -> None:
         print(f"forward alone: {alone['chunks']} chunks in {alone['seconds']:.2f} s: "
               f"{alone['chunks_per_s']:.0f} chunks/s", flush=True)
     result = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": platform.node(),
-              "cpus": os.cpu_count(), "args": vars(args), "documents": made, "build_index": job,
+              "cpus": os.cpu_count(), "args": vars(args), "documents": made, "build_index": job, "also": others,
               "forward_alone": alone, "job_vs_forward": job["chunks_per_s"] / alone["chunks_per_s"]}
     print(f"build-index end to end / forward alone: {result['job_vs_forward']:.2f}")
+    for extra, other in zip(args.also, others):
+        print(f"build-index {extra} / forward alone: {other['chunks_per_s'] / alone['chunks_per_s']:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
 
