@@ -119,7 +119,7 @@ def st_encode_add(cfg: TextBenchConfig, corpus: Path, model_dir: str, dtype: str
 def pretokenize(cfg: TextBenchConfig, texts: list[str], model_dir: str | None) -> list:
     """The corpus as length-sorted batches on the device, for the forward-alone rows."""
     from ..config import IndexConfig
-    from ..stages.encoder import load_tokenizer
+    from ..stages.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
     max_length = IndexConfig().chunk_tokens  # build-index's chunk size

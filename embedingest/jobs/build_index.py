@@ -41,7 +41,8 @@ from ..sources.files import open_regular, os_error_reason, refuse_output_as_inpu
 from ..sources.text import TEXT_EXTENSIONS, lone_surrogate
 from ..sources.text_dataset import TextChunkDataset, Unit
 from ..stages.device import resolve_device
-from ..stages.encoder import TextEncoder, load_tokenizer
+from ..stages.encoder import TextEncoder
+from ..stages.tokenizer import load_tokenizer
 from ..stages.prefetch import prefetch
 from ..stages.prompts import Prompts, chunk_prompt, with_prompt
 

@@ -49,9 +49,9 @@ from ..sources.image_decode import (DEFAULT_MAX_PIXELS, IMAGE_EXTENSIONS, LONG_S
                                     RESIZE_MODES, ImageMeta, ImageRejected)
 from ..sources.images import (ImageBatch, ImageFileDataset, collate_images, input_shape,
                               prepare_picture, regroup)
-from ..stages.device import resolve_device
+from ..stages.device import DTYPES, resolve_device
 from ..stages.prefetch import prefetch
-from ..stages.segmentation import (ARCHITECTURES, DTYPES, Segmenter, SegmentationModel,
+from ..stages.segmentation import (ARCHITECTURES, Segmenter, SegmentationModel,
                                    load_segmentation_model)
 
 

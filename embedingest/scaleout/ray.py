@@ -116,7 +116,7 @@ def _hash_records(batch: dict, id_field: str, text_field: str) -> dict:
 @functools.lru_cache(maxsize=4)
 def _tokenizer(model_dir: str):
     """One tokenizer per actor process, not one per call."""
-    from ..stages.encoder import load_tokenizer
+    from ..stages.tokenizer import load_tokenizer
 
     return load_tokenizer(model_dir)
 

