@@ -29,13 +29,14 @@ from torchvision.models import segmentation as tvseg
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import functional as TF
 
+from ..config import SEGMENT_ARCHITECTURES
 from ..errors import ConfigError
 from ..sources.image_decode import ImageMeta, Preprocessing
 
 log = logging.getLogger("embedingest")
 
 # Every torchvision segmentation model, by the name get_model knows it.
-ARCHITECTURES = tuple(tvmodels.list_models(module=tvseg))
+ARCHITECTURES = SEGMENT_ARCHITECTURES
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
