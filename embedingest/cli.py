@@ -19,6 +19,7 @@ import click
 from . import __version__
 from .config import IndexConfig, load_config
 from .errors import EmbedingestError
+from .exit_codes import EXIT_INTERRUPTED
 from .report import passed_over_sentence
 from .jobs.segment_cli import segment_command
 
@@ -194,7 +195,7 @@ def build_index_cmd(corpus, config_path, as_json, timeline, trace, **options) ->
     except KeyboardInterrupt:
         click.echo("\ninterrupted: every file finished so far is saved in the index; run the "
                    "same command again to resume (only unfinished files are redone)", err=True)
-        exit_quickly(130)
+        exit_quickly(EXIT_INTERRUPTED)
     if as_json:
         emit_json(summary)
     else:

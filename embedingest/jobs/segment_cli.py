@@ -14,6 +14,7 @@ import sys
 import click
 
 from ..errors import EmbedingestError
+from ..exit_codes import EXIT_INTERRUPTED
 from ..report import passed_over_sentence
 
 
@@ -94,12 +95,12 @@ def segment_command(images, config_path, as_json, timeline, trace, **options) ->
     except KeyboardInterrupt:
         click.echo("\ninterrupted: every mask written so far is kept; run the same command "
                    "again to resume", err=True)
-        sys.exit(130)
+        sys.exit(EXIT_INTERRUPTED)
     if as_json:
         click.echo(json.dumps(summary, indent=2, default=str))
     else:
         click.echo(_paragraph(summary))
-    sys.exit(3 if summary["skipped"] else 0)
+    sys.exit(summary["exit_code"])
 
 
 def _paragraph(s: dict) -> str:
