@@ -1,4 +1,4 @@
-"""The ``embedingest segment`` command; register it with ``main.add_command(segment_command)``.
+"""``embedingest segment``: a segmentation model over images, a mask per image.
 
 Options map one-to-one onto :class:`SegmentConfig` fields (IMAGES is the argument) and
 default to None, so a ``--config`` preset, or else the dataclass default, applies unless
@@ -16,6 +16,7 @@ import click
 from ..errors import EmbedingestError
 from ..exit_codes import EXIT_INTERRUPTED
 from ..report import passed_over_sentence
+from .common import import_interruptibly
 
 
 @click.command("segment")
@@ -80,7 +81,6 @@ def segment_command(images, config_path, as_json, timeline, trace, **options) ->
     but some images were skipped (see skipped.jsonl in OUT); 1 error; 130 interrupted
     (re-run the same command to resume).
     """
-    from ..cli import import_interruptibly
     from ..config import load_config
 
     try:
