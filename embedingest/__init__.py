@@ -20,7 +20,7 @@ _LAZY = {
     "open_index": "embedingest.index.search",
     "segment": "embedingest.jobs.segment",
     "segment_images": "embedingest.jobs.segment",
-    "SegmentConfig": "embedingest.jobs.segment",
+    "SegmentConfig": "embedingest.config",
 }
 
 __all__ = ["__version__", *_LAZY]

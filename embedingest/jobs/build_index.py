@@ -31,6 +31,7 @@ from ..engine import EgressEngine
 from ..engine.consumers import exit_with_parent, loader_context
 from ..engine.egress import refuse_while_bootstrapping
 from ..errors import ConfigError
+from ..exit_codes import exit_code
 from ..index.lock import RunLock
 from ..index.store import IndexStore, Manifest
 from ..index.writer import MetadataWriter
@@ -47,8 +48,6 @@ from ..stages.prefetch import prefetch
 from ..stages.prompts import Prompts, chunk_prompt, with_prompt
 
 log = logging.getLogger("embedingest")
-
-EXIT_OK, EXIT_SKIPPED, EXIT_INTERRUPTED = 0, 3, 130
 
 
 def default_out(corpus) -> Path:
@@ -395,7 +394,7 @@ def _build(corpus, cfg: IndexConfig, out: Path, encoder: TextEncoder, devices: l
         "phases": {key: round(value, 3) for key, value in phases.items()},
         "main_loop": {key: round(value, 3) for key, value in main_loop.items()} or None,
     }
-    summary["exit_code"] = EXIT_SKIPPED if report.entries else EXIT_OK
+    summary["exit_code"] = exit_code(len(report.entries))
     if trace:
         from ..engine.trace import phase_spans, write_trace
 

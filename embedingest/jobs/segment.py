@@ -25,7 +25,6 @@ import posixpath
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -33,11 +32,12 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from ..config import load_config
+from ..config import SegmentConfig, load_config
 from ..engine.consumers import exit_with_parent, loader_context
 from ..engine.egress import EgressEngine
 from ..engine.markers import annotate
 from ..errors import ConfigError
+from ..exit_codes import exit_code
 from ..outfiles import through_link
 from ..report import SkipReport
 from ..scaleout.devices import devices_of, share_of_cpus
@@ -45,103 +45,12 @@ from ..sinks.mask_stats import STATS_DIR, drop_stats_rows, stats_sources
 from ..sinks.masks import (LOGITS_SUFFIX, MASK_SUFFIX, OVERLAY_SUFFIX, MaskSinkFactory,
                            labels_info, restore_mask, write_labels)
 from ..sources.files import refuse_output_as_input, walk_files
-from ..sources.image_decode import (DEFAULT_MAX_PIXELS, IMAGE_EXTENSIONS, LONG_SIDE_LIMIT,
-                                    RESIZE_MODES, ImageMeta, ImageRejected)
+from ..sources.image_decode import IMAGE_EXTENSIONS, LONG_SIDE_LIMIT, ImageMeta, ImageRejected
 from ..sources.images import (ImageBatch, ImageFileDataset, collate_images, input_shape,
                               prepare_picture, regroup)
-from ..stages.device import DTYPES, resolve_device
+from ..stages.device import resolve_device
 from ..stages.prefetch import prefetch
-from ..stages.segmentation import (ARCHITECTURES, Segmenter, SegmentationModel,
-                                   load_segmentation_model)
-
-
-@dataclass
-class SegmentConfig:
-    """Settings of a segment run; each field is the CLI option of the same name."""
-
-    # Input folder (read recursively) or a single image file.
-    images: str | None = None
-    # Output folder: masks mirror the input tree; labels.json and skipped.jsonl go here too.
-    out: str | None = None
-    # Weights file: a state dict, a checkpoint with "model"/"state_dict", or a pickled
-    # module. Default: torchvision's COCO_WITH_VOC_LABELS_V1 file if in the hub cache.
-    weights: str | None = None
-    # Model architecture: any torchvision segmentation model (fcn_resnet50, fcn_resnet101,
-    # deeplabv3_resnet50, deeplabv3_resnet101, deeplabv3_mobilenet_v3_large,
-    # lraspp_mobilenet_v3_large).
-    arch: str = "deeplabv3_resnet50"
-    # Classes of the weights; read from the weights file, so only a check when given.
-    num_classes: int | None = None
-    # Run with random weights when no weights are found (pipeline tests, benchmarks).
-    random_weights: bool = False
-    # "short": the weights' own preprocessing (short side to size, aspect kept, no pad;
-    # images batched by shape); "fit": each image fitted into size x size and padded (one
-    # shape for all).
-    resize: str = "short"
-    # The short side of the model input ("short"; 520 is the weights' preset), or the
-    # side of the square ("fit").
-    size: int = 520
-    # Masks of images up to this many pixels are made at the image's size on the device
-    # (the logits scaled bilinearly, then argmax: torchvision's pipeline); larger images
-    # get the argmax at model size scaled up nearest-neighbour. Each host slot holds at
-    # least this many bytes. With resize "fit" every mask is made at model size.
-    upsample_max_pixels: int = 40_000_000
-    # Images per forward pass.
-    batch_size: int = 16
-    # Model precision: auto (fp16 on CUDA, fp32 on CPU), fp32, fp16 or bf16.
-    dtype: str = "auto"
-    # "auto" (CUDA when available), "cuda", "cuda:N" or "cpu".
-    device: str = "auto"
-    # Several devices, one process each, the images split between them: "all" (every
-    # GPU), "0,1" (GPU numbers), "cuda:0,cuda:1", or "cpu,cpu" (for testing); "" is the one device.
-    devices: str = ""
-    # DataLoader worker processes decoding images (0: decode in the main process; -1: the
-    # usable cores but two, shared between device processes, and no more than the batches).
-    num_workers: int = -1
-    # Engine consumer processes writing masks (PNG encoding is their main cost).
-    num_consumers: int = 4
-    # Engine host slots; 0 means twice the consumers.
-    num_slots: int = 0
-    # Also write <image>.logits.npy: float16 [classes, h, w] scores at model resolution.
-    # Each host slot then grows by batch_size x classes x size x size x 2 bytes.
-    save_logits: bool = False
-    # Also write <image>.overlay.jpg: the image with the classes blended in colour.
-    overlay: bool = False
-    # Weight of the class colour in overlays (0..1).
-    overlay_alpha: float = 0.5
-    # Also write stats/*.parquet: a row per image (source, width, height, the share of
-    # its pixels of each class), resumable like the masks.
-    stats: bool = False
-    # Seconds between commits of each writer's rows (a killed run loses at most the rows
-    # of this long; their images are redone on resume). Fewer seconds, more part files.
-    stats_commit_seconds: float = 10.0
-    # Redo images whose mask exists (otherwise they are skipped: resume).
-    overwrite: bool = False
-    # Images with more pixels are skipped with a reason (0: no limit).
-    max_pixels: int = DEFAULT_MAX_PIXELS
-
-    def validate(self) -> None:
-        checks = [
-            (self.size >= 32, f"size={self.size}: must be at least 32 (the models downsample 8x or more)"),
-            (self.resize in RESIZE_MODES, f"resize={self.resize!r}: choose {' or '.join(RESIZE_MODES)}"),
-            (self.upsample_max_pixels >= 0,
-             f"upsample_max_pixels={self.upsample_max_pixels}: must be 0 (never) or more"),
-            (self.batch_size >= 1, f"batch_size={self.batch_size}: must be at least 1"),
-            (self.num_workers >= -1, f"num_workers={self.num_workers}: must be -1 (auto), 0 or more"),
-            (self.num_consumers >= 1, f"num_consumers={self.num_consumers}: must be at least 1"),
-            (self.num_slots >= 0, f"num_slots={self.num_slots}: must be 0 (auto) or more"),
-            (self.max_pixels >= 0, f"max_pixels={self.max_pixels}: must be 0 (no limit) or more"),
-            (self.stats_commit_seconds >= 0,
-             f"stats_commit_seconds={self.stats_commit_seconds}: must be 0 or more"),
-            (0.0 <= self.overlay_alpha <= 1.0, f"overlay_alpha={self.overlay_alpha}: must be in 0..1"),
-            (self.dtype == "auto" or self.dtype in DTYPES,
-             f"dtype={self.dtype!r}: choose auto, {', '.join(DTYPES)}"),
-            (self.arch in ARCHITECTURES,
-             f"arch={self.arch!r}: choose one of {', '.join(ARCHITECTURES)}"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ConfigError(message)
+from ..stages.segmentation import Segmenter, SegmentationModel, load_segmentation_model
 
 
 def list_inputs(config: SegmentConfig, report: SkipReport) -> tuple[list[tuple[str, str]], int]:
@@ -258,7 +167,7 @@ def segment(config: SegmentConfig, progress: bool = True, timeline: str | None =
     seconds = time.perf_counter() - t0
     phases["finish_s"] = seconds - sum(phases.values())
     summary.update({
-        "skipped": len(report), "skip_reasons": report.by_reason(),
+        "skipped": len(report), "skip_reasons": report.by_reason(), "exit_code": exit_code(len(report)),
         "passed_over": dict(report.passed_over.most_common()), "seconds": round(seconds, 3),
         "images_per_s": round(summary["written"] / seconds, 2) if seconds > 0 else 0.0,
         "phases": {k: round(v, 3) for k, v in phases.items()},

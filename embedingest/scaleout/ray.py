@@ -52,6 +52,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without ray
 
 from ..config import IndexConfig
 from ..errors import ConfigError
+from ..exit_codes import exit_code
 from ..index.store import IndexStore, Manifest
 from ..report import REPORT_NAME, SkipReport
 from ..sinks.faiss_shards import new_run_id, parse_factory
@@ -318,7 +319,7 @@ class RayIndexPlan:
                    "skipped_earlier": report.earlier, "seconds": round(seconds, 3),
                    "docs_per_s": round(counts["docs"] / seconds, 1) if seconds else 0.0,
                    "chunks_per_s": round(counts["chunks"] / seconds, 1) if seconds else 0.0}
-        summary["exit_code"] = 3 if report.entries else 0
+        summary["exit_code"] = exit_code(len(report.entries))
         return summary
 
 

@@ -29,6 +29,7 @@ from torchvision.models import segmentation as tvseg
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import functional as TF
 
+from ..config import SEGMENT_ARCHITECTURES
 from ..errors import ConfigError
 from ..sources.image_decode import ImageMeta, Preprocessing
 from .device import resolve_dtype
@@ -36,7 +37,7 @@ from .device import resolve_dtype
 log = logging.getLogger("embedingest")
 
 # Every torchvision segmentation model, by the name get_model knows it.
-ARCHITECTURES = tuple(tvmodels.list_models(module=tvseg))
+ARCHITECTURES = SEGMENT_ARCHITECTURES
 
 # Masks are uint8 class indices.
 MAX_CLASSES = 256

@@ -22,7 +22,7 @@ from torchvision.transforms.functional import pil_to_tensor
 from embedingest.config import load_config
 from embedingest.errors import ConfigError
 from embedingest.jobs.segment import SegmentConfig, list_inputs, segment, segment_images
-from embedingest.jobs.segment_cli import segment_command
+from embedingest.cli.segment import segment_command
 from embedingest.report import SkipReport
 from embedingest.sinks.masks import output_paths
 from embedingest.sources.image_decode import open_rgb

@@ -12,7 +12,7 @@ from segment_fixtures import SIZE, noise, random_weights_file
 
 from embedingest.errors import ConfigError
 from embedingest.jobs.segment import SegmentConfig, segment
-from embedingest.jobs.segment_cli import segment_command
+from embedingest.cli.segment import segment_command
 from embedingest.sinks.masks import output_paths
 
 SMALL = "deeplabv3_mobilenet_v3_large"

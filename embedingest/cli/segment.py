@@ -1,4 +1,4 @@
-"""The ``embedingest segment`` command; register it with ``main.add_command(segment_command)``.
+"""``embedingest segment``: a segmentation model over images, a mask per image.
 
 Options map one-to-one onto :class:`SegmentConfig` fields (IMAGES is the argument) and
 default to None, so a ``--config`` preset, or else the dataclass default, applies unless
@@ -14,7 +14,9 @@ import sys
 import click
 
 from ..errors import EmbedingestError
+from ..exit_codes import EXIT_INTERRUPTED
 from ..report import passed_over_sentence
+from .common import import_interruptibly
 
 
 @click.command("segment")
@@ -79,7 +81,6 @@ def segment_command(images, config_path, as_json, timeline, trace, **options) ->
     but some images were skipped (see skipped.jsonl in OUT); 1 error; 130 interrupted
     (re-run the same command to resume).
     """
-    from ..cli import import_interruptibly
     from ..config import load_config
 
     try:
@@ -94,12 +95,12 @@ def segment_command(images, config_path, as_json, timeline, trace, **options) ->
     except KeyboardInterrupt:
         click.echo("\ninterrupted: every mask written so far is kept; run the same command "
                    "again to resume", err=True)
-        sys.exit(130)
+        sys.exit(EXIT_INTERRUPTED)
     if as_json:
         click.echo(json.dumps(summary, indent=2, default=str))
     else:
         click.echo(_paragraph(summary))
-    sys.exit(3 if summary["skipped"] else 0)
+    sys.exit(summary["exit_code"])
 
 
 def _paragraph(s: dict) -> str:
