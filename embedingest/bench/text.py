@@ -160,15 +160,15 @@ def loader_only(cfg: TextBenchConfig, corpus: Path, model_dir: str | None) -> di
     """The host bound: build-index's own reading, chunking and tokenizing (DataLoader
     workers, length-sorted batches) with nothing done to the batches."""
     from ..config import IndexConfig
-    from ..jobs.build_index import _loader, _workers
+    from ..jobs.build_index.encode import loader_workers, make_loader
     from ..sources.text_dataset import Unit
     from ..stages.encoder import TextEncoder
 
     enc = TextEncoder.load(model_dir, device="cpu")
     icfg = IndexConfig(batch_size=cfg.batch_size, num_workers=cfg.num_workers)
     units = [Unit(i, p.name, path=str(p)) for i, p in enumerate(sorted(corpus.glob("*.jsonl")))]
-    workers = _workers(icfg, len(units), False)
-    loader = _loader(units, enc, icfg, workers, min(icfg.chunk_tokens, enc.max_seq_length),
+    workers = loader_workers(icfg, len(units), False)
+    loader = make_loader(units, enc, icfg, workers, min(icfg.chunk_tokens, enc.max_seq_length),
                      pin=cfg.device.startswith("cuda"))
     t0 = time.perf_counter()
     docs, first, t_first = 0, 0, None
