@@ -226,7 +226,7 @@ def run_all(cfg: TextBenchConfig, log=print) -> list[dict]:
             if row.get("first_batch_s") is not None:
                 extra.append(f"first batch after {row['first_batch_s']:.2f} s")
             if row.get("summary"):
-                extra.append(f"main loop {row['summary']['main_loop']}")
+                extra.append(f"timing {row['summary']['timing']}")
             log(f"  {row['name']}: {row['docs_per_s']:,.0f} docs/s" + (f" ({'; '.join(extra)})" if extra else ""))
             rows.append(row)
             if cfg.device.startswith("cuda"):

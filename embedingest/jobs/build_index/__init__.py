@@ -133,11 +133,11 @@ def _build_locked(corpus, cfg: IndexConfig, out: Path, encoder, where: OneDevice
         t_encode = time.perf_counter()
         phases["train_s"] = t_encode - t_plan
         counts = {"chunks": 0, "docs": 0, "units_done": 0}
-        main_loop: dict = {}
+        timing: dict = {}  # where this process's time went in the encode step
         stats = None
         if units:
             stats = where.encode(units, [c["size"] for c in plan.todo], encoder, store, report, cfg,
-                                 chunk_tokens, trained, counts, progress, timing=main_loop)
+                                 chunk_tokens, trained, counts, progress, timing=timing)
         phases["encode_s"] = time.perf_counter() - t_encode
         if stats is not None and timeline and stats.records:
             from ...engine.timeline import render_timeline
@@ -169,7 +169,7 @@ def _build_locked(corpus, cfg: IndexConfig, out: Path, encoder, where: OneDevice
         "chunks_per_s": round(counts["chunks"] / seconds, 1) if seconds else 0.0,
         "engine": stats.summary() if stats else None,
         "phases": {key: round(value, 3) for key, value in phases.items()},
-        "main_loop": {key: round(value, 3) for key, value in main_loop.items()} or None,
+        "timing": {key: round(value, 3) for key, value in timing.items()} or None,
     }
     summary["exit_code"] = exit_code(len(report.entries))
     if trace:

@@ -143,7 +143,7 @@ def _load_encoder(device: str, dtype: str, model: str | None, cuda_graphs: bool,
     encoder = TextEncoder.load(model, device=device, dtype=dtype, cuda_graphs=cuda_graphs)
     t_ready = time.time()
     timing = {"start_method": start_method, "process_start_s": t_begin - started_at,
-              "imports_s": t_import - t_begin, "model_load_s": t_ready - t_import, "ready_at": t_ready}
+              "imports_s": t_import - t_begin, "load_model_s": t_ready - t_import, "ready_at": t_ready}
     return (encoder, timing), encoder.info()
 
 
@@ -166,13 +166,13 @@ def _encode_part(prepared, units: list[Unit], cfg: IndexConfig, out: str, chunk_
     progress = BatchedProgress(report_progress)
     store = IndexStore(out)  # its rows go through MetadataWriter's own connection (busy timeout)
     try:
-        main_loop: dict = {}
+        loop_timing: dict = {}
         stats = encode_units(units, encoder, store, report, cfg, Path(out), str(encoder.device), chunk_tokens,
-                            trained, counts, False, run_id=run_id, on_item=progress.add, timing=main_loop)
+                            trained, counts, False, run_id=run_id, on_item=progress.add, timing=loop_timing)
     finally:
         store.close()
     progress.flush()
-    timing.update(encode_s=time.time() - t_model, engine_wall_s=stats.wall_seconds, **main_loop)
+    timing.update(encode_s=time.time() - t_model, engine_wall_s=stats.wall_seconds, **loop_timing)
     return {"counts": counts, "stats": stats, "skipped": report.entries,
             "timing": {k: round(v, 3) if isinstance(v, float) else v for k, v in timing.items()}}
 

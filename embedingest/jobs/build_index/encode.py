@@ -6,9 +6,7 @@ factories on a first sample, which reads batches the same way.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import itertools
 import os
 import time
 from pathlib import Path
@@ -17,17 +15,16 @@ import torch
 from torch.utils.data import DataLoader
 
 from ...config import IndexConfig
-from ...engine import EgressEngine
 from ...engine.consumers import exit_with_parent, loader_context
 from ...errors import ConfigError
 from ...index.store import IndexStore, Manifest
 from ...index.writer import MetadataWriter
 from ...report import SkipReport
+from ...runner import BatchSteps, run_batches
 from ...scaleout.devices import share_of_cpus
 from ...sinks.faiss_shards import FaissShardSinkFactory, new_run_id, parse_factory
 from ...sources.text_dataset import TextChunkDataset, Unit
 from ...stages.encoder import TextEncoder
-from ...stages.prefetch import prefetch
 from ...stages.prompts import chunk_prompt, with_prompt
 from ...stages.tokenizer import load_tokenizer
 
@@ -38,21 +35,57 @@ def needs_training(store: IndexStore, cfg: IndexConfig, dim: int) -> bool:
     return not store.trained_path.is_file() and not parse_factory(dim, cfg.index, cfg.metric).is_trained
 
 
-def make_loader(units: list[Unit], encoder: TextEncoder, cfg: IndexConfig, workers: int,
-            chunk_tokens: int, pin: bool) -> DataLoader:
-    """Batches of tokenized chunks, the document prompt's tokens in each chunk."""
+def chunk_batches(units: list[Unit], encoder: TextEncoder, cfg: IndexConfig, chunk_tokens: int,
+                  tokenizer_loader=load_tokenizer) -> TextChunkDataset:
+    """Batches of tokenized chunks of ``units``, the document prompt's tokens in each
+    chunk (an iterable dataset; :func:`make_loader` runs it in DataLoader workers)."""
     doc_prompt = encoder.prompts.for_role("document", cfg.doc_prompt)
     encoder.check_prompt(doc_prompt)
     prompt = chunk_prompt(encoder.tokenizer, doc_prompt, chunk_tokens, cfg.overlap)
     ds = TextChunkDataset(units, encoder.model_dir, batch_size=cfg.batch_size,
                           max_tokens=prompt.max_tokens, overlap=cfg.overlap,
                           window=cfg.sort_window * cfg.batch_size, text_field=cfg.text_field,
-                          id_field=cfg.id_field, tokenizer_loader=load_tokenizer,
+                          id_field=cfg.id_field, tokenizer_loader=tokenizer_loader,
                           pad_multiple=16 if encoder.device.type == "cuda" else 1)
-    return DataLoader(with_prompt(ds, prompt), batch_size=None, num_workers=workers, pin_memory=pin,
+    return with_prompt(ds, prompt)
+
+
+def make_loader(units: list[Unit], encoder: TextEncoder, cfg: IndexConfig, workers: int,
+                chunk_tokens: int, pin: bool) -> DataLoader:
+    """:func:`chunk_batches` from ``workers`` DataLoader worker processes."""
+    return DataLoader(chunk_batches(units, encoder, cfg, chunk_tokens), batch_size=None,
+                      num_workers=workers, pin_memory=pin,
                       prefetch_factor=4 if workers else None, persistent_workers=False,
                       worker_init_fn=functools.partial(exit_with_parent, os.getpid()),
                       multiprocessing_context=loader_context() if workers else None)
+
+
+def shard_sinks(out: str | Path, dim: int, cfg: IndexConfig, run_id: str,
+                trained: str | None) -> FaissShardSinkFactory:
+    """The engine's sinks: FAISS shards under ``out``, written under ``run_id``."""
+    return FaissShardSinkFactory(str(out), dim, cfg.index, cfg.metric, run_id=run_id,
+                                 commit_every=cfg.commit_every, trained=trained)
+
+
+def vector_slots(cfg: IndexConfig, dim: int) -> dict:
+    """One host slot of the engine: a batch of vectors and their ids."""
+    return {"emb": ((cfg.batch_size, dim), "float32"), "ids": ((cfg.batch_size,), "int64")}
+
+
+def embed_steps(encoder: TextEncoder, device: str, done=None) -> BatchSteps:
+    """What the batch loop does with a batch of chunks: token ids and mask to the device,
+    the encoder's vectors and their ids to the engine (one part per batch)."""
+
+    def send(item):
+        if not len(item["ids"]):
+            return None
+        return (item["input_ids"].to(device, non_blocking=True),
+                item["attention_mask"].to(device, non_blocking=True))
+
+    def forward(batch_no: int, item, on_device):
+        return [(batch_no, {"emb": encoder.forward(*on_device), "ids": item["ids"]})]
+
+    return BatchSteps(send, forward, skipped=lambda item: item["skipped"], done=done)
 
 
 def loader_workers(cfg: IndexConfig, n_units: int, in_memory: bool) -> int:
@@ -91,85 +124,55 @@ def train_if_needed(store: IndexStore, manifest: Manifest, encoder: TextEncoder,
 
 
 def encode_units(units: list[Unit], encoder: TextEncoder, store: IndexStore, report: SkipReport,
-                cfg: IndexConfig, out: Path, device: str, chunk_tokens: int, trained: str | None,
-                counts: dict, progress: bool, run_id: str | None = None, on_item=None,
-                timing: dict | None = None):
-    """The encode step on one device; ``timing`` (a dict) receives where the main
-    process's time went (see ``main_loop`` in the summary)."""
+                 cfg: IndexConfig, out: Path, device: str, chunk_tokens: int, trained: str | None,
+                 counts: dict, progress: bool, run_id: str | None = None, on_item=None,
+                 timing: dict | None = None):
+    """The encode step on one device: the batch loop (:func:`~embedingest.runner.run_batches`)
+    over ``units``, chunk rows to the metadata store; returns the engine's stats.
+    ``timing`` (a dict) receives where this process's time went: the loop's keys, and
+    ``metadata_s`` (handing rows to the metadata thread), ``metadata_blocked_s`` and
+    ``metadata_write_s`` (that thread's waits and writes)."""
     from tqdm import tqdm
 
-    cuda = device.startswith("cuda")
     workers = loader_workers(cfg, len(units), units[0].path is None)
-    loader = make_loader(units, encoder, cfg, workers, chunk_tokens, pin=cuda)
-    sinks = FaissShardSinkFactory(str(out), encoder.dim, cfg.index, cfg.metric,
-                                  run_id=run_id or new_run_id(), commit_every=cfg.commit_every,
-                                  trained=trained)
-    spec = {"emb": ((cfg.batch_size, encoder.dim), "float32"), "ids": ((cfg.batch_size,), "int64")}
+    loader = make_loader(units, encoder, cfg, workers, chunk_tokens, pin=device.startswith("cuda"))
+    sinks = shard_sinks(out, encoder.dim, cfg, run_id or new_run_id(), trained)
     meta = MetadataWriter(store)
-    docs, finished = 0, False
-    # Where the main process's time goes: starting the workers and consumers until the
-    # first batch, waiting for tokenized batches (the workers are the bound), launching
-    # the forward and handing over the copy, metadata rows, and closing (the consumers'
-    # last commits).
     timing = timing if timing is not None else {}
-    timing.update(start_s=0.0, first_batch_s=0.0, input_wait_s=0.0, encode_submit_s=0.0, metadata_s=0.0,
-                  close_s=0.0)
+    timing["metadata_s"] = 0.0
+    docs, finished = 0, False
     bar = tqdm(total=len(units), unit="unit", disable=not progress, dynamic_ncols=True)
     t0 = time.perf_counter()
-    engine = EgressEngine(sinks, num_consumers=cfg.num_consumers, num_slots=cfg.num_slots or None,
-                          device=device, slot_spec=spec)
-    try:
-        with engine, torch.inference_mode(), contextlib.ExitStack() as stack:
-            def send(item):
-                if not len(item["ids"]):
-                    return None
-                return (item["input_ids"].to(device, non_blocking=True),
-                        item["attention_mask"].to(device, non_blocking=True))
 
-            # closed on the way out, whatever stops the loop: the loader's workers are
-            # shut down here, not whenever the generator is collected
-            batches = stack.enter_context(
-                contextlib.closing(prefetch(loader, send, device, engine.span)))
-            timing["start_s"] = time.perf_counter() - t0  # the engine's consumers started
-            for batch_no in itertools.count():
-                t_wait = time.perf_counter()
-                item, moved = next(batches, (None, None))
-                t_encode = time.perf_counter()
-                timing["first_batch_s" if batch_no == 0 else "input_wait_s"] += t_encode - t_wait
-                if item is None:
-                    t_close = t_encode
-                    break
-                for where, reason in item["skipped"]:
-                    report.add(where, reason, stage="read")
-                if moved is not None:
-                    engine.mark_compute_start()
-                    emb = encoder.forward(*moved)
-                    engine.submit(batch_no, {"emb": emb, "ids": item["ids"]})
-                t_meta = time.perf_counter()
-                timing["encode_submit_s"] += t_meta - t_encode
-                meta.add(item)
-                timing["metadata_s"] += time.perf_counter() - t_meta
-                n = len(item["ids"])
-                counts["chunks"] += n
-                docs += item["chunks"].n_docs
-                counts["units_done"] += len(item["units_done"])
-                if on_item is not None:
-                    on_item(len(item["units_done"]), n)
-                if progress:
-                    dt = max(time.perf_counter() - t0, 1e-9)
-                    bar.update(len(item["units_done"]))
-                    bar.set_postfix(docs_s=f"{docs / dt:,.0f}", chunks_s=f"{counts['chunks'] / dt:,.0f}",
-                                    refresh=False)
+    def done(item) -> None:
+        nonlocal docs
+        t_meta = time.perf_counter()
+        meta.add(item)
+        timing["metadata_s"] += time.perf_counter() - t_meta
+        n = len(item["ids"])
+        counts["chunks"] += n
+        docs += item["chunks"].n_docs
+        counts["units_done"] += len(item["units_done"])
+        if on_item is not None:
+            on_item(len(item["units_done"]), n)
+        if progress:
+            dt = max(time.perf_counter() - t0, 1e-9)
+            bar.update(len(item["units_done"]))
+            bar.set_postfix(docs_s=f"{docs / dt:,.0f}", chunks_s=f"{counts['chunks'] / dt:,.0f}",
+                            refresh=False)
+
+    try:
+        engine = run_batches(sinks, loader, embed_steps(encoder, device, done), device=device,
+                             slot_spec=vector_slots(cfg, encoder.dim), num_consumers=cfg.num_consumers,
+                             num_slots=cfg.num_slots or None,
+                             on_skip=functools.partial(report.add, stage="read"), timing=timing)
         finished = True
     finally:
         counts["docs"] = docs
         bar.close()
         meta.close(raise_errors=finished)
         timing.update(metadata_blocked_s=round(meta.blocked_s, 3), metadata_write_s=round(meta.write_s, 3))
-        if finished:
-            timing["close_s"] = time.perf_counter() - t_close
     return engine.stats
-
 
 
 class OneDevice:

@@ -54,10 +54,13 @@ from ...errors import ConfigError
 from ...exit_codes import exit_code
 from ...index.store import IndexStore, Manifest
 from ...report import REPORT_NAME, SkipReport
+from ...runner import run_batches
 from ...scaleout.ray_data import in_order
 from ...sinks.faiss_shards import new_run_id, parse_factory
+from ...stages.device import precision
 from ...stages.prefetch import thread_ahead
-from .encode import needs_training, train_if_needed
+from .encode import (chunk_batches, embed_steps, needs_training, shard_sinks, train_if_needed,
+                     vector_slots)
 from .plan import apply_plan, fingerprint, plan_units, search_defaults, settled_prompts
 
 log = logging.getLogger("embedingest")
@@ -163,48 +166,24 @@ class EmbedBatches:
         return self._embed(units)
 
     def _embed(self, units: list) -> pa.Table:
-        import torch
-
-        from ...engine import EgressEngine
-        from ...sinks.faiss_shards import FaissShardSinkFactory
-        from ...sources.text_dataset import TextChunkDataset
-        from ...stages.prefetch import prefetch
-        from ...stages.prompts import chunk_prompt, with_prompt
-
-        cfg, enc, device = self.cfg, self.encoder, self.device
-        doc_prompt = enc.prompts.for_role("document", cfg.doc_prompt)
-        enc.check_prompt(doc_prompt)
-        prompt = chunk_prompt(enc.tokenizer, doc_prompt, self.chunk_tokens, cfg.overlap)
-        ds = TextChunkDataset(units, str(enc.model_dir), batch_size=cfg.batch_size,
-                              max_tokens=prompt.max_tokens, overlap=cfg.overlap,
-                              window=cfg.sort_window * cfg.batch_size, tokenizer_loader=_tokenizer,
-                              pad_multiple=16 if enc.device.type == "cuda" else 1)
-        sinks = FaissShardSinkFactory(self.out, enc.dim, cfg.index, cfg.metric,
-                                      run_id=f"{self.run_id}_{self.calls:05d}",
-                                      commit_every=cfg.commit_every, trained=self.trained)
+        cfg, enc = self.cfg, self.encoder
+        batches = chunk_batches(units, enc, cfg, self.chunk_tokens, tokenizer_loader=_tokenizer)
+        sinks = shard_sinks(self.out, enc.dim, cfg, f"{self.run_id}_{self.calls:05d}", self.trained)
         self.calls += 1
-        spec = {"emb": ((cfg.batch_size, enc.dim), "float32"), "ids": ((cfg.batch_size,), "int64")}
         chunks: dict[int, list[dict]] = {}
         done: dict[int, int] = {}
         skipped: list[tuple[str, str]] = []
 
-        def send(item):
-            if not len(item["ids"]):
-                return None
-            return (item["input_ids"].to(device, non_blocking=True),
-                    item["attention_mask"].to(device, non_blocking=True))
+        def keep(item) -> None:
+            """The chunk rows go back to the driver, which alone writes the metadata."""
+            for c in item["chunks"]:
+                chunks.setdefault(c["unit_no"], []).append(c)
+            done.update((int(u), int(n)) for u, n in item["units_done"])
 
-        with EgressEngine(sinks, num_consumers=cfg.num_consumers, num_slots=cfg.num_slots or None,
-                          device=device, slot_spec=spec) as engine, torch.inference_mode():
-            for batch_no, (item, moved) in enumerate(prefetch(thread_ahead(iter(with_prompt(ds, prompt))), send, device,
-                                                              engine.span)):
-                if moved is not None:
-                    engine.mark_compute_start()
-                    engine.submit(batch_no, {"emb": enc.forward(*moved), "ids": item["ids"]})
-                for c in item["chunks"]:
-                    chunks.setdefault(c["unit_no"], []).append(c)
-                done.update((int(u), int(n)) for u, n in item["units_done"])
-                skipped.extend(item["skipped"])
+        run_batches(sinks, thread_ahead(iter(batches)), embed_steps(enc, self.device, keep),
+                    device=self.device, slot_spec=vector_slots(cfg, enc.dim),
+                    num_consumers=cfg.num_consumers, num_slots=cfg.num_slots or None,
+                    on_skip=lambda where, reason: skipped.append((where, reason)))
         return _result_table(units, chunks, done, skipped)
 
 
@@ -323,7 +302,7 @@ def plan_ray_index(dataset: ray.data.Dataset, out: str | os.PathLike,
             raise ConfigError(f"the dataset has no column {field!r} ({option}); its columns are "
                               f"{', '.join(sorted(columns))}: set {option}, or add the column "
                               "(e.g. Dataset.add_column) since records are tracked by id")
-    dtype = cfg.dtype if cfg.dtype != "auto" else ("fp16" if num_gpus else "fp32")
+    dtype = precision(cfg.dtype, bool(num_gpus))
     cfg = cfg.for_device(bool(num_gpus))
     encoder = TextEncoder.load(cfg.model, device="cpu", dtype="fp32")
     chunk_tokens = min(cfg.chunk_tokens, encoder.max_seq_length)

@@ -86,7 +86,7 @@ def segment(config: SegmentConfig, progress: bool = True, timeline: str | None =
     seconds = time.perf_counter() - t0
     phases["finish_s"] = seconds - sum(phases.values())
     summary.update({
-        "skipped": len(report), "skip_reasons": report.by_reason(), "exit_code": exit_code(len(report)),
+        "skipped": len(report), "skipped_by_reason": report.by_reason(), "exit_code": exit_code(len(report)),
         "passed_over": dict(report.passed_over.most_common()), "seconds": round(seconds, 3),
         "images_per_s": round(summary["written"] / seconds, 2) if seconds > 0 else 0.0,
         "phases": {k: round(v, 3) for k, v in phases.items()},

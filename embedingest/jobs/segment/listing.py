@@ -9,7 +9,7 @@ import posixpath
 from pathlib import Path
 
 from ...config import SegmentConfig
-from ...outfiles import through_link
+from ...outfiles import is_tmp_name, through_link
 from ...report import SkipReport
 from ...sinks.mask_stats import STATS_DIR, stats_sources
 from ...sinks.masks import LOGITS_SUFFIX, MASK_SUFFIX, OVERLAY_SUFFIX
@@ -85,7 +85,7 @@ def remove_stale_tmp_files(out: Path, todo: list[tuple[str, str]]) -> None:
         except OSError:
             continue
         for entry in entries:
-            if entry.name.startswith(".") and ".tmp-" in entry.name and entry.is_file(follow_symlinks=False):
+            if is_tmp_name(entry.name) and entry.is_file(follow_symlinks=False):
                 with contextlib.suppress(OSError):
                     os.unlink(entry.path)
 

@@ -16,14 +16,13 @@ from tqdm import tqdm
 
 from ...config import SegmentConfig
 from ...engine.consumers import exit_with_parent, loader_context
-from ...engine.egress import EgressEngine
 from ...engine.markers import annotate
 from ...report import SkipReport
+from ...runner import BatchSteps, run_batches
 from ...scaleout.devices import share_of_cpus
 from ...sinks.masks import MaskSinkFactory, labels_info, write_labels
 from ...sources.image_decode import LONG_SIDE_LIMIT, ImageMeta
 from ...sources.images import ImageBatch, ImageFileDataset, collate_images, regroup
-from ...stages.prefetch import prefetch
 from ...stages.segmentation import Segmenter, load_segmentation_model
 
 
@@ -74,8 +73,7 @@ def segment_on_device(config: SegmentConfig, device: torch.device, todo: list[tu
     their hand-over to the engine; closing, the consumers' last masks), and
     ``batch_shapes``: how many batches of each size and model input shape ran."""
     t0 = time.perf_counter()
-    timing = dict.fromkeys(("load_model_s", "start_s", "first_batch_s", "first_forward_s",
-                            "input_wait_s", "forward_submit_s", "close_s"), 0.0)
+    timing = {"load_model_s": 0.0}
     loaded = load_segmentation_model(config.arch, config.weights, config.num_classes,
                                      config.random_weights)
     prep = loaded.preprocessing(config.resize, config.size)
@@ -109,48 +107,40 @@ def segment_on_device(config: SegmentConfig, device: torch.device, todo: list[tu
                               stats_commit_seconds=config.stats_commit_seconds)
     # Start the decoding workers (fork) before the engine starts its threads.
     batches = regroup(iter(loader), config.batch_size, max_waiting=4 * config.batch_size)
+    shapes: Counter = Counter()
 
     def send(batch: ImageBatch) -> torch.Tensor | None:
         if not batch.groups:
             return None
         return segmenter.model_input([pixels for pixels, _, _ in batch.groups], batch.groups[0][2])
 
-    shapes: Counter = Counter()
-    engine = EgressEngine(factory, num_consumers=config.num_consumers,
-                          num_slots=config.num_slots or None, device=str(device), slot_spec=spec)
+    def forward(batch_no: int, batch: ImageBatch, pixels: torch.Tensor):
+        """The masks (and logits) of a batch, in as few parts as fit a host slot."""
+        shapes[tuple(pixels.shape[:1]) + tuple(pixels.shape[2:])] += 1
+        with annotate("segment forward", "compute"):
+            logits = segmenter.logits(pixels)
+            masks, metas = segmenter.image_masks(logits, batch.items, full_max)
+            crops = None
+            if config.save_logits:
+                crops = [logits[i, :, :m.content_height, :m.content_width].to(torch.float16)
+                         for i, m in enumerate(metas)]
+        return _parts(metas, masks, crops, spec)
+
     # disable=None: a bar on a terminal only, never in logs or pipes.
     with tqdm(total=len(todo), unit="img", desc="segment", dynamic_ncols=True,
-              disable=None if progress else True) as bar, engine:
-        moved = prefetch(batches, send, device, engine.span)
-        t_wait = time.perf_counter()
-        timing["start_s"] = t_wait - t_loaded
-        first_wait, first_forward = True, True
-        for batch, pixels in moved:
-            t_got = time.perf_counter()
-            timing["first_batch_s" if first_wait else "input_wait_s"] += t_got - t_wait
-            first_wait = False
-            for bad in batch.bad:
-                report.add(bad.path, bad.reason, stage="read")
-            if pixels is not None:
-                shapes[tuple(pixels.shape[:1]) + tuple(pixels.shape[2:])] += 1
-                engine.mark_compute_start()
-                with annotate("segment forward", "compute"):
-                    logits = segmenter.logits(pixels)
-                    masks, metas = segmenter.image_masks(logits, batch.items, full_max)
-                    crops = None
-                    if config.save_logits:
-                        crops = [logits[i, :, :m.content_height, :m.content_width].to(torch.float16)
-                                 for i, m in enumerate(metas)]
-                for part_metas, arrays in _parts(metas, masks, crops, spec):
-                    engine.submit(part_metas, arrays)
-                timing["first_forward_s" if first_forward else "forward_submit_s"] += (
-                    time.perf_counter() - t_got)
-                first_forward = False
+              disable=None if progress else True) as bar:
+
+        def done(batch: ImageBatch) -> None:
             bar.update(len(batch) + len(batch.bad))
             if on_images is not None:
                 on_images(len(batch) + len(batch.bad))
-            t_wait = time.perf_counter()
-    timing["close_s"] = time.perf_counter() - t_wait
+
+        steps = BatchSteps(send, forward, skipped=lambda batch: [(b.path, b.reason) for b in batch.bad],
+                           done=done)
+        engine = run_batches(factory, batches, steps, device=device, slot_spec=spec,
+                             num_consumers=config.num_consumers, num_slots=config.num_slots or None,
+                             on_skip=functools.partial(report.add, stage="read"), timing=timing,
+                             started=t_loaded)
     if timeline and engine.stats.records:
         from ...engine.timeline import render_timeline
 
