@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from ...config import IndexConfig
 from ...engine.consumers import exit_with_parent, loader_context
@@ -36,7 +36,7 @@ def needs_training(store: IndexStore, cfg: IndexConfig, dim: int) -> bool:
 
 
 def chunk_batches(units: list[Unit], encoder: TextEncoder, cfg: IndexConfig, chunk_tokens: int,
-                  tokenizer_loader=load_tokenizer) -> TextChunkDataset:
+                  tokenizer_loader=load_tokenizer) -> IterableDataset:
     """Batches of tokenized chunks of ``units``, the document prompt's tokens in each
     chunk (an iterable dataset; :func:`make_loader` runs it in DataLoader workers)."""
     doc_prompt = encoder.prompts.for_role("document", cfg.doc_prompt)

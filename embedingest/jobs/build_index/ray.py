@@ -85,9 +85,9 @@ class TodoMap:
     @classmethod
     def build(cls, mapping: Mapping[str, int]) -> TodoMap:
         digests = np.array([_digest(k) for k in mapping], dtype="S16")
-        nos = np.fromiter(mapping.values(), dtype=np.int64, count=len(mapping))
+        unit_nos = np.fromiter(mapping.values(), dtype=np.int64, count=len(mapping))
         order = np.argsort(digests)
-        return cls(digests[order], nos[order])
+        return cls(digests[order], unit_nos[order])
 
     def lookup(self, ids: list[str]) -> np.ndarray:
         """The unit number of each id, -1 for ids not to embed."""
