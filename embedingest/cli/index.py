@@ -9,19 +9,19 @@ import click
 from ..config import IndexConfig, load_config
 from ..exit_codes import EXIT_INTERRUPTED
 from ..report import passed_over_sentence
-from .common import _config_options, emit_json, exit_quickly, import_interruptibly, library_errors
+from .common import config_options, emit_json, exit_quickly, import_interruptibly, library_errors
 
 
 @click.command("build-index")
 @click.argument("corpus", type=click.Path(exists=True, path_type=str))
+@config_options(IndexConfig)
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
-              help="TOML preset with IndexConfig fields (configs/*.toml).")
+              help="TOML preset of these options (configs/*.toml); options given here win.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.option("--timeline", type=click.Path(dir_okay=False), help="Write a PNG timeline of the last batches.")
 @click.option("--trace", type=click.Path(dir_okay=False),
               help="Write the run's phases and every batch's engine records (compute, copy, hand-off, "
                    "consumers) as a Chrome trace (JSON; open it in Perfetto or chrome://tracing).")
-@_config_options(IndexConfig)
 @library_errors
 def build_index_cmd(corpus, config_path, as_json, timeline, trace, **options) -> None:
     """Index the text files under CORPUS (or one file) into FAISS shards.
