@@ -55,7 +55,7 @@ def exit_quickly(code: int) -> NoReturn:
 def import_interruptibly(module: str):
     """Import a job's module (torch, numpy, faiss, transformers: seconds) with SIGINT
     held back until it is done, so a Ctrl-C meanwhile arrives as a KeyboardInterrupt
-    right after it, where the command turns it into exit 130. Inside those imports it
+    right after it, where the command turns it into EXIT_INTERRUPTED. Inside those imports it
     is not safe: torch imports numpy from C and takes any error for "no numpy" (the
     Ctrl-C is lost, numpy left half imported), and pybind11 aborts the process."""
     import importlib

@@ -7,12 +7,16 @@ import sys
 import click
 
 from ..config import IndexConfig, load_config
-from ..exit_codes import EXIT_INTERRUPTED
+from ..exit_codes import EXIT_INTERRUPTED, exit_status_help
 from ..report import passed_over_sentence
 from .common import config_options, emit_json, exit_quickly, import_interruptibly, library_errors
 
 
-@click.command("build-index")
+@click.command("build-index", help=f"""Index the text files under CORPUS (or one file) into FAISS shards.
+
+    Re-running adds only new or changed files and drops deleted ones.
+
+    {exit_status_help("all inputs indexed", "inputs", "the index folder")}""")
 @click.argument("corpus", type=click.Path(exists=True, path_type=str))
 @config_options(IndexConfig)
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
@@ -24,12 +28,6 @@ from .common import config_options, emit_json, exit_quickly, import_interruptibl
                    "consumers) as a Chrome trace (JSON; open it in Perfetto or chrome://tracing).")
 @library_errors
 def build_index_cmd(corpus, config_path, as_json, timeline, trace, **options) -> None:
-    """Index the text files under CORPUS (or one file) into FAISS shards.
-
-    Re-running adds only new or changed files and drops deleted ones. Exit status: 0 all
-    inputs indexed; 3 finished but some inputs were skipped (see skipped.jsonl in the
-    index folder); 1 error; 130 interrupted (re-run the same command to resume).
-    """
     cfg = load_config(IndexConfig, config_path, **options)
     try:
         build_index = import_interruptibly("embedingest.jobs.build_index").build_index

@@ -13,12 +13,18 @@ import sys
 import click
 
 from ..config import SegmentConfig, load_config
-from ..exit_codes import EXIT_INTERRUPTED
+from ..exit_codes import EXIT_INTERRUPTED, exit_status_help
 from ..report import passed_over_sentence
 from .common import config_options, emit_json, exit_quickly, import_interruptibly, library_errors
 
 
-@click.command("segment")
+@click.command("segment", help=f"""A torchvision segmentation model over the images under IMAGES (or one
+    image): a PNG mask per image, at the image's own size, in OUT, with OUT/labels.json saying what
+    the values mean.
+
+    Re-running skips images whose mask exists.
+
+    {exit_status_help("all images done", "images", "OUT")}""")
 @click.argument("images", type=click.Path(exists=True, path_type=str))
 @config_options(SegmentConfig, skip=("images",))
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
@@ -31,14 +37,6 @@ from .common import config_options, emit_json, exit_quickly, import_interruptibl
                    "chrome://tracing); one device only.")
 @library_errors(kept="every mask written before is kept")
 def segment_command(images, config_path, as_json, timeline, trace, **options) -> None:
-    """A torchvision segmentation model over the images under IMAGES (or one image): a PNG
-    mask per image, at the image's own size, in OUT, with OUT/labels.json saying what the
-    values mean.
-
-    Re-running skips images whose mask exists. Exit status: 0 all images done; 3 finished
-    but some images were skipped (see skipped.jsonl in OUT); 1 error; 130 interrupted
-    (re-run the same command to resume).
-    """
     config = load_config(SegmentConfig, config_path, images=images, **options)
     try:
         segment = import_interruptibly("embedingest.jobs.segment").segment
