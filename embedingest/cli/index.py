@@ -53,5 +53,5 @@ def _index_paragraph(s: dict) -> str:
             f"{s['seconds']:.1f} s: {s['docs_per_s']:,.0f} docs/s, {s['chunks_per_s']:,.0f} chunks/s "
             f"on {s['device']} ({s['dtype']}). {s['units_unchanged']} files unchanged, "
             f"{s['units_removed']} removed; {skipped}.{passed_over_sentence(s)} The index at {s['index']} holds "
-            f"{s['vectors_total']} vectors in {s['segments']} segments; query it with: "
+            f"{s['vectors_total']} vectors in {s['segments']} shards; query it with: "
             f"embedingest search {s['index']} \"your question\"")

@@ -369,7 +369,7 @@ def _build(corpus, cfg: IndexConfig, out: Path, encoder: TextEncoder, devices: l
     finally:
         try:
             if store.exists():
-                manifest = store.update_segments(corpus=_fingerprint(store), **settings)
+                manifest = store.update_shards(corpus=_fingerprint(store), **settings)
             report.write(out)
         finally:
             store.close()

@@ -306,7 +306,7 @@ class RayIndexPlan:
             counts["units_incomplete"] = len(bad)
         finally:
             bar.close()
-            manifest = store.update_segments(corpus=_fingerprint(store), **self.settings)
+            manifest = store.update_shards(corpus=_fingerprint(store), **self.settings)
             report.write(self.out)
             store.close()
         seconds = time.perf_counter() - self.started
