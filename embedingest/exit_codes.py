@@ -20,3 +20,10 @@ EXIT_INTERRUPTED = 130
 def exit_code(skipped: int) -> int:
     """The status of a finished run that skipped ``skipped`` inputs."""
     return EXIT_SKIPPED if skipped else EXIT_OK
+
+
+def exit_status_help(done: str, inputs: str, where: str) -> str:
+    """The paragraph of a job command's help that says what each status means."""
+    return (f"Exit status: {EXIT_OK} {done}; {EXIT_SKIPPED} finished, but some {inputs} were "
+            f"skipped (see skipped.jsonl in {where}); {EXIT_ERROR} error; {EXIT_INTERRUPTED} "
+            "interrupted (run the same command again to resume).")

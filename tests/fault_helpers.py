@@ -372,7 +372,7 @@ def check_exactly_once(out: Path, expected: dict[str, int]) -> np.ndarray:
     check_index_files(out)
     assert not tmp_files(out), f"temporary files left: {tmp_files(out)}"
     with IndexStore(out) as store:
-        segments = store.segments()
+        segments = store.shards()
         ids = np.concatenate([s.ids() for s in segments]) if segments else np.empty(0, np.int64)
         dup = [i for i, c in Counter(ids.tolist()).items() if c > 1]
         assert not dup, f"{len(dup)} ids indexed more than once, e.g. {dup[:5]}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from ..config import DTYPE_NAMES, SEGMENT_ARCHITECTURES
 from .common import library_errors
 
 
@@ -15,27 +16,33 @@ def bench() -> None:
 @bench.command("segmentation")
 @click.option("--steps", default=30, show_default=True, help="Timed steps for the fast loops.")
 @click.option("--warmup", default=5, show_default=True, help="Steps before the clock starts.")
-@click.option("--batch-size", type=int, help="[64; with --photos the job's 16]")
-@click.option("--image-size", default=512, show_default=True)
-@click.option("--consumers", default=8, show_default=True, help="Consumer processes.")
+@click.option("--batch-size", type=int, help="Images per step.  [default: 64; with --photos the job's 16]")
+@click.option("--image-size", default=512, show_default=True, help="Side of the square input images.")
+@click.option("--consumers", default=8, show_default=True,
+              help="Consumer processes (seed loops and engine alike).")
 @click.option("--slots", default=12, show_default=True, help="Engine host slots.")
-@click.option("--loader-workers", default=8, show_default=True)
-@click.option("--only", default="", help="Comma list of row groups: bound, seed, engine.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write rows here.")
+@click.option("--loader-workers", default=8, show_default=True,
+              help="DataLoader processes making the random images.")
+@click.option("--only", default="", metavar="GROUPS",
+              help="Comma list of the row groups to run: bound, seed, engine.  [default: all]")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False),
+              help="Also write the rows and the machine here, as JSON.")
 @click.option("--timeline", type=click.Path(dir_okay=False),
               help="PNG timeline of the segment stage's bf16 full-logits run.")
 @click.option("--photos", type=int, help="Instead: the segment job on this many real photographs "
                                          "(varied sizes and aspect ratios) against the forward "
                                          "alone at the shapes it ran.")
-@click.option("--photo-sides", default="240,1600", show_default=True,
+@click.option("--photo-sides", default="240,1600", show_default=True, metavar="MIN,MAX",
               help="With --photos: the range of the photographs' long side, in pixels.")
 @click.option("--photo-odd-share", default=0.1, show_default=True,
               help="With --photos: the share cropped to any ratio and size (each a shape of its own).")
 @click.option("--photo-dir", type=click.Path(file_okay=False),
               help="With --photos: keep the photographs here (reused when it holds as many).")
-@click.option("--arch", default="deeplabv3_resnet50", show_default=True, help="With --photos.")
+@click.option("--arch", type=click.Choice(SEGMENT_ARCHITECTURES), default="deeplabv3_resnet50",
+              show_default=True, metavar="NAME", help="With --photos: the segmentation model.")
 @click.option("--size", default=520, show_default=True, help="With --photos: the short side.")
-@click.option("--device", default="auto", show_default=True, help="With --photos (cpu to try it).")
+@click.option("--device", default="auto", show_default=True, metavar="DEVICE",
+              help="With --photos: auto, cuda, cuda:N or cpu (cpu to try it).")
 @click.option("--trace", type=click.Path(dir_okay=False),
               help="Chrome trace (JSON) of the segment stage's bf16 full-logits run, every batch.")
 @library_errors
@@ -97,18 +104,22 @@ def bench_segmentation(steps, warmup, batch_size, image_size, consumers, slots, 
 
 @bench.command("text")
 @click.option("--docs", default=200_000, show_default=True, help="Paragraphs (~50 tokens each).")
-@click.option("--batch-size", default=256, show_default=True)
-@click.option("--device", default="auto", show_default=True)
-@click.option("--dtype", default="auto", show_default=True, help="auto: fp16 on CUDA, fp32 on CPU.")
-@click.option("--model", default=None,
-              help="Model folder or Hugging Face id in the local cache (default: the bundled all-MiniLM-L6-v2).")
-@click.option("--num-workers", default=-1, show_default=True)
-@click.option("--num-consumers", default=2, show_default=True)
-@click.option("--st-fp32/--no-st-fp32", default=True, show_default=True,
-              help="Also time sentence-transformers in fp32.")
-@click.option("--compare-eager/--no-compare-eager", default=True, show_default=True,
-              help="On CUDA, also time the rows without CUDA graphs.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write rows here.")
+@click.option("--batch-size", default=256, show_default=True, help="Chunks per batch, the same for every row.")
+@click.option("--device", default="auto", show_default=True, metavar="DEVICE",
+              help="auto (CUDA when available), cpu, cuda or cuda:N.")
+@click.option("--dtype", type=click.Choice(("auto", *DTYPE_NAMES)), default="auto", show_default=True,
+              help="Precision of the encoder; auto is fp16 on CUDA, fp32 on the CPU.")
+@click.option("--model", default=None, metavar="FOLDER|ID",
+              help="Model folder or Hugging Face id in the local cache.  [default: the bundled all-MiniLM-L6-v2]")
+@click.option("--num-workers", default=-1, show_default=True,
+              help="build-index's tokenizer processes; -1 picks from the CPU count.")
+@click.option("--num-consumers", default=2, show_default=True, help="build-index's consumer processes.")
+@click.option("--st-fp32/--no-st-fp32", default=True,
+              help="Also time sentence-transformers in fp32.  [default: on]")
+@click.option("--compare-eager/--no-compare-eager", default=True,
+              help="On CUDA, also time the rows without CUDA graphs.  [default: on]")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False),
+              help="Also write the rows and the machine here, as JSON.")
 @click.option("--trace", type=click.Path(dir_okay=False),
               help="Chrome trace (JSON) of the build-index row: its phases and every batch.")
 @library_errors

@@ -7,29 +7,27 @@ import sys
 import click
 
 from ..config import IndexConfig, load_config
-from ..exit_codes import EXIT_INTERRUPTED
+from ..exit_codes import EXIT_INTERRUPTED, exit_status_help
 from ..report import passed_over_sentence
-from .common import _config_options, emit_json, exit_quickly, import_interruptibly, library_errors
+from .common import config_options, emit_json, exit_quickly, import_interruptibly, library_errors
 
 
-@click.command("build-index")
+@click.command("build-index", help=f"""Index the text files under CORPUS (or one file) into FAISS shards.
+
+    Re-running adds only new or changed files and drops deleted ones.
+
+    {exit_status_help("all inputs indexed", "inputs", "the index folder")}""")
 @click.argument("corpus", type=click.Path(exists=True, path_type=str))
+@config_options(IndexConfig)
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
-              help="TOML preset with IndexConfig fields (configs/*.toml).")
+              help="TOML preset of these options (configs/*.toml); options given here win.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.option("--timeline", type=click.Path(dir_okay=False), help="Write a PNG timeline of the last batches.")
 @click.option("--trace", type=click.Path(dir_okay=False),
               help="Write the run's phases and every batch's engine records (compute, copy, hand-off, "
                    "consumers) as a Chrome trace (JSON; open it in Perfetto or chrome://tracing).")
-@_config_options(IndexConfig)
 @library_errors
 def build_index_cmd(corpus, config_path, as_json, timeline, trace, **options) -> None:
-    """Index the text files under CORPUS (or one file) into FAISS shards.
-
-    Re-running adds only new or changed files and drops deleted ones. Exit status: 0 all
-    inputs indexed; 3 finished but some inputs were skipped (see skipped.jsonl in the
-    index folder); 1 error; 130 interrupted (re-run the same command to resume).
-    """
     cfg = load_config(IndexConfig, config_path, **options)
     try:
         build_index = import_interruptibly("embedingest.jobs.build_index").build_index
@@ -55,5 +53,5 @@ def _index_paragraph(s: dict) -> str:
             f"{s['seconds']:.1f} s: {s['docs_per_s']:,.0f} docs/s, {s['chunks_per_s']:,.0f} chunks/s "
             f"on {s['device']} ({s['dtype']}). {s['units_unchanged']} files unchanged, "
             f"{s['units_removed']} removed; {skipped}.{passed_over_sentence(s)} The index at {s['index']} holds "
-            f"{s['vectors_total']} vectors in {s['segments']} segments; query it with: "
+            f"{s['vectors_total']} vectors in {s['segments']} shards; query it with: "
             f"embedingest search {s['index']} \"your question\"")

@@ -32,7 +32,7 @@ def vectors_by_id(out: Path) -> dict[int, np.ndarray]:
     """Every stored vector by id, read from the committed segments."""
     found = {}
     with IndexStore(out) as store:
-        for seg in store.segments():
+        for seg in store.shards():
             index = faiss.read_index(str(seg.path))
             for i, v in zip(faiss.vector_to_array(index.id_map).tolist(),
                             index.index.reconstruct_n(0, index.ntotal)):

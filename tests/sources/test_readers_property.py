@@ -269,7 +269,7 @@ def test_a_random_corpus_builds_with_every_file_indexed_or_reported(tmp_path_fac
     report = [json.loads(line) for line in (out / "skipped.jsonl").read_text().splitlines()]
     with IndexStore(out) as store:
         units = store.units()
-        n_ids = sum(len(s.ids()) for s in store.segments())
+        n_ids = sum(len(s.ids()) for s in store.shards())
     assert n_ids == sum(u.n_chunks for u in units.values()) == summary["vectors_total"]
     for path in paths:
         key = unit_key(os.path.relpath(path, corpus))

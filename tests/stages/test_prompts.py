@@ -50,7 +50,7 @@ def stored_vectors(out) -> tuple[np.ndarray, list[str], list[tuple]]:
     """Every vector of the index with its chunk's text and (record, span)."""
     with IndexStore(out) as store:
         vecs, ids = [], []
-        for seg in store.segments():
+        for seg in store.shards():
             index = faiss.read_index(str(seg.path))
             vecs.append(index.index.reconstruct_n(0, index.ntotal))
             ids.append(faiss.vector_to_array(index.id_map))

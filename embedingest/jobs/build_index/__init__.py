@@ -147,7 +147,7 @@ def _build_locked(corpus, cfg: IndexConfig, out: Path, encoder, where: OneDevice
     finally:
         try:
             if store.exists():
-                manifest = store.update_segments(corpus=fingerprint(store), **settings)
+                manifest = store.update_shards(corpus=fingerprint(store), **settings)
             report.write(out)
         finally:
             store.close()

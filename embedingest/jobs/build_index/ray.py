@@ -250,7 +250,7 @@ class RayIndexPlan:
             counts["units_incomplete"] = len(bad)
         finally:
             bar.close()
-            manifest = store.update_segments(corpus=fingerprint(store), **self.settings)
+            manifest = store.update_shards(corpus=fingerprint(store), **self.settings)
             report.write(self.out)
             store.close()
         seconds = time.perf_counter() - self.started
