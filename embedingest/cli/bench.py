@@ -127,15 +127,14 @@ def bench_text(docs, batch_size, device, dtype, model, num_workers, num_consumer
                compare_eager, json_path, trace) -> None:
     """sentence-transformers encode() + faiss.add against build-index end to end, with the
     encoder's forward alone as the bound, on one corpus (runs on CPU too)."""
-    import torch
-
     from ..bench.report import TEXT_COLUMNS, machine_info, table, write_json
     from ..bench.text import TextBenchConfig, run_all
 
+    from ..stages.device import precision, resolve_device
+
     if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if dtype == "auto":
-        dtype = "fp16" if device.startswith("cuda") else "fp32"
+        device = str(resolve_device(device))
+    dtype = precision(dtype, device.startswith("cuda"))
     cfg = TextBenchConfig(docs=docs, batch_size=batch_size, device=device, dtype=dtype, model=model,
                           num_workers=num_workers, num_consumers=num_consumers, st_fp32=st_fp32,
                           compare_eager=compare_eager, trace=trace)
