@@ -12,8 +12,8 @@ folder: ``rate`` divides the inputs by the command's wall time (interpreter star
 imports included); ``call_rate`` by the job's own ``seconds``; ``steady_rate`` by the
 engine's wall time (the slowest device's, for several), which leaves start-up out.
 
-    python -m embedingest.scaleout.bench --docs 500000 --json scaleout.json
-    python -m embedingest.scaleout.bench --job segment --images 8192 --json seg.json
+    python -m embedingest.bench.scaleout --docs 500000 --json scaleout.json
+    python -m embedingest.bench.scaleout --job segment --images 8192 --json seg.json
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class DevicesBenchConfig:
 
 def run(cfg: DevicesBenchConfig, log=print) -> dict:
     """Time both runs; return ``{"config", "machine", "rows", "speedup", ...}``."""
-    from ..bench.report import machine_info
+    from .report import machine_info
 
     if cfg.job not in ("build-index", "segment"):
         raise SystemExit(f"--job {cfg.job!r}: use build-index or segment")
@@ -91,7 +91,7 @@ def run(cfg: DevicesBenchConfig, log=print) -> dict:
 
 
 def _text_inputs(cfg: DevicesBenchConfig, work: Path) -> tuple[Path, list[str]]:
-    from ..bench.text import make_paragraphs, write_corpus
+    from .text import make_paragraphs, write_corpus
 
     corpus = write_corpus(make_paragraphs(cfg.docs, cfg.seed), work / "corpus", cfg.files)
     return corpus, ["--model", cfg.model] if cfg.model else []
