@@ -39,7 +39,7 @@ def segment_command(images, config_path, as_json, timeline, trace, **options) ->
 
 
 def _paragraph(s: dict) -> str:
-    skipped = (f"{s['skipped']} skipped ({', '.join(f'{k}: {v}' for k, v in s['skip_reasons'].items())}; "
+    skipped = (f"{s['skipped']} skipped ({', '.join(f'{k}: {v}' for k, v in s['skipped_by_reason'].items())}; "
                f"list in {s['report']})" if s["skipped"] else "nothing skipped")
     ran = (f" on {s['device']} ({s['dtype']}, weights: {s['model']})" if "device" in s else "")
     return (f"Segmented {s['written']} of {s['images']} images in {s['seconds']:.1f} s "

@@ -123,7 +123,8 @@ class Index:
     def _load_encoder(self):
         """The manifest's model, from its path or else by its name (the bundled model, a
         Hugging Face id in the local cache)."""
-        from ..stages.encoder import BUNDLED_NAME, TextEncoder, resolve_model
+        from ..stages.encoder import TextEncoder
+        from ..stages.model_folder import BUNDLED_NAME, resolve_model
         from ..stages.hub import is_hub_id
 
         model = self.manifest.model

@@ -53,6 +53,7 @@ from ..sinks.faiss_shards import (
     empty_index,
     faiss_message,
     metric_code,
+    parse_factory,
     shard_name,
     sidecar_path,
     write_shard,
@@ -357,11 +358,7 @@ class IndexStore:
     def train_index(self, factory: str, dim: int, metric: str, sample: np.ndarray) -> Path | None:
         """Train ``factory`` on ``sample`` and write ``trained.faiss``, the empty index
         every shard is cloned from; None (nothing written) when it needs no training."""
-        try:
-            index = faiss.index_factory(dim, factory, metric_code(metric))
-        except RuntimeError as exc:
-            raise ConfigError(f"faiss cannot build index factory {factory!r} for dim {dim}: "
-                              f"{str(exc).splitlines()[0]}") from exc
+        index = parse_factory(dim, factory, metric)
         if index.is_trained:
             return None
         sample = np.ascontiguousarray(sample, dtype=np.float32)

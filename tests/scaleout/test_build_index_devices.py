@@ -152,7 +152,7 @@ def test_ctrl_c_stops_all_devices_and_the_same_command_resumes(tmp_path, no_leak
 
 FORKED_BUILD = """
 import json, sys
-import embedingest.scaleout.multi_device as md
+import embedingest.jobs.build_index.devices as md
 md.start_method = lambda devices: "fork"
 from embedingest import build_index
 s = build_index(sys.argv[1], out=sys.argv[2], devices="cpu,cpu", **json.loads(sys.argv[3]))
