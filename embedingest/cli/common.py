@@ -1,6 +1,7 @@
 """What every command shares: library errors as clean messages, JSON output, the
-Ctrl-C-safe import of a job and the quick exit after it, the options generated from a
-config dataclass."""
+Ctrl-C-safe import of a job and the quick exit after it, running a job command
+(:func:`run_options`, :func:`run_job`), the options generated from a config dataclass
+(:func:`config_options`)."""
 
 from __future__ import annotations
 
@@ -56,9 +57,9 @@ def exit_quickly(code: int) -> NoReturn:
 def import_interruptibly(module: str):
     """Import a job's module (torch, numpy, faiss, transformers: seconds) with SIGINT
     held back until it is done, so a Ctrl-C meanwhile arrives as a KeyboardInterrupt
-    right after it, where the command turns it into EXIT_INTERRUPTED. Inside those imports it
-    is not safe: torch imports numpy from C and takes any error for "no numpy" (the
-    Ctrl-C is lost, numpy left half imported), and pybind11 aborts the process."""
+    right after it, where the command turns it into EXIT_INTERRUPTED. Inside those
+    imports it is not safe: torch imports numpy from C and takes any error for "no numpy"
+    (the Ctrl-C is lost, numpy left half imported), and pybind11 aborts the process."""
     import importlib
     import signal
 
@@ -69,7 +70,6 @@ def import_interruptibly(module: str):
         return importlib.import_module(module)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
-
 
 
 def run_options(preset: str, timeline: str, trace: str):
@@ -123,7 +123,9 @@ def config_options(cls, skip: tuple[str, ...] = ()):
     def decorate(fn):
         for f in reversed(dataclasses.fields(cls)):
             if f.name not in skip:
-                fn = click.option(*_option_names(f, hints[f.name]), f.name, **_option_settings(f, hints[f.name]))(fn)
+                option = click.option(*_option_names(f, hints[f.name]), f.name,
+                                      **_option_settings(f, hints[f.name]))
+                fn = option(fn)
         return fn
 
     return decorate
