@@ -260,6 +260,7 @@ def _cut_points(text: str, size: int, longest: int) -> list[int] | None:
     """0, the cuts (each just before a space or a line break), len(text): pieces of about
     ``size`` characters. None when a stretch with neither is ``longest`` characters or
     more, where the reference chunker may cut a word (it cuts pieces of that many)."""
+    size = min(size, longest)
     cuts, a, n = [0], 0, len(text)
     while n - a > size:
         c = max(text.rfind(" ", a + 1, a + size), text.rfind("\n", a + 1, a + size))
