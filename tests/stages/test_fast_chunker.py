@@ -141,6 +141,11 @@ def test_plain_ascii_edges_never_ask_the_model(tokenizer, model_tok, monkeypatch
     for kind in ("plain", "long-words", "no-whitespace", "very-long", "ascii-punct-run"):
         text = HARD[kind][:50_000]
         assert chunker.chunk(text) == model_windows(model_tok, text, 64, 8)
+    rng = random.Random(5)  # windows of 4 tokens that start and end at unknown words too
+    text = " ".join(rng.choice(["cat", "x" * rng.randint(101, 130), "a.b", "internationalization"])
+                    for _ in range(400))
+    chunker = FastChunker(tokenizer, 6, 1, max_chars=10_000)
+    assert chunker.chunk(text) == model_windows(model_tok, text, 6, 1, 10_000)
 
 
 def test_lowercasing_encoder_tokenizer(model_tok):
