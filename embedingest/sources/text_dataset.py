@@ -5,8 +5,10 @@ num_workers=N, pin_memory=True)``: the dataset makes whole batches itself. Unit 
 the list goes to worker ``i % N``; each worker loads its own tokenizer (the dataset is
 pickled with the model folder, not the tokenizer), reads its units with
 :func:`~embedingest.sources.text.iter_records`, cuts them with
-:class:`~embedingest.stages.chunker.Chunker`, and keeps a window of chunks sorted by
-length so each batch holds chunks of similar length and padding stays small.
+:class:`~embedingest.stages.fast_chunker.FastChunker` (the chunks of the model's own
+tokenizer, with the ids from nanotoken where it gives exactly those), and keeps a window
+of chunks sorted by length so each batch holds chunks of similar length and padding stays
+small.
 
 Each yielded item is a dict:
 
@@ -51,6 +53,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ..errors import ConfigError
 from ..stages.chunker import DEFAULT_PIECE_CHARS, Chunk, Chunker, load_tokenizer
+from ..stages.fast_chunker import FastChunker
 from .text import iter_records, lone_surrogate
 
 MAX_UNIT_NO = 2**31 - 1
@@ -147,12 +150,15 @@ class TextChunkDataset(IterableDataset):
                  text_field: str = "text", id_field: str = "id",
                  piece_chars: int = DEFAULT_PIECE_CHARS,
                  tokenizer_loader: Callable[[str], object] = load_tokenizer,
-                 pad_multiple: int = 16):
+                 pad_multiple: int = 16, fast_chunker: bool = True):
         """``tokenizer_loader(model_dir)`` runs in each worker; pass a module-level
         function (it is pickled) when the tokenizer needs more than loading, e.g. the
         encoder's lower-casing, so chunks are tokenized exactly as the encoder would.
         Batches are padded to a multiple of ``pad_multiple`` tokens: a few shapes instead
-        of one per length, so the GPU libraries pick their kernels once, not per batch."""
+        of one per length, so the GPU libraries pick their kernels once, not per batch.
+        ``fast_chunker`` takes token ids from nanotoken where it gives exactly the model's
+        tokens (:class:`~embedingest.stages.fast_chunker.FastChunker`); False forces the
+        model's own tokenizer for every text (the same chunks, slower)."""
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size={batch_size!r} must be a positive integer")
         window = 16 * batch_size if window is None else window
@@ -181,6 +187,7 @@ class TextChunkDataset(IterableDataset):
         self.piece_chars = piece_chars
         self.tokenizer_loader = tokenizer_loader
         self.pad_multiple = max(1, int(pad_multiple))
+        self.fast_chunker = bool(fast_chunker)
 
     def __iter__(self) -> Iterator[dict]:
         info = get_worker_info()
@@ -196,7 +203,8 @@ class TextChunkDataset(IterableDataset):
         if pad_id is None:
             raise ConfigError(f"the tokenizer in {self.model_dir!r} has neither a pad nor an "
                               f"eos token to pad batches with")
-        chunker = Chunker(tokenizer, self.max_tokens, self.overlap, self.piece_chars)
+        chunker = FastChunker(tokenizer, self.max_tokens, self.overlap, self.piece_chars,
+                              fast=self.fast_chunker)
         return _WorkerBatches(self, chunker, pad_id).run(
             self.units[worker::workers])
 
