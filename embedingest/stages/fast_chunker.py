@@ -138,24 +138,24 @@ class FastChunker(Chunker):
     def _fast_windows(self, doc: _Doc) -> Iterator[Chunk]:
         """The windows of :meth:`Chunker._windows`, asking for offsets only where needed."""
         n = len(doc.ids)
-        budget, max_chars = self.budget, self.max_chars
+        budget, max_chars, prefix, suffix = self.budget, self.max_chars, self.prefix, self.suffix
         pos = covered = 0
         while pos < n:
             hi = min(pos + budget, n)
-            limit = doc.start(pos) + max_chars
-            if doc.end(hi - 1) <= limit:
+            start = doc.start(pos)
+            limit = start + max_chars
+            last_end = doc.end(hi - 1)
+            if last_end <= limit:
                 if hi == n:
                     break
                 end = hi
             else:  # the first token past the character bound (rare: long words or gaps)
                 end = bisect_right(range(hi), limit, pos + 1, hi, key=doc.end)
-            yield self._fast_make(doc, pos, end)
+                last_end = doc.end(end - 1)
+            yield Chunk(prefix + doc.ids[pos:end].tolist() + suffix, start, last_end)
             pos, covered = self._next_start(pos, end), end
         if n > covered:
-            yield self._fast_make(doc, pos, n)
-
-    def _fast_make(self, doc: _Doc, a: int, b: int) -> Chunk:
-        return Chunk(self.prefix + doc.ids[a:b].tolist() + self.suffix, doc.start(a), doc.end(b - 1))
+            yield Chunk(prefix + doc.ids[pos:n].tolist() + suffix, doc.start(pos), doc.end(n - 1))
 
 
 class _Mismatch(Exception):
@@ -230,7 +230,7 @@ class _EdgeOffsets:
         plen = self.piece_len
         if self.unk in ids:
             return self._walk(piece, ids, j, side)
-        kept = np.flatnonzero(_NOT_SPACE[np.frombuffer(piece.encode("ascii"), np.uint8)])
+        kept = _NOT_SPACE[np.frombuffer(piece.encode("ascii"), np.uint8)].nonzero()[0]
         before = sum(map(plen.__getitem__, ids[:j]))
         if side:
             return int(kept[before + plen[ids[j]] - 1]) + 1
