@@ -204,7 +204,7 @@ class TextChunkDataset(IterableDataset):
             raise ConfigError(f"the tokenizer in {self.model_dir!r} has neither a pad nor an "
                               f"eos token to pad batches with")
         chunker = FastChunker(tokenizer, self.max_tokens, self.overlap, self.piece_chars,
-                              fast=self.fast_chunker)
+                              fast=self.fast_chunker, arrays=True)
         return _WorkerBatches(self, chunker, pad_id).run(
             self.units[worker::workers])
 
@@ -216,7 +216,7 @@ class _WorkerBatches:
         self.ds = ds
         self.chunker = chunker
         self.pad_id = pad_id
-        self.window: list[tuple[list[int], tuple]] = []
+        self.window: list[tuple[Sequence[int], tuple]] = []
         self.in_window: dict[int, int] = {}
         self.total: dict[int, int] = {}
         self.reading: int | None = None
@@ -249,7 +249,7 @@ class _WorkerBatches:
         del self.in_window[unit_no]
         self.done.append((unit_no, self.total.pop(unit_no)))
 
-    def _unit_chunks(self, unit: Unit) -> Iterator[tuple[list[int], tuple]]:
+    def _unit_chunks(self, unit: Unit) -> Iterator[tuple[Sequence[int], tuple]]:
         """``(input_ids, chunk row)`` for every chunk of ``unit`` (a row as :class:`Chunks`
         takes it); bad input is reported."""
         where = unit.path if unit.path is not None else unit.key
@@ -321,8 +321,8 @@ class _WorkerBatches:
         last batch when it is not full, to be filled by the chunks still to come."""
         ds = self.ds
         self.window.sort(key=lambda entry: len(entry[0]))
-        batches: list[list[tuple[list[int], tuple]]] = []
-        batch: list[tuple[list[int], tuple]] = []
+        batches: list[list[tuple[Sequence[int], tuple]]] = []
+        batch: list[tuple[Sequence[int], tuple]] = []
         for entry in self.window:
             if batch and ds.max_batch_tokens is not None \
                     and (len(batch) + 1) * self._width(len(entry[0])) > ds.max_batch_tokens:
@@ -344,13 +344,16 @@ class _WorkerBatches:
         m = self.ds.pad_multiple
         return min(-(-longest // m) * m, max(longest, self.ds.max_tokens))
 
-    def _item(self, batch: list[tuple[list[int], tuple]]) -> dict:
-        width = self._width(max((len(ids) for ids, _ in batch), default=0))
+    def _item(self, batch: list[tuple[Sequence[int], tuple]]) -> dict:
+        # One copy of all the batch's ids into place: the fast chunker's arrays are not
+        # converted one Python int at a time.
+        lengths = np.fromiter((len(ids) for ids, _ in batch), np.int64, count=len(batch))
+        width = self._width(int(lengths.max()) if len(batch) else 0)
+        mask = np.arange(width) < lengths[:, None]
         input_ids = np.full((len(batch), width), self.pad_id, dtype=np.int64)
-        attention_mask = np.zeros((len(batch), width), dtype=np.int64)
-        for row, (ids, _) in enumerate(batch):
-            input_ids[row, :len(ids)] = ids
-            attention_mask[row, :len(ids)] = 1
+        if len(batch):
+            input_ids[mask] = np.concatenate([np.asarray(ids, dtype=np.int64) for ids, _ in batch])
+        attention_mask = mask.astype(np.int64)
         rows = [chunk for _, chunk in batch]
         chunks = Chunks(rows)
         for unit_no in (row[1] for row in rows):

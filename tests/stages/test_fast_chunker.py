@@ -7,6 +7,7 @@ import random
 import re
 import sys
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -296,3 +297,14 @@ def test_ids_that_disagree_at_an_edge_send_the_text_to_the_reference(tokenizer, 
     chunker._nt = Shifted()
     text = "Crème brûlée, ünïcödé and 東京."
     assert chunker.chunk(text) == model_windows(model_tok, text)
+
+
+def test_arrays_hold_the_same_ids(tokenizer, model_tok):
+    chunker = FastChunker(tokenizer, 32, 4, arrays=True)
+    texts = [HARD["plain"][:5000], HARD["unicode"][:3000], HARD["no-whitespace-long"]]
+    for text, chunks in zip(texts, chunker.chunk_many(texts)):
+        expected = model_windows(model_tok, text, 32, 4)
+        assert [(list(c.input_ids), c.char_start, c.char_end) for c in chunks] == \
+            [tuple(c) for c in expected]
+        assert all(c.input_ids.dtype == np.int64 for c in chunks if not isinstance(c.input_ids, list))
+    assert any(not isinstance(c.input_ids, list) for c in chunker.chunk(texts[0]))
