@@ -49,6 +49,7 @@ from ..sources.image_decode import (DEFAULT_MAX_PIXELS, IMAGE_EXTENSIONS, LONG_S
                                     RESIZE_MODES, ImageMeta, ImageRejected)
 from ..sources.images import (ImageBatch, ImageFileDataset, collate_images, input_shape,
                               prepare_picture, regroup)
+from ..sources.shape_batches import HeaderReaders, ShapeBatchSampler
 from ..stages.device import resolve_device
 from ..stages.prefetch import prefetch
 from ..stages.segmentation import (ARCHITECTURES, DTYPES, Segmenter, SegmentationModel,
@@ -331,11 +332,14 @@ def run_on_device(config: SegmentConfig, device: torch.device, todo: list[tuple[
     t_loaded = time.perf_counter()
     timing["load_model_s"] = t_loaded - t0
     workers = min(share_of_cpus(config.num_workers, processes), -(-len(todo) // config.batch_size))
+    # Headers are read by processes of their own (a few per cent of the decoding's work), so
+    # this process, which drives the GPU, does nothing per image.
+    headers = HeaderReaders(max(1, workers // 8) if workers and config.resize != "fit" else 0,
+                            loader_context(), functools.partial(exit_with_parent, os.getpid()))
     loader = DataLoader(
         ImageFileDataset(todo, prep, config.max_pixels or None),
-        # short: whole pictures travel (up to 16x a model input each), so a worker's
-        # chunk is a quarter batch; regroup makes the batches
-        batch_size=config.batch_size if config.resize == "fit" else max(1, config.batch_size // 4),
+        # batches of one shape planned from the headers; regroup joins their chunks
+        batch_sampler=ShapeBatchSampler(todo, prep, config.batch_size, read_sizes=headers),
         num_workers=workers,
         collate_fn=functools.partial(collate_images, resize=config.resize),
         pin_memory=device.type == "cuda",
@@ -347,7 +351,8 @@ def run_on_device(config: SegmentConfig, device: torch.device, todo: list[tuple[
                               num_classes=loaded.num_classes, stats=config.stats,
                               categories=tuple(loaded.categories),
                               stats_commit_seconds=config.stats_commit_seconds)
-    # Start the decoding workers (fork) before the engine starts its threads.
+    # Start the header readers and the decoding workers (fork) before any thread.
+    headers.start()
     batches = regroup(iter(loader), config.batch_size, max_waiting=4 * config.batch_size)
 
     def send(batch: ImageBatch) -> torch.Tensor | None:
@@ -356,11 +361,12 @@ def run_on_device(config: SegmentConfig, device: torch.device, todo: list[tuple[
         return segmenter.model_input([pixels for pixels, _, _ in batch.groups], batch.groups[0][2])
 
     shapes: Counter = Counter()
+    seen: set[tuple[int, int]] = set()
     engine = EgressEngine(factory, num_consumers=config.num_consumers,
                           num_slots=config.num_slots or None, device=str(device), slot_spec=spec)
     # disable=None: a bar on a terminal only, never in logs or pipes.
-    with tqdm(total=len(todo), unit="img", desc="segment", dynamic_ncols=True,
-              disable=None if progress else True) as bar, engine:
+    with headers, tqdm(total=len(todo), unit="img", desc="segment", dynamic_ncols=True,
+                       disable=None if progress else True) as bar, engine:
         moved = prefetch(batches, send, device, engine.span)
         t_wait = time.perf_counter()
         timing["start_s"] = t_wait - t_loaded
@@ -373,9 +379,13 @@ def run_on_device(config: SegmentConfig, device: torch.device, todo: list[tuple[
                 report.add(bad.path, bad.reason, stage="read")
             if pixels is not None:
                 shapes[tuple(pixels.shape[:1]) + tuple(pixels.shape[2:])] += 1
+                # a shape's short batch comes after its full ones, so a short batch of a
+                # shape not run before is the only batch of that shape
+                once = len(batch) < config.batch_size and tuple(pixels.shape[2:]) not in seen
+                seen.add(tuple(pixels.shape[2:]))
                 engine.mark_compute_start()
                 with annotate("segment forward", "compute"):
-                    logits = segmenter.logits(pixels)
+                    logits = segmenter.logits(pixels, once=once)
                     masks, metas = segmenter.image_masks(logits, batch.items, full_max)
                     crops = None
                     if config.save_logits:

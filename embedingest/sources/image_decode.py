@@ -224,6 +224,27 @@ def open_rgb(path: str | os.PathLike, max_pixels: int | None = DEFAULT_MAX_PIXEL
         raise ImageRejected(f"cannot decode: {type(exc).__name__}: {exc}") from exc
 
 
+def header_size(path: str | os.PathLike) -> tuple[int, int] | None:
+    """The (width, height) :func:`open_rgb` will return for ``path``, read from the file's
+    header without decoding the pixels (tens of microseconds), or None when the header
+    cannot be read (the decoder then says why).
+
+    A PNG whose EXIF comes after its pixel data would need a full decode to find its
+    orientation (Pillow loads the image for it); it is taken as upright here, so the rare
+    such file may get another size when decoded: callers use this only to plan."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(path) as im:
+                width, height = im.size
+                lazy_exif = im.format == "PNG" and not {"exif", "XML:com.adobe.xmp"} & set(im.info)
+                if not lazy_exif and im.getexif().get(ExifTags.Base.Orientation) in _ROTATED:
+                    width, height = height, width
+                return width, height
+    except Exception:
+        return None
+
+
 def letterbox(im: Image.Image, original: tuple[int, int], size: int) -> tuple[np.ndarray, tuple[int, int]]:
     """Place ``im`` (an RGB image of ``original`` size, or a draft of it) in a padded square.
 

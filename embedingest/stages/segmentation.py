@@ -240,8 +240,16 @@ class Segmenter:
         return x.to(self.dtype).contiguous(memory_format=self.memory_format)
 
     @torch.inference_mode()
-    def logits(self, pixels: torch.Tensor) -> torch.Tensor:
-        """Per-class scores [B, C, H, W] at input size, in the model dtype."""
+    def logits(self, pixels: torch.Tensor, once: bool = False) -> torch.Tensor:
+        """Per-class scores [B, C, H, W] at input size, in the model dtype.
+
+        ``once``: this input shape is run only this once (an image of an aspect ratio of
+        its own), so it runs on PyTorch's own convolutions: cuDNN's set-up for a shape it
+        has not seen costs far more host time than the convolutions it would save on one
+        small batch (see benchmarks/new_shape_cost.py)."""
+        if once and pixels.is_cuda:
+            with torch.backends.cudnn.flags(enabled=False):
+                return self.model(self.preprocess(pixels))["out"]
         return self.model(self.preprocess(pixels))["out"]
 
     @staticmethod
