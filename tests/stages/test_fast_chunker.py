@@ -308,3 +308,17 @@ def test_arrays_hold_the_same_ids(tokenizer, model_tok):
             [tuple(c) for c in expected]
         assert all(c.input_ids.dtype == np.int64 for c in chunks if not isinstance(c.input_ids, list))
     assert any(not isinstance(c.input_ids, list) for c in chunker.chunk(texts[0]))
+
+
+def test_one_window_texts_match_sentence_transformers(tokenizer):
+    """What sentence-transformers feeds the model for a text that fits one chunk is the
+    chunk's ids (its own tokenizer, truncation at the model's 256 tokens)."""
+    st_model = pytest.importorskip("sentence_transformers").SentenceTransformer(
+        str(gt_model.get_model_path()), device="cpu")
+    texts = [HARD[k][:400] for k in ("plain", "unicode", "crlf", "control", "long-words",
+                                     "no-whitespace", "special-tokens", "edges-without-tokens")]
+    chunks = FastChunker(tokenizer).chunk_many(texts)
+    for text, got in zip(texts, chunks):
+        features = st_model.tokenize([text])
+        ids = features["input_ids"][0][features["attention_mask"][0].bool()].tolist()
+        assert len(got) == 1 and got[0].input_ids == ids, text
