@@ -5,9 +5,11 @@ time on per-token offset bookkeeping, and a chunk needs only two offsets: where 
 token starts and where its last ends. :class:`FastChunker` gives exactly the chunks of
 :class:`~embedingest.stages.chunker.Chunker` (same ids, windows, overlap and spans) this way:
 
-1. Each text is cut into pieces of about :data:`PIECE_CHARS` characters, just before a space
-   or a line break. For BERT's normalizer and pre-tokenizer these are hard boundaries (the
-   added tokens hold no whitespace), so the pieces' ids joined are the text's ids.
+1. Each text is cut into pieces of about :data:`PIECE_CHARS` characters, just before a
+   space, tab or line break. For BERT's normalizer and pre-tokenizer these are hard
+   boundaries (the added tokens hold no whitespace), so the pieces' ids joined are the
+   text's ids. A stretch without whitespace longer than a reference piece is cut where
+   :class:`Chunker` cuts it, so the ids stay the reference's there too.
 2. nanotoken (a Rust WordPiece that reads the model's tokenizer.json) encodes the pieces of
    a group of texts in one call: a flat array of ids and the row offsets of the pieces.
 3. For a window's first and last token, the row offsets name the piece. In a piece of
@@ -21,10 +23,9 @@ token starts and where its last ends. :class:`FastChunker` gives exactly the chu
 The model's own tokenizer (through :class:`Chunker`) stays the reference, and does the work
 where the fast path cannot vouch for the result: nanotoken is not installed, the tokenizer is
 not BERT's WordPiece, nanotoken refuses it or gives other ids on a start-up check, a text
-has a stretch without spaces or line breaks as long as a piece of the reference chunker
-(where the reference may cut inside a word), a text streamed in parts, or a piece whose ids
-disagree. Each of these falls back silently; :attr:`FastChunker.fallback_reason` says why
-the whole path is off.
+streamed in parts, or a text with a piece at a window edge whose ids disagree. Each of
+these falls back silently; :attr:`FastChunker.fallback_reason` says why the whole path is
+off.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from .chunker import DEFAULT_PIECE_CHARS, Chunk, Chunker, bert_text_rules
+from .chunker import _UP_TO_LAST_SPACE, DEFAULT_PIECE_CHARS, Chunk, Chunker, bert_text_rules
 
 PIECE_CHARS = 128  # characters a piece holds, about: ~30 tokens to re-encode at a non-ASCII edge
 GROUP_PIECES = 1 << 16  # pieces per nanotoken call at most (texts are not split across calls)
@@ -44,6 +45,7 @@ NANOTOKEN_CACHE = 1 << 16  # entries per level of nanotoken's word cache: the de
 
 # BERT's pre-tokenizer on printable ASCII: runs of letters and digits, single punctuation.
 _ASCII_PRE = re.compile(r"[A-Za-z0-9]+|[^A-Za-z0-9 \t\n\r]")
+_SPACE = re.compile(r"[ \t\n\r]")  # where BERT's words end for sure, as for Chunker's pieces
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 _NOT_SPACE = np.ones(256, dtype=bool)
 _NOT_SPACE[[ord(c) for c in " \t\n\r"]] = False
@@ -112,10 +114,7 @@ class FastChunker(Chunker):
         group: list[tuple[int, list[int], int]] = []  # (text index, cuts, first row)
         pieces: list[str] = []
         for i, text in enumerate(texts):
-            cuts = _cut_points(text, PIECE_CHARS, self.piece_chars)
-            if cuts is None:  # a stretch the reference may cut inside a word: let it
-                out[i] = self._reference(text)
-                continue
+            cuts = self._cut_points(text)
             group.append((i, cuts, len(pieces)))
             pieces.extend(text[a:b] for a, b in zip(cuts, cuts[1:]))
             if len(pieces) >= GROUP_PIECES:
@@ -124,6 +123,35 @@ class FastChunker(Chunker):
         if group:
             self._encode_group(texts, group, pieces, out)
         return out
+
+    def _cut_points(self, text: str) -> list[int]:
+        """0, the cuts, len(text): pieces of about :data:`PIECE_CHARS` characters, each
+        cut just before a space, tab or line break (where the text's tokens do not
+        change). A stretch with none of them is cut where the reference chunker cuts it
+        (:meth:`Chunker._cut_at`, from the same start: the whitespace before the stretch
+        or the text's start), so both give the same tokens there too."""
+        longest = self.piece_chars
+        size = min(PIECE_CHARS, longest)
+        cuts, a, n = [0], 0, len(text)
+        while n - a > size:
+            m = _UP_TO_LAST_SPACE.match(text, a + 1, a + size)
+            if m:
+                c = m.end() - 1
+            else:  # text[a + 1:a + size] is part of a stretch without whitespace
+                after = _SPACE.search(text, a + size)
+                c = after.start() if after else n
+                k = a
+                while c >= k + longest and n - k > longest:
+                    k = self._cut_at(text, k, n)
+                    if k >= c:
+                        break
+                    cuts.append(k)
+                if c >= n:
+                    break
+            cuts.append(c)
+            a = c
+        cuts.append(n)
+        return cuts
 
     def _reference(self, text: str) -> list[Chunk]:
         return list(Chunker.iter_chunks(self, text))
@@ -270,27 +298,6 @@ class _EdgeOffsets:
                 a = e
                 k += 1
         return None
-
-
-def _cut_points(text: str, size: int, longest: int) -> list[int] | None:
-    """0, the cuts (each just before a space or a line break), len(text): pieces of about
-    ``size`` characters. None when a stretch with neither is ``longest`` characters or
-    more, where the reference chunker may cut a word (it cuts pieces of that many)."""
-    size = min(size, longest)
-    cuts, a, n = [0], 0, len(text)
-    while n - a > size:
-        c = max(text.rfind(" ", a + 1, a + size), text.rfind("\n", a + 1, a + size))
-        if c <= a:
-            nexts = [x for x in (text.find(" ", a + size), text.find("\n", a + size)) if x > a]
-            c = min(nexts) if nexts else n
-            if c - a >= longest:
-                return None
-            if c == n:
-                break
-        cuts.append(c)
-        a = c
-    cuts.append(n)
-    return cuts
 
 
 def _nanotoken_for(tok) -> tuple[object | None, str | None]:

@@ -310,6 +310,7 @@ def test_arrays_hold_the_same_ids(tokenizer, model_tok):
     assert any(not isinstance(c.input_ids, list) for c in chunker.chunk(texts[0]))
 
 
+@pytest.mark.slow  # importing sentence-transformers and loading the model
 def test_one_window_texts_match_sentence_transformers(tokenizer):
     """What sentence-transformers feeds the model for a text that fits one chunk is the
     chunk's ids (its own tokenizer, truncation at the model's 256 tokens)."""
@@ -322,3 +323,15 @@ def test_one_window_texts_match_sentence_transformers(tokenizer):
         features = st_model.tokenize([text])
         ids = features["input_ids"][0][features["attention_mask"][0].bool()].tolist()
         assert len(got) == 1 and got[0].input_ids == ids, text
+
+
+def test_words_longer_than_a_piece_are_cut_as_the_reference_cuts_them(tokenizer):
+    """The one place both paths leave the model's tokenizer: a word of more than a piece
+    (one [UNK] spanning more than a chunk may) is cut hard, at the same places."""
+    text = ("Some words first. " + "abc" * 5000 + " then more words, " + "a\x01" * 9000
+            + "\tand" + "Zz" * 4100 + "." + "y" * 9000)
+    fast, ref = FastChunker(tokenizer), Chunker(tokenizer)
+    chunks = fast.chunk(text)
+    assert chunks == ref.chunk(text)
+    assert all(c.char_end - c.char_start <= fast.max_chars for c in chunks)
+    assert sum(c.input_ids.count(100) for c in chunks) >= 7  # the long words' pieces: [UNK]s
