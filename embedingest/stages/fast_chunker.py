@@ -76,9 +76,11 @@ class FastChunker(Chunker):
         self._nt = None
         self.fallback_reason: str | None = "fast=False was asked for"
         if fast:
-            self._nt, self.fallback_reason = _nanotoken_for(self._tok)
-        if self._nt is not None:
-            self._edges = _EdgeOffsets(self._tok)
+            spec_text = self._tok.to_str()
+            spec = json.loads(spec_text)
+            self._nt, self.fallback_reason = _nanotoken_for(self._tok, spec_text, spec)
+            if self._nt is not None:
+                self._edges = _EdgeOffsets(self._tok, spec)
 
     @property
     def fast(self) -> bool:
@@ -239,10 +241,10 @@ class _EdgeOffsets:
     """Where one token of a piece starts or ends: from the ids for plain ASCII, else
     from the model's tokenizer."""
 
-    def __init__(self, tok):
-        spec = json.loads(tok.to_str())
+    def __init__(self, tok, spec: dict):
+        """``spec``: the tokenizer.json of ``tok``, parsed."""
         prefix = spec["model"].get("continuing_subword_prefix") or "##"
-        vocab = tok.get_vocab(with_added_tokens=False)
+        vocab = spec["model"]["vocab"]
         self.piece_len = [0] * (max(vocab.values()) + 1)
         for text, i in vocab.items():
             self.piece_len[i] = len(text) - len(prefix) if text.startswith(prefix) else len(text)
@@ -300,7 +302,7 @@ class _EdgeOffsets:
         return None
 
 
-def _nanotoken_for(tok) -> tuple[object | None, str | None]:
+def _nanotoken_for(tok, spec_text: str, spec: dict) -> tuple[object | None, str | None]:
     """``(nanotoken tokenizer, None)`` for a tokenizer the fast path covers exactly, else
     ``(None, why not)``."""
     try:
@@ -308,8 +310,6 @@ def _nanotoken_for(tok) -> tuple[object | None, str | None]:
         from nanotoken.nanotoken_rs import UnsupportedTokenizerError, WordPieceTokenizer
     except ImportError:
         return None, "nanotoken is not installed"
-    spec_text = tok.to_str()
-    spec = json.loads(spec_text)
     why = _spec_problem(spec)
     if why:
         return None, why
