@@ -152,10 +152,9 @@ def test_plain_ascii_edges_never_ask_the_model(tokenizer, model_tok, monkeypatch
 def test_lowercasing_encoder_tokenizer(model_tok):
     """The encoder puts Lowercase before BERT's normalizer when a model asks for it: the
     fast path takes that tokenizer.json as is."""
-    from embedingest.stages.encoder import _lowercase_inputs
-
     tokenizer = load_tokenizer(gt_model.get_model_path())
-    _lowercase_inputs(tokenizer, gt_model.get_model_path())
+    backend = tokenizer.backend_tokenizer
+    backend.normalizer = normalizers.Sequence([normalizers.Lowercase(), backend.normalizer])
     chunker = FastChunker(tokenizer)
     assert chunker.fast, chunker.fallback_reason
     text = HARD["unicode"] + HARD["special-tokens"][:3000]
