@@ -48,8 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tokenizer_corpus import build_corpus  # noqa: E402
 
 from embedingest.sources.text_dataset import TextChunkDataset, Unit  # noqa: E402
-from embedingest.stages.encoder import load_tokenizer  # noqa: E402
 from embedingest.stages.fast_chunker import FastChunker  # noqa: E402
+from embedingest.stages.tokenizer import load_tokenizer  # noqa: E402
 
 PATHS = {"reference": False, "fast": True}
 

