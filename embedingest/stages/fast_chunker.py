@@ -39,9 +39,9 @@ import numpy as np
 
 from .chunker import _UP_TO_LAST_SPACE, DEFAULT_PIECE_CHARS, Chunk, Chunker, bert_text_rules
 
-PIECE_CHARS = 128  # characters a piece holds, about: ~30 tokens to re-encode at a non-ASCII edge
+PIECE_CHARS = 128  # characters a piece holds, about: what a non-ASCII window edge re-encodes
 GROUP_PIECES = 1 << 16  # pieces per nanotoken call at most (texts are not split across calls)
-NANOTOKEN_CACHE = 1 << 16  # entries per level of nanotoken's word cache: the default grows by ~100 MB
+NANOTOKEN_CACHE = 1 << 16  # entries per level of nanotoken's word cache (its default grows large)
 
 # BERT's pre-tokenizer on printable ASCII: runs of letters and digits, single punctuation.
 _ASCII_PRE = re.compile(r"[A-Za-z0-9]+|[^A-Za-z0-9 \t\n\r]")
