@@ -140,6 +140,24 @@ def stamp(info: dict) -> int | None:
     return seconds * 1_000_000_000 + extra
 
 
+def check_remote(url: str) -> dict:
+    """What the store says of ``url`` (fsspec's ``info``: its ``type``, ``size``, ...),
+    read afresh; a URL that cannot be read at all is a :class:`ConfigError` naming it and
+    what to do (see :func:`access_error`). Jobs call it before they write anything."""
+    fs, root = _fs(url)
+    root = root.rstrip("/")
+    try:
+        fs.invalidate_cache(root)
+        return fs.info(root)
+    except Exception as exc:  # whatever the backend raises: it says what was wrong
+        raise access_error(url, exc) from exc
+
+
+def input_name(url: str) -> str:
+    """The last part of a URL's path (``s3://b/docs/`` -> ``docs``), to name outputs."""
+    return url.rstrip("/").rsplit("/", 1)[-1].split("::")[-1]
+
+
 def walk_remote(url: str, extensions: set[str] | frozenset[str] | None = None,
                 on_skip: OnSkip = lambda path, reason: None,
                 on_other: Callable[[str], None] | None = None) -> Iterator[RemoteFile]:
@@ -156,11 +174,7 @@ def walk_remote(url: str, extensions: set[str] | frozenset[str] | None = None,
     fs, root = _fs(url)
     root = root.rstrip("/")
     base_url = url.rstrip("/")
-    try:
-        fs.invalidate_cache(root)
-        info = fs.info(root)
-    except Exception as exc:  # whatever the backend raises: it says what was wrong
-        raise access_error(url, exc) from exc
+    info = check_remote(url)
     if info.get("type") != "directory":
         yield RemoteFile(url, root.rsplit("/", 1)[-1], int(info.get("size") or 0), stamp(info))
         return
