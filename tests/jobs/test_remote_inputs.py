@@ -22,9 +22,10 @@ from embedingest import SegmentConfig, build_index, open_index, segment
 from embedingest.errors import ConfigError
 from embedingest.sinks.masks import output_paths
 
+FAST = {"num_workers": 0, "num_consumers": 1, "batch_size": 8, "chunk_tokens": 32, "overlap": 8}
 # One forked DataLoader worker: it must reach the store on its own (fsspec's instances
 # are per process).
-FAST = {"num_workers": 1, "num_consumers": 1, "batch_size": 8, "chunk_tokens": 32, "overlap": 8}
+FORKED = {**FAST, "num_workers": 1}
 TOPICS = [
     "The quick brown fox jumps over the lazy dog near the river bank at dawn.",
     "Photosynthesis converts light energy into chemical energy stored in glucose molecules.",
@@ -61,12 +62,13 @@ def everything(out) -> list:
                 for hits in index.search(TOPICS, k=len(index))]
 
 
+@pytest.mark.slow
 def test_build_index_over_a_prefix_equals_the_local_build_and_resumes_by_key(s3, tmp_path):
     corpus = text_corpus(tmp_path / "corpus")
     url = s3.upload(corpus, "texts/corpus")
     local, remote = tmp_path / "local", tmp_path / "remote"
     s1 = build_index(str(corpus), out=str(local), **FAST)
-    s2 = build_index(url, out=str(remote), **FAST)
+    s2 = build_index(url, out=str(remote), **FORKED)
     for key in ("units_seen", "units_indexed", "docs", "chunks", "vectors_total", "skipped",
                 "exit_code"):
         assert s2[key] == s1[key], key
@@ -137,13 +139,14 @@ def segment_config(images, out, weights, **kw) -> SegmentConfig:
                                    arch="deeplabv3_mobilenet_v3_large"), **kw})
 
 
+@pytest.mark.slow
 def test_segment_over_a_prefix_writes_the_local_masks_and_resumes(s3, tmp_path, small):
     images = tmp_path / "images"
     sizes = image_tree(images)
     bad = bad_files(images)
     url = s3.upload(images, "photos")
     local, remote = tmp_path / "local", tmp_path / "remote"
-    s1 = segment(segment_config(images, local, small), progress=False)
+    s1 = segment(segment_config(images, local, small, num_workers=0), progress=False)
     s2 = segment(segment_config(url, remote, small, overlay=True), progress=False)
     assert s2["written"] == s1["written"] == len(sizes) and s2["skipped"] == len(bad)
     for rel, size in sizes.items():
@@ -154,9 +157,10 @@ def test_segment_over_a_prefix_writes_the_local_masks_and_resumes(s3, tmp_path, 
     assert sorted(entry["path"] for entry in report) == sorted(f"{url}/{rel}" for rel in bad)
 
     s3.put("photos/late.png", _png(noise(20, 30, seed=3)))
-    again = segment(segment_config(url, remote, small), progress=False)
+    again = segment(segment_config(url, remote, small, num_workers=0), progress=False)
     assert (again["written"], again["already_done"]) == (1, len(sizes))
-    one = segment(segment_config(f"{url}/late.png", tmp_path / "one", small), progress=False)
+    one = segment(segment_config(f"{url}/late.png", tmp_path / "one", small, num_workers=0),
+                  progress=False)
     assert one["written"] == 1 and output_paths(tmp_path / "one", "late.png")["mask"].is_file()
 
 
