@@ -1,7 +1,7 @@
-"""Query an index folder: every segment is searched and the per-segment top-k are merged,
-so the result equals one search over all vectors (exactly so for Flat segments).
+"""Query an index folder: every shard is searched and the per-shard top-k are merged,
+so the result equals one search over all vectors (exactly so for Flat shards).
 
-Segments are memory-mapped where faiss can (flat codes, IVF lists), so opening a large
+Shards are memory-mapped where faiss can (flat codes, IVF lists), so opening a large
 index costs little memory and starts fast; the page cache holds what queries touch.
 
 The manifest's query prompt goes before every text query, and its search defaults
@@ -46,8 +46,8 @@ class Hit:
     text: str | None
 
 
-def read_segment(path: Path) -> faiss.Index:
-    """Read a segment memory-mapped where faiss supports it for its kind, else into memory;
+def read_shard(path: Path) -> faiss.Index:
+    """Read a shard memory-mapped where faiss supports it for its kind, else into memory;
     a damaged file is a ConfigError naming it."""
     for flags in _MMAP_FLAGS:
         try:
@@ -60,12 +60,12 @@ def read_segment(path: Path) -> faiss.Index:
 class Index:
     """A searchable index folder; see :func:`open_index`."""
 
-    def __init__(self, store: IndexStore, manifest: Manifest, segments: list[faiss.Index],
+    def __init__(self, store: IndexStore, manifest: Manifest, shards: list[faiss.Index],
                  encoder=None, device: str = "cpu", query_prompt: str | None = None,
                  params: str | None = None):
         self.store = store
         self.manifest = manifest
-        self.segments = segments
+        self.shards = shards
         self.device = device
         self._encoder = encoder
         self._encoder_lock = threading.Lock()
@@ -92,10 +92,10 @@ class Index:
 
     @property
     def ntotal(self) -> int:
-        return sum(s.ntotal for s in self.segments)
+        return sum(s.ntotal for s in self.shards)
 
     def close(self) -> None:
-        self.segments = []
+        self.shards = []
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
@@ -123,7 +123,8 @@ class Index:
     def _load_encoder(self):
         """The manifest's model, from its path or else by its name (the bundled model, a
         Hugging Face id in the local cache)."""
-        from ..stages.encoder import BUNDLED_NAME, TextEncoder, resolve_model
+        from ..stages.encoder import TextEncoder
+        from ..stages.model_folder import BUNDLED_NAME, resolve_model
         from ..stages.hub import is_hub_id
 
         model = self.manifest.model
@@ -209,29 +210,29 @@ class Index:
         if k == 0:
             return np.empty((len(q), 0), np.float32), np.empty((len(q), 0), np.int64)
         heap = faiss.ResultHeap(len(q), k, keep_max=self.manifest.metric == "ip")
-        segments = [seg for seg in self.segments if seg.ntotal]
-        for result in self._map_segments(lambda seg: seg.search(q, min(k, seg.ntotal)), segments):
+        shards = [seg for seg in self.shards if seg.ntotal]
+        for result in self._map_shards(lambda seg: seg.search(q, min(k, seg.ntotal)), shards):
             heap.add_result(*result)
         heap.finalize()
         return heap.D, heap.I
 
-    def _map_segments(self, fn, segments: list):
-        """``fn`` over the segments, on several cores when there is enough to scan: faiss
-        scans for a few queries on one thread (and releases the GIL), so large segments
+    def _map_shards(self, fn, shards: list):
+        """``fn`` over the shards, on several cores when there is enough to scan: faiss
+        scans for a few queries on one thread (and releases the GIL), so large shards
         are searched side by side."""
-        if len(segments) < 2 or sum(seg.ntotal for seg in segments) < PARALLEL_FROM:
-            return map(fn, segments)
+        if len(shards) < 2 or sum(seg.ntotal for seg in shards) < PARALLEL_FROM:
+            return map(fn, shards)
         with self._encoder_lock:
             if self._pool is None:
                 from concurrent.futures import ThreadPoolExecutor
 
-                self._pool = ThreadPoolExecutor(min(len(segments), os.cpu_count() or 1),
+                self._pool = ThreadPoolExecutor(min(len(shards), os.cpu_count() or 1),
                                                 thread_name_prefix="embedingest-search")
-        return self._pool.map(fn, segments)
+        return self._pool.map(fn, shards)
 
 
 def _ids_match(index: faiss.Index, seg) -> bool:
-    """The first and last ids of a segment equal its sidecar's: a file cut short inside
+    """The first and last ids of a shard equal its sidecar's: a file cut short inside
     its last page still loads memory-mapped (the rest of the page reads as zeros), with
     its last ids wrong."""
     id_map = getattr(index, "id_map", None)
@@ -247,7 +248,7 @@ def open_index(path: str | os.PathLike, device: str = "cpu", *, encoder=None,
 
     ``device`` is where the query encoder runs (faiss search itself runs on the CPU).
     ``encoder``: any object with ``encode(list[str]) -> np.ndarray``, instead of loading
-    the manifest's model. ``params``: faiss search parameters for every segment, e.g.
+    the manifest's model. ``params``: faiss search parameters for every shard, e.g.
     ``"nprobe=16"`` (IVF) or ``"efSearch=128"`` (HNSW); None: those stored with the index
     (``build-index --search-params``), "" for none. ``query_prompt``: text put before each
     query; None: the index's (the model's query prompt, or ``build-index --query-prompt``).
@@ -256,17 +257,17 @@ def open_index(path: str | os.PathLike, device: str = "cpu", *, encoder=None,
     manifest = store.read_manifest()
     if params is None:
         params = manifest.search.get("params")
-    listed = store.segments()
+    listed = store.shards()
     if any(seg.count for seg in listed) or os.path.lexists(store.metadata_path):
         store.connect().close()  # a missing or damaged database fails here, not after a query
-    segments = []
+    shards = []
     for seg in listed:
-        index = read_segment(seg.path)
+        index = read_shard(seg.path)
         if index.ntotal != seg.count or index.d != manifest.dim or not _ids_match(index, seg):
             raise ConfigError(
-                f"segment {str(seg.path)!r} holds {index.ntotal} vectors of dim {index.d}, but its "
+                f"shard {str(seg.path)!r} holds {index.ntotal} vectors of dim {index.d}, but its "
                 f"sidecar lists {seg.count} (or other ids) and the manifest says dim {manifest.dim}: "
-                "the file is damaged; delete that segment's .faiss and .ids.npy files and run build-index "
+                "the file is damaged; delete that shard's .faiss and .ids.npy files and run build-index "
                 "again to redo the units it held")
         if params:
             try:
@@ -274,6 +275,6 @@ def open_index(path: str | os.PathLike, device: str = "cpu", *, encoder=None,
             except RuntimeError as exc:
                 raise ConfigError(f"search parameters {params!r} do not apply to {seg.name} "
                                   f"(factory {manifest.factory!r}): {str(exc).splitlines()[0]}") from exc
-        segments.append(index)
-    return Index(store, manifest, segments, encoder=encoder, device=device, query_prompt=query_prompt,
+        shards.append(index)
+    return Index(store, manifest, shards, encoder=encoder, device=device, query_prompt=query_prompt,
                  params=params or None)

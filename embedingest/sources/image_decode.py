@@ -26,16 +26,13 @@ from typing import NamedTuple
 import numpy as np
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
+from ..config import DEFAULT_MAX_PIXELS
 from .remote import is_remote, open_remote, remote_size
 
 # An animated GIF (or a multi-page TIFF) is read as its first frame. AVIF needs a Pillow
 # built with libavif (the wheels of 11.2 and later); without it each is skipped, named.
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif",
                               ".avif"})
-
-# Larger than any camera photo (a 100 MP medium-format frame fits), small enough that
-# one DataLoader worker never holds more than ~450 MB of decoded RGB.
-DEFAULT_MAX_PIXELS = 150_000_000
 
 # ImageNet mean in 0..255: the padding becomes exactly zero after normalisation.
 PAD_RGB = (124, 116, 104)
@@ -52,8 +49,6 @@ _ROTATED = {5, 6, 7, 8}
 # ``size`` (torchvision's ``Resize(max_size=...)``): only panoramas wider than 4:1 are
 # affected, and the host slots can be sized for the largest input.
 LONG_SIDE_LIMIT = 4
-
-RESIZE_MODES = ("short", "fit")
 
 # In ``short`` mode a picture of up to this many times ``size``² pixels (4.3 MP at 520)
 # goes to the device whole and is resized there; a larger one is resized in the worker

@@ -29,15 +29,15 @@ from torchvision.models import segmentation as tvseg
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import functional as TF
 
+from ..config import SEGMENT_ARCHITECTURES
 from ..errors import ConfigError
 from ..sources.image_decode import ImageMeta, Preprocessing
+from .device import resolve_dtype
 
 log = logging.getLogger("embedingest")
 
 # Every torchvision segmentation model, by the name get_model knows it.
-ARCHITECTURES = tuple(tvmodels.list_models(module=tvseg))
-
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+ARCHITECTURES = SEGMENT_ARCHITECTURES
 
 # Masks are uint8 class indices.
 MAX_CLASSES = 256
@@ -178,17 +178,6 @@ def load_segmentation_model(arch: str = "deeplabv3_resnet50", weights: str | Non
                              tuple(transforms.mean), tuple(transforms.std),
                              int(transforms.resize_size[0]), transforms.interpolation.value,
                              bool(transforms.antialias), f"{type(preset).__name__}.{preset.name}")
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """fp32/fp16/bf16, or "auto": fp16 on CUDA (tensor cores), fp32 elsewhere (CPU fp16
-    convolutions are tens of times slower than fp32)."""
-    if name == "auto":
-        name = "fp16" if device.type == "cuda" else "fp32"
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ConfigError(f"dtype={name!r} is not one of auto, {', '.join(DTYPES)}") from None
 
 
 class Segmenter:

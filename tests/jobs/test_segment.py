@@ -22,7 +22,7 @@ from torchvision.transforms.functional import pil_to_tensor
 from embedingest.config import load_config
 from embedingest.errors import ConfigError
 from embedingest.jobs.segment import SegmentConfig, list_inputs, segment, segment_images
-from embedingest.jobs.segment_cli import segment_command
+from embedingest.cli.segment import segment_command
 from embedingest.report import SkipReport
 from embedingest.sinks.masks import output_paths
 from embedingest.sources.image_decode import open_rgb
@@ -126,7 +126,7 @@ def test_segment_folder_end_to_end(tree, tmp_path, weights, reference, no_leaks)
     assert set(report) == set(bad) and all(e["stage"] == "read" for e in report.values())
     for rel, kind in bad.items():
         assert report[rel]["reason"].startswith(f"{kind}: "), (rel, report[rel]["reason"])
-    assert sum(summary["skip_reasons"].values()) == len(bad)
+    assert sum(summary["skipped_by_reason"].values()) == len(bad)
     assert not hidden_files(out), "temporary files left behind"
 
 
@@ -418,7 +418,7 @@ def test_max_pixels_skips_images_over_the_option_under_pillows_limit(tmp_path, s
     [entry] = [json.loads(line) for line in (tmp_path / "out" / "skipped.jsonl").read_text().splitlines()]
     assert entry["path"].endswith("big.png")
     assert entry["reason"].startswith("too large: 50x60 = 3000 pixels is over max_pixels=2000")
-    assert summary["skip_reasons"] == {"too large": 1}
+    assert summary["skipped_by_reason"] == {"too large": 1}
     again = segment(config(images, tmp_path / "out", small, max_pixels=0), progress=False)
     assert again["written"] == 1 and again["already_done"] == 1 and again["skipped"] == 0
 

@@ -17,9 +17,9 @@ from torchvision.models.segmentation import (DeepLabV3_MobileNet_V3_Large_Weight
 
 from embedingest.errors import ConfigError
 from embedingest.sources.image_decode import ImageMeta
+from embedingest.stages.device import resolve_dtype
 from embedingest.stages.segmentation import (ARCHITECTURES, Segmenter, hub_checkpoint_path,
-                                             load_segmentation_model, resolve_dtype,
-                                             upsampled_argmax)
+                                             load_segmentation_model, upsampled_argmax)
 
 SMALL = "deeplabv3_mobilenet_v3_large"   # same head and loading path, a quarter of the bytes
 
