@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..exit_codes import EXIT_OK, EXIT_SKIPPED
+
 
 @dataclass
 class DevicesBenchConfig:
@@ -71,7 +73,7 @@ def run(cfg: DevicesBenchConfig, log=print) -> dict:
             t0 = time.perf_counter()
             done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
             wall = time.perf_counter() - t0
-            if done.returncode not in (0, 3):  # 3: finished, some inputs skipped
+            if done.returncode not in (EXIT_OK, EXIT_SKIPPED):
                 raise RuntimeError(f"{' '.join(cmd)} exited with {done.returncode}")
             summary = json.loads(done.stdout[done.stdout.index("{"):])
             rows.append(_row(name, cfg.job, summary, wall))

@@ -1,6 +1,7 @@
 """What every command shares: library errors as clean messages, JSON output, the
-Ctrl-C-safe import of a job and the quick exit after it, the options generated from a
-config dataclass."""
+Ctrl-C-safe import of a job and the quick exit after it, running a job command
+(:func:`run_options`, :func:`run_job`), the options generated from a config dataclass
+(:func:`config_options`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import NoReturn
 import click
 
 from ..errors import EmbedingestError
+from ..exit_codes import EXIT_INTERRUPTED
 
 
 def library_errors(fn=None, *, kept: str = "what was committed before is kept"):
@@ -55,9 +57,9 @@ def exit_quickly(code: int) -> NoReturn:
 def import_interruptibly(module: str):
     """Import a job's module (torch, numpy, faiss, transformers: seconds) with SIGINT
     held back until it is done, so a Ctrl-C meanwhile arrives as a KeyboardInterrupt
-    right after it, where the command turns it into EXIT_INTERRUPTED. Inside those imports it
-    is not safe: torch imports numpy from C and takes any error for "no numpy" (the
-    Ctrl-C is lost, numpy left half imported), and pybind11 aborts the process."""
+    right after it, where the command turns it into EXIT_INTERRUPTED. Inside those
+    imports it is not safe: torch imports numpy from C and takes any error for "no numpy"
+    (the Ctrl-C is lost, numpy left half imported), and pybind11 aborts the process."""
     import importlib
     import signal
 
@@ -69,6 +71,40 @@ def import_interruptibly(module: str):
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
+
+def run_options(preset: str, timeline: str, trace: str):
+    """The options of a job command beside its config fields: ``--config`` (a preset),
+    ``--json``, ``--timeline`` and ``--trace``, with the help given."""
+    options = [
+        click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
+                     help=f"TOML preset of these options ({preset}); options given here win."),
+        click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON."),
+        click.option("--timeline", type=click.Path(dir_okay=False), help=timeline),
+        click.option("--trace", type=click.Path(dir_okay=False), help=trace),
+    ]
+
+    def decorate(fn):
+        for option in reversed(options):
+            fn = option(fn)
+        return fn
+
+    return decorate
+
+
+def run_job(module: str, call, *, as_json: bool, paragraph, interrupted: str) -> NoReturn:
+    """Import the job's ``module`` (Ctrl-C-safe), run ``call(module)`` and print the summary
+    it returns (as JSON, or as ``paragraph(summary)``), then exit with its ``exit_code``;
+    on Ctrl-C say ``interrupted: <interrupted>`` and exit with :data:`EXIT_INTERRUPTED`."""
+    try:
+        summary = call(import_interruptibly(module))
+    except KeyboardInterrupt:
+        click.echo(f"\ninterrupted: {interrupted}", err=True)
+        exit_quickly(EXIT_INTERRUPTED)
+    if as_json:
+        emit_json(summary)
+    else:
+        click.echo(paragraph(summary))
+    sys.exit(summary["exit_code"])
 
 
 def config_options(cls, skip: tuple[str, ...] = ()):
@@ -87,7 +123,9 @@ def config_options(cls, skip: tuple[str, ...] = ()):
     def decorate(fn):
         for f in reversed(dataclasses.fields(cls)):
             if f.name not in skip:
-                fn = click.option(*_option_names(f, hints[f.name]), f.name, **_option_settings(f, hints[f.name]))(fn)
+                option = click.option(*_option_names(f, hints[f.name]), f.name,
+                                      **_option_settings(f, hints[f.name]))
+                fn = option(fn)
         return fn
 
     return decorate

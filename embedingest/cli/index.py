@@ -7,9 +7,9 @@ import sys
 import click
 
 from ..config import IndexConfig, load_config
-from ..exit_codes import EXIT_INTERRUPTED, exit_status_help
+from ..exit_codes import exit_status_help
 from ..report import passed_over_sentence
-from .common import config_options, emit_json, exit_quickly, import_interruptibly, library_errors
+from .common import config_options, library_errors, run_job, run_options
 
 
 @click.command("build-index", help=f"""Index the text files under CORPUS (or one file) into FAISS shards.
@@ -19,29 +19,19 @@ from .common import config_options, emit_json, exit_quickly, import_interruptibl
     {exit_status_help("all inputs indexed", "inputs", "the index folder")}""")
 @click.argument("corpus", type=click.Path(exists=True, path_type=str))
 @config_options(IndexConfig)
-@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
-              help="TOML preset of these options (configs/*.toml); options given here win.")
-@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-@click.option("--timeline", type=click.Path(dir_okay=False), help="Write a PNG timeline of the last batches.")
-@click.option("--trace", type=click.Path(dir_okay=False),
-              help="Write the run's phases and every batch's engine records (compute, copy, hand-off, "
-                   "consumers) as a Chrome trace (JSON; open it in Perfetto or chrome://tracing).")
+@run_options("configs/*.toml", timeline="Write a PNG timeline of the last batches.",
+             trace="Write the run's phases and every batch's engine records (compute, copy, "
+                   "hand-off, consumers) as a Chrome trace (JSON; open it in Perfetto or "
+                   "chrome://tracing).")
 @library_errors
 def build_index_cmd(corpus, config_path, as_json, timeline, trace, **options) -> None:
     cfg = load_config(IndexConfig, config_path, **options)
-    try:
-        build_index = import_interruptibly("embedingest.jobs.build_index").build_index
-        summary = build_index(corpus, cfg, progress=not as_json and sys.stderr.isatty(),
-                              timeline=timeline, trace=trace)
-    except KeyboardInterrupt:
-        click.echo("\ninterrupted: every file finished so far is saved in the index; run the "
-                   "same command again to resume (only unfinished files are redone)", err=True)
-        exit_quickly(EXIT_INTERRUPTED)
-    if as_json:
-        emit_json(summary)
-    else:
-        click.echo(_index_paragraph(summary))
-    sys.exit(summary["exit_code"])
+    run_job("embedingest.jobs.build_index",
+            lambda job: job.build_index(corpus, cfg, progress=not as_json and sys.stderr.isatty(),
+                                        timeline=timeline, trace=trace),
+            as_json=as_json, paragraph=_index_paragraph,
+            interrupted="every file finished so far is saved in the index; run the same command "
+                        "again to resume (only unfinished files are redone)")
 
 
 def _index_paragraph(s: dict) -> str:

@@ -8,14 +8,12 @@ the option is given. The job is imported when the command runs, so ``embedingest
 
 from __future__ import annotations
 
-import sys
-
 import click
 
 from ..config import SegmentConfig, load_config
-from ..exit_codes import EXIT_INTERRUPTED, exit_status_help
+from ..exit_codes import exit_status_help
 from ..report import passed_over_sentence
-from .common import config_options, emit_json, exit_quickly, import_interruptibly, library_errors
+from .common import config_options, library_errors, run_job, run_options
 
 
 @click.command("segment", help=f"""A torchvision segmentation model over the images under IMAGES (or one
@@ -27,29 +25,17 @@ from .common import config_options, emit_json, exit_quickly, import_interruptibl
     {exit_status_help("all images done", "images", "OUT")}""")
 @click.argument("images", type=click.Path(exists=True, path_type=str))
 @config_options(SegmentConfig, skip=("images",))
-@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
-              help="TOML preset of these options (configs/segment.toml); options given here win.")
-@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-@click.option("--timeline", type=click.Path(dir_okay=False),
-              help="Write a PNG timeline of the last batches (compute, copies, consumers).")
-@click.option("--trace", type=click.Path(dir_okay=False),
-              help="Write every batch's engine records as a Chrome trace (JSON; Perfetto, "
+@run_options("configs/segment.toml",
+             timeline="Write a PNG timeline of the last batches (compute, copies, consumers).",
+             trace="Write every batch's engine records as a Chrome trace (JSON; Perfetto, "
                    "chrome://tracing); one device only.")
 @library_errors(kept="every mask written before is kept")
 def segment_command(images, config_path, as_json, timeline, trace, **options) -> None:
     config = load_config(SegmentConfig, config_path, images=images, **options)
-    try:
-        segment = import_interruptibly("embedingest.jobs.segment").segment
-        summary = segment(config, progress=not as_json, timeline=timeline, trace=trace)
-    except KeyboardInterrupt:
-        click.echo("\ninterrupted: every mask written so far is kept; run the same command "
-                   "again to resume", err=True)
-        exit_quickly(EXIT_INTERRUPTED)
-    if as_json:
-        emit_json(summary)
-    else:
-        click.echo(_paragraph(summary))
-    sys.exit(summary["exit_code"])
+    run_job("embedingest.jobs.segment",
+            lambda job: job.segment(config, progress=not as_json, timeline=timeline, trace=trace),
+            as_json=as_json, paragraph=_paragraph,
+            interrupted="every mask written so far is kept; run the same command again to resume")
 
 
 def _paragraph(s: dict) -> str:

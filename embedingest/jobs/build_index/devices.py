@@ -9,7 +9,7 @@ manifest needs from the first child's encoder (:class:`EncoderOnDevices`), plans
 (removals done, units to index marked pending), has the first child train the index if
 its factory needs it, then gives each child a share of the units, balanced by bytes.
 Each runs the single-device encode step unchanged: its own DataLoader, egress engine and
-consumers, segments under its own run id.
+consumers, shards under its own run id.
 
 Chunk rows go straight from each child into the one ``metadata.sqlite``. SQLite in WAL
 mode lets one writer at a time commit while the others wait on the busy timeout; each
@@ -18,7 +18,7 @@ second, so the waits are short, and a unit is
 still marked done in the same transaction order as on one device. That keeps resume
 exactly as fine-grained as a single-device run, which a merge of per-child databases at
 the end would lose (a crash before the merge would redo every unit), and it needs no
-merge step. The parent writes the one manifest afterwards, from the folder's segments.
+merge step. The parent writes the one manifest afterwards, from the folder's shards.
 """
 
 from __future__ import annotations

@@ -15,15 +15,15 @@ runs in order (call them yourself to put
    each actor loads the encoder on its GPU (or the CPU when Ray gave it none), and for
    every batch of records chunks and tokenizes the pending ones (in a thread, ahead of
    the GPU), encodes them, and sends the vectors through an egress engine whose
-   consumers write segments under the actor's own run id. The engine is closed at the
+   consumers write shards under the actor's own run id. The engine is closed at the
    end of each call, so when a call returns its vectors are committed; it returns the
    chunk metadata instead of writing it, so only the driver touches the SQLite file
-   (which must not be shared over a network file system; segments may be).
+   (which must not be shared over a network file system; shards may be).
 3. :meth:`RayIndexPlan.finish` (driver): writes the chunk rows and marks units done as
    results arrive, checks every vector against the metadata, writes one manifest.
 
 A run that stopped anywhere is finished by running it again, as with the CLI. The
-segments folder must be reachable by every actor (one host, or a shared file system).
+shards folder (segments/) must be reachable by every actor (one host, or a shared file system).
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def _tokenizer(model_dir: str):
 
 
 class EmbedBatches:
-    """The Ray Data callable class: embeds the pending records of each batch into segments.
+    """The Ray Data callable class: embeds the pending records of each batch into shards.
 
     Use it through ``map_batches(EmbedBatches, fn_constructor_kwargs=plan.actor_kwargs(),
     batch_format="numpy", concurrency=N, num_gpus=1)`` (or ``compute=ActorPoolStrategy``);
