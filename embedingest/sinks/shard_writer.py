@@ -51,6 +51,8 @@ ROW_GROUP_ROWS = 64
 groups are small: with ~1,000-character texts one costs about 0.25 ms to read whole,
 four times as many rows about 0.6 ms (benchmarks/index_lookup.py)."""
 _FAISS_CHUNK = 1 << 20
+PARQUET_OPTIONS = {"compression": "zstd", "use_dictionary": ["source", "record_id"],
+                   "write_statistics": ["id"]}
 
 
 @dataclass
@@ -165,9 +167,7 @@ class ShardWriter:
                 stack = contextlib.ExitStack()
                 fh = stack.enter_context(atomic_file(self.folder / f"{self.name}{PARQUET_SUFFIX}"))
                 hashing = HashingFile(fh)
-                writer = pq.ParquetWriter(hashing, CHUNK_SCHEMA, compression="zstd",
-                                          use_dictionary=["source", "record_id"],
-                                          write_statistics=["id"])
+                writer = pq.ParquetWriter(hashing, CHUNK_SCHEMA, **PARQUET_OPTIONS)
                 self._parquet_file = (stack, hashing, writer)
             self._parquet_file[2].write_table(table.slice(0, cut), row_group_size=size)
         rest = table.slice(cut)
