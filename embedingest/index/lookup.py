@@ -52,8 +52,13 @@ class ShardRows:
         self._group_starts = group_starts
         self._offsets = np.cumsum([0] + [len(a) for a in ids], dtype=np.int64)
         flat = np.concatenate(ids).astype(np.int64, copy=False) if ids else np.empty(0, np.int64)
+        self._flat = flat
         self._order = np.argsort(flat, kind="stable")
         self._sorted = flat[self._order]
+
+    def shard_ids(self, no: int) -> np.ndarray:
+        """The ids of shard ``no`` (of :attr:`shards`) in row order."""
+        return self._flat[self._offsets[no]:self._offsets[no + 1]]
 
     def __len__(self) -> int:
         return len(self._sorted)

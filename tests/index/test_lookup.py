@@ -89,3 +89,11 @@ def test_any_subset_of_ids_in_any_order(built, data):
     rows = ShardRows(list_shards(built.folder / "shards"))
     picked = data.draw(st.lists(st.sampled_from(built.ids.tolist()), max_size=25))
     assert rows.chunks(picked) == {i: expected_chunk(built.rows[i]) for i in picked}
+
+
+def test_shard_ids_are_each_shards_ids_in_row_order(built):
+    from embedingest.index.shards import read_ids
+
+    rows = ShardRows(list_shards(built.folder / "shards"))
+    for no, shard in enumerate(rows.shards):
+        assert np.array_equal(rows.shard_ids(no), read_ids(shard))
