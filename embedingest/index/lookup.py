@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute  # noqa: F401  (Table.take: imported at open, not in the first query)
 import pyarrow.parquet as pq
 
 from ..errors import ConfigError
@@ -25,33 +23,44 @@ from .shards import CHUNK_BITS, CHUNK_COLUMNS, Shard
 from .store import Chunk
 
 OPEN_FILES = 64
+_DERIVED = ("id", "chunk_no")  # chunk_no is the low half of the id (the writer checks it)
+_CHUNK_MASK = (1 << CHUNK_BITS) - 1
 
 
 class ShardRows:
-    """The chunk rows of committed ``shards``, by vector id."""
+    """The chunk rows of committed ``shards``, by vector id. ``ids``: each shard's ids in
+    row order when the caller has them (open_index takes them from the faiss files it
+    loads); else they are read from the Parquet files."""
 
-    def __init__(self, shards: Iterable[Shard]):
+    def __init__(self, shards: Iterable[Shard], ids: Sequence[np.ndarray] | None = None):
         self.shards = [s for s in shards if s.rows]
         self._files: OrderedDict[int, tuple[pq.ParquetFile, threading.Lock]] = OrderedDict()
         self._files_lock = threading.Lock()
-        ids, group_starts = [], []
+        if ids is not None and len(ids) != len(self.shards):
+            raise ValueError(f"{len(ids)} id arrays for {len(self.shards)} shards with rows")
+        per_shard, group_starts = [], []
         for no, shard in enumerate(self.shards):
             pf = self._open(no)
             meta = pf.metadata
-            if meta.num_rows != shard.rows:
+            if meta.num_rows != shard.rows or (ids is not None and len(ids[no]) != shard.rows):
                 raise ConfigError(f"{str(shard.path('parquet'))!r} holds {meta.num_rows} rows, but "
                                   f"its commit record says {shard.rows}: the shard is damaged; "
                                   f"delete its files ({shard.name}.*) and run build-index again")
-            sizes = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
-            group_starts.append(np.cumsum([0] + sizes, dtype=np.int64))
-            ids.append(pf.read(columns=["id"], use_threads=False).column(0).to_numpy())
+            group_starts.append(_group_starts(meta, shard))
+            if ids is not None and not _groups_match(meta, group_starts[-1], ids[no]):
+                raise ConfigError(f"the vectors of shard {shard.name} are not in the order of its "
+                                  f"rows in {str(shard.path('parquet'))!r}: the shard is damaged; "
+                                  f"delete its files ({shard.name}.*) and run build-index again")
+            per_shard.append(ids[no] if ids is not None else
+                             pf.read(columns=["id"], use_threads=False).column(0).to_numpy())
             if no < OPEN_FILES:  # kept open for the first lookups
                 self._files[no] = (pf, threading.Lock())
             else:
                 pf.close()
         self._group_starts = group_starts
-        self._offsets = np.cumsum([0] + [len(a) for a in ids], dtype=np.int64)
-        flat = np.concatenate(ids).astype(np.int64, copy=False) if ids else np.empty(0, np.int64)
+        self._offsets = np.cumsum([0] + [len(a) for a in per_shard], dtype=np.int64)
+        flat = (np.concatenate(per_shard).astype(np.int64, copy=False) if per_shard
+                else np.empty(0, np.int64))
         self._flat = flat
         self._order = np.argsort(flat, kind="stable")
         self._sorted = flat[self._order]
@@ -91,27 +100,36 @@ class ShardRows:
             return entry
 
     def table(self, ids, columns: Iterable[str] = CHUNK_COLUMNS) -> dict[int, dict]:
-        """The rows of ``ids`` as {id: {column: value}}; unknown ids are absent."""
-        columns = list(columns)
-        if "id" not in columns:
-            columns = ["id", *columns]
-        ids = np.unique(np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids, dtype=np.int64))
+        """The rows of ``ids`` as {id: {column: value}} (``id`` always among the columns);
+        unknown ids are absent. ``id`` and ``chunk_no`` come from the id itself, so only
+        the other columns asked for are read."""
+        columns = ["id", *(c for c in columns if c != "id")]
+        read = [c for c in columns if c not in _DERIVED]
+        ids = np.unique(np.asarray(ids if isinstance(ids, np.ndarray) else list(ids), dtype=np.int64))
         shard_nos, rows = self.locate(ids)
         out: dict[int, dict] = {}
         for no in np.unique(shard_nos[shard_nos >= 0]).tolist():
-            mine = rows[shard_nos == no]
+            sel = shard_nos == no
+            mine_ids, mine = ids[sel].tolist(), rows[sel]
             starts = self._group_starts[no]
             groups = np.searchsorted(starts, mine, side="right") - 1
-            wanted = np.unique(groups).tolist()
-            pf, lock = self._file(no)
-            with lock:
-                table = pf.read_row_groups(wanted, columns=columns, use_threads=False)
-            # rows of the groups read, in the order the groups were read
-            base = np.cumsum([0] + [int(starts[g + 1] - starts[g]) for g in wanted])
-            index = {g: b for g, b in zip(wanted, base[:-1].tolist())}
-            take = np.array([index[g] for g in groups.tolist()], dtype=np.int64) + (mine - starts[groups])
-            for row in table.take(pa.array(take)).to_pylist():
-                out[row["id"]] = row
+            wanted = np.unique(groups)
+            sizes = starts[wanted + 1] - starts[wanted]
+            base = np.cumsum(sizes) - sizes  # where each group read starts in the table
+            take = base[np.searchsorted(wanted, groups)] + (mine - starts[groups])
+            values: dict[str, list] = {}
+            if read:
+                pf, lock = self._file(no)
+                with lock:
+                    table = pf.read_row_groups(wanted.tolist(), columns=read, use_threads=False)
+                # only the rows asked for become Python values (Table.take would import
+                # pandas on a first call)
+                values = {c: table.column(c) for c in read}
+            for k, i in zip(take.tolist(), mine_ids):
+                row = {"id": i}
+                for c in columns[1:]:
+                    row[c] = i & _CHUNK_MASK if c == "chunk_no" else values[c][k].as_py()
+                out[i] = row
         return out
 
     def chunks(self, ids) -> dict[int, Chunk]:
@@ -124,3 +142,32 @@ class ShardRows:
             for pf, _ in self._files.values():
                 pf.close()
             self._files.clear()
+
+
+def _group_starts(meta: pq.FileMetaData, shard: Shard) -> np.ndarray:
+    """The first row of each row group, and the row count last. Groups of the size the
+    commit record gives (all but the last) are not asked one by one: a shard has
+    thousands of them."""
+    size, n = shard.record.get("row_group_rows"), meta.num_row_groups
+    if isinstance(size, int) and size > 0 and n == -(-shard.rows // size) and n \
+            and meta.row_group(n - 1).num_rows == shard.rows - (n - 1) * size:
+        return np.append(np.arange(0, shard.rows, size, dtype=np.int64), np.int64(shard.rows))
+    return np.cumsum([0] + [meta.row_group(g).num_rows for g in range(n)], dtype=np.int64)
+
+
+CHECKED_GROUPS = 16
+
+
+def _groups_match(meta: pq.FileMetaData, starts: np.ndarray, ids: np.ndarray) -> bool:
+    """The smallest and largest ids of :data:`CHECKED_GROUPS` row groups spread over
+    the file (its statistics) are those of the same rows of ``ids``: ids given out of
+    their rows' order are found without reading the id column."""
+    n = meta.num_row_groups
+    for g in np.unique(np.linspace(0, n - 1, min(n, CHECKED_GROUPS)).astype(int)).tolist():
+        st = meta.row_group(g).column(0).statistics
+        if st is None or not st.has_min_max:
+            continue  # a file written without statistics: nothing to compare
+        part = ids[starts[g]:starts[g + 1]]
+        if not len(part) or st.min != part.min() or st.max != part.max():
+            return False
+    return True

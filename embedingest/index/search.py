@@ -300,17 +300,14 @@ def _set_params(index: faiss.Index, params: str | None, name: str, manifest: Man
 def _open_shards(store: IndexStore, manifest: Manifest, params: str | None) -> tuple[list, ShardRows]:
     """The vectors of every committed shard (memory-mapped where faiss can) and their rows.
     Each shard's vectors must be its rows' (same count and ids, in the same order)."""
-    shards = list_shards(store.folder / SHARDS_DIR, generation=manifest.generation)
-    rows = ShardRows(shards)
-    segments = []
-    for no, shard in enumerate(rows.shards):
+    shards = [s for s in list_shards(store.folder / SHARDS_DIR, generation=manifest.generation) if s.rows]
+    segments, ids = [], []
+    for shard in shards:
         path = shard.faiss_path(manifest.generation)
         index = read_segment(path)
         id_map = getattr(index, "id_map", None)
-        ids = faiss.vector_to_array(id_map) if id_map is not None else None
-        if index.ntotal != shard.rows or index.d != manifest.dim or ids is None \
-                or not np.array_equal(ids, rows.shard_ids(no)):
-            rows.close()
+        if index.ntotal != shard.rows or index.d != manifest.dim or id_map is None \
+                or not _ends_match(id_map, shard):
             raise ConfigError(
                 f"{str(path)!r} holds {index.ntotal} vectors of dim {index.d}, but its shard has "
                 f"{shard.rows} rows (or other ids) and the manifest says dim {manifest.dim}: the "
@@ -318,4 +315,11 @@ def _open_shards(store: IndexStore, manifest: Manifest, params: str | None) -> t
                 "to redo the units it held")
         _set_params(index, params, shard.name, manifest)
         segments.append(index)
-    return segments, rows
+        ids.append(faiss.vector_to_array(id_map))
+    return segments, ShardRows(shards, ids)
+
+
+def _ends_match(id_map, shard) -> bool:
+    """The lowest and highest ids of a shard's vectors are those its record gives."""
+    ids = faiss.rev_swig_ptr(id_map.data(), id_map.size())
+    return int(ids.min()) == shard.id_min and int(ids.max()) == shard.id_max

@@ -63,7 +63,7 @@ def remove_units(shards_dir: str | Path, unit_nos: Iterable[int], template: fais
                   "id_min": int(ids[keep].min()) if keep.any() else 0,
                   "id_max": int(ids[keep].max()) if keep.any() else -1,
                   "dim": shard.record.get("dim"), "factory": shard.record.get("factory"),
-                  "generation": generation, "files": files,
+                  "generation": generation, "row_group_rows": ROW_GROUP_ROWS, "files": files,
                   "units": [[u for u, _ in marks], [n for _, n in marks]],
                   "replaces": [shard.name], "run": run, "created": now()}
         write_commit(folder, record)  # the switch: the old shard is hidden from here on

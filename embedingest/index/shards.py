@@ -364,12 +364,14 @@ def read_ids(shard: Shard) -> np.ndarray:
     return column.to_numpy().astype(np.int64, copy=False)
 
 
-def incomplete_units(shards: Iterable[Shard], expected: Mapping[int, int] | None = None) -> set[int]:
+def incomplete_units(shards: Iterable[Shard], expected: Mapping[int, int] | None = None,
+                     known: Iterable[int] | None = None) -> set[int]:
     """Units whose committed rows are not exactly chunks 0..n-1 once each, where n is
     what one committed shard declared when the unit finished: rows missing (a writer
     died before its commit), duplicates, rows of a unit no shard declared finished,
     or declared twice. With ``expected`` ({unit_no: n_chunks}) units of it that no
-    shard holds, and rows of units not in it, count too."""
+    shard holds, and rows of units not in it, count too; with ``known`` (unit numbers)
+    units with rows or finished-marks that are not in it."""
     shards = list(shards)
     ids = np.concatenate([read_ids(s) for s in shards]) if shards else np.empty(0, np.int64)
     declared: dict[int, int] = {}
@@ -389,6 +391,9 @@ def incomplete_units(shards: Iterable[Shard], expected: Mapping[int, int] | None
             bad.add(unit)
     seen = set(present.tolist())
     bad.update(u for u, n in declared.items() if n and u not in seen)
+    if known is not None:
+        known = set(known)
+        bad.update(u for u in seen | declared.keys() if u not in known)
     if expected is not None:
         bad.update(u for u in seen if u not in expected)
         bad.update(u for u, n in expected.items() if n and (u not in seen or declared.get(u) != n))

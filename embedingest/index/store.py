@@ -265,6 +265,9 @@ class IndexStore:
     """One index folder. Not safe for two writers at once; readers (search) only list and
     read committed segments."""
 
+    _schema = _SCHEMA  # what the database holds (format 2 keeps units only)
+    _probe_sql = "SELECT count(*) FROM units JOIN chunks LIMIT 0"
+
     def __init__(self, folder: str | os.PathLike, read_only: bool = False):
         self.folder = Path(folder)
         # A reader (search) never creates, changes or converts anything in the folder.
@@ -553,7 +556,7 @@ class IndexStore:
         an existing database read-only; a link in place of the database or its journal
         files is refused (sqlite would write through it)."""
         for suffix in ("", "-wal", "-shm", "-journal"):
-            refuse_link(self.folder / (METADATA_NAME + suffix))
+            refuse_link(self.folder / (self.metadata_path.name + suffix))
         if self.read_only and not self.metadata_path.is_file():
             raise ConfigError(
                 f"{str(self.metadata_path)!r} does not exist: the build of this index was stopped "
@@ -562,7 +565,7 @@ class IndexStore:
         if self.read_only:
             db = sqlite3.connect(f"file:{urllib.parse.quote(str(self.metadata_path))}?mode=ro",
                                  uri=True)
-            db.execute("SELECT count(*) FROM units JOIN chunks LIMIT 0").fetchall()
+            db.execute(self._probe_sql).fetchall()
             return db
         self.folder.mkdir(parents=True, exist_ok=True)
         db = sqlite3.connect(self.metadata_path)
@@ -570,7 +573,7 @@ class IndexStore:
             db.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
-        db.executescript(_SCHEMA)
+        db.executescript(self._schema)
         return db
 
     @_sqlite_errors

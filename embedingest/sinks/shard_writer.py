@@ -46,10 +46,9 @@ from ..index.shards import (
 from ..outfiles import atomic_file, new_run_id, write_streamed
 from .faiss_shards import _RUN_ID, as_float32, empty_index
 
-ROW_GROUP_ROWS = 64
+ROW_GROUP_ROWS = 32
 """Rows per Parquet row group: a lookup reads (and decompresses) one group per hit, so
-groups are small: with ~1,000-character texts one costs about 0.25 ms to read whole,
-four times as many rows about 0.6 ms (benchmarks/index_lookup.py)."""
+groups are small (docs/BENCHMARKS.md, index lookup: 32 against 64 rows)."""
 _FAISS_CHUNK = 1 << 20
 PARQUET_OPTIONS = {"compression": "zstd", "use_dictionary": ["source", "record_id"],
                    "write_statistics": ["id"]}
@@ -135,6 +134,9 @@ class ShardWriter:
                 chunks.column(0).to_numpy(zero_copy_only=False), ids):
             raise ConfigError(f"shard {self.name}: the {chunks.num_rows} metadata rows of a batch "
                               f"do not match its {n} vector ids")
+        if not np.array_equal(chunks.column(3).to_numpy(zero_copy_only=False), ids & 0xFFFFFFFF):
+            raise ConfigError(f"shard {self.name}: chunk numbers of a batch are not the low half "
+                              "of their vector ids (unit_no << 32 | chunk_no)")
         for unit, n_chunks in units_done:
             self.units[int(unit)] = int(n_chunks)
         if not n:
@@ -193,7 +195,7 @@ class ShardWriter:
         record = {"format": FORMAT, "name": self.name, "rows": self.rows,
                   "id_min": self.id_min if self.rows else 0, "id_max": self.id_max if self.rows else -1,
                   "dim": self.spec.dim, "factory": self.spec.factory, "generation": self.spec.generation,
-                  "files": files, "units": [[u for u, _ in units], [n for _, n in units]],
+                  "row_group_rows": self.spec.row_group_rows, "files": files, "units": [[u for u, _ in units], [n for _, n in units]],
                   "replaces": list(self.replaces), "run": self.spec.run_id, "created": now()}
         write_commit(self.folder, record)
         self._index, self._emb, self._pending = None, [], []

@@ -97,3 +97,14 @@ def test_shard_ids_are_each_shards_ids_in_row_order(built):
     rows = ShardRows(list_shards(built.folder / "shards"))
     for no, shard in enumerate(rows.shards):
         assert np.array_equal(rows.shard_ids(no), read_ids(shard))
+
+
+def test_row_groups_are_read_from_the_footer_when_the_record_gives_no_size(built):
+    import dataclasses
+
+    shards = [dataclasses.replace(s, record={k: v for k, v in s.record.items() if k != "row_group_rows"})
+              for s in list_shards(built.folder / "shards")]
+    rows = ShardRows(shards)
+    assert rows.chunks(built.ids) == {i: expected_chunk(r) for i, r in built.rows.items()}
+    assert all(np.array_equal(a, b) for a, b in zip(rows._group_starts,
+                                                     ShardRows(list_shards(built.folder / "shards"))._group_starts))

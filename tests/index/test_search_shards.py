@@ -38,7 +38,7 @@ def test_after_reindex_search_reads_the_new_generation(tmp_path):
     assert got == built.ids[exact].tolist()
 
 
-def test_vectors_that_are_not_their_rows_are_a_config_error_naming_the_shard(tmp_path):
+def test_vectors_out_of_their_rows_order_are_a_config_error_naming_the_shard(tmp_path):
     import faiss
 
     build_shards(tmp_path / "ix", n_units=2, chunks=10, commit_every=100, workers=1)
@@ -47,7 +47,7 @@ def test_vectors_that_are_not_their_rows_are_a_config_error_naming_the_shard(tmp
     ids = faiss.vector_to_array(index.id_map)
     faiss.copy_array_to_vector(ids[::-1].copy(), index.id_map)  # same size, other order
     faiss.write_index(index, str(shard.path("faiss")))
-    with pytest.raises(ConfigError, match=rf"but its shard has 20 rows \(or other ids\).*{shard.name}\.\*"):
+    with pytest.raises(ConfigError, match=rf"vectors of shard {shard.name} are not in the order of its rows"):
         open_index(tmp_path / "ix")
 
 
