@@ -289,3 +289,21 @@ class ShardSink:
                 os.close(self._writer_lock)
                 self._writer_lock = None
         return list(self.written)
+
+
+MARKS_WORKER = 9999
+"""The worker number of the shard :func:`commit_finished` writes (no engine consumer has it)."""
+
+
+def commit_finished(spec: ShardWriterFactory, units_done, part: int = 0) -> dict | None:
+    """Commit a shard of no rows that declares ``units_done`` ((unit_no, n_chunks) pairs)
+    finished: for the units whose finishing came after the last batch a writer got (their
+    rows are in the shards of the writers that got them). None when there are none."""
+    units_done = list(units_done)
+    if not units_done:
+        return None
+    writer = ShardWriter(spec, shard_name(spec.run_id, MARKS_WORKER, part))
+    empty = np.zeros((0, spec.dim), np.float32)
+    chunks = pa.RecordBatch.from_pylist([], schema=CHUNK_SCHEMA)
+    writer.add(empty, np.zeros(0, np.int64), chunks, units_done)
+    return writer.commit()

@@ -204,3 +204,20 @@ def test_any_split_commits_every_row_once_and_complete(tmp_path_factory, n_units
     ids = np.concatenate([read_ids(s) for s in shards if s.rows])
     assert sorted(ids.tolist()) == sorted(built.ids.tolist())
     assert incomplete_units(shards) == set()
+
+
+def test_finished_marks_that_came_after_the_last_batch_get_a_shard_of_their_own(tmp_path):
+    from embedingest.sinks.shard_writer import commit_finished
+
+    folder = tmp_path / "ix"
+    spec = ShardWriterFactory(str(folder), DIM, run_id="m")
+    sink = spec(0)
+    part, _ = batches([3], 5)[0]
+    sink(meta_of(0, part, ()), {"emb": unit_vectors(5), "ids": np.array([r["id"] for r in part])})
+    sink.close()
+    assert incomplete_units(list_shards(folder / "shards")) == {3}  # rows, no mark yet
+    assert commit_finished(spec, []) is None
+    record = commit_finished(spec, [(3, 5), (4, 0)])
+    assert (record["name"], record["rows"], record["files"]) == ("shard-m-w9999-00000", 0, {})
+    shards = list_shards(folder / "shards")
+    assert incomplete_units(shards) == set() and finished_units(shards) == {3: 5, 4: 0}
