@@ -14,8 +14,8 @@ then times, each in a fresh process so nothing is cached in Python:
   ids of one top-10 result, for ``--queries`` results; then of the top-10s of a few real
   searches, with the FAISS search itself (Flat) for comparison.
 
-Prints one JSON object: wall times, and the CPU time of the fetching thread (what a fetch
-costs when the cores are not shared; the load average says how busy they were). The
+Prints one JSON object: wall times, and the CPU time of the process during a fetch (what
+a fetch costs when the cores are not shared; the load average says how busy they were). The
 page cache is warm (the files were just written): a first query on a cold disk also
 pays its reads.
 """
@@ -85,10 +85,10 @@ def measure(folder: Path, queries: int, dim: int) -> dict:
     fetch, cpu = [], []
     for _ in range(queries):
         ids = all_ids[rng.integers(0, len(all_ids), 10)]
-        t, c = time.perf_counter(), time.thread_time()
+        t, c = time.perf_counter(), time.process_time()
         got = index.chunks(ids)
         fetch.append(time.perf_counter() - t)
-        cpu.append(time.thread_time() - c)
+        cpu.append(time.process_time() - c)
         assert len(got) == len(set(ids.tolist()))
     search, real = [], []
     for _ in range(5):

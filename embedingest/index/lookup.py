@@ -11,8 +11,10 @@ Safe to use from several threads (one lock per open file: a Parquet reader is no
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -23,6 +25,7 @@ from .shards import CHUNK_BITS, CHUNK_COLUMNS, Shard
 from .store import Chunk
 
 OPEN_FILES = 64
+READ_THREADS = 4  # shards read side by side for one lookup (at most the cores)
 _DERIVED = ("id", "chunk_no")  # chunk_no is the low half of the id (the writer checks it)
 _CHUNK_MASK = (1 << CHUNK_BITS) - 1
 
@@ -32,8 +35,11 @@ class ShardRows:
     row order when the caller has them (open_index takes them from the faiss files it
     loads); else they are read from the Parquet files."""
 
-    def __init__(self, shards: Iterable[Shard], ids: Sequence[np.ndarray] | None = None):
+    def __init__(self, shards: Iterable[Shard], ids: Sequence[np.ndarray] | None = None,
+                 threads: int | None = None):
         self.shards = [s for s in shards if s.rows]
+        self._threads = min(READ_THREADS, os.cpu_count() or 1) if threads is None else threads
+        self._pool: ThreadPoolExecutor | None = None
         self._files: OrderedDict[int, tuple[pq.ParquetFile, threading.Lock]] = OrderedDict()
         self._files_lock = threading.Lock()
         if ids is not None and len(ids) != len(self.shards):
@@ -96,40 +102,55 @@ class ShardRows:
             entry = (self._open(no), threading.Lock())
             self._files[no] = entry
             while len(self._files) > OPEN_FILES:
-                self._files.popitem(last=False)[1][0].close()
+                # dropped, not closed: a thread may be reading it; it closes when unused
+                self._files.popitem(last=False)
             return entry
 
     def table(self, ids, columns: Iterable[str] = CHUNK_COLUMNS) -> dict[int, dict]:
         """The rows of ``ids`` as {id: {column: value}} (``id`` always among the columns);
         unknown ids are absent. ``id`` and ``chunk_no`` come from the id itself, so only
-        the other columns asked for are read."""
+        the other columns asked for are read; the shards hit are read side by side
+        (pyarrow decodes without the GIL)."""
         columns = ["id", *(c for c in columns if c != "id")]
-        read = [c for c in columns if c not in _DERIVED]
         ids = np.unique(np.asarray(ids if isinstance(ids, np.ndarray) else list(ids), dtype=np.int64))
         shard_nos, rows = self.locate(ids)
+        work = [(no, ids[shard_nos == no].tolist(), rows[shard_nos == no], columns)
+                for no in np.unique(shard_nos[shard_nos >= 0]).tolist()]
         out: dict[int, dict] = {}
-        for no in np.unique(shard_nos[shard_nos >= 0]).tolist():
-            sel = shard_nos == no
-            mine_ids, mine = ids[sel].tolist(), rows[sel]
-            starts = self._group_starts[no]
-            groups = np.searchsorted(starts, mine, side="right") - 1
-            wanted = np.unique(groups)
-            sizes = starts[wanted + 1] - starts[wanted]
-            base = np.cumsum(sizes) - sizes  # where each group read starts in the table
-            take = base[np.searchsorted(wanted, groups)] + (mine - starts[groups])
-            values: dict[str, list] = {}
-            if read:
-                pf, lock = self._file(no)
-                with lock:
-                    table = pf.read_row_groups(wanted.tolist(), columns=read, use_threads=False)
-                # only the rows asked for become Python values (Table.take would import
-                # pandas on a first call)
-                values = {c: table.column(c) for c in read}
-            for k, i in zip(take.tolist(), mine_ids):
-                row = {"id": i}
-                for c in columns[1:]:
-                    row[c] = i & _CHUNK_MASK if c == "chunk_no" else values[c][k].as_py()
-                out[i] = row
+        if len(work) > 1 and self._threads > 1:
+            with self._files_lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="embedingest-rows")
+            parts = self._pool.map(lambda w: self._shard_rows(*w), work)
+        else:
+            parts = (self._shard_rows(*w) for w in work)
+        for part in parts:
+            out.update(part)
+        return out
+
+    def _shard_rows(self, no: int, mine_ids: list[int], mine: np.ndarray, columns: list[str]) -> dict:
+        """The rows at positions ``mine`` of shard ``no`` (ids ``mine_ids``)."""
+        read = [c for c in columns if c not in _DERIVED]
+        starts = self._group_starts[no]
+        groups = np.searchsorted(starts, mine, side="right") - 1
+        wanted = np.unique(groups)
+        sizes = starts[wanted + 1] - starts[wanted]
+        base = np.cumsum(sizes) - sizes  # where each group read starts in the table
+        take = base[np.searchsorted(wanted, groups)] + (mine - starts[groups])
+        values = {}
+        if read:
+            pf, lock = self._file(no)
+            with lock:
+                table = pf.read_row_groups(wanted.tolist(), columns=read, use_threads=False)
+            # only the rows asked for become Python values (Table.take would import pandas
+            # on a first call)
+            values = {c: table.column(c) for c in read}
+        out = {}
+        for k, i in zip(take.tolist(), mine_ids):
+            row = {"id": i}
+            for c in columns[1:]:
+                row[c] = i & _CHUNK_MASK if c == "chunk_no" else values[c][k].as_py()
+            out[i] = row
         return out
 
     def chunks(self, ids) -> dict[int, Chunk]:
@@ -138,6 +159,9 @@ class ShardRows:
                          r["span_end"], r["text"]) for i, r in self.table(ids).items()}
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
         with self._files_lock:
             for pf, _ in self._files.values():
                 pf.close()
