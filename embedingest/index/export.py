@@ -22,6 +22,7 @@ from ..errors import ConfigError
 from ..outfiles import atomic_file, atomic_write_bytes, ensure_folder, refuse_link
 from .formats import require_current
 from .shards import EMB_SUFFIX, SHARDS_DIR, list_shards
+from .store import IndexStore
 
 ROW_GROUP_ROWS = 65_536
 SUCCESS_NAME = "_SUCCESS"
@@ -41,7 +42,8 @@ def export_index(index: str | os.PathLike, to: str | os.PathLike, *, embeddings:
     if to.resolve() == index.resolve() or index.resolve() in to.resolve().parents:
         raise ConfigError(f"export folder {str(to)!r} is inside the index {str(index)!r}: "
                           "choose a folder outside it")
-    shards = list_shards(index / SHARDS_DIR)
+    generation = IndexStore(index).read_manifest().generation
+    shards = list_shards(index / SHARDS_DIR, generation=generation)
     with_rows = [s for s in shards if s.rows]
     kept = all(s.has_embeddings for s in with_rows)
     if embeddings is None:

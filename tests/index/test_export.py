@@ -49,3 +49,11 @@ def test_export_refuses_a_full_folder_and_one_inside_the_index(tmp_path):
     assert (tmp_path / "out" / "mine.txt").read_text() == "keep"
     with pytest.raises(ConfigError, match="is inside the index"):
         export_index(tmp_path / "ix", tmp_path / "ix" / "x")
+
+
+def test_export_after_a_reindex(tmp_path):
+    from embedingest.index.reindex import reindex
+
+    build_shards(tmp_path / "ix", n_units=2, chunks=3, workers=1)
+    reindex(tmp_path / "ix", "HNSW8")
+    assert export_index(tmp_path / "ix", tmp_path / "out")["rows"] == 6
