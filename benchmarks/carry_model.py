@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from embedingest.stages.encoder import BUNDLED_NAME, SOURCE_FILE
+from embedingest.stages.model_folder import BUNDLED_NAME, SOURCE_FILE
 
 CARRY_LIMIT = 64 * 2**20
 DEFAULT_DEST = Path(__file__).resolve().parents[1] / ".carry" / "minilm-fp16"

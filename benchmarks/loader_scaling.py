@@ -16,7 +16,7 @@ import time
 
 from embedingest.bench.text import make_paragraphs, write_corpus
 from embedingest.config import IndexConfig
-from embedingest.jobs.build_index import _loader
+from embedingest.jobs.build_index.encode import make_loader
 from embedingest.sources.text_dataset import Unit
 from embedingest.stages.encoder import TextEncoder
 
@@ -29,7 +29,7 @@ def main(docs: int, worker_counts: list[int]) -> None:
     for workers in worker_counts:
         t0 = time.perf_counter()
         done, first_docs, t_first = 0, 0, None
-        for item in _loader(units, encoder, IndexConfig(batch_size=1024), workers, 256, pin=False):
+        for item in make_loader(units, encoder, IndexConfig(batch_size=1024), workers, 256, pin=False):
             done += item["chunks"].n_docs
             if t_first is None:
                 t_first, first_docs = time.perf_counter(), done

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from embedingest.stages.encoder import SOURCE_FILE
+from embedingest.stages.model_folder import SOURCE_FILE
 
 
 def write_random_model(source: Path, dest: Path, layers: int, hidden: int, seed: int = 0) -> str:

@@ -76,7 +76,7 @@ def make_index(folder: Path, chunks: int, factory: str = "Flat", params: str | N
         store.insert_chunks((no, f"r{i}", i - lo, 0, len(texts[i]), texts[i]) for i in range(lo, hi))
         sink(f, {"emb": unit_vectors(hi - lo), "ids": vector_ids(no, np.arange(hi - lo))})
     sink.close()
-    store.update_segments()
+    store.update_shards()
     store.close()
     return folder
 

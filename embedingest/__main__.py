@@ -1,3 +1,15 @@
-from .cli import main
+"""``python -m embedingest``: the command line. A Ctrl-C while the command line itself is
+still loading (click, the configs) ends the run as one later does: a line, no traceback,
+exit status EXIT_INTERRUPTED."""
 
-main()
+import sys
+
+try:
+    from .cli import main
+except KeyboardInterrupt:
+    from .exit_codes import EXIT_INTERRUPTED
+
+    sys.stderr.write("\ninterrupted: nothing was started yet; run the same command again\n")
+    sys.exit(EXIT_INTERRUPTED)
+
+main(prog_name="embedingest")

@@ -17,20 +17,47 @@ from .errors import ConfigError
 
 T = TypeVar("T")
 
+# Model precisions a job accepts besides "auto" (fp16 on CUDA, fp32 on the CPU).
+DTYPE_NAMES = ("fp32", "fp16", "bf16")
+
+# Every torchvision segmentation model, by the name get_model knows it (the order of
+# torchvision's list_models; a test checks the two agree).
+SEGMENT_ARCHITECTURES = ("deeplabv3_mobilenet_v3_large", "deeplabv3_resnet101", "deeplabv3_resnet50",
+                         "fcn_resnet101", "fcn_resnet50", "lraspp_mobilenet_v3_large")
+
+# How a segment run fits images to the model: "short" (the weights' own preprocessing) or
+# "fit" (letterboxed into a square).
+RESIZE_MODES = ("short", "fit")
+
+# Larger than any camera photo (a 100 MP medium-format frame fits), small enough that
+# one DataLoader worker never holds more than ~450 MB of decoded RGB.
+DEFAULT_MAX_PIXELS = 150_000_000
+
+
+def setting(default: Any, doc: str, **cli: Any) -> Any:
+    """A config field and its documentation: ``doc`` is the help of the CLI option generated
+    from the field (:func:`embedingest.cli.common.config_options`), so what a field means is
+    written once, where the field is. ``cli`` holds hints for that option: ``choices`` (a
+    fixed set of values), ``path`` ("dir", "file"; ``exists=True`` to insist it exists),
+    ``metavar``, ``range`` ((min, max), None for no bound), ``flags`` (its option names
+    when not the kebab-case field name) and ``shown`` (the default in words, where the
+    field's is None or a placeholder)."""
+    return dataclasses.field(default=default, metadata={"doc": doc, **cli})
+
 
 @dataclass
 class EngineConfig:
     """How outputs leave the GPU and reach the sinks."""
 
-    # Consumer processes that run the sink; each builds its own sink (one FAISS shard each).
-    num_consumers: int = 4
-    # Host buffer slots in the pinned pool; 0 means twice the consumers. Memory used is
-    # slots x the size of one batch's outputs, whatever the speed of the consumers.
-    num_slots: int = 0
-    # Seconds a consumer gets to finish and close its sink when the run is stopped early.
-    shutdown_timeout: float = 5.0
-    # Register the host pool with CUDA (page-locked); turn off only to measure the difference.
-    pin_memory: bool = True
+    num_consumers: int = setting(
+        4, "Consumer processes that run the sink; each builds its own sink (one FAISS shard each).")
+    num_slots: int = setting(
+        0, "Host buffer slots in the pinned pool; 0 is twice the consumers. Memory used is slots "
+           "x the size of one batch's outputs, whatever the speed of the consumers.")
+    shutdown_timeout: float = setting(
+        5.0, "Seconds a consumer gets to finish and close its sink when the run is stopped early.")
+    pin_memory: bool = setting(
+        True, "Register the host pool with CUDA (page-locked); turn off only to measure the difference.")
 
     def slots(self) -> int:
         return self.num_slots or max(2, 2 * self.num_consumers)
@@ -40,62 +67,62 @@ class EngineConfig:
 class IndexConfig:
     """Settings of ``build-index``; each field is the CLI option of the same name."""
 
-    # Output folder; default indexes/<corpus folder or file name>.
-    out: str | None = None
-    # Local sentence-transformers / Hugging Face model folder, or a Hugging Face id
-    # ("org/name") found in the local Hugging Face cache (never downloaded); default the
-    # bundled all-MiniLM-L6-v2.
-    model: str | None = None
-    # faiss index_factory string; "Flat" is exact search. IVF/PQ/HNSW are trained on a sample.
-    index: str = "Flat"
-    # Similarity: "ip" (inner product = cosine on the normalised vectors) or "l2".
-    metric: str = "ip"
-    # "auto" (CUDA when available), "cpu", "cuda" or "cuda:N".
-    device: str = "auto"
-    # Several devices, one process each: "all" (every GPU), "0,1" (GPU numbers), "cuda:0,cuda:1",
-    # or "cpu,cpu" (CPU processes, for testing); "" is the one --device.
-    devices: str = ""
-    # Encoder precision: "auto" (fp16 on CUDA, fp32 on CPU), "fp32", "fp16" or "bf16".
-    dtype: str = "auto"
-    # Chunks per encoder batch (the slot size of the egress engine); 0 picks 1024 on a GPU
-    # (fewer, larger batches: less per-batch work for the main process) and 256 on the CPU.
-    batch_size: int = 0
-    # On a GPU, replay the encoder from CUDA graphs (one per batch shape): the GPU no
-    # longer waits for Python to launch each kernel. Off: plain eager forward.
-    cuda_graphs: bool = True
-    # Tokens per chunk, special tokens included (capped at the model's max length).
-    chunk_tokens: int = 256
-    # Tokens shared by consecutive chunks of one text.
-    overlap: int = 32
-    # Field holding the text in .jsonl/.json/.csv/.parquet records.
-    text_field: str = "text"
-    # Field holding the record id (optional; line or row numbers otherwise).
-    id_field: str = "id"
-    # Tokenizer worker processes; -1 picks from the CPU count.
-    num_workers: int = -1
-    # Consumer processes, each writing its own FAISS shard.
-    num_consumers: int = 2
-    # Host buffer slots of the egress engine; 0 = twice the consumers.
-    num_slots: int = 0
-    # Chunks sorted together by length (in batches) so batches pad little.
-    sort_window: int = 16
-    # Vectors per committed segment file (smaller: less redone after a crash).
-    commit_every: int = 200_000
-    # Vectors sampled to train IVF/PQ/HNSW factories.
-    train_size: int = 50_000
-    # Delete whatever index is in the output folder first.
-    overwrite: bool = False
-    # Text put before each chunk for the encoder (default: the model folder's document
-    # prompt, from config_sentence_transformers.json); "" for none. Stored spans stay the source's.
-    doc_prompt: str | None = None
-    # Text put before each query (default: the model folder's query prompt); kept in the
-    # manifest, so search, serve and open_index apply it.
-    query_prompt: str | None = None
-    # faiss search parameters kept with the index, used by search, serve and open_index
-    # unless they give their own, e.g. "nprobe=16" (IVF) or "efSearch=128" (HNSW).
-    search_params: str | None = None
-    # Results per query kept with the index, used when a search gives no k.
-    search_k: int | None = None
+    out: str | None = setting(
+        None, "Output folder.", path="dir",
+        shown="indexes/<the corpus folder's or file's name>")
+    model: str | None = setting(
+        None, "Local sentence-transformers / Hugging Face model folder, or a Hugging Face id "
+              "(org/name) found in the local Hugging Face cache; nothing is downloaded.",
+        metavar="FOLDER|ID", shown="the bundled all-MiniLM-L6-v2")
+    index: str = setting(
+        "Flat", "faiss index_factory string: Flat is exact search; IVF, PQ and HNSW factories "
+                "(e.g. IVF4096,PQ64 or HNSW32) are trained on a sample (--train-size).",
+        metavar="FACTORY")
+    metric: str = setting(
+        "ip", "Similarity: ip (inner product: cosine on the normalised vectors) or l2 (for models "
+              "trained for euclidean distance).", choices=("ip", "l2"))
+    device: str = setting("auto", "auto (CUDA when available), cpu, cuda or cuda:N.", metavar="DEVICE")
+    devices: str = setting(
+        "", "Several devices, one process each: all (every GPU), 0,1 (GPU numbers), cuda:0,cuda:1, "
+            "or cpu,cpu (CPU processes, for testing); empty: the one --device.", metavar="LIST")
+    dtype: str = setting(
+        "auto", "Encoder precision; auto is fp16 on CUDA, fp32 on the CPU.",
+        choices=("auto", *DTYPE_NAMES))
+    batch_size: int = setting(
+        0, "Chunks per encoder batch (the egress engine's slot size); 0 picks 1024 on a GPU "
+           "(fewer, larger batches: less work per batch for the main process) and 256 on the CPU.")
+    cuda_graphs: bool = setting(
+        True, "On a GPU, replay the encoder from CUDA graphs (one per batch shape), so the GPU "
+              "no longer waits for Python to launch each kernel; off: plain eager forward.")
+    chunk_tokens: int = setting(
+        256, "Tokens per chunk, special tokens included (capped at the model's maximum length).")
+    overlap: int = setting(32, "Tokens shared by consecutive chunks of one text.")
+    text_field: str = setting(
+        "text", "Field holding the text in .jsonl, .json, .csv and .parquet records.", metavar="NAME")
+    id_field: str = setting(
+        "id", "Field holding the record id (optional; line or row numbers otherwise).", metavar="NAME")
+    num_workers: int = setting(-1, "Tokenizer worker processes; -1 picks from the CPU count.")
+    num_consumers: int = setting(2, "Consumer processes, each writing its own FAISS shards.")
+    num_slots: int = setting(0, "Host buffer slots of the egress engine; 0 is twice the consumers.")
+    sort_window: int = setting(
+        16, "Batches of chunks sorted together by length, so batches pad little.")
+    commit_every: int = setting(
+        200_000, "Vectors per committed shard (fewer: less is redone after a crash, more shards).")
+    train_size: int = setting(50_000, "Vectors sampled to train IVF, PQ and HNSW factories.")
+    overwrite: bool = setting(False, "Delete whatever index is in the output folder first.")
+    doc_prompt: str | None = setting(
+        None, "Text put before each chunk for the encoder; '' for none. The stored text stays the "
+              "source's.", metavar="TEXT",
+        shown="the model folder's document prompt, from config_sentence_transformers.json")
+    query_prompt: str | None = setting(
+        None, "Text put before each query, kept in the manifest so search, serve and open_index "
+              "apply it; '' for none.", metavar="TEXT", shown="the model folder's query prompt")
+    search_params: str | None = setting(
+        None, "faiss search parameters kept with the index, used by search, serve and open_index "
+              "unless they give their own, e.g. nprobe=16 (IVF) or efSearch=128 (HNSW).",
+        metavar="PARAMS")
+    search_k: int | None = setting(
+        None, "Results per query kept with the index, used when a search gives no k.", shown="5")
 
     def for_device(self, cuda: bool) -> IndexConfig:
         """This config with ``batch_size`` 0 (auto) made concrete for the device kind."""
@@ -118,6 +145,130 @@ class IndexConfig:
         if self.search_k is not None and self.search_k < 1:
             raise ConfigError(f"search-k={self.search_k}: must be at least 1")
 
+
+@dataclass
+class SegmentConfig:
+    """Settings of a segment run; each field is the CLI option of the same name."""
+
+    images: str | None = setting(None, "Input folder (read recursively) or a single image file.",
+                                 path="any", exists=True)
+    out: str | None = setting(
+        None, "Output folder: masks mirror the input tree; labels.json (what the mask values "
+              "mean) and skipped.jsonl go here too.", path="dir")
+    weights: str | None = setting(
+        None, "Weights file: a state dict, a checkpoint with \"model\" or \"state_dict\", or a "
+              "pickled module; nothing is downloaded.", path="file", exists=True,
+        shown="torchvision's COCO_WITH_VOC_LABELS_V1 file, if it is in the torch hub cache")
+    arch: str = setting(
+        "deeplabv3_resnet50", "Model architecture, any torchvision segmentation model: "
+                              + ", ".join(SEGMENT_ARCHITECTURES) + ".",
+        choices=SEGMENT_ARCHITECTURES, metavar="NAME")
+    num_classes: int | None = setting(
+        None, "Classes of the weights; read from the weights file, so only a check when given.")
+    random_weights: bool = setting(
+        False, "Run with random weights when no weights are found (pipeline tests, benchmarks).")
+    resize: str = setting(
+        "short", "short: the weights' own preprocessing (short side to --size, aspect kept, no "
+                 "pad; images batched by shape); fit: each image fitted into a --size square and "
+                 "padded (one shape for all).", choices=RESIZE_MODES)
+    size: int = setting(
+        520, "The short side of the model input (short; 520 is the weights' preset), or the side "
+             "of the square (fit).")
+    upsample_max_pixels: int = setting(
+        40_000_000, "Masks of images up to this many pixels are made at the image's size on the "
+                    "device (the logits scaled bilinearly, then argmax: torchvision's pipeline); "
+                    "larger images get the argmax at model size scaled up nearest-neighbour. Each "
+                    "host slot holds at least this many bytes. With --resize fit every mask is "
+                    "made at model size.")
+    batch_size: int = setting(16, "Images per forward pass.")
+    dtype: str = setting("auto", "Model precision; auto is fp16 on CUDA, fp32 on the CPU.",
+                         choices=("auto", *DTYPE_NAMES))
+    device: str = setting("auto", "auto (CUDA when available), cuda, cuda:N or cpu.", metavar="DEVICE")
+    devices: str = setting(
+        "", "Several devices, one process each, the images split between them: all (every GPU), "
+            "0,1 (GPU numbers), cuda:0,cuda:1, or cpu,cpu (for testing); empty: the one --device.",
+        metavar="LIST")
+    num_workers: int = setting(
+        -1, "DataLoader worker processes decoding images (0: decode in the main process; -1: the "
+            "usable cores but two, shared between device processes, and no more than the batches).")
+    num_consumers: int = setting(
+        4, "Engine consumer processes writing masks (PNG encoding is their main cost).")
+    num_slots: int = setting(0, "Engine host slots; 0 is twice the consumers.")
+    save_logits: bool = setting(
+        False, "Also write <image>.logits.npy: float16 [classes, h, w] scores at model "
+               "resolution. Each host slot then grows by batch size x classes x size x size x 2 bytes.")
+    overlay: bool = setting(
+        False, "Also write <image>.overlay.jpg: the image with the classes blended in colour.")
+    overlay_alpha: float = setting(0.5, "Weight of the class colour in overlays (0..1).")
+    stats: bool = setting(
+        False, "Also write stats/*.parquet: a row per image (source, width, height, the share of "
+               "its pixels of each class), resumable like the masks.")
+    stats_commit_seconds: float = setting(
+        10.0, "Seconds between commits of each writer's stats rows (a killed run loses at most "
+              "the rows of this long; their images are redone on resume). Fewer seconds, more "
+              "part files.")
+    overwrite: bool = setting(False, "Redo images whose mask exists (otherwise they are skipped: resume).")
+    max_pixels: int = setting(
+        DEFAULT_MAX_PIXELS, "Images with more pixels are skipped with a reason (0: no limit).")
+
+    def validate(self) -> None:
+        checks = [
+            (self.size >= 32, f"size={self.size}: must be at least 32 (the models downsample 8x or more)"),
+            (self.resize in RESIZE_MODES, f"resize={self.resize!r}: choose {' or '.join(RESIZE_MODES)}"),
+            (self.upsample_max_pixels >= 0,
+             f"upsample_max_pixels={self.upsample_max_pixels}: must be 0 (never) or more"),
+            (self.batch_size >= 1, f"batch_size={self.batch_size}: must be at least 1"),
+            (self.num_workers >= -1, f"num_workers={self.num_workers}: must be -1 (auto), 0 or more"),
+            (self.num_consumers >= 1, f"num_consumers={self.num_consumers}: must be at least 1"),
+            (self.num_slots >= 0, f"num_slots={self.num_slots}: must be 0 (auto) or more"),
+            (self.max_pixels >= 0, f"max_pixels={self.max_pixels}: must be 0 (no limit) or more"),
+            (self.stats_commit_seconds >= 0,
+             f"stats_commit_seconds={self.stats_commit_seconds}: must be 0 or more"),
+            (0.0 <= self.overlay_alpha <= 1.0, f"overlay_alpha={self.overlay_alpha}: must be in 0..1"),
+            (self.dtype == "auto" or self.dtype in DTYPE_NAMES,
+             f"dtype={self.dtype!r}: choose auto, {', '.join(DTYPE_NAMES)}"),
+            (self.arch in SEGMENT_ARCHITECTURES,
+             f"arch={self.arch!r}: choose one of {', '.join(SEGMENT_ARCHITECTURES)}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+
+
+@dataclass
+class QueryConfig:
+    """How ``search`` and ``serve`` query an index; None: the index's own setting."""
+
+    device: str = setting("cpu", "Device of the query encoder: cpu, cuda or cuda:N.", metavar="DEVICE")
+    params: str | None = setting(
+        None, "faiss search parameters, e.g. nprobe=16; '' for none.", metavar="PARAMS",
+        shown="the index's, from build-index --search-params")
+    query_prompt: str | None = setting(
+        None, "Text put before the query; '' for none.", metavar="TEXT",
+        shown="the index's query prompt")
+
+
+@dataclass
+class SearchConfig(QueryConfig):
+    """Settings of ``search``."""
+
+    k: int | None = setting(
+        None, "Results to show.", shown="the index's, from build-index --search-k, else 5",
+        flags=("-k",), range=(1, None))
+
+
+@dataclass
+class ServeConfig(QueryConfig):
+    """Settings of ``serve``."""
+
+    host: str = setting(
+        "127.0.0.1", "Address to listen on; any but 127.0.0.1 lets other machines query the index "
+                     "and read its files.", metavar="ADDRESS")
+    port: int = setting(8000, "Port to listen on.", range=(0, 65535))
+    max_query_chars: int = setting(2000, "Longer queries are refused (HTTP 422).", range=(1, None))
+    max_k: int = setting(100, "Most results one request may ask for.", range=(1, None))
+    threads: int = setting(
+        1, "torch threads of the query encoder; 0: torch's default (every core).", range=(0, None))
 
 
 def load_config(cls: type[T], path: str | Path | None = None, **overrides: Any) -> T:

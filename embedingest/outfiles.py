@@ -1,6 +1,6 @@
 """Writing the files the tool owns: each one whole or not at all, and only inside its folder.
 
-Every output file (FAISS segments and sidecars, ``trained.faiss``, ``manifest.json``,
+Every output file (FAISS shards and sidecars, ``trained.faiss``, ``manifest.json``,
 ``skipped.jsonl``, masks, logits, overlays) is written to a hidden temporary name
 (``.<name>.tmp-<pid>``), checked to hold exactly the bytes that were meant (a short
 write, or a write error a library only printed, never reaches the final name), fsynced
@@ -29,7 +29,7 @@ _FAISS_CHUNK = 1 << 20
 
 
 def new_run_id() -> str:
-    """A run id unique across runs (time + randomness): it names a run's segments, so a
+    """A run id unique across runs (time + randomness): it names a run's shards, so a
     resumed run never reuses those of the run it resumes, and its entries in skip reports."""
     return time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + "_" + secrets.token_hex(3)
 

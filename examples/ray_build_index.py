@@ -35,8 +35,7 @@ def main() -> None:
 
     import ray
 
-    from embedingest import open_index
-    from embedingest.scaleout.ray import build_index_ray
+    from embedingest import build_index_ray, open_index
 
     files = sorted(str(p) for p in args.corpus.glob("*.jsonl"))
     if not files:

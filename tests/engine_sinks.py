@@ -83,3 +83,20 @@ def slow_sink_factory(worker: int):
         time.sleep(0.05)
 
     return sink
+
+
+class RecordingSink:
+    """Keeps every batch id with its arrays as lists; ``close`` returns them."""
+
+    def __init__(self, worker: int):
+        self.seen = []
+
+    def __call__(self, batch_id, arrays):
+        self.seen.append((batch_id, {k: a.tolist() for k, a in arrays.items()}))
+
+    def close(self):
+        return self.seen
+
+
+def recording_sink_factory(worker: int):
+    return RecordingSink(worker)

@@ -306,13 +306,14 @@ def expected_chunks(corpus: Path, keys: list[str] | None = None) -> dict[str, in
     from embedingest.sources.files import walk_files
     from embedingest.sources.text import TEXT_EXTENSIONS
     from embedingest.sources.text_dataset import TextChunkDataset, Unit
-    from embedingest.stages.encoder import _resolve_model_dir, load_tokenizer
+    from embedingest.stages.model_folder import resolve_model
+    from embedingest.stages.tokenizer import load_tokenizer
 
     paths = list(walk_files(corpus, TEXT_EXTENSIONS))
     units = [Unit(n, p.relative_to(corpus).as_posix(), path=str(p)) for n, p in enumerate(paths)]
     if keys is not None:
         units = [u for u in units if u.key in set(keys)]
-    ds = TextChunkDataset(units, _resolve_model_dir(None)[0], batch_size=64, max_tokens=CHUNK_TOKENS,
+    ds = TextChunkDataset(units, resolve_model(None)[0], batch_size=64, max_tokens=CHUNK_TOKENS,
                           overlap=0, tokenizer_loader=load_tokenizer)
     by_no = {u.unit_no: u.key for u in units}
     counts = {}
@@ -371,7 +372,7 @@ def check_exactly_once(out: Path, expected: dict[str, int]) -> np.ndarray:
     check_index_files(out)
     assert not tmp_files(out), f"temporary files left: {tmp_files(out)}"
     with IndexStore(out) as store:
-        segments = store.segments()
+        segments = store.shards()
         ids = np.concatenate([s.ids() for s in segments]) if segments else np.empty(0, np.int64)
         dup = [i for i, c in Counter(ids.tolist()).items() if c > 1]
         assert not dup, f"{len(dup)} ids indexed more than once, e.g. {dup[:5]}"

@@ -54,5 +54,5 @@ def build_index(folder, n_units=6, chunks=20, factory="Flat", metric="ip", commi
         sinks[b % workers](b, {"emb": emb[start:start + 17], "ids": ids[start:start + 17]})
     for sink in sinks:
         sink.close()
-    store.update_segments()
+    store.update_shards()
     return Built(store, emb, ids, unit_nos)

@@ -3,18 +3,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
 import tomllib
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 
 from embedingest import __version__, build_index
 from embedingest.cli import main
-from embedingest.config import IndexConfig, load_config
+from embedingest.config import IndexConfig, SearchConfig, SegmentConfig, ServeConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = [
@@ -163,3 +165,51 @@ def test_bench_segmentation_without_a_gpu_says_so(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     r = CliRunner().invoke(main, ["bench", "segmentation", "--steps", "1"])
     assert r.exit_code == 1 and "this benchmark needs a CUDA GPU" in r.output
+
+
+@pytest.mark.parametrize("command, cls", [("build-index", IndexConfig), ("segment", SegmentConfig),
+                                          ("search", SearchConfig), ("serve", ServeConfig)])
+def test_options_are_the_config_fields_with_their_docs(command, cls):
+    """Each field is a kebab-case option whose help is the field's doc; it defaults to None
+    so a preset (or the dataclass default) applies unless the option is given."""
+    params = {p.name: p for p in main.commands[command].params}
+    for f in dataclasses.fields(cls):
+        if f.name == "images":  # segment's argument
+            continue
+        option = params[f.name]
+        assert option.help.startswith(f.metadata["doc"]) and option.default is None, f.name
+        assert f.metadata.get("flags", [f"--{f.name.replace('_', '-')}"])[0] in option.opts, f.name
+
+
+def test_build_index_help_reads_the_field_docs_choices_and_defaults():
+    command = main.commands["build-index"]
+    ctx = click.Context(command, info_name="build-index")
+    lines = {p.name: p.get_help_record(ctx) for p in command.params if isinstance(p, click.Option)}
+    assert lines["metric"] == ("--metric [ip|l2]", "Similarity: ip (inner product: cosine on the normalised "
+                               "vectors) or l2 (for models trained for euclidean distance).  [default: ip]")
+    assert lines["cuda_graphs"][0] == "--cuda-graphs / --no-cuda-graphs"
+    assert lines["cuda_graphs"][1].startswith("On a GPU, replay") and lines["cuda_graphs"][1].endswith("  [default: on]")
+    assert lines["out"] == ("--out DIRECTORY", "Output folder.  [default: indexes/<the corpus folder's or file's name>]")
+    assert lines["commit_every"][1].endswith("  [default: 200000]")
+    assert "[default:" not in lines["devices"][1]
+    r = CliRunner().invoke(main, ["build-index", "--help"])
+    assert r.exit_code == 0 and "Similarity: ip (inner product" in r.output
+
+
+def test_a_value_outside_the_choices_is_a_usage_error_naming_them(tmp_path):
+    r = CliRunner().invoke(main, ["build-index", str(tmp_path), "--metric", "cosine"])
+    assert r.exit_code == 2 and "'cosine' is not one of 'ip', 'l2'" in r.output
+    r = CliRunner().invoke(main, ["segment", str(tmp_path), "--arch", "unet"])
+    assert r.exit_code == 2 and "'unet' is not one of 'deeplabv3_mobilenet_v3_large'" in r.output
+
+
+@pytest.mark.parametrize("args", [[], ["bench"], ["bench", "text"], ["bench", "segmentation"],
+                                  ["build-index"], ["segment"], ["search"], ["serve"]])
+def test_every_option_of_every_command_has_help(args):
+    command = main
+    for name in args:
+        command = command.commands[name]
+    ctx = click.Context(command, info_name="embedingest")
+    for param in command.get_params(ctx):
+        if isinstance(param, click.Option):
+            assert param.help, f"{' '.join(args)} {param.opts[0]} has no help"

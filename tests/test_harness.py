@@ -42,14 +42,14 @@ def test_spawned_children_import_the_checkout_too(tmp_path):
 
 
 @pytest.mark.parametrize("var, value, patched", [
-    ("EMBEDINGEST_FI_COMMIT_DELAY", "0.5", "slow_write_segment"),
-    ("EMBEDINGEST_FI_ENOSPC", "3", "full_write_segment"),
+    ("EMBEDINGEST_FI_COMMIT_DELAY", "0.5", "slow_write_shard"),
+    ("EMBEDINGEST_FI_ENOSPC", "3", "full_write_shard"),
 ])
 def test_each_fault_hook_works_alone(tmp_path, var, value, patched):
     env = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDINGEST_FI_")}
     env.update({var: value, "EMBEDINGEST_FI_COUNTER": str(tmp_path / "n"),
                 "PYTHONPATH": os.pathsep.join([str(HOOKS), env["PYTHONPATH"]])})
-    code = "import embedingest.sinks.faiss_shards as m; print(m.write_segment.__name__)"
+    code = "import embedingest.sinks.faiss_shards as m; print(m.write_shard.__name__)"
     assert child(code, env) == patched
     env.pop(var)
-    assert child(code, env) == "write_segment"  # no variable, no patch
+    assert child(code, env) == "write_shard"  # no variable, no patch

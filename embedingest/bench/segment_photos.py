@@ -1,5 +1,5 @@
 """The segment job on varied real photographs, against the model's forward alone at the
-shapes the job actually ran, side by side in one process and one run.
+shapes the job actually ran, side by side in one run.
 
 Photographs: the real photos in ``benchmarks/photos`` (from scikit-image's bundled data:
 public domain and CC0, see the README there) cropped to common camera and screen aspect
@@ -15,10 +15,13 @@ Rows, in order:
   second over the call (end to end: model load, workers, every batch, closing) and over
   the engine's span (steady);
 * ``forward alone``: ``Segmenter.logits`` (normalisation and the model) on uint8 inputs
-  already on the device, at every (batch size, height, width) the job ran, as many times
-  as it ran it; each shape is run once untimed first, its first-call cost reported.
+  already on the device, the job's batches (every batch size and shape it ran, as many
+  times), in a process of its own: first as the job met them (each shape new, after the
+  same warm-up), then again with every shape seen before.
 
-A warm-up job on a few images runs first, so CUDA's and cuDNN's start-up is in no row.
+A warm-up on images of one shape no photograph has runs first in both, so CUDA's start-up
+is in no row, while every shape the job meets costs it and the forward alone the same
+first call (cuDNN's set-up for a new input shape).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class PhotoBenchConfig:
     png_share: float = 0.3  # the rest are JPEG
     arch: str = "deeplabv3_resnet50"
     size: int = 520  # the preset's short side
+    resize: str = "short"  # the job's preprocessing: "short" (the weights' own) or "fit"
     batch_size: int = 16
     dtype: str = "auto"
     device: str = "auto"
@@ -122,50 +126,68 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+WARM_SIZE = (331, 197)  # (width, height) of the warm-up images: a ratio no photograph here has
+
+
 def forward_alone(cfg: PhotoBenchConfig, device, batch_shapes: list[list[int]]) -> dict:
     """The job's forward (``Segmenter.logits``) at its batch shapes, inputs on the device,
-    each shape called once untimed first; and what a shape never seen before costs on its
-    first call over a warm one (``new_shape_extra_s``, at up to five shapes the job did
-    not run: its shapes seven pixels wider)."""
+    in a process of its own started as the job's was warmed: a fresh CUDA context that has
+    run only the warm-up shape, so each of the job's shapes is new to it as it was to the
+    job (``cold``: every batch once, first calls included, which is what the job paid);
+    then the same batches again (``warm``: every shape seen before). A shape's only,
+    short batch runs as the job runs it (``Segmenter.logits(once=True)``)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_forward_alone, cfg, str(device), batch_shapes).result()
+
+
+def _forward_alone(cfg: PhotoBenchConfig, device: str, batch_shapes: list[list[int]]) -> dict:
+    from collections import Counter
+
     import torch
 
     from ..stages.segmentation import Segmenter, load_segmentation_model
 
     torch.manual_seed(cfg.seed)
-    segmenter = Segmenter(load_segmentation_model(cfg.arch, None, None, random_weights=True),
-                          device, cfg.dtype)
-
-    def call(x) -> float:
-        t0 = time.perf_counter()
-        segmenter.logits(x)
-        _sync(segmenter.device)
-        return time.perf_counter() - t0
+    loaded = load_segmentation_model(cfg.arch, None, None, random_weights=True)
+    segmenter = Segmenter(loaded, device, cfg.dtype)
 
     def pixels(n, h, w):
         return torch.randint(0, 256, (n, 3, h, w), dtype=torch.uint8, device=segmenter.device)
 
-    inputs = {(n, h, w): pixels(n, h, w) for n, h, w, _ in batch_shapes}
-    for x in inputs.values():
-        call(x)
-    t0 = time.perf_counter()
+    batches_of = Counter()
     for n, h, w, k in batch_shapes:
-        for _ in range(k):
-            segmenter.logits(inputs[(n, h, w)])
-    _sync(segmenter.device)
-    seconds = time.perf_counter() - t0
+        batches_of[(h, w)] += k
+
+    def timed(shapes) -> float:
+        _sync(segmenter.device)
+        t0 = time.perf_counter()
+        for n, h, w, k in shapes:
+            once = batches_of[(h, w)] == 1 and n < cfg.batch_size  # as the job decides
+            for _ in range(k):
+                segmenter.logits(inputs[(n, h, w)], once=once)
+        _sync(segmenter.device)
+        return time.perf_counter() - t0
+
+    warm_w, warm_h = loaded.preprocessing(cfg.resize, cfg.size).model_size(*WARM_SIZE)
+    inputs = {(n, h, w): pixels(n, h, w) for n, h, w, _ in batch_shapes}
+    inputs[(cfg.batch_size, warm_h, warm_w)] = pixels(cfg.batch_size, warm_h, warm_w)
+    timed([(cfg.batch_size, warm_h, warm_w, 2)])
+    cold = timed(batch_shapes)
+    warm = timed(batch_shapes)
     images = sum(n * k for n, _, _, k in batch_shapes)
-    extra = []
-    for n, h, w, _ in sorted(batch_shapes, key=lambda s: -s[3])[:5]:
-        x = pixels(n, h, w + 7)
-        first = call(x)
-        extra.append(first - call(x))
-    return {"seconds": seconds, "images": images, "images_per_s": images / seconds,
-            "dtype": str(segmenter.dtype).replace("torch.", ""),
-            "new_shape_extra_s": [round(e, 4) for e in extra]}
+    return {"images": images, "seconds": cold, "images_per_s": images / cold,
+            "warm_seconds": warm, "warm_images_per_s": images / warm,
+            "first_call_cost_s": round(cold - warm, 3),
+            "dtype": str(segmenter.dtype).replace("torch.", "")}
 
 
 def run(cfg: PhotoBenchConfig, log=print) -> dict:
     """Make (or reuse) the photographs, run the warm-up job, the timed job, the forward alone."""
+    from PIL import Image
+
     from ..jobs.segment import SegmentConfig, segment
     from ..stages.device import resolve_device
 
@@ -177,13 +199,12 @@ def run(cfg: PhotoBenchConfig, log=print) -> dict:
         log(f"  {made['images']} photographs ({made['jpeg']} JPEG, {made['png']} PNG, "
             f"{made['bytes'] / 1e6:.0f} MB) in {time.perf_counter() - t0:.1f} s")
         job = SegmentConfig(images=str(folder), random_weights=True, arch=cfg.arch, size=cfg.size,
-                            batch_size=cfg.batch_size, dtype=cfg.dtype, device=str(device),
+                            resize=cfg.resize, batch_size=cfg.batch_size, dtype=cfg.dtype, device=str(device),
                             num_workers=cfg.num_workers, num_consumers=cfg.num_consumers)
         warm = Path(tmp) / "warm-up"
         warm.mkdir()
-        for p in sorted(folder.rglob("*"))[: 2 * cfg.batch_size]:
-            if p.is_file():
-                (warm / p.name).symlink_to(p.resolve())
+        for i in range(2 * cfg.batch_size):
+            Image.effect_noise(WARM_SIZE, 64).convert("RGB").save(warm / f"{i}.png")
         segment(SegmentConfig(**{**job.__dict__, "images": str(warm), "out": str(Path(tmp) / "warm-out")}),
                 progress=False)
         summary = segment(SegmentConfig(**{**job.__dict__, "out": str(Path(tmp) / "masks")}), progress=False)
@@ -207,23 +228,27 @@ def run(cfg: PhotoBenchConfig, log=print) -> dict:
         "forward_alone": alone,
         "job_vs_forward": (images / summary["seconds"]) / alone["images_per_s"],
         "steady_vs_forward": (images / steady_s) / alone["images_per_s"] if steady_s else None,
+        "steady_vs_warm_forward": (images / steady_s) / alone["warm_images_per_s"] if steady_s else None,
         "batch_shapes": shapes,
     }
 
 
 def table(result: dict) -> str:
-    """The two rows as a Markdown table."""
+    """The rows as a Markdown table."""
     job, alone = result["job"], result["forward_alone"]
     lines = ["| row | images | seconds | images/s | × forward alone |", "|---|---|---|---|---|",
-             f"| forward alone ({result['dtype']}, inputs on the device, the job's shapes) | "
-             f"{alone['images']} | {alone['seconds']:.2f} | {alone['images_per_s']:.1f} | 1.00 |",
+             f"| forward alone ({result['dtype']}, inputs on the device, the job's batches, "
+             f"each shape new as it was to the job) | {alone['images']} | {alone['seconds']:.2f} | "
+             f"{alone['images_per_s']:.1f} | 1.00 |",
+             f"| forward alone, the same batches again (every shape seen before) | {alone['images']} | "
+             f"{alone['warm_seconds']:.2f} | {alone['warm_images_per_s']:.1f} | "
+             f"{alone['warm_images_per_s'] / alone['images_per_s']:.2f} |",
              f"| segment job, end to end (the call) | {job['images']} | {job['seconds']:.2f} | "
              f"{job['images_per_s']:.1f} | {result['job_vs_forward']:.2f} |"]
     if job["steady_images_per_s"]:
         lines.append(f"| segment job, steady (engine span) | {job['images']} | {job['steady_seconds']:.2f} | "
                      f"{job['steady_images_per_s']:.1f} | {result['steady_vs_forward']:.2f} |")
-    extra = alone["new_shape_extra_s"]
     lines.append(f"\n{result['distinct_shapes']} model input shapes, {result['batches']} batches "
-                 f"({result['short_batches']} short); the first call at a shape never run before "
-                 f"took {min(extra, default=0):.3f}-{max(extra, default=0):.3f} s more than a warm one.")
+                 f"({result['short_batches']} short); first calls at new shapes cost the forward "
+                 f"{alone['first_call_cost_s']:.2f} s in all.")
     return "\n".join(lines)

@@ -119,7 +119,7 @@ def st_encode_add(cfg: TextBenchConfig, corpus: Path, model_dir: str, dtype: str
 def pretokenize(cfg: TextBenchConfig, texts: list[str], model_dir: str | None) -> list:
     """The corpus as length-sorted batches on the device, for the forward-alone rows."""
     from ..config import IndexConfig
-    from ..stages.encoder import load_tokenizer
+    from ..stages.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
     max_length = IndexConfig().chunk_tokens  # build-index's chunk size
@@ -160,15 +160,15 @@ def loader_only(cfg: TextBenchConfig, corpus: Path, model_dir: str | None) -> di
     """The host bound: build-index's own reading, chunking and tokenizing (DataLoader
     workers, length-sorted batches) with nothing done to the batches."""
     from ..config import IndexConfig
-    from ..jobs.build_index import _loader, _workers
+    from ..jobs.build_index.encode import loader_workers, make_loader
     from ..sources.text_dataset import Unit
     from ..stages.encoder import TextEncoder
 
     enc = TextEncoder.load(model_dir, device="cpu")
     icfg = IndexConfig(batch_size=cfg.batch_size, num_workers=cfg.num_workers)
     units = [Unit(i, p.name, path=str(p)) for i, p in enumerate(sorted(corpus.glob("*.jsonl")))]
-    workers = _workers(icfg, len(units), False)
-    loader = _loader(units, enc, icfg, workers, min(icfg.chunk_tokens, enc.max_seq_length),
+    workers = loader_workers(icfg, len(units), False)
+    loader = make_loader(units, enc, icfg, workers, min(icfg.chunk_tokens, enc.max_seq_length),
                      pin=cfg.device.startswith("cuda"))
     t0 = time.perf_counter()
     docs, first, t_first = 0, 0, None
@@ -226,7 +226,7 @@ def run_all(cfg: TextBenchConfig, log=print) -> list[dict]:
             if row.get("first_batch_s") is not None:
                 extra.append(f"first batch after {row['first_batch_s']:.2f} s")
             if row.get("summary"):
-                extra.append(f"main loop {row['summary']['main_loop']}")
+                extra.append(f"timing {row['summary']['timing']}")
             log(f"  {row['name']}: {row['docs_per_s']:,.0f} docs/s" + (f" ({'; '.join(extra)})" if extra else ""))
             rows.append(row)
             if cfg.device.startswith("cuda"):

@@ -361,6 +361,10 @@ class EgressEngine:
 
 
 def _resolve_device(device) -> str:
+    """The engine's device as a name. The engine sits below the stages and does not
+    import them: jobs resolve ``--device`` values (auto, index checks, messages) with
+    :func:`embedingest.stages.device.resolve_device` and pass the result; here only the
+    library default (None: CUDA when torch sees a GPU) and the kind are checked."""
     if device is None:
         import torch
 

@@ -16,7 +16,7 @@ import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from ..report import atomic_write_bytes
+from ..outfiles import atomic_write_bytes
 from .telemetry import BatchRecord
 
 PHASES_TID, COMPUTE_TID, COPY_TID, HANDOFF_TID, SPAN_TID0, CONSUMER_TID0 = 0, 1, 2, 3, 10, 100

@@ -4,11 +4,11 @@ Two ``flock`` files in the index folder:
 
 * ``.run.lock``: held exclusively by the process that plans and runs a build. A second
   build of the same folder fails at once, naming the pid that holds it.
-* ``.writers.lock``: held shared by every consumer process that writes segments. When a
+* ``.writers.lock``: held shared by every consumer process that writes shards. When a
   build's main process is killed, its consumers still close their sinks, and the last
-  segment commit can land a moment later. A new run takes this lock exclusively (then
+  shard commit can land a moment later. A new run takes this lock exclusively (then
   drops it) before it reads what the folder holds, so it waits for those commits
-  instead of planning around a segment that is still being written.
+  instead of planning around a shard that is still being written.
 
 The kernel drops ``flock`` locks when a process dies, so a killed run never leaves a
 stale lock behind.

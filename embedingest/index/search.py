@@ -1,7 +1,7 @@
-"""Query an index folder: every segment is searched and the per-segment top-k are merged,
-so the result equals one search over all vectors (exactly so for Flat segments).
+"""Query an index folder: every shard is searched and the per-shard top-k are merged,
+so the result equals one search over all vectors (exactly so for Flat shards).
 
-Segments are memory-mapped where faiss can (flat codes, IVF lists), so opening a large
+Shards are memory-mapped where faiss can (flat codes, IVF lists), so opening a large
 index costs little memory and starts fast; the page cache holds what queries touch.
 
 The manifest's query prompt goes before every text query, and its search defaults
@@ -50,8 +50,8 @@ class Hit:
     text: str | None
 
 
-def read_segment(path: Path) -> faiss.Index:
-    """Read a segment memory-mapped where faiss supports it for its kind, else into memory;
+def read_shard(path: Path) -> faiss.Index:
+    """Read a shard memory-mapped where faiss supports it for its kind, else into memory;
     a damaged file is a ConfigError naming it."""
     for flags in _MMAP_FLAGS:
         try:
@@ -64,13 +64,13 @@ def read_segment(path: Path) -> faiss.Index:
 class Index:
     """A searchable index folder; see :func:`open_index`."""
 
-    def __init__(self, store: IndexStore, manifest: Manifest, segments: list[faiss.Index],
+    def __init__(self, store: IndexStore, manifest: Manifest, shards: list[faiss.Index],
                  encoder=None, device: str = "cpu", query_prompt: str | None = None,
                  params: str | None = None, rows: ShardRows | None = None):
         self.store = store
         self.rows = rows  # format 2: the chunk rows, through the shards' Parquet files
         self.manifest = manifest
-        self.segments = segments
+        self.shards = shards
         self.device = device
         self._encoder = encoder
         self._encoder_lock = threading.Lock()
@@ -97,10 +97,10 @@ class Index:
 
     @property
     def ntotal(self) -> int:
-        return sum(s.ntotal for s in self.segments)
+        return sum(s.ntotal for s in self.shards)
 
     def close(self) -> None:
-        self.segments = []
+        self.shards = []
         if self.rows is not None:
             self.rows.close()
         if self._pool is not None:
@@ -130,7 +130,8 @@ class Index:
     def _load_encoder(self):
         """The manifest's model, from its path or else by its name (the bundled model, a
         Hugging Face id in the local cache)."""
-        from ..stages.encoder import BUNDLED_NAME, TextEncoder, resolve_model
+        from ..stages.encoder import TextEncoder
+        from ..stages.model_folder import BUNDLED_NAME, resolve_model
         from ..stages.hub import is_hub_id
 
         model = self.manifest.model
@@ -219,29 +220,29 @@ class Index:
         if k == 0:
             return np.empty((len(q), 0), np.float32), np.empty((len(q), 0), np.int64)
         heap = faiss.ResultHeap(len(q), k, keep_max=self.manifest.metric == "ip")
-        segments = [seg for seg in self.segments if seg.ntotal]
-        for result in self._map_segments(lambda seg: seg.search(q, min(k, seg.ntotal)), segments):
+        shards = [seg for seg in self.shards if seg.ntotal]
+        for result in self._map_shards(lambda seg: seg.search(q, min(k, seg.ntotal)), shards):
             heap.add_result(*result)
         heap.finalize()
         return heap.D, heap.I
 
-    def _map_segments(self, fn, segments: list):
-        """``fn`` over the segments, on several cores when there is enough to scan: faiss
-        scans for a few queries on one thread (and releases the GIL), so large segments
+    def _map_shards(self, fn, shards: list):
+        """``fn`` over the shards, on several cores when there is enough to scan: faiss
+        scans for a few queries on one thread (and releases the GIL), so large shards
         are searched side by side."""
-        if len(segments) < 2 or sum(seg.ntotal for seg in segments) < PARALLEL_FROM:
-            return map(fn, segments)
+        if len(shards) < 2 or sum(seg.ntotal for seg in shards) < PARALLEL_FROM:
+            return map(fn, shards)
         with self._encoder_lock:
             if self._pool is None:
                 from concurrent.futures import ThreadPoolExecutor
 
-                self._pool = ThreadPoolExecutor(min(len(segments), os.cpu_count() or 1),
+                self._pool = ThreadPoolExecutor(min(len(shards), os.cpu_count() or 1),
                                                 thread_name_prefix="embedingest-search")
-        return self._pool.map(fn, segments)
+        return self._pool.map(fn, shards)
 
 
 def _ids_match(index: faiss.Index, seg) -> bool:
-    """The first and last ids of a segment equal its sidecar's: a file cut short inside
+    """The first and last ids of a shard equal its sidecar's: a file cut short inside
     its last page still loads memory-mapped (the rest of the page reads as zeros), with
     its last ids wrong."""
     id_map = getattr(index, "id_map", None)
@@ -257,7 +258,7 @@ def open_index(path: str | os.PathLike, device: str = "cpu", *, encoder=None,
 
     ``device`` is where the query encoder runs (faiss search itself runs on the CPU).
     ``encoder``: any object with ``encode(list[str]) -> np.ndarray``, instead of loading
-    the manifest's model. ``params``: faiss search parameters for every segment, e.g.
+    the manifest's model. ``params``: faiss search parameters for every shard, e.g.
     ``"nprobe=16"`` (IVF) or ``"efSearch=128"`` (HNSW); None: those stored with the index
     (``build-index --search-params``), "" for none. ``query_prompt``: text put before each
     query; None: the index's (the model's query prompt, or ``build-index --query-prompt``).
@@ -267,24 +268,24 @@ def open_index(path: str | os.PathLike, device: str = "cpu", *, encoder=None,
     if params is None:
         params = manifest.search.get("params")
     if index_format(path) == SHARDS_FORMAT:
-        segments, rows = _open_shards(store, manifest, params)
-        return Index(store, manifest, segments, encoder=encoder, device=device, query_prompt=query_prompt,
+        shards, rows = _open_shards(store, manifest, params)
+        return Index(store, manifest, shards, encoder=encoder, device=device, query_prompt=query_prompt,
                      params=params or None, rows=rows)
-    listed = store.segments()
+    listed = store.shards()
     if any(seg.count for seg in listed) or os.path.lexists(store.metadata_path):
         store.connect().close()  # a missing or damaged database fails here, not after a query
-    segments = []
+    shards = []
     for seg in listed:
-        index = read_segment(seg.path)
+        index = read_shard(seg.path)
         if index.ntotal != seg.count or index.d != manifest.dim or not _ids_match(index, seg):
             raise ConfigError(
-                f"segment {str(seg.path)!r} holds {index.ntotal} vectors of dim {index.d}, but its "
+                f"shard {str(seg.path)!r} holds {index.ntotal} vectors of dim {index.d}, but its "
                 f"sidecar lists {seg.count} (or other ids) and the manifest says dim {manifest.dim}: "
-                "the file is damaged; delete that segment's .faiss and .ids.npy files and run build-index "
+                "the file is damaged; delete that shard's .faiss and .ids.npy files and run build-index "
                 "again to redo the units it held")
         _set_params(index, params, seg.name, manifest)
-        segments.append(index)
-    return Index(store, manifest, segments, encoder=encoder, device=device, query_prompt=query_prompt,
+        shards.append(index)
+    return Index(store, manifest, shards, encoder=encoder, device=device, query_prompt=query_prompt,
                  params=params or None)
 
 
@@ -301,10 +302,10 @@ def _open_shards(store: IndexStore, manifest: Manifest, params: str | None) -> t
     """The vectors of every committed shard (memory-mapped where faiss can) and their rows.
     Each shard's vectors must be its rows' (same count and ids, in the same order)."""
     shards = [s for s in list_shards(store.folder / SHARDS_DIR, generation=manifest.generation) if s.rows]
-    segments, ids = [], []
+    vectors, ids = [], []
     for shard in shards:
         path = shard.faiss_path(manifest.generation)
-        index = read_segment(path)
+        index = read_shard(path)
         id_map = getattr(index, "id_map", None)
         if index.ntotal != shard.rows or index.d != manifest.dim or id_map is None \
                 or not _ends_match(id_map, shard):
@@ -314,9 +315,9 @@ def _open_shards(store: IndexStore, manifest: Manifest, params: str | None) -> t
                 f"shard is damaged; delete its files ({shard.name}.*) and run build-index again "
                 "to redo the units it held")
         _set_params(index, params, shard.name, manifest)
-        segments.append(index)
+        vectors.append(index)
         ids.append(faiss.vector_to_array(id_map))
-    return segments, ShardRows(shards, ids)
+    return vectors, ShardRows(shards, ids)
 
 
 def _ends_match(id_map, shard) -> bool:

@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from ..errors import ConfigError
 from ..outfiles import ensure_folder
@@ -34,8 +37,10 @@ from .shards import (
     finished_units,
     incomplete_units,
     list_shards,
+    read_ids,
 )
-from .store import Chunk, IndexStore, Manifest, Segment, Unit, _sqlite_errors, log
+from .store import Chunk, IndexStore, Manifest, Unit, _sqlite_errors, log
+from .store import Shard as ShardFile
 
 UNITS_NAME = "units.sqlite"
 _UNITS_SCHEMA = """
@@ -43,6 +48,21 @@ CREATE TABLE IF NOT EXISTS units(
     unit_no INTEGER PRIMARY KEY AUTOINCREMENT, key TEXT UNIQUE NOT NULL, size INT,
     mtime_ns INT, sha256 TEXT, n_chunks INT, status TEXT);
 """
+
+
+@dataclass(frozen=True)
+class ShardVectors(ShardFile):
+    """A committed shard as the manifest lists it: its vectors file and row count, with
+    the shard itself (its ids are its Parquet rows')."""
+
+    shard: Shard | None = None
+
+    @property
+    def ids_path(self) -> Path:
+        return self.shard.path("parquet")
+
+    def ids(self) -> np.ndarray:
+        return read_ids(self.shard)
 
 
 class ShardStore(IndexStore):
@@ -55,6 +75,7 @@ class ShardStore(IndexStore):
     def __init__(self, folder, read_only: bool = False):
         super().__init__(folder, read_only)
         self.metadata_path = self.folder / UNITS_NAME
+        self.v1_dir = self.shards_dir  # a format-1 index's vectors (wipe deletes them)
         self.shards_dir = self.folder / SHARDS_DIR
         self.generation = 0
         if index_format(self.folder) == FORMAT:
@@ -96,10 +117,10 @@ class ShardStore(IndexStore):
         """Delete everything embedingest keeps in the folder, a format-1 index's files
         included (other files stay)."""
         super().wipe()
-        if self.shards_dir.is_symlink():
-            self.shards_dir.unlink()  # the link only: nothing outside the folder
+        if self.v1_dir.is_symlink():
+            self.v1_dir.unlink()  # the link only: nothing outside the folder
         else:
-            shutil.rmtree(self.shards_dir, ignore_errors=True)
+            shutil.rmtree(self.v1_dir, ignore_errors=True)
         for name in (UNITS_NAME, UNITS_NAME + "-wal", UNITS_NAME + "-shm"):
             (self.folder / name).unlink(missing_ok=True)
         for path in self.folder.glob("trained.g*.faiss"):
@@ -109,13 +130,14 @@ class ShardStore(IndexStore):
 
     # -- shards ---------------------------------------------------------------------------
 
-    def shards(self) -> list[Shard]:
+    def committed(self) -> list[Shard]:
         """The committed shards (their files checked against their records)."""
         return list_shards(self.shards_dir, generation=self.generation)
 
-    def segments(self) -> list[Segment]:
+    def shards(self) -> list[ShardVectors]:
         """The shards holding vectors, as the manifest lists them."""
-        return [Segment(s.name, s.faiss_path(self.generation), s.rows) for s in self.shards() if s.rows]
+        return [ShardVectors(s.name, s.faiss_path(self.generation), s.rows, s)
+                for s in self.committed() if s.rows]
 
     def clean_garbage(self) -> list[str]:
         """Delete what a crash or a removal left (see :func:`clean_shards`) and temporary
@@ -129,7 +151,7 @@ class ShardStore(IndexStore):
         known = None
         if expected is None:
             known = {u.unit_no for u in super().units().values()}
-        return incomplete_units(self.shards(), expected, known)
+        return incomplete_units(self.committed(), expected, known)
 
     def remove_units(self, unit_nos: Iterable[int]) -> int:
         """Remove every row, vector and finished-mark of ``unit_nos``; return how many vectors."""
@@ -142,7 +164,7 @@ class ShardStore(IndexStore):
         """Unit rows by key, with ``n_chunks`` and ``status`` ("done" or "pending") as the
         committed shards say (their finished-marks; :meth:`reconcile` checks the rows)."""
         rows = super().units(keys)
-        done = finished_units(self.shards())
+        done = finished_units(self.committed())
         return {k: Unit(u.unit_no, u.key, u.size, u.mtime_ns, u.sha256, done.get(u.unit_no, 0),
                         "done" if u.unit_no in done else "pending") for k, u in rows.items()}
 
@@ -150,7 +172,7 @@ class ShardStore(IndexStore):
     def sync_status(self) -> None:
         """Write the status the shards give into ``units.sqlite`` (one transaction), for
         readers of that file: nothing in embedingest reads it back."""
-        done = finished_units(self.shards())
+        done = finished_units(self.committed())
         with self.db as db:
             db.execute("UPDATE units SET status='pending', n_chunks=0")
             db.executemany("UPDATE units SET status='done', n_chunks=? WHERE unit_no=?",
@@ -168,7 +190,7 @@ class ShardStore(IndexStore):
 
     def chunks(self, ids: Iterable[int]) -> dict[int, Chunk]:
         """Chunk rows by vector id, from the shards (open_index keeps a reader open instead)."""
-        rows = ShardRows(self.shards())
+        rows = ShardRows(self.committed())
         try:
             return rows.chunks(list(ids))
         finally:

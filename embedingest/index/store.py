@@ -1,15 +1,15 @@
-"""The index folder: manifest, chunk metadata and FAISS segments, and the steps that keep
+"""The index folder: manifest, chunk metadata and FAISS shards, and the steps that keep
 them consistent across crashes and incremental runs.
 
 Layout::
 
-    manifest.json       settings and segment list (written atomically)
+    manifest.json       settings and shard list (written atomically)
     metadata.sqlite     units (source files or records) and their chunks (WAL mode)
     trained.faiss       the trained empty index, for factories that need training
-    segments/           immutable seg-<run>-w<worker>-<part>.faiss + .ids.npy sidecars
+    segments/           the shards: immutable seg-<run>-w<worker>-<part>.faiss + .ids.npy sidecars
 
-The folder listing, not the manifest, says which segments exist (a segment exists iff its
-``.faiss`` exists), because consumer processes commit segments while the manifest is only
+The folder listing, not the manifest, says which shards exist (a shard exists iff its
+``.faiss`` exists), because consumer processes commit shards while the manifest is only
 rewritten by the main process. Vector id = ``unit_no << 32 | chunk_no``, so the sidecars
 alone tell which units are fully embedded (:meth:`IndexStore.reconcile`).
 """
@@ -46,16 +46,17 @@ from ..outfiles import (
 from ..report import REPORT_NAME
 from ..sinks.faiss_shards import (
     METRICS,
-    SEGMENT_NAME,
-    SEGMENT_SUFFIX,
-    SEGMENTS_DIR,
+    SHARD_NAME,
+    SHARD_SUFFIX,
+    SHARDS_DIR,
     TRAINED_NAME,
     empty_index,
     faiss_message,
     metric_code,
-    segment_name,
+    parse_factory,
+    shard_name,
     sidecar_path,
-    write_segment,
+    write_shard,
 )
 from .faiss_edit import removes_in_place as _removes_in_place
 from .faiss_edit import without as _without
@@ -128,14 +129,16 @@ def model_identity(model: Mapping) -> str | None:
 
 @dataclass
 class Manifest:
-    """The settings every segment of the index shares, and what was built."""
+    """The settings every shard of the index shares, and what was built."""
 
     model: dict  # TextEncoder.info(): "name" identifies the model, "path" is what search loads
     dim: int
     metric: str = "ip"
     factory: str = "Flat"
     dtype: str = "fp32"  # the encoder's compute dtype ("fp32", "fp16", "bf16")
-    segments: list[dict] = field(default_factory=list)  # {name, count}, as of the last update
+    # The shards as {name, count}, as of the last update ("segments" on disk until the
+    # index format changes).
+    segments: list[dict] = field(default_factory=list)
     corpus: str | None = None  # fingerprint of the corpus the last run read
     corpus_path: str | None = None  # folder that unit keys (file paths) are relative to
     prompts: dict = field(default_factory=dict)  # {"document", "query"}: text put before each
@@ -200,7 +203,7 @@ _FIELD_TYPES = {
 
 
 @dataclass(frozen=True)
-class Segment:
+class Shard:
     name: str
     path: Path
     count: int
@@ -263,7 +266,7 @@ def _sqlite_error(exc: sqlite3.Error, path: Path) -> Exception:
 
 class IndexStore:
     """One index folder. Not safe for two writers at once; readers (search) only list and
-    read committed segments."""
+    read committed shards."""
 
     _schema = _SCHEMA  # what the database holds (format 2 keeps units only)
     _probe_sql = "SELECT count(*) FROM units JOIN chunks LIMIT 0"
@@ -275,8 +278,8 @@ class IndexStore:
         self.manifest_path = self.folder / MANIFEST_NAME
         self.metadata_path = self.folder / METADATA_NAME
         self.trained_path = self.folder / TRAINED_NAME
-        self.segments_dir = self.folder / SEGMENTS_DIR
-        self.journal_path = self.segments_dir / JOURNAL_NAME
+        self.shards_dir = self.folder / SHARDS_DIR
+        self.journal_path = self.shards_dir / JOURNAL_NAME
         self._db: sqlite3.Connection | None = None
 
     def __enter__(self) -> IndexStore:
@@ -317,42 +320,42 @@ class IndexStore:
         """Start a build with the settings in ``manifest``: a new index, or the existing one
         when it was built with the same model, dim, metric and factory (then its manifest,
         created time included, is returned). ``overwrite`` wipes whatever is there first.
-        An index that holds no segment yet (its first build stopped before any commit,
+        An index that holds no shard yet (its first build stopped before any commit,
         e.g. training failed) takes the new settings: there is nothing to rebuild."""
         if overwrite:
             self.wipe()
         self.folder.mkdir(parents=True, exist_ok=True)
-        ensure_folder(self.folder, self.segments_dir)
+        ensure_folder(self.folder, self.shards_dir)
         if self.exists():
             existing = self.read_manifest()
             if existing.compatible_with(manifest):
                 return existing
-            if any(self.segments_dir.glob("seg-*" + SEGMENT_SUFFIX)):
+            if any(self.shards_dir.glob("seg-*" + SHARD_SUFFIX)):
                 raise ConfigError(
                     f"the index at {str(self.folder)!r} was built with {existing.describe()}, "
                     f"not {manifest.describe()}: use --overwrite to rebuild it, or another folder")
-            log.info("the index at %s holds no segment yet: its settings (%s) become %s",
+            log.info("the index at %s holds no shard yet: its settings (%s) become %s",
                      self.folder, existing.describe(), manifest.describe())
             self.trained_path.unlink(missing_ok=True)  # trained for the old settings
         self.write_manifest(manifest)
         return manifest
 
-    def update_segments(self, manifest: Manifest | None = None, **changes) -> Manifest:
-        """Rewrite the manifest with the current segment list and ``changes`` (e.g. corpus)."""
+    def update_shards(self, manifest: Manifest | None = None, **changes) -> Manifest:
+        """Rewrite the manifest with the current shard list and ``changes`` (e.g. corpus)."""
         manifest = manifest or self.read_manifest()
         for name, value in changes.items():
             setattr(manifest, name, value)
-        manifest.segments = [{"name": s.name, "count": s.count} for s in self.segments()]
+        manifest.segments = [{"name": s.name, "count": s.count} for s in self.shards()]
         self.write_manifest(manifest)
         return manifest
 
     def wipe(self) -> None:
         """Delete everything embedingest keeps in the folder (other files stay)."""
         self.close()
-        if self.segments_dir.is_symlink():
-            self.segments_dir.unlink()  # the link only: nothing outside the folder
+        if self.shards_dir.is_symlink():
+            self.shards_dir.unlink()  # the link only: nothing outside the folder
         else:
-            shutil.rmtree(self.segments_dir, ignore_errors=True)
+            shutil.rmtree(self.shards_dir, ignore_errors=True)
         for name in (MANIFEST_NAME, TRAINED_NAME, REPORT_NAME, METADATA_NAME,
                      METADATA_NAME + "-wal", METADATA_NAME + "-shm"):
             (self.folder / name).unlink(missing_ok=True)
@@ -362,12 +365,8 @@ class IndexStore:
 
     def train_index(self, factory: str, dim: int, metric: str, sample: np.ndarray) -> Path | None:
         """Train ``factory`` on ``sample`` and write ``trained.faiss``, the empty index
-        every segment is cloned from; None (nothing written) when it needs no training."""
-        try:
-            index = faiss.index_factory(dim, factory, metric_code(metric))
-        except RuntimeError as exc:
-            raise ConfigError(f"faiss cannot build index factory {factory!r} for dim {dim}: "
-                              f"{str(exc).splitlines()[0]}") from exc
+        every shard is cloned from; None (nothing written) when it needs no training."""
+        index = parse_factory(dim, factory, metric)
         if index.is_trained:
             return None
         sample = np.ascontiguousarray(sample, dtype=np.float32)
@@ -383,24 +382,24 @@ class IndexStore:
         return self.trained_path
 
     def empty_index(self, manifest: Manifest | None = None) -> faiss.Index:
-        """An empty index of the kind the segments hold (trained when the factory needs it)."""
+        """An empty index of the kind the shards hold (trained when the factory needs it)."""
         manifest = manifest or self.read_manifest()
         trained = read_index_file(self.trained_path, redo="delete it and run build-index again "
                                   "(it is trained again)") if self.trained_path.is_file() else None
         return empty_index(manifest.dim, manifest.factory, manifest.metric, trained)
 
-    # -- segments -------------------------------------------------------------------------
+    # -- shards -------------------------------------------------------------------------
 
     def _journal(self) -> list[tuple[str, str | None]]:
-        """The (old, new) segment names of an interrupted removal. Only plain segment names
+        """The (old, new) shard names of an interrupted removal. Only plain shard names
         inside segments/ are taken: anything else is an error, never a path followed."""
         if not self.journal_path.is_file():
             return []
         try:
             pairs = [(old, new) for old, new in json.loads(self.journal_path.read_text("utf-8"))["replace"]]
-            bad = next((p for p in pairs if not (_is_segment_name(p[0])
-                                                 and (p[1] is None or _is_segment_name(p[1])))), None)
-            problem = None if bad is None else f"{list(bad)!r} is not a pair of segment names in segments/"
+            bad = next((p for p in pairs if not (_is_shard_name(p[0])
+                                                 and (p[1] is None or _is_shard_name(p[1])))), None)
+            problem = None if bad is None else f"{list(bad)!r} is not a pair of shard names in segments/"
         except (OSError, ValueError, KeyError, TypeError) as exc:
             problem = f"{type(exc).__name__}: {exc}"
         if problem is not None:
@@ -411,17 +410,17 @@ class IndexStore:
         return pairs
 
     def _superseded(self) -> set[str]:
-        """Old segments of an interrupted :meth:`remove_units` whose replacement committed."""
+        """Old shards of an interrupted :meth:`remove_units` whose replacement committed."""
         return {old for old, new in self._journal()
-                if new is None or (self.segments_dir / new).is_file()}
+                if new is None or (self.shards_dir / new).is_file()}
 
-    def segments(self) -> list[Segment]:
-        """The committed segments, sorted by name (never one a removal has replaced)."""
-        if not self.segments_dir.is_dir():
+    def shards(self) -> list[Shard]:
+        """The committed shards, sorted by name (never one a removal has replaced)."""
+        if not self.shards_dir.is_dir():
             return []
         superseded = self._superseded()
         out = []
-        for path in sorted(self.segments_dir.glob("seg-*" + SEGMENT_SUFFIX)):
+        for path in sorted(self.shards_dir.glob("seg-*" + SHARD_SUFFIX)):
             if path.name in superseded:
                 continue
             try:
@@ -429,9 +428,9 @@ class IndexStore:
                 if ids.dtype != np.int64 or ids.ndim != 1:
                     raise ValueError(f"it holds {ids.dtype} of shape {ids.shape}, not int64 ids")
             except (OSError, ValueError) as exc:
-                raise ConfigError(f"segment {str(path)!r} has no readable ids sidecar ({exc}): the "
-                                  f"folder was damaged; {_REDO_SEGMENT}") from exc
-            out.append(Segment(path.name, path, ids.shape[0]))
+                raise ConfigError(f"shard {str(path)!r} has no readable ids sidecar ({exc}): the "
+                                  f"folder was damaged; {_REDO_SHARD}") from exc
+            out.append(Shard(path.name, path, ids.shape[0]))
         return out
 
     def clean_garbage(self) -> list[str]:
@@ -442,17 +441,17 @@ class IndexStore:
             committed = self._superseded()
             for old, new in self._journal():
                 drop = old if old in committed else new
-                removed += self._delete_segment(self.segments_dir / drop) if drop else []
+                removed += self._delete_shard(self.shards_dir / drop) if drop else []
             self.journal_path.unlink()
             removed.append(JOURNAL_NAME)
         removed += self._remove_tmp_files(self.folder)
-        if self.segments_dir.is_dir():
-            removed += self._remove_tmp_files(self.segments_dir)
-            for side in sorted(self.segments_dir.glob("seg-*.ids.npy")):
-                if not side.with_name(side.name[: -len(".ids.npy")] + SEGMENT_SUFFIX).exists():
+        if self.shards_dir.is_dir():
+            removed += self._remove_tmp_files(self.shards_dir)
+            for side in sorted(self.shards_dir.glob("seg-*.ids.npy")):
+                if not side.with_name(side.name[: -len(".ids.npy")] + SHARD_SUFFIX).exists():
                     side.unlink()
                     removed.append(side.name)
-            fsync_dir(self.segments_dir)
+            fsync_dir(self.shards_dir)
         return removed
 
     @staticmethod
@@ -465,15 +464,15 @@ class IndexStore:
         return [p.name for p in gone]
 
     @staticmethod
-    def _delete_segment(path: Path) -> list[str]:
-        """``.faiss`` first (the segment stops existing), then its sidecar."""
+    def _delete_shard(path: Path) -> list[str]:
+        """``.faiss`` first (the shard stops existing), then its sidecar."""
         gone = [p for p in (path, sidecar_path(path)) if p.exists()]
         for p in gone:
             p.unlink()
         return [p.name for p in gone]
 
     def _all_ids(self) -> np.ndarray:
-        parts = [s.ids() for s in self.segments()]
+        parts = [s.ids() for s in self.shards()]
         return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
     def present_ids(self) -> dict[int, int]:
@@ -501,26 +500,26 @@ class IndexStore:
         return bad
 
     def remove_units(self, unit_nos: Iterable[int]) -> int:
-        """Remove every vector of ``unit_nos`` from the segments; return how many.
+        """Remove every vector of ``unit_nos`` from the shards; return how many.
 
-        Each segment holding some is rewritten without them under a new name, then the old
+        Each shard holding some is rewritten without them under a new name, then the old
         one is deleted. A journal (``segments/replacing.json``, written before any new
-        segment) pairs old and new names, so after a crash anywhere :meth:`segments` and
+        shard) pairs old and new names, so after a crash anywhere :meth:`shards` and
         :meth:`clean_garbage` keep exactly one of each pair (the new one once it committed):
         no id is ever listed twice, and an interrupted removal is finished by calling this
         again (:meth:`reconcile` still reports the units whose vectors remain).
         """
         units = np.fromiter(set(unit_nos), dtype=np.int64)
         self.clean_garbage()
-        hit = [(seg, np.isin(seg.ids() >> CHUNK_BITS, units)) for seg in self.segments()]
+        hit = [(seg, np.isin(seg.ids() >> CHUNK_BITS, units)) for seg in self.shards()]
         plan = [(seg, drop) for seg, drop in hit if drop.any()]
         if not plan:
             return 0
         run = "rm" + new_run_id()
-        pairs = [(seg.name, None if drop.all() else segment_name(run, 0, i))
+        pairs = [(seg.name, None if drop.all() else shard_name(run, 0, i))
                  for i, (seg, drop) in enumerate(plan)]
         atomic_write_bytes(self.journal_path, json.dumps({"replace": pairs}).encode())
-        fsync_dir(self.segments_dir)
+        fsync_dir(self.shards_dir)
         removed, template = 0, None
         for (seg, _), (_, new) in zip(plan, pairs):
             if new is None:
@@ -531,13 +530,13 @@ class IndexStore:
             if template is None and not _removes_in_place(index):
                 template = self.empty_index()
             index, kept = _without(index, keep, template)
-            write_segment(self.segments_dir / new, index, kept)
+            write_shard(self.shards_dir / new, index, kept)
             removed += seg.count - len(kept)
         for seg, _ in plan:
-            self._delete_segment(seg.path)
-        fsync_dir(self.segments_dir)
+            self._delete_shard(seg.path)
+        fsync_dir(self.shards_dir)
         self.journal_path.unlink()
-        fsync_dir(self.segments_dir)
+        fsync_dir(self.shards_dir)
         return removed
 
     # -- metadata -------------------------------------------------------------------------
@@ -682,11 +681,11 @@ class IndexStore:
         return out
 
 
-_REDO_SEGMENT = ("delete that segment's .faiss and .ids.npy files and run build-index again to "
+_REDO_SHARD = ("delete that shard's .faiss and .ids.npy files and run build-index again to "
                  "redo the units it held")
 
 
-def read_index_file(path: Path, flags: int = 0, redo: str = _REDO_SEGMENT) -> faiss.Index:
+def read_index_file(path: Path, flags: int = 0, redo: str = _REDO_SHARD) -> faiss.Index:
     """``faiss.read_index``; a damaged file is a ConfigError naming it and saying how to
     redo it (``redo``), never a traceback of faiss."""
     try:
@@ -696,8 +695,8 @@ def read_index_file(path: Path, flags: int = 0, redo: str = _REDO_SEGMENT) -> fa
                           f"{redo}") from exc
 
 
-def _is_segment_name(name) -> bool:
-    return isinstance(name, str) and SEGMENT_NAME.fullmatch(name) is not None
+def _is_shard_name(name) -> bool:
+    return isinstance(name, str) and SHARD_NAME.fullmatch(name) is not None
 
 
 def _batches(items: list, size: int = _QUERY_BATCH):

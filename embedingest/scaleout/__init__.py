@@ -1,5 +1,8 @@
-"""Scale-out: every GPU of a host (``build-index --devices``) and a Ray cluster
-(:mod:`embedingest.scaleout.ray`, imported only on demand since Ray is optional).
+"""Scale-out, the generic part: one process per device of a host (:mod:`.procs`,
+:mod:`.devices`), merged per-device stats (:mod:`.stats`) and Ray Data helpers
+(:mod:`.ray_data`, imported only on demand since Ray is optional). It imports no job:
+each job owns its variants (``embedingest.jobs.build_index.devices`` and ``.ray``,
+``embedingest.jobs.segment.devices``).
 
 Importing this package loads neither torch nor Ray.
 """

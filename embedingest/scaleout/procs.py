@@ -6,7 +6,7 @@ state and no other thread (a forked child skips seconds of interpreter start and
 imports). They are not daemons, because each starts its own DataLoader workers and
 engine consumers. A child ignores SIGINT, so a Ctrl-C in the terminal reaches the parent
 only; the parent then sends SIGTERM, which a child turns into KeyboardInterrupt once, so
-its engine stops the usual way (sinks closed, segments committed) before it exits. A
+its engine stops the usual way (sinks closed, shards committed) before it exits. A
 child also gets SIGTERM when the parent dies, so none outlives its run.
 """
 

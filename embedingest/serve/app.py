@@ -24,11 +24,12 @@ from fastapi import FastAPI, HTTPException, Query
 from fastapi import Path as PathParam
 from fastapi.responses import FileResponse, HTMLResponse
 
+from ..config import ServeConfig
 from ..errors import ConfigError
 from ..index.search import Hit, Index
 
-MAX_QUERY_CHARS = 2000
-MAX_K = 100
+MAX_QUERY_CHARS = ServeConfig.max_query_chars
+MAX_K = ServeConfig.max_k
 # Suffixes a browser may show as text; anything else is offered as a download.
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".html", ".htm", ".json", ".jsonl", ".ndjson", ".csv", ".tsv"}
 

@@ -1,11 +1,11 @@
 """FAISS shard sink: the embeddings a consumer process receives become immutable index
-segments on disk.
+shards on disk.
 
 It runs inside the engine's consumer processes, so it imports numpy and faiss only (never
-torch). Every ``commit_every`` vectors the in-memory index is committed as a segment: the
+torch). Every ``commit_every`` vectors the in-memory index is committed as a shard: the
 ids sidecar is written first, then the ``.faiss`` file, each through a temporary file,
-checked to be whole, fsynced and ``os.replace``d (``embedingest.outfiles``). A segment
-exists iff its ``.faiss`` file exists, so a crash leaves whole segments plus garbage
+checked to be whole, fsynced and ``os.replace``d (``embedingest.outfiles``). A shard
+exists iff its ``.faiss`` file exists, so a crash leaves whole shards plus garbage
 (temporary files, an orphan sidecar) that :meth:`IndexStore.clean_garbage` removes; the
 vectors added since the last commit are lost and the resume step redoes their units.
 """
@@ -24,13 +24,13 @@ from ..errors import ConfigError
 from ..index.lock import hold_writer_lock
 from ..outfiles import atomic_file, ensure_folder, new_run_id, write_faiss_index
 
-SEGMENTS_DIR = "segments"
+SHARDS_DIR = "segments"
 TRAINED_NAME = "trained.faiss"
-SEGMENT_SUFFIX = ".faiss"
+SHARD_SUFFIX = ".faiss"
 IDS_SUFFIX = ".ids.npy"
 METRICS = {"ip": faiss.METRIC_INNER_PRODUCT, "l2": faiss.METRIC_L2}
 _RUN_ID = re.compile(r"[A-Za-z0-9_]+")
-SEGMENT_NAME = re.compile(r"seg-[A-Za-z0-9_]+-w[0-9]+-[0-9]+" + re.escape(SEGMENT_SUFFIX))
+SHARD_NAME = re.compile(r"seg-[A-Za-z0-9_]+-w[0-9]+-[0-9]+" + re.escape(SHARD_SUFFIX))
 
 
 def metric_code(metric: str) -> int:
@@ -41,21 +41,21 @@ def metric_code(metric: str) -> int:
         raise ConfigError(f"unknown metric {metric!r}; use one of {', '.join(METRICS)}") from None
 
 
-def segment_name(run_id: str, worker: int, part: int) -> str:
+def shard_name(run_id: str, worker: int, part: int) -> str:
     """The part is zero-padded so a listing sorts in commit order."""
-    return f"seg-{run_id}-w{worker}-{part:05d}{SEGMENT_SUFFIX}"
+    return f"seg-{run_id}-w{worker}-{part:05d}{SHARD_SUFFIX}"
 
 
-def sidecar_path(segment: Path) -> Path:
-    """``seg-...faiss`` -> ``seg-...ids.npy``: the int64 ids of the segment, in index order."""
-    return segment.with_name(segment.name[: -len(SEGMENT_SUFFIX)] + IDS_SUFFIX)
+def sidecar_path(shard: Path) -> Path:
+    """``seg-...faiss`` -> ``seg-...ids.npy``: the int64 ids of the shard, in index order."""
+    return shard.with_name(shard.name[: -len(SHARD_SUFFIX)] + IDS_SUFFIX)
 
 
-def write_segment(path: Path, index: faiss.Index, ids: np.ndarray) -> None:
-    """Commit one segment: the ids sidecar, then the ``.faiss`` file that makes it exist;
+def write_shard(path: Path, index: faiss.Index, ids: np.ndarray) -> None:
+    """Commit one shard: the ids sidecar, then the ``.faiss`` file that makes it exist;
     each checked to be whole before it is renamed into place."""
     if index.ntotal != len(ids):
-        raise ValueError(f"segment {path.name}: index holds {index.ntotal} vectors, ids {len(ids)}")
+        raise ValueError(f"shard {path.name}: index holds {index.ntotal} vectors, ids {len(ids)}")
     with atomic_file(sidecar_path(path), sync_dir=True) as fh:
         np.save(fh, np.ascontiguousarray(ids, dtype=np.int64))
     write_faiss_index(index, path)
@@ -80,7 +80,7 @@ def parse_factory(dim: int, factory: str, metric: str) -> faiss.Index:
 
 
 def empty_index(dim: int, factory: str, metric: str, trained: faiss.Index | None = None) -> faiss.Index:
-    """An empty, trained index of the segment kind (without the id map): a clone of
+    """An empty, trained index of the shard kind (without the id map): a clone of
     ``trained`` when given, else ``faiss.index_factory(dim, factory, metric)``."""
     if trained is not None:
         return faiss.clone_index(trained)
@@ -136,20 +136,20 @@ class FaissShardSinkFactory:
 
 
 class FaissShardSink:
-    """Adds ``arrays["emb"]`` under ``arrays["ids"]`` and commits a segment every
-    ``commit_every`` vectors (segments hold exactly that many, the last one fewer)."""
+    """Adds ``arrays["emb"]`` under ``arrays["ids"]`` and commits a shard every
+    ``commit_every`` vectors (shards hold exactly that many, the last one fewer)."""
 
     def __init__(self, spec: FaissShardSinkFactory, worker: int):
         self.spec = spec
         self.worker = worker
-        self.folder = Path(spec.folder) / SEGMENTS_DIR
+        self.folder = Path(spec.folder) / SHARDS_DIR
         ensure_folder(Path(spec.folder), self.folder)
         # Held until the last commit (close) or this process's death: a new build of the
         # folder waits for it (index/lock.py).
         self._writer_lock: int | None = hold_writer_lock(spec.folder)
-        used = sorted(self.folder.glob(f"seg-{spec.run_id}-w{worker}-*{SEGMENT_SUFFIX}"))
+        used = sorted(self.folder.glob(f"seg-{spec.run_id}-w{worker}-*{SHARD_SUFFIX}"))
         if used:
-            raise ConfigError(f"segment {used[0].name} already exists: run id {spec.run_id!r} "
+            raise ConfigError(f"shard {used[0].name} already exists: run id {spec.run_id!r} "
                               "was used before; start each run with a new run id")
         self._trained = faiss.read_index(spec.trained) if spec.trained else None
         if self._trained is not None and self._trained.d != spec.dim:
@@ -186,17 +186,17 @@ class FaissShardSink:
         self._pending += len(kept)
 
     def commit(self) -> None:
-        """Write the vectors added since the last commit as a new segment (none if empty)."""
+        """Write the vectors added since the last commit as a new shard (none if empty)."""
         if not self._pending:
             return
-        name = segment_name(self.spec.run_id, self.worker, self._part)
-        write_segment(self.folder / name, self._index, np.concatenate(self._ids))
+        name = shard_name(self.spec.run_id, self.worker, self._part)
+        write_shard(self.folder / name, self._index, np.concatenate(self._ids))
         self.written.append({"name": name, "count": self._pending})
         self._index, self._ids, self._pending = None, [], 0
         self._part += 1
 
     def close(self) -> list[dict]:
-        """Commit what is left; return every segment this sink wrote as {name, count}."""
+        """Commit what is left; return every shard this sink wrote as {name, count}."""
         try:
             self.commit()
         finally:

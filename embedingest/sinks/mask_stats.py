@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..report import atomic_write_bytes
+from ..outfiles import atomic_write_bytes
 
 STATS_DIR = "stats"
 FIXED_COLUMNS = ("source", "width", "height")

@@ -26,14 +26,12 @@ from typing import NamedTuple
 import numpy as np
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
+from ..config import DEFAULT_MAX_PIXELS
+
 # An animated GIF (or a multi-page TIFF) is read as its first frame. AVIF needs a Pillow
 # built with libavif (the wheels of 11.2 and later); without it each is skipped, named.
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif",
                               ".avif"})
-
-# Larger than any camera photo (a 100 MP medium-format frame fits), small enough that
-# one DataLoader worker never holds more than ~450 MB of decoded RGB.
-DEFAULT_MAX_PIXELS = 150_000_000
 
 # ImageNet mean in 0..255: the padding becomes exactly zero after normalisation.
 PAD_RGB = (124, 116, 104)
@@ -50,8 +48,6 @@ _ROTATED = {5, 6, 7, 8}
 # ``size`` (torchvision's ``Resize(max_size=...)``): only panoramas wider than 4:1 are
 # affected, and the host slots can be sized for the largest input.
 LONG_SIDE_LIMIT = 4
-
-RESIZE_MODES = ("short", "fit")
 
 # In ``short`` mode a picture of up to this many times ``size``² pixels (4.3 MP at 520)
 # goes to the device whole and is resized there; a larger one is resized in the worker
@@ -222,6 +218,27 @@ def open_rgb(path: str | os.PathLike, max_pixels: int | None = DEFAULT_MAX_PIXEL
         raise ImageRejected(f"corrupt or truncated: {exc}") from exc
     except Exception as exc:
         raise ImageRejected(f"cannot decode: {type(exc).__name__}: {exc}") from exc
+
+
+def header_size(path: str | os.PathLike) -> tuple[int, int] | None:
+    """The (width, height) :func:`open_rgb` will return for ``path``, read from the file's
+    header without decoding the pixels (tens of microseconds), or None when the header
+    cannot be read (the decoder then says why).
+
+    A PNG whose EXIF comes after its pixel data would need a full decode to find its
+    orientation (Pillow loads the image for it); it is taken as upright here, so the rare
+    such file may get another size when decoded: callers use this only to plan."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(path) as im:
+                width, height = im.size
+                lazy_exif = im.format == "PNG" and not {"exif", "XML:com.adobe.xmp"} & set(im.info)
+                if not lazy_exif and im.getexif().get(ExifTags.Base.Orientation) in _ROTATED:
+                    width, height = height, width
+                return width, height
+    except Exception:
+        return None
 
 
 def letterbox(im: Image.Image, original: tuple[int, int], size: int) -> tuple[np.ndarray, tuple[int, int]]:

@@ -50,7 +50,8 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..errors import ConfigError
-from ..stages.chunker import DEFAULT_PIECE_CHARS, Chunk, Chunker, load_tokenizer
+from ..stages.chunker import DEFAULT_PIECE_CHARS, Chunk, Chunker
+from ..stages.tokenizer import load_tokenizer
 from .text import iter_records, lone_surrogate
 
 MAX_UNIT_NO = 2**31 - 1
@@ -148,9 +149,8 @@ class TextChunkDataset(IterableDataset):
                  piece_chars: int = DEFAULT_PIECE_CHARS,
                  tokenizer_loader: Callable[[str], object] = load_tokenizer,
                  pad_multiple: int = 16):
-        """``tokenizer_loader(model_dir)`` runs in each worker; pass a module-level
-        function (it is pickled) when the tokenizer needs more than loading, e.g. the
-        encoder's lower-casing, so chunks are tokenized exactly as the encoder would.
+        """``tokenizer_loader(model_dir)`` runs in each worker (a module-level function:
+        it is pickled); the default loads the tokenizer exactly as the encoder uses it.
         Batches are padded to a multiple of ``pad_multiple`` tokens: a few shapes instead
         of one per length, so the GPU libraries pick their kernels once, not per batch."""
         if not isinstance(batch_size, int) or batch_size < 1:

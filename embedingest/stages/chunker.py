@@ -26,7 +26,6 @@ bound. A text may also come as an iterable of parts (a file read a block at a ti
 from __future__ import annotations
 
 import bisect
-import os
 import re
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -51,21 +50,6 @@ class Chunk(NamedTuple):
     char_end: int
 
 
-def load_tokenizer(model_dir: str | os.PathLike):
-    """Load the fast (Rust) tokenizer of a local model folder; never downloads."""
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot load a tokenizer from model folder {str(model_dir)!r}: "
-                          f"{exc}; pass a folder that holds tokenizer.json") from exc
-    if not getattr(tokenizer, "is_fast", False):
-        raise ConfigError(f"the tokenizer in {str(model_dir)!r} is not a fast tokenizer, so it "
-                          f"has no character offsets; add a tokenizer.json to the folder")
-    return tokenizer
-
-
 class Chunker:
     """Token windows of at most ``max_tokens`` (special tokens included) and ``max_chars``
     characters, each sharing ``overlap`` tokens with the one before (fewer when the
@@ -75,7 +59,7 @@ class Chunker:
                  piece_chars: int = DEFAULT_PIECE_CHARS, max_chars: int | None = None):
         if not getattr(tokenizer, "is_fast", False):
             raise ConfigError(f"Chunker needs a fast tokenizer (with offsets), got "
-                              f"{type(tokenizer).__name__}; load it with load_tokenizer()")
+                              f"{type(tokenizer).__name__}; load it with embedingest.stages.tokenizer.load_tokenizer()")
         self._tok = _plain_copy(tokenizer.backend_tokenizer)
         self.prefix, self.suffix = _special_tokens(tokenizer.backend_tokenizer)
         n_special = len(self.prefix) + len(self.suffix)

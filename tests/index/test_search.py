@@ -3,7 +3,7 @@ import pytest
 from index_fixtures import DIM, build_index, unit_vectors
 
 from embedingest.errors import ConfigError
-from embedingest.index.search import Hit, open_index, read_segment
+from embedingest.index.search import Hit, open_index, read_shard
 from embedingest.index.store import IndexStore, Manifest
 
 
@@ -24,7 +24,7 @@ def test_search_equals_brute_force_over_all_segments(tmp_path, metric):
     built = build_index(tmp_path, n_units=8, chunks=25, metric=metric, commit_every=30, workers=3)
     queries = unit_vectors(12, seed=5)
     with open_index(built.store.folder) as index:
-        assert len(index.segments) > 3 and len(index) == 200
+        assert len(index.shards) > 3 and len(index) == 200
         for k in (1, 10, 200, 500):
             scores, ids = index.search_raw(queries, k)
             want_s, want_i = built.brute_force(queries, min(k, 200), metric)
@@ -72,8 +72,8 @@ def test_ivf_and_hnsw_with_search_params_equal_brute_force(tmp_path, factory, pa
 
 def test_segments_are_memory_mapped_where_faiss_can(tmp_path):
     built = build_index(tmp_path, n_units=2, chunks=10)
-    path = built.store.segments()[0].path
-    index = read_segment(path)
+    path = built.store.shards()[0].path
+    index = read_shard(path)
     maps = open("/proc/self/maps").read()
     assert str(path) in maps and index.ntotal > 0
 
@@ -100,10 +100,10 @@ def test_search_params_that_do_not_apply(tmp_path):
 def test_garbage_and_interrupted_removal_are_invisible_to_search(tmp_path, monkeypatch):
     built = build_index(tmp_path, n_units=3, chunks=20, commit_every=25)
     store, gone = built.store, list(built.unit_nos.values())[1]
-    seg = store.segments_dir
+    seg = store.shards_dir
     (seg / ".seg-z-w0-00000.faiss.tmp-1").write_bytes(b"partial")
     np.save(seg / "seg-z-w0-00000.ids.npy", np.arange(5))
-    monkeypatch.setattr(IndexStore, "_delete_segment", staticmethod(lambda path: 1 / 0))
+    monkeypatch.setattr(IndexStore, "_delete_shard", staticmethod(lambda path: 1 / 0))
     with pytest.raises(ZeroDivisionError):  # new segments written, old ones not yet deleted
         store.remove_units([gone])
     monkeypatch.undo()

@@ -31,7 +31,7 @@ def ivf(tmp_path_factory):
 
 
 def nprobes(index) -> set[int]:
-    return {faiss.extract_index_ivf(seg).nprobe for seg in index.segments}
+    return {faiss.extract_index_ivf(seg).nprobe for seg in index.shards}
 
 
 def test_stored_nprobe_and_k_are_applied(ivf):
@@ -60,7 +60,7 @@ def test_stored_nprobe_of_every_list_equals_brute_force(ivf):
         scores, ids = index.search_raw(vectors, 10)
         exact = faiss.IndexFlatIP(index.manifest.dim)
         all_ids = []
-        for seg in index.segments:
+        for seg in index.shards:
             id_map = faiss.vector_to_array(seg.id_map)  # segments are IDMaps over the IVF
             ivf_index = faiss.extract_index_ivf(seg)
             for lst in range(ivf_index.nlist):
@@ -94,7 +94,7 @@ def test_rerun_keeps_updates_and_drops_defaults(tmp_path):
     build_index(RECORDS[:21], out=str(out), index="HNSW8", **FAST)
     assert manifest()["search"] == {"params": "efSearch=64"}
     with open_index(out) as index:
-        assert {faiss.downcast_index(seg.index).hnsw.efSearch for seg in index.segments} == {64}
+        assert {faiss.downcast_index(seg.index).hnsw.efSearch for seg in index.shards} == {64}
     build_index(RECORDS[:21], out=str(out), index="HNSW8", search_params="", search_k=7, **FAST)
     assert manifest()["search"] == {"k": 7}
 

@@ -10,7 +10,7 @@ from index_fixtures import DIM, build_index, unit_vectors
 
 import embedingest.index.search as search_mod
 from embedingest.errors import ConfigError
-from embedingest.index.search import Index, open_index, read_segment
+from embedingest.index.search import Index, open_index, read_shard
 from embedingest.index.store import IndexStore, Manifest
 
 
@@ -24,7 +24,7 @@ class FakeEncoder:
 
 def test_read_segment_tries_each_mmap_mode_then_reads_into_memory(tmp_path, monkeypatch):
     built = build_index(tmp_path, n_units=2, chunks=5)
-    seg = built.store.segments()[0]
+    seg = built.store.shards()[0]
     path, n = seg.path, seg.count
     real = faiss.read_index
     calls = []
@@ -37,10 +37,10 @@ def test_read_segment_tries_each_mmap_mode_then_reads_into_memory(tmp_path, monk
 
     first, second = search_mod._MMAP_FLAGS
     monkeypatch.setattr(faiss, "read_index", lambda n, *f: flaky(n, *f, refuse=(first,)))
-    assert read_segment(path).ntotal == n and calls == [(first,), (second,)]
+    assert read_shard(path).ntotal == n and calls == [(first,), (second,)]
     calls.clear()
     monkeypatch.setattr(faiss, "read_index", lambda n, *f: flaky(n, *f, refuse=(first, second)))
-    assert read_segment(path).ntotal == n and calls == [(first,), (second,), (0,)]  # 0: into memory
+    assert read_shard(path).ntotal == n and calls == [(first,), (second,), (0,)]  # 0: into memory
 
 
 def test_defaults_device_and_close(tmp_path):

@@ -16,7 +16,7 @@ def test_segments_scanned_in_threads_equal_brute_force(tmp_path, monkeypatch):
     queries = unit_vectors(7, seed=11)
     monkeypatch.setattr(search, "PARALLEL_FROM", 0)
     with open_index(built.store.folder) as index:
-        assert len(index.segments) > 3
+        assert len(index.shards) > 3
         scores, ids = index.search_raw(queries, 15)
         assert index._pool is not None  # the threaded path ran
     want_s, want_i = built.brute_force(queries, 15)

@@ -52,7 +52,7 @@ def test_units_are_done_when_their_shards_say_so(tmp_path):
     store.sync_status()
     assert store.db.execute("SELECT unit_no, status, n_chunks FROM units ORDER BY unit_no").fetchall() == [
         (1, "done", 10), (2, "done", 10), (3, "pending", 0)]
-    assert store.update_segments().segments == [{"name": "shard-a-w0-00000", "count": 20}]
+    assert store.update_shards().segments == [{"name": "shard-a-w0-00000", "count": 20}]
     assert visible(tmp_path / "ix") == ["manifest.json", "shards", "units.sqlite"]
     assert store.chunks([1 << 32 | 3])[1 << 32 | 3].text.startswith("text of docs/doc1.txt chunk 3")
 

@@ -10,7 +10,7 @@ from embedingest.index import store as store_mod
 from embedingest.index.lock import RUN_LOCK, WRITERS_LOCK
 from embedingest.index.search import open_index
 from embedingest.index.store import IndexStore, Manifest, Unit, vector_ids
-from embedingest.sinks.faiss_shards import sidecar_path, write_segment
+from embedingest.sinks.faiss_shards import sidecar_path, write_shard
 
 
 def manifest(**kw):
@@ -18,7 +18,7 @@ def manifest(**kw):
 
 
 def all_ids(store):
-    return np.sort(np.concatenate([s.ids() for s in store.segments()]))
+    return np.sort(np.concatenate([s.ids() for s in store.shards()]))
 
 
 # -- manifest ---------------------------------------------------------------------------
@@ -39,7 +39,7 @@ def test_manifest_create_reopen_and_mismatch(tmp_path):
     assert store.create_or_open(manifest()).factory == "Flat"
     index = faiss.IndexIDMap(faiss.IndexFlatIP(DIM))
     index.add_with_ids(unit_vectors(2), np.arange(2))
-    write_segment(store.segments_dir / "seg-a-w0-00000.faiss", index, np.arange(2))
+    write_shard(store.shards_dir / "seg-a-w0-00000.faiss", index, np.arange(2))
     for bad, what in [({"dim": 8}, "dim 8"), ({"metric": "l2"}, "metric l2"),
                       ({"model": {"name": "other"}}, "'other'"), ({"factory": "HNSW8"}, "'HNSW8'")]:
         with pytest.raises(ConfigError, match=f"{what}.*--overwrite"):
@@ -58,7 +58,7 @@ def test_not_an_index_names_the_folder(tmp_path):
 
 def test_update_segments_and_wipe(tmp_path):
     built = build_index(tmp_path, n_units=3, chunks=20, commit_every=25)
-    m = built.store.update_segments(corpus="fp")
+    m = built.store.update_shards(corpus="fp")
     assert sum(s["count"] for s in m.segments) == 60 and m.corpus == "fp"
     (built.store.folder / "mine.txt").write_text("keep")
     built.store.wipe()
@@ -102,13 +102,13 @@ def test_present_ids_and_reconcile_complete(tmp_path):
 def test_reconcile_finds_missing_duplicate_and_stray_vectors(tmp_path):
     built = build_index(tmp_path, n_units=5, chunks=10)
     store, nos = built.store, list(built.unit_nos.values())
-    seg = store.segments_dir
+    seg = store.shards_dir
     extra = [(vector_ids(nos[1], [3]), "dup"), (vector_ids(nos[2], [10]), "wrongchunk"),
              (vector_ids(999, [0]), "stray")]
     for ids, name in extra:
         index = faiss.IndexIDMap(faiss.IndexFlatIP(DIM))
         index.add_with_ids(unit_vectors(len(ids)), ids)
-        write_segment(seg / f"seg-{name}-w0-00000.faiss", index, ids)
+        write_shard(seg / f"seg-{name}-w0-00000.faiss", index, ids)
     store.upsert_units([{"key": "doc0.txt", "n_chunks": 11}])  # one chunk never committed
     expected = {u.unit_no: u.n_chunks for u in store.units().values()}
     assert store.reconcile(expected) == {nos[0], nos[1], nos[2], 999}
@@ -118,18 +118,18 @@ def test_reconcile_finds_missing_duplicate_and_stray_vectors(tmp_path):
 def test_clean_garbage_removes_tmp_and_orphans_only(tmp_path):
     built = build_index(tmp_path, n_units=2, chunks=20, commit_every=15)
     store = built.store
-    before = [s.name for s in store.segments()]
-    seg = store.segments_dir
+    before = [s.name for s in store.shards()]
+    seg = store.shards_dir
     (seg / ".seg-x-w0-00000.faiss.tmp-999").write_bytes(b"half a segment")
     (seg / ".seg-x-w0-00000.ids.npy.tmp-999").write_bytes(b"half")
     np.save(seg / "seg-y-w0-00000.ids.npy", np.arange(3))  # sidecar whose .faiss never came
     (store.folder / ".manifest.json.tmp-1").write_bytes(b"{")
-    assert [s.name for s in store.segments()] == before  # garbage is invisible
+    assert [s.name for s in store.shards()] == before  # garbage is invisible
     assert store.reconcile() == set()
     assert sorted(store.clean_garbage()) == sorted([
         ".seg-x-w0-00000.faiss.tmp-999", ".seg-x-w0-00000.ids.npy.tmp-999",
         "seg-y-w0-00000.ids.npy", ".manifest.json.tmp-1"])
-    assert [s.name for s in store.segments()] == before and store.clean_garbage() == []
+    assert [s.name for s in store.shards()] == before and store.clean_garbage() == []
     assert all(sidecar_path(seg / n).exists() for n in before)
 
 
@@ -138,7 +138,7 @@ def test_remove_units_removes_exactly_their_ids(tmp_path, factory):
     built = build_index(tmp_path, n_units=6, chunks=20, factory=factory, commit_every=40)
     store, nos = built.store, list(built.unit_nos.values())
     gone = {nos[1], nos[4]}
-    segments_before = store.segments()
+    segments_before = store.shards()
     queries = unit_vectors(5, seed=7)
     with open_index(store.folder, params="nprobe=4" if "IVF" in factory else None) as before:
         raw_before = before.search_raw(queries, 200)
@@ -146,7 +146,7 @@ def test_remove_units_removes_exactly_their_ids(tmp_path, factory):
     keep = ~np.isin(built.ids >> 32, list(gone))
     np.testing.assert_array_equal(all_ids(store), np.sort(built.ids[keep]))
     assert store.reconcile({n: 20 for n in nos if n not in gone}) == set()
-    assert len(store.segments()) <= len(segments_before)
+    assert len(store.shards()) <= len(segments_before)
     assert not store.journal_path.exists() and store.clean_garbage() == []
     params = {"IVF4,Flat": "nprobe=4", "IVF4,PQ4x4": "nprobe=4", "HNSW8": "efSearch=256"}.get(factory)
     with open_index(store.folder, params=params) as index:
@@ -165,15 +165,15 @@ def test_remove_units_removes_exactly_their_ids(tmp_path, factory):
 
 def test_remove_units_of_absent_units_does_nothing(tmp_path):
     built = build_index(tmp_path, n_units=2, chunks=5)
-    names = [s.name for s in built.store.segments()]
+    names = [s.name for s in built.store.shards()]
     assert built.store.remove_units([12345]) == 0
-    assert [s.name for s in built.store.segments()] == names
+    assert [s.name for s in built.store.shards()] == names
 
 
 def test_crash_after_new_segments_rolls_forward(tmp_path, monkeypatch):
     built = build_index(tmp_path, n_units=4, chunks=20, commit_every=30)
     store, nos = built.store, list(built.unit_nos.values())
-    monkeypatch.setattr(IndexStore, "_delete_segment", staticmethod(lambda path: 1 / 0))
+    monkeypatch.setattr(IndexStore, "_delete_shard", staticmethod(lambda path: 1 / 0))
     with pytest.raises(ZeroDivisionError):
         store.remove_units([nos[0]])
     monkeypatch.undo()
@@ -184,21 +184,21 @@ def test_crash_after_new_segments_rolls_forward(tmp_path, monkeypatch):
     store.clean_garbage()
     assert not store.journal_path.exists()
     np.testing.assert_array_equal(np.sort(np.concatenate(
-        [np.load(p) for p in store.segments_dir.glob("*.ids.npy")])), keep)
+        [np.load(p) for p in store.shards_dir.glob("*.ids.npy")])), keep)
 
 
 def test_crash_while_writing_new_segments_keeps_each_id_once(tmp_path, monkeypatch):
     built = build_index(tmp_path, n_units=4, chunks=20, commit_every=30, workers=1)
     store, nos = built.store, list(built.unit_nos.values())
     calls = []
-    real = store_mod.write_segment
+    real = store_mod.write_shard
 
     def crash_on_second(path, index, ids):
         calls.append(path)
         if len(calls) == 2:
             raise OSError("disk gone")
         real(path, index, ids)
-    monkeypatch.setattr(store_mod, "write_segment", crash_on_second)
+    monkeypatch.setattr(store_mod, "write_shard", crash_on_second)
     with pytest.raises(OSError):  # segments: [u0, u1 half], [u1 half, u2], [u3]
         store.remove_units([nos[1], nos[3]])
     monkeypatch.undo()
@@ -242,13 +242,13 @@ def test_a_forged_journal_is_an_error_and_nothing_it_names_is_touched(tmp_path, 
     store = built.store
     victim = tmp_path / "victim.txt"
     victim.write_text("not yours")
-    names = sorted(p.name for p in store.segments_dir.iterdir())
+    names = sorted(p.name for p in store.shards_dir.iterdir())
     store.journal_path.write_text(journal if isinstance(journal, str) else json.dumps(journal))
-    for call in (store.segments, store.clean_garbage, lambda: store.remove_units([1]), store.reconcile):
+    for call in (store.shards, store.clean_garbage, lambda: store.remove_units([1]), store.reconcile):
         with pytest.raises(ConfigError, match="replacing.json.*not a removal journal.*delete it"):
             call()
     assert victim.read_text() == "not yours"
-    assert sorted(p.name for p in store.segments_dir.iterdir()) == sorted(names + ["replacing.json"])
+    assert sorted(p.name for p in store.shards_dir.iterdir()) == sorted(names + ["replacing.json"])
     store.journal_path.unlink()  # as the error says
     assert store.reconcile() == set() and store.clean_garbage() == []
 
@@ -290,12 +290,12 @@ def test_links_in_place_of_the_metadata_or_the_segments_folder_are_refused(tmp_p
             kept.rename(moved)
     assert other.read_bytes() == b""
     elsewhere = tmp_path / "elsewhere"
-    store.segments_dir.rename(elsewhere)
-    store.segments_dir.symlink_to(elsewhere)
+    store.shards_dir.rename(elsewhere)
+    store.shards_dir.symlink_to(elsewhere)
     with pytest.raises(ConfigError, match="segments' .*is a symbolic link"):
         store.create_or_open(manifest())
     store.wipe()  # removes the link, not what it points to
-    assert not store.segments_dir.exists() and len(list(elsewhere.iterdir())) == 2
+    assert not store.shards_dir.exists() and len(list(elsewhere.iterdir())) == 2
 
 
 def test_a_reader_creates_nothing_and_damaged_metadata_is_a_clear_error(tmp_path):

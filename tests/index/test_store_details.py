@@ -45,7 +45,7 @@ def test_overwrite_of_a_folder_without_segments_and_with_sqlite_side_files(tmp_p
 def test_an_index_with_no_segments_reconciles_to_nothing(tmp_path):
     store = IndexStore(tmp_path)
     store.create_or_open(Manifest(model={"name": "m"}, dim=DIM))
-    assert store.segments() == [] and store.reconcile() == set() and store.reconcile({}) == set()
+    assert store.shards() == [] and store.reconcile() == set() and store.reconcile({}) == set()
     store.close()
 
 
@@ -70,7 +70,7 @@ def test_remove_units_from_other_index_kinds(tmp_path, factory, params):
     built = build_index(tmp_path, n_units=3, chunks=8, factory=factory, commit_every=100, workers=1)
     store = built.store
     if factory == "IVF16,Flat":
-        (seg,) = store.segments()
+        (seg,) = store.shards()
         segment = faiss.read_index(str(seg.path))  # kept: the IVF below is part of it
         ivf = faiss.extract_index_ivf(segment)
         sizes = [ivf.invlists.list_size(i) for i in range(ivf.nlist)]

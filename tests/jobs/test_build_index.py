@@ -50,7 +50,7 @@ FAST = dict(num_workers=0, num_consumers=2, batch_size=8)
 
 def all_ids(out: Path) -> np.ndarray:
     with IndexStore(out) as store:
-        segs = store.segments()
+        segs = store.shards()
         return np.concatenate([s.ids() for s in segs]) if segs else np.empty(0, np.int64)
 
 
@@ -86,7 +86,7 @@ def test_vectors_equal_sentence_transformers(tmp_path):
     build_index(corpus, out=str(out), **FAST)
     with IndexStore(out) as store:
         vecs, ids = [], []
-        for seg in store.segments():
+        for seg in store.shards():
             idx = faiss.read_index(str(seg.path))
             vecs.append(idx.index.reconstruct_n(0, idx.ntotal))
             ids.append(faiss.vector_to_array(idx.id_map))
@@ -200,7 +200,7 @@ def test_gpu_build_equals_cpu_build(tmp_path):
             assert 0.0 <= s["engine"]["gpu_idle_fraction"] <= 1.0
         with IndexStore(out) as store:
             vecs = {}
-            for seg in store.segments():
+            for seg in store.shards():
                 idx = faiss.read_index(str(seg.path))
                 for i, v in zip(faiss.vector_to_array(idx.id_map), idx.index.reconstruct_n(0, idx.ntotal)):
                     vecs[int(i)] = v

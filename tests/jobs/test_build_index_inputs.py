@@ -177,7 +177,7 @@ def test_decompression_bombs_build_in_bounded_memory_and_rebuild(tmp_path):
     assert peak < base_peak + 256 * 2**20, (peak, base_peak)  # read whole: about +350 MiB
     with IndexStore(out) as store:
         units = store.units()
-        ids = [int(i) for s in store.segments() for i in s.ids()]
+        ids = [int(i) for s in store.shards() for i in s.ids()]
         rows = store.chunks(ids)
     assert {k: u.status for k, u in units.items()} == dict.fromkeys(
         ["aaaa.txt.gz", "bomb.txt.gz", "note.txt"], "done")

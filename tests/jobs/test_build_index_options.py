@@ -1,6 +1,6 @@
 """build-index options that change what a run does, each checked by its effect: --overwrite,
 --metric l2 (against brute force), --text-field/--id-field, --sort-window, --num-slots,
---no-cuda-graphs, --timeline, the --json phases and main_loop, and memory against the
+--no-cuda-graphs, --timeline, the --json phases and timing, and memory against the
 corpus size."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def vectors_by_id(out: Path) -> dict[int, np.ndarray]:
     """Every stored vector by id, read from the committed segments."""
     found = {}
     with IndexStore(out) as store:
-        for seg in store.segments():
+        for seg in store.shards():
             index = faiss.read_index(str(seg.path))
             for i, v in zip(faiss.vector_to_array(index.id_map).tolist(),
                             index.index.reconstruct_n(0, index.ntotal)):
@@ -192,27 +192,28 @@ def test_timeline_draws_the_run(tmp_path):
     assert len(img.getcolors(maxcolors=1 << 16)) > 5
 
 
-def test_json_phases_and_main_loop_add_up(tmp_path):
+def test_json_phases_and_timing_add_up(tmp_path):
     corpus = make_corpus(tmp_path / "corpus")
     r = CliRunner().invoke(main, ["build-index", str(corpus), "--out", str(tmp_path / "idx"),
                                   "--num-workers", "1", "--batch-size", "4", "--json"])
     assert r.exit_code == 0, r.output
     s = json.loads(r.stdout)
-    phases, loop = s["phases"], s["main_loop"]
+    phases, loop = s["phases"], s["timing"]
     assert set(phases) == {"load_model_s", "plan_s", "train_s", "encode_s", "finish_s"}
     assert all(v >= 0 for v in phases.values())
     assert sum(phases.values()) == pytest.approx(s["seconds"], abs=0.003 * len(phases))
-    parts = ("start_s", "first_batch_s", "input_wait_s", "encode_submit_s", "metadata_s", "close_s")
+    parts = ("start_s", "first_batch_s", "input_wait_s", "first_forward_s", "forward_submit_s", "metadata_s",
+             "close_s")
     assert set(loop) == set(parts) | {"metadata_blocked_s", "metadata_write_s"}
     spent = sum(loop[k] for k in parts)
     # the main loop is the encode phase but for setting up the loader, sinks and engine objects
     assert 0.8 * phases["encode_s"] <= spent <= phases["encode_s"] + 0.003 * len(parts), (spent, phases)
-    assert loop["first_batch_s"] > 0 and loop["encode_submit_s"] > 0 and loop["close_s"] > 0
+    assert loop["first_batch_s"] > 0 and loop["forward_submit_s"] > 0 and loop["close_s"] > 0
     # an unchanged re-run encodes nothing: no main loop
     r = CliRunner().invoke(main, ["build-index", str(corpus), "--out", str(tmp_path / "idx"),
                                   "--num-workers", "1", "--json"])
     again = json.loads(r.stdout)
-    assert again["main_loop"] is None and again["phases"]["encode_s"] < phases["encode_s"]
+    assert again["timing"] is None and again["phases"]["encode_s"] < phases["encode_s"]
 
 
 MEMORY_PROBE = textwrap.dedent("""

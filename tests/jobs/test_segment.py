@@ -22,11 +22,11 @@ from torchvision.transforms.functional import pil_to_tensor
 from embedingest.config import load_config
 from embedingest.errors import ConfigError
 from embedingest.jobs.segment import SegmentConfig, list_inputs, segment, segment_images
-from embedingest.jobs.segment_cli import segment_command
+from embedingest.cli.segment import segment_command
 from embedingest.report import SkipReport
 from embedingest.sinks.masks import output_paths
 from embedingest.sources.image_decode import open_rgb
-from embedingest.stages.segmentation import ARCHITECTURES
+from embedingest.stages.segmentation import ARCHITECTURES, Segmenter
 
 SMALL = "deeplabv3_mobilenet_v3_large"
 
@@ -126,11 +126,11 @@ def test_segment_folder_end_to_end(tree, tmp_path, weights, reference, no_leaks)
     assert set(report) == set(bad) and all(e["stage"] == "read" for e in report.values())
     for rel, kind in bad.items():
         assert report[rel]["reason"].startswith(f"{kind}: "), (rel, report[rel]["reason"])
-    assert sum(summary["skip_reasons"].values()) == len(bad)
+    assert sum(summary["skipped_by_reason"].values()) == len(bad)
     assert not hidden_files(out), "temporary files left behind"
 
 
-def test_masks_are_torchvisions_pipeline_for_every_aspect_ratio(tmp_path, weights):
+def test_masks_are_torchvisions_pipeline_for_every_aspect_ratio(tmp_path, weights, monkeypatch):
     """Real photographs of nine sizes and aspect ratios, PNG and JPEG: every mask equals,
     pixel for pixel, torchvision's pipeline run on each image alone (its decoder,
     ``weights.transforms()``, the model, the logits scaled to the image's size, argmax).
@@ -139,9 +139,18 @@ def test_masks_are_torchvisions_pipeline_for_every_aspect_ratio(tmp_path, weight
     (``--resize fit``) on the same images is far off, so the comparison can fail."""
     images, out = tmp_path / "photos", tmp_path / "out"
     sizes = photo_set(images)
+    calls = []
+    logits = Segmenter.logits
+    monkeypatch.setattr(Segmenter, "logits", lambda self, x, once=False: (
+        calls.append((tuple(x.shape), once)), logits(self, x, once))[1])
     summary = segment(config(images, out, weights, batch_size=4), progress=False)
     assert summary["written"] == len(sizes) and summary["resize"] == "short"
     shapes = summary["batch_shapes"]
+    # the shapes of one short batch and no other are run once (no cuDNN set-up on a GPU)
+    assert sorted((n, h, w) for (n, _, h, w), once in calls if once) == sorted(
+        (n, h, w) for n, h, w, k in shapes if n < 4 and k == 1
+        and sum(kk for _, hh, ww, kk in shapes if (hh, ww) == (h, w)) == 1)
+    assert any(once for _, once in calls) and not all(once for _, once in calls)
     # 90x60, 45x30, 120x80, 330x220 (resized in its worker) make one batch; 60x90 and 50x75 another
     assert [4, SIZE, 96, 1] in shapes and [2, 96, SIZE, 1] in shapes, shapes
     assert len(shapes) == 5 and sum(n * k for n, _, _, k in shapes) == len(sizes)
@@ -409,7 +418,7 @@ def test_max_pixels_skips_images_over_the_option_under_pillows_limit(tmp_path, s
     [entry] = [json.loads(line) for line in (tmp_path / "out" / "skipped.jsonl").read_text().splitlines()]
     assert entry["path"].endswith("big.png")
     assert entry["reason"].startswith("too large: 50x60 = 3000 pixels is over max_pixels=2000")
-    assert summary["skip_reasons"] == {"too large": 1}
+    assert summary["skipped_by_reason"] == {"too large": 1}
     again = segment(config(images, tmp_path / "out", small, max_pixels=0), progress=False)
     assert again["written"] == 1 and again["already_done"] == 1 and again["skipped"] == 0
 

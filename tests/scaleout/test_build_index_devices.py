@@ -48,7 +48,7 @@ def make_corpus(root: Path) -> Path:
 def vectors_by_id(out: Path) -> dict[int, np.ndarray]:
     with IndexStore(out) as store:
         found = {}
-        for seg in store.segments():
+        for seg in store.shards():
             index = faiss.read_index(str(seg.path))
             ids = faiss.vector_to_array(index.id_map)
             for i, v in zip(ids.tolist(), index.index.reconstruct_n(0, index.ntotal)):
@@ -87,7 +87,7 @@ def test_two_cpu_devices_build_the_single_process_index(tmp_path, no_leaks):
         units_one = {k: (u.unit_no, u.n_chunks, u.status) for k, u in store.units().items()}
     with IndexStore(two) as store:
         units_two = {k: (u.unit_no, u.n_chunks, u.status) for k, u in store.units().items()}
-        listed = [(s.name, s.count) for s in store.segments()]
+        listed = [(s.name, s.count) for s in store.shards()]
     assert units_two == units_one
 
     manifest = json.loads((two / "manifest.json").read_text())
@@ -137,7 +137,7 @@ def test_ctrl_c_stops_all_devices_and_the_same_command_resumes(tmp_path, no_leak
     assert "run the same command again to resume" in err
     manifest = json.loads((out / "manifest.json").read_text())
     with IndexStore(out) as store:
-        assert [s["name"] for s in manifest["segments"]] == [s.name for s in store.segments()]
+        assert [s["name"] for s in manifest["segments"]] == [s.name for s in store.shards()]
 
     s = build_index(corpus, out=str(out), devices="cpu,cpu", num_workers=0, batch_size=4)
     assert s["units_indexed"] + s["units_unchanged"] == 12 and s["exit_code"] == 0
@@ -145,14 +145,14 @@ def test_ctrl_c_stops_all_devices_and_the_same_command_resumes(tmp_path, no_leak
         assert store.reconcile() == set()
         units = store.units()
         assert all(u.status == "done" for u in units.values())
-        ids = np.concatenate([seg.ids() for seg in store.segments()])
+        ids = np.concatenate([seg.ids() for seg in store.shards()])
     assert len(ids) == len(set(ids.tolist())) == sum(u.n_chunks for u in units.values()) == 96
     assert len(chunk_rows(out, ids.tolist())) == 96
 
 
 FORKED_BUILD = """
 import json, sys
-import embedingest.scaleout.multi_device as md
+import embedingest.jobs.build_index.devices as md
 md.start_method = lambda devices: "fork"
 from embedingest import build_index
 s = build_index(sys.argv[1], out=sys.argv[2], devices="cpu,cpu", **json.loads(sys.argv[3]))

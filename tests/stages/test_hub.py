@@ -16,8 +16,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from model_fixtures import BUNDLED, REVISION, hub_cache  # noqa: E402
 
 from embedingest.errors import ConfigError  # noqa: E402
-from embedingest.stages.encoder import BUNDLED_NAME, TextEncoder, resolve_model  # noqa: E402
+from embedingest.stages.encoder import TextEncoder  # noqa: E402
 from embedingest.stages.hub import cache_folder, is_hub_id  # noqa: E402
+from embedingest.stages.model_folder import BUNDLED_NAME, resolve_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -19,8 +19,9 @@ from embedingest.cli import main  # noqa: E402
 from embedingest.errors import ConfigError  # noqa: E402
 from embedingest.index.store import IndexStore  # noqa: E402
 from embedingest.sources.text_dataset import TextChunkDataset, Unit  # noqa: E402
-from embedingest.stages.encoder import TextEncoder, load_tokenizer  # noqa: E402
+from embedingest.stages.encoder import TextEncoder  # noqa: E402
 from embedingest.stages.prompts import Prompts, chunk_prompt, with_prompt  # noqa: E402
+from embedingest.stages.tokenizer import load_tokenizer  # noqa: E402
 
 sentence_transformers = pytest.importorskip("sentence_transformers")
 
@@ -49,7 +50,7 @@ def stored_vectors(out) -> tuple[np.ndarray, list[str], list[tuple]]:
     """Every vector of the index with its chunk's text and (record, span)."""
     with IndexStore(out) as store:
         vecs, ids = [], []
-        for seg in store.segments():
+        for seg in store.shards():
             index = faiss.read_index(str(seg.path))
             vecs.append(index.index.reconstruct_n(0, index.ntotal))
             ids.append(faiss.vector_to_array(index.id_map))
@@ -121,7 +122,7 @@ def test_chunks_get_the_prompt_tokens_and_keep_their_spans():
 
 
 def _bundled():
-    from embedingest.stages.encoder import resolve_model
+    from embedingest.stages.model_folder import resolve_model
 
     return resolve_model(None)[0]
 

@@ -17,9 +17,9 @@ from torchvision.models.segmentation import (DeepLabV3_MobileNet_V3_Large_Weight
 
 from embedingest.errors import ConfigError
 from embedingest.sources.image_decode import ImageMeta
+from embedingest.stages.device import resolve_dtype
 from embedingest.stages.segmentation import (ARCHITECTURES, Segmenter, hub_checkpoint_path,
-                                             load_segmentation_model, resolve_dtype,
-                                             upsampled_argmax)
+                                             load_segmentation_model, upsampled_argmax)
 
 SMALL = "deeplabv3_mobilenet_v3_large"   # same head and loading path, a quarter of the bytes
 
@@ -322,3 +322,30 @@ def test_cuda_forward_channels_last(r50_weights, dtype):
     check_half_precision(got)
     if dtype == "fp32":  # TF32 convolutions aside, the same numbers
         assert got["agree"] > 0.99, got
+
+
+@pytest.mark.needs_cuda
+@pytest.mark.parametrize("dtype", ["fp16", "fp32"])
+def test_cuda_once_runs_without_cudnn_and_agrees(r50_weights, dtype, monkeypatch):
+    """A shape run only once skips cuDNN (its per-shape set-up costs more than it saves on
+    one small batch) and gives the CPU's masks as closely as the cuDNN path does."""
+    seg = Segmenter(load_segmentation_model(weights=str(r50_weights)), "cuda", dtype)
+    x = pixels(2).cuda()
+    enabled = []
+    convolution = torch.nn.functional.conv2d
+
+    def spy(*args, **kwargs):
+        enabled.append(torch.backends.cudnn.enabled)
+        return convolution(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "conv2d", spy)
+    once = seg.logits(x, once=True)
+    assert enabled and not any(enabled), "no convolution of a once-only shape on cuDNN"
+    enabled.clear()
+    usual = seg.logits(x)
+    assert enabled and all(enabled) and torch.backends.cudnn.enabled
+    cpu = Segmenter(load_segmentation_model(weights=str(r50_weights)), "cpu", "fp32").logits(x.cpu())
+    got, ref = _confident_agreement(once, cpu), _confident_agreement(usual, cpu)
+    print(dtype, got, ref)
+    assert got["agree"] >= ref["agree"] - 0.01, (got, ref)
+    check_half_precision(got)

@@ -22,7 +22,7 @@ Nothing happens unless one of these environment variables is set:
 
 ``EMBEDINGEST_FI_ENOSPC=N`` (with ``EMBEDINGEST_FI_COUNTER=FILE``)
     the disk is "full" after N output files: in consumer processes, FAISS segment commits
-    (``embedingest.sinks.faiss_shards.write_segment``) and mask writes (the
+    (``embedingest.sinks.faiss_shards.write_shard``) and mask writes (the
     ``atomic_write_bytes`` of ``embedingest.sinks.masks``) beyond the N-th, counted over
     all processes of the run through FILE, raise ``OSError(ENOSPC)``. A failing segment
     commit first writes its ids sidecar (as a real full disk mid-segment would leave it).
@@ -124,9 +124,9 @@ def _patch_faiss_shards(mod) -> None:
     if _DELAY:
         _slow_down(mod.FaissShardSink)
     if _ENOSPC:
-        write_segment = mod.write_segment
+        write_shard = mod.write_shard
 
-        def full_write_segment(path, index, ids, _write=write_segment):
+        def full_write_shard(path, index, ids, _write=write_shard):
             if _proc_kind() == "consumer" and _disk_full():
                 import numpy as np
 
@@ -134,18 +134,18 @@ def _patch_faiss_shards(mod) -> None:
                 raise _enospc(path.name)
             return _write(path, index, ids)
 
-        mod.write_segment = full_write_segment
+        mod.write_shard = full_write_shard
     if _COMMIT_DELAY:
-        write = mod.write_segment
+        write = mod.write_shard
 
-        def slow_write_segment(path, index, ids, _write=write):
+        def slow_write_shard(path, index, ids, _write=write):
             if _proc_kind() == "consumer":
                 import time
 
                 time.sleep(float(_COMMIT_DELAY))
             return _write(path, index, ids)
 
-        mod.write_segment = slow_write_segment
+        mod.write_shard = slow_write_shard
 
 
 def _patch_masks(mod) -> None:

@@ -1,5 +1,6 @@
 """build-index on several devices of one host: the encode step of
-:func:`~embedingest.jobs.build_index.build_index`, one process per device.
+:func:`~embedingest.jobs.build_index.build_index`, one process per device (the generic
+process handling is :mod:`embedingest.scaleout.procs`).
 
 The children start first and load the encoder, each on its device; the parent holds no
 model and never touches CUDA, so on a GPU host it can fork them (no interpreter start
@@ -8,7 +9,7 @@ manifest needs from the first child's encoder (:class:`EncoderOnDevices`), plans
 (removals done, units to index marked pending), has the first child train the index if
 its factory needs it, then gives each child a share of the units, balanced by bytes.
 Each runs the single-device encode step unchanged: its own DataLoader, egress engine and
-consumers, segments under its own run id.
+consumers, shards under its own run id.
 
 Chunk rows go straight from each child into the one ``metadata.sqlite``. SQLite in WAL
 mode lets one writer at a time commit while the others wait on the busy timeout; each
@@ -17,7 +18,7 @@ second, so the waits are short, and a unit is
 still marked done in the same transaction order as on one device. That keeps resume
 exactly as fine-grained as a single-device run, which a merge of per-child databases at
 the end would lose (a crash before the merge would redo every unit), and it needs no
-merge step. The parent writes the one manifest afterwards, from the folder's segments.
+merge step. The parent writes the one manifest afterwards, from the folder's shards.
 """
 
 from __future__ import annotations
@@ -27,57 +28,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import IndexConfig
-from ..engine.telemetry import EngineStats
-from ..report import SkipReport
-from ..sinks.faiss_shards import new_run_id
-from ..sources.text_dataset import Unit
-from .devices import child_env, share_of_cpus, split_by_size, usable_cpus
-from .procs import BatchedProgress, DeviceJob, DeviceProcesses, start_method
-
-
-@dataclass
-class MultiDeviceStats:
-    """The engine stats of every device process, shaped like one ``EngineStats`` for the
-    caller: ``records`` and ``spans`` are the first device's (for the timeline)."""
-
-    devices: list[str]
-    per_device: list[EngineStats]
-    timing: list[dict] = dataclasses.field(default_factory=list)  # each child's start-up and work
-
-    @property
-    def records(self):
-        return self.per_device[0].records
-
-    @property
-    def spans(self):
-        return self.per_device[0].spans
-
-    def summary(self) -> dict:
-        parts = [s.summary() | {"device": d} for d, s in zip(self.devices, self.per_device)]
-        for part, timing in zip(parts, self.timing):
-            part["timing"] = timing
-        total_bytes = sum(p["bytes"] for p in parts)
-        wall = max(p["wall_seconds"] for p in parts)
-
-        def mean(key):
-            values = [p[key] for p in parts if p[key] is not None]
-            return sum(values) / len(values) if values else None
-
-        return {
-            "device": ",".join(self.devices), "batches": sum(p["batches"] for p in parts),
-            "bytes": total_bytes, "wall_seconds": wall,
-            "batches_per_second": sum(p["batches"] for p in parts) / wall if wall else 0.0,
-            "bytes_per_second": total_bytes / wall if wall else 0.0,
-            "copy_gbps": (sum(p["copy_gbps"] * p["bytes"] for p in parts) / total_bytes
-                          if total_bytes else 0.0),
-            "producer_blocked_seconds": sum(p["producer_blocked_seconds"] for p in parts),
-            "gpu_idle_fraction": mean("gpu_idle_fraction"),
-            "compute_gap_fraction": mean("compute_gap_fraction"),
-            "pinned": all(p["pinned"] for p in parts),
-            "num_consumers": sum(p["num_consumers"] for p in parts),
-            "per_device": parts,
-        }
+from ...config import IndexConfig
+from ...index.store import IndexStore
+from ...report import SkipReport
+from ...scaleout.devices import child_env, share_of_cpus, split_by_size, usable_cpus
+from ...scaleout.procs import BatchedProgress, DeviceJob, DeviceProcesses, start_method
+from ...scaleout.stats import MultiDeviceStats
+from ...sinks.faiss_shards import new_run_id
+from ...sources.text_dataset import Unit
+from .encode import encode_units, train_if_needed
 
 
 @dataclass
@@ -111,7 +70,7 @@ def start_device_processes(devices: list[str], cfg: IndexConfig, dtype: str) -> 
     if method == "fork":
         # Once here, for the children to share: it is the bulk of loading an encoder, and
         # children importing it at once contend for the same cores and files.
-        from ..stages.encoder import import_model_code
+        from ...stages.encoder import import_model_code
 
         import_model_code(cfg.model)
     jobs = []
@@ -176,7 +135,7 @@ def _load_encoder(device: str, dtype: str, model: str | None, cuda_graphs: bool,
     t_begin = time.time()
     import torch
 
-    from ..stages.encoder import TextEncoder
+    from ...stages.encoder import TextEncoder
 
     if device == "cpu":
         torch.set_num_threads(threads)
@@ -184,26 +143,20 @@ def _load_encoder(device: str, dtype: str, model: str | None, cuda_graphs: bool,
     encoder = TextEncoder.load(model, device=device, dtype=dtype, cuda_graphs=cuda_graphs)
     t_ready = time.time()
     timing = {"start_method": start_method, "process_start_s": t_begin - started_at,
-              "imports_s": t_import - t_begin, "model_load_s": t_ready - t_import, "ready_at": t_ready}
+              "imports_s": t_import - t_begin, "load_model_s": t_ready - t_import, "ready_at": t_ready}
     return (encoder, timing), encoder.info()
 
 
 def _train_part(prepared, out: str, manifest, units: list[Unit], cfg: IndexConfig, chunk_tokens: int,
                 report_progress) -> str | None:
-    from ..index.store import IndexStore
-    from ..jobs.build_index import _train_if_needed
-
     encoder, _ = prepared
     with IndexStore(out) as store:
-        return _train_if_needed(store, manifest, encoder, units, cfg, chunk_tokens)
+        return train_if_needed(store, manifest, encoder, units, cfg, chunk_tokens)
 
 
 def _encode_part(prepared, units: list[Unit], cfg: IndexConfig, out: str, chunk_tokens: int,
                  trained: str | None, run_id: str, report_progress) -> dict:
     """The child: the single-device encode step on this process's share of the units."""
-    from ..index.store import IndexStore
-    from ..jobs.build_index import _encode_all
-
     encoder, timing = prepared
     t_model = time.time()
     # How long the loaded encoder waited for the parent's plan (start-up hidden by it).
@@ -213,12 +166,45 @@ def _encode_part(prepared, units: list[Unit], cfg: IndexConfig, out: str, chunk_
     progress = BatchedProgress(report_progress)
     store = IndexStore(out)  # its rows go through MetadataWriter's own connection (busy timeout)
     try:
-        main_loop: dict = {}
-        stats = _encode_all(units, encoder, store, report, cfg, Path(out), str(encoder.device), chunk_tokens,
-                            trained, counts, False, run_id=run_id, on_item=progress.add, timing=main_loop)
+        loop_timing: dict = {}
+        stats = encode_units(units, encoder, store, report, cfg, Path(out), str(encoder.device), chunk_tokens,
+                            trained, counts, False, run_id=run_id, on_item=progress.add, timing=loop_timing)
     finally:
         store.close()
     progress.flush()
-    timing.update(encode_s=time.time() - t_model, engine_wall_s=stats.wall_seconds, **main_loop)
+    timing.update(encode_s=time.time() - t_model, engine_wall_s=stats.wall_seconds, **loop_timing)
     return {"counts": counts, "stats": stats, "skipped": report.entries,
             "timing": {k: round(v, 3) if isinstance(v, float) else v for k, v in timing.items()}}
+
+
+class SeveralDevices:
+    """Where build-index runs on several devices of one host: one process per device,
+    started at once (:func:`start_device_processes`), with the interface of
+    :class:`~.encode.OneDevice`."""
+
+    def __init__(self, devices: list[str], cfg: IndexConfig, dtype: str):
+        self.devices = devices
+        self.device = devices[0]  # the one whose timeline is drawn
+        self.name = ",".join(devices)
+        self.procs = start_device_processes(devices, cfg, dtype)
+
+    def load_encoder(self, cfg: IndexConfig) -> EncoderOnDevices:
+        return encoder_on_devices(self.procs)
+
+    def train(self, store: IndexStore, manifest, encoder, units: list[Unit], cfg: IndexConfig,
+              chunk_tokens: int) -> str | None:
+        return train_on_device(self.procs, store.folder, manifest, units, cfg, chunk_tokens)
+
+    def encode(self, units: list[Unit], sizes: list[int], encoder, store: IndexStore,
+               report: SkipReport, cfg: IndexConfig, chunk_tokens: int, trained: str | None,
+               counts: dict, progress: bool, timing: dict) -> MultiDeviceStats:
+        """``timing`` stays empty: each device's is in its part of the engine summary."""
+        return encode_on_devices(self.procs, units, sizes, cfg, store.folder, chunk_tokens, trained,
+                                 counts, report, progress)
+
+    def engines(self, stats: MultiDeviceStats) -> list:
+        """(device, engine stats) pairs, for the trace."""
+        return list(zip(stats.devices, stats.per_device))
+
+    def close(self) -> None:
+        self.procs.close()

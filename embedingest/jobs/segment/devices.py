@@ -1,5 +1,5 @@
 """segment on several devices of one host: one process per device, each running the
-single-device job on its share of the images.
+single-device job (:func:`~.run.segment_on_device`) on its share of the images.
 
 The parent lists the images (resume included) once and splits the ones still to do by
 bytes. It never touches CUDA, so GPU processes are forked where that is safe (no
@@ -15,9 +15,11 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from ..report import SkipReport
-from .devices import child_env, split_by_size
-from .procs import BatchedProgress, DeviceJob, DeviceProcesses, start_method
+from ...report import SkipReport
+from ...scaleout.devices import child_env, split_by_size
+from ...scaleout.procs import BatchedProgress, DeviceJob, DeviceProcesses, start_method
+from ...stages.device import resolve_device
+from .run import segment_on_device
 
 
 def segment_on_devices(devices: list[str], config, todo: list[tuple[str, str]],
@@ -60,12 +62,9 @@ def segment_on_devices(devices: list[str], config, todo: list[tuple[str, str]],
 def _segment_part(device: str, config, todo: list[tuple[str, str]], processes: int, method: str,
                   report_progress) -> dict:
     """The child: the single-device segment step on this process's images."""
-    from ..jobs.segment import run_on_device
-    from ..stages.device import resolve_device
-
     report = SkipReport()
     progress = BatchedProgress(report_progress)
-    summary = run_on_device(config, resolve_device(device), todo, report, on_images=progress.add,
+    summary = segment_on_device(config, resolve_device(device), todo, report, on_images=progress.add,
                             processes=processes)
     progress.flush()
     summary["timing"] = {"start_method": method} | summary["timing"]

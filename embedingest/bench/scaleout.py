@@ -12,8 +12,8 @@ folder: ``rate`` divides the inputs by the command's wall time (interpreter star
 imports included); ``call_rate`` by the job's own ``seconds``; ``steady_rate`` by the
 engine's wall time (the slowest device's, for several), which leaves start-up out.
 
-    python -m embedingest.scaleout.bench --docs 500000 --json scaleout.json
-    python -m embedingest.scaleout.bench --job segment --images 8192 --json seg.json
+    python -m embedingest.bench.scaleout --docs 500000 --json scaleout.json
+    python -m embedingest.bench.scaleout --job segment --images 8192 --json seg.json
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..exit_codes import EXIT_OK, EXIT_SKIPPED
 
 
 @dataclass
@@ -50,7 +52,7 @@ class DevicesBenchConfig:
 
 def run(cfg: DevicesBenchConfig, log=print) -> dict:
     """Time both runs; return ``{"config", "machine", "rows", "speedup", ...}``."""
-    from ..bench.report import machine_info
+    from .report import machine_info
 
     if cfg.job not in ("build-index", "segment"):
         raise SystemExit(f"--job {cfg.job!r}: use build-index or segment")
@@ -71,7 +73,7 @@ def run(cfg: DevicesBenchConfig, log=print) -> dict:
             t0 = time.perf_counter()
             done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
             wall = time.perf_counter() - t0
-            if done.returncode not in (0, 3):  # 3: finished, some inputs skipped
+            if done.returncode not in (EXIT_OK, EXIT_SKIPPED):
                 raise RuntimeError(f"{' '.join(cmd)} exited with {done.returncode}")
             summary = json.loads(done.stdout[done.stdout.index("{"):])
             rows.append(_row(name, cfg.job, summary, wall))
@@ -91,7 +93,7 @@ def run(cfg: DevicesBenchConfig, log=print) -> dict:
 
 
 def _text_inputs(cfg: DevicesBenchConfig, work: Path) -> tuple[Path, list[str]]:
-    from ..bench.text import make_paragraphs, write_corpus
+    from .text import make_paragraphs, write_corpus
 
     corpus = write_corpus(make_paragraphs(cfg.docs, cfg.seed), work / "corpus", cfg.files)
     return corpus, ["--model", cfg.model] if cfg.model else []

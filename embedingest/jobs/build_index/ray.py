@@ -1,7 +1,9 @@
 """build-index over a Ray Dataset: records embedded by a pool of Ray actors, one GPU (or
 CPU) each, into one index folder that the CLI, ``open_index`` and later runs share.
 
-Three steps, which :func:`build_index_ray` runs in order (call them yourself to put
+Import it as ``embedingest.jobs.build_index.ray`` (``build_index_ray`` also as
+``from embedingest import build_index_ray``). Three steps, which :func:`build_index_ray`
+runs in order (call them yourself to put
 :class:`EmbedBatches` into a pipeline of your own):
 
 1. :func:`plan_ray_index` (driver): one cheap pass over the dataset computes each
@@ -13,27 +15,24 @@ Three steps, which :func:`build_index_ray` runs in order (call them yourself to 
    each actor loads the encoder on its GPU (or the CPU when Ray gave it none), and for
    every batch of records chunks and tokenizes the pending ones (in a thread, ahead of
    the GPU), encodes them, and sends the vectors through an egress engine whose
-   consumers write segments under the actor's own run id. The engine is closed at the
+   consumers write shards under the actor's own run id. The engine is closed at the
    end of each call, so when a call returns its vectors are committed; it returns the
    chunk metadata instead of writing it, so only the driver touches the SQLite file
-   (which must not be shared over a network file system; segments may be).
+   (which must not be shared over a network file system; shards may be).
 3. :meth:`RayIndexPlan.finish` (driver): writes the chunk rows and marks units done as
    results arrive, checks every vector against the metadata, writes one manifest.
 
 A run that stopped anywhere is finished by running it again, as with the CLI. The
-segments folder must be reachable by every actor (one host, or a shared file system).
+shards folder (segments/) must be reachable by every actor (one host, or a shared file system).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import hashlib
 import logging
 import os
-import queue
-import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -47,14 +46,22 @@ try:
     import ray.data
 except ImportError as exc:  # pragma: no cover - exercised only without ray
     raise ImportError(
-        "embedingest.scaleout.ray needs Ray Data, which is not installed: "
+        "embedingest.jobs.build_index.ray needs Ray Data, which is not installed: "
         "pip install 'embedingest[ray]' (or pip install 'ray[data]')") from exc
 
-from ..config import IndexConfig
-from ..errors import ConfigError
-from ..index.store import IndexStore, Manifest
-from ..report import REPORT_NAME, SkipReport
-from ..sinks.faiss_shards import new_run_id, parse_factory
+from ...config import IndexConfig
+from ...errors import ConfigError
+from ...exit_codes import exit_code
+from ...index.store import IndexStore, Manifest
+from ...report import REPORT_NAME, SkipReport
+from ...runner import run_batches
+from ...scaleout.ray_data import in_order
+from ...sinks.faiss_shards import new_run_id, parse_factory
+from ...stages.device import precision
+from ...stages.prefetch import thread_ahead
+from .encode import (chunk_batches, embed_steps, needs_training, shard_sinks, train_if_needed,
+                     vector_slots)
+from .plan import apply_plan, fingerprint, plan_units, search_defaults, settled_prompts
 
 log = logging.getLogger("embedingest")
 
@@ -78,9 +85,9 @@ class TodoMap:
     @classmethod
     def build(cls, mapping: Mapping[str, int]) -> TodoMap:
         digests = np.array([_digest(k) for k in mapping], dtype="S16")
-        nos = np.fromiter(mapping.values(), dtype=np.int64, count=len(mapping))
+        unit_nos = np.fromiter(mapping.values(), dtype=np.int64, count=len(mapping))
         order = np.argsort(digests)
-        return cls(digests[order], nos[order])
+        return cls(digests[order], unit_nos[order])
 
     def lookup(self, ids: list[str]) -> np.ndarray:
         """The unit number of each id, -1 for ids not to embed."""
@@ -116,50 +123,13 @@ def _hash_records(batch: dict, id_field: str, text_field: str) -> dict:
 @functools.lru_cache(maxsize=4)
 def _tokenizer(model_dir: str):
     """One tokenizer per actor process, not one per call."""
-    from ..stages.encoder import load_tokenizer
+    from ...stages.tokenizer import load_tokenizer
 
     return load_tokenizer(model_dir)
 
 
-def _ahead(items: Iterator, depth: int = 2) -> Iterator:
-    """Iterate ``items`` in a thread, ``depth`` items ahead, so tokenizing the next batch
-    overlaps encoding this one (the tokenizer and CUDA both release the GIL)."""
-    out: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-    end = object()
-
-    def put(value) -> bool:
-        while not stop.is_set():
-            try:
-                out.put(value, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def run() -> None:
-        try:
-            for item in items:
-                if not put(item):
-                    return
-            put(end)
-        except BaseException as exc:
-            put(exc)
-
-    thread = threading.Thread(target=run, name="embedingest-tokenize", daemon=True)
-    thread.start()
-    try:
-        while (value := out.get()) is not end:
-            if isinstance(value, BaseException):
-                raise value
-            yield value
-    finally:
-        stop.set()
-        thread.join()
-
-
 class EmbedBatches:
-    """The Ray Data callable class: embeds the pending records of each batch into segments.
+    """The Ray Data callable class: embeds the pending records of each batch into shards.
 
     Use it through ``map_batches(EmbedBatches, fn_constructor_kwargs=plan.actor_kwargs(),
     batch_format="numpy", concurrency=N, num_gpus=1)`` (or ``compute=ActorPoolStrategy``);
@@ -171,7 +141,7 @@ class EmbedBatches:
                  trained: str | None = None):
         import torch
 
-        from ..stages.encoder import TextEncoder
+        from ...stages.encoder import TextEncoder
 
         self.cfg = IndexConfig(**config)
         self.out, self.chunk_tokens, self.trained = out, chunk_tokens, trained
@@ -183,61 +153,37 @@ class EmbedBatches:
         self.calls = 0
 
     def __call__(self, batch: dict) -> pa.Table:
-        from ..sources.text_dataset import Unit
+        from ...sources.text_dataset import Unit
 
         cfg = self.cfg
         ids = [str(i) for i in batch[cfg.id_field]]
-        nos = self.todo.lookup(ids)
+        unit_nos = self.todo.lookup(ids)
         units = [Unit(int(no), f"record:{rid}", text=text, record_id=rid)
-                 for rid, text, no in zip(ids, batch[cfg.text_field], nos)
+                 for rid, text, no in zip(ids, batch[cfg.text_field], unit_nos)
                  if no >= 0 and isinstance(text, str)]
         if not units:
             return RESULT_SCHEMA.empty_table()
         return self._embed(units)
 
     def _embed(self, units: list) -> pa.Table:
-        import torch
-
-        from ..engine import EgressEngine
-        from ..sinks.faiss_shards import FaissShardSinkFactory
-        from ..sources.text_dataset import TextChunkDataset
-        from ..stages.prefetch import prefetch
-        from ..stages.prompts import chunk_prompt, with_prompt
-
-        cfg, enc, device = self.cfg, self.encoder, self.device
-        doc_prompt = enc.prompts.for_role("document", cfg.doc_prompt)
-        enc.check_prompt(doc_prompt)
-        prompt = chunk_prompt(enc.tokenizer, doc_prompt, self.chunk_tokens, cfg.overlap)
-        ds = TextChunkDataset(units, str(enc.model_dir), batch_size=cfg.batch_size,
-                              max_tokens=prompt.max_tokens, overlap=cfg.overlap,
-                              window=cfg.sort_window * cfg.batch_size, tokenizer_loader=_tokenizer,
-                              pad_multiple=16 if enc.device.type == "cuda" else 1)
-        sinks = FaissShardSinkFactory(self.out, enc.dim, cfg.index, cfg.metric,
-                                      run_id=f"{self.run_id}_{self.calls:05d}",
-                                      commit_every=cfg.commit_every, trained=self.trained)
+        cfg, enc = self.cfg, self.encoder
+        batches = chunk_batches(units, enc, cfg, self.chunk_tokens, tokenizer_loader=_tokenizer)
+        sinks = shard_sinks(self.out, enc.dim, cfg, f"{self.run_id}_{self.calls:05d}", self.trained)
         self.calls += 1
-        spec = {"emb": ((cfg.batch_size, enc.dim), "float32"), "ids": ((cfg.batch_size,), "int64")}
         chunks: dict[int, list[dict]] = {}
         done: dict[int, int] = {}
         skipped: list[tuple[str, str]] = []
 
-        def send(item):
-            if not len(item["ids"]):
-                return None
-            return (item["input_ids"].to(device, non_blocking=True),
-                    item["attention_mask"].to(device, non_blocking=True))
+        def keep(item) -> None:
+            """The chunk rows go back to the driver, which alone writes the metadata."""
+            for c in item["chunks"]:
+                chunks.setdefault(c["unit_no"], []).append(c)
+            done.update((int(u), int(n)) for u, n in item["units_done"])
 
-        with EgressEngine(sinks, num_consumers=cfg.num_consumers, num_slots=cfg.num_slots or None,
-                          device=device, slot_spec=spec) as engine, torch.inference_mode():
-            for batch_no, (item, moved) in enumerate(prefetch(_ahead(iter(with_prompt(ds, prompt))), send, device,
-                                                              engine.span)):
-                if moved is not None:
-                    engine.mark_compute_start()
-                    engine.submit(batch_no, {"emb": enc.forward(*moved), "ids": item["ids"]})
-                for c in item["chunks"]:
-                    chunks.setdefault(c["unit_no"], []).append(c)
-                done.update((int(u), int(n)) for u, n in item["units_done"])
-                skipped.extend(item["skipped"])
+        run_batches(sinks, thread_ahead(iter(batches)), embed_steps(enc, self.device, keep),
+                    device=self.device, slot_spec=vector_slots(cfg, enc.dim),
+                    num_consumers=cfg.num_consumers, num_slots=cfg.num_slots or None,
+                    on_skip=lambda where, reason: skipped.append((where, reason)))
         return _result_table(units, chunks, done, skipped)
 
 
@@ -285,8 +231,7 @@ class RayIndexPlan:
         and the skip report; return a summary like ``build_index``'s."""
         from tqdm import tqdm
 
-        from ..index.writer import MetadataWriter
-        from ..jobs.build_index import _fingerprint
+        from ...index.writer import MetadataWriter
 
         store, counts, report = self.store, self.counts, self.report
         bar = tqdm(total=self.pending, unit="record", disable=not progress, dynamic_ncols=True)
@@ -305,7 +250,7 @@ class RayIndexPlan:
             counts["units_incomplete"] = len(bad)
         finally:
             bar.close()
-            manifest = store.update_segments(corpus=_fingerprint(store), **self.settings)
+            manifest = store.update_shards(corpus=fingerprint(store), **self.settings)
             report.write(self.out)
             store.close()
         seconds = time.perf_counter() - self.started
@@ -318,7 +263,7 @@ class RayIndexPlan:
                    "skipped_earlier": report.earlier, "seconds": round(seconds, 3),
                    "docs_per_s": round(counts["docs"] / seconds, 1) if seconds else 0.0,
                    "chunks_per_s": round(counts["chunks"] / seconds, 1) if seconds else 0.0}
-        summary["exit_code"] = 3 if report.entries else 0
+        summary["exit_code"] = exit_code(len(report.entries))
         return summary
 
 
@@ -343,10 +288,9 @@ def plan_ray_index(dataset: ray.data.Dataset, out: str | os.PathLike,
     module docstring). ``num_gpus`` is what the actors will get: with GPUs the default
     precision is fp16, else fp32. ``device``, ``devices`` and ``num_workers`` do not
     apply here; Ray places the actors."""
-    from ..jobs.build_index import _search_defaults, _settled_prompts, _train_if_needed, plan_units
-    from ..sources.text_dataset import Unit
-    from ..stages.encoder import TextEncoder
-    from ..stages.prompts import Prompts
+    from ...sources.text_dataset import Unit
+    from ...stages.encoder import TextEncoder
+    from ...stages.prompts import Prompts
 
     cfg = dataclasses.replace(config or IndexConfig(), **overrides)
     cfg.validate()
@@ -358,7 +302,7 @@ def plan_ray_index(dataset: ray.data.Dataset, out: str | os.PathLike,
             raise ConfigError(f"the dataset has no column {field!r} ({option}); its columns are "
                               f"{', '.join(sorted(columns))}: set {option}, or add the column "
                               "(e.g. Dataset.add_column) since records are tracked by id")
-    dtype = cfg.dtype if cfg.dtype != "auto" else ("fp16" if num_gpus else "fp32")
+    dtype = precision(cfg.dtype, bool(num_gpus))
     cfg = cfg.for_device(bool(num_gpus))
     encoder = TextEncoder.load(cfg.model, device="cpu", dtype="fp32")
     chunk_tokens = min(cfg.chunk_tokens, encoder.max_seq_length)
@@ -374,25 +318,20 @@ def plan_ray_index(dataset: ray.data.Dataset, out: str | os.PathLike,
         manifest = store.create_or_open(
             Manifest(model=encoder.info() | {"dtype": dtype}, dim=encoder.dim, metric=cfg.metric,
                      factory=cfg.index, dtype=dtype, prompts=wanted), overwrite=cfg.overwrite)
-        settings = {"prompts": _settled_prompts(manifest, cfg, str(out)),
-                    "search": _search_defaults(manifest, cfg)}
+        settings = {"prompts": settled_prompts(manifest, cfg, str(out)),
+                    "search": search_defaults(manifest, cfg)}
         cfg = dataclasses.replace(cfg, doc_prompt=settings["prompts"]["document"])
         store.clean_garbage()
-        with _in_order(_hashed(dataset, cfg)) as hashed:
+        with in_order(_hashed(dataset, cfg)) as hashed:
             plan = plan_units(store, _candidates(hashed, cfg, report), report)
-        gone = plan.redo + plan.deleted
-        removed = store.remove_units(gone) if gone else 0
-        store.delete_units(plan.deleted)
-        store.delete_chunks(plan.redo)
-        nos = store.upsert_units([{k: c[k] for k in ("key", "size", "mtime_ns", "sha256")}
-                                  | {"status": "pending", "n_chunks": 0} for c in plan.todo])
-        todo = {c["record_id"]: nos[c["key"]] for c in plan.todo}
+        removed, unit_nos = apply_plan(store, plan)
+        todo = {c["record_id"]: unit_nos[c["key"]] for c in plan.todo}
         trained = None
         if todo:
             sample = ([Unit(todo[rid], f"record:{rid}", text=text, record_id=rid)
                        for rid, text in _sample(dataset, cfg, todo)]
-                      if _needs_training(store, cfg, encoder.dim) else [])
-            trained = _train_if_needed(store, manifest, encoder, sample, cfg, chunk_tokens)
+                      if needs_training(store, cfg, encoder.dim) else [])
+            trained = train_if_needed(store, manifest, encoder, sample, cfg, chunk_tokens)
     except BaseException:
         store.close()
         raise
@@ -401,19 +340,6 @@ def plan_ray_index(dataset: ray.data.Dataset, out: str | os.PathLike,
               "chunks": 0}
     return RayIndexPlan(out, cfg, dtype, chunk_tokens, trained, ray.put(TodoMap.build(todo)),
                         len(todo), encoder.info()["name"], counts, report, store, started, settings)
-
-
-@contextlib.contextmanager
-def _in_order(dataset: ray.data.Dataset):
-    """Run ``dataset`` with its output in input order (its context is shared with the
-    datasets it derives from, so the setting is put back afterwards)."""
-    options = dataset.context.execution_options
-    saved = options.preserve_order
-    options.preserve_order = True
-    try:
-        yield dataset
-    finally:
-        options.preserve_order = saved
 
 
 def _hashed(dataset: ray.data.Dataset, cfg: IndexConfig) -> ray.data.Dataset:
@@ -437,19 +363,6 @@ def _candidates(hashed: ray.data.Dataset, cfg: IndexConfig, report: SkipReport) 
             seen.add(rid)
             yield {"key": f"record:{rid}", "size": int(size), "mtime_ns": None, "sha256": sha,
                    "record_id": rid}
-
-
-def _needs_training(store: IndexStore, cfg: IndexConfig, dim: int) -> bool:
-    import faiss
-
-    from ..sinks.faiss_shards import metric_code
-
-    if store.trained_path.is_file():
-        return False
-    try:
-        return not faiss.index_factory(dim, cfg.index, metric_code(cfg.metric)).is_trained
-    except RuntimeError:
-        return False  # _train_if_needed names the bad factory
 
 
 def _sample(dataset: ray.data.Dataset, cfg: IndexConfig,

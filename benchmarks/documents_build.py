@@ -1,0 +1,162 @@
+"""build-index on real documents, as a new user runs it, against the encoder's forward
+alone on the same kind of chunks, side by side in one run.
+
+Documents: what the machine holds that nobody on the project wrote (manual pages, the
+docs of installed packages, the Python standard library's sources: see
+``tokenizer_corpus.py``), written as one ``.txt`` file each, from a few KB to MB.
+
+Rows:
+
+* ``build-index``: ``python -m embedingest build-index FOLDER --json`` in a fresh process
+  (interpreter, imports, model load, everything), its wall time and its own summary;
+* ``forward alone``: the encoder on the documents cut into windows of the job's chunk size
+  by the model's own tokenizer (pre-tokenized, length-sorted, on the device before the
+  clock, each batch shape run once first), chunks per second.
+
+    python benchmarks/documents_build.py --mb 80 --model MODEL_DIR --dtype fp16 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tokenizer_corpus import build_corpus  # noqa: E402
+
+
+def write_documents(folder: Path, mb: float) -> dict:
+    docs = build_corpus(int(mb * 1e6))
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, text in enumerate(docs):
+        (folder / f"{i // 500:03d}").mkdir(exist_ok=True)
+        (folder / f"{i // 500:03d}" / f"doc{i:06d}.txt").write_text(text, encoding="utf-8",
+                                                                    errors="surrogatepass")
+    sizes = sorted(len(t.encode("utf-8", "surrogatepass")) for t in docs)
+    return {"documents": len(docs), "bytes": sum(sizes), "median_bytes": sizes[len(sizes) // 2],
+            "max_bytes": sizes[-1]}
+
+
+def build_index_cold(folder: Path, out: Path, args, extra: list[str] = ()) -> dict:
+    cmd = [sys.executable, "-m", "embedingest", "build-index", str(folder), "--out", str(out),
+           "--json", "--dtype", args.dtype, "--device", args.device, *extra]
+    if args.model:
+        cmd += ["--model", args.model]
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    if done.returncode != 0:
+        raise SystemExit(f"build-index failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    summary = json.loads(done.stdout)
+    return {"command": " ".join(cmd[1:]), "seconds": seconds, "summary": summary}
+
+
+def forward_alone(folder: Path, args, dtype: str, chunk_tokens: int, overlap: int) -> dict:
+    """``dtype``: the one build-index chose (its summary's), so both rows run the same."""
+    import torch
+
+    from embedingest.stages.encoder import TextEncoder
+
+    enc = TextEncoder.load(args.model, device=args.device, dtype=dtype)
+    tokenizer = enc.tokenizer
+    cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
+    inner, step = chunk_tokens - 2, chunk_tokens - 2 - overlap
+    windows = []
+    for path in sorted(folder.rglob("*.txt")):
+        ids = tokenizer(path.read_text(encoding="utf-8", errors="surrogatepass"),
+                        add_special_tokens=False)["input_ids"]
+        for start in range(0, max(1, len(ids) - overlap), step):
+            windows.append([cls, *ids[start:start + inner], sep])
+    windows.sort(key=len)
+    batches = []
+    for i in range(0, len(windows), args.batch_size):
+        part = windows[i:i + args.batch_size]
+        width = -(-len(part[-1]) // 16) * 16
+        ids = torch.zeros((len(part), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, w in enumerate(part):
+            ids[row, :len(w)] = torch.tensor(w)
+            mask[row, :len(w)] = 1
+        batches.append((ids.to(args.device), mask.to(args.device)))
+
+    def sync():
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    with torch.inference_mode():
+        for ids, mask in batches:
+            enc.forward(ids, mask)
+        sync()
+        t0 = time.perf_counter()
+        for ids, mask in batches:
+            enc.forward(ids, mask)
+        sync()
+    seconds = time.perf_counter() - t0
+    return {"chunks": len(windows), "seconds": seconds, "chunks_per_s": len(windows) / seconds,
+            "tokens": sum(map(len, windows))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mb", type=float, default=80)
+    parser.add_argument("--model", default=None, help="model folder (default: the bundled one)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--batch-size", type=int, default=1024, help="of the forward-alone row")
+    parser.add_argument("--folder", help="keep the documents here")
+    parser.add_argument("--also", action="append", default=[],
+                        help="options of another build-index row over the same documents "
+                             "(repeatable; one string, split on spaces)")
+    parser.add_argument("--json", help="write the result here")
+    args = parser.parse_args()
+    if args.device == "auto":
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    with tempfile.TemporaryDirectory(prefix="embedingest-docs-") as tmp:
+        folder = Path(args.folder or Path(tmp) / "docs")
+        t0 = time.perf_counter()
+        made = write_documents(folder, args.mb)
+        print(f"{made['documents']} documents, {made['bytes'] / 1e6:.1f} MB "
+              f"(median {made['median_bytes'] / 1e3:.0f} KB) in {time.perf_counter() - t0:.1f} s", flush=True)
+        job = build_index_cold(folder, Path(tmp) / "index", args)
+        s = job["summary"]
+        chunks = s.get("vectors_total") or s.get("vectors")
+        job["chunks"] = chunks
+        job["chunks_per_s"] = chunks / job["seconds"]
+        print(f"build-index: {chunks} chunks in {job['seconds']:.1f} s: {job['chunks_per_s']:.0f} chunks/s", flush=True)
+        others = []
+        for n, extra in enumerate(args.also):
+            other = build_index_cold(folder, Path(tmp) / f"index-also-{n}", args, extra.split())
+            o = other["summary"]
+            other["chunks"] = o.get("vectors_total") or o.get("vectors")
+            other["chunks_per_s"] = other["chunks"] / other["seconds"]
+            print(f"build-index {extra}: {other['chunks']} chunks in {other['seconds']:.1f} s: "
+                  f"{other['chunks_per_s']:.0f} chunks/s", flush=True)
+            others.append(other)
+        from embedingest.config import IndexConfig
+
+        cfg = IndexConfig()
+        alone = forward_alone(folder, args, s["dtype"], cfg.chunk_tokens, cfg.overlap)
+        print(f"forward alone: {alone['chunks']} chunks in {alone['seconds']:.2f} s: "
+              f"{alone['chunks_per_s']:.0f} chunks/s", flush=True)
+    result = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": platform.node(),
+              "cpus": os.cpu_count(), "args": vars(args), "documents": made, "build_index": job, "also": others,
+              "forward_alone": alone, "job_vs_forward": job["chunks_per_s"] / alone["chunks_per_s"]}
+    print(f"build-index end to end / forward alone: {result['job_vs_forward']:.2f}")
+    for extra, other in zip(args.also, others):
+        print(f"build-index {extra} / forward alone: {other['chunks_per_s'] / alone['chunks_per_s']:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

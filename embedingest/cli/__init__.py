@@ -1,0 +1,35 @@
+"""The ``embedingest`` command line: a thin layer over the library's jobs.
+
+Each command's options map one-to-one onto the fields of the job's config dataclass;
+``--config FILE.toml`` fills the same fields from a preset. Library errors become
+``click.ClickException`` (exit code 1) with the library's message. One module per command
+group; :mod:`.common` holds what they share.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import click
+
+from .. import __version__
+from .bench import bench
+from .index import build_index_cmd
+from .search import search, serve
+from .segment import segment_command
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="embedingest")
+@click.option("-v", "--verbose", is_flag=True, help="Log progress details to stderr.")
+def main(verbose: bool) -> None:
+    """Run models on a GPU over large batches and get their outputs off the GPU fast."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
+
+
+for command in (build_index_cmd, search, serve, segment_command, bench):
+    main.add_command(command)
+
+__all__ = ["main"]

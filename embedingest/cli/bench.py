@@ -1,0 +1,148 @@
+"""``embedingest bench``: side-by-side benchmarks of the seed workloads."""
+
+from __future__ import annotations
+
+import click
+
+from ..config import DTYPE_NAMES, SEGMENT_ARCHITECTURES
+from .common import library_errors
+
+
+@click.group()
+def bench() -> None:
+    """Side-by-side benchmarks (the GPU parts need a CUDA GPU)."""
+
+
+@bench.command("segmentation")
+@click.option("--steps", default=30, show_default=True, help="Timed steps for the fast loops.")
+@click.option("--warmup", default=5, show_default=True, help="Steps before the clock starts.")
+@click.option("--batch-size", type=int, help="Images per step.  [default: 64; with --photos the job's 16]")
+@click.option("--image-size", default=512, show_default=True, help="Side of the square input images.")
+@click.option("--consumers", default=8, show_default=True,
+              help="Consumer processes (seed loops and engine alike).")
+@click.option("--slots", default=12, show_default=True, help="Engine host slots.")
+@click.option("--loader-workers", default=8, show_default=True,
+              help="DataLoader processes making the random images.")
+@click.option("--only", default="", metavar="GROUPS",
+              help="Comma list of the row groups to run: bound, seed, engine.  [default: all]")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False),
+              help="Also write the rows and the machine here, as JSON.")
+@click.option("--timeline", type=click.Path(dir_okay=False),
+              help="PNG timeline of the segment stage's bf16 full-logits run.")
+@click.option("--photos", type=int, help="Instead: the segment job on this many real photographs "
+                                         "(varied sizes and aspect ratios) against the forward "
+                                         "alone at the shapes it ran.")
+@click.option("--photo-sides", default="240,1600", show_default=True, metavar="MIN,MAX",
+              help="With --photos: the range of the photographs' long side, in pixels.")
+@click.option("--photo-odd-share", default=0.1, show_default=True,
+              help="With --photos: the share cropped to any ratio and size (each a shape of its own).")
+@click.option("--photo-dir", type=click.Path(file_okay=False),
+              help="With --photos: keep the photographs here (reused when it holds as many).")
+@click.option("--arch", type=click.Choice(SEGMENT_ARCHITECTURES), default="deeplabv3_resnet50",
+              show_default=True, metavar="NAME", help="With --photos: the segmentation model.")
+@click.option("--size", default=520, show_default=True, help="With --photos: the short side.")
+@click.option("--device", default="auto", show_default=True, metavar="DEVICE",
+              help="With --photos: auto, cuda, cuda:N or cpu (cpu to try it).")
+@click.option("--trace", type=click.Path(dir_okay=False),
+              help="Chrome trace (JSON) of the segment stage's bf16 full-logits run, every batch.")
+@library_errors
+def bench_segmentation(steps, warmup, batch_size, image_size, consumers, slots, loader_workers,
+                       only, json_path, timeline, photos, photo_sides, photo_odd_share, photo_dir,
+                       arch, size, device, trace) -> None:
+    """The seed article's DeepLabV3 workload: its five loops, the forward-only bound and
+    embedingest's engine, in one run. With --photos: the segment job end to end on real
+    photographs against the model's forward alone at the shapes the job ran."""
+    import torch
+
+    if photos:
+        from ..bench.report import machine_info, write_json
+        from ..bench.segment_photos import PhotoBenchConfig, run, table
+
+        low, high = (int(v) for v in photo_sides.split(","))
+        cfg = PhotoBenchConfig(photos=photos, min_side=low, max_side=high, odd_share=photo_odd_share,
+                               arch=arch, size=size, batch_size=batch_size or 16, device=device,
+                               folder=photo_dir)
+        info = machine_info()
+        click.echo(f"# {info.get('gpu', 'no GPU')}, torch {info.get('torch')}, {info['date']}")
+        result = run(cfg, log=lambda m: click.echo(m, err=True))
+        click.echo(table(result))
+        if json_path:
+            write_json(json_path, {"machine": info, "config": cfg.__dict__, "result": result})
+        return
+    batch_size = batch_size or 64
+
+    if not torch.cuda.is_available():
+        raise click.ClickException("this benchmark needs a CUDA GPU; torch sees none here")
+    from ..bench.report import machine_info, table, write_json
+    from ..bench.segmentation import SegBenchConfig, run_all
+
+    cfg = SegBenchConfig(batch_size=batch_size, image_size=image_size, loader_workers=loader_workers,
+                         consumers=consumers, slots=slots, warmup=warmup, steps=steps)
+    select = {s.strip() for s in only.split(",") if s.strip()} or None
+    info = machine_info()
+    click.echo(f"# {info.get('gpu', '?')} driver {info.get('driver', '?')}, torch {info.get('torch')}, {info['date']}")
+    rows = run_all(cfg, select, log=lambda m: click.echo(m, err=True))
+    click.echo(table(rows, "steps/s"))
+    drawn = next((r for r in rows if r["name"] == "segment stage, bf16, logits, sink=devnull"), None)
+    if timeline and drawn:
+        from ..engine.timeline import render_timeline
+
+        render_timeline(drawn["records"], timeline, spans=drawn["spans"], last_n=12,
+                        title=f"segment stage, bf16, full logits, {info.get('gpu', '')}")
+    if trace and drawn:
+        from ..engine.telemetry import EngineStats
+        from ..engine.trace import write_trace
+
+        stats = EngineStats(device="cuda", records=drawn["records"], spans=drawn["spans"])
+        write_trace(trace, [("cuda", stats)], title=f"segment stage, bf16, full logits, {info.get('gpu', '')}")
+    for r in rows:
+        r.pop("records", None)
+        r.pop("spans", None)
+    if json_path:
+        write_json(json_path, {"machine": info, "config": cfg.__dict__, "rows": rows})
+
+
+@bench.command("text")
+@click.option("--docs", default=200_000, show_default=True, help="Paragraphs (~50 tokens each).")
+@click.option("--batch-size", default=256, show_default=True, help="Chunks per batch, the same for every row.")
+@click.option("--device", default="auto", show_default=True, metavar="DEVICE",
+              help="auto (CUDA when available), cpu, cuda or cuda:N.")
+@click.option("--dtype", type=click.Choice(("auto", *DTYPE_NAMES)), default="auto", show_default=True,
+              help="Precision of the encoder; auto is fp16 on CUDA, fp32 on the CPU.")
+@click.option("--model", default=None, metavar="FOLDER|ID",
+              help="Model folder or Hugging Face id in the local cache.  [default: the bundled all-MiniLM-L6-v2]")
+@click.option("--num-workers", default=-1, show_default=True,
+              help="build-index's tokenizer processes; -1 picks from the CPU count.")
+@click.option("--num-consumers", default=2, show_default=True, help="build-index's consumer processes.")
+@click.option("--st-fp32/--no-st-fp32", default=True,
+              help="Also time sentence-transformers in fp32.  [default: on]")
+@click.option("--compare-eager/--no-compare-eager", default=True,
+              help="On CUDA, also time the rows without CUDA graphs.  [default: on]")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False),
+              help="Also write the rows and the machine here, as JSON.")
+@click.option("--trace", type=click.Path(dir_okay=False),
+              help="Chrome trace (JSON) of the build-index row: its phases and every batch.")
+@library_errors
+def bench_text(docs, batch_size, device, dtype, model, num_workers, num_consumers, st_fp32,
+               compare_eager, json_path, trace) -> None:
+    """sentence-transformers encode() + faiss.add against build-index end to end, with the
+    encoder's forward alone as the bound, on one corpus (runs on CPU too)."""
+    from ..bench.report import TEXT_COLUMNS, machine_info, table, write_json
+    from ..bench.text import TextBenchConfig, run_all
+
+    from ..stages.device import precision, resolve_device
+
+    if device == "auto":
+        device = str(resolve_device(device))
+    dtype = precision(dtype, device.startswith("cuda"))
+    cfg = TextBenchConfig(docs=docs, batch_size=batch_size, device=device, dtype=dtype, model=model,
+                          num_workers=num_workers, num_consumers=num_consumers, st_fp32=st_fp32,
+                          compare_eager=compare_eager, trace=trace)
+    info = machine_info()
+    click.echo(f"# {info.get('gpu', 'CPU')} {info.get('driver', '')}, torch {info.get('torch')}, {info['date']}")
+    rows = run_all(cfg, log=lambda m: click.echo(m, err=True))
+    click.echo(table(rows, "docs/s", TEXT_COLUMNS))
+    if json_path:
+        write_json(json_path, {"machine": info, "config": cfg.__dict__,
+                               "rows": [{k: v for k, v in r.items() if k != "summary"} for r in rows],
+                               "build_index_summaries": [r["summary"] for r in rows if "summary" in r]})

@@ -1,0 +1,160 @@
+"""What every command shares: library errors as clean messages, JSON output, the
+Ctrl-C-safe import of a job and the quick exit after it, running a job command
+(:func:`run_options`, :func:`run_job`), the options generated from a config dataclass
+(:func:`config_options`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import sqlite3
+import sys
+import typing
+from typing import NoReturn
+
+import click
+
+from ..errors import EmbedingestError
+from ..exit_codes import EXIT_INTERRUPTED
+
+
+def library_errors(fn=None, *, kept: str = "what was committed before is kept"):
+    """Turn embedingest's own errors into clean CLI messages instead of tracebacks; an
+    OSError (disk full, permissions, I/O, in a sink too) also says what is ``kept``.
+    Use as ``@library_errors`` or ``@library_errors(kept="...")``."""
+    if fn is None:
+        return functools.partial(library_errors, kept=kept)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (EmbedingestError, FileNotFoundError) as exc:
+            raise click.ClickException(str(exc)) from exc
+        except (OSError, sqlite3.Error) as exc:
+            raise click.ClickException(f"{exc}; {kept}: fix the cause and run the same command "
+                                       "again") from exc
+
+    return wrapper
+
+
+def emit_json(obj) -> None:
+    click.echo(json.dumps(obj, indent=2, default=str))
+
+
+def exit_quickly(code: int) -> NoReturn:
+    """Exit with ``code`` once the run is over (its files written, its processes gone),
+    without the interpreter's last garbage collection over torch, transformers and the
+    model: seconds on a loaded machine, which pushed an interrupted run past the 5 s it
+    promises. Objects are still finalized as modules are torn down."""
+    import gc
+
+    gc.freeze()
+    sys.exit(code)
+
+
+def import_interruptibly(module: str):
+    """Import a job's module (torch, numpy, faiss, transformers: seconds) with SIGINT
+    held back until it is done, so a Ctrl-C meanwhile arrives as a KeyboardInterrupt
+    right after it, where the command turns it into EXIT_INTERRUPTED. Inside those
+    imports it is not safe: torch imports numpy from C and takes any error for "no numpy"
+    (the Ctrl-C is lost, numpy left half imported), and pybind11 aborts the process."""
+    import importlib
+    import signal
+
+    if not hasattr(signal, "pthread_sigmask"):
+        return importlib.import_module(module)
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        return importlib.import_module(module)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def run_options(preset: str, timeline: str, trace: str):
+    """The options of a job command beside its config fields: ``--config`` (a preset),
+    ``--json``, ``--timeline`` and ``--trace``, with the help given."""
+    options = [
+        click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
+                     help=f"TOML preset of these options ({preset}); options given here win."),
+        click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON."),
+        click.option("--timeline", type=click.Path(dir_okay=False), help=timeline),
+        click.option("--trace", type=click.Path(dir_okay=False), help=trace),
+    ]
+
+    def decorate(fn):
+        for option in reversed(options):
+            fn = option(fn)
+        return fn
+
+    return decorate
+
+
+def run_job(module: str, call, *, as_json: bool, paragraph, interrupted: str) -> NoReturn:
+    """Import the job's ``module`` (Ctrl-C-safe), run ``call(module)`` and print the summary
+    it returns (as JSON, or as ``paragraph(summary)``), then exit with its ``exit_code``;
+    on Ctrl-C say ``interrupted: <interrupted>`` and exit with :data:`EXIT_INTERRUPTED`."""
+    try:
+        summary = call(import_interruptibly(module))
+    except KeyboardInterrupt:
+        click.echo(f"\ninterrupted: {interrupted}", err=True)
+        exit_quickly(EXIT_INTERRUPTED)
+    if as_json:
+        emit_json(summary)
+    else:
+        click.echo(paragraph(summary))
+    sys.exit(summary["exit_code"])
+
+
+def config_options(cls, skip: tuple[str, ...] = ()):
+    """Decorate a command with one option per field of the dataclass ``cls`` (but ``skip``).
+
+    The option is the field's name in kebab-case (``num_consumers``: ``--num-consumers``;
+    a bool also gets ``--no-...``), its help the field's documentation (see
+    :func:`embedingest.config.setting`) with the default shown, and its type follows the
+    field: ``click.Choice`` for a fixed set of values, ``click.Path`` for paths,
+    ``click.IntRange`` for bounds. Every option defaults to None, so a ``--config`` preset,
+    or else the dataclass default, applies unless the option is given; the command builds
+    the config with :func:`embedingest.config.load_config`.
+    """
+    hints = typing.get_type_hints(cls)
+
+    def decorate(fn):
+        for f in reversed(dataclasses.fields(cls)):
+            if f.name not in skip:
+                option = click.option(*_option_names(f, hints[f.name]), f.name,
+                                      **_option_settings(f, hints[f.name]))
+                fn = option(fn)
+        return fn
+
+    return decorate
+
+
+def _option_names(f: dataclasses.Field, hint) -> tuple[str, ...]:
+    if "flags" in f.metadata:
+        return tuple(f.metadata["flags"])
+    name = f.name.replace("_", "-")
+    return (f"--{name}/--no-{name}",) if hint is bool else (f"--{name}",)
+
+
+def _option_settings(f: dataclasses.Field, hint) -> dict:
+    meta = f.metadata
+    if "doc" not in meta:
+        raise TypeError(f"{f.name}: a config field needs its documentation (config.setting)")
+    kind = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
+    shown = meta.get("shown")
+    if shown is None and f.default not in (None, ""):
+        shown = ("on" if f.default else "off") if kind is bool else f.default
+    settings = {"default": None, "metavar": meta.get("metavar"),
+                "help": meta["doc"] + (f"  [default: {shown}]" if shown is not None else "")}
+    if "choices" in meta:
+        settings["type"] = click.Choice(meta["choices"])
+    elif "path" in meta:
+        settings["type"] = click.Path(exists=meta.get("exists", False), file_okay=meta["path"] != "dir",
+                                      dir_okay=meta["path"] != "file", path_type=str)
+    elif "range" in meta:
+        settings["type"] = (click.IntRange if kind is int else click.FloatRange)(*meta["range"])
+    elif kind is not bool:
+        settings["type"] = kind
+    return settings

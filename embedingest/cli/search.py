@@ -1,0 +1,60 @@
+"""``embedingest search`` and ``embedingest serve``: query an index once, or over HTTP."""
+
+from __future__ import annotations
+
+import click
+
+from ..config import SearchConfig, ServeConfig, load_config
+from .common import config_options, emit_json, library_errors
+
+
+@click.command()
+@click.argument("index_dir", type=click.Path(exists=True, file_okay=False, path_type=str))
+@click.argument("query", nargs=-1, required=True)
+@config_options(SearchConfig)
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list of hits.")
+@library_errors
+def search(index_dir, query, as_json, **options) -> None:
+    """Search INDEX_DIR for QUERY; prints rank, score, source and the chunk's text."""
+    from ..index.search import open_index
+
+    cfg = load_config(SearchConfig, **options)
+    text = " ".join(query)
+    index = open_index(index_dir, device=cfg.device, params=cfg.params, query_prompt=cfg.query_prompt)
+    try:
+        (hits,) = index.search([text], k=cfg.k or index.manifest.search.get("k") or 5)
+    finally:
+        index.close()
+    if as_json:
+        import dataclasses
+
+        emit_json([dataclasses.asdict(h) for h in hits])
+        return
+    if not hits:
+        click.echo("no results (the index is empty)")
+    for h in hits:
+        where = f"{h.source}" + (f" [{h.record_id}]" if h.record_id else "") + f" #{h.chunk_no}"
+        click.echo(f"{h.rank:>3}  {h.score:.4f}  {where}")
+        click.echo("     " + (h.text or "").replace("\n", " ")[:300])
+
+
+@click.command()
+@click.argument("index_dir", type=click.Path(exists=True, file_okay=False, path_type=str))
+@config_options(ServeConfig)
+@library_errors
+def serve(index_dir, **options) -> None:
+    """Serve INDEX_DIR over HTTP: a search page at / and JSON at /search?q=...&k=...
+
+    The model and the index stay loaded between requests. Needs the serve extra
+    (pip install 'embedingest[serve]').
+    """
+    from ..serve import serve as run_server
+
+    cfg = load_config(ServeConfig, **options)
+    try:
+        run_server(index_dir, cfg.host, cfg.port, device=cfg.device, params=cfg.params,
+                   query_prompt=cfg.query_prompt, max_query_chars=cfg.max_query_chars, max_k=cfg.max_k,
+                   threads=cfg.threads or None,
+                   on_ready=lambda url: click.echo(f"serving {index_dir} at {url} (Ctrl-C stops)", err=True))
+    except KeyboardInterrupt:  # how a server is stopped: not an error
+        click.echo("stopped", err=True)

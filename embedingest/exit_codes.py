@@ -1,0 +1,29 @@
+"""The exit statuses of the ``embedingest`` commands, defined once.
+
+A job's summary carries its status as ``exit_code`` (from :func:`exit_code`); the CLI
+exits with it, with :data:`EXIT_INTERRUPTED` on Ctrl-C, and click exits with
+:data:`EXIT_ERROR` on an error.
+"""
+
+from __future__ import annotations
+
+# Every input done.
+EXIT_OK = 0
+# An error; its message says what to change (click.ClickException's status).
+EXIT_ERROR = 1
+# The run finished, but some inputs were skipped (each listed in skipped.jsonl with why).
+EXIT_SKIPPED = 3
+# Interrupted (Ctrl-C): what was committed is kept, the same command resumes.
+EXIT_INTERRUPTED = 130
+
+
+def exit_code(skipped: int) -> int:
+    """The status of a finished run that skipped ``skipped`` inputs."""
+    return EXIT_SKIPPED if skipped else EXIT_OK
+
+
+def exit_status_help(done: str, inputs: str, where: str) -> str:
+    """The paragraph of a job command's help that says what each status means."""
+    return (f"Exit status: {EXIT_OK} {done}; {EXIT_SKIPPED} finished, but some {inputs} were "
+            f"skipped (see skipped.jsonl in {where}); {EXIT_ERROR} error; {EXIT_INTERRUPTED} "
+            "interrupted (run the same command again to resume).")

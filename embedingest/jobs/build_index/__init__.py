@@ -1,0 +1,183 @@
+"""build-index: a text corpus to FAISS index shards, incrementally and crash-safely.
+
+source (files or records) -> DataLoader workers (read, chunk, tokenize, length-sorted
+batches) -> encoder on the device -> egress engine -> consumer processes, one FAISS
+shard each. The main process keeps the chunk metadata (sqlite) and is the only one that
+decides what a run must do: it compares the corpus with what the index holds (content
+hashes; committed vector counts per unit), removes the vectors of changed, deleted or
+half-done units, and indexes only those and the new ones. So a run that was killed at
+any point is finished by running the same command again, with every chunk exactly once.
+
+The package: :mod:`.plan` (what a run does), :mod:`.encode` (the encode step on one
+device), :mod:`.devices` (on several devices of one host), :mod:`.ray` (over a Ray
+Dataset); this module runs the steps in order and writes the summary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from pathlib import Path
+
+from ...config import IndexConfig
+from ...engine.egress import refuse_while_bootstrapping
+from ...errors import ConfigError
+from ...exit_codes import exit_code
+from ...index.lock import RunLock
+from ...index.store import IndexStore, Manifest
+from ...report import REPORT_NAME, SkipReport
+from ...scaleout.devices import devices_of
+from ...sinks.faiss_shards import parse_factory
+from ...sources.files import refuse_output_as_input
+from ...sources.text_dataset import Unit
+from ...stages.device import precision, resolve_device
+from ...stages.prompts import Prompts
+from .devices import SeveralDevices
+from .encode import OneDevice
+from .plan import (apply_plan, corpus_path, default_out, file_candidates, fingerprint,
+                   plan_units, record_candidates, search_defaults, settled_prompts, unit_key)
+
+__all__ = ["build_index", "default_out", "plan_units", "record_candidates", "unit_key"]
+
+log = logging.getLogger("embedingest")
+
+
+def build_index(corpus, config: IndexConfig | None = None, *, progress: bool = False,
+                timeline: str | os.PathLike | None = None, trace: str | os.PathLike | None = None,
+                **overrides) -> dict:
+    """Build or update the index of ``corpus`` and return a summary dict.
+
+    ``corpus`` is a file or folder path, or an iterable of ``(id, text)`` pairs or dicts
+    with the configured text and id fields. Options are the fields of
+    :class:`IndexConfig`, given as ``config`` and/or keyword ``overrides``; ``timeline``
+    names a PNG to draw the last batches' engine timeline into, ``trace`` a JSON file for
+    the run's phases and every batch's engine records in the Chrome trace format.
+    """
+    refuse_while_bootstrapping("build_index()")
+    cfg = dataclasses.replace(config or IndexConfig(), **overrides)
+    cfg.validate()
+    t_start = time.perf_counter()
+    devices = devices_of(cfg)
+    several = len(devices) > 1  # the one place that asks: the rest goes through ``where``
+    # Several devices were checked by devices_of, without touching CUDA here: their
+    # processes can then be forked.
+    device = devices[0] if several else str(resolve_device(devices[0] if devices else cfg.device))
+    dtype = precision(cfg.dtype, device.startswith("cuda"))
+    cfg = cfg.for_device(device.startswith("cuda"))
+    report = SkipReport()
+    if not isinstance(corpus, (str, os.PathLike)):  # checked whole before anything starts
+        corpus = record_candidates(corpus, cfg, report)
+    # Several devices' processes start up (imports, model) while this process plans.
+    where = SeveralDevices(devices, cfg, dtype) if several else OneDevice(device, dtype)
+    try:
+        return _load_and_build(corpus, cfg, where, dtype, report, progress, timeline, t_start, trace)
+    finally:
+        where.close()
+
+
+def _load_and_build(corpus, cfg: IndexConfig, where: OneDevice | SeveralDevices, dtype: str,
+                    report: SkipReport, progress: bool, timeline, t_start: float, trace=None) -> dict:
+    """Load the encoder, then build under the folder's run lock."""
+    in_memory = not isinstance(corpus, (str, os.PathLike))
+    if not in_memory and not Path(corpus).exists():
+        raise ConfigError(f"corpus {str(corpus)!r} does not exist; pass a folder or a file")
+    out = Path(cfg.out) if cfg.out else default_out(corpus)
+    if not in_memory:
+        refuse_output_as_input(out, corpus, "corpus folder", "the index files")
+    phases = {}  # seconds of each step, for the summary: where a run's time goes
+    encoder = where.load_encoder(cfg)
+    phases["load_model_s"] = time.perf_counter() - t_start
+    chunk_tokens = min(cfg.chunk_tokens, encoder.max_seq_length)
+    if cfg.overlap >= chunk_tokens:
+        raise ConfigError(f"overlap={cfg.overlap} must be smaller than the chunk size {chunk_tokens}")
+    parse_factory(encoder.dim, cfg.index, cfg.metric)  # every option checked before the first write
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        with RunLock(out):
+            return _build_locked(corpus, cfg, out, encoder, where, dtype, in_memory, chunk_tokens,
+                                 report, progress, timeline, t_start, phases, trace)
+    finally:
+        encoder.release()  # a job in a longer process must not keep the GPU's memory
+
+
+def _build_locked(corpus, cfg: IndexConfig, out: Path, encoder, where: OneDevice | SeveralDevices,
+                  dtype: str, in_memory: bool, chunk_tokens: int, report: SkipReport, progress: bool,
+                  timeline, t_start: float, phases: dict, trace=None) -> dict:
+    """The body of :func:`build_index`, run while holding the folder's run lock: plan,
+    train, encode, then the manifest, the skip report and the summary."""
+    store = IndexStore(out)
+    settings = {}  # what the manifest keeps besides the vectors: prompts, search defaults
+    try:
+        wanted = Prompts.read(encoder.info()["path"]).resolve(cfg.doc_prompt, cfg.query_prompt)
+        manifest = store.create_or_open(
+            Manifest(model=encoder.info(), dim=encoder.dim, metric=cfg.metric, factory=cfg.index,
+                     dtype=dtype, prompts=wanted, corpus_path=corpus_path(corpus, in_memory)),
+            overwrite=cfg.overwrite)
+        settings = {"prompts": settled_prompts(manifest, cfg, str(out)),
+                    "search": search_defaults(manifest, cfg),
+                    "corpus_path": corpus_path(corpus, in_memory)}
+        cfg = dataclasses.replace(cfg, doc_prompt=settings["prompts"]["document"])
+        store.clean_garbage()
+        candidates = corpus if in_memory else file_candidates(Path(corpus), report, out)
+        plan = plan_units(store, candidates, report)
+        log.info("%s: %d units to index, %d unchanged, %d deleted", out, len(plan.todo),
+                 plan.unchanged, len(plan.deleted))
+        removed, unit_nos = apply_plan(store, plan)
+        units = [Unit(unit_nos[c["key"]], c["key"], path=c.get("path"), text=c.get("text"),
+                      record_id=c.get("record_id")) for c in plan.todo]
+        t_plan = time.perf_counter()
+        phases["plan_s"] = t_plan - t_start - phases["load_model_s"]
+        trained = where.train(store, manifest, encoder, units, cfg, chunk_tokens) if units else None
+        t_encode = time.perf_counter()
+        phases["train_s"] = t_encode - t_plan
+        counts = {"chunks": 0, "docs": 0, "units_done": 0}
+        timing: dict = {}  # where this process's time went in the encode step
+        stats = None
+        if units:
+            stats = where.encode(units, [c["size"] for c in plan.todo], encoder, store, report, cfg,
+                                 chunk_tokens, trained, counts, progress, timing=timing)
+        phases["encode_s"] = time.perf_counter() - t_encode
+        if stats is not None and timeline and stats.records:
+            from ...engine.timeline import render_timeline
+
+            render_timeline(stats.records, timeline, spans=stats.spans,
+                            title=f"build-index {out} ({where.device}, {dtype})")
+    finally:
+        try:
+            if store.exists():
+                manifest = store.update_shards(corpus=fingerprint(store), **settings)
+            report.write(out)
+        finally:
+            store.close()
+    seconds = time.perf_counter() - t_start
+    phases["finish_s"] = seconds - sum(phases.values())
+    total = sum(s["count"] for s in manifest.segments)
+    summary = {
+        "index": str(out), "device": where.name,
+        "dtype": dtype, "model": encoder.info()["name"],
+        "units_seen": plan.seen_keys, "units_indexed": counts["units_done"],
+        "units_unchanged": plan.unchanged, "units_removed": len(plan.deleted),
+        "vectors_removed": removed, "docs": counts["docs"], "chunks": counts["chunks"],
+        "vectors_total": total, "segments": len(manifest.segments),
+        "skipped": len(report), "skipped_by_reason": report.by_reason(),
+        "passed_over": dict(report.passed_over.most_common()),
+        "report": str(out / REPORT_NAME), "report_run": report.run,
+        "skipped_earlier": report.earlier, "seconds": round(seconds, 3),
+        "docs_per_s": round(counts["docs"] / seconds, 1) if seconds else 0.0,
+        "chunks_per_s": round(counts["chunks"] / seconds, 1) if seconds else 0.0,
+        "engine": stats.summary() if stats else None,
+        "phases": {key: round(value, 3) for key, value in phases.items()},
+        "timing": {key: round(value, 3) for key, value in timing.items()} or None,
+    }
+    summary["exit_code"] = exit_code(len(report.entries))
+    if trace:
+        from ...engine.trace import phase_spans, write_trace
+
+        engines = [] if stats is None else where.engines(stats)
+        summary["trace"] = str(write_trace(trace, engines, phases=phase_spans("build-index", t_start, phases),
+                                           title=f"build-index {out} ({summary['device']}, {dtype})"))
+    return summary
+
+

@@ -1,0 +1,206 @@
+"""build-index's encode step on one device: batches of tokenized chunks from DataLoader
+workers, the encoder's forward, the vectors through the egress engine to FAISS shard
+writers, the chunk rows to the metadata store. Also the training of IVF/PQ/HNSW
+factories on a first sample, which reads batches the same way.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from ...config import IndexConfig
+from ...engine.consumers import exit_with_parent, loader_context
+from ...errors import ConfigError
+from ...index.store import IndexStore, Manifest
+from ...index.writer import MetadataWriter
+from ...report import SkipReport
+from ...runner import BatchSteps, run_batches
+from ...scaleout.devices import share_of_cpus
+from ...sinks.faiss_shards import FaissShardSinkFactory, new_run_id, parse_factory
+from ...sources.text_dataset import TextChunkDataset, Unit
+from ...stages.encoder import TextEncoder
+from ...stages.prompts import chunk_prompt, with_prompt
+from ...stages.tokenizer import load_tokenizer
+
+
+def needs_training(store: IndexStore, cfg: IndexConfig, dim: int) -> bool:
+    """Whether ``cfg.index`` must still be trained: an IVF/PQ/HNSW factory, no
+    ``trained.faiss`` yet."""
+    return not store.trained_path.is_file() and not parse_factory(dim, cfg.index, cfg.metric).is_trained
+
+
+def chunk_batches(units: list[Unit], encoder: TextEncoder, cfg: IndexConfig, chunk_tokens: int,
+                  tokenizer_loader=load_tokenizer) -> IterableDataset:
+    """Batches of tokenized chunks of ``units``, the document prompt's tokens in each
+    chunk (an iterable dataset; :func:`make_loader` runs it in DataLoader workers)."""
+    doc_prompt = encoder.prompts.for_role("document", cfg.doc_prompt)
+    encoder.check_prompt(doc_prompt)
+    prompt = chunk_prompt(encoder.tokenizer, doc_prompt, chunk_tokens, cfg.overlap)
+    ds = TextChunkDataset(units, encoder.model_dir, batch_size=cfg.batch_size,
+                          max_tokens=prompt.max_tokens, overlap=cfg.overlap,
+                          window=cfg.sort_window * cfg.batch_size, text_field=cfg.text_field,
+                          id_field=cfg.id_field, tokenizer_loader=tokenizer_loader,
+                          pad_multiple=16 if encoder.device.type == "cuda" else 1)
+    return with_prompt(ds, prompt)
+
+
+def make_loader(units: list[Unit], encoder: TextEncoder, cfg: IndexConfig, workers: int,
+                chunk_tokens: int, pin: bool) -> DataLoader:
+    """:func:`chunk_batches` from ``workers`` DataLoader worker processes."""
+    return DataLoader(chunk_batches(units, encoder, cfg, chunk_tokens), batch_size=None,
+                      num_workers=workers, pin_memory=pin,
+                      prefetch_factor=4 if workers else None, persistent_workers=False,
+                      worker_init_fn=functools.partial(exit_with_parent, os.getpid()),
+                      multiprocessing_context=loader_context() if workers else None)
+
+
+def shard_sinks(out: str | Path, dim: int, cfg: IndexConfig, run_id: str,
+                trained: str | None) -> FaissShardSinkFactory:
+    """The engine's sinks: FAISS shards under ``out``, written under ``run_id``."""
+    return FaissShardSinkFactory(str(out), dim, cfg.index, cfg.metric, run_id=run_id,
+                                 commit_every=cfg.commit_every, trained=trained)
+
+
+def vector_slots(cfg: IndexConfig, dim: int) -> dict:
+    """One host slot of the engine: a batch of vectors and their ids."""
+    return {"emb": ((cfg.batch_size, dim), "float32"), "ids": ((cfg.batch_size,), "int64")}
+
+
+def embed_steps(encoder: TextEncoder, device: str, done=None) -> BatchSteps:
+    """What the batch loop does with a batch of chunks: token ids and mask to the device,
+    the encoder's vectors and their ids to the engine (one part per batch)."""
+
+    def send(item):
+        if not len(item["ids"]):
+            return None
+        return (item["input_ids"].to(device, non_blocking=True),
+                item["attention_mask"].to(device, non_blocking=True))
+
+    def forward(batch_no: int, item, on_device):
+        return [(batch_no, {"emb": encoder.forward(*on_device), "ids": item["ids"]})]
+
+    return BatchSteps(send, forward, skipped=lambda item: item["skipped"], done=done)
+
+
+def loader_workers(cfg: IndexConfig, n_units: int, in_memory: bool) -> int:
+    """DataLoader workers for ``n_units`` units: none for in-memory records (they would
+    be pickled to each worker), else the configured share of the cores."""
+    if in_memory or n_units == 0:
+        return 0
+    return min(share_of_cpus(cfg.num_workers), n_units)
+
+
+def train_if_needed(store: IndexStore, manifest: Manifest, encoder: TextEncoder, units: list[Unit],
+                     cfg: IndexConfig, chunk_tokens: int) -> str | None:
+    """Train IVF/PQ/HNSW factories once, on the first ``train_size`` chunks of this run."""
+    if store.trained_path.is_file():
+        return str(store.trained_path)
+    if parse_factory(manifest.dim, manifest.factory, manifest.metric).is_trained:
+        return None
+    sample, n = [], 0
+    loader = make_loader(units, encoder, cfg, loader_workers(cfg, len(units), units and units[0].path is None),
+                     chunk_tokens, pin=False)
+    for item in loader:
+        if len(item["ids"]):
+            sample.append(encoder.forward(item["input_ids"], item["attention_mask"]).float().cpu())
+            n += len(item["ids"])
+        if n >= cfg.train_size:
+            break
+    if n == 0:
+        return None
+    vectors = torch.cat(sample)[: cfg.train_size].numpy()
+    try:
+        store.train_index(manifest.factory, manifest.dim, manifest.metric, vectors)
+    except RuntimeError as exc:
+        raise ConfigError(f"cannot train index {manifest.factory!r} on {len(vectors)} vectors: {exc}; "
+                          "use a smaller factory (fewer IVF lists) or a larger corpus") from exc
+    return str(store.trained_path)
+
+
+def encode_units(units: list[Unit], encoder: TextEncoder, store: IndexStore, report: SkipReport,
+                 cfg: IndexConfig, out: Path, device: str, chunk_tokens: int, trained: str | None,
+                 counts: dict, progress: bool, run_id: str | None = None, on_item=None,
+                 timing: dict | None = None):
+    """The encode step on one device: the batch loop (:func:`~embedingest.runner.run_batches`)
+    over ``units``, chunk rows to the metadata store; returns the engine's stats.
+    ``timing`` (a dict) receives where this process's time went: the loop's keys, and
+    ``metadata_s`` (handing rows to the metadata thread), ``metadata_blocked_s`` and
+    ``metadata_write_s`` (that thread's waits and writes)."""
+    from tqdm import tqdm
+
+    workers = loader_workers(cfg, len(units), units[0].path is None)
+    loader = make_loader(units, encoder, cfg, workers, chunk_tokens, pin=device.startswith("cuda"))
+    sinks = shard_sinks(out, encoder.dim, cfg, run_id or new_run_id(), trained)
+    meta = MetadataWriter(store)
+    timing = timing if timing is not None else {}
+    timing["metadata_s"] = 0.0
+    docs, finished = 0, False
+    bar = tqdm(total=len(units), unit="unit", disable=not progress, dynamic_ncols=True)
+    t0 = time.perf_counter()
+
+    def done(item) -> None:
+        nonlocal docs
+        t_meta = time.perf_counter()
+        meta.add(item)
+        timing["metadata_s"] += time.perf_counter() - t_meta
+        n = len(item["ids"])
+        counts["chunks"] += n
+        docs += item["chunks"].n_docs
+        counts["units_done"] += len(item["units_done"])
+        if on_item is not None:
+            on_item(len(item["units_done"]), n)
+        if progress:
+            dt = max(time.perf_counter() - t0, 1e-9)
+            bar.update(len(item["units_done"]))
+            bar.set_postfix(docs_s=f"{docs / dt:,.0f}", chunks_s=f"{counts['chunks'] / dt:,.0f}",
+                            refresh=False)
+
+    try:
+        engine = run_batches(sinks, loader, embed_steps(encoder, device, done), device=device,
+                             slot_spec=vector_slots(cfg, encoder.dim), num_consumers=cfg.num_consumers,
+                             num_slots=cfg.num_slots or None,
+                             on_skip=functools.partial(report.add, stage="read"), timing=timing)
+        finished = True
+    finally:
+        counts["docs"] = docs
+        bar.close()
+        meta.close(raise_errors=finished)
+        timing.update(metadata_blocked_s=round(meta.blocked_s, 3), metadata_write_s=round(meta.write_s, 3))
+    return engine.stats
+
+
+class OneDevice:
+    """Where build-index runs when it runs on one device: the encoder loaded here, the
+    training and the encode step in this process. :class:`~.devices.SeveralDevices` is
+    the same interface over one process per device."""
+
+    def __init__(self, device: str, dtype: str):
+        self.device = self.name = device
+        self.dtype = dtype
+
+    def load_encoder(self, cfg: IndexConfig) -> TextEncoder:
+        return TextEncoder.load(cfg.model, device=self.device, dtype=self.dtype,
+                                cuda_graphs=cfg.cuda_graphs)
+
+    def train(self, store: IndexStore, manifest: Manifest, encoder: TextEncoder, units: list[Unit],
+              cfg: IndexConfig, chunk_tokens: int) -> str | None:
+        return train_if_needed(store, manifest, encoder, units, cfg, chunk_tokens)
+
+    def encode(self, units: list[Unit], sizes: list[int], encoder: TextEncoder, store: IndexStore,
+               report: SkipReport, cfg: IndexConfig, chunk_tokens: int, trained: str | None,
+               counts: dict, progress: bool, timing: dict):
+        return encode_units(units, encoder, store, report, cfg, store.folder, self.device,
+                            chunk_tokens, trained, counts, progress, timing=timing)
+
+    def engines(self, stats) -> list:
+        """(device, engine stats) pairs, for the trace."""
+        return [(self.device, stats)]
+
+    def close(self) -> None:
+        """Nothing runs elsewhere."""

@@ -1,0 +1,225 @@
+"""build-index's plan: what a run must do, decided in the main process (or Ray's driver)
+before anything is encoded.
+
+The corpus (files under a folder, or in-memory records) becomes candidate units; each is
+compared with what the index holds (size and mtime, else the content hash; committed
+vector counts), so a run indexes only new and changed units, removes the vectors of
+changed, deleted and half-done ones, and a killed run is finished by running it again.
+Also here: the settings a run keeps in the manifest (prompts, search defaults) and the
+corpus fingerprint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...config import IndexConfig
+from ...errors import ConfigError
+from ...index.store import IndexStore, Manifest
+from ...report import SkipReport
+from ...sinks.faiss_shards import parse_factory
+from ...sources.files import open_regular, os_error_reason, walk_files
+from ...sources.text import TEXT_EXTENSIONS, lone_surrogate
+
+
+def default_out(corpus) -> Path:
+    if isinstance(corpus, (str, os.PathLike)):
+        name = Path(corpus).resolve().name
+        return Path("indexes") / (Path(name).stem if Path(corpus).is_file() else name)
+    return Path("indexes") / "records"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open_regular(path) as fh:  # a file turned into a pipe must not hang the planning
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass
+class Plan:
+    """What a run does (:func:`plan_units`); :func:`apply_plan` clears the way for it."""
+
+    todo: list[dict]  # unit rows to (re)index: key, size, mtime_ns, sha256, path | text, record_id
+    unchanged: int
+    replaced: list[int]  # unit_nos to index again: their old vectors and chunks go first
+    deleted: list[int]  # unit_nos no longer in the corpus
+    seen_keys: int
+
+
+def file_candidates(root: Path, report: SkipReport, out: Path) -> Iterable[dict]:
+    """The text files under ``root`` (``out`` left out) as candidate units, not yet hashed."""
+    base = root if root.is_dir() else root.parent
+    for path in walk_files(root, TEXT_EXTENSIONS, on_skip=lambda p, r: report.add(p, r, stage="list"),
+                           on_other=report.pass_over, exclude=out):
+        try:
+            st = path.stat()
+        except OSError as exc:
+            report.add(str(path), f"unreadable: {exc.strerror or exc}", stage="list")
+            continue
+        yield {"key": unit_key(path.relative_to(base).as_posix()), "size": st.st_size,
+               "mtime_ns": st.st_mtime_ns, "path": str(path)}
+
+
+def unit_key(relative_path: str) -> str:
+    """A file's key in the index: its path below the corpus folder.
+
+    The metadata store and JSON take only valid text, so the bytes of a name that is not
+    UTF-8 (which Python holds as surrogates) are written as ``\\xNN`` escapes; a
+    backslash is written twice, so that a name holding a literal ``\\xe9`` keeps a key
+    of its own. Every other name (valid UTF-8, no backslash) is its own key.
+    """
+    escaped = relative_path.replace("\\", "\\\\")
+    return escaped.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def record_candidates(records: Iterable, cfg: IndexConfig, report: SkipReport) -> list[dict]:
+    """The in-memory records as units, all checked before anything is written.
+
+    Ids are compared as text (``1`` and ``"1"`` are one id); a record without an id, or
+    with ``None``, takes its position as id. The index keeps one entry per id, so an id
+    given twice is a :class:`ConfigError` naming both positions, never a silent merge.
+    """
+    out, first = [], {}
+    for n, rec in enumerate(records):
+        if isinstance(rec, Mapping):
+            rid, text = rec.get(cfg.id_field), rec.get(cfg.text_field)
+        elif isinstance(rec, (tuple, list)) and len(rec) == 2:
+            rid, text = rec
+        else:
+            report.add(f"record {n}", "field: expected (id, text) or a dict", stage="read")
+            continue
+        rid = str(n if rid is None else rid)
+        if rid in first:
+            raise ConfigError(
+                f"record id {rid!r} is given twice, by records {first[rid]} and {n} (counting "
+                f"from 0); the index keeps one entry per id, compared as text, so give each "
+                f"record its own id (or leave ids out: a record without one is numbered by "
+                f"its position)")
+        first[rid] = n
+        if not isinstance(text, str):
+            report.add(f"record {rid}", f"field: {cfg.text_field!r} is not a string", stage="read")
+            continue
+        problem = lone_surrogate(text) or lone_surrogate(rid)
+        if problem:
+            report.add(f"record {rid}", f"unicode: the text or id holds {problem}", stage="read")
+            continue
+        data = text.encode("utf-8")
+        out.append({"key": f"record:{rid}", "size": len(data), "mtime_ns": None,
+                    "sha256": hashlib.sha256(data).hexdigest(), "text": text, "record_id": rid})
+    return out
+
+
+def plan_units(store: IndexStore, candidates: Iterable[dict], report: SkipReport) -> Plan:
+    """Split the corpus into unchanged units and units to (re)index; find deleted ones.
+
+    A unit is unchanged when it was finished before, its committed vectors are exactly its
+    chunks, and its size and mtime (or, if those moved, its content hash) are the same.
+    """
+    known = store.units()
+    incomplete = store.reconcile()
+    todo, replaced, seen, unchanged = [], [], set(), 0
+    touched = []
+    for cand in candidates:
+        key = cand["key"]
+        if key in seen:  # two files or records under one key: keep the first, say so
+            report.add(cand.get("path") or key, f"duplicate: the key {key!r} is given twice; "
+                       "only the first is indexed", stage="plan")
+            continue
+        seen.add(key)
+        old = known.get(key)
+        # A unit with no chunks was skipped whole; its reason is only in the report of the
+        # run that read it (lost if that run was killed), so read it again: every run reports it.
+        ok = (old is not None and old.status == "done" and bool(old.n_chunks)
+              and old.unit_no not in incomplete)
+        if ok and cand.get("sha256") is None and (old.size, old.mtime_ns) == (cand["size"], cand["mtime_ns"]):
+            unchanged += 1
+            continue
+        if cand.get("sha256") is None:
+            try:
+                cand["sha256"] = _sha256(Path(cand["path"]))
+            except OSError as exc:
+                report.add(cand["path"], os_error_reason(exc), stage="hash")
+                continue
+        if ok and cand["sha256"] == old.sha256:
+            unchanged += 1
+            touched.append({"key": key, "size": cand["size"], "mtime_ns": cand["mtime_ns"]})
+            continue
+        if old is not None:
+            replaced.append(old.unit_no)
+        todo.append(cand)
+    if touched:
+        store.upsert_units(touched)
+    deleted = [u.unit_no for k, u in known.items() if k not in seen]
+    known_nos = {u.unit_no for u in known.values()}
+    stray = [u for u in incomplete if u not in known_nos]  # vectors of units with no row
+    return Plan(todo, unchanged, replaced + stray, deleted, len(seen))
+
+
+
+def apply_plan(store: IndexStore, plan: Plan) -> tuple[int, dict[str, int]]:
+    """Remove what ``plan`` replaces or deletes and mark its units to index as pending;
+    return the number of vectors removed and each pending unit's number by key."""
+    outdated = plan.replaced + plan.deleted
+    removed = store.remove_units(outdated) if outdated else 0
+    store.delete_units(plan.deleted)
+    store.delete_chunks(plan.replaced)
+    unit_nos = store.upsert_units([{k: c.get(k) for k in ("key", "size", "mtime_ns", "sha256")}
+                                   | {"status": "pending", "n_chunks": 0} for c in plan.todo])
+    return removed, unit_nos
+
+
+def corpus_path(corpus, in_memory: bool) -> str | None:
+    """The folder unit keys are relative to (for serving a hit's file), None for records."""
+    if in_memory:
+        return None
+    root = Path(corpus).resolve()
+    return str(root if root.is_dir() else root.parent)
+
+
+def settled_prompts(manifest: Manifest, cfg: IndexConfig, where: str) -> dict:
+    """The prompts this run uses: the index's document prompt stays what its vectors were
+    made with (a different one given is refused); the query prompt can change."""
+    document = manifest.prompts.get("document", "")
+    if cfg.doc_prompt is not None and cfg.doc_prompt != document:
+        raise ConfigError(f"the index at {where!r} was built with document prompt {document!r}, "
+                          f"not {cfg.doc_prompt!r}: pass --doc-prompt {document!r}, or --overwrite "
+                          f"to rebuild it with the new prompt")
+    query = cfg.query_prompt if cfg.query_prompt is not None else manifest.prompts.get("query", "")
+    return {"document": document, "query": query}
+
+
+def search_defaults(manifest: Manifest, cfg: IndexConfig) -> dict:
+    """The index's search defaults updated with those given (``search_params=""`` drops
+    the stored parameters); parameters are checked against the factory now, not at the
+    first search."""
+    search = dict(manifest.search)
+    if cfg.search_params is not None:
+        search.pop("params", None)
+        if cfg.search_params.strip():
+            import faiss
+
+            probe = parse_factory(manifest.dim, manifest.factory, manifest.metric)
+            try:
+                faiss.ParameterSpace().set_index_parameters(probe, cfg.search_params)
+            except RuntimeError as exc:
+                raise ConfigError(f"--search-params {cfg.search_params!r} do not apply to index "
+                                  f"{manifest.factory!r}: {str(exc).splitlines()[0]}; nprobe is for "
+                                  f"IVF factories, efSearch for HNSW") from exc
+            search["params"] = cfg.search_params.strip()
+    if cfg.search_k is not None:
+        search["k"] = cfg.search_k
+    return search
+
+
+def fingerprint(store: IndexStore) -> str:
+    h = hashlib.sha256()
+    for key, sha in store.db.execute("SELECT key, sha256 FROM units WHERE status='done' ORDER BY key"):
+        h.update(f"{key}\0{sha}\n".encode("utf-8", "surrogatepass"))
+    return h.hexdigest()
+

@@ -1,0 +1,140 @@
+"""The segment job: a torchvision segmentation model over a folder of images, one mask
+per image on disk.
+
+Pipeline: list the images (resuming: those with a mask already are left out), decode
+and resize them in DataLoader workers (by default exactly as the weights' own
+``transforms()``: the short side to 520, so aspect ratios give different shapes), regroup
+them into pinned uint8 batches of one shape each (``sources.images.regroup``), copy each
+batch to the GPU on a side stream one batch ahead (``stages.prefetch``), normalise and
+run the model there, scale the logits to each image's size and take the argmax there,
+and hand only the uint8 masks (a 42nd of the fp16 logits' bytes with 21 classes) to the
+egress engine, whose consumer processes write the files (``sinks.masks``). A batch
+crosses flat (the masks one after the other), so images of any size share the slots.
+With ``save_logits`` the logits at model size go through as well, as float16: the scores
+are far inside float16's range and half the bytes of float32.
+
+The package: :mod:`.listing` (what is still to do), :mod:`.run` (the job on one
+device), :mod:`.devices` (on several devices of one host); this module runs the steps
+and writes the summary, and :func:`segment_images` serves in-memory pictures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from ...config import SegmentConfig, load_config
+from ...errors import ConfigError
+from ...exit_codes import exit_code
+from ...report import SkipReport
+from ...scaleout.devices import devices_of
+from ...sinks.mask_stats import drop_stats_rows
+from ...sinks.masks import restore_mask
+from ...sources.files import refuse_output_as_input
+from ...sources.image_decode import ImageRejected
+from ...sources.images import input_shape, prepare_picture
+from ...stages.device import resolve_device
+from ...stages.segmentation import Segmenter, SegmentationModel, load_segmentation_model
+from .devices import segment_on_devices
+from .listing import list_inputs, remove_stale_tmp_files
+from .run import segment_on_device
+
+__all__ = ["SegmentConfig", "list_inputs", "segment", "segment_images"]
+
+
+def segment(config: SegmentConfig, progress: bool = True, timeline: str | None = None,
+            trace: str | None = None) -> dict:
+    """Run the job; returns a summary dict. Bad images are skipped and reported.
+
+    ``timeline`` names a PNG to draw the last batches' engine timeline into, ``trace`` a
+    JSON file for every batch's engine records in the Chrome trace format."""
+    config.validate()
+    if not config.images or not config.out:
+        raise ConfigError("segment needs images (an input folder or file) and out (a folder)")
+    devices = devices_of(config)
+    several = len(devices) > 1
+    if trace and several:
+        raise ConfigError(f"--trace records one device's engine; drop it or run on one device "
+                          f"(--devices {config.devices!r} names {len(devices)})")
+    # Several devices are not touched here (their processes can then be forked).
+    device = None if several else resolve_device(devices[0] if devices else config.device)
+    refuse_output_as_input(config.out, config.images, "input folder", "the PNG masks")
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = SkipReport()
+    t0 = time.perf_counter()
+    phases = {}  # seconds of each step, for the summary: where a run's time goes
+    try:
+        todo, already = list_inputs(config, report)
+        remove_stale_tmp_files(out, todo)
+        if config.stats and config.overwrite and todo:
+            drop_stats_rows(out, {rel for rel, _ in todo})
+        phases["list_s"] = time.perf_counter() - t0
+        summary = {"images": len(todo) + already, "already_done": already, "written": 0}
+        if todo and several:
+            summary.update(segment_on_devices(devices, config, todo, report, progress))
+        elif todo:
+            summary.update(segment_on_device(config, device, todo, report, progress, timeline, trace=trace))
+        phases["segment_s"] = time.perf_counter() - t0 - phases["list_s"]
+    finally:
+        report_path = report.write(out)
+    seconds = time.perf_counter() - t0
+    phases["finish_s"] = seconds - sum(phases.values())
+    summary.update({
+        "skipped": len(report), "skipped_by_reason": report.by_reason(), "exit_code": exit_code(len(report)),
+        "passed_over": dict(report.passed_over.most_common()), "seconds": round(seconds, 3),
+        "images_per_s": round(summary["written"] / seconds, 2) if seconds > 0 else 0.0,
+        "phases": {k: round(v, 3) for k, v in phases.items()},
+        "out": str(out), "report": str(report_path), "report_run": report.run,
+    })
+    return summary
+
+
+def segment_images(images: Iterable, config: SegmentConfig | None = None, *,
+                   model: SegmentationModel | None = None, **overrides) -> list[np.ndarray]:
+    """Masks of in-memory pictures (PIL images, or uint8/uint16 arrays), each a uint8
+    [height, width] array at its picture's own size.
+
+    For a handful of images in a notebook or a service: it runs in this process, with
+    no engine and no files. Settings come from ``config`` and ``overrides`` (field names
+    of :class:`SegmentConfig`); pass ``model`` (from ``load_segmentation_model``) to
+    reuse a loaded model across calls.
+    """
+    values = {**dataclasses.asdict(config or SegmentConfig()), **overrides}
+    config = load_config(SegmentConfig, None, **values)
+    config.validate()
+    device = resolve_device(config.device)
+    if model is None:
+        model = load_segmentation_model(config.arch, config.weights, config.num_classes,
+                                        config.random_weights)
+    prep = model.preprocessing(config.resize, config.size)
+    segmenter = Segmenter(model, device, config.dtype)
+    masks: list[np.ndarray] = []
+    pictures = iter(images)
+    while chunk := list(itertools.islice(pictures, config.batch_size)):
+        prepared = [_prepare(picture, prep, len(masks) + i) for i, picture in enumerate(chunk)]
+        done: dict[int, np.ndarray] = {}
+        shapes: dict[tuple[int, ...], list[int]] = {}
+        for i, (pixels, meta) in enumerate(prepared):
+            shapes.setdefault(input_shape(meta, pixels, config.resize), []).append(i)
+        for size, index in shapes.items():
+            pixels = segmenter.model_input([prepared[i][0][None] for i in index], size)
+            logits = segmenter.logits(pixels)
+            got, metas = segmenter.image_masks(logits, [prepared[i][1] for i in index],
+                                               None if config.resize == "short" else 0)
+            for i, mask, meta in zip(index, got, metas, strict=True):
+                done[i] = restore_mask(mask.cpu().numpy(), meta)
+        masks += [done[i] for i in range(len(prepared))]
+    return masks
+
+
+def _prepare(picture, prep, index: int):
+    try:
+        return prepare_picture(picture, prep)
+    except ImageRejected as exc:
+        raise ConfigError(f"image {index}: {exc.reason}") from exc

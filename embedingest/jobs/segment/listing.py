@@ -1,0 +1,91 @@
+"""segment's listing: which images a run still has to do (resume), and the temporary
+files a killed run left behind."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import posixpath
+from pathlib import Path
+
+from ...config import SegmentConfig
+from ...outfiles import is_tmp_name, through_link
+from ...report import SkipReport
+from ...sinks.mask_stats import STATS_DIR, stats_sources
+from ...sinks.masks import LOGITS_SUFFIX, MASK_SUFFIX, OVERLAY_SUFFIX
+from ...sources.files import walk_files
+from ...sources.image_decode import IMAGE_EXTENSIONS
+
+
+def list_inputs(config: SegmentConfig, report: SkipReport) -> tuple[list[tuple[str, str]], int]:
+    """The (rel_path, path) pairs still to do, and how many were already done.
+
+    Whether an image is done comes from one listing of each output folder rather than a
+    stat of each output: at ~100k images the per-image paths and stats took seconds of
+    every run's start-up (and a scaled-out run's parent does this alone)."""
+    root, out = Path(config.images), Path(config.out)
+    suffixes = ([MASK_SUFFIX] + [LOGITS_SUFFIX] * config.save_logits
+                + [OVERLAY_SUFFIX] * config.overlay)
+    present = _FolderNames(str(out))
+    with_row = stats_sources(out) if config.stats and not config.overwrite else set()
+    single = root.is_file()
+    prefix = "" if str(root) == "." else os.path.join(str(root), "")  # walk_files' paths start so
+    todo, done = [], 0
+    # An output folder inside the input is not listed: masks are PNGs and would be
+    # segmented on the next run.
+    for path in walk_files(root, set(IMAGE_EXTENSIONS), on_skip=report.add,
+                           on_other=report.pass_over, exclude=out):
+        full = str(path)
+        if single:
+            rel = path.name
+        elif full.startswith(prefix):
+            rel = full[len(prefix):].replace(os.sep, "/")
+        else:
+            rel = path.relative_to(root).as_posix()
+        folder, name = posixpath.split(rel)
+        if (not config.overwrite and all(present.has(folder, name + s) for s in suffixes)
+                and (not config.stats or rel in with_row)):
+            done += 1
+        else:
+            todo.append((rel, full))
+    return todo, done
+
+
+class _FolderNames:
+    """The names in the folders under ``out``, each folder listed once, when first asked."""
+
+    def __init__(self, out: str):
+        self.out = out
+        self.names: dict[str, frozenset[str]] = {}
+
+    def has(self, folder: str, name: str) -> bool:
+        names = self.names.get(folder)
+        if names is None:
+            try:
+                # a link is no mask: its image is redone (the link replaced, not followed)
+                with os.scandir(os.path.join(self.out, folder)) as entries:
+                    names = frozenset(e.name for e in entries if not e.is_symlink())
+            except OSError:  # not made yet, or not a folder: nothing in it is done
+                names = frozenset()
+            self.names[folder] = names
+        return name in names
+
+
+def remove_stale_tmp_files(out: Path, todo: list[tuple[str, str]]) -> None:
+    """Delete the temporary files (``.<name>.tmp-<pid>``, see ``atomic_write_bytes``) that a
+    killed run left half-written in ``out`` and in the folders of the images still to do
+    (an image whose write was cut is one of those: its mask, written last, is missing), and
+    in the statistics folder."""
+    subs = {"", STATS_DIR} | {posixpath.dirname(rel) for rel, _ in todo}
+    for folder in {os.path.join(out, sub) for sub in subs}:
+        if through_link(out, folder):  # never delete through a link: it may lead out of ``out``
+            continue
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        for entry in entries:
+            if is_tmp_name(entry.name) and entry.is_file(follow_symlinks=False):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+

@@ -1,0 +1,179 @@
+"""segment on one device: decode and batch the images in DataLoader workers, run the
+model, hand the uint8 masks (and logits, if asked) to the egress engine, whose consumers
+write the files."""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections import Counter
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from ...config import SegmentConfig
+from ...engine.consumers import exit_with_parent, loader_context
+from ...engine.markers import annotate
+from ...report import SkipReport
+from ...runner import BatchSteps, run_batches
+from ...scaleout.devices import share_of_cpus
+from ...sinks.masks import MaskSinkFactory, labels_info, write_labels
+from ...sources.image_decode import LONG_SIDE_LIMIT, ImageMeta
+from ...sources.images import ImageBatch, ImageFileDataset, collate_images, regroup
+from ...sources.shape_batches import HeaderReaders, ShapeBatchSampler
+from ...stages.segmentation import Segmenter, load_segmentation_model
+
+
+def slot_spec(config: SegmentConfig, num_classes: int) -> dict:
+    """The flat arrays of one host slot: room for a full batch at the largest model input,
+    and for at least one mask of ``upsample_max_pixels`` (a batch that does not fit is
+    handed over in several parts, see ``_parts``)."""
+    square = config.size * config.size
+    if config.resize == "fit":
+        masks, logits = config.batch_size * square, config.batch_size * num_classes * square
+    else:
+        masks = max(config.batch_size * LONG_SIDE_LIMIT * square, config.upsample_max_pixels)
+        logits = max(config.batch_size, LONG_SIDE_LIMIT) * num_classes * square
+    spec = {"mask": ((masks,), "uint8")}
+    if config.save_logits:
+        spec["logits"] = ((logits,), "float16")
+    return spec
+
+
+def _parts(metas: list[ImageMeta], masks: list[torch.Tensor], logits: list[torch.Tensor] | None,
+           spec: dict) -> Iterator[tuple[tuple[ImageMeta, ...], dict[str, torch.Tensor]]]:
+    """The flat arrays of a batch in as few parts as fit a slot, images in order."""
+    room = {name: shape[0] for name, (shape, _) in spec.items()}
+    start, used = 0, dict.fromkeys(room, 0)
+    for i in range(len(metas) + 1):
+        sizes = {} if i == len(metas) else {"mask": masks[i].numel(),
+                                             **({"logits": logits[i].numel()} if logits else {})}
+        if i == len(metas) or any(used[k] + n > room[k] for k, n in sizes.items()):
+            if i > start:
+                arrays = {"mask": torch.cat([m.reshape(-1) for m in masks[start:i]])}
+                if logits:
+                    arrays["logits"] = torch.cat([lg.reshape(-1) for lg in logits[start:i]])
+                yield tuple(metas[start:i]), arrays
+            start, used = i, dict.fromkeys(room, 0)
+        for k, n in sizes.items():
+            used[k] += n
+
+
+def segment_on_device(config: SegmentConfig, device: torch.device, todo: list[tuple[str, str]],
+                  report: SkipReport, progress: bool = False, timeline: str | None = None,
+                  on_images=None, processes: int = 1, trace: str | None = None) -> dict:
+    """Segment ``todo`` ((rel_path, path) pairs) on one device; bad images go to
+    ``report``; ``on_images(n)`` is told of every n images handled; ``processes`` device
+    processes share the host's cores. Returns the summary fields of the run, ``timing``
+    among them: where this process's time went (model load; starting the decoding workers
+    and the engine; waiting for the first batch and for later ones, where the decoders are
+    the bound; the first forward, which includes CUDA's lazy set-up; the others with
+    their hand-over to the engine; closing, the consumers' last masks), and
+    ``batch_shapes``: how many batches of each size and model input shape ran."""
+    t0 = time.perf_counter()
+    timing = {"load_model_s": 0.0}
+    loaded = load_segmentation_model(config.arch, config.weights, config.num_classes,
+                                     config.random_weights)
+    prep = loaded.preprocessing(config.resize, config.size)
+    full_max = config.upsample_max_pixels if config.resize == "short" else 0
+    write_labels(config.out, labels_info(loaded.arch, loaded.source, loaded.categories,
+                                         prep.describe(), full_max, loaded.preset),
+                 replace=config.overwrite)
+    segmenter = Segmenter(loaded, device, config.dtype)
+    # cuDNN's algorithm search (torch.backends.cudnn.benchmark) stays off: on an H200 it
+    # found no faster kernels for DeepLabV3-ResNet50 at batch 16 (fp16 741 against 739
+    # images/s, fp32 392 against 392) and cost 1.6-3.6 s (fp16) and 12 s (fp32) at the
+    # start of every process, and it would search again for every new input shape.
+    t_loaded = time.perf_counter()
+    timing["load_model_s"] = t_loaded - t0
+    workers = min(share_of_cpus(config.num_workers, processes), -(-len(todo) // config.batch_size))
+    # Headers are read by processes of their own (a few per cent of the decoding's work), so
+    # this process, which drives the GPU, does nothing per image.
+    headers = HeaderReaders(max(1, workers // 8) if workers and config.resize != "fit" else 0,
+                            loader_context(), functools.partial(exit_with_parent, os.getpid()))
+    loader = DataLoader(
+        ImageFileDataset(todo, prep, config.max_pixels or None),
+        # batches of one shape planned from the headers; regroup joins their chunks
+        batch_sampler=ShapeBatchSampler(todo, prep, config.batch_size, read_sizes=headers),
+        num_workers=workers,
+        collate_fn=functools.partial(collate_images, resize=config.resize),
+        pin_memory=device.type == "cuda",
+        persistent_workers=False, worker_init_fn=functools.partial(exit_with_parent, os.getpid()),
+        multiprocessing_context=loader_context() if workers else None)
+    spec = slot_spec(config, loaded.num_classes)
+    factory = MaskSinkFactory(str(config.out), config.save_logits, config.overlay,
+                              config.overlay_alpha, config.max_pixels or None,
+                              num_classes=loaded.num_classes, stats=config.stats,
+                              categories=tuple(loaded.categories),
+                              stats_commit_seconds=config.stats_commit_seconds)
+    # Start the header readers and the decoding workers (fork) before any thread.
+    headers.start()
+    batches = regroup(iter(loader), config.batch_size, max_waiting=4 * config.batch_size)
+    shapes: Counter = Counter()
+    seen: set[tuple[int, int]] = set()
+
+    def send(batch: ImageBatch) -> torch.Tensor | None:
+        if not batch.groups:
+            return None
+        return segmenter.model_input([pixels for pixels, _, _ in batch.groups], batch.groups[0][2])
+
+    def forward(batch_no: int, batch: ImageBatch, pixels: torch.Tensor):
+        """The masks (and logits) of a batch, in as few parts as fit a host slot."""
+        shapes[tuple(pixels.shape[:1]) + tuple(pixels.shape[2:])] += 1
+        # a shape's short batch comes after its full ones, so a short batch of a shape not
+        # run before is the only batch of that shape
+        once = len(batch) < config.batch_size and tuple(pixels.shape[2:]) not in seen
+        seen.add(tuple(pixels.shape[2:]))
+        with annotate("segment forward", "compute"):
+            logits = segmenter.logits(pixels, once=once)
+            masks, metas = segmenter.image_masks(logits, batch.items, full_max)
+            crops = None
+            if config.save_logits:
+                crops = [logits[i, :, :m.content_height, :m.content_width].to(torch.float16)
+                         for i, m in enumerate(metas)]
+        return _parts(metas, masks, crops, spec)
+
+    # disable=None: a bar on a terminal only, never in logs or pipes.
+    with headers, tqdm(total=len(todo), unit="img", desc="segment", dynamic_ncols=True,
+                       disable=None if progress else True) as bar:
+
+        def done(batch: ImageBatch) -> None:
+            bar.update(len(batch) + len(batch.bad))
+            if on_images is not None:
+                on_images(len(batch) + len(batch.bad))
+
+        steps = BatchSteps(send, forward, skipped=lambda batch: [(b.path, b.reason) for b in batch.bad],
+                           done=done)
+        engine = run_batches(factory, batches, steps, device=device, slot_spec=spec,
+                             num_consumers=config.num_consumers, num_slots=config.num_slots or None,
+                             on_skip=functools.partial(report.add, stage="read"), timing=timing,
+                             started=t_loaded)
+    if timeline and engine.stats.records:
+        from ...engine.timeline import render_timeline
+
+        render_timeline(engine.stats.records, timeline, spans=engine.stats.spans,
+                        title=f"segment {config.images} ({device}, {segmenter.dtype})")
+    if trace:
+        from ...engine.trace import write_trace
+
+        write_trace(trace, [(str(device), engine.stats)], phases=[("segment", t0, time.perf_counter())],
+                    title=f"segment {config.images} ({device}, {segmenter.dtype})")
+    written = stats_rows = 0
+    for result in engine.closed_results:
+        if result:
+            written += result["written"]
+            stats_rows += result.get("stats_rows", 0)
+            for path, reason in result["failed"]:
+                report.add(path, reason, stage="overlay")
+    summary = {"written": written, "model": loaded.source, "arch": loaded.arch,
+               "num_classes": loaded.num_classes, "device": str(device),
+               "dtype": str(segmenter.dtype).replace("torch.", ""), "resize": config.resize,
+               "batch_shapes": [[n, h, w, k] for (n, h, w), k in sorted(shapes.items())],
+               "engine": engine.stats.summary(), "timing": {k: round(v, 3) for k, v in timing.items()}}
+    if config.stats:
+        summary["stats_rows"] = stats_rows
+    return summary
+

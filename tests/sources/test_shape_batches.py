@@ -1,0 +1,123 @@
+"""Batches planned from the files' headers: one shape each, as few per shape as can be,
+every image once, each batch handed over as soon as its shape has filled it."""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from collections import Counter
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from PIL import Image
+from segment_fixtures import SIZE, bad_files, exif_rotated_jpeg, image_tree, noise
+from torch.utils.data import DataLoader
+
+from embedingest.sources.image_decode import Preprocessing, header_size, open_rgb
+from embedingest.sources.images import ImageFileDataset, collate_images, regroup
+from embedingest.sources.shape_batches import HeaderReaders, ShapeBatchSampler
+
+SHORT = Preprocessing("short", SIZE)
+
+
+def test_header_size_is_the_decoded_size(tmp_path):
+    sizes = image_tree(tmp_path)
+    Image.fromarray(noise(30, 50)).save(tmp_path / "exif.png", exif=_orientation(6))  # eXIf before the pixels
+    sizes["exif.png"] = (30, 50)
+    exif_rotated_jpeg(tmp_path / "mirrored.jpg", 40, 20, orientation=2)  # flipped, not turned
+    sizes["mirrored.jpg"] = (40, 20)
+    for rel, size in sizes.items():
+        assert header_size(tmp_path / rel) == size == open_rgb(tmp_path / rel)[1], rel
+    (tmp_path / "bad").mkdir()
+    for rel in bad_files(tmp_path / "bad"):
+        if rel not in ("cut.jpg", "cut.png"):  # a cut file's header is whole
+            assert header_size(tmp_path / "bad" / rel) is None, rel
+    assert header_size(tmp_path / "missing.jpg") is None
+
+
+def _orientation(value: int) -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = value
+    return exif.tobytes()
+
+
+class _Planned(ShapeBatchSampler):
+    """The sampler with the shapes given instead of read, and the files it looked at."""
+
+    def __init__(self, shapes, batch_size, chunk_size=None):
+        super().__init__([(str(i), str(i)) for i in range(len(shapes))], SHORT, batch_size, chunk_size)
+        self.planned = shapes
+        self.looked = 0
+
+    def shapes(self):
+        for shape in self.planned:
+            self.looked += 1
+            yield shape
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([(4, 6), (6, 4), (5, 5), (4, 7), None]), max_size=60),
+       st.integers(1, 7), st.integers(1, 8))
+def test_plan_fills_every_shape_and_hands_batches_over_at_once(shapes, batch_size, chunk):
+    sampler = _Planned(shapes, batch_size, batch_size)
+    batches, looked_at = [], []
+    for batch in sampler:
+        batches.append(batch)
+        looked_at.append(sampler.looked)
+    assert sorted(i for b in batches for i in b) == list(range(len(shapes))), "each image once"
+    assert all(len({shapes[i] for i in b}) == 1 for b in batches), "one shape a batch"
+    counts = Counter(s for s in shapes if s is not None)
+    made = Counter(shapes[b[0]] for b in batches if shapes[b[0]] is not None)
+    assert made == {s: math.ceil(n / batch_size) for s, n in counts.items()}, "fewest batches a shape"
+    assert all(len(b) == 1 for b in batches if shapes[b[0]] is None), "unknown ones alone"
+    for batch, looked in zip(batches, looked_at, strict=True):
+        if len(batch) == batch_size:  # handed over as soon as its last image was seen
+            assert looked == max(batch) + 1
+        if shapes[batch[0]] is None:
+            assert looked == batch[0] + 1
+    # smaller chunks are the same batches cut in order
+    cut = [b[k:k + chunk] for b in batches for k in range(0, len(b), chunk)]
+    assert list(_Planned(shapes, batch_size, chunk)) == cut
+
+
+def test_fit_reads_no_header_and_keeps_the_order(tmp_path):
+    files = [(f"{i}", str(tmp_path / f"missing{i}.jpg")) for i in range(10)]
+    sampler = ShapeBatchSampler(files, Preprocessing("fit", SIZE), 4)
+    assert list(sampler) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+
+def test_loader_batches_are_full_across_the_run(tmp_path):
+    """Three aspect ratios in turn, 7 images each, batch 3: the DataLoader (two workers,
+    chunks of one image) and regroup make exactly ceil(7/3) = 3 batches of each shape
+    (where grouping within loader batches made 21 of one image)."""
+    files, ratio_of = [], {}
+    for i in range(21):
+        w, h = [(90, 60), (60, 90), (80, 80)][i % 3]
+        path = tmp_path / f"{i}.png"
+        Image.fromarray(noise(h, w, seed=i)).save(path)
+        files.append((f"{i}.png", str(path)))
+        ratio_of[f"{i}.png"] = (w, h)
+    loader = DataLoader(ImageFileDataset(files, SHORT), batch_sampler=ShapeBatchSampler(files, SHORT, 3),
+                        num_workers=2, collate_fn=functools.partial(collate_images, resize="short"))
+    sizes = Counter()
+    for batch in regroup(iter(loader), 3, max_waiting=12):
+        assert len({hw for _, _, hw in batch.groups}) == 1
+        assert len({ratio_of[m.rel_path] for m in batch.items}) == 1
+        sizes[len(batch)] += 1
+    assert sizes == {3: 6, 1: 3}
+    assert np.sum(list(sizes.elements())) == 21
+
+
+def test_header_readers_give_the_sizes_in_order_and_survive_a_dead_reader(tmp_path, monkeypatch):
+    sizes = image_tree(tmp_path)
+    paths = [str(tmp_path / rel) for rel in sizes] * 3 + [str(tmp_path / "missing.png")]
+    want = [header_size(p) for p in paths]
+    with HeaderReaders(2, chunksize=2) as read:
+        assert list(read(paths)) == want
+        assert list(ShapeBatchSampler([(p, p) for p in paths], SHORT, 4, read_sizes=read)) == \
+            list(ShapeBatchSampler([(p, p) for p in paths], SHORT, 4))
+    with HeaderReaders(1, chunksize=1, initializer=functools.partial(os._exit, 3)) as read:  # each reader dies
+        assert list(read(paths)) == want
+    assert list(HeaderReaders(1)(paths)) == want  # not started: read here
