@@ -21,6 +21,10 @@ import faiss
 import numpy as np
 
 from ..errors import ConfigError
+from .formats import index_format
+from .lookup import ShardRows
+from .shards import FORMAT as SHARDS_FORMAT
+from .shards import SHARDS_DIR, list_shards
 from .store import IndexStore, Manifest, read_index_file
 
 PARALLEL_FROM = 20_000  # vectors; below, threads cost more than the scan
@@ -62,8 +66,9 @@ class Index:
 
     def __init__(self, store: IndexStore, manifest: Manifest, shards: list[faiss.Index],
                  encoder=None, device: str = "cpu", query_prompt: str | None = None,
-                 params: str | None = None):
+                 params: str | None = None, rows: ShardRows | None = None):
         self.store = store
+        self.rows = rows  # format 2: the chunk rows, through the shards' Parquet files
         self.manifest = manifest
         self.shards = shards
         self.device = device
@@ -96,6 +101,8 @@ class Index:
 
     def close(self) -> None:
         self.shards = []
+        if self.rows is not None:
+            self.rows.close()
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
@@ -168,6 +175,8 @@ class Index:
     def chunks(self, ids) -> dict:
         """Chunk rows by vector id (:class:`~embedingest.index.store.Chunk`, with its
         source); unknown ids are absent."""
+        if self.rows is not None:
+            return self.rows.chunks(ids)
         return self._thread_store().chunks(ids)
 
     def search_vectors(self, vectors: np.ndarray, k: int | None = None) -> list[list[Hit]]:
@@ -177,9 +186,10 @@ class Index:
         rows = self.chunks(found)
         missing = [i for i in found if i not in rows]
         if missing:
+            where = "its shard's Parquet file" if self.rows is not None else repr(str(self.store.metadata_path))
             raise ConfigError(
                 f"{len(missing)} of the vectors found have no metadata row in "
-                f"{str(self.store.metadata_path)!r} (e.g. id {missing[0]}): the last build of this "
+                f"{where} (e.g. id {missing[0]}): the last build of this "
                 "index was stopped before it finished (or one is running now); run the same "
                 "build-index command again to finish it, then search")
         out = []
@@ -257,6 +267,10 @@ def open_index(path: str | os.PathLike, device: str = "cpu", *, encoder=None,
     manifest = store.read_manifest()
     if params is None:
         params = manifest.search.get("params")
+    if index_format(path) == SHARDS_FORMAT:
+        shards, rows = _open_shards(store, manifest, params)
+        return Index(store, manifest, shards, encoder=encoder, device=device, query_prompt=query_prompt,
+                     params=params or None, rows=rows)
     listed = store.shards()
     if any(seg.count for seg in listed) or os.path.lexists(store.metadata_path):
         store.connect().close()  # a missing or damaged database fails here, not after a query
@@ -269,12 +283,44 @@ def open_index(path: str | os.PathLike, device: str = "cpu", *, encoder=None,
                 f"sidecar lists {seg.count} (or other ids) and the manifest says dim {manifest.dim}: "
                 "the file is damaged; delete that shard's .faiss and .ids.npy files and run build-index "
                 "again to redo the units it held")
-        if params:
-            try:
-                faiss.ParameterSpace().set_index_parameters(index, params)
-            except RuntimeError as exc:
-                raise ConfigError(f"search parameters {params!r} do not apply to {seg.name} "
-                                  f"(factory {manifest.factory!r}): {str(exc).splitlines()[0]}") from exc
+        _set_params(index, params, seg.name, manifest)
         shards.append(index)
     return Index(store, manifest, shards, encoder=encoder, device=device, query_prompt=query_prompt,
                  params=params or None)
+
+
+def _set_params(index: faiss.Index, params: str | None, name: str, manifest: Manifest) -> None:
+    if params:
+        try:
+            faiss.ParameterSpace().set_index_parameters(index, params)
+        except RuntimeError as exc:
+            raise ConfigError(f"search parameters {params!r} do not apply to {name} "
+                              f"(factory {manifest.factory!r}): {str(exc).splitlines()[0]}") from exc
+
+
+def _open_shards(store: IndexStore, manifest: Manifest, params: str | None) -> tuple[list, ShardRows]:
+    """The vectors of every committed shard (memory-mapped where faiss can) and their rows.
+    Each shard's vectors must be its rows' (same count and ids, in the same order)."""
+    shards = [s for s in list_shards(store.folder / SHARDS_DIR, generation=manifest.generation) if s.rows]
+    vectors, ids = [], []
+    for shard in shards:
+        path = shard.faiss_path(manifest.generation)
+        index = read_shard(path)
+        id_map = getattr(index, "id_map", None)
+        if index.ntotal != shard.rows or index.d != manifest.dim or id_map is None \
+                or not _ends_match(id_map, shard):
+            raise ConfigError(
+                f"{str(path)!r} holds {index.ntotal} vectors of dim {index.d}, but its shard has "
+                f"{shard.rows} rows (or other ids) and the manifest says dim {manifest.dim}: the "
+                f"shard is damaged; delete its files ({shard.name}.*) and run build-index again "
+                "to redo the units it held")
+        _set_params(index, params, shard.name, manifest)
+        vectors.append(index)
+        ids.append(faiss.vector_to_array(id_map))
+    return vectors, ShardRows(shards, ids)
+
+
+def _ends_match(id_map, shard) -> bool:
+    """The lowest and highest ids of a shard's vectors are those its record gives."""
+    ids = faiss.rev_swig_ptr(id_map.data(), id_map.size())
+    return int(ids.min()) == shard.id_min and int(ids.max()) == shard.id_max

@@ -58,6 +58,8 @@ from ..sinks.faiss_shards import (
     sidecar_path,
     write_shard,
 )
+from .faiss_edit import removes_in_place as _removes_in_place
+from .faiss_edit import without as _without
 
 log = logging.getLogger("embedingest")
 
@@ -65,6 +67,7 @@ MANIFEST_NAME = "manifest.json"
 METADATA_NAME = "metadata.sqlite"
 JOURNAL_NAME = "replacing.json"
 FORMAT = 1
+READ_FORMAT = 2  # the newest manifest format read (index/formats.py decides what else is)
 CHUNK_BITS = 32
 MAX_UNIT_NO = 2**31 - 1  # ids stay positive int64 (faiss uses -1 for "no result")
 
@@ -144,6 +147,7 @@ class Manifest:
     created: str = field(default_factory=_now)
     updated: str = field(default_factory=_now)
     format: int = FORMAT
+    generation: int = 0  # format 2: how many times `reindex` rebuilt the vectors (file names)
 
     @classmethod
     def from_dict(cls, data: Mapping, where: str = "manifest") -> Manifest:
@@ -158,7 +162,7 @@ class Manifest:
                 raise ConfigError(f"{where}: {name} is {value!r}, not {_FIELD_TYPES[name][1]}; the "
                                   "manifest was changed or damaged: put back the value it was built "
                                   "with, or rebuild the index with --overwrite")
-        if data.get("format", FORMAT) > FORMAT:
+        if data.get("format", FORMAT) > READ_FORMAT:
             raise ConfigError(f"{where} has format {data['format']}, newer than this embedingest "
                               f"({package_version()}) reads: upgrade embedingest")
         manifest = cls(**{k: v for k, v in data.items() if k in known})
@@ -194,6 +198,7 @@ _FIELD_TYPES = {
     "created": (lambda v: isinstance(v, str), "a string"),
     "updated": (lambda v: isinstance(v, str), "a string"),
     "format": (_is_int, "an integer"),
+    "generation": (lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
 }
 
 
@@ -262,6 +267,9 @@ def _sqlite_error(exc: sqlite3.Error, path: Path) -> Exception:
 class IndexStore:
     """One index folder. Not safe for two writers at once; readers (search) only list and
     read committed shards."""
+
+    _schema = _SCHEMA  # what the database holds (format 2 keeps units only)
+    _probe_sql = "SELECT count(*) FROM units JOIN chunks LIMIT 0"
 
     def __init__(self, folder: str | os.PathLike, read_only: bool = False):
         self.folder = Path(folder)
@@ -547,7 +555,7 @@ class IndexStore:
         an existing database read-only; a link in place of the database or its journal
         files is refused (sqlite would write through it)."""
         for suffix in ("", "-wal", "-shm", "-journal"):
-            refuse_link(self.folder / (METADATA_NAME + suffix))
+            refuse_link(self.folder / (self.metadata_path.name + suffix))
         if self.read_only and not self.metadata_path.is_file():
             raise ConfigError(
                 f"{str(self.metadata_path)!r} does not exist: the build of this index was stopped "
@@ -556,7 +564,7 @@ class IndexStore:
         if self.read_only:
             db = sqlite3.connect(f"file:{urllib.parse.quote(str(self.metadata_path))}?mode=ro",
                                  uri=True)
-            db.execute("SELECT count(*) FROM units JOIN chunks LIMIT 0").fetchall()
+            db.execute(self._probe_sql).fetchall()
             return db
         self.folder.mkdir(parents=True, exist_ok=True)
         db = sqlite3.connect(self.metadata_path)
@@ -564,7 +572,7 @@ class IndexStore:
             db.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
-        db.executescript(_SCHEMA)
+        db.executescript(self._schema)
         return db
 
     @_sqlite_errors
@@ -694,77 +702,3 @@ def _is_shard_name(name) -> bool:
 def _batches(items: list, size: int = _QUERY_BATCH):
     for i in range(0, len(items), size):
         yield items[i:i + size]
-
-
-def _array_ivf(inner: faiss.Index) -> faiss.IndexIVF | None:
-    """The IVF of an IVF index (or of a transform over one) whose lists can be edited."""
-    if isinstance(inner, faiss.IndexPreTransform):
-        inner = faiss.downcast_index(inner.index)
-    if isinstance(inner, faiss.IndexIVF) and isinstance(
-            faiss.downcast_InvertedLists(inner.invlists), faiss.ArrayInvertedLists):
-        return inner
-    return None
-
-
-def _removes_in_place(index: faiss.IndexIDMap) -> bool:
-    """Whether :func:`_without` edits ``index`` itself, keeping codes exactly: flat codes
-    (Flat, SQ, PQ) and IVF with array inverted lists."""
-    inner = faiss.downcast_index(index.index)
-    return isinstance(inner, faiss.IndexFlatCodes) or _array_ivf(inner) is not None
-
-
-def _without(index: faiss.IndexIDMap, keep: np.ndarray,
-             template: faiss.Index | None) -> tuple[faiss.Index, np.ndarray]:
-    """Keep the vectors of ``index`` at positions ``keep``; return (index, kept ids).
-
-    ``IndexIDMap.remove_ids`` is wrong for IVF (it compacts the id map but not the labels
-    in the inverted lists), so IVF lists are filtered and relabelled here, codes untouched.
-    Other kinds (HNSW has no remove_ids) are rebuilt from reconstructed vectors into a
-    clone of ``template``: exact for HNSW over flat storage, re-quantised for lossy codecs.
-    """
-    ids = faiss.vector_to_array(index.id_map)
-    kept = ids[keep]
-    inner = faiss.downcast_index(index.index)
-    if isinstance(inner, faiss.IndexFlatCodes):
-        index.remove_ids(faiss.IDSelectorBatch(ids[~keep]))
-        return index, kept
-    ivf = _array_ivf(inner)
-    if ivf is not None:
-        _filter_ivf_lists(ivf, keep)
-        inner.ntotal = ivf.ntotal
-        faiss.copy_array_to_vector(kept, index.id_map)
-        index.ntotal = len(kept)
-        return index, kept
-    try:
-        faiss.extract_index_ivf(inner).make_direct_map()
-    except RuntimeError:
-        pass
-    try:
-        vectors = inner.reconstruct_n(0, index.ntotal)[keep]
-    except RuntimeError as exc:
-        raise ConfigError(f"vectors of a {type(inner).__name__} index cannot be reconstructed, "
-                          "so units cannot be removed from it: rebuild with --overwrite") from exc
-    rebuilt = faiss.IndexIDMap(faiss.clone_index(template))
-    rebuilt.add_with_ids(vectors, kept)
-    return rebuilt, kept
-
-
-def _filter_ivf_lists(ivf: faiss.IndexIVF, keep: np.ndarray) -> None:
-    """Drop the entries whose label is not kept; renumber labels to the compacted order."""
-    lists = faiss.downcast_InvertedLists(ivf.invlists)
-    new_label = np.cumsum(keep, dtype=np.int64) - 1
-    code_size = lists.code_size
-    for no in range(lists.nlist):
-        size = lists.list_size(no)
-        if not size:
-            continue
-        labels = faiss.rev_swig_ptr(lists.get_ids(no), size).copy()
-        codes = faiss.rev_swig_ptr(lists.get_codes(no), size * code_size).reshape(size, code_size)
-        mask = keep[labels]
-        new_labels = np.ascontiguousarray(new_label[labels[mask]])
-        new_codes = np.ascontiguousarray(codes[mask])
-        lists.resize(no, len(new_labels))
-        if len(new_labels):
-            lists.update_entries(no, 0, len(new_labels), faiss.swig_ptr(new_labels),
-                                 faiss.swig_ptr(new_codes))
-    ivf.ntotal = int(keep.sum())

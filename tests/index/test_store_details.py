@@ -114,7 +114,7 @@ def test_manifest_from_dict_names_what_is_wrong():
     with pytest.raises(ConfigError) as err:
         Manifest.from_dict({"metric": "ip"}, where="x/manifest.json")
     assert str(err.value) == "x/manifest.json lacks dim, model: rebuild the index with --overwrite"
-    with pytest.raises(ConfigError, match=r"^manifest has format 2, newer than this embedingest"):
-        Manifest.from_dict({"model": {}, "dim": 4, "format": 2})
+    with pytest.raises(ConfigError, match=r"^manifest has format 3, newer than this embedingest"):
+        Manifest.from_dict({"model": {}, "dim": 4, "format": 3})
     m = Manifest.from_dict({"model": {"name": "m"}, "dim": 4, "unknown_later_field": 1})
     assert (m.model, m.dim, m.format) == ({"name": "m"}, 4, 1)

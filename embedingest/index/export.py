@@ -1,0 +1,80 @@
+"""``embedingest export``: an index of format 2 as plain Parquet files that pandas, DuckDB,
+Polars or Spark read as they are.
+
+One file per shard, ``<to>/<shard>.parquet``, with the shard's rows (id, source,
+record_id, chunk_no, span_start, span_end, text) and, when the index kept its
+embeddings (``--save-embeddings``), ``embedding``: a fixed-size list of float32 (the
+saved float16 values widened; float16 columns are not read by every engine). Row groups
+are large here (:data:`ROW_GROUP_ROWS`), for scans rather than lookups. Every file is
+written to a temporary name and renamed; ``_SUCCESS`` is written last.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ..errors import ConfigError
+from ..outfiles import atomic_file, atomic_write_bytes, ensure_folder, refuse_link
+from .formats import require_current
+from .shards import EMB_SUFFIX, SHARDS_DIR, list_shards
+from .store import IndexStore
+
+ROW_GROUP_ROWS = 65_536
+SUCCESS_NAME = "_SUCCESS"
+
+
+def export_index(index: str | os.PathLike, to: str | os.PathLike, *, embeddings: bool | None = None,
+                 overwrite: bool = False) -> dict:
+    """Write the rows of the index at ``index`` to Parquet files in ``to``; return a
+    summary (files, rows, whether embeddings are in them). ``embeddings``: None takes
+    them when the index kept them; True refuses an index without them. ``to`` must be
+    empty or not exist, unless ``overwrite`` (then the Parquet files and ``_SUCCESS``
+    there are replaced; other files stay)."""
+    index, to = Path(index), Path(to)
+    require_current(index)
+    if not (index / "manifest.json").is_file():
+        raise ConfigError(f"{str(index)!r} is not an embedingest index (no manifest.json)")
+    if to.resolve() == index.resolve() or index.resolve() in to.resolve().parents:
+        raise ConfigError(f"export folder {str(to)!r} is inside the index {str(index)!r}: "
+                          "choose a folder outside it")
+    generation = IndexStore(index).read_manifest().generation
+    shards = list_shards(index / SHARDS_DIR, generation=generation)
+    with_rows = [s for s in shards if s.rows]
+    kept = all(s.has_embeddings for s in with_rows)
+    if embeddings is None:
+        embeddings = kept and bool(with_rows)
+    elif embeddings and not kept:
+        raise ConfigError(f"the index at {str(index)!r} kept no embeddings (it was built without "
+                          "--save-embeddings): export without them, or rebuild the index with "
+                          "--save-embeddings")
+    refuse_link(to)
+    if to.exists():
+        existing = [p for p in to.iterdir() if p.suffix == ".parquet" or p.name == SUCCESS_NAME]
+        if any(to.iterdir()) and not overwrite:
+            raise ConfigError(f"export folder {str(to)!r} is not empty: choose a new folder or "
+                              "pass --overwrite")
+        for path in existing:
+            refuse_link(path)
+            path.unlink()
+    ensure_folder(to, to)
+    rows = 0
+    for shard in with_rows:
+        table = pq.read_table(shard.path("parquet"))
+        if embeddings:
+            emb = np.load(shard.folder / f"{shard.name}{EMB_SUFFIX}", mmap_mode="r")
+            if emb.shape[0] != table.num_rows:
+                raise ConfigError(f"{shard.name}{EMB_SUFFIX} holds {emb.shape[0]} vectors for "
+                                  f"{table.num_rows} rows: the shard is damaged; rebuild the index")
+            flat = pa.array(np.ascontiguousarray(emb, dtype=np.float32).reshape(-1))
+            table = table.append_column("embedding", pa.FixedSizeListArray.from_arrays(flat, emb.shape[1]))
+        with atomic_file(to / f"{shard.name}.parquet") as fh:
+            pq.write_table(table, fh, compression="zstd", row_group_size=ROW_GROUP_ROWS)
+        rows += table.num_rows
+    atomic_write_bytes(to / SUCCESS_NAME, b"", sync_dir=True)
+    return {"index": str(index), "to": str(to), "files": len(with_rows), "rows": rows,
+            "embeddings": bool(embeddings)}

@@ -1,0 +1,94 @@
+"""Which index format a folder holds, and the refusal of the ones this version does not read.
+
+Format 1 kept every chunk's metadata in one ``metadata.sqlite`` and its vectors under
+``segments/``; format 2 keeps both in ``shards/`` (:mod:`embedingest.index.shards`).
+The manifest names the format; a folder with ``metadata.sqlite`` is format 1 whatever
+its manifest says, so an old index is never read as a new one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from pathlib import Path
+
+from ..errors import ConfigError
+
+MANIFEST_NAME = "manifest.json"
+V1_METADATA = "metadata.sqlite"
+V1_SEGMENTS = "segments"
+CURRENT = 2
+
+
+def index_format(folder: str | os.PathLike) -> int | None:
+    """The format of the index at ``folder``: 1 or 2 (or what a newer manifest says);
+    None when the folder holds no index. A manifest without a format field is format 1
+    (the first releases wrote none)."""
+    folder = Path(folder)
+    if (folder / V1_METADATA).exists() or (folder / V1_SEGMENTS).is_dir():
+        return 1
+    path = folder / MANIFEST_NAME
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {str(path)!r}: {exc}; rebuild the index with --overwrite") from exc
+    value = data.get("format", 1) if isinstance(data, dict) else None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(f"{str(path)!r} gives format {value!r}, not a number: the manifest was "
+                          "changed or damaged; rebuild the index with --overwrite")
+    return value
+
+
+def rebuild_command(folder: str | os.PathLike, manifest: dict | None = None,
+                    save_embeddings: bool = False) -> str:
+    """The command that rebuilds the index at ``folder`` in the current format, from what
+    its manifest says (corpus folder, model, factory, metric)."""
+    manifest = manifest or {}
+    model = manifest.get("model") or {}
+    corpus = manifest.get("corpus_path")
+    parts = ["embedingest", "build-index", shlex.quote(corpus) if corpus else "CORPUS",
+             "--out", shlex.quote(str(folder))]
+    name = model.get("name") or model.get("path")
+    if name:
+        parts += ["--model", shlex.quote(name)]
+    if manifest.get("factory"):
+        parts += ["--index", shlex.quote(manifest["factory"])]
+    if manifest.get("metric") and manifest["metric"] != "ip":
+        parts += ["--metric", manifest["metric"]]
+    if save_embeddings:
+        parts.append("--save-embeddings")
+    parts.append("--overwrite")
+    return " ".join(parts)
+
+
+def _manifest_data(folder: Path) -> dict:
+    try:
+        data = json.loads((folder / MANIFEST_NAME).read_text(encoding="utf-8"))
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def require_current(folder: str | os.PathLike) -> None:
+    """ConfigError unless ``folder`` holds an index of the current format: a format-1
+    index is refused with the exact command that rebuilds it (nothing is read from or
+    written to it); a newer one asks for a newer embedingest. A folder with no index
+    passes (the caller says what it needs)."""
+    folder = Path(folder)
+    found = index_format(folder)
+    if found is None or found == CURRENT:
+        return
+    if found > CURRENT:
+        raise ConfigError(f"the index at {str(folder)!r} has format {found}, newer than this "
+                          f"embedingest reads (format {CURRENT}): upgrade embedingest")
+    data = _manifest_data(folder)
+    where = "" if data.get("corpus_path") else (" (CORPUS: the folder or file it was built from; an "
+                                               "index of records is rebuilt by build_index(records, "
+                                               "out=..., overwrite=True))")
+    raise ConfigError(
+        f"the index at {str(folder)!r} is in format {found} (chunk metadata in {V1_METADATA}), "
+        f"which this embedingest no longer reads. Rebuild it in format {CURRENT} with:\n"
+        f"  {rebuild_command(folder, data)}{where}")

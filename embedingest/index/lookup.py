@@ -1,0 +1,197 @@
+"""Vector id -> chunk row, through the shards' Parquet files (index format 2).
+
+Opening reads the id column of every shard (a few bytes per chunk, compressed well) and
+sorts it once: then any id is found by a binary search, as (shard, row). Fetching rows
+reads only the row groups that hold them, of the columns asked for, from Parquet files
+kept open (the most recently used :data:`OPEN_FILES`). A shard's rows are in the order
+its vectors were added; a row group holds
+:data:`~embedingest.sinks.shard_writer.ROW_GROUP_ROWS` of them.
+Safe to use from several threads (one lock per open file: a Parquet reader is not).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from ..errors import ConfigError
+from .shards import CHUNK_BITS, CHUNK_COLUMNS, Shard
+from .store import Chunk
+
+OPEN_FILES = 64
+READ_THREADS = 4  # shards read side by side for one lookup (at most the cores)
+_DERIVED = ("id", "chunk_no")  # chunk_no is the low half of the id (the writer checks it)
+_CHUNK_MASK = (1 << CHUNK_BITS) - 1
+
+
+class ShardRows:
+    """The chunk rows of committed ``shards``, by vector id. ``ids``: each shard's ids in
+    row order when the caller has them (open_index takes them from the faiss files it
+    loads); else they are read from the Parquet files."""
+
+    def __init__(self, shards: Iterable[Shard], ids: Sequence[np.ndarray] | None = None,
+                 threads: int | None = None):
+        self.shards = [s for s in shards if s.rows]
+        self._threads = min(READ_THREADS, os.cpu_count() or 1) if threads is None else threads
+        self._pool: ThreadPoolExecutor | None = None
+        self._files: OrderedDict[int, tuple[pq.ParquetFile, threading.Lock]] = OrderedDict()
+        self._files_lock = threading.Lock()
+        if ids is not None and len(ids) != len(self.shards):
+            raise ValueError(f"{len(ids)} id arrays for {len(self.shards)} shards with rows")
+        per_shard, group_starts = [], []
+        for no, shard in enumerate(self.shards):
+            pf = self._open(no)
+            meta = pf.metadata
+            if meta.num_rows != shard.rows or (ids is not None and len(ids[no]) != shard.rows):
+                raise ConfigError(f"{str(shard.path('parquet'))!r} holds {meta.num_rows} rows, but "
+                                  f"its commit record says {shard.rows}: the shard is damaged; "
+                                  f"delete its files ({shard.name}.*) and run build-index again")
+            group_starts.append(_group_starts(meta, shard))
+            if ids is not None and not _groups_match(meta, group_starts[-1], ids[no]):
+                raise ConfigError(f"the vectors of shard {shard.name} are not in the order of its "
+                                  f"rows in {str(shard.path('parquet'))!r}: the shard is damaged; "
+                                  f"delete its files ({shard.name}.*) and run build-index again")
+            per_shard.append(ids[no] if ids is not None else
+                             pf.read(columns=["id"], use_threads=False).column(0).to_numpy())
+            if no < OPEN_FILES:  # kept open for the first lookups
+                self._files[no] = (pf, threading.Lock())
+            else:
+                pf.close()
+        self._group_starts = group_starts
+        self._offsets = np.cumsum([0] + [len(a) for a in per_shard], dtype=np.int64)
+        flat = (np.concatenate(per_shard).astype(np.int64, copy=False) if per_shard
+                else np.empty(0, np.int64))
+        self._flat = flat
+        self._order = np.argsort(flat, kind="stable")
+        self._sorted = flat[self._order]
+
+    def shard_ids(self, no: int) -> np.ndarray:
+        """The ids of shard ``no`` (of :attr:`shards`) in row order."""
+        return self._flat[self._offsets[no]:self._offsets[no + 1]]
+
+    def __len__(self) -> int:
+        return len(self._sorted)
+
+    def locate(self, ids) -> tuple[np.ndarray, np.ndarray]:
+        """(shard number, row in shard) of each id; -1, -1 where the id is unknown."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        pos = np.searchsorted(self._sorted, ids)
+        pos_c = np.minimum(pos, max(len(self._sorted) - 1, 0))
+        found = (pos < len(self._sorted)) & (self._sorted[pos_c] == ids) if len(self._sorted) else \
+            np.zeros(len(ids), bool)
+        flat = np.where(found, self._order[pos_c] if len(self._sorted) else 0, -1)
+        shard = np.where(found, np.searchsorted(self._offsets, flat, side="right") - 1, -1)
+        row = np.where(found, flat - self._offsets[np.maximum(shard, 0)], -1)
+        return shard, row
+
+    def _open(self, no: int) -> pq.ParquetFile:
+        return pq.ParquetFile(self.shards[no].path("parquet"), memory_map=True)
+
+    def _file(self, no: int) -> tuple[pq.ParquetFile, threading.Lock]:
+        with self._files_lock:
+            entry = self._files.get(no)
+            if entry is not None:
+                self._files.move_to_end(no)
+                return entry
+            entry = (self._open(no), threading.Lock())
+            self._files[no] = entry
+            while len(self._files) > OPEN_FILES:
+                # dropped, not closed: a thread may be reading it; it closes when unused
+                self._files.popitem(last=False)
+            return entry
+
+    def table(self, ids, columns: Iterable[str] = CHUNK_COLUMNS) -> dict[int, dict]:
+        """The rows of ``ids`` as {id: {column: value}} (``id`` always among the columns);
+        unknown ids are absent. ``id`` and ``chunk_no`` come from the id itself, so only
+        the other columns asked for are read; the shards hit are read side by side
+        (pyarrow decodes without the GIL)."""
+        columns = ["id", *(c for c in columns if c != "id")]
+        ids = np.unique(np.asarray(ids if isinstance(ids, np.ndarray) else list(ids), dtype=np.int64))
+        shard_nos, rows = self.locate(ids)
+        work = [(no, ids[shard_nos == no].tolist(), rows[shard_nos == no], columns)
+                for no in np.unique(shard_nos[shard_nos >= 0]).tolist()]
+        out: dict[int, dict] = {}
+        if len(work) > 1 and self._threads > 1:
+            with self._files_lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="embedingest-rows")
+            parts = self._pool.map(lambda w: self._shard_rows(*w), work)
+        else:
+            parts = (self._shard_rows(*w) for w in work)
+        for part in parts:
+            out.update(part)
+        return out
+
+    def _shard_rows(self, no: int, mine_ids: list[int], mine: np.ndarray, columns: list[str]) -> dict:
+        """The rows at positions ``mine`` of shard ``no`` (ids ``mine_ids``)."""
+        read = [c for c in columns if c not in _DERIVED]
+        starts = self._group_starts[no]
+        groups = np.searchsorted(starts, mine, side="right") - 1
+        wanted = np.unique(groups)
+        sizes = starts[wanted + 1] - starts[wanted]
+        base = np.cumsum(sizes) - sizes  # where each group read starts in the table
+        take = base[np.searchsorted(wanted, groups)] + (mine - starts[groups])
+        values = {}
+        if read:
+            pf, lock = self._file(no)
+            with lock:
+                table = pf.read_row_groups(wanted.tolist(), columns=read, use_threads=False)
+            # only the rows asked for become Python values (Table.take would import pandas
+            # on a first call)
+            values = {c: table.column(c) for c in read}
+        out = {}
+        for k, i in zip(take.tolist(), mine_ids):
+            row = {"id": i}
+            for c in columns[1:]:
+                row[c] = i & _CHUNK_MASK if c == "chunk_no" else values[c][k].as_py()
+            out[i] = row
+        return out
+
+    def chunks(self, ids) -> dict[int, Chunk]:
+        """The rows of ``ids`` as :class:`~embedingest.index.store.Chunk` (unknown ids absent)."""
+        return {i: Chunk(i, i >> CHUNK_BITS, r["source"], r["record_id"], r["chunk_no"], r["span_start"],
+                         r["span_end"], r["text"]) for i, r in self.table(ids).items()}
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+        with self._files_lock:
+            for pf, _ in self._files.values():
+                pf.close()
+            self._files.clear()
+
+
+def _group_starts(meta: pq.FileMetaData, shard: Shard) -> np.ndarray:
+    """The first row of each row group, and the row count last. Groups of the size the
+    commit record gives (all but the last) are not asked one by one: a shard has
+    thousands of them."""
+    size, n = shard.record.get("row_group_rows"), meta.num_row_groups
+    if isinstance(size, int) and size > 0 and n == -(-shard.rows // size) and n \
+            and meta.row_group(n - 1).num_rows == shard.rows - (n - 1) * size:
+        return np.append(np.arange(0, shard.rows, size, dtype=np.int64), np.int64(shard.rows))
+    return np.cumsum([0] + [meta.row_group(g).num_rows for g in range(n)], dtype=np.int64)
+
+
+CHECKED_GROUPS = 16
+
+
+def _groups_match(meta: pq.FileMetaData, starts: np.ndarray, ids: np.ndarray) -> bool:
+    """The smallest and largest ids of :data:`CHECKED_GROUPS` row groups spread over
+    the file (its statistics) are those of the same rows of ``ids``: ids given out of
+    their rows' order are found without reading the id column."""
+    n = meta.num_row_groups
+    for g in np.unique(np.linspace(0, n - 1, min(n, CHECKED_GROUPS)).astype(int)).tolist():
+        st = meta.row_group(g).column(0).statistics
+        if st is None or not st.has_min_max:
+            continue  # a file written without statistics: nothing to compare
+        part = ids[starts[g]:starts[g + 1]]
+        if not len(part) or st.min != part.min() or st.max != part.max():
+            return False
+    return True

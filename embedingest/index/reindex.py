@@ -1,0 +1,131 @@
+"""``embedingest reindex``: new faiss vectors files for every shard, of another factory,
+from the embeddings the index kept (``--save-embeddings``); no model, no corpus.
+
+The vectors of index generation g are ``shards/<name>.g<g>.faiss`` (and the trained
+empty index ``trained.g<g>.faiss``), so the new files are written beside the old ones
+and nothing the index uses changes until the manifest, rewritten last (atomically),
+names the new factory and generation. A crash before that leaves the index as it was
+(the new files are garbage the next writer deletes); after it, the old files are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from pathlib import Path
+
+import faiss
+import numpy as np
+
+from ..errors import ConfigError
+from ..outfiles import write_faiss_index
+from ..sinks.faiss_shards import parse_factory
+from .formats import rebuild_command, require_current
+from .lock import RunLock
+from .shards import EMB_SUFFIX, SHARDS_DIR, clean_shards, list_shards, read_ids
+from .store import IndexStore
+
+log = logging.getLogger("embedingest")
+
+ADD_BLOCK = 65_536
+
+
+def trained_name(generation: int) -> str:
+    return "trained.faiss" if generation == 0 else f"trained.g{generation}.faiss"
+
+
+def reindex(index: str | os.PathLike, factory: str, *, train_size: int = 50_000,
+            search_params: str | None = None, seed: int = 0) -> dict:
+    """Rebuild the vectors of the index at ``index`` as faiss ``factory`` from its saved
+    embeddings; return a summary. Factories that need training are trained on
+    ``train_size`` vectors drawn evenly from all shards (with ``seed``).
+    ``search_params`` become the index's search defaults (None keeps the stored ones
+    when they apply to the new factory, else drops them; "" drops them)."""
+    folder = Path(index)
+    require_current(folder)
+    store = IndexStore(folder)
+    store.read_manifest()  # not an index: said before a lock file is made
+    with RunLock(folder):
+        manifest = store.read_manifest()
+        shards = [s for s in list_shards(folder / SHARDS_DIR, generation=manifest.generation) if s.rows]
+        missing = [s.name for s in shards if not s.has_embeddings]
+        if missing:
+            raise ConfigError(
+                f"the index at {str(folder)!r} kept no embeddings for {len(missing)} of its {len(shards)} "
+                f"shards (e.g. {missing[0]}): it was built without --save-embeddings, so it cannot be "
+                f"reindexed without the model; rebuild it with:\n  "
+                + rebuild_command(folder, dataclasses.asdict(manifest) | {"factory": factory},
+                                  save_embeddings=True))
+        template = parse_factory(manifest.dim, factory, manifest.metric)
+        generation = manifest.generation + 1
+        embs = [np.load(s.folder / f"{s.name}{EMB_SUFFIX}", mmap_mode="r") for s in shards]
+        total = sum(len(e) for e in embs)
+        trained_path = None
+        if not template.is_trained:
+            sample = _sample(embs, train_size, seed)
+            try:
+                template.train(sample)
+            except RuntimeError as exc:
+                raise ConfigError(f"cannot train {factory!r} on {len(sample)} vectors: "
+                                  f"{str(exc).splitlines()[0]}; use fewer lists, or a larger index") from exc
+            trained_path = folder / trained_name(generation)
+            write_faiss_index(template, trained_path)
+        params = _settled_params(manifest, template, search_params)
+        for shard, emb in zip(shards, embs):
+            ids = read_ids(shard)
+            index_ = faiss.IndexIDMap(faiss.clone_index(template))
+            for start in range(0, len(emb), ADD_BLOCK):
+                block = np.ascontiguousarray(emb[start:start + ADD_BLOCK], dtype=np.float32)
+                index_.add_with_ids(block, ids[start:start + ADD_BLOCK])
+            write_faiss_index(index_, shard.faiss_path(generation))
+        old = (manifest.factory, manifest.generation)
+        manifest.factory, manifest.generation = factory, generation
+        if params is None:
+            manifest.search.pop("params", None)
+        else:
+            manifest.search["params"] = params
+        store.write_manifest(manifest)  # the switch
+        removed = clean_shards(folder / SHARDS_DIR, generation)
+        for gen in range(generation):
+            (folder / trained_name(gen)).unlink(missing_ok=True)
+    log.info("reindexed %s: %s (generation %d) -> %s (generation %d); %d old files deleted",
+             folder, old[0], old[1], factory, generation, len(removed))
+    return {"index": str(folder), "factory": factory, "previous_factory": old[0],
+            "generation": generation, "shards": len(shards), "vectors": total,
+            "trained": trained_path is not None, "search_params": params}
+
+
+def _sample(embs: list[np.ndarray], size: int, seed: int) -> np.ndarray:
+    """``size`` vectors drawn without replacement across the shards (all when fewer)."""
+    counts = np.array([len(e) for e in embs])
+    total = int(counts.sum())
+    if total == 0:
+        raise ConfigError("the index holds no vectors to train on")
+    pick = np.sort(np.random.default_rng(seed).choice(total, min(size, total), replace=False))
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    parts = []
+    for no, emb in enumerate(embs):
+        mine = pick[(pick >= starts[no]) & (pick < starts[no + 1])] - starts[no]
+        if len(mine):
+            parts.append(np.asarray(emb[mine], dtype=np.float32))
+    return np.ascontiguousarray(np.concatenate(parts))
+
+
+def _settled_params(manifest, template: faiss.Index, given: str | None) -> str | None:
+    """The search parameters after the reindex (see :func:`reindex`)."""
+    params = manifest.search.get("params") if given is None else given.strip()
+    if not params:
+        return None
+    probe = faiss.IndexIDMap(faiss.clone_index(template))
+    try:
+        faiss.ParameterSpace().set_index_parameters(probe, params)
+    except RuntimeError as exc:
+        if given is not None:
+            raise ConfigError(f"search parameters {params!r} do not apply to the new factory: "
+                              f"{str(exc).splitlines()[0]}; nprobe is for IVF factories, efSearch "
+                              "for HNSW") from exc
+        log.warning("the stored search parameters %r do not apply to the new factory: dropped", params)
+        return None
+    return params
+

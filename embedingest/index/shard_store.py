@@ -1,0 +1,198 @@
+"""The index folder in format 2: :class:`IndexStore`'s manifest, units and training, with
+the vectors and chunk rows in shards (:mod:`embedingest.index.shards`).
+
+Layout::
+
+    manifest.json       settings (format 2, generation) and the shard list (written atomically)
+    units.sqlite        one row per unit (source file or record): key, size, mtime, hash;
+                        written by the planning process only, never per chunk
+    trained.faiss       the trained empty index (trained.g<g>.faiss after a reindex)
+    shards/             <name>.faiss, .parquet, .emb.npy, .commit.json per shard
+
+Whether a unit is done is not stored: it is what the committed shards say
+(:func:`~embedingest.index.shards.incomplete_units`), so no process has to mark it
+after the writers commit, and a crash anywhere leaves nothing to reconcile by hand.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ConfigError
+from ..outfiles import ensure_folder
+from .formats import index_format, require_current
+from .lookup import ShardRows
+from .reindex import trained_name
+from .shard_edit import remove_units as remove_shard_units
+from .shards import (
+    FORMAT,
+    SHARDS_DIR,
+    Shard,
+    clean_shards,
+    finished_units,
+    incomplete_units,
+    list_shards,
+    read_ids,
+)
+from .store import Chunk, IndexStore, Manifest, Unit, _sqlite_errors, log
+from .store import Shard as ShardFile
+
+UNITS_NAME = "units.sqlite"
+_UNITS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS units(
+    unit_no INTEGER PRIMARY KEY AUTOINCREMENT, key TEXT UNIQUE NOT NULL, size INT,
+    mtime_ns INT, sha256 TEXT, n_chunks INT, status TEXT);
+"""
+
+
+@dataclass(frozen=True)
+class ShardVectors(ShardFile):
+    """A committed shard as the manifest lists it: its vectors file and row count, with
+    the shard itself (its ids are its Parquet rows')."""
+
+    shard: Shard | None = None
+
+    @property
+    def ids_path(self) -> Path:
+        return self.shard.path("parquet")
+
+    def ids(self) -> np.ndarray:
+        return read_ids(self.shard)
+
+
+class ShardStore(IndexStore):
+    """One index folder of format 2. Not safe for two planners at once (the run lock);
+    the shard writers of a run write only their own shards."""
+
+    _schema = _UNITS_SCHEMA
+    _probe_sql = "SELECT count(*) FROM units LIMIT 0"
+
+    def __init__(self, folder, read_only: bool = False):
+        super().__init__(folder, read_only)
+        self.metadata_path = self.folder / UNITS_NAME
+        self.v1_dir = self.shards_dir  # a format-1 index's vectors (wipe deletes them)
+        self.shards_dir = self.folder / SHARDS_DIR
+        self.generation = 0
+        if index_format(self.folder) == FORMAT:
+            self.generation = self.read_manifest().generation
+        self.trained_path = self.folder / trained_name(self.generation)
+
+    def read_manifest(self) -> Manifest:
+        require_current(self.folder)
+        return super().read_manifest()
+
+    def create_or_open(self, manifest: Manifest, overwrite: bool = False) -> Manifest:
+        """:meth:`IndexStore.create_or_open` in format 2. A folder holding a format-1
+        index is refused with the command that rebuilds it, unless ``overwrite``."""
+        manifest.format = FORMAT
+        if overwrite:
+            self.wipe()
+        require_current(self.folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        ensure_folder(self.folder, self.shards_dir)
+        if self.exists():
+            existing = self.read_manifest()
+            if existing.compatible_with(manifest):
+                self.generation = existing.generation
+                self.trained_path = self.folder / trained_name(self.generation)
+                return existing
+            if any(s.rows for s in list_shards(self.shards_dir, check=False)):
+                raise ConfigError(
+                    f"the index at {str(self.folder)!r} was built with {existing.describe()}, "
+                    f"not {manifest.describe()}: use --overwrite to rebuild it, or another folder")
+            log.info("the index at %s holds no shard yet: its settings (%s) become %s",
+                     self.folder, existing.describe(), manifest.describe())
+            self.trained_path.unlink(missing_ok=True)
+        manifest.generation = self.generation = 0
+        self.trained_path = self.folder / trained_name(0)
+        self.write_manifest(manifest)
+        return manifest
+
+    def wipe(self) -> None:
+        """Delete everything embedingest keeps in the folder, a format-1 index's files
+        included (other files stay)."""
+        super().wipe()
+        if self.v1_dir.is_symlink():
+            self.v1_dir.unlink()  # the link only: nothing outside the folder
+        else:
+            shutil.rmtree(self.v1_dir, ignore_errors=True)
+        for name in (UNITS_NAME, UNITS_NAME + "-wal", UNITS_NAME + "-shm"):
+            (self.folder / name).unlink(missing_ok=True)
+        for path in self.folder.glob("trained.g*.faiss"):
+            path.unlink()
+        self.generation = 0
+        self.trained_path = self.folder / trained_name(0)
+
+    # -- shards ---------------------------------------------------------------------------
+
+    def committed(self) -> list[Shard]:
+        """The committed shards (their files checked against their records)."""
+        return list_shards(self.shards_dir, generation=self.generation)
+
+    def shards(self) -> list[ShardVectors]:
+        """The shards holding vectors, as the manifest lists them."""
+        return [ShardVectors(s.name, s.faiss_path(self.generation), s.rows, s)
+                for s in self.committed() if s.rows]
+
+    def clean_garbage(self) -> list[str]:
+        """Delete what a crash or a removal left (see :func:`clean_shards`) and temporary
+        files. Call it only while no build writes to the folder."""
+        removed = self._remove_tmp_files(self.folder)
+        return removed + clean_shards(self.shards_dir, self.generation)
+
+    def reconcile(self, expected: Mapping[int, int] | None = None) -> set[int]:
+        """Units whose committed rows are not exactly their chunks once each, and units
+        with rows or finished-marks but no unit row (see :func:`incomplete_units`)."""
+        known = None
+        if expected is None:
+            known = {u.unit_no for u in super().units().values()}
+        return incomplete_units(self.committed(), expected, known)
+
+    def remove_units(self, unit_nos: Iterable[int]) -> int:
+        """Remove every row, vector and finished-mark of ``unit_nos``; return how many vectors."""
+        template = self.empty_index() if self.exists() else None
+        return remove_shard_units(self.shards_dir, unit_nos, template, self.generation)
+
+    # -- units ----------------------------------------------------------------------------
+
+    def units(self, keys: Iterable[str] | None = None) -> dict[str, Unit]:
+        """Unit rows by key, with ``n_chunks`` and ``status`` ("done" or "pending") as the
+        committed shards say (their finished-marks; :meth:`reconcile` checks the rows)."""
+        rows = super().units(keys)
+        done = finished_units(self.committed())
+        return {k: Unit(u.unit_no, u.key, u.size, u.mtime_ns, u.sha256, done.get(u.unit_no, 0),
+                        "done" if u.unit_no in done else "pending") for k, u in rows.items()}
+
+    @_sqlite_errors
+    def sync_status(self) -> None:
+        """Write the status the shards give into ``units.sqlite`` (one transaction), for
+        readers of that file: nothing in embedingest reads it back."""
+        done = finished_units(self.committed())
+        with self.db as db:
+            db.execute("UPDATE units SET status='pending', n_chunks=0")
+            db.executemany("UPDATE units SET status='done', n_chunks=? WHERE unit_no=?",
+                           ((n, u) for u, n in done.items()))
+
+    def delete_chunks(self, unit_nos: Iterable[int]) -> None:
+        """Nothing: a unit's rows live in the shards with its vectors, and go with them
+        (:meth:`remove_units`)."""
+
+    @_sqlite_errors
+    def delete_units(self, unit_nos: Iterable[int]) -> None:
+        """Delete unit rows (call :meth:`remove_units` for their vectors and rows first)."""
+        with self.db as db:
+            db.executemany("DELETE FROM units WHERE unit_no=?", ((int(u),) for u in unit_nos))
+
+    def chunks(self, ids: Iterable[int]) -> dict[int, Chunk]:
+        """Chunk rows by vector id, from the shards (open_index keeps a reader open instead)."""
+        rows = ShardRows(self.committed())
+        try:
+            return rows.chunks(list(ids))
+        finally:
+            rows.close()
+

@@ -1,0 +1,420 @@
+"""Index format 2: shards, each committed whole by the process that wrote it.
+
+Every writer (a consumer process of the engine, a device process, a Ray actor) owns the
+shards it writes, and each shard keeps its vectors and its chunks' metadata side by side::
+
+    shards/<name>.faiss        the vectors under their ids (a faiss IndexIDMap)
+    shards/<name>.parquet      one row per vector, in the same order: id, source,
+                               record_id, chunk_no, span_start, span_end, text (zstd)
+    shards/<name>.emb.npy      the vectors as float16, same order (only with --save-embeddings)
+    shards/<name>.commit.json  written last: the size and sha256 of each file, the row
+                               count and id range, the units this shard finished
+                               (unit_no, n_chunks) and the shards it replaces
+
+Each data file is written to a temporary name, checked, fsynced and renamed
+(:mod:`embedingest.outfiles`); the commit record goes last, so a shard exists iff its
+commit record exists and its files have the sizes it gives. A crash leaves whole shards
+plus files no commit record names, which :func:`clean_shards` deletes. After a
+``reindex`` (``generation`` g > 0) the vectors of a shard are ``<name>.g<g>.faiss``.
+
+Chunk metadata leaves the tokenizing workers as one Arrow IPC record batch per engine
+batch (:func:`encode_chunks`): opaque bytes that cross the main process untouched and
+are decoded only by the writer of the shard. Vector id = ``unit_no << 32 | chunk_no``.
+A unit is complete when one committed shard declares it finished with ``n`` chunks and
+the committed ids of that unit are exactly chunks ``0..n-1``, once each
+(:func:`incomplete_units`); its rows may be spread over the shards of several writers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from ..errors import ConfigError
+from ..outfiles import atomic_file, atomic_write_bytes, ensure_folder, fsync_dir, is_tmp_name
+
+log = logging.getLogger("embedingest")
+
+FORMAT = 2
+SHARDS_DIR = "shards"
+COMMIT_SUFFIX = ".commit.json"
+PARQUET_SUFFIX = ".parquet"
+EMB_SUFFIX = ".emb.npy"
+FAISS_SUFFIX = ".faiss"
+CHUNK_BITS = 32
+SHARD_NAME = re.compile(r"shard-[A-Za-z0-9_]+-w[0-9]+-[0-9]+")
+_FILE_NAME = re.compile(r"(shard-[A-Za-z0-9_]+-w[0-9]+-[0-9]+)\.(?:g[0-9]+\.)?(faiss|parquet|emb\.npy|commit\.json)")
+
+CHUNK_SCHEMA = pa.schema([
+    pa.field("id", pa.int64(), nullable=False),
+    pa.field("source", pa.string()),
+    pa.field("record_id", pa.string()),
+    pa.field("chunk_no", pa.int32(), nullable=False),
+    pa.field("span_start", pa.int64()),
+    pa.field("span_end", pa.int64()),
+    pa.field("text", pa.string()),
+])
+"""One row per chunk, as the shard's Parquet file holds it (a chunk of a file without
+records has record_id ""; span is the chunk's character range in its record's text)."""
+
+CHUNK_COLUMNS = tuple(CHUNK_SCHEMA.names)
+
+
+def shard_name(run_id: str, worker: int, part: int) -> str:
+    """The part is zero-padded so a listing sorts in commit order."""
+    return f"shard-{run_id}-w{worker}-{part:05d}"
+
+
+def faiss_name(name: str, generation: int = 0) -> str:
+    """The vectors file of shard ``name`` for index generation ``generation``."""
+    return f"{name}{FAISS_SUFFIX}" if generation == 0 else f"{name}.g{generation}{FAISS_SUFFIX}"
+
+
+# -- chunk metadata in transit ---------------------------------------------------------------
+
+def encode_chunks(ids: Sequence[int], sources: Sequence[str | None], record_ids: Sequence[str | None],
+                  chunk_nos: Sequence[int], span_starts: Sequence[int | None],
+                  span_ends: Sequence[int | None], texts: Sequence[str | None]) -> bytes:
+    """The rows of one batch as one Arrow IPC record batch (bytes): made in a tokenizing
+    worker, so the process that feeds the device only passes one bytes object along."""
+    arrays = [pa.array(col, type=f.type) for col, f in zip(
+        (ids, sources, record_ids, chunk_nos, span_starts, span_ends, texts), CHUNK_SCHEMA)]
+    return pa.record_batch(arrays, schema=CHUNK_SCHEMA).serialize().to_pybytes()
+
+
+def decode_chunks(data: bytes | pa.RecordBatch) -> pa.RecordBatch:
+    """The record batch of :func:`encode_chunks` (a record batch is taken as is)."""
+    if isinstance(data, pa.RecordBatch):
+        batch = data
+    else:
+        try:
+            batch = pa.ipc.read_record_batch(pa.py_buffer(data), CHUNK_SCHEMA)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as exc:
+            raise ConfigError(f"chunk metadata of {len(data)} bytes is not a record batch of "
+                              f"the shard schema: {exc}") from exc
+    if not batch.schema.equals(CHUNK_SCHEMA):
+        raise ConfigError(f"chunk metadata has schema {batch.schema}, not the shard schema "
+                          f"{CHUNK_SCHEMA}")
+    return batch
+
+
+@dataclass(slots=True)
+class BatchMeta:
+    """What travels beside a batch's vectors to the shard writer (as the engine's batch
+    id): its chunk rows as Arrow IPC bytes, and the units whose last chunk is in this
+    batch or an earlier one, as (unit_no, n_chunks). Its repr stays short: the engine
+    names batches by it in traces."""
+
+    no: int
+    chunks: bytes = b""
+    units_done: tuple = ()
+
+    def __repr__(self) -> str:
+        return f"batch {self.no}"
+
+
+# -- commit records ------------------------------------------------------------------------
+
+class HashingFile:
+    """A write-only file object that hashes and counts what passes to ``fh``."""
+
+    def __init__(self, fh):
+        self.fh, self.hash, self.size, self.closed = fh, hashlib.sha256(), 0, False
+
+    def write(self, data) -> int:
+        data = memoryview(data).cast("B")
+        self.fh.write(data)
+        self.hash.update(data)
+        self.size += len(data)
+        return len(data)
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+    def close(self) -> None:
+        self.closed = True  # the real file is closed (and committed) by atomic_file
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def summary(self, name: str) -> dict:
+        return {"name": name, "size": self.size, "sha256": self.hash.hexdigest()}
+
+
+def write_hashed(path: Path, produce) -> dict:
+    """Write ``path`` atomically with ``produce(file)``; return {name, size, sha256}."""
+    with atomic_file(path) as fh:
+        out = HashingFile(fh)
+        produce(out)
+    return out.summary(path.name)
+
+
+def write_commit(folder: Path, record: Mapping) -> Path:
+    """Commit a shard: its record, written last, makes it exist."""
+    path = folder / f"{record['name']}{COMMIT_SUFFIX}"
+    data = json.dumps(dict(record), separators=(",", ":")).encode("utf-8")
+    atomic_write_bytes(path, data, sync_dir=True)
+    return path
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A committed shard, as its commit record describes it."""
+
+    folder: Path
+    name: str
+    rows: int
+    id_min: int
+    id_max: int
+    files: dict  # kind ("faiss", "parquet", "emb") -> {name, size, sha256}
+    units: tuple  # (unit_no, n_chunks) of the units finished here
+    replaces: tuple = ()
+    record: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def path(self, kind: str) -> Path:
+        return self.folder / self.files[kind]["name"]
+
+    def faiss_path(self, generation: int = 0) -> Path:
+        return self.folder / faiss_name(self.name, generation)
+
+    @property
+    def has_embeddings(self) -> bool:
+        return "emb" in self.files
+
+    def commit_path(self) -> Path:
+        return self.folder / f"{self.name}{COMMIT_SUFFIX}"
+
+    @property
+    def generation(self) -> int:
+        """The index generation the shard was written in (its ``faiss`` entry's)."""
+        return int(self.record.get("generation", 0))
+
+    def check_sizes(self, generation: int | None = None) -> str | None:
+        """What is wrong with the files on disk (missing, other size), None when nothing.
+        A shard written before a reindex to ``generation`` has its vectors in that
+        generation's file, which must exist (its size is in no record)."""
+        for kind, info in self.files.items():
+            if kind == "faiss" and generation is not None and generation != self.generation:
+                if not self.faiss_path(generation).is_file():
+                    return f"its vectors file {self.faiss_path(generation).name!r} is missing"
+                continue
+            try:
+                size = os.stat(self.folder / info["name"]).st_size
+            except OSError as exc:
+                return f"its {kind} file {info['name']!r} cannot be read ({exc.strerror or exc})"
+            if size != info["size"]:
+                return f"its {kind} file {info['name']!r} holds {size} bytes, not {info['size']}"
+        return None
+
+    def verify(self) -> str | None:
+        """Like :meth:`check_sizes`, and every file's sha256 too (reads every byte)."""
+        problem = self.check_sizes()
+        if problem:
+            return problem
+        for kind, info in self.files.items():
+            h = hashlib.sha256()
+            with open(self.folder / info["name"], "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 22), b""):
+                    h.update(block)
+            if h.hexdigest() != info["sha256"]:
+                return f"its {kind} file {info['name']!r} does not hold the bytes that were committed"
+        return None
+
+
+_REDO = ("delete that shard's files (every file named {name}.*) and run the same build-index "
+         "command again: the units it held are redone")
+
+
+def read_commit(path: Path) -> Shard:
+    """The shard of commit record ``path``; ConfigError saying what is wrong and how to
+    redo the shard when it is not a record embedingest wrote."""
+    name = path.name[: -len(COMMIT_SUFFIX)]
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        files = data["files"]
+        if data.get("format") != FORMAT or data.get("name") != name or not isinstance(files, dict):
+            raise ValueError("it is not a commit record of this shard in format 2")
+        for kind, info in files.items():
+            if kind not in ("faiss", "parquet", "emb") or not SHARD_NAME.fullmatch(
+                    str(info.get("name", "")).split(".")[0]) or not isinstance(info.get("size"), int):
+                raise ValueError(f"its {kind!r} entry {info!r} is not a file of the shard")
+        units = tuple(zip(data["units"][0], data["units"][1], strict=True))
+        replaces = tuple(data.get("replaces", ()))
+        if not all(isinstance(r, str) and SHARD_NAME.fullmatch(r) for r in replaces):
+            raise ValueError(f"replaces {replaces!r} is not a list of shard names")
+        return Shard(path.parent, name, int(data["rows"]), int(data["id_min"]), int(data["id_max"]),
+                     files, units, replaces, data)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ConfigError(f"cannot read the commit record {str(path)!r} ({type(exc).__name__}: "
+                          f"{exc}); {_REDO.format(name=name)}") from exc
+
+
+def _commit_paths(folder: Path) -> list[Path]:
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.glob(f"shard-*{COMMIT_SUFFIX}")
+                  if SHARD_NAME.fullmatch(p.name[: -len(COMMIT_SUFFIX)]))
+
+
+def list_shards(folder: str | os.PathLike, *, check: bool = True, generation: int = 0) -> list[Shard]:
+    """The committed shards of ``folder`` (a shards directory), sorted by name, without
+    those another committed shard replaces (a removal). With ``check`` a shard whose
+    files (those of index generation ``generation``) are missing or of another size is
+    a ConfigError naming it."""
+    folder = Path(folder)
+    shards = [read_commit(p) for p in _commit_paths(folder)]
+    replaced = {r for s in shards for r in s.replaces}
+    live = [s for s in shards if s.name not in replaced]
+    if check:
+        for shard in live:
+            problem = shard.check_sizes(generation)
+            if problem:
+                raise ConfigError(f"shard {shard.name} in {str(folder)!r} is damaged: {problem}; "
+                                  + _REDO.format(name=shard.name))
+    return live
+
+
+def clean_shards(folder: str | os.PathLike, generation: int = 0) -> list[str]:
+    """Delete what no live shard needs: temporary files, files of shards never
+    committed, shards another one replaced, vectors of other generations, and shards
+    whose record or files are damaged (their units are redone, as after a crash).
+    Return the names deleted. Only a build holding the folder's lock may call it."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    removed: list[str] = []
+    shards: dict[str, Shard] = {}
+    for path in _commit_paths(folder):
+        try:
+            shards[path.name[: -len(COMMIT_SUFFIX)]] = read_commit(path)
+        except ConfigError as exc:
+            log.warning("%s", exc)
+            removed += _unlink(path)
+    replaced = {r for s in shards.values() for r in s.replaces}
+    for name in sorted(replaced & shards.keys()):
+        removed += _unlink(shards.pop(name).commit_path())
+    for name, shard in list(shards.items()):
+        problem = shard.check_sizes(generation)
+        if problem:
+            log.warning("shard %s is damaged (%s): it is deleted and its units are redone", name, problem)
+            removed += _unlink(shards.pop(name).commit_path())
+    fsync_dir(folder)
+    for name, shard in list(shards.items()):  # a removal's record with nothing left in it
+        if shard.replaces and not shard.rows and not shard.units and not shard.files:
+            removed += _unlink(shards.pop(name).commit_path())
+    keep = set()
+    for shard in shards.values():
+        keep.update(info["name"] for kind, info in shard.files.items() if kind != "faiss")
+        if shard.rows:
+            keep.add(faiss_name(shard.name, generation))
+        keep.add(shard.commit_path().name)
+    for path in sorted(folder.iterdir()):
+        if path.is_file() and (is_tmp_name(path.name)
+                               or (_FILE_NAME.fullmatch(path.name) and path.name not in keep)):
+            removed += _unlink(path)
+    fsync_dir(folder)
+    return removed
+
+
+def _unlink(path: Path) -> list[str]:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return []
+    return [path.name]
+
+
+def delete_shard(shard: Shard) -> None:
+    """Commit record first (the shard stops existing), then its files."""
+    _unlink(shard.commit_path())
+    fsync_dir(shard.folder)
+    for info in shard.files.values():
+        _unlink(shard.folder / info["name"])
+    for path in shard.folder.glob(f"{shard.name}.g*{FAISS_SUFFIX}"):
+        _unlink(path)
+
+
+# -- completeness --------------------------------------------------------------------------
+
+def read_ids(shard: Shard) -> np.ndarray:
+    """The ids of a shard's rows, in row order (its Parquet file's id column)."""
+    import pyarrow.parquet as pq
+
+    if not shard.rows:
+        return np.empty(0, np.int64)
+
+    with pq.ParquetFile(shard.path("parquet")) as pf:
+        column = pf.read(columns=["id"], use_threads=False).column(0)
+    return column.to_numpy().astype(np.int64, copy=False)
+
+
+def incomplete_units(shards: Iterable[Shard], expected: Mapping[int, int] | None = None,
+                     known: Iterable[int] | None = None) -> set[int]:
+    """Units whose committed rows are not exactly chunks 0..n-1 once each, where n is
+    what one committed shard declared when the unit finished: rows missing (a writer
+    died before its commit), duplicates, rows of a unit no shard declared finished,
+    or declared twice. With ``expected`` ({unit_no: n_chunks}) units of it that no
+    shard holds, and rows of units not in it, count too; with ``known`` (unit numbers)
+    units with rows or finished-marks that are not in it."""
+    shards = list(shards)
+    ids = np.concatenate([read_ids(s) for s in shards]) if shards else np.empty(0, np.int64)
+    declared: dict[int, int] = {}
+    bad: set[int] = set()
+    for shard in shards:
+        for unit, n in shard.units:
+            if unit in declared and (n or declared[unit]):
+                bad.add(unit)
+            declared[unit] = n
+    uniq, counts = np.unique(ids, return_counts=True)
+    units = uniq >> CHUNK_BITS
+    bad.update(np.unique(units[counts > 1]).tolist())
+    present, first, n_present = np.unique(units, return_index=True, return_counts=True)
+    last_chunk = uniq[first + n_present - 1] & ((1 << CHUNK_BITS) - 1)
+    for unit, n, top in zip(present.tolist(), n_present.tolist(), last_chunk.tolist()):
+        if declared.get(unit) != n or top >= n:
+            bad.add(unit)
+    seen = set(present.tolist())
+    bad.update(u for u, n in declared.items() if n and u not in seen)
+    if known is not None:
+        known = set(known)
+        bad.update(u for u in seen | declared.keys() if u not in known)
+    if expected is not None:
+        bad.update(u for u in seen if u not in expected)
+        bad.update(u for u, n in expected.items() if n and (u not in seen or declared.get(u) != n))
+    return bad
+
+
+def finished_units(shards: Iterable[Shard]) -> dict[int, int]:
+    """{unit_no: n_chunks} as the committed shards declare them (see :func:`incomplete_units`)."""
+    out: dict[int, int] = {}
+    for shard in shards:
+        out.update(shard.units)
+    return out
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def ensure_shards_dir(index_folder: str | os.PathLike) -> Path:
+    """``<index>/shards``, made without following a link."""
+    root = Path(index_folder)
+    folder = root / SHARDS_DIR
+    ensure_folder(root, folder)
+    return folder

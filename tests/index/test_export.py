@@ -1,0 +1,59 @@
+"""export: Parquet files that pandas and pyarrow read as they are."""
+
+import numpy as np
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+from shard_fixtures import DIM, build_shards
+
+from embedingest.errors import ConfigError
+from embedingest.index.export import export_index
+
+
+def test_export_writes_every_row_with_its_embedding(tmp_path):
+    built = build_shards(tmp_path / "ix", n_units=5, chunks=9, commit_every=20, workers=2)
+    summary = export_index(tmp_path / "ix", tmp_path / "out")
+    assert summary == {"index": str(tmp_path / "ix"), "to": str(tmp_path / "out"), "files": 3,
+                       "rows": 45, "embeddings": True}
+    df = pd.read_parquet(tmp_path / "out")  # the folder as one dataset
+    assert list(df.columns) == ["id", "source", "record_id", "chunk_no", "span_start", "span_end", "text",
+                                "embedding"]
+    assert sorted(df["id"].tolist()) == sorted(built.ids.tolist())
+    for row in df.itertuples(index=False):
+        want = built.rows[row.id]
+        assert (row.source, row.chunk_no, row.span_start, row.span_end, row.text) == (
+            want["source"], want["chunk_no"], want["span_start"], want["span_end"], want["text"])
+        assert (row.record_id if isinstance(row.record_id, str) else None) == want["record_id"]
+        emb = built.emb[np.searchsorted(built.ids, row.id)]
+        assert np.array_equal(np.asarray(row.embedding, np.float32), emb.astype(np.float16).astype(np.float32))
+    schema = pq.read_schema(next((tmp_path / "out").glob("*.parquet")))
+    assert str(schema.field("embedding").type) == f"fixed_size_list<element: float>[{DIM}]"
+    assert (tmp_path / "out" / "_SUCCESS").is_file()
+
+
+def test_export_without_saved_embeddings(tmp_path):
+    build_shards(tmp_path / "ix", n_units=2, chunks=3, workers=1, save_embeddings=False)
+    assert export_index(tmp_path / "ix", tmp_path / "out")["embeddings"] is False
+    assert "embedding" not in pd.read_parquet(tmp_path / "out").columns
+    with pytest.raises(ConfigError, match="kept no embeddings .* built without --save-embeddings"):
+        export_index(tmp_path / "ix", tmp_path / "out2", embeddings=True)
+
+
+def test_export_refuses_a_full_folder_and_one_inside_the_index(tmp_path):
+    build_shards(tmp_path / "ix", n_units=1, chunks=3, workers=1)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "mine.txt").write_text("keep")
+    with pytest.raises(ConfigError, match="is not empty: choose a new folder or pass --overwrite"):
+        export_index(tmp_path / "ix", tmp_path / "out")
+    export_index(tmp_path / "ix", tmp_path / "out", overwrite=True)
+    assert (tmp_path / "out" / "mine.txt").read_text() == "keep"
+    with pytest.raises(ConfigError, match="is inside the index"):
+        export_index(tmp_path / "ix", tmp_path / "ix" / "x")
+
+
+def test_export_after_a_reindex(tmp_path):
+    from embedingest.index.reindex import reindex
+
+    build_shards(tmp_path / "ix", n_units=2, chunks=3, workers=1)
+    reindex(tmp_path / "ix", "HNSW8")
+    assert export_index(tmp_path / "ix", tmp_path / "out")["rows"] == 6

@@ -1,0 +1,65 @@
+"""A format-1 index is refused with the command that rebuilds it, never misread."""
+
+import json
+
+import pytest
+from index_fixtures import build_index as build_v1
+from shard_fixtures import build_shards
+
+from embedingest.errors import ConfigError
+from embedingest.index.formats import index_format, rebuild_command, require_current
+
+
+def test_a_format_1_index_is_refused_with_the_exact_rebuild_command(tmp_path):
+    folder = tmp_path / "old index"
+    built = build_v1(folder)
+    data = json.loads((folder / "manifest.json").read_text())
+    data["corpus_path"] = "/data/my corpus"
+    (folder / "manifest.json").write_text(json.dumps(data))
+    built.store.close()
+    assert index_format(folder) == 1
+    with pytest.raises(ConfigError) as err:
+        require_current(folder)
+    assert str(err.value) == (
+        f"the index at {str(folder)!r} is in format 1 (chunk metadata in metadata.sqlite), which this "
+        "embedingest no longer reads. Rebuild it in format 2 with:\n"
+        f"  embedingest build-index '/data/my corpus' --out '{folder}' --model test-model --index Flat "
+        "--overwrite")
+
+
+def test_metadata_sqlite_means_format_1_whatever_the_manifest_says(tmp_path):
+    build_shards(tmp_path / "ix", n_units=1, chunks=2, workers=1)
+    assert index_format(tmp_path / "ix") == 2
+    require_current(tmp_path / "ix")
+    (tmp_path / "ix" / "metadata.sqlite").write_bytes(b"")
+    assert index_format(tmp_path / "ix") == 1
+    with pytest.raises(ConfigError, match="is in format 1"):
+        require_current(tmp_path / "ix")
+
+
+def test_a_manifest_without_format_is_format_1_and_records_say_how_to_rebuild(tmp_path):
+    (tmp_path / "manifest.json").write_text(json.dumps({"model": {"name": "m"}, "dim": 4, "factory": "HNSW32",
+                                                        "metric": "l2"}))
+    assert index_format(tmp_path) == 1
+    with pytest.raises(ConfigError) as err:
+        require_current(tmp_path)
+    assert (f"  embedingest build-index CORPUS --out {tmp_path} --model m --index HNSW32 --metric l2 "
+            "--overwrite (CORPUS: the folder or file it was built from") in str(err.value)
+
+
+def test_newer_formats_ask_for_a_newer_embedingest_and_no_index_passes(tmp_path):
+    assert index_format(tmp_path) is None
+    require_current(tmp_path)
+    (tmp_path / "manifest.json").write_text(json.dumps({"model": {}, "dim": 4, "format": 3}))
+    with pytest.raises(ConfigError, match=r"has format 3, newer than this embedingest reads \(format 2\)"):
+        require_current(tmp_path)
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": "2"}))
+    with pytest.raises(ConfigError, match="gives format '2', not a number"):
+        index_format(tmp_path)
+
+
+def test_rebuild_command_quotes_what_the_shell_would_split():
+    cmd = rebuild_command("out dir", {"corpus_path": "a b", "model": {"path": "/m x"},
+                                      "factory": "IVF64,Flat"}, save_embeddings=True)
+    assert cmd == ("embedingest build-index 'a b' --out 'out dir' --model '/m x' --index IVF64,Flat "
+                   "--save-embeddings --overwrite")

@@ -1,0 +1,97 @@
+"""reindex: another faiss factory from the saved embeddings, switched by the manifest."""
+
+import json
+import os
+
+import faiss
+import numpy as np
+import pytest
+from shard_fixtures import build_shards, unit_vectors
+
+import embedingest.index.reindex as reindex_mod
+from embedingest.errors import ConfigError
+from embedingest.index.reindex import reindex
+from embedingest.index.shards import clean_shards, list_shards
+
+
+def search_all(folder, generation, queries, k, params=None):
+    """Merged top-k over every shard's vectors file of ``generation``."""
+    heap = faiss.ResultHeap(len(queries), k, keep_max=True)
+    for shard in list_shards(folder / "shards", generation=generation):
+        index = faiss.read_index(str(shard.faiss_path(generation)))
+        if params:
+            faiss.ParameterSpace().set_index_parameters(index, params)
+        heap.add_result(*index.search(queries, k))
+    heap.finalize()
+    return heap.D, heap.I
+
+
+def test_reindex_to_ivf_gives_exact_results_with_every_list_probed(tmp_path):
+    folder = tmp_path / "ix"
+    built = build_shards(folder, n_units=8, chunks=25, commit_every=60, workers=2)
+    summary = reindex(folder, "IVF4,Flat", train_size=150, search_params="nprobe=4")
+    assert summary == {"index": str(folder), "factory": "IVF4,Flat", "previous_factory": "Flat",
+                       "generation": 1, "shards": len(list_shards(folder / "shards", generation=1)), "vectors": 200,
+                       "trained": True, "search_params": "nprobe=4"}
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert (manifest["factory"], manifest["generation"], manifest["search"]) == ("IVF4,Flat", 1,
+                                                                                 {"params": "nprobe=4"})
+    names = os.listdir(folder / "shards")
+    assert not [n for n in names if n.endswith(".faiss") and ".g1." not in n]  # old vectors deleted
+    assert "trained.g1.faiss" in os.listdir(folder)
+    q = unit_vectors(5, seed=7)
+    scores, ids = search_all(folder, 1, q, 10, "nprobe=4")
+    emb16 = built.emb.astype(np.float16).astype(np.float32)  # what was saved
+    exact = np.argsort(-(q @ emb16.T), axis=1)[:, :10]
+    assert np.array_equal(ids, built.ids[exact])
+    assert np.allclose(scores, np.take_along_axis(q @ emb16.T, exact, 1), atol=1e-5)
+    again = reindex(folder, "Flat", search_params=None)  # nprobe does not apply to Flat: dropped
+    assert (again["generation"], again["trained"], again["search_params"]) == (2, False, None)
+    assert np.array_equal(search_all(folder, 2, q, 10)[1], built.ids[exact])
+    assert not (folder / "trained.g1.faiss").exists()
+
+
+def test_a_crash_before_the_manifest_leaves_the_old_index_and_garbage(tmp_path, monkeypatch):
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=3, chunks=10, commit_every=20, workers=1)
+    before = json.loads((folder / "manifest.json").read_text())
+    import embedingest.index.store as store_mod
+
+    def crash(self, manifest):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(store_mod.IndexStore, "write_manifest", crash)
+    with pytest.raises(KeyboardInterrupt):
+        reindex(folder, "HNSW8")
+    monkeypatch.undo()
+    assert json.loads((folder / "manifest.json").read_text()) == before
+    list_shards(folder / "shards", generation=0)  # the old vectors are whole
+    removed = clean_shards(folder / "shards", generation=0)
+    assert removed and all(n.endswith(".g1.faiss") for n in removed)
+
+
+def test_an_index_without_embeddings_is_refused_with_the_rebuild_command(tmp_path):
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=2, chunks=3, workers=1, save_embeddings=False)
+    with pytest.raises(ConfigError) as err:
+        reindex(folder, "HNSW16")
+    assert "built without --save-embeddings" in str(err.value)
+    assert str(err.value).endswith(f"embedingest build-index /data/corpus --out {folder} --model test-model "
+                                   "--index HNSW16 --save-embeddings --overwrite")
+
+
+def test_bad_factories_and_parameters_are_config_errors(tmp_path):
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=2, chunks=3, workers=1)
+    with pytest.raises(ConfigError, match="faiss cannot build index factory 'Nope'"):
+        reindex(folder, "Nope")
+    with pytest.raises(ConfigError, match="search parameters 'nprobe=3' do not apply to the new factory"):
+        reindex(folder, "HNSW8", search_params="nprobe=3")
+    assert json.loads((folder / "manifest.json").read_text())["generation"] == 0
+
+
+def test_training_samples_spread_over_every_shard():
+    embs = [np.full((n, 2), i, np.float32) for i, n in enumerate([10, 0, 30, 60])]
+    sample = reindex_mod._sample(embs, 50, seed=1)
+    assert sample.shape == (50, 2)
+    assert set(np.unique(sample[:, 0]).tolist()) == {0, 2, 3}
+    assert reindex_mod._sample(embs, 1000, 0).shape == (100, 2)

@@ -1,0 +1,60 @@
+"""open_index over an index of format 2: every shard searched, rows from the Parquet files."""
+
+import numpy as np
+import pytest
+from shard_fixtures import DIM, build_shards, unit_vectors
+
+from embedingest.errors import ConfigError
+from embedingest.index.reindex import reindex
+from embedingest.index.search import open_index
+from embedingest.index.shards import list_shards
+
+
+def test_search_equals_brute_force_and_hits_carry_their_rows(tmp_path):
+    built = build_shards(tmp_path / "ix", n_units=7, chunks=19, commit_every=30, workers=3)
+    q = unit_vectors(4, seed=3)
+    with open_index(tmp_path / "ix") as index:
+        assert index.ntotal == len(built.ids) and index.rows is not None
+        hits = index.search_vectors(q, k=7)
+    scores, ids = built.brute_force(q, 7)
+    for row_hits, row_scores, row_ids in zip(hits, scores, ids):
+        assert [h.id for h in row_hits] == row_ids.tolist()
+        assert np.allclose([h.score for h in row_hits], row_scores, atol=1e-6)
+        for h in row_hits:
+            r = built.rows[h.id]
+            assert (h.source, h.record_id, h.chunk_no, h.char_start, h.char_end, h.text) == (
+                r["source"], r["record_id"], r["chunk_no"], r["span_start"], r["span_end"], r["text"])
+
+
+def test_after_reindex_search_reads_the_new_generation(tmp_path):
+    built = build_shards(tmp_path / "ix", n_units=6, chunks=20, commit_every=50, workers=2)
+    reindex(tmp_path / "ix", "IVF2,Flat", search_params="nprobe=2")
+    q = unit_vectors(3, seed=4)
+    with open_index(tmp_path / "ix") as index:
+        assert index.params == "nprobe=2"
+        got = [[h.id for h in hits] for hits in index.search_vectors(q, k=5)]
+    emb16 = built.emb.astype(np.float16).astype(np.float32)
+    exact = np.argsort(-(q @ emb16.T), axis=1)[:, :5]
+    assert got == built.ids[exact].tolist()
+
+
+def test_vectors_out_of_their_rows_order_are_a_config_error_naming_the_shard(tmp_path):
+    import faiss
+
+    build_shards(tmp_path / "ix", n_units=2, chunks=10, commit_every=100, workers=1)
+    (shard,) = list_shards(tmp_path / "ix" / "shards")
+    index = faiss.read_index(str(shard.path("faiss")))
+    ids = faiss.vector_to_array(index.id_map)
+    faiss.copy_array_to_vector(ids[::-1].copy(), index.id_map)  # same size, other order
+    faiss.write_index(index, str(shard.path("faiss")))
+    with pytest.raises(ConfigError, match=rf"vectors of shard {shard.name} are not in the order of its rows"):
+        open_index(tmp_path / "ix")
+
+
+def test_an_empty_index_of_format_2_opens_and_finds_nothing(tmp_path):
+    from shard_fixtures import write_manifest
+
+    write_manifest(tmp_path / "ix")
+    with open_index(tmp_path / "ix") as index:
+        assert index.ntotal == 0
+        assert index.search_vectors(np.ones((1, DIM), np.float32), k=3) == [[]]

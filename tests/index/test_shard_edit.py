@@ -1,0 +1,83 @@
+"""Removing units from shards: replaced whole, the switch is the new commit record."""
+
+import faiss
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from shard_fixtures import DIM, build_shards, unit_vectors
+
+import embedingest.index.shard_edit as shard_edit
+from embedingest.index.lookup import ShardRows
+from embedingest.index.shards import clean_shards, finished_units, incomplete_units, list_shards, read_ids
+from embedingest.outfiles import write_faiss_index
+
+
+def vectors_by_id(shards):
+    out = {}
+    for shard in shards:
+        if shard.rows:
+            index = faiss.read_index(str(shard.path("faiss")))
+            ids = faiss.vector_to_array(index.id_map)
+            assert np.array_equal(ids, read_ids(shard))
+            inner = faiss.downcast_index(index.index)
+            if isinstance(inner, faiss.IndexIVF):
+                inner.make_direct_map()
+            for i, v in zip(ids.tolist(), inner.reconstruct_n(0, index.ntotal)):
+                out[i] = v
+    return out
+
+
+@pytest.mark.parametrize("factory", ["Flat", "IVF4,Flat", "HNSW8"])
+def test_removed_units_leave_rows_vectors_and_marks_of_the_others_exactly(tmp_path, factory):
+    folder = tmp_path / "ix"
+    template = None
+    trained = None
+    if factory != "Flat":
+        template = faiss.index_factory(DIM, factory, faiss.METRIC_INNER_PRODUCT)
+        template.train(unit_vectors(300, seed=5))
+        trained = tmp_path / "trained.faiss"
+        write_faiss_index(template, trained)
+    built = build_shards(folder, n_units=6, chunks=11, commit_every=25, workers=2, factory=factory,
+                         trained=str(trained) if trained else None)
+    before = vectors_by_id(list_shards(folder / "shards"))
+    n = shard_edit.remove_units(folder / "shards", [1, 4], template=template, run_id="x")
+    assert n == 22
+    shards = list_shards(folder / "shards")
+    assert incomplete_units(shards) == set()
+    assert finished_units(shards) == {u: 11 for u in (0, 2, 3, 5)}
+    kept = {i: r for i, r in built.rows.items() if i >> 32 not in (1, 4)}
+    rows = ShardRows(shards)
+    assert {i: c.text for i, c in rows.chunks(built.ids).items()} == {i: r["text"] for i, r in kept.items()}
+    after = vectors_by_id(shards)
+    assert set(after) == set(kept)
+    for i, v in after.items():
+        assert np.array_equal(v, before[i])  # codes untouched (HNSW: flat storage, re-added exactly)
+    assert shard_edit.remove_units(folder / "shards", [1, 4], template=template) == 0  # nothing left
+
+
+def test_a_crash_after_the_new_record_hides_the_old_shard_and_clean_finishes(tmp_path, monkeypatch):
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=3, chunks=5, commit_every=100, workers=1)
+    (old,) = list_shards(folder / "shards")
+
+    def crash(shard):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(shard_edit, "delete_shard", crash)
+    with pytest.raises(KeyboardInterrupt):
+        shard_edit.remove_units(folder / "shards", [0], run_id="y")
+    (new,) = list_shards(folder / "shards")
+    assert new.replaces == (old.name,) and new.rows == 10
+    assert old.commit_path().exists()
+    clean_shards(folder / "shards")
+    assert not any(p.name.startswith(old.name) for p in (folder / "shards").iterdir())
+    assert pq.read_table(new.path("parquet")).num_rows == 10
+
+
+def test_removing_every_unit_of_a_shard_leaves_a_mark_only_shard_or_nothing(tmp_path):
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=2, chunks=5, commit_every=100, workers=1)
+    shard_edit.remove_units(folder / "shards", [0, 1], run_id="z")
+    shards = list_shards(folder / "shards")
+    assert [(s.rows, s.files, s.units) for s in shards] == [(0, {}, ())]
+    clean_shards(folder / "shards")
+    assert list((folder / "shards").iterdir()) == []

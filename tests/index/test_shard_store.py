@@ -1,0 +1,103 @@
+"""ShardStore: the format-2 folder's manifest, units and shards, as the build uses them."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+from index_fixtures import build_index as build_v1
+from shard_fixtures import DIM, batches, build_shards, meta_of, unit_vectors
+
+from embedingest.errors import ConfigError
+from embedingest.index.shard_store import ShardStore
+from embedingest.index.shards import list_shards
+from embedingest.index.store import Manifest
+from embedingest.sinks.shard_writer import ShardWriterFactory
+
+
+def visible(folder):
+    """The folder's files, without lock files and sqlite's journals."""
+    return sorted(n for n in os.listdir(folder) if not n.startswith(".") and not n.endswith(("-wal", "-shm")))
+
+
+def manifest(factory="Flat"):
+    return Manifest(model={"name": "test-model", "path": "/nowhere"}, dim=DIM, factory=factory,
+                    corpus_path="/data/corpus")
+
+
+def write_units(store, folder, units, chunks, run_id, drop_last_batch=False):
+    sink = ShardWriterFactory(str(folder), DIM, run_id=run_id)(0)
+    plan = batches(units, chunks)
+    if drop_last_batch:
+        plan = plan[:-1]
+    for b, (part, done) in enumerate(plan):
+        ids = np.array([r["id"] for r in part], dtype=np.int64)
+        sink(meta_of(b, part, done), {"emb": unit_vectors(len(ids), seed=b), "ids": ids})
+    sink.close()
+
+
+def test_units_are_done_when_their_shards_say_so(tmp_path):
+    store = ShardStore(tmp_path / "ix")
+    m = store.create_or_open(manifest())
+    assert m.format == 2 and json.loads((tmp_path / "ix" / "manifest.json").read_text())["format"] == 2
+    nos = store.upsert_units([{"key": f"doc{u}.txt", "size": u, "status": "pending", "n_chunks": 0}
+                              for u in range(3)])
+    assert set(nos.values()) == {1, 2, 3}
+    assert {u.status for u in store.units().values()} == {"pending"}
+    write_units(store, tmp_path / "ix", [1, 2], 10, "a")
+    units = store.units()
+    assert [(units[f"doc{u}.txt"].status, units[f"doc{u}.txt"].n_chunks) for u in range(3)] == [
+        ("done", 10), ("done", 10), ("pending", 0)]
+    assert store.reconcile() == set()
+    store.sync_status()
+    assert store.db.execute("SELECT unit_no, status, n_chunks FROM units ORDER BY unit_no").fetchall() == [
+        (1, "done", 10), (2, "done", 10), (3, "pending", 0)]
+    assert store.update_shards().segments == [{"name": "shard-a-w0-00000", "count": 20}]
+    assert visible(tmp_path / "ix") == ["manifest.json", "shards", "units.sqlite"]
+    assert store.chunks([1 << 32 | 3])[1 << 32 | 3].text.startswith("text of docs/doc1.txt chunk 3")
+
+
+def test_a_stopped_writer_leaves_its_units_to_redo_and_strays_are_found(tmp_path):
+    store = ShardStore(tmp_path / "ix")
+    store.create_or_open(manifest())
+    store.upsert_units([{"key": "a"}, {"key": "b"}])  # unit numbers 1, 2
+    write_units(store, tmp_path / "ix", [1, 2], 20, "a", drop_last_batch=True)  # 40 rows: last batch lost
+    assert store.reconcile() == {2}
+    write_units(store, tmp_path / "ix", [9], 3, "b")  # a unit no row names
+    assert store.reconcile() == {2, 9}
+    assert store.remove_units({2, 9}) == 20 - 6 + 3
+    store.clean_garbage()
+    assert store.reconcile() == set()
+    assert {u.key: u.status for u in store.units().values()} == {"a": "done", "b": "pending"}
+
+
+def test_a_format_1_folder_is_refused_and_overwritten_only_when_asked(tmp_path):
+    folder = tmp_path / "ix"
+    build_v1(folder).store.close()
+    with pytest.raises(ConfigError, match=r"is in format 1 .*\n  embedingest build-index CORPUS --out "):
+        ShardStore(folder).create_or_open(manifest())
+    assert (folder / "metadata.sqlite").is_file()  # untouched
+    store = ShardStore(folder)
+    store.create_or_open(manifest(), overwrite=True)
+    assert visible(folder) == ["manifest.json", "shards"]
+
+
+def test_other_settings_are_refused_once_a_shard_holds_vectors(tmp_path):
+    store = ShardStore(tmp_path / "ix")
+    store.create_or_open(manifest())
+    assert store.create_or_open(manifest("HNSW8")).factory == "HNSW8"  # nothing built yet
+    store.upsert_units([{"key": "a"}])
+    write_units(store, tmp_path / "ix", [1], 2, "a")
+    with pytest.raises(ConfigError, match="was built with .*'HNSW8'.*use --overwrite"):
+        store.create_or_open(manifest("Flat"))
+
+
+def test_wipe_removes_every_file_of_both_formats_and_nothing_else(tmp_path):
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=1, chunks=2, workers=1)
+    (folder / "trained.g3.faiss").write_bytes(b"x")
+    (folder / "units.sqlite").write_bytes(b"")
+    (folder / "mine.txt").write_text("keep")
+    ShardStore(folder).wipe()
+    assert visible(folder) == ["mine.txt"]
+    assert list_shards(folder / "shards") == []

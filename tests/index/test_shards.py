@@ -1,0 +1,223 @@
+"""Index format 2 shards: what the writers commit, what a crash leaves, what is complete."""
+
+import json
+import os
+
+import faiss
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from shard_fixtures import DIM, batches, build_shards, meta_of, unit_vectors
+
+from embedingest.errors import ConfigError
+from embedingest.index.shards import (
+    CHUNK_COLUMNS,
+    BatchMeta,
+    clean_shards,
+    decode_chunks,
+    delete_shard,
+    encode_chunks,
+    finished_units,
+    incomplete_units,
+    list_shards,
+    read_ids,
+)
+from embedingest.sinks.shard_writer import ShardWriter, ShardWriterFactory
+
+
+def test_each_writer_commits_whole_shards_with_rows_vectors_and_embeddings(tmp_path):
+    built = build_shards(tmp_path / "ix", n_units=6, chunks=20, commit_every=50, workers=2)
+    shards = list_shards(tmp_path / "ix" / "shards")
+    assert sorted(s.rows for s in shards) == [2, 18, 50, 50]  # batches of 17: 68 and 52 rows
+    assert {s.name for s in shards} == {w["name"] for w in built.written}
+    seen = []
+    for shard in shards:
+        table = pq.read_table(shard.path("parquet"))
+        assert table.column_names == list(CHUNK_COLUMNS)
+        ids = table.column("id").to_numpy()
+        assert [shard.id_min, shard.id_max] == [ids.min(), ids.max()]
+        for row in table.to_pylist():
+            assert row == built.rows[row["id"]]  # every column exactly, NUL included
+        index = faiss.read_index(str(shard.path("faiss")))
+        assert np.array_equal(faiss.vector_to_array(index.id_map), ids)  # same order
+        emb = np.load(shard.path("emb"))
+        where = np.searchsorted(built.ids, ids)
+        assert emb.dtype == np.float16 and np.array_equal(emb, built.emb[where].astype(np.float16))
+        assert np.array_equal(index.index.reconstruct_n(0, index.ntotal), built.emb[where])
+        assert shard.verify() is None
+        seen.extend(ids.tolist())
+    assert sorted(seen) == sorted(built.ids.tolist())  # each id once
+    assert incomplete_units(shards) == set()
+    assert finished_units(shards) == {u: 20 for u in range(6)}
+
+
+def test_row_groups_hold_the_configured_rows(tmp_path):
+    build_shards(tmp_path / "ix", n_units=2, chunks=20, commit_every=100, workers=1, row_group_rows=8)
+    (shard,) = list_shards(tmp_path / "ix" / "shards")
+    meta = pq.read_metadata(shard.path("parquet"))
+    assert [meta.row_group(g).num_rows for g in range(meta.num_row_groups)] == [8] * 5
+
+
+def test_commit_record_is_written_last_and_a_shard_without_one_is_invisible(tmp_path, monkeypatch):
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=2, chunks=10, commit_every=100, workers=1, run_id="ok")
+    import embedingest.sinks.shard_writer as sw
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt  # the process dies before the commit record
+    monkeypatch.setattr(sw, "write_commit", crash)
+    spec = ShardWriterFactory(str(folder), DIM, save_embeddings=True, run_id="dead")
+    sink = spec(0)
+    part, done = batches([5], 4)[0]
+    sink(meta_of(0, part, done), {"emb": unit_vectors(4), "ids": np.array([r["id"] for r in part])})
+    with pytest.raises(KeyboardInterrupt):
+        sink.close()
+    names = sorted(os.listdir(folder / "shards"))
+    assert [n for n in names if "dead" in n] == [f"shard-dead-w0-00000.{s}" for s in ("emb.npy", "faiss", "parquet")]
+    shards = list_shards(folder / "shards")
+    assert [s.name for s in shards] == ["shard-ok-w0-00000"]
+    assert incomplete_units(shards) == set()
+    removed = clean_shards(folder / "shards")
+    assert sorted(removed) == [f"shard-dead-w0-00000.{s}" for s in ("emb.npy", "faiss", "parquet")]
+    assert not any("dead" in n for n in os.listdir(folder / "shards"))
+
+
+def test_a_damaged_shard_is_named_to_readers_and_redone_by_writers(tmp_path):
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=4, chunks=10, commit_every=15, workers=1)
+    shards = list_shards(folder / "shards")
+    victim = shards[1]
+    lost = {int(i) >> 32 for i in read_ids(victim)} | {u for u, _ in victim.units}
+    with open(victim.path("parquet"), "r+b") as fh:
+        fh.truncate(100)
+    with pytest.raises(ConfigError) as err:
+        list_shards(folder / "shards")
+    assert f"shard {victim.name} in" in str(err.value)
+    assert "holds 100 bytes" in str(err.value)
+    assert f"delete that shard's files (every file named {victim.name}.*)" in str(err.value)
+    removed = clean_shards(folder / "shards")
+    assert f"{victim.name}.commit.json" in removed and f"{victim.name}.parquet" in removed
+    left = list_shards(folder / "shards")
+    assert victim.name not in {s.name for s in left}
+    assert lost == {0, 1, 2} and incomplete_units(left) == lost  # units it held or finished, no others
+
+
+def test_a_commit_record_that_is_not_one_is_a_config_error_naming_it(tmp_path):
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=1, chunks=5, workers=1)
+    (shard,) = list_shards(folder / "shards")
+    shard.commit_path().write_text("{not json")
+    with pytest.raises(ConfigError, match=r"cannot read the commit record .*shard-run1-w0-00000\.commit\.json"):
+        list_shards(folder / "shards")
+    data = dict(shard.record, files={"faiss": {"name": "../../etc/passwd", "size": 1}})
+    shard.commit_path().write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match="is not a file of the shard"):
+        list_shards(folder / "shards")
+
+
+def test_a_replacement_hides_the_shard_it_replaces_and_clean_deletes_it(tmp_path):
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=2, chunks=5, workers=1, commit_every=100)
+    (old,) = list_shards(folder / "shards")
+    spec = ShardWriterFactory(str(folder), DIM, run_id="rm1")
+    writer = ShardWriter(spec, "shard-rm1-w0-00000", replaces=[old.name])
+    part, done = batches([0], 5)[0]
+    writer.add(unit_vectors(5), np.array([r["id"] for r in part]), meta_of(0, part, done).chunks, done)
+    writer.commit()
+    (new,) = list_shards(folder / "shards")
+    assert new.name == "shard-rm1-w0-00000" and new.replaces == (old.name,)
+    assert incomplete_units([new]) == set()
+    removed = clean_shards(folder / "shards")
+    assert set(removed) == {f"{old.name}.{s}" for s in ("commit.json", "emb.npy", "faiss", "parquet")}
+
+
+def test_a_shard_may_hold_only_finished_units_and_delete_shard_removes_every_file(tmp_path):
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=1, chunks=3, workers=1)
+    sink = ShardWriterFactory(str(folder), DIM, run_id="empty")(0)
+    sink(meta_of(0, [], ((7, 0),)), {"emb": np.zeros((0, DIM), np.float32), "ids": np.zeros(0, np.int64)})
+    assert sink.close() == [{"name": "shard-empty-w0-00000", "count": 0}]
+    shards = list_shards(folder / "shards")
+    empty = next(s for s in shards if s.name == "shard-empty-w0-00000")
+    assert (empty.rows, empty.files, empty.units) == (0, {}, ((7, 0),))
+    for shard in shards:
+        delete_shard(shard)
+    assert os.listdir(folder / "shards") == []
+
+
+def test_incomplete_units_finds_missing_duplicate_and_undeclared_rows(tmp_path):
+    folder = tmp_path / "ix"
+    spec = ShardWriterFactory(str(folder), DIM, run_id="r")
+
+    def shard(part_no, rows, done):
+        writer = ShardWriter(spec, f"shard-r-w0-{part_no:05d}")
+        ids = np.array([r["id"] for r in rows], dtype=np.int64)
+        writer.add(unit_vectors(len(ids)), ids, meta_of(0, rows, ()).chunks, done)
+        writer.commit()
+
+    rows = {u: [r for part, _ in batches([u], 4) for r in part] for u in range(6)}
+    shard(0, rows[0] + rows[1][:2], [(0, 4), (1, 4)])  # unit 1: two rows missing
+    shard(1, rows[2] + rows[2][:1], [(2, 4)])  # unit 2: a duplicate row
+    shard(2, rows[3], [])  # unit 3: never declared finished
+    shard(3, rows[4], [(4, 4)])
+    shard(4, [], [(4, 4)])  # unit 4 declared twice
+    shard(5, rows[5][1:], [(5, 3)])  # unit 5: chunk 0 missing, ids up to 3
+    shards = list_shards(folder / "shards")
+    assert incomplete_units(shards) == {1, 2, 3, 4, 5}
+    assert incomplete_units(shards, expected={0: 4, 9: 2}) == {1, 2, 3, 4, 5, 9}
+
+
+def test_chunk_rows_round_trip_as_arrow_bytes_and_garbage_is_refused():
+    data = encode_chunks([1 << 32 | 2], ["a.txt"], [None], [2], [5], [9], ["hé\0"])
+    assert isinstance(data, bytes)
+    assert decode_chunks(data).to_pylist() == [{"id": 1 << 32 | 2, "source": "a.txt", "record_id": None,
+                                                "chunk_no": 2, "span_start": 5, "span_end": 9,
+                                                "text": "hé\0"}]
+    with pytest.raises(ConfigError, match="chunk metadata of 5 bytes is not a record batch"):
+        decode_chunks(b"12345")
+    assert repr(BatchMeta(7, data, ((1, 3),))) == "batch 7"
+
+
+def test_the_sink_refuses_batches_without_metadata_or_with_other_ids(tmp_path):
+    sink = ShardWriterFactory(str(tmp_path / "ix"), DIM, run_id="x")(0)
+    part, done = batches([0], 3)[0]
+    ids = np.array([r["id"] for r in part])
+    with pytest.raises(ConfigError, match="batch 5 carries no chunk metadata"):
+        sink(5, {"emb": unit_vectors(3), "ids": ids})
+    with pytest.raises(ConfigError, match="the 3 metadata rows of a batch do not match its 3 vector ids"):
+        sink(meta_of(0, part, done), {"emb": unit_vectors(3), "ids": ids[::-1].copy()})
+    sink.close()
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n_units=st.integers(1, 6), chunks=st.integers(1, 9), commit_every=st.integers(1, 40),
+       workers=st.integers(1, 3), row_group_rows=st.integers(1, 16))
+def test_any_split_commits_every_row_once_and_complete(tmp_path_factory, n_units, chunks, commit_every,
+                                                      workers, row_group_rows):
+    folder = tmp_path_factory.mktemp("ix")
+    built = build_shards(folder, n_units=n_units, chunks=chunks, commit_every=commit_every,
+                         workers=workers, row_group_rows=row_group_rows, save_embeddings=False)
+    shards = list_shards(folder / "shards")
+    assert all(s.rows <= commit_every for s in shards)
+    ids = np.concatenate([read_ids(s) for s in shards if s.rows])
+    assert sorted(ids.tolist()) == sorted(built.ids.tolist())
+    assert incomplete_units(shards) == set()
+
+
+def test_finished_marks_that_came_after_the_last_batch_get_a_shard_of_their_own(tmp_path):
+    from embedingest.sinks.shard_writer import commit_finished
+
+    folder = tmp_path / "ix"
+    spec = ShardWriterFactory(str(folder), DIM, run_id="m")
+    sink = spec(0)
+    part, _ = batches([3], 5)[0]
+    sink(meta_of(0, part, ()), {"emb": unit_vectors(5), "ids": np.array([r["id"] for r in part])})
+    sink.close()
+    assert incomplete_units(list_shards(folder / "shards")) == {3}  # rows, no mark yet
+    assert commit_finished(spec, []) is None
+    record = commit_finished(spec, [(3, 5), (4, 0)])
+    assert (record["name"], record["rows"], record["files"]) == ("shard-m-w9999-00000", 0, {})
+    shards = list_shards(folder / "shards")
+    assert incomplete_units(shards) == set() and finished_units(shards) == {3: 5, 4: 0}
