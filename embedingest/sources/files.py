@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..errors import ConfigError
+from .names import has_extension
 
 OnSkip = Callable[[str, str], None]
 
@@ -92,13 +93,6 @@ def refuse_output_as_input(out: str | os.PathLike, inputs: str | os.PathLike, fo
     if Path(out).resolve() == Path(inputs).resolve():
         raise ConfigError(f"out={str(out)!r} is the {folder}: {outputs} would be read as "
                           "inputs next time; use another folder, or a subfolder of it")
-
-
-def has_extension(name: str, extensions: set[str]) -> bool:
-    """Whether ``name`` ends in one of ``extensions`` (lower case, with the dot), which
-    may be double, like ``.jsonl.gz``."""
-    suffixes = [s.lower() for s in Path(name).suffixes]
-    return bool(suffixes) and (suffixes[-1] in extensions or "".join(suffixes[-2:]) in extensions)
 
 
 def walk_files(root: str | os.PathLike, extensions: set[str] | None = None,

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from .names import has_extension
 
 OnSkip = Callable[[str, str], None]
 
@@ -162,15 +163,13 @@ def walk_remote(url: str, extensions: set[str] | frozenset[str] | None = None,
                 on_skip: OnSkip = lambda path, reason: None,
                 on_other: Callable[[str], None] | None = None) -> Iterator[RemoteFile]:
     """The objects below ``url`` whose names end in one of ``extensions`` (see
-    :func:`~.files.has_extension`; all when None), or the one object ``url`` names
+    :func:`~.names.has_extension`; all when None), or the one object ``url`` names
     (whatever its name); others go to ``on_other(url)``.
 
     A URL that cannot be listed at all (no such bucket, no credentials, no network) is a
     :class:`ConfigError` saying what to do; a folder below it that cannot be listed goes
     to ``on_skip`` and the walk goes on. Listings are read afresh, not from fsspec's cache.
     """
-    from .files import has_extension
-
     fs, root = _fs(url)
     root = root.rstrip("/")
     base_url = url.rstrip("/")

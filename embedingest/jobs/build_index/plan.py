@@ -22,7 +22,8 @@ from ...errors import ConfigError
 from ...index.store import IndexStore, Manifest
 from ...report import SkipReport
 from ...sinks.faiss_shards import parse_factory
-from ...sources.files import has_extension, open_input, os_error_reason, walk_files
+from ...sources.files import open_input, os_error_reason, walk_files
+from ...sources.names import has_extension
 from ...sources.remote import input_name, is_remote, walk_remote
 from ...sources.text import TEXT_EXTENSIONS, lone_surrogate
 
