@@ -70,8 +70,6 @@ import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import zstandard
-
 from .files import open_input, os_error_reason
 from .remote import is_remote, remote_size
 
@@ -83,6 +81,11 @@ JSONL_EXTENSIONS = {".jsonl", ".ndjson"}
 CSV_EXTENSIONS = {".csv", ".tsv"}
 _PLAIN_EXTENSIONS = (WHOLE_TEXT_EXTENSIONS | HTML_EXTENSIONS | JSONL_EXTENSIONS
                      | CSV_EXTENSIONS | {".json"})
+
+
+class ZstdCorrupt(ValueError):
+    """A zstd stream that does not decompress (``zstandard.ZstdError``, named here so the
+    module imports without zstandard)."""
 
 
 class ZstdReader:
@@ -98,8 +101,11 @@ class ZstdReader:
     FEED = 256
 
     def __init__(self, raw):
+        import zstandard  # only where a .zst file is read
+
         self._raw = raw
         self._dctx = zstandard.ZstdDecompressor()
+        self._errors = zstandard.ZstdError
         self._obj = None  # the frame being decompressed, None between frames
         self._buf, self._pos = b"", 0
         self._eof = False
@@ -117,7 +123,10 @@ class ZstdReader:
             while data:
                 if self._obj is None:
                     self._obj = self._dctx.decompressobj()
-                out.append(self._obj.decompress(data))
+                try:
+                    out.append(self._obj.decompress(data))
+                except self._errors as exc:
+                    raise ZstdCorrupt(str(exc)) from exc
                 data = b""
                 if self._obj.eof:
                     data, self._obj = self._obj.unused_data, None
@@ -145,7 +154,7 @@ COMPRESSIONS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open,
 TEXT_EXTENSIONS = frozenset(_PLAIN_EXTENSIONS | {".parquet"}
                             | {ext + c for ext in _PLAIN_EXTENSIONS for c in COMPRESSIONS})
 # What a corrupt or truncated compressed stream raises (gzip's BadGzipFile is an OSError).
-_DECOMPRESS_ERRORS = (EOFError, zlib.error, lzma.LZMAError, gzip.BadGzipFile, zstandard.ZstdError)
+_DECOMPRESS_ERRORS = (EOFError, zlib.error, lzma.LZMAError, gzip.BadGzipFile, ZstdCorrupt)
 # Size bounds (decompressed): what is read whole must fit memory several times over.
 MAX_WHOLE_BYTES = 2**30  # a text file read whole (without stream_above)
 MAX_JSON_BYTES = 2**28  # a .json document (parsed whole; JSON lines are streamed)
