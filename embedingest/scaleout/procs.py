@@ -300,7 +300,7 @@ def _sigint_ignored():
     Here it is blocked too, so a Ctrl-C meanwhile stays pending (Linux keeps a blocked
     signal even when ignored) and arrives once the handler is back. That holds when no
     other thread takes it: the CLI imports torch and numpy with SIGINT blocked, so their
-    threads keep it blocked (:func:`embedingest.cli.import_interruptibly`)."""
+    threads keep it blocked (:func:`embedingest.cli.common.import_interruptibly`)."""
     previous = signal.getsignal(signal.SIGINT)
     # Not from another thread, nor over a handler set outside Python (it could not be put back).
     if threading.current_thread() is not threading.main_thread() or previous is None:
