@@ -21,7 +21,7 @@ import faiss
 import numpy as np
 
 from ..errors import ConfigError
-from .formats import index_format
+from .formats import index_format, require_current
 from .lookup import ShardRows
 from .shards import FORMAT as SHARDS_FORMAT
 from .shards import SHARDS_DIR, list_shards
@@ -263,6 +263,7 @@ def open_index(path: str | os.PathLike, device: str = "cpu", *, encoder=None,
     (``build-index --search-params``), "" for none. ``query_prompt``: text put before each
     query; None: the index's (the model's query prompt, or ``build-index --query-prompt``).
     """
+    require_current(path)
     store = IndexStore(path, read_only=True)
     manifest = store.read_manifest()
     if params is None:
