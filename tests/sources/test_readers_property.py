@@ -257,7 +257,7 @@ def test_a_random_corpus_builds_with_every_file_indexed_or_reported(tmp_path_fac
     """The whole build, on a few random corpora: exit 0 or 3, and each file is indexed
     (its unit done, its vectors committed) or listed in skipped.jsonl."""
     from embedingest import build_index
-    from embedingest.index.store import IndexStore
+    from embedingest.index.shard_store import ShardStore
     from embedingest.jobs.build_index import unit_key
 
     folder = tmp_path_factory.mktemp("c")
@@ -267,7 +267,7 @@ def test_a_random_corpus_builds_with_every_file_indexed_or_reported(tmp_path_fac
     summary = build_index(corpus, out=str(out), num_workers=0, num_consumers=1, batch_size=8)
     assert summary["exit_code"] in (0, 3)
     report = [json.loads(line) for line in (out / "skipped.jsonl").read_text().splitlines()]
-    with IndexStore(out) as store:
+    with ShardStore(out) as store:
         units = store.units()
         n_ids = sum(len(s.ids()) for s in store.shards())
     assert n_ids == sum(u.n_chunks for u in units.values()) == summary["vectors_total"]
