@@ -56,3 +56,36 @@ def build_index(folder, n_units=6, chunks=20, factory="Flat", metric="ip", commi
         sink.close()
     store.update_shards()
     return Built(store, emb, ids, unit_nos)
+
+
+def build_index_v2(folder, n_units=6, chunks=20, factory="Flat", metric="ip", commit_every=50,
+                   workers=2, seed=0):
+    """:func:`build_index` in index format 2: the same units, rows and vectors, written by
+    shard writers (each batch's rows as Arrow bytes, a unit declared finished with the
+    batch of its last chunk). ``store`` is a ShardStore."""
+    from embedingest.index.shard_store import ShardStore
+    from embedingest.index.shards import BatchMeta, encode_chunks
+    from embedingest.sinks.shard_writer import ShardWriterFactory
+
+    store = ShardStore(folder)
+    store.create_or_open(Manifest(model={"name": "test-model", "path": "/nowhere"}, dim=DIM,
+                                  metric=metric, factory=factory))
+    trained = store.train_index(factory, DIM, metric, unit_vectors(500, seed=seed + 99))
+    unit_nos = store.upsert_units(
+        {"key": f"doc{u}.txt", "size": 100 * u, "mtime_ns": u, "sha256": f"h{u}"} for u in range(n_units))
+    rows = [(int(vector_ids(no, [c])[0]), key, f"rec{no}", c, 10 * c, 10 * c + 9, f"text {key} {c}")
+            for key, no in unit_nos.items() for c in range(chunks)]
+    ids = np.array([r[0] for r in rows], dtype=np.int64)
+    emb = unit_vectors(len(ids), seed=seed)
+    spec = ShardWriterFactory(str(store.folder), DIM, factory=factory, metric=metric,
+                              commit_every=commit_every, trained=trained)
+    sinks = [spec(w) for w in range(workers)]
+    for b, start in enumerate(range(0, len(ids), 17)):  # batches dealt round robin
+        part = rows[start:start + 17]
+        done = tuple((r[0] >> 32, chunks) for r in part if r[3] == chunks - 1)
+        meta = BatchMeta(b, encode_chunks(*(list(col) for col in zip(*part))), done)
+        sinks[b % workers](meta, {"emb": emb[start:start + 17], "ids": ids[start:start + 17]})
+    for sink in sinks:
+        sink.close()
+    store.update_shards()
+    return Built(store, emb, ids, unit_nos)
