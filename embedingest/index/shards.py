@@ -65,7 +65,7 @@ CHUNK_SCHEMA = pa.schema([
     pa.field("text", pa.string()),
 ])
 """One row per chunk, as the shard's Parquet file holds it (a chunk of a file without
-records has record_id null; span is the chunk's character range in its record's text)."""
+records has record_id ""; span is the chunk's character range in its record's text)."""
 
 CHUNK_COLUMNS = tuple(CHUNK_SCHEMA.names)
 

@@ -110,10 +110,9 @@ class Chunks:
 
     def __init__(self, rows: Sequence[tuple], sources: Mapping[int, str]):
         """``rows``: tuples of the :data:`CHUNK_FIELDS` values, then whether the chunk is
-        its record's first; ``sources``: unit_no -> the unit's key. A record id of ""
-        (a whole-text file) is stored as null."""
+        its record's first; ``sources``: unit_no -> the unit's key."""
         self.data = encode_chunks([r[0] for r in rows], [sources[r[1]] for r in rows],
-                                  [r[2] or None for r in rows], [r[3] for r in rows],
+                                  [r[2] for r in rows], [r[3] for r in rows],
                                   [r[4] for r in rows], [r[5] for r in rows], [r[6] for r in rows])
         self.n_docs = sum(r[-1] for r in rows)
         self.n = len(rows)
