@@ -39,15 +39,16 @@ SLOW_SINK = {"EMBEDINGEST_FI_SINK_DELAY": "0.15"}
 
 
 def n_segments(out: Path) -> int:
-    seg = out / "segments"
-    return len(list(seg.glob("seg-*.faiss"))) if seg.is_dir() else 0
+    """Committed shards (with rows or not)."""
+    seg = out / "shards"
+    return len(list(seg.glob("shard-*.commit.json"))) if seg.is_dir() else 0
 
 
 def assert_no_id_twice(out: Path) -> None:
     """What a reader (search) would see right now lists no vector twice."""
-    from embedingest.index.store import IndexStore
+    from embedingest.index.shard_store import ShardStore
 
-    with IndexStore(out) as store:
+    with ShardStore(out) as store:
         ids = np.concatenate([s.ids() for s in store.shards()] or [np.empty(0, np.int64)])
     assert len(ids) == len(np.unique(ids)), "a vector id is listed twice"
 
