@@ -73,7 +73,7 @@ def test_consumer_sigkill_stops_run_naming_it_and_rerun_is_exactly_once(cli, tmp
     corpus = make_corpus(tmp_path / "corpus", 10)
     out = tmp_path / "idx"
     run = build(cli, corpus, out, device=device,
-                env={**SLOW_SINK, "EMBEDINGEST_FI_KILL": "consumer:seg-*.faiss:3:mid"})
+                env={**SLOW_SINK, "EMBEDINGEST_FI_KILL": "consumer:shard-*.faiss:3:mid"})
     wait_for(lambda: not run.running() or tmp_files(out), 120, what="a half-written segment")
     stopped_by_dead_consumer(run, None)
     assert tmp_files(out)  # the half-written segment, under its temporary name only
