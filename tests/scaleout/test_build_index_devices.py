@@ -92,7 +92,7 @@ def test_two_cpu_devices_build_the_single_process_index(tmp_path, no_leaks):
 
     manifest = json.loads((two / "manifest.json").read_text())
     assert [(s["name"], s["count"]) for s in manifest["segments"]] == listed
-    runs = {re.match(r"seg-(.+)-w\d+-\d+\.faiss", name).group(1) for name, _ in listed}
+    runs = {re.match(r"shard-(.+)-w\d+-\d+", name).group(1) for name, _ in listed}
     assert len(runs) == 2 and {r[-3:] for r in runs} == {"_d0", "_d1"}
     assert json.loads((one / "manifest.json").read_text())["corpus"] == manifest["corpus"]
 
