@@ -6,8 +6,11 @@
     python examples/ray_build_index.py corpus/ indexes/ray --gpus 1   # an actor per GPU
     embedingest search indexes/ray "how do I parse a date"
 
-The JSON-lines files of the corpus folder are read with ``ray.data.read_json``; each
-record needs a unique ``id`` and a ``text``. Running the same command again embeds only
+The JSON-lines files of the corpus folder (``.jsonl``, also ``.gz`` or ``.zst``) are read
+with ``ray.data.read_json``; each record needs a unique ``id`` and a ``text``. The corpus
+may be a prefix in object storage (``s3://bucket/docs/``, ``gs://...``): its files are
+listed as the CLI lists them and read by Ray Data, credentials coming from the
+environment (``AWS_*``, ``~/.aws``) on every node. Running the same command again embeds only
 new and changed records and drops deleted ones. On a cluster (``--address auto``), the
 index folder must be on a file system every node sees.
 """
@@ -22,7 +25,8 @@ from pathlib import Path
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("corpus", type=Path, help="folder of .jsonl files with 'id' and 'text' fields")
+    ap.add_argument("corpus", help="folder (or s3://, gs:// prefix) of .jsonl files with 'id' "
+                                   "and 'text' fields")
     ap.add_argument("out", help="index folder")
     ap.add_argument("--address", default=None, help="Ray cluster to join (default: a local Ray)")
     ap.add_argument("--actors", type=int, default=None,
@@ -37,7 +41,7 @@ def main() -> None:
 
     from embedingest import build_index_ray, open_index
 
-    files = sorted(str(p) for p in args.corpus.glob("*.jsonl"))
+    files = jsonl_files(args.corpus)
     if not files:
         sys.exit(f"no .jsonl files in {args.corpus}; write some with: "
                  f"python examples/make_corpus.py {args.corpus}")
@@ -54,6 +58,21 @@ def main() -> None:
         (hits,) = index.search([args.query], k=3)
     for hit in hits:
         print(f"{hit.score:.3f}  {hit.record_id}  {(hit.text or '')[:100]}")
+
+
+def jsonl_files(corpus: str) -> list[str]:
+    """The JSON-lines files below ``corpus``, a folder or a URL, in the order build-index
+    takes them."""
+    from embedingest.sources.files import walk_files
+    from embedingest.sources.remote import is_remote, local_path, walk_remote
+
+    if is_remote(corpus):
+        return [obj.url for obj in walk_remote(corpus, JSON_LINES)]
+    root = Path(local_path(corpus))
+    return [str(path) for path in walk_files(root, JSON_LINES)] if root.is_dir() else []
+
+
+JSON_LINES = {".jsonl", ".jsonl.gz", ".jsonl.zst"}
 
 
 def default_actors(resources: dict, gpus: float) -> int:

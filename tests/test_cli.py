@@ -213,3 +213,18 @@ def test_every_option_of_every_command_has_help(args):
     for param in command.get_params(ctx):
         if isinstance(param, click.Option):
             assert param.help, f"{' '.join(args)} {param.opts[0]} has no help"
+
+
+def test_corpus_and_images_take_a_path_or_a_url(tmp_path):
+    import click
+
+    from embedingest.cli.common import InputPath
+
+    kind = InputPath()
+    assert kind.convert("s3://bucket/docs/", None, None) == "s3://bucket/docs/"
+    assert kind.convert(f"file://{tmp_path}", None, None) == str(tmp_path)
+    assert kind.convert(str(tmp_path), None, None) == str(tmp_path)
+    with pytest.raises(click.BadParameter, match="does not exist"):
+        kind.convert(str(tmp_path / "missing"), None, None)
+    with pytest.raises(click.BadParameter, match="does not exist"):
+        kind.convert(f"file://{tmp_path}/missing", None, None)

@@ -43,6 +43,20 @@ def emit_json(obj) -> None:
     click.echo(json.dumps(obj, indent=2, default=str))
 
 
+class InputPath(click.ParamType):
+    """A file or folder that exists, or a URL (``s3://bucket/prefix``, ``file:///...``),
+    which the job itself checks before it writes anything."""
+
+    name = "path_or_url"
+
+    def convert(self, value, param, ctx):
+        from ..sources.remote import is_remote, local_path
+
+        if is_remote(value):
+            return value
+        return click.Path(exists=True, path_type=str).convert(local_path(value), param, ctx)
+
+
 def exit_quickly(code: int) -> NoReturn:
     """Exit with ``code`` once the run is over (its files written, its processes gone),
     without the interpreter's last garbage collection over torch, transformers and the

@@ -9,15 +9,17 @@ import click
 from ..config import IndexConfig, load_config
 from ..exit_codes import exit_status_help
 from ..report import passed_over_sentence
-from .common import config_options, emit_json, library_errors, run_job, run_options
+from .common import InputPath, config_options, emit_json, library_errors, run_job, run_options
 
 
 @click.command("build-index", help=f"""Index the text files under CORPUS (or one file) into FAISS shards.
+    CORPUS may be a URL (s3://bucket/prefix, gs://..., hf://datasets/...), with credentials
+    from the environment.
 
     Re-running adds only new or changed files and drops deleted ones.
 
     {exit_status_help("all inputs indexed", "inputs", "the index folder")}""")
-@click.argument("corpus", type=click.Path(exists=True, path_type=str))
+@click.argument("corpus", type=InputPath())
 @config_options(IndexConfig)
 @run_options("configs/*.toml", timeline="Write a PNG timeline of the last batches.",
              trace="Write the run's phases and every batch's engine records (compute, copy, "

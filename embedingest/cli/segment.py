@@ -13,17 +13,18 @@ import click
 from ..config import SegmentConfig, load_config
 from ..exit_codes import exit_status_help
 from ..report import passed_over_sentence
-from .common import config_options, library_errors, run_job, run_options
+from .common import InputPath, config_options, library_errors, run_job, run_options
 
 
 @click.command("segment", help=f"""A torchvision segmentation model over the images under IMAGES (or one
     image): a PNG mask per image, at the image's own size, in OUT, with OUT/labels.json saying what
-    the values mean.
+    the values mean. IMAGES may be a URL (s3://bucket/prefix, ...), with credentials from the
+    environment.
 
     Re-running skips images whose mask exists.
 
     {exit_status_help("all images done", "images", "OUT")}""")
-@click.argument("images", type=click.Path(exists=True, path_type=str))
+@click.argument("images", type=InputPath())
 @config_options(SegmentConfig, skip=("images",))
 @run_options("configs/segment.toml",
              timeline="Write a PNG timeline of the last batches (compute, copies, consumers).",

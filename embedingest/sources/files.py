@@ -66,6 +66,14 @@ def open_regular(path: str | os.PathLike):
         raise
 
 
+def open_input(path: str | os.PathLike):
+    """Open an input for binary reading: a local path with :func:`open_regular`, an
+    fsspec URL (``s3://...``) with :func:`~.remote.open_remote`."""
+    from .remote import is_remote, open_remote
+
+    return open_remote(path) if is_remote(path) else open_regular(path)
+
+
 def _open_nonblocking(path, flags: int) -> int:
     return os.open(path, flags | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0), 0o666)
 

@@ -27,6 +27,7 @@ import numpy as np
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 from ..config import DEFAULT_MAX_PIXELS
+from .remote import is_remote, open_remote, remote_size
 
 # An animated GIF (or a multi-page TIFF) is read as its first frame. AVIF needs a Pillow
 # built with libavif (the wheels of 11.2 and later); without it each is skipped, named.
@@ -186,26 +187,27 @@ def open_rgb(path: str | os.PathLike, max_pixels: int | None = DEFAULT_MAX_PIXEL
     :class:`ImageRejected` with the reason; nothing else escapes.
     """
     try:
-        if os.path.getsize(path) == 0:
-            raise ImageRejected("empty file: 0 bytes")
-        with _pixel_limit(max_pixels):
-            try:
-                im = Image.open(path)
-            except Image.DecompressionBombError as exc:
-                raise ImageRejected(f"too large: {exc}") from exc
-        with im:
-            width, height = im.size
-            if max_pixels and width * height > max_pixels:
-                raise ImageRejected(
-                    f"too large: {width}x{height} = {width * height} pixels is over "
-                    f"max_pixels={max_pixels}; raise --max-pixels to read it")
-            if im.getexif().get(ExifTags.Base.Orientation) in _ROTATED:
-                width, height = height, width
-            if fit:
-                cw, ch = content_size(im.width, im.height, fit)
-                im.draft(None, (cw, ch))
-            im.load()
-            return to_rgb(ImageOps.exif_transpose(im)), (width, height)
+        with _opened(path) as (source, size):
+            if size == 0:
+                raise ImageRejected("empty file: 0 bytes")
+            with _pixel_limit(max_pixels):
+                try:
+                    im = Image.open(source)
+                except Image.DecompressionBombError as exc:
+                    raise ImageRejected(f"too large: {exc}") from exc
+            with im:
+                width, height = im.size
+                if max_pixels and width * height > max_pixels:
+                    raise ImageRejected(
+                        f"too large: {width}x{height} = {width * height} pixels is over "
+                        f"max_pixels={max_pixels}; raise --max-pixels to read it")
+                if im.getexif().get(ExifTags.Base.Orientation) in _ROTATED:
+                    width, height = height, width
+                if fit:
+                    cw, ch = content_size(im.width, im.height, fit)
+                    im.draft(None, (cw, ch))
+                im.load()
+                return to_rgb(ImageOps.exif_transpose(im)), (width, height)
     except ImageRejected:
         raise
     except UnidentifiedImageError as exc:
@@ -220,6 +222,22 @@ def open_rgb(path: str | os.PathLike, max_pixels: int | None = DEFAULT_MAX_PIXEL
         raise ImageRejected(f"cannot decode: {type(exc).__name__}: {exc}") from exc
 
 
+@contextlib.contextmanager
+def _opened(path: str | os.PathLike):
+    """``(what Image.open takes, size in bytes)``: a local path as it is; an object
+    in storage (an fsspec URL) opened for reading, which Pillow reads from in ranges,
+    so a header costs one request. Failing to open it is ``unreadable``."""
+    if not is_remote(path):
+        yield path, os.path.getsize(path)
+        return
+    try:
+        fh = open_remote(path)
+    except OSError as exc:
+        raise ImageRejected(f"unreadable: {exc}") from exc
+    with fh:
+        yield fh, remote_size(fh)
+
+
 def header_size(path: str | os.PathLike) -> tuple[int, int] | None:
     """The (width, height) :func:`open_rgb` will return for ``path``, read from the file's
     header without decoding the pixels (tens of microseconds), or None when the header
@@ -231,7 +249,7 @@ def header_size(path: str | os.PathLike) -> tuple[int, int] | None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(path) as im:
+            with _opened(path) as (source, _), Image.open(source) as im:
                 width, height = im.size
                 lazy_exif = im.format == "PNG" and not {"exif", "XML:com.adobe.xmp"} & set(im.info)
                 if not lazy_exif and im.getexif().get(ExifTags.Base.Orientation) in _ROTATED:

@@ -26,7 +26,7 @@ starts with a stable keyword (the part before the first colon, what
 ``csv``         the csv module gave up on a row (the rest of that file is skipped)
 ``parquet``     pyarrow cannot read the file
 ``format``      a suffix that is not in :data:`TEXT_EXTENSIONS`
-``decompress``  a ``.gz``/``.bz2``/``.xz`` file that is corrupt or cut short (for the
+``decompress``  a ``.gz``/``.bz2``/``.xz``/``.zst`` file that is corrupt or cut short (for the
                 streamed formats: the rest of it, with the records before kept)
 ``too-large``   once decompressed: an HTML page over 16 MiB, a .json document over
                 256 MiB, a text file read whole over 1 GiB; a JSON line, a CSV line or
@@ -34,9 +34,13 @@ starts with a stable keyword (the part before the first colon, what
                 CSV the rest of the file)
 ==============  ===============================================================
 
-Every format but Parquet may also come compressed as ``.gz``, ``.bz2`` or ``.xz``
-(``docs.jsonl.gz``): it is decompressed while it is read, so JSON lines and CSV still
-stream.
+Every format but Parquet may also come compressed as ``.gz``, ``.bz2``, ``.xz`` or
+``.zst`` (``docs.jsonl.gz``): it is decompressed while it is read, so JSON lines and CSV
+still stream.
+
+``path`` may also be an fsspec URL (``s3://bucket/docs.jsonl.zst``, see
+:mod:`~embedingest.sources.remote`): the object is read as a local file is, and a
+problem reading it is a skip reason as for a local file.
 
 Decoding: UTF-8 (a UTF-8 BOM is dropped; a UTF-16 BOM selects UTF-16). A byte that is
 not part of valid UTF-8 is read as cp1252, the usual encoding of legacy Western text,
@@ -66,7 +70,10 @@ import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from .files import open_regular, os_error_reason
+import zstandard
+
+from .files import open_input, os_error_reason
+from .remote import is_remote, remote_size
 
 OnSkip = Callable[[str, str], None]
 
@@ -76,11 +83,69 @@ JSONL_EXTENSIONS = {".jsonl", ".ndjson"}
 CSV_EXTENSIONS = {".csv", ".tsv"}
 _PLAIN_EXTENSIONS = (WHOLE_TEXT_EXTENSIONS | HTML_EXTENSIONS | JSONL_EXTENSIONS
                      | CSV_EXTENSIONS | {".json"})
-COMPRESSIONS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+
+
+class ZstdReader:
+    """A zstd stream's decompressed bytes, read a block at a time (several frames one
+    after another, as ``zstd -T`` and ``pzstd`` write them, too).
+
+    ``zstandard``'s own readers end quietly at a stream cut short inside a frame, which
+    would index a truncated file as whole; here that is an ``EOFError``, as gzip, bz2
+    and lzma raise. Input is fed :attr:`FEED` bytes at a time, so one feed makes at
+    most 8 MiB (a zstd block of 4 bytes can stand for 128 KiB), however well the data
+    compresses: a decompression bomb stays bounded."""
+
+    FEED = 256
+
+    def __init__(self, raw):
+        self._raw = raw
+        self._dctx = zstandard.ZstdDecompressor()
+        self._obj = None  # the frame being decompressed, None between frames
+        self._buf, self._pos = b"", 0
+        self._eof = False
+
+    def _fill(self) -> None:
+        while self._pos == len(self._buf) and not self._eof:
+            data = self._raw.read(self.FEED)
+            if not data:
+                self._eof = True
+                if self._obj is not None:
+                    raise EOFError("compressed file ended before the end-of-stream marker "
+                                   "was reached")
+                return
+            out = []
+            while data:
+                if self._obj is None:
+                    self._obj = self._dctx.decompressobj()
+                out.append(self._obj.decompress(data))
+                data = b""
+                if self._obj.eof:
+                    data, self._obj = self._obj.unused_data, None
+            self._buf, self._pos = b"".join(out), 0
+
+    def read(self, n: int = -1) -> bytes:
+        parts = []
+        while n != 0:
+            self._fill()
+            if self._pos == len(self._buf):
+                break
+            end = len(self._buf) if n < 0 else min(len(self._buf), self._pos + n)
+            parts.append(self._buf[self._pos:end])
+            if n > 0:
+                n -= end - self._pos
+            self._pos = end
+        return b"".join(parts)
+
+    def close(self) -> None:
+        self._buf = b""
+
+
+COMPRESSIONS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open,
+                ".zst": lambda fh, mode: ZstdReader(fh)}
 TEXT_EXTENSIONS = frozenset(_PLAIN_EXTENSIONS | {".parquet"}
                             | {ext + c for ext in _PLAIN_EXTENSIONS for c in COMPRESSIONS})
 # What a corrupt or truncated compressed stream raises (gzip's BadGzipFile is an OSError).
-_DECOMPRESS_ERRORS = (EOFError, zlib.error, lzma.LZMAError, gzip.BadGzipFile)
+_DECOMPRESS_ERRORS = (EOFError, zlib.error, lzma.LZMAError, gzip.BadGzipFile, zstandard.ZstdError)
 # Size bounds (decompressed): what is read whole must fit memory several times over.
 MAX_WHOLE_BYTES = 2**30  # a text file read whole (without stream_above)
 MAX_JSON_BYTES = 2**28  # a .json document (parsed whole; JSON lines are streamed)
@@ -164,8 +229,8 @@ def text_format(path: str | Path) -> tuple[str, str | None]:
 
 
 class _Closing:
-    """A decompressing reader that also closes the file under it (gzip, bz2 and lzma
-    leave a file object they were given open)."""
+    """A decompressing reader that also closes the file under it (gzip, bz2, lzma and
+    :class:`ZstdReader` leave a file object they were given open)."""
 
     def __init__(self, outer, inner):
         self._outer, self._inner = outer, inner
@@ -189,7 +254,7 @@ class _Closing:
 def _open_raw(path: Path):
     """The file's bytes, decompressed on the fly when its name says so. Opening never
     blocks: a pipe, socket or device raises :class:`NotRegularFile`."""
-    fh = open_regular(path)
+    fh = open_input(path)
     opener = COMPRESSIONS.get(text_format(path)[1])
     if opener is None:
         return fh
@@ -609,12 +674,12 @@ def _read_parquet(path: Path, text_field, id_field, on_skip):
     import pyarrow.parquet as pq
 
     try:
-        fh = open_regular(path)
+        fh = open_input(path)
     except OSError as exc:
         raise _Skip(os_error_reason(exc)) from None
     with fh:
         try:
-            if os.fstat(fh.fileno()).st_size == 0:
+            if (remote_size(fh) if is_remote(path) else os.fstat(fh.fileno()).st_size) == 0:
                 raise _Skip("empty: the file has no bytes")
             pf = pq.ParquetFile(fh)
         except OSError as exc:
@@ -676,7 +741,7 @@ def iter_records(path: str | Path, *, text_field: str = "text", id_field: str = 
     ``row-N`` (CSV, Parquet; N counts data rows from 1) or ``item-N`` (JSON array).
     Problems go to ``on_skip`` (see the module docstring) instead of being raised.
     """
-    path = Path(path)
+    path = path if is_remote(path) else Path(path)
     fmt, compression = text_format(path)
     reader = _READERS.get(fmt) if compression is None or fmt in _PLAIN_EXTENSIONS else None
     if reader is None:

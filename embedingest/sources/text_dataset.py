@@ -5,8 +5,10 @@ num_workers=N, pin_memory=True)``: the dataset makes whole batches itself. Unit 
 the list goes to worker ``i % N``; each worker loads its own tokenizer (the dataset is
 pickled with the model folder, not the tokenizer), reads its units with
 :func:`~embedingest.sources.text.iter_records`, cuts them with
-:class:`~embedingest.stages.chunker.Chunker`, and keeps a window of chunks sorted by
-length so each batch holds chunks of similar length and padding stays small.
+:class:`~embedingest.stages.fast_chunker.FastChunker` (the chunks of the model's own
+tokenizer, with the ids from nanotoken where it gives exactly those), and keeps a window
+of chunks sorted by length so each batch holds chunks of similar length and padding stays
+small.
 
 Each yielded item is a dict:
 
@@ -51,6 +53,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from ..errors import ConfigError
 from ..index.shards import decode_chunks, encode_chunks
 from ..stages.chunker import DEFAULT_PIECE_CHARS, Chunk, Chunker
+from ..stages.fast_chunker import FastChunker
 from ..stages.tokenizer import load_tokenizer
 from .text import iter_records, lone_surrogate
 
@@ -142,11 +145,14 @@ class TextChunkDataset(IterableDataset):
                  text_field: str = "text", id_field: str = "id",
                  piece_chars: int = DEFAULT_PIECE_CHARS,
                  tokenizer_loader: Callable[[str], object] = load_tokenizer,
-                 pad_multiple: int = 16):
+                 pad_multiple: int = 16, fast_chunker: bool = True):
         """``tokenizer_loader(model_dir)`` runs in each worker (a module-level function:
         it is pickled); the default loads the tokenizer exactly as the encoder uses it.
         Batches are padded to a multiple of ``pad_multiple`` tokens: a few shapes instead
-        of one per length, so the GPU libraries pick their kernels once, not per batch."""
+        of one per length, so the GPU libraries pick their kernels once, not per batch.
+        ``fast_chunker`` takes token ids from nanotoken where it gives exactly the model's
+        tokens (:class:`~embedingest.stages.fast_chunker.FastChunker`); False forces the
+        model's own tokenizer for every text (the same chunks, slower)."""
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size={batch_size!r} must be a positive integer")
         window = 16 * batch_size if window is None else window
@@ -175,6 +181,7 @@ class TextChunkDataset(IterableDataset):
         self.piece_chars = piece_chars
         self.tokenizer_loader = tokenizer_loader
         self.pad_multiple = max(1, int(pad_multiple))
+        self.fast_chunker = bool(fast_chunker)
 
     def __iter__(self) -> Iterator[dict]:
         info = get_worker_info()
@@ -190,7 +197,8 @@ class TextChunkDataset(IterableDataset):
         if pad_id is None:
             raise ConfigError(f"the tokenizer in {self.model_dir!r} has neither a pad nor an "
                               f"eos token to pad batches with")
-        chunker = Chunker(tokenizer, self.max_tokens, self.overlap, self.piece_chars)
+        chunker = FastChunker(tokenizer, self.max_tokens, self.overlap, self.piece_chars,
+                              fast=self.fast_chunker, arrays=True)
         return _WorkerBatches(self, chunker, pad_id).run(
             self.units[worker::workers])
 
@@ -202,7 +210,7 @@ class _WorkerBatches:
         self.ds = ds
         self.chunker = chunker
         self.pad_id = pad_id
-        self.window: list[tuple[list[int], tuple]] = []
+        self.window: list[tuple[Sequence[int], tuple]] = []
         self.in_window: dict[int, int] = {}
         self.total: dict[int, int] = {}
         self.reading: int | None = None
@@ -237,7 +245,7 @@ class _WorkerBatches:
         del self.in_window[unit_no]
         self.done.append((unit_no, self.total.pop(unit_no)))
 
-    def _unit_chunks(self, unit: Unit) -> Iterator[tuple[list[int], tuple]]:
+    def _unit_chunks(self, unit: Unit) -> Iterator[tuple[Sequence[int], tuple]]:
         """``(input_ids, chunk row)`` for every chunk of ``unit`` (a row as :class:`Chunks`
         takes it); bad input is reported."""
         where = unit.path if unit.path is not None else unit.key
@@ -309,8 +317,8 @@ class _WorkerBatches:
         last batch when it is not full, to be filled by the chunks still to come."""
         ds = self.ds
         self.window.sort(key=lambda entry: len(entry[0]))
-        batches: list[list[tuple[list[int], tuple]]] = []
-        batch: list[tuple[list[int], tuple]] = []
+        batches: list[list[tuple[Sequence[int], tuple]]] = []
+        batch: list[tuple[Sequence[int], tuple]] = []
         for entry in self.window:
             if batch and ds.max_batch_tokens is not None \
                     and (len(batch) + 1) * self._width(len(entry[0])) > ds.max_batch_tokens:
@@ -332,13 +340,16 @@ class _WorkerBatches:
         m = self.ds.pad_multiple
         return min(-(-longest // m) * m, max(longest, self.ds.max_tokens))
 
-    def _item(self, batch: list[tuple[list[int], tuple]]) -> dict:
-        width = self._width(max((len(ids) for ids, _ in batch), default=0))
+    def _item(self, batch: list[tuple[Sequence[int], tuple]]) -> dict:
+        # One copy of all the batch's ids into place: the fast chunker's arrays are not
+        # converted one Python int at a time.
+        lengths = np.fromiter((len(ids) for ids, _ in batch), np.int64, count=len(batch))
+        width = self._width(int(lengths.max()) if len(batch) else 0)
+        mask = np.arange(width) < lengths[:, None]
         input_ids = np.full((len(batch), width), self.pad_id, dtype=np.int64)
-        attention_mask = np.zeros((len(batch), width), dtype=np.int64)
-        for row, (ids, _) in enumerate(batch):
-            input_ids[row, :len(ids)] = ids
-            attention_mask[row, :len(ids)] = 1
+        if len(batch):
+            input_ids[mask] = np.concatenate([np.asarray(ids, dtype=np.int64) for ids, _ in batch])
+        attention_mask = mask.astype(np.int64)
         rows = [chunk for _, chunk in batch]
         chunks = Chunks(rows, self.sources)
         for unit_no in (row[1] for row in rows):

@@ -17,16 +17,21 @@ Texts of any length pass in linear time and bounded memory: the text is tokenize
 pieces of at most ``piece_chars`` (and ``max_chars``) characters, cut just before a
 space, tab or line break (for the usual pre-tokenizers, which split there, this gives
 the same tokens as tokenizing the whole text), and chunks are produced while the next
-piece is read. A piece with no such character at all is cut hard, which may split one
-word in two; it also means no token is longer than a piece, so no chunk passes the
-bound. A text may also come as an iterable of parts (a file read a block at a time,
+piece is read. A piece with no such character is cut where the tokenizer would cut a word
+anyway: for BERT's normalizer and pre-tokenizer, just before its last ASCII punctuation
+character (one that no added token holds). Only a piece with neither is cut hard,
+splitting one word of more than a piece's length (a word BERT would make one unknown token
+of); so no token is longer than a piece, and no chunk passes the bound. Everywhere else
+the chunks are the windows of the model's tokenizer over the whole text, ids and spans. A text may also come as an iterable of parts (a file read a block at a time,
 :meth:`Chunker.iter_text`): it gives the same chunks as the whole string.
 """
 
 from __future__ import annotations
 
 import bisect
+import json
 import re
+import string
 from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple
@@ -85,6 +90,7 @@ class Chunker:
         self.max_chars = max_chars
         # No token is longer than the piece it came from, so no single token passes max_chars.
         self.piece_chars = min(piece_chars, max_chars)
+        self._up_to_last_break = _word_breaks(self._tok)
 
     def chunk(self, text: str) -> list[Chunk]:
         """All chunks of ``text`` (none when it has no tokens, e.g. only whitespace)."""
@@ -93,33 +99,13 @@ class Chunker:
     def chunk_many(self, texts: list[str]) -> list[list[Chunk]]:
         """The chunks of each text, as :meth:`chunk` gives them, tokenizing the texts that
         fit one piece in a single batch call (one crossing of the Python boundary instead
-        of one per text).
-
-        Tokenizing is the host's heaviest work, so the batch call skips character offsets
-        (``encode_batch_fast``, about a fifth cheaper): a text that fits one chunk spans
-        the whole text but its edge whitespace; only longer texts are tokenized again,
-        with offsets, to place their windows.
-        """
+        of one per text)."""
         out: list[list[Chunk] | None] = [None] * len(texts)
         short = [i for i, t in enumerate(texts) if len(t) <= self.piece_chars]
-        fast = getattr(self._tok, "encode_batch_fast", None)
-        encode = fast or self._tok.encode_batch
-        encs = encode([texts[i] for i in short], add_special_tokens=False)
-        prefix, suffix, budget = self.prefix, self.suffix, self.budget
+        encs = self._tok.encode_batch([texts[i] for i in short], add_special_tokens=False)
         for i, enc in zip(short, encs):
-            ids = enc.ids
-            if not ids:
-                out[i] = []
-            elif len(ids) <= budget:  # the usual case: the whole text is one chunk
-                # (a text no longer than a piece is within max_chars)
-                text = texts[i]
-                start, end = len(text) - len(text.lstrip()), len(text.rstrip())
-                out[i] = [Chunk(prefix + ids + suffix, start, end)]
-            else:
-                if fast is not None:
-                    enc = self._tok.encode(texts[i], add_special_tokens=False)
-                offsets = enc.offsets
-                out[i] = list(self._windows(enc.ids, [a for a, _ in offsets], [b for _, b in offsets]))
+            offsets = enc.offsets
+            out[i] = list(self._windows(enc.ids, [a for a, _ in offsets], [b for _, b in offsets]))
         for i, t in enumerate(texts):
             if out[i] is None:
                 out[i] = self.chunk(t)
@@ -203,9 +189,12 @@ class Chunker:
 
     def _cut_at(self, text: str, a: int, n: int) -> int:
         """Where the piece of ``text`` that starts at ``a`` ends (``n - a`` is more than a
-        piece): just before its last space or line break, else a full piece."""
+        piece): just before its last space or line break, else before the last character
+        the tokenizer cuts words at, else a full piece."""
         limit = a + self.piece_chars
         m = _UP_TO_LAST_SPACE.match(text, a + 1, limit)
+        if m is None and self._up_to_last_break is not None:
+            m = self._up_to_last_break.match(text, a + 1, limit)
         return m.end() - 1 if m else limit
 
     def _pieces(self, text: str) -> Iterator[tuple[int, str]]:
@@ -248,6 +237,33 @@ def _plain_copy(backend):
     tok.no_truncation()
     tok.no_padding()
     return tok
+
+
+def bert_text_rules(spec: dict) -> bool:
+    """Whether a tokenizer.json cuts and normalizes text as BERT does: its pre-tokenizer
+    is BERT's, and its normalizer BERT's, lower-casing or both (each maps one character
+    at a time)."""
+    if (spec.get("pre_tokenizer") or {}).get("type") != "BertPreTokenizer":
+        return False
+    norm = spec.get("normalizer") or {}
+    parts = norm.get("normalizers", []) if norm.get("type") == "Sequence" else [norm]
+    return bool(parts) and all(p.get("type") in ("BertNormalizer", "Lowercase") for p in parts)
+
+
+def _word_breaks(backend) -> re.Pattern | None:
+    """A pattern up to the last character a text can be cut before without changing its
+    tokens, besides whitespace; None when there is none known for this tokenizer.
+
+    BERT's pre-tokenizer makes every punctuation character a word of its own, and its
+    normalizer maps each character alone, so a cut just before an ASCII punctuation
+    character keeps the tokens, unless it falls inside an added token written as text.
+    """
+    spec = json.loads(backend.to_str())
+    if not bert_text_rules(spec):
+        return None
+    taken = set("".join(t.get("content", "") for t in spec.get("added_tokens", [])))
+    breaks = "".join(c for c in string.punctuation if c not in taken)
+    return re.compile(f".*[{re.escape(breaks)}]", re.DOTALL) if breaks else None
 
 
 def _special_tokens(backend) -> tuple[list[int], list[int]]:

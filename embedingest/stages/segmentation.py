@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torchvision import models as tvmodels
-from torchvision.models import segmentation as tvseg
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import functional as TF
 

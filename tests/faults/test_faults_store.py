@@ -283,7 +283,7 @@ def _manifest(out: Path, **changes) -> None:
 
 
 DAMAGE = {
-    "truncated segment": (lambda out: _cut_first_segment(out, 0.5), r"seg-.*\.faiss.*damaged.*delete that segment"),
+    "truncated segment": (lambda out: _cut_first_segment(out, 0.5), r"seg-.*\.faiss.*damaged.*delete that shard"),
     "segment cut by one id": (lambda out: _cut_first_segment(out, 0.999), r"seg-.*\.faiss.*damaged"),
     "garbage segment": (lambda out: _garbage(sorted((out / "segments").glob("seg-*.faiss"))[-1]),
                         r"seg-.*\.faiss.*damaged"),

@@ -136,6 +136,38 @@ def test_sort_window_sorts_chunks_by_length_across_batches(tmp_path, forward_spy
     assert max(float(np.abs(vectors[1][k] - vectors[8][k]).max()) for k in vectors[1]) < 1e-4
 
 
+def test_no_fast_tokenizer_reaches_the_chunker_with_the_same_index(tmp_path, monkeypatch):
+    """--no-fast-tokenizer makes the workers chunk with the model's own tokenizer; the
+    index is the same (vectors and stored chunks), hard text included."""
+    from embedingest.sources import text_dataset
+
+    asked = []
+
+    class Spy(text_dataset.FastChunker):
+        def __init__(self, *args, fast=True, **kwargs):
+            asked.append(fast)
+            super().__init__(*args, fast=fast, **kwargs)
+
+    monkeypatch.setattr(text_dataset, "FastChunker", Spy)
+    records = RECORDS + [{"id": "odd", "text": "Crème brûlée\r\nx[SEP]y 東京 \x0b\u200b "
+                          + "glued" * 40 + " " + " ".join(PARAGRAPHS)}]
+    stored = {}
+    for fast in (True, False):
+        out = tmp_path / f"fast-{fast}"
+        build_index(records, out=str(out), chunk_tokens=32, overlap=8, fast_tokenizer=fast, **FAST)
+        with ShardStore(out) as store:
+            ids = sorted(vectors_by_id(out))
+            rows = [(i, c.record_id, c.char_start, c.char_end, c.text)
+                    for i, c in sorted(store.chunks(ids).items())]
+        stored[fast] = (vectors_by_id(out), rows)
+    assert asked == [True, False]
+    (vec_a, rows_a), (vec_b, rows_b) = stored[True], stored[False]
+    assert rows_a == rows_b and len(rows_a) > len(records)
+    assert vec_a.keys() == vec_b.keys()
+    for i in vec_a:
+        np.testing.assert_allclose(vec_a[i], vec_b[i], rtol=0, atol=1e-6)
+
+
 def test_num_slots_reaches_the_engine(tmp_path):
     s = build_index(RECORDS, out=str(tmp_path / "a"), num_slots=3, **FAST)
     assert s["engine"]["num_slots"] == 3 and s["engine"]["num_consumers"] == 1

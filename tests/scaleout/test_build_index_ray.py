@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+from s3_fixtures import s3, s3_endpoint  # noqa: F401 (fixtures)
 from test_build_index_devices import TOPICS, chunk_rows, vectors_by_id
 
 from embedingest import build_index, open_index
@@ -148,3 +149,38 @@ def test_plan_and_embed_batches_called_directly(tmp_path, ray_cluster):
         assert s2[key] == s1[key], key
     assert s2["units_incomplete"] == 0
     assert_same_index(tmp_path / "one", tmp_path / "two")
+
+
+@pytest.mark.slow
+def test_records_in_a_bucket_build_the_index_of_the_same_records(tmp_path, ray_cluster, s3, s3_endpoint):
+    """The Ray path's inputs in object storage: JSON lines (plain, .gz and .zst) in a
+    bucket, listed as build-index lists a prefix and read by Ray Data, give the index
+    build_index makes of the same records."""
+    import gzip
+
+    import pyarrow.fs as pafs
+    import zstandard
+
+    from embedingest import build_index_ray
+    from embedingest.sources.remote import walk_remote
+
+    recs = records()
+    lines = [json.dumps(r).encode() for r in recs]
+    s3.put("ray/a.jsonl", b"\n".join(lines[:4]))
+    s3.put("ray/b.jsonl.gz", gzip.compress(b"\n".join(lines[4:8])))
+    s3.put("ray/c/d.jsonl.zst", zstandard.ZstdCompressor().compress(b"\n".join(lines[8:])))
+    urls = [obj.url for obj in walk_remote(s3.url("ray"), {".jsonl", ".jsonl.gz", ".jsonl.zst"})]
+    assert [u.rsplit("/", 1)[-1] for u in urls] == ["a.jsonl", "b.jsonl.gz", "d.jsonl.zst"]
+    # The cluster's workers started before this test's environment: the store is named
+    # to them in the filesystem handed over.
+    host = s3_endpoint.removeprefix("http://")
+    fs = pafs.S3FileSystem(endpoint_override=host, scheme="http", access_key="testing",
+                           secret_key="testing", region="us-east-1")
+    dataset = ray_cluster.data.read_json([u.removeprefix("s3://") for u in urls], filesystem=fs)
+    one, two = tmp_path / "one", tmp_path / "two"
+    s1 = build_index(recs, out=str(one), num_workers=0, **SETTINGS)
+    # one actor: the read tasks need the cluster's other CPU
+    s2 = build_index_ray(dataset, two, concurrency=1, records_per_call=4, **SETTINGS)
+    for key in ("units_seen", "units_indexed", "chunks", "vectors_total", "skipped"):
+        assert s2[key] == s1[key], key
+    assert_same_index(one, two)

@@ -38,16 +38,20 @@ PLAIN = {".txt", ".md", ".rst", ".html", ".htm", ".jsonl", ".ndjson", ".json", "
 
 
 def test_extensions():
-    assert TEXT_EXTENSIONS == PLAIN | {".parquet"} | {e + c for e in PLAIN for c in (".gz", ".bz2", ".xz")}
+    assert TEXT_EXTENSIONS == PLAIN | {".parquet"} | {e + c for e in PLAIN
+                                                      for c in (".gz", ".bz2", ".xz", ".zst")}
 
 
-@pytest.mark.parametrize("suffix", [".gz", ".bz2", ".xz"])
+@pytest.mark.parametrize("suffix", [".gz", ".bz2", ".xz", ".zst"])
 def test_compressed_files_read_like_plain_ones(tmp_path, suffix):
     import bz2
     import gzip
     import lzma
 
-    compress = {".gz": gzip.compress, ".bz2": bz2.compress, ".xz": lzma.compress}[suffix]
+    import zstandard
+
+    compress = {".gz": gzip.compress, ".bz2": bz2.compress, ".xz": lzma.compress,
+                ".zst": zstandard.ZstdCompressor().compress}[suffix]
     lines = "\n".join(json.dumps({"id": f"r{i}", "text": f"record {i} é"}) for i in range(3))
     jsonl = write(tmp_path, "docs.JSONL" + suffix, compress(lines.encode()))
     tsv = write(tmp_path, "t.tsv" + suffix, compress("id\ttext\nx\tcell\n".encode()))
@@ -68,6 +72,40 @@ def test_corrupt_or_cut_compressed_files(tmp_path):
     assert keywords(read(write(tmp_path, "bad.txt.gz", b"not gzip at all"))[1]) == ["decompress"]
     assert keywords(read(write(tmp_path, "bad.json.xz", b"\xfd7zXZ\x00garbage"))[1]) == ["decompress"]
     assert keywords(read(write(tmp_path, "a.parquet.gz", gzip.compress(b"x")))[1]) == ["format"]
+
+
+def test_zstd_frames_cut_short_corrupt_or_many(tmp_path):
+    """zstandard's own readers end quietly where a stream is cut inside a frame; the
+    reader says ``decompress`` as for gzip, keeping the records before the cut, and
+    reads every frame of a multi-frame file (``zstd -T``, ``pzstd``)."""
+    import zstandard
+
+    rng = np.random.default_rng(0)
+    lines = "\n".join(json.dumps({"text": rng.bytes(100).hex()}) for _ in range(2000)).encode()
+    whole = zstandard.ZstdCompressor().compress(lines)
+    records, skipped = read(write(tmp_path, "cut.jsonl.zst", whole[:len(whole) // 2]))
+    assert 0 < len(records) < 2000 and keywords(skipped) == ["decompress"]
+    assert "rest of the file" in skipped[0][1]
+    assert keywords(read(write(tmp_path, "bad.txt.zst", b"not zstd at all"))[1]) == ["decompress"]
+    assert keywords(read(write(tmp_path, "cut.txt.zst", whole[:-1]))[1]) == ["decompress"]
+    halves = lines[:len(lines) // 2], lines[len(lines) // 2:]
+    frames = b"".join(zstandard.ZstdCompressor().compress(h) for h in halves)
+    records, skipped = read(write(tmp_path, "two.jsonl.zst", frames))
+    assert skipped == [] and [t for _, t in records] == [json.loads(x)["text"] for x in lines.splitlines()]
+
+
+def test_a_zstd_bomb_is_read_a_bounded_block_at_a_time():
+    """However well a stream compresses, one step of the reader holds at most 8 MiB."""
+    import zstandard
+
+    from embedingest.sources.text import ZstdReader
+
+    bomb = zstandard.ZstdCompressor(level=19).compress(bytes(64 * 2**20))
+    reader, total, most = ZstdReader(io.BytesIO(bomb)), 0, 0
+    while block := reader.read(2**16):
+        total += len(block)
+        most = max(most, len(reader._buf))
+    assert total == 64 * 2**20 and most <= 8 * 2**20
 
 
 @pytest.mark.parametrize("name", ["a.txt", "a.md", "a.rst", "A.TXT"])

@@ -113,6 +113,25 @@ def test_everything_accounted_for(corpus, chunker, num_workers):
     assert skipped == expected_skips
 
 
+def test_fast_and_reference_chunkers_give_the_same_batches(corpus, tmp_path):
+    """The default (ids from nanotoken, spans at the edges) and ``fast_chunker=False``
+    (the model's own tokenizer for every text) yield the same items, to the byte."""
+    units, _, _ = corpus
+    odd = tmp_path / "odd.md"
+    odd.write_text("Crème brûlée\r\nx[SEP]y ünïcödé 東京 \x0b\u200b " + "glued" * 40 + " "
+                   + "".join(LONG.split()) + "\n" + LONG * 3, encoding="utf-8")
+    units = units + [Unit(200, "odd.md", path=str(odd))]
+    fast = run(units, max_batch_tokens=72)
+    ref = run(units, max_batch_tokens=72, fast_chunker=False)
+    assert len(fast) == len(ref) > 5
+    for a, b in zip(fast, ref):
+        assert a.keys() == b.keys()
+        for key in ("input_ids", "attention_mask", "ids"):
+            assert torch.equal(a[key], b[key])
+        assert a["chunks"].json == b["chunks"].json and a["chunks"].n_docs == b["chunks"].n_docs
+        assert (a["units_done"], a["skipped"]) == (b["units_done"], b["skipped"])
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_batches_are_padded_sorted_and_bounded(corpus, num_workers):
     units, _, _ = corpus

@@ -35,6 +35,7 @@ from ...report import REPORT_NAME, SkipReport
 from ...scaleout.devices import devices_of
 from ...sinks.faiss_shards import parse_factory
 from ...sources.files import refuse_output_as_input
+from ...sources.remote import check_remote, is_remote, local_path
 from ...sources.text_dataset import Unit
 from ...stages.device import precision, resolve_device
 from ...stages.prompts import Prompts
@@ -53,7 +54,8 @@ def build_index(corpus, config: IndexConfig | None = None, *, progress: bool = F
                 **overrides) -> dict:
     """Build or update the index of ``corpus`` and return a summary dict.
 
-    ``corpus`` is a file or folder path, or an iterable of ``(id, text)`` pairs or dicts
+    ``corpus`` is a file or folder path, an fsspec URL (``s3://bucket/prefix``: see
+    :mod:`~embedingest.sources.remote`), or an iterable of ``(id, text)`` pairs or dicts
     with the configured text and id fields. Options are the fields of
     :class:`IndexConfig`, given as ``config`` and/or keyword ``overrides``; ``timeline``
     names a PNG to draw the last batches' engine timeline into, ``trace`` a JSON file for
@@ -71,6 +73,7 @@ def build_index(corpus, config: IndexConfig | None = None, *, progress: bool = F
     dtype = precision(cfg.dtype, device.startswith("cuda"))
     cfg = cfg.for_device(device.startswith("cuda"))
     report = SkipReport()
+    corpus = local_path(corpus)  # file://...: a local path, with the local checks
     if not isinstance(corpus, (str, os.PathLike)):  # checked whole before anything starts
         corpus = record_candidates(corpus, cfg, report)
     # Several devices' processes start up (imports, model) while this process plans.
@@ -85,10 +88,13 @@ def _load_and_build(corpus, cfg: IndexConfig, where: OneDevice | SeveralDevices,
                     report: SkipReport, progress: bool, timeline, t_start: float, trace=None) -> dict:
     """Load the encoder, then build under the folder's run lock."""
     in_memory = not isinstance(corpus, (str, os.PathLike))
-    if not in_memory and not Path(corpus).exists():
+    remote = not in_memory and is_remote(corpus)
+    if remote:
+        check_remote(corpus)  # a missing bucket or credential stops the run before any write
+    elif not in_memory and not Path(corpus).exists():
         raise ConfigError(f"corpus {str(corpus)!r} does not exist; pass a folder or a file")
     out = Path(cfg.out) if cfg.out else default_out(corpus)
-    if not in_memory:
+    if not in_memory and not remote:
         refuse_output_as_input(out, corpus, "corpus folder", "the index files")
     phases = {}  # seconds of each step, for the summary: where a run's time goes
     encoder = where.load_encoder(cfg)
@@ -124,7 +130,7 @@ def _build_locked(corpus, cfg: IndexConfig, out: Path, encoder, where: OneDevice
                     "corpus_path": corpus_path(corpus, in_memory)}
         cfg = dataclasses.replace(cfg, doc_prompt=settings["prompts"]["document"])
         store.clean_garbage()
-        candidates = corpus if in_memory else file_candidates(Path(corpus), report, out)
+        candidates = corpus if in_memory else file_candidates(corpus, report, out)
         plan = plan_units(store, candidates, report)
         log.info("%s: %d units to index, %d unchanged, %d deleted", out, len(plan.todo),
                  plan.unchanged, len(plan.deleted))

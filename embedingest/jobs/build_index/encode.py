@@ -50,7 +50,8 @@ def chunk_batches(units: list[Unit], encoder: TextEncoder, cfg: IndexConfig, chu
                           max_tokens=prompt.max_tokens, overlap=cfg.overlap,
                           window=cfg.sort_window * cfg.batch_size, text_field=cfg.text_field,
                           id_field=cfg.id_field, tokenizer_loader=tokenizer_loader,
-                          pad_multiple=16 if encoder.device.type == "cuda" else 1)
+                          pad_multiple=16 if encoder.device.type == "cuda" else 1,
+                          fast_chunker=cfg.fast_tokenizer)
     return with_prompt(ds, prompt)
 
 

@@ -23,20 +23,24 @@ from ...index.shard_store import ShardStore
 from ...index.store import Manifest
 from ...report import SkipReport
 from ...sinks.faiss_shards import parse_factory
-from ...sources.files import open_regular, os_error_reason, walk_files
+from ...sources.files import has_extension, open_input, os_error_reason, walk_files
+from ...sources.remote import input_name, is_remote, walk_remote
 from ...sources.text import TEXT_EXTENSIONS, lone_surrogate
 
 
 def default_out(corpus) -> Path:
+    if is_remote(corpus):
+        name = input_name(corpus)
+        return Path("indexes") / (Path(name).stem if has_extension(name, TEXT_EXTENSIONS) else name)
     if isinstance(corpus, (str, os.PathLike)):
         name = Path(corpus).resolve().name
         return Path("indexes") / (Path(name).stem if Path(corpus).is_file() else name)
     return Path("indexes") / "records"
 
 
-def _sha256(path: Path) -> str:
+def _sha256(path: Path | str) -> str:
     h = hashlib.sha256()
-    with open_regular(path) as fh:  # a file turned into a pipe must not hang the planning
+    with open_input(path) as fh:  # a file turned into a pipe must not hang the planning
         for block in iter(lambda: fh.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
@@ -53,8 +57,13 @@ class Plan:
     seen_keys: int
 
 
-def file_candidates(root: Path, report: SkipReport, out: Path) -> Iterable[dict]:
-    """The text files under ``root`` (``out`` left out) as candidate units, not yet hashed."""
+def file_candidates(root: Path | str, report: SkipReport, out: Path) -> Iterable[dict]:
+    """The text files under ``root`` (``out`` left out) as candidate units, not yet hashed;
+    ``root`` may be a URL (see :func:`remote_candidates`)."""
+    if is_remote(root):
+        yield from remote_candidates(root, report)
+        return
+    root = Path(root)
     base = root if root.is_dir() else root.parent
     for path in walk_files(root, TEXT_EXTENSIONS, on_skip=lambda p, r: report.add(p, r, stage="list"),
                            on_other=report.pass_over, exclude=out):
@@ -65,6 +74,24 @@ def file_candidates(root: Path, report: SkipReport, out: Path) -> Iterable[dict]
             continue
         yield {"key": unit_key(path.relative_to(base).as_posix()), "size": st.st_size,
                "mtime_ns": st.st_mtime_ns, "path": str(path)}
+
+
+def remote_candidates(url: str, report: SkipReport) -> Iterable[dict]:
+    """The text objects below ``url`` as candidate units, keyed by their path below it as
+    the files of a folder are, so the same files in a bucket and on disk get the same
+    ids. An object whose store gives neither a time nor a version is hashed now, so the
+    plan compares its content instead of trusting an absent stamp."""
+    for obj in walk_remote(url, TEXT_EXTENSIONS, on_skip=lambda p, r: report.add(p, r, stage="list"),
+                           on_other=report.pass_over):
+        candidate = {"key": unit_key(obj.rel), "size": obj.size, "mtime_ns": obj.mtime_ns,
+                     "path": obj.url}
+        if obj.mtime_ns is None:
+            try:
+                candidate["sha256"] = _sha256(obj.url)
+            except OSError as exc:
+                report.add(obj.url, os_error_reason(exc), stage="hash")
+                continue
+        yield candidate
 
 
 def unit_key(relative_path: str) -> str:
@@ -143,7 +170,7 @@ def plan_units(store: ShardStore, candidates: Iterable[dict], report: SkipReport
             continue
         if cand.get("sha256") is None:
             try:
-                cand["sha256"] = _sha256(Path(cand["path"]))
+                cand["sha256"] = _sha256(cand["path"])
             except OSError as exc:
                 report.add(cand["path"], os_error_reason(exc), stage="hash")
                 continue
@@ -179,6 +206,8 @@ def corpus_path(corpus, in_memory: bool) -> str | None:
     """The folder unit keys are relative to (for serving a hit's file), None for records."""
     if in_memory:
         return None
+    if is_remote(corpus):
+        return corpus.rstrip("/")
     root = Path(corpus).resolve()
     return str(root if root.is_dir() else root.parent)
 

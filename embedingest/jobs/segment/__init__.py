@@ -38,6 +38,7 @@ from ...sinks.masks import restore_mask
 from ...sources.files import refuse_output_as_input
 from ...sources.image_decode import ImageRejected
 from ...sources.images import input_shape, prepare_picture
+from ...sources.remote import check_remote, is_remote, local_path
 from ...stages.device import resolve_device
 from ...stages.segmentation import Segmenter, SegmentationModel, load_segmentation_model
 from .devices import segment_on_devices
@@ -63,7 +64,11 @@ def segment(config: SegmentConfig, progress: bool = True, timeline: str | None =
                           f"(--devices {config.devices!r} names {len(devices)})")
     # Several devices are not touched here (their processes can then be forked).
     device = None if several else resolve_device(devices[0] if devices else config.device)
-    refuse_output_as_input(config.out, config.images, "input folder", "the PNG masks")
+    config = dataclasses.replace(config, images=local_path(config.images))  # file://: local
+    if is_remote(config.images):
+        check_remote(config.images)  # a missing bucket or credential stops before any write
+    else:
+        refuse_output_as_input(config.out, config.images, "input folder", "the PNG masks")
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     report = SkipReport()

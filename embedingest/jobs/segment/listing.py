@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import posixpath
+from collections.abc import Iterator
 from pathlib import Path
 
 from ...config import SegmentConfig
@@ -14,6 +15,7 @@ from ...report import SkipReport
 from ...sinks.mask_stats import STATS_DIR, stats_sources
 from ...sinks.masks import LOGITS_SUFFIX, MASK_SUFFIX, OVERLAY_SUFFIX
 from ...sources.files import walk_files
+from ...sources.remote import is_remote, walk_remote
 from ...sources.image_decode import IMAGE_EXTENSIONS
 
 
@@ -23,14 +25,33 @@ def list_inputs(config: SegmentConfig, report: SkipReport) -> tuple[list[tuple[s
     Whether an image is done comes from one listing of each output folder rather than a
     stat of each output: at ~100k images the per-image paths and stats took seconds of
     every run's start-up (and a scaled-out run's parent does this alone)."""
-    root, out = Path(config.images), Path(config.out)
+    out = Path(config.out)
     suffixes = ([MASK_SUFFIX] + [LOGITS_SUFFIX] * config.save_logits
                 + [OVERLAY_SUFFIX] * config.overlay)
     present = _FolderNames(str(out))
     with_row = stats_sources(out) if config.stats and not config.overwrite else set()
+    todo, done = [], 0
+    for rel, full in _images(config.images, report, out):
+        folder, name = posixpath.split(rel)
+        if (not config.overwrite and all(present.has(folder, name + s) for s in suffixes)
+                and (not config.stats or rel in with_row)):
+            done += 1
+        else:
+            todo.append((rel, full))
+    return todo, done
+
+
+def _images(images: str, report: SkipReport, out: Path) -> Iterator[tuple[str, str]]:
+    """``(rel_path, path)`` of every image under ``images``: a folder, a file, or a URL
+    (an object, or a prefix listed as a folder is walked)."""
+    if is_remote(images):
+        for obj in walk_remote(images, set(IMAGE_EXTENSIONS), on_skip=report.add,
+                               on_other=report.pass_over):
+            yield obj.rel, obj.url
+        return
+    root = Path(images)
     single = root.is_file()
     prefix = "" if str(root) == "." else os.path.join(str(root), "")  # walk_files' paths start so
-    todo, done = [], 0
     # An output folder inside the input is not listed: masks are PNGs and would be
     # segmented on the next run.
     for path in walk_files(root, set(IMAGE_EXTENSIONS), on_skip=report.add,
@@ -42,13 +63,7 @@ def list_inputs(config: SegmentConfig, report: SkipReport) -> tuple[list[tuple[s
             rel = full[len(prefix):].replace(os.sep, "/")
         else:
             rel = path.relative_to(root).as_posix()
-        folder, name = posixpath.split(rel)
-        if (not config.overwrite and all(present.has(folder, name + s) for s in suffixes)
-                and (not config.stats or rel in with_row)):
-            done += 1
-        else:
-            todo.append((rel, full))
-    return todo, done
+        yield rel, full
 
 
 class _FolderNames:

@@ -1,0 +1,342 @@
+"""The chunker's fast exact path: token ids from nanotoken, character spans only at window edges.
+
+The model's own tokenizer (``tokenizers``, Rust WordPiece with offsets) spends most of its
+time on per-token offset bookkeeping, and a chunk needs only two offsets: where its first
+token starts and where its last ends. :class:`FastChunker` gives exactly the chunks of
+:class:`~embedingest.stages.chunker.Chunker` (same ids, windows, overlap and spans) this way:
+
+1. Each text is cut into pieces of about :data:`PIECE_CHARS` characters, just before a
+   space, tab or line break. For BERT's normalizer and pre-tokenizer these are hard
+   boundaries (the added tokens hold no whitespace), so the pieces' ids joined are the
+   text's ids. A stretch without whitespace longer than a reference piece is cut where
+   :class:`Chunker` cuts it, so the ids stay the reference's there too.
+2. nanotoken (a Rust WordPiece that reads the model's tokenizer.json) encodes the pieces of
+   a group of texts in one call: a flat array of ids and the row offsets of the pieces.
+3. For a window's first and last token, the row offsets name the piece. In a piece of
+   plain printable ASCII (no control character, no added token written as text) the
+   token's offsets follow from the ids alone: BERT cuts such text into runs of letters
+   and digits and single punctuation characters, a word piece covers as many characters
+   as its vocabulary string (less the ``##``), and the unknown token its whole word. Any
+   other piece (about 30 tokens) is encoded once more by the model's own tokenizer, with
+   offsets, and its ids are checked against nanotoken's.
+
+The model's own tokenizer (through :class:`Chunker`) stays the reference, and does the work
+where the fast path cannot vouch for the result: nanotoken is not installed, the tokenizer is
+not BERT's WordPiece, nanotoken refuses it or gives other ids on a start-up check, a text
+streamed in parts, or a text with a piece at a window edge whose ids disagree. Each of
+these falls back silently; :attr:`FastChunker.fallback_reason` says why the whole path is
+off.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from bisect import bisect_right
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+
+from .chunker import _UP_TO_LAST_SPACE, DEFAULT_PIECE_CHARS, Chunk, Chunker, bert_text_rules
+
+PIECE_CHARS = 128  # characters a piece holds, about: what a non-ASCII window edge re-encodes
+GROUP_PIECES = 1 << 16  # pieces per nanotoken call at most (texts are not split across calls)
+NANOTOKEN_CACHE = 1 << 16  # entries per level of nanotoken's word cache (its default grows large)
+
+# BERT's pre-tokenizer on printable ASCII: runs of letters and digits, single punctuation.
+_ASCII_PRE = re.compile(r"[A-Za-z0-9]+|[^A-Za-z0-9 \t\n\r]")
+_SPACE = re.compile(r"[ \t\n\r]")  # where BERT's words end for sure, as for Chunker's pieces
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+_NOT_SPACE = np.ones(256, dtype=bool)
+_NOT_SPACE[[ord(c) for c in " \t\n\r"]] = False
+# Strings that have tripped tokenizers: the start-up check encodes them with both.
+_CHECK = [
+    "Hello, World! It's 3.14 o'clock; x[SEP]y [CLS] [cls] [MASK]s",
+    "ünïcödé Crème brûlée ΣΑΣ ß İstanbul ﬁne Å e\u0301 東京都 한국어 ภาษาไทย",
+    "emoji \U0001F600 \U0001F44D\U0001F3FD \U0001F468\u200d\U0001F469\u200d\U0001F467 \u2764\ufe0f",
+    "ctl\x00a\x01b\x0bc\x0cd\x1be\x7ff\x85g \u200b\ufeff\u00a0\u3000\u00ad h\ti\r\nj",
+    "a" * 99 + " " + "b" * 100 + " " + "c" * 101 + " internationalization antidisestablishment",
+]
+
+
+class FastChunker(Chunker):
+    """:class:`Chunker` with the fast exact path (see the module docstring); the same
+    arguments, the same chunks. ``fast=False`` forces the model's own tokenizer.
+
+    ``arrays=True`` gives the fast path's ``input_ids`` as int64 numpy arrays instead of
+    lists (the same values): a batch is then assembled without one Python int per token.
+    Texts that take the reference path still come as lists.
+    """
+
+    def __init__(self, tokenizer, max_tokens: int = 256, overlap: int = 32,
+                 piece_chars: int = DEFAULT_PIECE_CHARS, max_chars: int | None = None, *,
+                 fast: bool = True, arrays: bool = False):
+        super().__init__(tokenizer, max_tokens, overlap, piece_chars, max_chars)
+        self.arrays = arrays
+        self._nt = None
+        self.fallback_reason: str | None = "fast=False was asked for"
+        if fast:
+            spec_text = self._tok.to_str()
+            spec = json.loads(spec_text)
+            self._nt, self.fallback_reason = _nanotoken_for(self._tok, spec_text, spec)
+            if self._nt is not None:
+                self._edges = _EdgeOffsets(self._tok, spec)
+
+    @property
+    def fast(self) -> bool:
+        """Whether the fast path is on (else every text takes the model's own tokenizer)."""
+        return self._nt is not None
+
+    def chunk(self, text: str) -> list[Chunk]:
+        if self._nt is None:
+            return super().chunk(text)
+        return self.chunk_many([text])[0]
+
+    def iter_chunks(self, text: str) -> Iterator[Chunk]:
+        if self._nt is None:
+            yield from super().iter_chunks(text)
+        else:
+            yield from self.chunk(text)
+
+    def iter_text(self, text: str | Iterable[str]) -> Iterator[tuple[Chunk, str]]:
+        """As :meth:`Chunker.iter_text`; a text streamed in parts takes the reference path
+        (its memory stays bounded by a few pieces)."""
+        if self._nt is None or not isinstance(text, str):
+            yield from super().iter_text(text)
+        else:
+            for chunk in self.chunk(text):
+                yield chunk, text[chunk.char_start:chunk.char_end]
+
+    def chunk_many(self, texts: list[str]) -> list[list[Chunk]]:
+        """The chunks of each text, as :meth:`Chunker.chunk` gives them; the texts' pieces
+        go through nanotoken a group at a time."""
+        if self._nt is None:
+            return super().chunk_many(texts)
+        out: list[list[Chunk] | None] = [None] * len(texts)
+        group: list[tuple[int, list[int], int]] = []  # (text index, cuts, first row)
+        pieces: list[str] = []
+        for i, text in enumerate(texts):
+            cuts = self._cut_points(text)
+            group.append((i, cuts, len(pieces)))
+            pieces.extend(text[a:b] for a, b in zip(cuts, cuts[1:]))
+            if len(pieces) >= GROUP_PIECES:
+                self._encode_group(texts, group, pieces, out)
+                group, pieces = [], []
+        if group:
+            self._encode_group(texts, group, pieces, out)
+        return out
+
+    def _cut_points(self, text: str) -> list[int]:
+        """0, the cuts, len(text): pieces of about :data:`PIECE_CHARS` characters, each
+        cut just before a space, tab or line break (where the text's tokens do not
+        change). A stretch with none of them is cut where the reference chunker cuts it
+        (:meth:`Chunker._cut_at`, from the same start: the whitespace before the stretch
+        or the text's start), so both give the same tokens there too."""
+        longest = self.piece_chars
+        size = min(PIECE_CHARS, longest)
+        cuts, a, n = [0], 0, len(text)
+        while n - a > size:
+            m = _UP_TO_LAST_SPACE.match(text, a + 1, a + size)
+            if m:
+                c = m.end() - 1
+            else:  # text[a + 1:a + size] is part of a stretch without whitespace
+                after = _SPACE.search(text, a + size)
+                c = after.start() if after else n
+                k = a
+                while c >= k + longest and n - k > longest:
+                    k = self._cut_at(text, k, n)
+                    if k >= c:
+                        break
+                    cuts.append(k)
+                if c >= n:
+                    break
+            cuts.append(c)
+            a = c
+        cuts.append(n)
+        return cuts
+
+    def _reference(self, text: str) -> list[Chunk]:
+        return list(Chunker.iter_chunks(self, text))
+
+    def _encode_group(self, texts, group, pieces, out) -> None:
+        flat, rows = self._nt.encode_batch(pieces, add_special_tokens=False, parallel=False)
+        rows = rows.tolist()
+        for i, cuts, first in group:
+            last = first + len(cuts) - 1
+            a, b = rows[first], rows[last]
+            doc = _Doc(self._edges, cuts, pieces[first:last], flat[a:b],
+                       [r - a for r in rows[first:last + 1]])
+            try:
+                out[i] = list(self._fast_windows(doc))
+            except _Mismatch:
+                out[i] = self._reference(texts[i])
+
+    def _fast_windows(self, doc: _Doc) -> Iterator[Chunk]:
+        """The windows of :meth:`Chunker._windows`, asking for offsets only where needed."""
+        n = len(doc.ids)
+        budget, max_chars = self.budget, self.max_chars
+        if self.arrays:
+            prefix, suffix = np.array(self.prefix, np.int64), np.array(self.suffix, np.int64)
+
+            def window(a: int, b: int) -> np.ndarray:
+                return np.concatenate((prefix, doc.ids[a:b], suffix))
+        else:
+            prefix, suffix = self.prefix, self.suffix
+
+            def window(a: int, b: int) -> list[int]:
+                return prefix + doc.ids[a:b].tolist() + suffix
+        pos = covered = 0
+        while pos < n:
+            hi = min(pos + budget, n)
+            start = doc.start(pos)
+            limit = start + max_chars
+            last_end = doc.end(hi - 1)
+            if last_end <= limit:
+                if hi == n:
+                    break
+                end = hi
+            else:  # the first token past the character bound (rare: long words or gaps)
+                end = bisect_right(range(hi), limit, pos + 1, hi, key=doc.end)
+                last_end = doc.end(end - 1)
+            yield Chunk(window(pos, end), start, last_end)
+            pos, covered = self._next_start(pos, end), end
+        if n > covered:
+            yield Chunk(window(pos, n), doc.start(pos), doc.end(n - 1))
+
+
+class _Mismatch(Exception):
+    """nanotoken and the model's tokenizer gave different ids for a piece."""
+
+
+class _Doc:
+    """One text's ids and pieces, with the offsets of a token computed on demand."""
+
+    __slots__ = ("edges", "cuts", "pieces", "ids", "rows", "_slow")
+
+    def __init__(self, edges: _EdgeOffsets, cuts: list[int], pieces: list[str],
+                 ids: np.ndarray, rows: list[int]):
+        self.edges, self.cuts, self.pieces, self.ids, self.rows = edges, cuts, pieces, ids, rows
+        self._slow: dict[int, list[tuple[int, int]]] = {}  # pieces the model's tokenizer placed
+
+    def _offset(self, i: int, side: int) -> int:
+        p = bisect_right(self.rows, i) - 1
+        r = self.rows[p]
+        offsets = self._slow.get(p)
+        if offsets is None:
+            ids = self.ids[r:self.rows[p + 1]].tolist()
+            x = self.edges.plain(self.pieces[p], ids, i - r, side)
+            if x is not None:
+                return self.cuts[p] + x
+            offsets = self._slow[p] = self.edges.slow(self.pieces[p], ids)
+        return self.cuts[p] + offsets[i - r][side]
+
+    def start(self, i: int) -> int:
+        return self._offset(i, 0)
+
+    def end(self, i: int) -> int:
+        return self._offset(i, 1)
+
+
+class _EdgeOffsets:
+    """Where one token of a piece starts or ends: from the ids for plain ASCII, else
+    from the model's tokenizer."""
+
+    def __init__(self, tok, spec: dict):
+        """``spec``: the tokenizer.json of ``tok``, parsed."""
+        prefix = spec["model"].get("continuing_subword_prefix") or "##"
+        vocab = spec["model"]["vocab"]
+        self.piece_len = [0] * (max(vocab.values()) + 1)
+        for text, i in vocab.items():
+            self.piece_len[i] = len(text) - len(prefix) if text.startswith(prefix) else len(text)
+        self.unk = tok.token_to_id(spec["model"]["unk_token"])
+        added = [re.escape(t["content"]) for t in spec.get("added_tokens", []) if t.get("content")]
+        self.added = re.compile("|".join(added), re.IGNORECASE) if added else None
+        self.tok = tok
+
+    def slow(self, piece: str, ids: list[int]) -> list[tuple[int, int]]:
+        """The offsets of every token of ``piece`` from the model's tokenizer, whose ids
+        must be nanotoken's."""
+        enc = self.tok.encode(piece, add_special_tokens=False)
+        if enc.ids != ids:
+            raise _Mismatch(piece)
+        return enc.offsets
+
+    def plain(self, piece: str, ids: list[int], j: int, side: int) -> int | None:
+        """Where token ``j`` of ``piece`` starts (``side`` 0) or ends (1), from the ids;
+        None unless the piece is plain printable ASCII.
+
+        Such a piece's tokens cover its characters other than whitespace, in order, each
+        as many as its vocabulary string holds; the unknown token covers a whole word
+        (letters and digits, or one punctuation character)."""
+        if not piece.isascii() or _CONTROL.search(piece) or (
+                self.added is not None and self.added.search(piece)):
+            return None
+        if len(ids) <= j:
+            return None
+        plen = self.piece_len
+        if self.unk in ids:
+            return self._walk(piece, ids, j, side)
+        kept = _NOT_SPACE[np.frombuffer(piece.encode("ascii"), np.uint8)].nonzero()[0]
+        before = sum(map(plen.__getitem__, ids[:j]))
+        if side:
+            return int(kept[before + plen[ids[j]] - 1]) + 1
+        return int(kept[before])
+
+    def _walk(self, piece: str, ids: list[int], j: int, side: int) -> int | None:
+        plen, unk, k, n = self.piece_len, self.unk, 0, len(ids)
+        for m in _ASCII_PRE.finditer(piece):
+            a, b = m.span()
+            if k >= n:
+                return None
+            if ids[k] == unk:
+                if k == j:
+                    return b if side else a
+                k += 1
+                continue
+            while a < b and k < n:
+                e = a + plen[ids[k]]
+                if k == j:
+                    return e if side else a
+                a = e
+                k += 1
+        return None
+
+
+def _nanotoken_for(tok, spec_text: str, spec: dict) -> tuple[object | None, str | None]:
+    """``(nanotoken tokenizer, None)`` for a tokenizer the fast path covers exactly, else
+    ``(None, why not)``."""
+    try:
+        import nanotoken
+        from nanotoken.nanotoken_rs import UnsupportedTokenizerError, WordPieceTokenizer
+    except ImportError:
+        return None, "nanotoken is not installed"
+    why = _spec_problem(spec)
+    if why:
+        return None, why
+    try:
+        nt = WordPieceTokenizer.from_json(spec_text)
+    except (UnsupportedTokenizerError, ValueError) as exc:
+        return None, f"nanotoken refuses this tokenizer: {exc}"
+    flat, rows = nt.encode_batch(_CHECK, add_special_tokens=False, parallel=False)
+    got = [flat[a:b].tolist() for a, b in zip(rows[:-1], rows[1:])]
+    if got != [e.ids for e in tok.encode_batch(_CHECK, add_special_tokens=False)]:
+        return None, "nanotoken's ids differ from the model's tokenizer on the start-up check"
+    nanotoken.set_cache_entries(NANOTOKEN_CACHE)
+    return nt, None
+
+
+def _spec_problem(spec: dict) -> str | None:
+    """Why the fast path does not cover this tokenizer.json, or None: the rules it relies
+    on (whitespace and ASCII punctuation cut words, a word piece covers its own
+    characters) are those of BERT's normalizer, pre-tokenizer and WordPiece."""
+    model = spec.get("model") or {}
+    if model.get("type") != "WordPiece":
+        return f"the model is {model.get('type')}, not WordPiece"
+    if not bert_text_rules(spec):
+        return "the pre-tokenizer or the normalizer is not BERT's"
+    for added in spec.get("added_tokens", []):
+        if added.get("lstrip") or added.get("rstrip") or added.get("single_word"):
+            return f"the added token {added.get('content')!r} strips or matches whole words"
+        if any(c.isspace() for c in added.get("content", "")):
+            return f"the added token {added.get('content')!r} holds whitespace"
+    return None
