@@ -21,6 +21,7 @@ import faiss
 import numpy as np
 
 from ..errors import ConfigError
+from ..outfiles import refuse_link
 from .formats import index_format, require_current
 from .lookup import ShardRows
 from .shards import FORMAT as SHARDS_FORMAT
@@ -302,6 +303,7 @@ def _set_params(index: faiss.Index, params: str | None, name: str, manifest: Man
 def _open_shards(store: IndexStore, manifest: Manifest, params: str | None) -> tuple[list, ShardRows]:
     """The vectors of every committed shard (memory-mapped where faiss can) and their rows.
     Each shard's vectors must be its rows' (same count and ids, in the same order)."""
+    refuse_link(store.folder / SHARDS_DIR)  # a shard is read from inside the index folder only
     shards = [s for s in list_shards(store.folder / SHARDS_DIR, generation=manifest.generation) if s.rows]
     vectors, ids = [], []
     for shard in shards:
