@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from index_fixtures import build_index as build_v1
+from index_fixtures import build_v1
 from shard_fixtures import build_shards
 
 from embedingest.errors import ConfigError
