@@ -113,6 +113,9 @@ class IndexConfig:
     commit_every: int = setting(
         200_000, "Vectors per committed shard (fewer: less is redone after a crash, more shards).")
     train_size: int = setting(50_000, "Vectors sampled to train IVF, PQ and HNSW factories.")
+    save_embeddings: bool = setting(
+        False, "Keep every vector as float16 beside its shard, for reindex and export (2 bytes "
+               "a dimension per chunk).")
     overwrite: bool = setting(False, "Delete whatever index is in the output folder first.")
     doc_prompt: str | None = setting(
         None, "Text put before each chunk for the encoder; '' for none. The stored text stays the "

@@ -16,7 +16,7 @@ the loader's start-up), ``input_wait_s`` (waiting for later batches: when it is 
 the CPUs that read and prepare the inputs are the bound), ``first_forward_s`` (the first
 forward and its hand-over, with CUDA's lazy set-up), ``forward_submit_s`` (the others),
 ``close_s`` (closing the engine: the consumers' last writes). A job adds its own keys
-(e.g. build-index's ``metadata_s``) in :attr:`BatchSteps.done`.
+in :attr:`BatchSteps.done`.
 """
 
 from __future__ import annotations

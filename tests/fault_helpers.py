@@ -332,48 +332,56 @@ def tmp_files(folder: Path) -> list[Path]:
 
 def check_index_files(out: Path) -> dict:
     """Everything build-index left in ``out`` is whole, whatever moment it was stopped at:
-    the manifest (if any) parses, every committed segment loads with faiss and its ids
-    equal its sidecar, the metadata database passes sqlite's integrity check, the skip
-    report parses. Temporary files and orphan sidecars may remain (the next run deletes
-    them). Returns {segment name: ids}."""
+    the manifest (if any) parses, every committed shard's files are those its commit
+    record names (sizes and sha256), its vectors load with faiss under the ids of its
+    Parquet rows, the units database passes sqlite's integrity check, the skip report
+    parses. Temporary files and files of uncommitted shards may remain (the next run
+    deletes them). Returns {shard name: ids}."""
     import faiss
 
+    from embedingest.index.shards import list_shards, read_ids
+
+    generation = 0
     if (out / "manifest.json").exists():
         manifest = json.loads((out / "manifest.json").read_text())
         assert {"model", "dim", "segments"} <= set(manifest), manifest
+        generation = manifest.get("generation", 0)
     if (out / "skipped.jsonl").exists():
         for line in (out / "skipped.jsonl").read_text().splitlines():
             assert {"path", "reason"} <= set(json.loads(line))
-    if (out / "metadata.sqlite").exists():
-        db = sqlite3.connect(f"file:{out / 'metadata.sqlite'}?mode=ro", uri=True)
+    if (out / "units.sqlite").exists():
+        db = sqlite3.connect(f"file:{out / 'units.sqlite'}?mode=ro", uri=True)
         try:
             assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
             db.execute("SELECT count(*) FROM units").fetchone()
         finally:
             db.close()
-    segments = {}
-    seg_dir = out / "segments"
-    for path in sorted(seg_dir.glob("seg-*.faiss")) if seg_dir.is_dir() else []:
-        index = faiss.read_index(str(path))
-        ids = np.load(path.with_name(path.name[: -len(".faiss")] + ".ids.npy"))
-        assert ids.dtype == np.int64 and index.ntotal == len(ids), path.name
-        assert np.array_equal(faiss.vector_to_array(index.id_map), ids), path.name
-        segments[path.name] = ids
-    return segments
+    shards = {}
+    for shard in list_shards(out / "shards", generation=generation):
+        assert shard.verify() is None, shard.name
+        if not shard.rows:
+            continue
+        index = faiss.read_index(str(shard.faiss_path(generation)))
+        ids = read_ids(shard)
+        assert index.ntotal == len(ids) == shard.rows, shard.name
+        assert np.array_equal(faiss.vector_to_array(index.id_map), ids), shard.name
+        shards[shard.name] = ids
+    return shards
 
 
 def check_exactly_once(out: Path, expected: dict[str, int]) -> np.ndarray:
-    """The index in ``out`` holds every chunk of every expected file once: the sidecars
-    of the committed segments give exactly ids ``unit_no << 32 | 0..n-1`` of each
-    expected key, no duplicate, nothing else; every id has its chunk row; the manifest
-    lists the segments; no temporary file is left; every segment loads."""
-    from embedingest.index.store import CHUNK_BITS, IndexStore
+    """The index in ``out`` holds every chunk of every expected file once: the committed
+    shards give exactly ids ``unit_no << 32 | 0..n-1`` of each expected key, no
+    duplicate, nothing else; every id has its chunk row; the manifest lists the shards;
+    no temporary file is left; every shard's files are whole."""
+    from embedingest.index.shard_store import ShardStore
+    from embedingest.index.store import CHUNK_BITS
 
     check_index_files(out)
     assert not tmp_files(out), f"temporary files left: {tmp_files(out)}"
-    with IndexStore(out) as store:
-        segments = store.shards()
-        ids = np.concatenate([s.ids() for s in segments]) if segments else np.empty(0, np.int64)
+    with ShardStore(out) as store:
+        shards = store.shards()
+        ids = np.concatenate([s.ids() for s in shards]) if shards else np.empty(0, np.int64)
         dup = [i for i, c in Counter(ids.tolist()).items() if c > 1]
         assert not dup, f"{len(dup)} ids indexed more than once, e.g. {dup[:5]}"
         assert len(ids) == sum(expected.values()), (len(ids), sum(expected.values()))
@@ -388,8 +396,7 @@ def check_exactly_once(out: Path, expected: dict[str, int]) -> np.ndarray:
         assert len(rows) == len(ids) and all(r.text for r in rows.values())
         assert store.reconcile() == set()
         listed = {s["name"]: s["count"] for s in store.read_manifest().segments}
-        assert listed == {s.name: s.count for s in segments}
-    assert not (out / "segments" / "replacing.json").exists()
+        assert listed == {s.name: s.count for s in shards}
     return ids
 
 

@@ -1,10 +1,9 @@
 """Helpers of the index tests: seeded unit vectors and an index folder built the way the
-build job does it (units and chunk rows in the metadata, vectors through the shard sink)."""
+build job does it (units in units.sqlite, rows and vectors through the shard writers)."""
 
 import numpy as np
 
-from embedingest.index.store import IndexStore, Manifest, vector_ids
-from embedingest.sinks.faiss_shards import FaissShardSinkFactory
+from embedingest.index.store import Manifest, vector_ids
 
 DIM = 16
 
@@ -32,27 +31,67 @@ class Built:
 
 
 def build_index(folder, n_units=6, chunks=20, factory="Flat", metric="ip", commit_every=50,
-                workers=2, seed=0):
+                   workers=2, seed=0):
     """Units doc0.txt.. of ``chunks`` chunks each, fed in batches of 17 dealt round robin
-    to ``workers`` sinks."""
-    store = IndexStore(folder)
+    to ``workers`` shard writers (each batch's rows as Arrow bytes, a unit declared
+    finished with the batch of its last chunk). ``store`` is a ShardStore."""
+    from embedingest.index.shard_store import ShardStore
+    from embedingest.index.shards import BatchMeta, encode_chunks
+    from embedingest.sinks.shard_writer import ShardWriterFactory
+
+    store = ShardStore(folder)
     store.create_or_open(Manifest(model={"name": "test-model", "path": "/nowhere"}, dim=DIM,
                                   metric=metric, factory=factory))
     trained = store.train_index(factory, DIM, metric, unit_vectors(500, seed=seed + 99))
     unit_nos = store.upsert_units(
-        {"key": f"doc{u}.txt", "size": 100 * u, "mtime_ns": u, "sha256": f"h{u}",
-         "n_chunks": chunks, "status": "done"} for u in range(n_units))
-    store.insert_chunks(
-        (no, f"rec{no}", c, 10 * c, 10 * c + 9, f"text {key} {c}")
-        for key, no in unit_nos.items() for c in range(chunks))
-    ids = np.concatenate([vector_ids(no, np.arange(chunks)) for no in unit_nos.values()])
+        {"key": f"doc{u}.txt", "size": 100 * u, "mtime_ns": u, "sha256": f"h{u}"} for u in range(n_units))
+    rows = [(int(vector_ids(no, [c])[0]), key, f"rec{no}", c, 10 * c, 10 * c + 9, f"text {key} {c}")
+            for key, no in unit_nos.items() for c in range(chunks)]
+    ids = np.array([r[0] for r in rows], dtype=np.int64)
     emb = unit_vectors(len(ids), seed=seed)
-    factory_ = FaissShardSinkFactory(str(store.folder), DIM, factory=factory, metric=metric,
-                                     commit_every=commit_every, trained=trained)
-    sinks = [factory_(w) for w in range(workers)]
+    spec = ShardWriterFactory(str(store.folder), DIM, factory=factory, metric=metric,
+                              commit_every=commit_every, trained=trained)
+    sinks = [spec(w) for w in range(workers)]
     for b, start in enumerate(range(0, len(ids), 17)):  # batches dealt round robin
-        sinks[b % workers](b, {"emb": emb[start:start + 17], "ids": ids[start:start + 17]})
+        part = rows[start:start + 17]
+        done = tuple((r[0] >> 32, chunks) for r in part if r[3] == chunks - 1)
+        meta = BatchMeta(b, encode_chunks(*(list(col) for col in zip(*part))), done)
+        sinks[b % workers](meta, {"emb": emb[start:start + 17], "ids": ids[start:start + 17]})
     for sink in sinks:
         sink.close()
     store.update_shards()
     return Built(store, emb, ids, unit_nos)
+
+
+build_index_v2 = build_index
+
+
+class _V1:
+    def __init__(self, folder):
+        self.folder = folder
+
+    def close(self):
+        pass
+
+
+def build_v1(folder):
+    """The files by which a format-1 index is known (a manifest without a format field,
+    ``metadata.sqlite`` with its chunks table, ``segments/`` with a segment and its ids
+    sidecar), for the tests that it is refused and wiped, never read."""
+    import json
+    import sqlite3
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    folder = Path(folder)
+    (folder / "segments").mkdir(parents=True)
+    (folder / "manifest.json").write_text(json.dumps({
+        "model": {"name": "test-model", "path": "/nowhere"}, "dim": DIM, "metric": "ip",
+        "factory": "Flat", "segments": [{"name": "seg-r-w0-00000", "count": 1}]}))
+    db = sqlite3.connect(folder / "metadata.sqlite")
+    db.execute("CREATE TABLE chunks(id INTEGER PRIMARY KEY, text TEXT)")
+    db.commit()
+    db.close()
+    (folder / "segments" / "seg-r-w0-00000.faiss").write_bytes(b"\0" * 64)
+    (folder / "segments" / "seg-r-w0-00000.ids.npy").write_bytes(b"\0" * 64)
+    return SimpleNamespace(store=_V1(folder))

@@ -15,7 +15,7 @@ import click
 
 from .. import __version__
 from .bench import bench
-from .index import build_index_cmd
+from .index import build_index_cmd, export, reindex
 from .search import search, serve
 from .segment import segment_command
 
@@ -29,7 +29,7 @@ def main(verbose: bool) -> None:
                         format="%(levelname)s %(name)s: %(message)s")
 
 
-for command in (build_index_cmd, search, serve, segment_command, bench):
+for command in (build_index_cmd, reindex, export, search, serve, segment_command, bench):
     main.add_command(command)
 
 __all__ = ["main"]

@@ -1,4 +1,4 @@
-"""``embedingest build-index``: text files to a FAISS index."""
+"""``embedingest build-index``: text files to an index; ``reindex`` and ``export`` of one."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import click
 from ..config import IndexConfig, load_config
 from ..exit_codes import exit_status_help
 from ..report import passed_over_sentence
-from .common import InputPath, config_options, library_errors, run_job, run_options
+from .common import InputPath, config_options, emit_json, library_errors, run_job, run_options
 
 
 @click.command("build-index", help=f"""Index the text files under CORPUS (or one file) into FAISS shards.
@@ -47,3 +47,50 @@ def _index_paragraph(s: dict) -> str:
             f"{s['units_removed']} removed; {skipped}.{passed_over_sentence(s)} The index at {s['index']} holds "
             f"{s['vectors_total']} vectors in {s['segments']} shards; query it with: "
             f"embedingest search {s['index']} \"your question\"")
+
+
+@click.command()
+@click.argument("index_dir", type=click.Path(exists=True, file_okay=False, path_type=str))
+@click.option("--index", "factory", required=True, metavar="FACTORY",
+              help="faiss index_factory string of the new index, e.g. 'IVF4096,PQ32' or HNSW32.")
+@click.option("--train-size", type=click.IntRange(min=1), default=50_000, show_default=True,
+              help="Saved vectors sampled to train factories that need training.")
+@click.option("--search-params", default=None, metavar="PARAMS",
+              help="faiss search parameters kept as the index's default, e.g. nprobe=16 "
+                   "[default: the kept ones when they apply to the new factory]; '' for none.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@library_errors
+def reindex(index_dir, factory, train_size, search_params, as_json) -> None:
+    """Rebuild INDEX_DIR's vectors as another faiss index from the embeddings it kept
+    (built with --save-embeddings): no model, no corpus."""
+    from ..index.reindex import reindex as run_reindex
+
+    s = run_reindex(index_dir, factory, train_size=train_size, search_params=search_params)
+    if as_json:
+        emit_json(s)
+        return
+    click.echo(f"{s['index']}: {s['vectors']} vectors in {s['shards']} shards are now {s['factory']!r} "
+               f"(were {s['previous_factory']!r}; generation {s['generation']})"
+               + (f"; search defaults: {s['search_params']}" if s["search_params"] else ""))
+
+
+@click.command("export")
+@click.argument("index_dir", type=click.Path(exists=True, file_okay=False, path_type=str))
+@click.option("--to", "to", required=True, type=click.Path(file_okay=False, path_type=str),
+              help="Folder for the Parquet files (new or empty; see --overwrite).")
+@click.option("--embeddings/--no-embeddings", default=None,
+              help="With the embedding column [default: when the index kept its embeddings].")
+@click.option("--overwrite", is_flag=True, help="Replace the Parquet files already in --to.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@library_errors
+def export(index_dir, to, embeddings, overwrite, as_json) -> None:
+    """Write INDEX_DIR's chunks (id, source, record_id, chunk_no, span, text, embedding)
+    as Parquet files that pandas, DuckDB or Spark read as they are."""
+    from ..index.export import export_index
+
+    s = export_index(index_dir, to, embeddings=embeddings, overwrite=overwrite)
+    if as_json:
+        emit_json(s)
+        return
+    click.echo(f"{s['rows']} rows in {s['files']} Parquet files in {s['to']}"
+               + (" (with embeddings)" if s["embeddings"] else ""))

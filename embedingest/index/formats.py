@@ -37,8 +37,8 @@ def index_format(folder: str | os.PathLike) -> int | None:
         raise ConfigError(f"cannot read {str(path)!r}: {exc}; rebuild the index with --overwrite") from exc
     value = data.get("format", 1) if isinstance(data, dict) else None
     if not isinstance(value, int) or isinstance(value, bool):
-        raise ConfigError(f"{str(path)!r} gives format {value!r}, not a number: the manifest was "
-                          "changed or damaged; rebuild the index with --overwrite")
+        raise ConfigError(f"{path}: format is {value!r}, not an integer: the "
+                          "manifest was changed or damaged; rebuild the index with --overwrite")
     return value
 
 
@@ -46,18 +46,22 @@ def rebuild_command(folder: str | os.PathLike, manifest: dict | None = None,
                     save_embeddings: bool = False) -> str:
     """The command that rebuilds the index at ``folder`` in the current format, from what
     its manifest says (corpus folder, model, factory, metric)."""
+    def text(mapping, key) -> str | None:  # a damaged manifest's fields may be anything
+        value = mapping.get(key) if isinstance(mapping, dict) else None
+        return value if isinstance(value, str) and value else None
+
     manifest = manifest or {}
-    model = manifest.get("model") or {}
-    corpus = manifest.get("corpus_path")
+    model = manifest.get("model")
+    corpus = text(manifest, "corpus_path")
     parts = ["embedingest", "build-index", shlex.quote(corpus) if corpus else "CORPUS",
              "--out", shlex.quote(str(folder))]
-    name = model.get("name") or model.get("path")
+    name = text(model, "name") or text(model, "path")
     if name:
         parts += ["--model", shlex.quote(name)]
-    if manifest.get("factory"):
+    if text(manifest, "factory"):
         parts += ["--index", shlex.quote(manifest["factory"])]
-    if manifest.get("metric") and manifest["metric"] != "ip":
-        parts += ["--metric", manifest["metric"]]
+    if text(manifest, "metric") and manifest["metric"] != "ip":
+        parts += ["--metric", shlex.quote(manifest["metric"])]
     if save_embeddings:
         parts.append("--save-embeddings")
     parts.append("--overwrite")

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterable, Sequence
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import ConfigError
@@ -91,7 +92,14 @@ class ShardRows:
         return shard, row
 
     def _open(self, no: int) -> pq.ParquetFile:
-        return pq.ParquetFile(self.shards[no].path("parquet"), memory_map=True)
+        """A shard's Parquet file; one that is not Parquet is a ConfigError naming it."""
+        shard = self.shards[no]
+        try:
+            return pq.ParquetFile(shard.path("parquet"), memory_map=True)
+        except (pa.ArrowException, OSError) as exc:
+            raise ConfigError(f"cannot read {str(shard.path('parquet'))!r} ({exc}): the shard is "
+                              f"damaged; delete its files ({shard.name}.*) and run build-index "
+                              "again to redo the units it held") from exc
 
     def _file(self, no: int) -> tuple[pq.ParquetFile, threading.Lock]:
         with self._files_lock:

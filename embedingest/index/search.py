@@ -21,7 +21,8 @@ import faiss
 import numpy as np
 
 from ..errors import ConfigError
-from .formats import index_format
+from ..outfiles import refuse_link
+from .formats import index_format, require_current
 from .lookup import ShardRows
 from .shards import FORMAT as SHARDS_FORMAT
 from .shards import SHARDS_DIR, list_shards
@@ -263,6 +264,7 @@ def open_index(path: str | os.PathLike, device: str = "cpu", *, encoder=None,
     (``build-index --search-params``), "" for none. ``query_prompt``: text put before each
     query; None: the index's (the model's query prompt, or ``build-index --query-prompt``).
     """
+    require_current(path)
     store = IndexStore(path, read_only=True)
     manifest = store.read_manifest()
     if params is None:
@@ -301,6 +303,7 @@ def _set_params(index: faiss.Index, params: str | None, name: str, manifest: Man
 def _open_shards(store: IndexStore, manifest: Manifest, params: str | None) -> tuple[list, ShardRows]:
     """The vectors of every committed shard (memory-mapped where faiss can) and their rows.
     Each shard's vectors must be its rows' (same count and ids, in the same order)."""
+    refuse_link(store.folder / SHARDS_DIR)  # a shard is read from inside the index folder only
     shards = [s for s in list_shards(store.folder / SHARDS_DIR, generation=manifest.generation) if s.rows]
     vectors, ids = [], []
     for shard in shards:

@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import re
+import stat
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -211,13 +212,16 @@ class Shard:
         generation's file, which must exist (its size is in no record)."""
         for kind, info in self.files.items():
             if kind == "faiss" and generation is not None and generation != self.generation:
-                if not self.faiss_path(generation).is_file():
+                if not self.faiss_path(generation).is_file() or self.faiss_path(generation).is_symlink():
                     return f"its vectors file {self.faiss_path(generation).name!r} is missing"
                 continue
             try:
-                size = os.stat(self.folder / info["name"]).st_size
+                st = os.lstat(self.folder / info["name"])  # a link is never followed
             except OSError as exc:
                 return f"its {kind} file {info['name']!r} cannot be read ({exc.strerror or exc})"
+            if not stat.S_ISREG(st.st_mode):
+                return f"its {kind} file {info['name']!r} is not a regular file (a link?)"
+            size = st.st_size
             if size != info["size"]:
                 return f"its {kind} file {info['name']!r} holds {size} bytes, not {info['size']}"
         return None

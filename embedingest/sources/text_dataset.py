@@ -17,9 +17,9 @@ Each yielded item is a dict:
 * ``ids``: ``LongTensor[B]``, the vector id of each chunk, ``unit_no << 32 | chunk_no``
   (``chunk_no`` counts the chunks of a unit across all its records, from 0);
 * ``chunks``: a :class:`Chunks` of B rows ``{id, unit_no, record_id, chunk_no,
-  char_start, char_end, text}`` as one JSON text (iterate it for dicts). It is
-  neither a list nor a dict on purpose: the DataLoader's pin-memory thread would walk
-  every element of those while holding the GIL;
+  char_start, char_end, text, source}`` as one Arrow record batch in bytes (iterate
+  it for dicts). It is neither a list nor a dict on purpose: the DataLoader's
+  pin-memory thread would walk every element of those while holding the GIL;
 * ``units_done``: ``(unit_no, n_chunks)`` pairs (the DataLoader turns the tuples into
   2-item lists) for every unit whose last chunk is in this item or an earlier one;
   every unit appears exactly once over the whole iteration, units with no chunks too
@@ -42,9 +42,8 @@ large in-memory corpora are better given as files.
 
 from __future__ import annotations
 
-import json
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,6 +51,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..errors import ConfigError
+from ..index.shards import decode_chunks, encode_chunks
 from ..stages.chunker import DEFAULT_PIECE_CHARS, Chunk, Chunker
 from ..stages.fast_chunker import FastChunker
 from ..stages.tokenizer import load_tokenizer
@@ -97,49 +97,43 @@ CHUNK_FIELDS = ("id", "unit_no", "record_id", "chunk_no", "char_start", "char_en
 
 
 class Chunks:
-    """The metadata of one batch's chunks: one JSON array of rows (the
-    :data:`CHUNK_FIELDS` values), made here in the worker.
+    """The metadata of one batch's chunks: one Arrow IPC record batch of the shard
+    schema (:data:`~embedingest.index.shards.CHUNK_SCHEMA`), made here in the worker.
 
-    The main process hands the text to sqlite as is, in one statement that runs with
-    the GIL released (:meth:`~embedingest.index.store.IndexStore.insert_chunk_json`);
-    binding Python rows one by one took the GIL for every row, and with the main thread
-    busy feeding the GPU the metadata thread fell far behind. A plain
-    string also pickles fast, and an object that is not a ``Sequence`` or ``Mapping``
-    passes the DataLoader's pin-memory step untouched. ``n_docs`` counts the records
-    whose first chunk is in this batch. Iterating decodes the rows, as dicts.
+    The process that feeds the device hands these bytes to the engine with the batch's
+    vectors (:class:`~embedingest.index.shards.BatchMeta`), and the shard writer that
+    gets the batch decodes them: no process but the writer handles a row per chunk.
+    An object that is not a ``Sequence`` or ``Mapping`` passes the DataLoader's
+    pin-memory step untouched. ``n_docs`` counts the records whose first chunk is in
+    this batch. Iterating decodes the rows, as dicts of :data:`CHUNK_FIELDS` and
+    ``source`` (the unit's key).
     """
 
-    __slots__ = ("json", "n_docs", "n", "_rows")
+    __slots__ = ("data", "n_docs", "n")
 
-    def __init__(self, rows: Sequence[tuple]):
+    def __init__(self, rows: Sequence[tuple], sources: Mapping[int, str]):
         """``rows``: tuples of the :data:`CHUNK_FIELDS` values, then whether the chunk is
-        its record's first."""
-        self.json = json.dumps([row[:-1] for row in rows], ensure_ascii=False)
-        self.n_docs = sum(row[-1] for row in rows)
+        its record's first; ``sources``: unit_no -> the unit's key."""
+        self.data = encode_chunks([r[0] for r in rows], [sources[r[1]] for r in rows],
+                                  [r[2] for r in rows], [r[3] for r in rows],
+                                  [r[4] for r in rows], [r[5] for r in rows], [r[6] for r in rows])
+        self.n_docs = sum(r[-1] for r in rows)
         self.n = len(rows)
-        self._rows = None
 
     def __len__(self) -> int:
         return self.n
 
-    def rows(self) -> list[list]:
-        """The rows, decoded once."""
-        if self._rows is None:
-            self._rows = json.loads(self.json)
-        return self._rows
+    def rows(self) -> list[dict]:
+        """The rows, decoded (as :data:`CHUNK_FIELDS` and ``source``)."""
+        return [{"id": r["id"], "unit_no": r["id"] >> 32, "record_id": r["record_id"],
+                 "chunk_no": r["chunk_no"], "char_start": r["span_start"], "char_end": r["span_end"],
+                 "text": r["text"], "source": r["source"]} for r in decode_chunks(self.data).to_pylist()]
 
     def __getitem__(self, i: int) -> dict:
-        return dict(zip(CHUNK_FIELDS, self.rows()[i]))
+        return self.rows()[i]
 
     def __iter__(self):
-        return (self[i] for i in range(len(self)))
-
-    def __getstate__(self):
-        return self.json, self.n_docs, self.n
-
-    def __setstate__(self, state) -> None:
-        self.json, self.n_docs, self.n = state
-        self._rows = None
+        return iter(self.rows())
 
 
 class TextChunkDataset(IterableDataset):
@@ -222,12 +216,14 @@ class _WorkerBatches:
         self.reading: int | None = None
         self.done: list[tuple[int, int]] = []
         self.skipped: list[tuple[str, str]] = []
+        self.sources: dict[int, str] = {}  # unit_no -> key, of this worker's units
         # The window starts at one batch and doubles up to its full size, so the first
         # batch leaves after one batch's worth of chunks, not a whole window's (with a
         # dozen workers each filling 16 batches first, the GPU would wait seconds).
         self.limit = min(ds.window, ds.batch_size)
 
     def run(self, units: list[Unit]) -> Iterator[dict]:
+        self.sources = {unit.unit_no: unit.key for unit in units}
         for unit in units:
             u = self.reading = unit.unit_no
             self.in_window[u] = self.total[u] = 0
@@ -355,7 +351,7 @@ class _WorkerBatches:
             input_ids[mask] = np.concatenate([np.asarray(ids, dtype=np.int64) for ids, _ in batch])
         attention_mask = mask.astype(np.int64)
         rows = [chunk for _, chunk in batch]
-        chunks = Chunks(rows)
+        chunks = Chunks(rows, self.sources)
         for unit_no in (row[1] for row in rows):
             self.in_window[unit_no] -= 1
             if self.in_window[unit_no] == 0 and unit_no != self.reading:

@@ -39,15 +39,16 @@ SLOW_SINK = {"EMBEDINGEST_FI_SINK_DELAY": "0.15"}
 
 
 def n_segments(out: Path) -> int:
-    seg = out / "segments"
-    return len(list(seg.glob("seg-*.faiss"))) if seg.is_dir() else 0
+    """Committed shards (with rows or not)."""
+    seg = out / "shards"
+    return len(list(seg.glob("shard-*.commit.json"))) if seg.is_dir() else 0
 
 
 def assert_no_id_twice(out: Path) -> None:
     """What a reader (search) would see right now lists no vector twice."""
-    from embedingest.index.store import IndexStore
+    from embedingest.index.shard_store import ShardStore
 
-    with IndexStore(out) as store:
+    with ShardStore(out) as store:
         ids = np.concatenate([s.ids() for s in store.shards()] or [np.empty(0, np.int64)])
     assert len(ids) == len(np.unique(ids)), "a vector id is listed twice"
 
@@ -66,13 +67,13 @@ def finish(cli, corpus: Path, out: Path, device="cpu", expected=None) -> dict:
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_consumer_sigkill_stops_run_naming_it_and_rerun_is_exactly_once(cli, tmp_path, device):
-    """A consumer dies while its 3rd segment is half written (its sidecar committed, the
-    .faiss not); the re-run loses another consumer (killed from outside, found among the
+    """A consumer dies while its 3rd shard is half written (its Parquet file renamed, the
+    .faiss not, no commit record); the re-run loses another consumer (killed from outside, found among the
     CLI's children); the third run ends it with every chunk once."""
     corpus = make_corpus(tmp_path / "corpus", 10)
     out = tmp_path / "idx"
     run = build(cli, corpus, out, device=device,
-                env={**SLOW_SINK, "EMBEDINGEST_FI_KILL": "consumer:seg-*.faiss:3:mid"})
+                env={**SLOW_SINK, "EMBEDINGEST_FI_KILL": "consumer:shard-*.faiss:3:mid"})
     wait_for(lambda: not run.running() or tmp_files(out), 120, what="a half-written segment")
     stopped_by_dead_consumer(run, None)
     assert tmp_files(out)  # the half-written segment, under its temporary name only
@@ -178,9 +179,9 @@ def test_main_sigkill_as_the_loader_worker_starts_leaves_no_process(cli, tmp_pat
 
 def test_main_sigkill_while_writing_manifest_report_and_removal(cli, tmp_path):
     """SIGKILL of the main process in the middle of its own writes: the manifest when
-    the index is created, the manifest at the end of a run, a segment rewritten by the
-    removal of changed units, the skip report; each time the folder stays whole and the
-    next run goes on."""
+    the index is created, the manifest at the end of a run, the commit record of a
+    shard rewritten by the removal of changed units, the skip report; each time the
+    folder stays whole and the next run goes on."""
     corpus = make_corpus(tmp_path / "corpus", 8, seed=5)
     out = tmp_path / "idx"
 
@@ -195,19 +196,20 @@ def test_main_sigkill_while_writing_manifest_report_and_removal(cli, tmp_path):
 
     killed_at("main:manifest.json:1:mid")  # creating the index
     assert not (out / "manifest.json").exists()
-    killed_at("main:manifest.json:2:mid")  # the final manifest, every segment committed
+    killed_at("main:manifest.json:2:mid")  # the final manifest, every shard committed
 
-    # Change a file that shares a segment with another one, so the removal of its old
-    # vectors rewrites that segment (in the main process), and add a bad file.
-    from embedingest.index.store import CHUNK_BITS, IndexStore
+    # Change a file that shares a shard with another one, so the removal of its old
+    # vectors rewrites that shard (in the main process), and add a bad file.
+    from embedingest.index.shard_store import ShardStore
+    from embedingest.index.shards import CHUNK_BITS
 
-    with IndexStore(out) as store:
+    with ShardStore(out) as store:
         by_no = {u.unit_no: k for k, u in store.units().items()}
         mixed = next(s for s in store.shards() if len(set((s.ids() >> CHUNK_BITS).tolist())) > 1)
         victim = by_no[int(mixed.ids()[0] >> CHUNK_BITS)]
     (corpus / victim).write_text(words(random.Random(9), 200) + "\n")
     (corpus / "zero.txt").write_bytes(b"")
-    killed_at("main:seg-rm*.faiss:1:mid")  # every other point: test_remove_units_sigkill_...
+    killed_at("main:shard-rm*.commit.json:1:mid")  # every other point: test_remove_units_sigkill_...
     killed_at("main:skipped.jsonl:1:mid")
     run = build(cli, corpus, out, "--json")
     assert run.wait() == 3, run.describe()  # finished; zero.txt reported again (its first report was cut)
@@ -215,25 +217,39 @@ def test_main_sigkill_while_writing_manifest_report_and_removal(cli, tmp_path):
 
 
 def _remove_units_script(folder: Path, units: list[int]) -> str:
-    return (f"from embedingest.index.store import IndexStore\n"
-            f"IndexStore({str(folder)!r}).remove_units({units!r})\n")
+    return (f"from embedingest.index.shard_store import ShardStore\n"
+            f"ShardStore({str(folder)!r}).remove_units({units!r})\n")
+
+
+def _shard_files_named(folder: Path) -> set[str]:
+    """The files the committed shards' records name (and the records)."""
+    from embedingest.index.shards import list_shards
+
+    names = set()
+    for shard in list_shards(folder / "shards"):
+        names.add(shard.commit_path().name)
+        names.update(info["name"] for info in shard.files.values())
+    return names
 
 
 def test_remove_units_sigkill_at_every_write_keeps_each_vector_once(tmp_path):
     """The removal that every resumed run starts with, killed at each file it commits
-    (journal, sidecars, segments; mid-write and just after): a reader never sees an id
-    twice, and calling it again finishes it with exactly the other units left."""
+    (each rewritten shard's Parquet, faiss and embeddings files and its commit record,
+    the switch; mid-write and just after): a reader never sees an id twice, and the
+    next build's clean-up plus the removal again finish it with exactly the other units
+    left and no file that no commit record names."""
     import shutil
     import subprocess
     import sys
 
     from fault_helpers import HOOKS
-    from index_fixtures import build_index
+    from index_fixtures import build_index_v2
 
-    from embedingest.index.store import CHUNK_BITS, IndexStore
+    from embedingest.index.shard_store import ShardStore
+    from embedingest.index.shards import CHUNK_BITS
 
     base = tmp_path / "base"
-    built = build_index(base, n_units=6, chunks=20, commit_every=30, workers=2)
+    built = build_index_v2(base, n_units=6, chunks=20, commit_every=30, workers=2)
     drop = [built.unit_nos["doc1.txt"], built.unit_nos["doc4.txt"]]
     keep = np.sort(built.ids[~np.isin(built.ids >> CHUNK_BITS, drop)])
     built.store.close()
@@ -252,18 +268,23 @@ def test_remove_units_sigkill_at_every_write_keeps_each_vector_once(tmp_path):
             assert proc.returncode == -signal.SIGKILL, proc.stderr
             hit = True
             points.append((n, phase))
-            with IndexStore(folder) as store:
+            check_index_files(folder)
+            with ShardStore(folder) as store:
                 ids = np.concatenate([s.ids() for s in store.shards()])
                 assert len(ids) == len(np.unique(ids)), (n, phase)
+                assert set(ids.tolist()) >= set(keep.tolist()), (n, phase)  # nothing kept is lost
+                store.clean_garbage()
                 store.remove_units(drop)
                 ids = np.sort(np.concatenate([s.ids() for s in store.shards()]))
                 assert np.array_equal(ids, keep), (n, phase)
+                assert store.reconcile() == set(), (n, phase)
             check_index_files(folder)
-            assert not list((folder / "segments").glob(".*")), (n, phase)
+            assert set(os.listdir(folder / "shards")) == _shard_files_named(folder), (n, phase)
         if not hit:
             break
         n += 1
-    assert len(points) >= 5, points  # journal + a sidecar and a segment per rewritten one
+    # every rewritten shard: its Parquet, faiss and commit record (2 shards at least)
+    assert len(points) >= 12, points
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -285,9 +306,9 @@ def test_ctrl_c_exits_130_within_5_s_and_resume_keeps_saved_work(cli, tmp_path, 
     run.assert_no_leftovers()
     check_index_files(out)
     assert_no_id_twice(out)
-    from embedingest.index.store import IndexStore
+    from embedingest.index.shard_store import ShardStore
 
-    with IndexStore(out) as store:  # the files fully saved before Ctrl-C
+    with ShardStore(out) as store:  # the files fully saved before Ctrl-C
         incomplete = store.reconcile()
         saved = [u for u in store.units().values() if u.status == "done" and u.n_chunks
                  and u.unit_no not in incomplete]

@@ -1,5 +1,5 @@
 """The index and output folders under attack, through the real CLI: a disk that really
-fills up, a folder tampered with (links, a forged removal journal), a folder damaged or
+fills up, a folder tampered with (links, a forged commit record), a folder damaged or
 left by a killed build. Each case ends in a clear one-line error or a correct answer,
 nothing outside the folder is written, created, truncated or deleted, and the re-run
 after the fault holds every chunk exactly once.
@@ -34,7 +34,7 @@ from fault_helpers import (
 
 from embedingest.errors import ConfigError
 from embedingest.index.search import open_index
-from embedingest.index.store import CHUNK_BITS, IndexStore
+from embedingest.index.shard_store import ShardStore
 
 pytestmark = pytest.mark.slow
 
@@ -69,12 +69,17 @@ def one_clear_error(run, *needles: str) -> str:
 
 
 def n_segments(out: Path) -> int:
-    seg = out / "segments"
-    return len(list(seg.glob("seg-*.faiss"))) if seg.is_dir() else 0
+    """Committed shards."""
+    seg = out / "shards"
+    return len(list(seg.glob("shard-*.commit.json"))) if seg.is_dir() else 0
+
+
+def shard_files(out: Path, suffix: str) -> list[Path]:
+    return sorted((out / "shards").glob(f"shard-*{suffix}"))
 
 
 def assert_no_id_twice(out: Path) -> None:
-    with IndexStore(out) as store:
+    with ShardStore(out) as store:
         ids = np.concatenate([s.ids() for s in store.shards()] or [np.empty(0, np.int64)])
     assert len(ids) == len(np.unique(ids)), "a vector id is listed twice"
 
@@ -89,13 +94,13 @@ def _file_size_limit(limit: int):
 
 
 def test_disk_full_on_a_real_tmpfs_fails_clearly_and_the_rerun_has_every_vector_once(cli, tmp_path):
-    """300 paragraphs, a segment every 32 vectors, built on a 5 MB tmpfs filled until
+    """300 paragraphs, a shard every 32 vectors, built on a 5 MB tmpfs filled until
     250, 120, then 40 KB are left: each run stops with one clear error (faiss's writes,
-    the sidecars, sqlite, the manifest: wherever the disk fills), everything committed
-    stays whole; with the space freed, the same command finishes with every chunk once.
+    the Parquet files, the commit records, sqlite, the manifest: wherever the disk
+    fills), every committed shard stays whole; with the space freed, the same command finishes with every chunk once.
     Where mounting is not allowed, one run has each file it writes cut at 80 KB by
     RLIMIT_FSIZE instead (EFBIG, or EIO from sqlite); that limit also applies to the
-    engine's shared-memory pool, hence 2 slots (50 KB) and segments of 64 vectors (98 KB)."""
+    engine's shared-memory pool, hence 2 slots (50 KB) and shards of 64 vectors (98 KB)."""
     corpus = paragraphs(tmp_path / "corpus")
     with small_tmpfs(tmp_path / "fs", 5 * 2**20) as fs:
         out = (fs or tmp_path) / "idx"
@@ -112,7 +117,7 @@ def test_disk_full_on_a_real_tmpfs_fails_clearly_and_the_rerun_has_every_vector_
                 assert "File too large" in last or "I/O error" in last, last
             assert "what was committed before is kept" in last and "run the same command again" in last
             run.assert_no_leftovers()
-            check_index_files(out)  # every committed segment loads, ids equal its sidecar
+            check_index_files(out)  # every committed shard loads, its ids are its Parquet rows'
             assert_no_id_twice(out)
         run = build(cli, corpus, out, "--json")
         assert run.wait() == 0, run.describe()
@@ -162,24 +167,41 @@ def _untouched(victim: tuple[Path, tuple]) -> None:
     assert sorted(p.name for p in path.parent.iterdir() if p.name.startswith(path.name)) == [path.name]
 
 
-def test_a_forged_removal_journal_is_refused_never_followed(cli, tmp_path, built):
+def _forged(out: Path, name: str, record: dict) -> Path:
+    path = out / "shards" / f"{name}.commit.json"
+    path.write_text(json.dumps({"format": 2, "name": name, "rows": 1, "id_min": 0, "id_max": 0,
+                                "units": [[], []], **record}))
+    return path
+
+
+def test_a_forged_commit_record_is_refused_never_followed(cli, tmp_path, built):
+    """Commit records whose file entries or replaced shards name paths outside the
+    shards folder: search refuses the index naming the record and saying what to delete;
+    the build deletes the record (a damaged shard: its units would be redone) and never
+    reads, writes or deletes the paths it names."""
     corpus, out = built
     victim = _victim(tmp_path / "victim.txt")
-    journal = out / "segments" / "replacing.json"
-    journal.write_text(json.dumps({"replace": [["../../victim.txt", None]]}))
-    one_clear_error(build(cli, corpus, out), "replacing.json", "delete it")
-    one_clear_error(cli("search", out, "river"), "replacing.json", "delete it")
-    _untouched(victim)
-    journal.unlink()  # as the message says (the rest: tests/index/test_store.py)
+    forged = {"shard-x-w0-00000": {"files": {"faiss": {"name": "../../victim.txt", "size": 10}}},
+              "shard-x-w0-00001": {"files": {}, "replaces": ["../../victim.txt"]}}
+    for name, record in forged.items():
+        path = _forged(out, name, record)
+        last = one_clear_error(cli("search", out, "river"), path.name, "delete that shard")
+        assert "commit record" in last, last
+        run = build(cli, corpus, out)
+        assert run.wait() == 0, run.describe()
+        assert not path.exists()  # deleted as a damaged shard; what it names is never touched
+        _untouched(victim)
     check_exactly_once(out, expected_chunks(corpus))
 
 
 def test_links_in_the_index_folder_are_never_written_through(cli, tmp_path, built):
     """``.run.lock`` as a link to another file: the build is refused and the file stays as
-    it was (it was truncated and given the build's pid). ``metadata.sqlite`` as a link to
-    another database: build and search are refused, the database stays as it was (search
-    added its tables and switched it to WAL). Hard links, ``.writers.lock``, the
-    journal files and ``segments/``: tests/index/test_lock.py and test_store.py."""
+    it was (it was truncated and given the build's pid). ``units.sqlite`` as a link to
+    another database: the build is refused, the database stays as it was. ``shards/`` as
+    a link to another folder: build and search are refused, nothing in that folder is
+    written or deleted (a temporary-looking file there stays). A shard's file as a link
+    to a file outside: a damaged shard (never read through); the build deletes the link,
+    not its target. Hard links and ``.writers.lock``: tests/index/test_lock.py."""
     corpus, out = built
     victim = _victim(tmp_path / "victim.txt")
     (out / ".run.lock").unlink()
@@ -194,37 +216,65 @@ def test_links_in_the_index_folder_are_never_written_through(cli, tmp_path, buil
     db.commit()
     db.close()
     victim = (other, (other.read_bytes(), other.stat().st_mtime_ns, other.stat().st_ino))
-    os.rename(out / "metadata.sqlite", tmp_path / "kept.sqlite")
-    (out / "metadata.sqlite").symlink_to(other)
-    one_clear_error(build(cli, corpus, out), "metadata.sqlite", "symbolic link")
-    one_clear_error(cli("search", out, "river"), "metadata.sqlite", "symbolic link")
+    os.rename(out / "units.sqlite", tmp_path / "kept.sqlite")
+    (out / "units.sqlite").symlink_to(other)
+    one_clear_error(build(cli, corpus, out), "units.sqlite", "symbolic link")
     _untouched(victim)
-    (out / "metadata.sqlite").unlink()
-    os.rename(tmp_path / "kept.sqlite", out / "metadata.sqlite")
+    (out / "units.sqlite").unlink()
+    os.rename(tmp_path / "kept.sqlite", out / "units.sqlite")
+
+    outside = tmp_path / "outside"
+    os.rename(out / "shards", outside)
+    (out / "shards").symlink_to(outside)
+    stale = _victim(outside / ".shard-x-w0-00000.parquet.tmp-1")
+    listing = sorted(os.listdir(outside))
+    one_clear_error(build(cli, corpus, out), "shards", "symbolic link")
+    one_clear_error(cli("search", out, "river"), "shards", "symbolic link")
+    assert sorted(os.listdir(outside)) == listing
+    _untouched(stale)
+    stale[0].unlink()
+    (out / "shards").unlink()
+    os.rename(outside, out / "shards")
+
+    # a shard's Parquet file replaced by a link to a copy outside: a damaged shard, read
+    # by nothing; the build deletes the link (not the file) and redoes the shard's units
+    parquet = shard_files(out, ".parquet")[0]
+    victim = _victim(tmp_path / "copy.parquet", parquet.read_bytes())
+    parquet.unlink()
+    parquet.symlink_to(victim[0])
+    one_clear_error(cli("search", out, "river"), parquet.name, "not a regular file", "delete that shard")
+    run = build(cli, corpus, out)
+    assert run.wait() == 0, run.describe()
+    assert not parquet.is_symlink()
+    _untouched(victim)
     check_exactly_once(out, expected_chunks(corpus))
 
 
-def test_search_creates_nothing_and_leaves_the_journal_mode(cli, tmp_path, built):
-    """search opens the metadata read-only: a database in rollback-journal mode stays so
-    (search switched it to WAL), and where none exists none is made (search made an empty
-    one); the error says to finish the build, and that build gives the whole index back."""
-    corpus, out = built
-    db = sqlite3.connect(out / "metadata.sqlite")
-    assert db.execute("PRAGMA journal_mode=DELETE").fetchone() == ("delete",)
-    db.close()
-    with open_index(out) as index:
-        hits = index.search_vectors(np.ones((1, 384), np.float32), 3)[0]
-    assert len(hits) == 3 and all(h.text for h in hits)
-    db = sqlite3.connect(out / "metadata.sqlite")
-    assert db.execute("PRAGMA journal_mode").fetchone() == ("delete",)
-    db.close()
-    assert not (out / "metadata.sqlite-wal").exists()
+def _state(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns, p.stat().st_ino)
+            for p in sorted(folder.rglob("*"))}
 
-    (out / "metadata.sqlite").unlink()
-    one_clear_error(cli("search", out, "river"), "metadata.sqlite", "does not exist",
-                    "run the same build-index command again")
-    assert not (out / "metadata.sqlite").exists()
-    run = build(cli, corpus, out)  # as the message says: the vectors without rows are redone
+
+def test_search_creates_and_changes_nothing_and_needs_no_units_database(cli, tmp_path, built):
+    """search reads the shards only: the folder is the same after it (no file created,
+    none changed), and it answers from the shards with ``units.sqlite`` gone (it is not
+    made again); the build after that redoes the units no row names, and the index is
+    whole again."""
+    corpus, out = built
+    before = _state(out)
+    run = cli("search", out, "river", "-k", "3", "--json")
+    assert run.wait() == 0, run.describe()
+    hits = json.loads(run.stdout)
+    assert len(hits) == 3 and all(h["text"] for h in hits)
+    assert _state(out) == before
+
+    (out / "units.sqlite").unlink()
+    before = _state(out)
+    with open_index(out) as index:
+        again = index.search_vectors(np.ones((1, 384), np.float32), 1000)[0]
+    assert len(again) == sum(expected_chunks(corpus).values()) and all(h.text for h in again)
+    assert _state(out) == before and not (out / "units.sqlite").exists()
+    run = build(cli, corpus, out)
     assert run.wait() == 0, run.describe()
     check_exactly_once(out, expected_chunks(corpus))
 
@@ -268,13 +318,16 @@ def test_segment_never_writes_or_deletes_through_a_link_in_its_output(cli, tmp_p
 # -- 3. a damaged folder, a killed build ---------------------------------------------------
 
 
-def _cut_first_segment(out: Path, keep: float) -> None:
-    seg = sorted((out / "segments").glob("seg-*.faiss"))[0]
-    seg.write_bytes(seg.read_bytes()[: int(seg.stat().st_size * keep)])
+def _cut(path: Path, keep: float) -> None:
+    path.write_bytes(path.read_bytes()[: int(path.stat().st_size * keep)])
 
 
-def _garbage(path: Path) -> None:
-    path.write_bytes(random.Random(3).randbytes(5000))
+def _garbage(path: Path, size: int = 5000) -> None:
+    path.write_bytes(random.Random(3).randbytes(size))
+
+
+def _same_size_garbage(path: Path) -> None:
+    _garbage(path, path.stat().st_size)
 
 
 def _manifest(out: Path, **changes) -> None:
@@ -282,32 +335,33 @@ def _manifest(out: Path, **changes) -> None:
     (out / "manifest.json").write_text(json.dumps({**data, **changes}))
 
 
+_ADVICE = r"delete that shard's files \(every file named shard-.*\) and run the same build-index command again"
+
 DAMAGE = {
-    "truncated segment": (lambda out: _cut_first_segment(out, 0.5), r"seg-.*\.faiss.*damaged.*delete that shard"),
-    "segment cut by one id": (lambda out: _cut_first_segment(out, 0.999), r"seg-.*\.faiss.*damaged"),
-    "garbage segment": (lambda out: _garbage(sorted((out / "segments").glob("seg-*.faiss"))[-1]),
-                        r"seg-.*\.faiss.*damaged"),
-    "garbage sidecar": (lambda out: _garbage(sorted((out / "segments").glob("seg-*.ids.npy"))[0]),
-                        r"ids sidecar"),
-    "garbage metadata": (lambda out: _garbage(out / "metadata.sqlite"), r"metadata.sqlite.*damaged.*--overwrite"),
+    "truncated faiss": (lambda out: _cut(shard_files(out, ".faiss")[0], 0.5),
+                        r"shard-.*damaged: its faiss file 'shard-.*\.faiss' holds .*; " + _ADVICE),
+    "faiss cut by one byte": (lambda out: _cut(shard_files(out, ".faiss")[0], 0.9999),
+                              r"shard-.*damaged: its faiss file 'shard-.*\.faiss'.*" + _ADVICE),
+    "garbage faiss of the same size": (lambda out: _same_size_garbage(shard_files(out, ".faiss")[-1]),
+                                       r"shard-.*\.faiss.*damaged.*delete"),
+    "missing parquet": (lambda out: shard_files(out, ".parquet")[0].unlink(),
+                        r"shard-.*damaged: its parquet file 'shard-.*\.parquet' cannot be read.*" + _ADVICE),
+    "garbage parquet of the same size": (lambda out: _same_size_garbage(shard_files(out, ".parquet")[-1]),
+                                         r"shard-.*\.parquet.*damaged.*delete"),
+    "garbage commit record": (lambda out: _garbage(shard_files(out, ".commit.json")[0]),
+                              r"commit record '.*shard-.*\.commit\.json'.*" + _ADVICE),
     "manifest dim a string": (lambda out: _manifest(out, dim="384"), r"manifest.json: dim is '384'"),
     "manifest segments a number": (lambda out: _manifest(out, segments=5), r"manifest.json: segments is 5"),
-    "manifest format a string": (lambda out: _manifest(out, format="1"), r"manifest.json: format is '1'"),
     "manifest model a string": (lambda out: _manifest(out, model="m"), r"manifest.json: model is 'm'"),
     "manifest metric a number": (lambda out: _manifest(out, metric=3), r"manifest.json: metric is 3"),
-    "journal not JSON": (lambda out: (out / "segments" / "replacing.json").write_text("{broken"),
-                         r"replacing.json.*delete it"),
-    "journal of a number": (lambda out: (out / "segments" / "replacing.json").write_text('{"replace": 5}'),
-                            r"replacing.json.*delete it"),
-    "journal of a short pair": (lambda out: (out / "segments" / "replacing.json").write_text(
-        '{"replace": [["seg-a-w0-00000.faiss"]]}'), r"replacing.json.*delete it"),
 }
 
 
 def test_search_of_a_damaged_index_says_which_file_and_what_to_do(cli, tmp_path, built):
     """Each damage, in a copy of a finished index: ``embedingest search`` ends with one
-    clear error naming the file, ``open_index`` raises ConfigError; following the advice
-    for a damaged segment (delete it, build again) gives back the whole index."""
+    clear error naming the file and what to do, ``open_index`` raises ConfigError;
+    following the advice for a damaged shard (delete its files, build again) gives back
+    the whole index."""
     import re
 
     corpus, out = built
@@ -318,35 +372,42 @@ def test_search_of_a_damaged_index_says_which_file_and_what_to_do(cli, tmp_path,
         copy = tmp_path / f"damaged{n}"
         shutil.copytree(out, copy)
         damage(copy)
-        if name.split()[-1] not in kinds:  # one CLI run of each kind (segment, metadata ...)
-            kinds.add(name.split()[-1])
+        kind = name.split()[1] if name.startswith("manifest") else name
+        if kind not in kinds:  # one CLI run of each kind of file
+            kinds.add(kind)
             last = one_clear_error(cli("search", copy, "river", "-k", "3"))
             assert re.search(message, last), (name, last)
         with pytest.raises(ConfigError, match=message):
             with open_index(copy) as index:
                 index.search_vectors(query, 1000)
-    copy = tmp_path / "damaged0"  # the truncated segment: as its message says
-    seg = sorted((copy / "segments").glob("seg-*.faiss"))[0]
-    seg.unlink()
-    seg.with_name(seg.name[: -len(".faiss")] + ".ids.npy").unlink()
+    copy = tmp_path / "damaged0"  # the truncated faiss file: as its message says
+    name = shard_files(copy, ".faiss")[0].name[: -len(".faiss")]
+    for path in (copy / "shards").glob(f"{name}.*"):
+        path.unlink()
     run = build(cli, corpus, copy)
     assert run.wait() == 0, run.describe()
     check_exactly_once(copy, expected_chunks(corpus))
 
 
-def _rows_of_committed(out: Path) -> list[tuple[int, str]]:
-    with IndexStore(out, read_only=True) as store:
-        ids = np.concatenate([s.ids() for s in store.shards()] or [np.empty(0, np.int64)])
-        rows = store.chunks(ids.tolist())
-    return [(i, rows[i].text) for i in ids.tolist() if i in rows]
+def test_a_build_deletes_damaged_shards_itself_and_redoes_their_units(cli, tmp_path, built):
+    """The build needs no hand work: a truncated faiss file, a missing Parquet file and a
+    commit record of garbage are each a damaged shard, deleted by the next build, whose
+    units are redone; the index then holds every chunk once."""
+    corpus, out = built
+    _cut(shard_files(out, ".faiss")[0], 0.5)
+    shard_files(out, ".parquet")[1].unlink()
+    _garbage(shard_files(out, ".commit.json")[-1])
+    run = build(cli, corpus, out, "--json")
+    assert run.wait() == 0, run.describe()
+    assert json.loads(run.stdout)["units_indexed"] >= 1
+    check_exactly_once(out, expected_chunks(corpus))
 
 
-def test_search_right_after_a_killed_build_answers_or_says_to_finish_it(cli, tmp_path):
-    """The build is killed (SIGKILL of the main process) after its first commits, so its
-    consumers commit vectors whose rows the main process had not written: search
-    answers (a committed chunk's own text finds it first) or says to finish the build,
-    never a traceback. The same state made certain (the rows of a committed segment
-    deleted) always gets the "finish the build" error; the re-run finishes it."""
+def test_search_right_after_a_killed_build_answers_from_whole_shards(cli, tmp_path):
+    """The build is killed (SIGKILL of the main process) after its first commits; its
+    consumers commit what they hold. Rows and vectors are committed together, so search
+    answers at once: every committed vector is found with its own row (a committed
+    chunk's own text finds it first), nothing else. The re-run finishes the index."""
     corpus = make_corpus(tmp_path / "corpus", 6, seed=13)
     out = tmp_path / "idx"
     run = build(cli, corpus, out, "--commit-every", "4", "--batch-size", "4")
@@ -355,25 +416,17 @@ def test_search_right_after_a_killed_build_answers_or_says_to_finish_it(cli, tmp
     os.kill(run.pid, signal.SIGKILL)
     assert run.wait() == -signal.SIGKILL, run.describe()
     run.assert_no_leftovers()
-    committed = _rows_of_committed(out)
-    run = cli("search", out, committed[0][1] if committed else "river", "-k", "1000", "--json")
-    rc = run.wait()
-    if rc == 0:
-        hits = json.loads(run.stdout)
-        assert all(h["text"] for h in hits)
-        if committed:
-            assert hits[0]["id"] == committed[0][0], (hits[0], committed[0])
-    else:
-        one_clear_error(run, "no metadata row", "run the same build-index command again")
-
-    with IndexStore(out) as store:  # what the kill leaves when no row of a unit was written
-        unit = int(store.shards()[0].ids()[0] >> CHUNK_BITS)
-        store.db.execute(f"DELETE FROM chunks WHERE id >> {CHUNK_BITS} = ?", (unit,))
-        store.db.execute("UPDATE units SET status='pending' WHERE unit_no = ?", (unit,))
-        store.db.commit()
-    with pytest.raises(ConfigError, match="no metadata row.*run the same build-index command again"):
-        with open_index(out) as index:
-            index.search_vectors(np.ones((1, 384), np.float32), 1000)
+    check_index_files(out)
+    with ShardStore(out, read_only=True) as store:
+        ids = np.concatenate([s.ids() for s in store.shards()] or [np.empty(0, np.int64)])
+        rows = store.chunks(ids.tolist())
+    assert len(ids) >= 1 and len(rows) == len(ids) and all(r.text for r in rows.values())
+    first = int(ids[0])
+    run = cli("search", out, rows[first].text, "-k", "1000", "--json")
+    assert run.wait() == 0, run.describe()
+    hits = json.loads(run.stdout)
+    assert hits[0]["id"] == first, (hits[0], first)
+    assert sorted(h["id"] for h in hits) == sorted(ids.tolist()) and all(h["text"] for h in hits)
     run = build(cli, corpus, out, "--commit-every", "4", "--batch-size", "4")
     assert run.wait() == 0, run.describe()
     ids = check_exactly_once(out, expected_chunks(corpus))

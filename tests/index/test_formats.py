@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from index_fixtures import build_index as build_v1
+from index_fixtures import build_v1
 from shard_fixtures import build_shards
 
 from embedingest.errors import ConfigError
@@ -54,7 +54,7 @@ def test_newer_formats_ask_for_a_newer_embedingest_and_no_index_passes(tmp_path)
     with pytest.raises(ConfigError, match=r"has format 3, newer than this embedingest reads \(format 2\)"):
         require_current(tmp_path)
     (tmp_path / "manifest.json").write_text(json.dumps({"format": "2"}))
-    with pytest.raises(ConfigError, match="gives format '2', not a number"):
+    with pytest.raises(ConfigError, match="manifest.json: format is '2', not an integer"):
         index_format(tmp_path)
 
 

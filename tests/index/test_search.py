@@ -1,8 +1,10 @@
 import numpy as np
 import pytest
-from index_fixtures import DIM, build_index, unit_vectors
+from index_fixtures import DIM, unit_vectors
+from index_fixtures import build_index_v2 as build_index
 
 from embedingest.errors import ConfigError
+from embedingest.index.shard_store import ShardStore
 from embedingest.index.search import Hit, open_index, read_shard
 from embedingest.index.store import IndexStore, Manifest
 
@@ -79,7 +81,7 @@ def test_segments_are_memory_mapped_where_faiss_can(tmp_path):
 
 
 def test_empty_index_and_errors(tmp_path):
-    store = IndexStore(tmp_path / "empty")
+    store = ShardStore(tmp_path / "empty")
     store.create_or_open(Manifest(model={"name": "m"}, dim=DIM))
     with open_index(store.folder) as index:
         assert index.search_vectors(unit_vectors(3), k=5) == [[], [], []]
@@ -98,17 +100,23 @@ def test_search_params_that_do_not_apply(tmp_path):
 
 
 def test_garbage_and_interrupted_removal_are_invisible_to_search(tmp_path, monkeypatch):
+    import embedingest.index.shard_edit as shard_edit
+
     built = build_index(tmp_path, n_units=3, chunks=20, commit_every=25)
     store, gone = built.store, list(built.unit_nos.values())[1]
-    seg = store.shards_dir
-    (seg / ".seg-z-w0-00000.faiss.tmp-1").write_bytes(b"partial")
-    np.save(seg / "seg-z-w0-00000.ids.npy", np.arange(5))
-    monkeypatch.setattr(IndexStore, "_delete_shard", staticmethod(lambda path: 1 / 0))
-    with pytest.raises(ZeroDivisionError):  # new segments written, old ones not yet deleted
+    shards = store.shards_dir
+    (shards / ".shard-z-w0-00000.parquet.tmp-1").write_bytes(b"partial")
+    (shards / "shard-z-w0-00000.faiss").write_bytes(b"never committed")
+    monkeypatch.setattr(shard_edit, "delete_shard", lambda shard: 1 / 0)
+    with pytest.raises(ZeroDivisionError):  # one replacement committed, its old shard not yet deleted
         store.remove_units([gone])
     monkeypatch.undo()
-    keep = built.ids >> 32 != gone
     queries = unit_vectors(4, seed=9)
+    with open_index(store.folder) as index:  # shard by shard: no id twice, every hit has its row
+        hits = index.search_vectors(queries, 100)
+        assert all(len({h.id for h in row}) == len(row) and all(h.text for h in row) for row in hits)
+    store.remove_units([gone])  # what the next build does first
+    keep = built.ids >> 32 != gone
     with open_index(store.folder) as index:
         scores, ids = index.search_raw(queries, 100)
     want_s, want_i = built.brute_force(queries, 100, keep=keep)
@@ -117,18 +125,21 @@ def test_garbage_and_interrupted_removal_are_invisible_to_search(tmp_path, monke
 
 
 def test_text_search_with_the_manifest_model(tmp_path):
-    from embedingest.sinks.faiss_shards import FaissShardSinkFactory
+    from embedingest.index.shards import BatchMeta, encode_chunks
+    from embedingest.sinks.shard_writer import ShardWriterFactory
     from embedingest.stages.encoder import TextEncoder
     encoder = TextEncoder.load(None, "cpu", "fp32")
     texts = ["the cat sat on the mat", "stock markets fell sharply", "a recipe for lemon cake"]
     model = {**encoder.info(), "path": "/built/elsewhere", "dtype": "fp16"}
-    store = IndexStore(tmp_path)
+    store = ShardStore(tmp_path)
     store.create_or_open(Manifest(model=model, dim=encoder.dim, dtype="fp16"))
-    nos = store.upsert_units([{"key": "news.txt", "n_chunks": 3}])
-    store.insert_chunks((nos["news.txt"], None, c, 0, len(t), t) for c, t in enumerate(texts))
-    sink = FaissShardSinkFactory(tmp_path, encoder.dim)(0)
-    sink(0, {"emb": encoder.encode(texts).astype(np.float16),
-             "ids": (nos["news.txt"] << 32) + np.arange(3, dtype=np.int64)})
+    nos = store.upsert_units([{"key": "news.txt"}])
+    ids = (nos["news.txt"] << 32) + np.arange(3, dtype=np.int64)
+    rows = encode_chunks(ids.tolist(), ["news.txt"] * 3, [None] * 3, [0, 1, 2], [0] * 3,
+                         [len(t) for t in texts], texts)
+    sink = ShardWriterFactory(tmp_path, encoder.dim)(0)
+    sink(BatchMeta(0, rows, ((nos["news.txt"], 3),)),
+         {"emb": encoder.encode(texts).astype(np.float16), "ids": ids})
     sink.close()
     with open_index(tmp_path) as index:  # fp16 on a GPU, elsewhere: bundled model in fp32
         hits = index.search(["baking a cake", "shares dropped"], k=2)

@@ -5,7 +5,7 @@ import os
 
 import numpy as np
 import pytest
-from index_fixtures import build_index as build_v1
+from index_fixtures import build_v1
 from shard_fixtures import DIM, batches, build_shards, meta_of, unit_vectors
 
 from embedingest.errors import ConfigError

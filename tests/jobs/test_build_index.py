@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from embedingest import build_index, open_index
 from embedingest.cli import main
 from embedingest.errors import ConfigError
-from embedingest.index.store import IndexStore
+from embedingest.index.shard_store import ShardStore
 
 PARAGRAPHS = [
     "The quick brown fox jumps over the lazy dog near the river bank at dawn.",
@@ -49,7 +49,7 @@ FAST = dict(num_workers=0, num_consumers=2, batch_size=8)
 
 
 def all_ids(out: Path) -> np.ndarray:
-    with IndexStore(out) as store:
+    with ShardStore(out) as store:
         segs = store.shards()
         return np.concatenate([s.ids() for s in segs]) if segs else np.empty(0, np.int64)
 
@@ -84,7 +84,7 @@ def test_vectors_equal_sentence_transformers(tmp_path):
     corpus = make_corpus(tmp_path / "corpus")
     out = tmp_path / "idx"
     build_index(corpus, out=str(out), **FAST)
-    with IndexStore(out) as store:
+    with ShardStore(out) as store:
         vecs, ids = [], []
         for seg in store.shards():
             idx = faiss.read_index(str(seg.path))
@@ -198,7 +198,7 @@ def test_gpu_build_equals_cpu_build(tmp_path):
         if device == "cuda":
             assert s["engine"]["pinned"] and s["engine"]["gpu_idle_source"] in ("nvml", "cuda-events")
             assert 0.0 <= s["engine"]["gpu_idle_fraction"] <= 1.0
-        with IndexStore(out) as store:
+        with ShardStore(out) as store:
             vecs = {}
             for seg in store.shards():
                 idx = faiss.read_index(str(seg.path))

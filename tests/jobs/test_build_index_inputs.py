@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from embedingest import build_index, open_index
 from embedingest.errors import ConfigError
-from embedingest.index.store import IndexStore
+from embedingest.index.shard_store import ShardStore
 from embedingest.jobs.build_index import unit_key
 
 FAST = dict(num_workers=0, num_consumers=1, batch_size=8)
@@ -91,7 +91,7 @@ def test_a_byte_name_and_its_escaped_spelling_are_two_files(tmp_path):
     out = tmp_path / "idx"
     s = build_index(corpus, out=str(out), **FAST)
     assert (s["exit_code"], s["units_seen"], s["units_indexed"], s["chunks"]) == (0, 2, 2, 2)
-    with IndexStore(out) as store:
+    with ShardStore(out) as store:
         assert sorted(store.units()) == ["caf\\\\xe9.txt", "caf\\xe9.txt"]
     hits = open_index(out).search(TEXTS[:2], k=1)
     assert [(h[0].source, h[0].text) for h in hits] == [("caf\\xe9.txt", TEXTS[0]),
@@ -156,7 +156,7 @@ def test_decompression_bombs_build_in_bounded_memory_and_rebuild(tmp_path):
     the next build finds everything unchanged."""
     import gzip
 
-    from embedingest.index.store import IndexStore
+    from embedingest.index.shard_store import ShardStore
 
     base, corpus = tmp_path / "base", tmp_path / "corpus"
     for folder in (base, corpus):
@@ -175,7 +175,7 @@ def test_decompression_bombs_build_in_bounded_memory_and_rebuild(tmp_path):
     rc, peak = _cli_peak_rss(["build-index", str(corpus), "--out", str(out), *args])
     assert rc == 0
     assert peak < base_peak + 256 * 2**20, (peak, base_peak)  # read whole: about +350 MiB
-    with IndexStore(out) as store:
+    with ShardStore(out) as store:
         units = store.units()
         ids = [int(i) for s in store.shards() for i in s.ids()]
         rows = store.chunks(ids)

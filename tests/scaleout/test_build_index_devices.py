@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from embedingest import build_index, open_index
 from embedingest.cli import main
-from embedingest.index.store import IndexStore
+from embedingest.index.shard_store import ShardStore
 
 TOPICS = [
     "The quick brown fox jumps over the lazy dog near the river bank at dawn.",
@@ -46,7 +46,7 @@ def make_corpus(root: Path) -> Path:
 
 
 def vectors_by_id(out: Path) -> dict[int, np.ndarray]:
-    with IndexStore(out) as store:
+    with ShardStore(out) as store:
         found = {}
         for seg in store.shards():
             index = faiss.read_index(str(seg.path))
@@ -58,7 +58,7 @@ def vectors_by_id(out: Path) -> dict[int, np.ndarray]:
 
 
 def chunk_rows(out: Path, ids) -> dict:
-    with IndexStore(out) as store:
+    with ShardStore(out) as store:
         return {i: (c.source, c.record_id, c.chunk_no, c.char_start, c.char_end, c.text)
                 for i, c in store.chunks(ids).items()}
 
@@ -83,16 +83,16 @@ def test_two_cpu_devices_build_the_single_process_index(tmp_path, no_leaks):
     diff = max(float(np.abs(v1[i] - v2[i]).max()) for i in v1)
     assert diff <= 1e-5, diff
     assert chunk_rows(one, v1) == chunk_rows(two, v2)
-    with IndexStore(one) as store:
+    with ShardStore(one) as store:
         units_one = {k: (u.unit_no, u.n_chunks, u.status) for k, u in store.units().items()}
-    with IndexStore(two) as store:
+    with ShardStore(two) as store:
         units_two = {k: (u.unit_no, u.n_chunks, u.status) for k, u in store.units().items()}
         listed = [(s.name, s.count) for s in store.shards()]
     assert units_two == units_one
 
     manifest = json.loads((two / "manifest.json").read_text())
     assert [(s["name"], s["count"]) for s in manifest["segments"]] == listed
-    runs = {re.match(r"seg-(.+)-w\d+-\d+\.faiss", name).group(1) for name, _ in listed}
+    runs = {re.match(r"shard-(.+)-w\d+-\d+", name).group(1) for name, _ in listed}
     assert len(runs) == 2 and {r[-3:] for r in runs} == {"_d0", "_d1"}
     assert json.loads((one / "manifest.json").read_text())["corpus"] == manifest["corpus"]
 
@@ -128,7 +128,7 @@ def test_ctrl_c_stops_all_devices_and_the_same_command_resumes(tmp_path, no_leak
            "--commit-every", "4", "--json"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while proc.poll() is None and not list((out / "segments").glob("*.faiss")):
+    while proc.poll() is None and not list((out / "shards").glob("*.commit.json")):
         assert time.monotonic() < deadline, "no segment was written"
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
@@ -136,12 +136,12 @@ def test_ctrl_c_stops_all_devices_and_the_same_command_resumes(tmp_path, no_leak
     assert proc.returncode == 130, err
     assert "run the same command again to resume" in err
     manifest = json.loads((out / "manifest.json").read_text())
-    with IndexStore(out) as store:
+    with ShardStore(out) as store:
         assert [s["name"] for s in manifest["segments"]] == [s.name for s in store.shards()]
 
     s = build_index(corpus, out=str(out), devices="cpu,cpu", num_workers=0, batch_size=4)
     assert s["units_indexed"] + s["units_unchanged"] == 12 and s["exit_code"] == 0
-    with IndexStore(out) as store:
+    with ShardStore(out) as store:
         assert store.reconcile() == set()
         units = store.units()
         assert all(u.status == "done" for u in units.values())

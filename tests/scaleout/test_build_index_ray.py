@@ -103,8 +103,8 @@ def test_import_without_ray_says_how_to_install():
 def test_plan_and_embed_batches_called_directly(tmp_path, ray_cluster):
     """The three steps by hand, as a pipeline of one's own would run them: the plan
     marks every record with text pending, EmbedBatches (called here, not by Ray) embeds
-    only pending records and returns their chunks in order, finish() writes what
-    build_index writes."""
+    only pending records into shards and returns one row per record, finish() writes
+    what build_index writes."""
     from embedingest.jobs.build_index.ray import RESULT_SCHEMA, EmbedBatches, plan_ray_index
 
     ray = ray_cluster
@@ -125,14 +125,21 @@ def test_plan_and_embed_batches_called_directly(tmp_path, ray_cluster):
         table = actor(batch)
         assert table.schema == RESULT_SCHEMA
         tables.append(table)
+    from embedingest.index.shard_store import ShardStore
+
     rows = [r for t in tables for r in t.to_pylist()]
-    embedded = {r["record_id"]: r for r in rows if r["unit_no"] >= 0}
-    assert set(embedded) == {r["id"] for r in recs}
+    with ShardStore(tmp_path / "two") as store:  # the rows are in the shards the actor committed
+        nos = {key[len("record:"):]: u.unit_no for key, u in store.units().items()}
+        ids = [int(i) for s in store.shards() for i in s.ids()]
+        chunks = store.chunks(ids)
+    embedded = {r["unit_no"]: r for r in rows if r["unit_no"] >= 0}
+    assert set(embedded) == set(nos.values())
     for rec in recs:
-        row = embedded[rec["id"]]
-        assert row["n_chunks"] == len(row["text"]) and row["char_start"] == sorted(row["char_start"])
-        assert all(rec["text"][a:b] == t for a, b, t in zip(row["char_start"], row["char_end"], row["text"]))
-    assert embedded["blank"]["n_chunks"] == 0 and len(embedded["long0"]["text"]) > 1
+        mine = sorted((c for c in chunks.values() if c.unit_no == nos[rec["id"]]), key=lambda c: c.chunk_no)
+        assert embedded[nos[rec["id"]]]["n_chunks"] == len(mine)
+        assert [c.chunk_no for c in mine] == list(range(len(mine)))
+        assert all(rec["text"][c.char_start:c.char_end] == c.text and c.record_id == rec["id"] for c in mine)
+    assert embedded[nos["blank"]]["n_chunks"] == 0 and embedded[nos["long0"]]["n_chunks"] > 1
     assert actor.calls == 2  # one engine (and one run id) per call
     # a record that is not pending passes without work
     assert actor({"id": np.array(["nope"], dtype=object), "text": np.array(["x"], dtype=object)}).num_rows == 0

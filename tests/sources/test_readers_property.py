@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 from embedingest.config import IndexConfig
 from embedingest.errors import ConfigError
 from embedingest.jobs.build_index import record_candidates
+from embedingest.jobs.build_index.plan import unit_key
 from embedingest.report import SkipReport
 from embedingest.sources.files import walk_files
 from embedingest.sources.text import TEXT_EXTENSIONS, TextStream, iter_records, lone_surrogate
@@ -193,7 +194,9 @@ def test_every_file_through_the_dataset_is_chunked_or_reported(tmp_path_factory,
     paths = list(walk_files(folder, TEXT_EXTENSIONS, on_skip=lambda p, r: listed.append(p),
                             on_other=listed.append))
     assert len(paths) + len(listed) == len(files)
-    units = [Unit(i, str(p), path=str(p)) for i, p in enumerate(paths)]
+    # keys as build-index makes them (a name that is not UTF-8: \xNN escapes; the
+    # chunks' source column is text)
+    units = [Unit(i, unit_key(str(p)), path=str(p)) for i, p in enumerate(paths)]
     ds = TextChunkDataset(units, MODEL, batch_size=8, max_tokens=32, overlap=4,
                           tokenizer_loader=_tokenizer)
     items = list(DataLoader(ds, batch_size=None, num_workers=0))
@@ -257,7 +260,7 @@ def test_a_random_corpus_builds_with_every_file_indexed_or_reported(tmp_path_fac
     """The whole build, on a few random corpora: exit 0 or 3, and each file is indexed
     (its unit done, its vectors committed) or listed in skipped.jsonl."""
     from embedingest import build_index
-    from embedingest.index.store import IndexStore
+    from embedingest.index.shard_store import ShardStore
     from embedingest.jobs.build_index import unit_key
 
     folder = tmp_path_factory.mktemp("c")
@@ -267,7 +270,7 @@ def test_a_random_corpus_builds_with_every_file_indexed_or_reported(tmp_path_fac
     summary = build_index(corpus, out=str(out), num_workers=0, num_consumers=1, batch_size=8)
     assert summary["exit_code"] in (0, 3)
     report = [json.loads(line) for line in (out / "skipped.jsonl").read_text().splitlines()]
-    with IndexStore(out) as store:
+    with ShardStore(out) as store:
         units = store.units()
         n_ids = sum(len(s.ids()) for s in store.shards())
     assert n_ids == sum(u.n_chunks for u in units.values()) == summary["vectors_total"]

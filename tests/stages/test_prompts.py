@@ -17,7 +17,7 @@ from model_fixtures import copy_model  # noqa: E402
 from embedingest import build_index, open_index  # noqa: E402
 from embedingest.cli import main  # noqa: E402
 from embedingest.errors import ConfigError  # noqa: E402
-from embedingest.index.store import IndexStore  # noqa: E402
+from embedingest.index.shard_store import ShardStore  # noqa: E402
 from embedingest.sources.text_dataset import TextChunkDataset, Unit  # noqa: E402
 from embedingest.stages.encoder import TextEncoder  # noqa: E402
 from embedingest.stages.prompts import Prompts, chunk_prompt, with_prompt  # noqa: E402
@@ -48,7 +48,7 @@ def st_model(folder):
 
 def stored_vectors(out) -> tuple[np.ndarray, list[str], list[tuple]]:
     """Every vector of the index with its chunk's text and (record, span)."""
-    with IndexStore(out) as store:
+    with ShardStore(out) as store:
         vecs, ids = [], []
         for seg in store.shards():
             index = faiss.read_index(str(seg.path))

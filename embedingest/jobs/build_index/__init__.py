@@ -1,11 +1,14 @@
 """build-index: a text corpus to FAISS index shards, incrementally and crash-safely.
 
 source (files or records) -> DataLoader workers (read, chunk, tokenize, length-sorted
-batches) -> encoder on the device -> egress engine -> consumer processes, one FAISS
-shard each. The main process keeps the chunk metadata (sqlite) and is the only one that
-decides what a run must do: it compares the corpus with what the index holds (content
-hashes; committed vector counts per unit), removes the vectors of changed, deleted or
-half-done units, and indexes only those and the new ones. So a run that was killed at
+batches, each batch's chunk rows as Arrow bytes) -> encoder on the device -> egress
+engine -> consumer processes, each committing its own shards: vectors, chunk rows and
+(with --save-embeddings) float16 embeddings (index format 2, docs/INDEX_FORMAT.md). The
+main process passes each batch's rows on as one bytes object; it keeps only the units
+(one row per file or record) and is the only one that decides what a run must do: it
+compares the corpus with what the index holds (content hashes; the units the committed
+shards hold complete), removes the rows and vectors of changed, deleted or half-done
+units, and indexes only those and the new ones. So a run that was killed at
 any point is finished by running the same command again, with every chunk exactly once.
 
 The package: :mod:`.plan` (what a run does), :mod:`.encode` (the encode step on one
@@ -26,7 +29,8 @@ from ...engine.egress import refuse_while_bootstrapping
 from ...errors import ConfigError
 from ...exit_codes import exit_code
 from ...index.lock import RunLock
-from ...index.store import IndexStore, Manifest
+from ...index.shard_store import ShardStore
+from ...index.store import Manifest
 from ...report import REPORT_NAME, SkipReport
 from ...scaleout.devices import devices_of
 from ...sinks.faiss_shards import parse_factory
@@ -113,7 +117,7 @@ def _build_locked(corpus, cfg: IndexConfig, out: Path, encoder, where: OneDevice
                   timeline, t_start: float, phases: dict, trace=None) -> dict:
     """The body of :func:`build_index`, run while holding the folder's run lock: plan,
     train, encode, then the manifest, the skip report and the summary."""
-    store = IndexStore(out)
+    store = ShardStore(out)
     settings = {}  # what the manifest keeps besides the vectors: prompts, search defaults
     try:
         wanted = Prompts.read(encoder.info()["path"]).resolve(cfg.doc_prompt, cfg.query_prompt)

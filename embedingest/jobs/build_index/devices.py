@@ -11,14 +11,11 @@ its factory needs it, then gives each child a share of the units, balanced by by
 Each runs the single-device encode step unchanged: its own DataLoader, egress engine and
 consumers, shards under its own run id.
 
-Chunk rows go straight from each child into the one ``metadata.sqlite``. SQLite in WAL
-mode lets one writer at a time commit while the others wait on the busy timeout; each
-child's metadata thread (``index/writer.py``) commits a batch of rows a few times a
-second, so the waits are short, and a unit is
-still marked done in the same transaction order as on one device. That keeps resume
-exactly as fine-grained as a single-device run, which a merge of per-child databases at
-the end would lose (a crash before the merge would redo every unit), and it needs no
-merge step. The parent writes the one manifest afterwards, from the folder's shards.
+Chunk rows go with their vectors: each child's consumers commit their own shards (rows,
+vectors, embeddings), so no file is shared between the children and nothing per chunk
+passes through the parent. Which units are done is what the committed shards say, so
+resume is as fine-grained as on one device. The parent writes the one manifest
+afterwards, from the committed shards.
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...config import IndexConfig
-from ...index.store import IndexStore
+from ...index.shard_store import ShardStore
 from ...report import SkipReport
 from ...scaleout.devices import child_env, share_of_cpus, split_by_size, usable_cpus
 from ...scaleout.procs import BatchedProgress, DeviceJob, DeviceProcesses, start_method
@@ -150,7 +147,7 @@ def _load_encoder(device: str, dtype: str, model: str | None, cuda_graphs: bool,
 def _train_part(prepared, out: str, manifest, units: list[Unit], cfg: IndexConfig, chunk_tokens: int,
                 report_progress) -> str | None:
     encoder, _ = prepared
-    with IndexStore(out) as store:
+    with ShardStore(out) as store:
         return train_if_needed(store, manifest, encoder, units, cfg, chunk_tokens)
 
 
@@ -164,7 +161,7 @@ def _encode_part(prepared, units: list[Unit], cfg: IndexConfig, out: str, chunk_
     report = SkipReport()
     counts = {"chunks": 0, "docs": 0, "units_done": 0}
     progress = BatchedProgress(report_progress)
-    store = IndexStore(out)  # its rows go through MetadataWriter's own connection (busy timeout)
+    store = ShardStore(out)  # read only: the index generation its shards are written in
     try:
         loop_timing: dict = {}
         stats = encode_units(units, encoder, store, report, cfg, Path(out), str(encoder.device), chunk_tokens,
@@ -191,11 +188,11 @@ class SeveralDevices:
     def load_encoder(self, cfg: IndexConfig) -> EncoderOnDevices:
         return encoder_on_devices(self.procs)
 
-    def train(self, store: IndexStore, manifest, encoder, units: list[Unit], cfg: IndexConfig,
+    def train(self, store: ShardStore, manifest, encoder, units: list[Unit], cfg: IndexConfig,
               chunk_tokens: int) -> str | None:
         return train_on_device(self.procs, store.folder, manifest, units, cfg, chunk_tokens)
 
-    def encode(self, units: list[Unit], sizes: list[int], encoder, store: IndexStore,
+    def encode(self, units: list[Unit], sizes: list[int], encoder, store: ShardStore,
                report: SkipReport, cfg: IndexConfig, chunk_tokens: int, trained: str | None,
                counts: dict, progress: bool, timing: dict) -> MultiDeviceStats:
         """``timing`` stays empty: each device's is in its part of the engine summary."""

@@ -1,11 +1,13 @@
 """build-index's encode step on one device: batches of tokenized chunks from DataLoader
-workers, the encoder's forward, the vectors through the egress engine to FAISS shard
-writers, the chunk rows to the metadata store. Also the training of IVF/PQ/HNSW
-factories on a first sample, which reads batches the same way.
+workers (each batch's chunk rows as Arrow bytes), the encoder's forward, the vectors and
+the rows through the egress engine to the shard writers, which commit them together
+(index format 2). Also the training of IVF/PQ/HNSW factories on a first sample, which
+reads batches the same way.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import time
@@ -17,19 +19,21 @@ from torch.utils.data import DataLoader, IterableDataset
 from ...config import IndexConfig
 from ...engine.consumers import exit_with_parent, loader_context
 from ...errors import ConfigError
-from ...index.store import IndexStore, Manifest
-from ...index.writer import MetadataWriter
+from ...index.shard_store import ShardStore
+from ...index.shards import BatchMeta
+from ...index.store import Manifest
 from ...report import SkipReport
 from ...runner import BatchSteps, run_batches
 from ...scaleout.devices import share_of_cpus
-from ...sinks.faiss_shards import FaissShardSinkFactory, new_run_id, parse_factory
+from ...sinks.faiss_shards import new_run_id, parse_factory
+from ...sinks.shard_writer import ShardWriterFactory, commit_finished
 from ...sources.text_dataset import TextChunkDataset, Unit
 from ...stages.encoder import TextEncoder
 from ...stages.prompts import chunk_prompt, with_prompt
 from ...stages.tokenizer import load_tokenizer
 
 
-def needs_training(store: IndexStore, cfg: IndexConfig, dim: int) -> bool:
+def needs_training(store: ShardStore, cfg: IndexConfig, dim: int) -> bool:
     """Whether ``cfg.index`` must still be trained: an IVF/PQ/HNSW factory, no
     ``trained.faiss`` yet."""
     return not store.trained_path.is_file() and not parse_factory(dim, cfg.index, cfg.metric).is_trained
@@ -62,10 +66,12 @@ def make_loader(units: list[Unit], encoder: TextEncoder, cfg: IndexConfig, worke
 
 
 def shard_sinks(out: str | Path, dim: int, cfg: IndexConfig, run_id: str,
-                trained: str | None) -> FaissShardSinkFactory:
-    """The engine's sinks: FAISS shards under ``out``, written under ``run_id``."""
-    return FaissShardSinkFactory(str(out), dim, cfg.index, cfg.metric, run_id=run_id,
-                                 commit_every=cfg.commit_every, trained=trained)
+                trained: str | None, generation: int = 0) -> ShardWriterFactory:
+    """The engine's sinks: shards under ``out``, written under ``run_id`` in index
+    generation ``generation``."""
+    return ShardWriterFactory(str(out), dim, cfg.index, cfg.metric, run_id=run_id,
+                              commit_every=cfg.commit_every, trained=trained,
+                              save_embeddings=cfg.save_embeddings, generation=generation)
 
 
 def vector_slots(cfg: IndexConfig, dim: int) -> dict:
@@ -73,9 +79,13 @@ def vector_slots(cfg: IndexConfig, dim: int) -> dict:
     return {"emb": ((cfg.batch_size, dim), "float32"), "ids": ((cfg.batch_size,), "int64")}
 
 
-def embed_steps(encoder: TextEncoder, device: str, done=None) -> BatchSteps:
+def embed_steps(encoder: TextEncoder, device: str, done=None, marks: list | None = None) -> BatchSteps:
     """What the batch loop does with a batch of chunks: token ids and mask to the device,
-    the encoder's vectors and their ids to the engine (one part per batch)."""
+    the encoder's vectors and their ids to the engine (one part per batch), with the
+    batch's rows and finished units as its :class:`~embedingest.index.shards.BatchMeta`.
+    Units that finished in a batch without rows wait in ``marks`` for the next batch
+    with rows; the caller commits those left at the end (:func:`commit_finished`)."""
+    marks = marks if marks is not None else []
 
     def send(item):
         if not len(item["ids"]):
@@ -84,9 +94,18 @@ def embed_steps(encoder: TextEncoder, device: str, done=None) -> BatchSteps:
                 item["attention_mask"].to(device, non_blocking=True))
 
     def forward(batch_no: int, item, on_device):
-        return [(batch_no, {"emb": encoder.forward(*on_device), "ids": item["ids"]})]
+        marks.extend((int(u), int(n)) for u, n in item["units_done"])
+        meta = BatchMeta(batch_no, item["chunks"].data, tuple(marks))
+        marks.clear()
+        return [(meta, {"emb": encoder.forward(*on_device), "ids": item["ids"]})]
 
-    return BatchSteps(send, forward, skipped=lambda item: item["skipped"], done=done)
+    def handed_over(item) -> None:
+        if not len(item["ids"]):
+            marks.extend((int(u), int(n)) for u, n in item["units_done"])
+        if done is not None:
+            done(item)
+
+    return BatchSteps(send, forward, skipped=lambda item: item["skipped"], done=handed_over)
 
 
 def loader_workers(cfg: IndexConfig, n_units: int, in_memory: bool) -> int:
@@ -97,7 +116,7 @@ def loader_workers(cfg: IndexConfig, n_units: int, in_memory: bool) -> int:
     return min(share_of_cpus(cfg.num_workers), n_units)
 
 
-def train_if_needed(store: IndexStore, manifest: Manifest, encoder: TextEncoder, units: list[Unit],
+def train_if_needed(store: ShardStore, manifest: Manifest, encoder: TextEncoder, units: list[Unit],
                      cfg: IndexConfig, chunk_tokens: int) -> str | None:
     """Train IVF/PQ/HNSW factories once, on the first ``train_size`` chunks of this run."""
     if store.trained_path.is_file():
@@ -124,32 +143,29 @@ def train_if_needed(store: IndexStore, manifest: Manifest, encoder: TextEncoder,
     return str(store.trained_path)
 
 
-def encode_units(units: list[Unit], encoder: TextEncoder, store: IndexStore, report: SkipReport,
+def encode_units(units: list[Unit], encoder: TextEncoder, store: ShardStore, report: SkipReport,
                  cfg: IndexConfig, out: Path, device: str, chunk_tokens: int, trained: str | None,
                  counts: dict, progress: bool, run_id: str | None = None, on_item=None,
                  timing: dict | None = None):
     """The encode step on one device: the batch loop (:func:`~embedingest.runner.run_batches`)
-    over ``units``, chunk rows to the metadata store; returns the engine's stats.
-    ``timing`` (a dict) receives where this process's time went: the loop's keys, and
-    ``metadata_s`` (handing rows to the metadata thread), ``metadata_blocked_s`` and
-    ``metadata_write_s`` (that thread's waits and writes)."""
+    over ``units``, each batch's rows going with its vectors to the shard writers;
+    returns the engine's stats. ``timing`` (a dict) receives where this process's time
+    went (the loop's keys)."""
     from tqdm import tqdm
 
+    if not cfg.save_embeddings and any(s.has_embeddings for s in store.committed()):
+        cfg = dataclasses.replace(cfg, save_embeddings=True)  # an index that keeps them keeps all
     workers = loader_workers(cfg, len(units), units[0].path is None)
     loader = make_loader(units, encoder, cfg, workers, chunk_tokens, pin=device.startswith("cuda"))
-    sinks = shard_sinks(out, encoder.dim, cfg, run_id or new_run_id(), trained)
-    meta = MetadataWriter(store)
+    sinks = shard_sinks(out, encoder.dim, cfg, run_id or new_run_id(), trained, store.generation)
+    marks: list[tuple[int, int]] = []
     timing = timing if timing is not None else {}
-    timing["metadata_s"] = 0.0
-    docs, finished = 0, False
+    docs = 0
     bar = tqdm(total=len(units), unit="unit", disable=not progress, dynamic_ncols=True)
     t0 = time.perf_counter()
 
     def done(item) -> None:
         nonlocal docs
-        t_meta = time.perf_counter()
-        meta.add(item)
-        timing["metadata_s"] += time.perf_counter() - t_meta
         n = len(item["ids"])
         counts["chunks"] += n
         docs += item["chunks"].n_docs
@@ -163,16 +179,14 @@ def encode_units(units: list[Unit], encoder: TextEncoder, store: IndexStore, rep
                             refresh=False)
 
     try:
-        engine = run_batches(sinks, loader, embed_steps(encoder, device, done), device=device,
+        engine = run_batches(sinks, loader, embed_steps(encoder, device, done, marks), device=device,
                              slot_spec=vector_slots(cfg, encoder.dim), num_consumers=cfg.num_consumers,
                              num_slots=cfg.num_slots or None,
                              on_skip=functools.partial(report.add, stage="read"), timing=timing)
-        finished = True
+        commit_finished(sinks, marks)
     finally:
         counts["docs"] = docs
         bar.close()
-        meta.close(raise_errors=finished)
-        timing.update(metadata_blocked_s=round(meta.blocked_s, 3), metadata_write_s=round(meta.write_s, 3))
     return engine.stats
 
 
@@ -189,11 +203,11 @@ class OneDevice:
         return TextEncoder.load(cfg.model, device=self.device, dtype=self.dtype,
                                 cuda_graphs=cfg.cuda_graphs)
 
-    def train(self, store: IndexStore, manifest: Manifest, encoder: TextEncoder, units: list[Unit],
+    def train(self, store: ShardStore, manifest: Manifest, encoder: TextEncoder, units: list[Unit],
               cfg: IndexConfig, chunk_tokens: int) -> str | None:
         return train_if_needed(store, manifest, encoder, units, cfg, chunk_tokens)
 
-    def encode(self, units: list[Unit], sizes: list[int], encoder: TextEncoder, store: IndexStore,
+    def encode(self, units: list[Unit], sizes: list[int], encoder: TextEncoder, store: ShardStore,
                report: SkipReport, cfg: IndexConfig, chunk_tokens: int, trained: str | None,
                counts: dict, progress: bool, timing: dict):
         return encode_units(units, encoder, store, report, cfg, store.folder, self.device,

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from ...config import IndexConfig
 from ...errors import ConfigError
-from ...index.store import IndexStore, Manifest
+from ...index.shard_store import ShardStore
+from ...index.store import Manifest
 from ...report import SkipReport
 from ...sinks.faiss_shards import parse_factory
 from ...sources.files import open_input, os_error_reason, walk_files
@@ -143,7 +144,7 @@ def record_candidates(records: Iterable, cfg: IndexConfig, report: SkipReport) -
     return out
 
 
-def plan_units(store: IndexStore, candidates: Iterable[dict], report: SkipReport) -> Plan:
+def plan_units(store: ShardStore, candidates: Iterable[dict], report: SkipReport) -> Plan:
     """Split the corpus into unchanged units and units to (re)index; find deleted ones.
 
     A unit is unchanged when it was finished before, its committed vectors are exactly its
@@ -190,7 +191,7 @@ def plan_units(store: IndexStore, candidates: Iterable[dict], report: SkipReport
 
 
 
-def apply_plan(store: IndexStore, plan: Plan) -> tuple[int, dict[str, int]]:
+def apply_plan(store: ShardStore, plan: Plan) -> tuple[int, dict[str, int]]:
     """Remove what ``plan`` replaces or deletes and mark its units to index as pending;
     return the number of vectors removed and each pending unit's number by key."""
     outdated = plan.replaced + plan.deleted
@@ -247,9 +248,10 @@ def search_defaults(manifest: Manifest, cfg: IndexConfig) -> dict:
     return search
 
 
-def fingerprint(store: IndexStore) -> str:
+def fingerprint(store: ShardStore) -> str:
     h = hashlib.sha256()
-    for key, sha in store.db.execute("SELECT key, sha256 FROM units WHERE status='done' ORDER BY key"):
-        h.update(f"{key}\0{sha}\n".encode("utf-8", "surrogatepass"))
+    for key, unit in sorted(store.units().items()):
+        if unit.status == "done":
+            h.update(f"{key}\0{unit.sha256}\n".encode("utf-8", "surrogatepass"))
     return h.hexdigest()
 

@@ -15,15 +15,16 @@ runs in order (call them yourself to put
    each actor loads the encoder on its GPU (or the CPU when Ray gave it none), and for
    every batch of records chunks and tokenizes the pending ones (in a thread, ahead of
    the GPU), encodes them, and sends the vectors through an egress engine whose
-   consumers write shards under the actor's own run id. The engine is closed at the
-   end of each call, so when a call returns its vectors are committed; it returns the
-   chunk metadata instead of writing it, so only the driver touches the SQLite file
-   (which must not be shared over a network file system; shards may be).
-3. :meth:`RayIndexPlan.finish` (driver): writes the chunk rows and marks units done as
-   results arrive, checks every vector against the metadata, writes one manifest.
+   consumers commit shards (vectors and chunk rows together) under the actor's own run
+   id. The engine is closed at the end of each call, so when a call returns its shards
+   are committed; it returns one small row per record (its unit number and chunk
+   count) and per skipped input: no chunk's row or text goes back to the driver.
+3. :meth:`RayIndexPlan.finish` (driver): counts those rows, checks which units the
+   committed shards hold complete, writes one manifest.
 
 A run that stopped anywhere is finished by running it again, as with the CLI. The
-shards folder (segments/) must be reachable by every actor (one host, or a shared file system).
+shards folder (shards/) must be reachable by every actor (one host, or a shared file
+system); ``units.sqlite`` is written by the driver only.
 """
 
 from __future__ import annotations
@@ -52,13 +53,15 @@ except ImportError as exc:  # pragma: no cover - exercised only without ray
 from ...config import IndexConfig
 from ...errors import ConfigError
 from ...exit_codes import exit_code
-from ...index.store import IndexStore, Manifest
+from ...index.shard_store import ShardStore
+from ...index.store import Manifest
 from ...report import REPORT_NAME, SkipReport
 from ...runner import run_batches
 from ...scaleout.ray_data import in_order
 from ...sinks.faiss_shards import new_run_id, parse_factory
 from ...stages.device import precision
 from ...stages.prefetch import thread_ahead
+from ...sinks.shard_writer import commit_finished
 from .encode import (chunk_batches, embed_steps, needs_training, shard_sinks, train_if_needed,
                      vector_slots)
 from .plan import apply_plan, fingerprint, plan_units, search_defaults, settled_prompts
@@ -66,9 +69,8 @@ from .plan import apply_plan, fingerprint, plan_units, search_defaults, settled_
 log = logging.getLogger("embedingest")
 
 RESULT_SCHEMA = pa.schema([
-    ("unit_no", pa.int64()), ("record_id", pa.string()), ("n_chunks", pa.int64()),
-    ("char_start", pa.list_(pa.int64())), ("char_end", pa.list_(pa.int64())),
-    ("text", pa.list_(pa.string())), ("skip_where", pa.string()), ("skip_reason", pa.string()),
+    ("unit_no", pa.int64()), ("n_chunks", pa.int64()), ("skip_where", pa.string()),
+    ("skip_reason", pa.string()),
 ])
 """What :class:`EmbedBatches` returns: one row per embedded record (its chunks, in chunk
 order) and one row per skipped input (``unit_no`` -1)."""
@@ -150,6 +152,7 @@ class EmbedBatches:
         self.encoder = TextEncoder.load(self.cfg.model, device=self.device, dtype=dtype,
                                        cuda_graphs=self.cfg.cuda_graphs)
         self.run_id = f"{new_run_id()}_ray{os.getpid()}"
+        self.generation = ShardStore(out).generation
         self.calls = 0
 
     def __call__(self, batch: dict) -> pa.Table:
@@ -168,36 +171,30 @@ class EmbedBatches:
     def _embed(self, units: list) -> pa.Table:
         cfg, enc = self.cfg, self.encoder
         batches = chunk_batches(units, enc, cfg, self.chunk_tokens, tokenizer_loader=_tokenizer)
-        sinks = shard_sinks(self.out, enc.dim, cfg, f"{self.run_id}_{self.calls:05d}", self.trained)
+        sinks = shard_sinks(self.out, enc.dim, cfg, f"{self.run_id}_{self.calls:05d}", self.trained,
+                            self.generation)
         self.calls += 1
-        chunks: dict[int, list[dict]] = {}
         done: dict[int, int] = {}
         skipped: list[tuple[str, str]] = []
+        marks: list[tuple[int, int]] = []
 
         def keep(item) -> None:
-            """The chunk rows go back to the driver, which alone writes the metadata."""
-            for c in item["chunks"]:
-                chunks.setdefault(c["unit_no"], []).append(c)
+            """Only what finished goes back to the driver: the rows are in the shards."""
             done.update((int(u), int(n)) for u, n in item["units_done"])
 
-        run_batches(sinks, thread_ahead(iter(batches)), embed_steps(enc, self.device, keep),
+        run_batches(sinks, thread_ahead(iter(batches)), embed_steps(enc, self.device, keep, marks),
                     device=self.device, slot_spec=vector_slots(cfg, enc.dim),
                     num_consumers=cfg.num_consumers, num_slots=cfg.num_slots or None,
                     on_skip=lambda where, reason: skipped.append((where, reason)))
-        return _result_table(units, chunks, done, skipped)
+        commit_finished(sinks, marks)
+        return _result_table(units, done, skipped)
 
 
-def _result_table(units, chunks, done, skipped) -> pa.Table:
-    rows = []
-    for unit in units:
-        mine = sorted(chunks.get(unit.unit_no, []), key=lambda c: c["chunk_no"])
-        rows.append({"unit_no": unit.unit_no, "record_id": unit.record_id,
-                     "n_chunks": done.get(unit.unit_no, len(mine)),
-                     "char_start": [c["char_start"] for c in mine],
-                     "char_end": [c["char_end"] for c in mine],
-                     "text": [c["text"] for c in mine], "skip_where": "", "skip_reason": ""})
-    rows += [{"unit_no": -1, "record_id": "", "n_chunks": 0, "char_start": [], "char_end": [],
-              "text": [], "skip_where": where, "skip_reason": reason} for where, reason in skipped]
+def _result_table(units, done, skipped) -> pa.Table:
+    rows = [{"unit_no": unit.unit_no, "n_chunks": done.get(unit.unit_no, 0), "skip_where": "",
+             "skip_reason": ""} for unit in units]
+    rows += [{"unit_no": -1, "n_chunks": 0, "skip_where": where, "skip_reason": reason}
+             for where, reason in skipped]
     return pa.Table.from_pylist(rows, schema=RESULT_SCHEMA)
 
 
@@ -215,7 +212,7 @@ class RayIndexPlan:
     model_name: str
     counts: dict
     report: SkipReport
-    store: IndexStore
+    store: ShardStore
     started: float
     settings: dict = dataclasses.field(default_factory=dict)  # manifest fields: prompts, search defaults
 
@@ -226,26 +223,23 @@ class RayIndexPlan:
 
     def finish(self, results: ray.data.Dataset | None, progress: bool = False) -> dict:
         """Consume ``results`` (the output of ``map_batches(EmbedBatches, ...)``; None
-        when nothing was pending): record chunks and finished units in the metadata,
-        mark units whose vectors do not match it as pending again, write the manifest
-        and the skip report; return a summary like ``build_index``'s."""
+        when nothing was pending): count finished records and skipped inputs (the rows
+        are in the shards the actors committed), check which units the shards hold
+        complete (those that are not are redone by the next run), write the manifest and
+        the skip report; return a summary like ``build_index``'s."""
         from tqdm import tqdm
-
-        from ...index.writer import MetadataWriter
 
         store, counts, report = self.store, self.counts, self.report
         bar = tqdm(total=self.pending, unit="record", disable=not progress, dynamic_ncols=True)
         try:
-            with MetadataWriter(store) as meta:
-                for table in (results.iter_batches(batch_format="pyarrow", batch_size=None)
-                              if results is not None else ()):
-                    for row in table.to_pylist():
-                        _record_row(row, meta, counts, report)
-                        bar.update(row["unit_no"] >= 0)
+            for table in (results.iter_batches(batch_format="pyarrow", batch_size=None)
+                          if results is not None else ()):
+                for row in table.to_pylist():
+                    _record_row(row, counts, report)
+                    bar.update(row["unit_no"] >= 0)
             bad = store.reconcile()
             if bad:
-                store.set_status(bad, "pending")
-                log.warning("%d records have vectors that do not match their metadata (an actor "
+                log.warning("%d records have vectors that do not match their rows (an actor "
                             "failed and was retried?); run again to redo them", len(bad))
             counts["units_incomplete"] = len(bad)
         finally:
@@ -267,18 +261,13 @@ class RayIndexPlan:
         return summary
 
 
-def _record_row(row: dict, meta, counts: dict, report: SkipReport) -> None:
+def _record_row(row: dict, counts: dict, report: SkipReport) -> None:
     if row["unit_no"] < 0:
         report.add(row["skip_where"], row["skip_reason"], stage="read")
         return
-    unit, rid = row["unit_no"], row["record_id"]
-    spans = zip(row["char_start"], row["char_end"], row["text"])
-    meta.add({"chunks": [{"unit_no": unit, "record_id": rid, "chunk_no": i, "char_start": s,
-                          "char_end": e, "text": t} for i, (s, e, t) in enumerate(spans)],
-              "units_done": [(unit, row["n_chunks"])]})
     counts["units_indexed"] += 1
-    counts["chunks"] += len(row["text"])
-    counts["docs"] += bool(row["text"])
+    counts["chunks"] += row["n_chunks"]
+    counts["docs"] += bool(row["n_chunks"])
 
 
 def plan_ray_index(dataset: ray.data.Dataset, out: str | os.PathLike,
@@ -312,7 +301,7 @@ def plan_ray_index(dataset: ray.data.Dataset, out: str | os.PathLike,
     parse_factory(encoder.dim, cfg.index, cfg.metric)  # every option checked before the first write
     report = SkipReport()
     out.mkdir(parents=True, exist_ok=True)
-    store = IndexStore(out)
+    store = ShardStore(out)
     try:
         wanted = Prompts.read(encoder.model_dir).resolve(cfg.doc_prompt, cfg.query_prompt)
         manifest = store.create_or_open(

@@ -22,7 +22,8 @@ Nothing happens unless one of these environment variables is set:
 
 ``EMBEDINGEST_FI_ENOSPC=N`` (with ``EMBEDINGEST_FI_COUNTER=FILE``)
     the disk is "full" after N output files: in consumer processes, FAISS segment commits
-    (``embedingest.sinks.faiss_shards.write_shard``) and mask writes (the
+    (``embedingest.sinks.faiss_shards.write_shard``), format-2 shard commits
+    (``embedingest.sinks.shard_writer.ShardWriter.commit``) and mask writes (the
     ``atomic_write_bytes`` of ``embedingest.sinks.masks``) beyond the N-th, counted over
     all processes of the run through FILE, raise ``OSError(ENOSPC)``. A failing segment
     commit first writes its ids sidecar (as a real full disk mid-segment would leave it).
@@ -162,7 +163,33 @@ def _patch_masks(mod) -> None:
         mod.atomic_write_bytes = full_write
 
 
+def _patch_shard_writer(mod) -> None:
+    """Format 2: the same faults on the shard writer (its commit writes the Parquet,
+    embeddings and faiss files, then the commit record)."""
+    if _DELAY:
+        _slow_down(mod.ShardSink)
+    commit = mod.ShardWriter.commit
+    if _ENOSPC:
+        def full_commit(self, _commit=commit):
+            if _proc_kind() == "consumer" and _disk_full():
+                raise _enospc(self.name)
+            return _commit(self)
+
+        mod.ShardWriter.commit = full_commit
+        commit = full_commit
+    if _COMMIT_DELAY:
+        def slow_commit(self, _commit=commit):
+            if _proc_kind() == "consumer":
+                import time
+
+                time.sleep(float(_COMMIT_DELAY))
+            return _commit(self)
+
+        mod.ShardWriter.commit = slow_commit
+
+
 _PATCHES = {"embedingest.sinks.faiss_shards": _patch_faiss_shards,
+            "embedingest.sinks.shard_writer": _patch_shard_writer,
             "embedingest.sinks.masks": _patch_masks}
 
 
