@@ -44,8 +44,10 @@ sys.path.insert(0, str(REPO))
 
 from embedingest.bench.text import make_paragraphs  # noqa: E402
 from embedingest.index.search import open_index  # noqa: E402
-from embedingest.index.store import IndexStore, Manifest, vector_ids  # noqa: E402
-from embedingest.sinks.faiss_shards import FaissShardSinkFactory  # noqa: E402
+from embedingest.index.shard_store import ShardStore  # noqa: E402
+from embedingest.index.shards import BatchMeta, encode_chunks  # noqa: E402
+from embedingest.index.store import Manifest, vector_ids  # noqa: E402
+from embedingest.sinks.shard_writer import ShardWriterFactory  # noqa: E402
 from embedingest.stages.encoder import TextEncoder  # noqa: E402
 
 FILES = 100
@@ -53,14 +55,16 @@ FILES = 100
 
 def make_index(folder: Path, chunks: int, factory: str = "Flat", params: str | None = None,
                seed: int = 0) -> Path:
+    """An index of ``chunks`` chunks as build-index writes one (format 2: shards of FAISS
+    ids, Parquet rows and commit records, written by one shard writer, 50,000 chunks a
+    shard), with random unit vectors: a search's cost does not depend on the values."""
     encoder = TextEncoder.load(None, device="cpu")
-    store = IndexStore(folder)
+    store = ShardStore(folder)
     store.create_or_open(Manifest(model=encoder.info(), dim=encoder.dim, factory=factory,
                                   search={"params": params} if params else {}))
     per_file = -(-chunks // FILES)
     texts = make_paragraphs(chunks, seed)
-    nos = store.upsert_units({"key": f"part-{f:03d}.jsonl", "size": 0, "mtime_ns": 0, "sha256": str(f),
-                              "n_chunks": min(per_file, chunks - f * per_file), "status": "done"}
+    nos = store.upsert_units({"key": f"part-{f:03d}.jsonl", "size": 0, "mtime_ns": 0, "sha256": str(f)}
                              for f in range(FILES) if f * per_file < chunks)
     rng = np.random.default_rng(seed)
 
@@ -69,12 +73,15 @@ def make_index(folder: Path, chunks: int, factory: str = "Flat", params: str | N
         return emb / np.linalg.norm(emb, axis=1, keepdims=True)
 
     trained = store.train_index(factory, encoder.dim, "ip", unit_vectors(min(chunks, 50_000)))
-    sink = FaissShardSinkFactory(str(folder), encoder.dim, factory=factory, commit_every=50_000,
-                                 trained=str(trained) if trained else None)(0)
+    sink = ShardWriterFactory(str(folder), encoder.dim, factory=factory, metric="ip",
+                              commit_every=50_000, trained=trained)(0)
     for f, (key, no) in enumerate(sorted(nos.items())):
         lo, hi = f * per_file, min((f + 1) * per_file, chunks)
-        store.insert_chunks((no, f"r{i}", i - lo, 0, len(texts[i]), texts[i]) for i in range(lo, hi))
-        sink(f, {"emb": unit_vectors(hi - lo), "ids": vector_ids(no, np.arange(hi - lo))})
+        ids = vector_ids(no, np.arange(hi - lo))
+        rows = encode_chunks(ids.tolist(), [key] * (hi - lo), [f"r{i}" for i in range(lo, hi)],
+                             list(range(hi - lo)), [0] * (hi - lo), [len(texts[i]) for i in range(lo, hi)],
+                             texts[lo:hi])
+        sink(BatchMeta(f, rows, ((no, hi - lo),)), {"emb": unit_vectors(hi - lo), "ids": ids})
     sink.close()
     store.update_shards()
     store.close()
