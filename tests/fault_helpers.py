@@ -20,6 +20,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -486,3 +487,15 @@ def stopped_by_dead_consumer(run, victim: int | None) -> None:
     assert re.search(rf"consumer \d+ \(pid {pid}\) was killed by SIGKILL", run.stderr), run.describe()
     assert "Traceback" not in run.stderr, run.describe()
     run.assert_no_leftovers()
+
+
+def unblock_later(fifo, seconds: float = 10.0) -> None:
+    """Open ``fifo`` for writing after ``seconds`` (in a daemon thread), so a reader that
+    blocked on it (the defect under test) wakes up and the test fails instead of hanging;
+    with no reader waiting the open fails, which is the case the tests expect."""
+    def write_end():
+        time.sleep(seconds)
+        with contextlib.suppress(OSError):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+    threading.Thread(target=write_end, daemon=True).start()

@@ -1,10 +1,10 @@
 import os
-import threading
 import time
 
 import pytest
 
 from embedingest.sources.files import NotRegularFile, open_regular, walk_files
+from fault_helpers import unblock_later
 
 
 def walk(root, extensions=None):
@@ -55,19 +55,6 @@ def test_links_to_pipes_and_devices_say_so(tmp_path):
         ("to-pipe.txt", "not a regular file: a symbolic link to a named pipe (FIFO)"),
         ("to-self.txt", "cannot stat: Too many levels of symbolic links"),
         ("to-zero.txt", "not a regular file: a symbolic link to a character device")]
-
-
-def unblock_later(fifo, seconds: float = 10.0) -> None:
-    """Open ``fifo`` for writing after ``seconds``, so a reader that blocked on it (the
-    defect under test) wakes up and the test fails instead of hanging."""
-    def write_end():
-        time.sleep(seconds)
-        try:
-            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-        except OSError:
-            pass  # no reader waiting: the open did not block
-
-    threading.Thread(target=write_end, daemon=True).start()
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")

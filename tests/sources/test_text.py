@@ -6,7 +6,6 @@ import codecs
 import io
 import json
 import os
-import threading
 import time
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from embedingest.sources.text import TEXT_EXTENSIONS, iter_records
+from fault_helpers import unblock_later
 
 
 def read(path: Path, **kw) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
@@ -447,21 +447,11 @@ def test_a_pipe_is_reported_at_once(tmp_path, name):
     writer, for ever."""
     path = tmp_path / name
     os.mkfifo(path)
-    threading.Thread(target=_unblock, args=(path, 10.0), daemon=True).start()
+    unblock_later(path)
     start = time.monotonic()
     records, skipped = read(path)
     assert time.monotonic() - start < 5
     assert records == [] and skipped == [(str(path), "not a regular file: a named pipe (FIFO)")]
-
-
-def _unblock(fifo: Path, seconds: float) -> None:
-    """Open ``fifo`` for writing after ``seconds``: a reader that blocked on it (the
-    defect under test) wakes up, and the test fails instead of hanging."""
-    time.sleep(seconds)
-    try:
-        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-    except OSError:
-        pass  # no reader waiting: nothing blocked
 
 
 def test_a_device_is_not_read(tmp_path):
