@@ -33,6 +33,7 @@ import os
 import re
 import shutil
 import socket
+import sqlite3
 import tempfile
 import threading
 import time
@@ -304,13 +305,13 @@ class RemoteBuild:
         finally:
             self._stack.close()
 
-    def commit(self) -> dict:
-        """Upload what the working folder holds that the bucket lacks, write the manifest
-        naming the live shards (conditionally), then delete what no live shard needs;
-        return the manifest written."""
-        self._lease.check()
-        data = json.loads((self.folder / MANIFEST_NAME).read_text(encoding="utf-8"))
-        generation = int(data.get("generation", 0))
+    def _generation(self) -> int:
+        path = self.folder / MANIFEST_NAME
+        return int(json.loads(path.read_text(encoding="utf-8")).get("generation", 0)) if path.is_file() else 0
+
+    def _push_shards(self, generation: int) -> None:
+        """Upload the shards committed in the working folder that the bucket lacks (those
+        the build's process wrote: a removal's; the writers upload their own)."""
         shards_dir = self.folder / SHARDS_DIR
         listed = self.remote.listing(SHARDS_DIR)
         for shard in list_shards(shards_dir, generation=generation):
@@ -318,9 +319,42 @@ class RemoteBuild:
             if any(listed.get(i["name"]) != i["size"] for i in files) or \
                     shard.commit_path().name not in listed:
                 upload_shard(self.url, shards_dir, shard.record)
+
+    def _push_top(self, names) -> None:
+        """Upload top files of the working folder; ``units.sqlite`` as a consistent snapshot
+        (sqlite's backup, the WAL included), since the build may have it open."""
         for path in sorted(self.folder.iterdir()):
-            if path.is_file() and _TOP_FILES.fullmatch(path.name) and path.name != MANIFEST_NAME:
+            if path.name not in names or not path.is_file():
+                continue
+            if path.name != UNITS_NAME:
                 self.remote.upload(path, path.name)
+                continue
+            snapshot = self.folder / ".units-snapshot.sqlite"
+            snapshot.unlink(missing_ok=True)
+            with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db, \
+                    contextlib.closing(sqlite3.connect(snapshot)) as copy:
+                db.backup(copy)
+            self.remote.upload(snapshot, UNITS_NAME)
+            snapshot.unlink()
+
+    def checkpoint(self) -> None:
+        """Save the build's progress so far (after its plan, after training): the shards its
+        process committed, ``trained.faiss``, then ``units.sqlite``. A build killed later
+        is resumed from these as one on disk is: its writers' uploaded shards are kept."""
+        self._lease.check()
+        self._push_shards(self._generation())
+        self._push_top({n for n in os.listdir(self.folder)
+                        if _TOP_FILES.fullmatch(n) and n.startswith("trained")} | {UNITS_NAME})
+
+    def commit(self) -> dict:
+        """Upload what the working folder holds that the bucket lacks, write the manifest
+        naming the live shards (conditionally), then delete what no live shard needs;
+        return the manifest written."""
+        self._lease.check()
+        data = json.loads((self.folder / MANIFEST_NAME).read_text(encoding="utf-8"))
+        generation = int(data.get("generation", 0))
+        self._push_shards(generation)
+        self._push_top({n for n in os.listdir(self.folder) if _TOP_FILES.fullmatch(n)} - {MANIFEST_NAME})
         live = self._live_shards(generation)
         data["segments"] = [{"name": s.name, "count": s.rows} for s in live if s.rows]
         body = (json.dumps(data, indent=2, ensure_ascii=False) + "\n").encode("utf-8")

@@ -129,16 +129,18 @@ def _build_remote(url: str, build: tuple) -> dict:
     corpus, cfg = build[:2]
     with RemoteBuild(url, overwrite=cfg.overwrite) as remote:
         with RunLock(remote.folder):
-            summary = _build_locked(corpus, cfg, remote.folder, *build[2:])
+            summary = _build_locked(corpus, cfg, remote.folder, *build[2:], checkpoint=remote.checkpoint)
     summary.update(index=remote.url, report=f"{remote.url}/{REPORT_NAME}")
     return summary
 
 
 def _build_locked(corpus, cfg: IndexConfig, out: Path, encoder, where: OneDevice | SeveralDevices,
                   dtype: str, in_memory: bool, chunk_tokens: int, report: SkipReport, progress: bool,
-                  timeline, t_start: float, phases: dict, trace=None) -> dict:
+                  timeline, t_start: float, phases: dict, trace=None, checkpoint=None) -> dict:
     """The body of :func:`build_index`, run while holding the folder's run lock: plan,
-    train, encode, then the manifest, the skip report and the summary."""
+    train, encode, then the manifest, the skip report and the summary. ``checkpoint()``
+    is called after the plan and after training (an index in object storage saves its
+    progress there)."""
     store = ShardStore(out)
     settings = {}  # what the manifest keeps besides the vectors: prompts, search defaults
     try:
@@ -159,9 +161,13 @@ def _build_locked(corpus, cfg: IndexConfig, out: Path, encoder, where: OneDevice
         removed, unit_nos = apply_plan(store, plan)
         units = [Unit(unit_nos[c["key"]], c["key"], path=c.get("path"), text=c.get("text"),
                       record_id=c.get("record_id")) for c in plan.todo]
+        if checkpoint:
+            checkpoint()
         t_plan = time.perf_counter()
         phases["plan_s"] = t_plan - t_start - phases["load_model_s"]
         trained = where.train(store, manifest, encoder, units, cfg, chunk_tokens) if units else None
+        if checkpoint and trained:
+            checkpoint()
         t_encode = time.perf_counter()
         phases["train_s"] = t_encode - t_plan
         counts = {"chunks": 0, "docs": 0, "units_done": 0}
