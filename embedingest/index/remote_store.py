@@ -375,11 +375,14 @@ class RemoteBuild:
 
     def _live_shards(self, generation: int) -> list[Shard]:
         """The committed shards in the bucket (another machine's writers' too), without
-        those replaced, and without any whose objects are missing or of other sizes."""
+        those replaced, those the build deleted from its working folder (``overwrite``,
+        a removal, damage), and any whose objects are missing or of other sizes."""
         listed = self.remote.listing(SHARDS_DIR)
-        names = [n for n in listed if n.endswith(COMMIT_SUFFIX)
-                 and SHARD_NAME.fullmatch(n[: -len(COMMIT_SUFFIX)])]
         local = self.folder / SHARDS_DIR
+        kept = {p.name for p in local.glob(f"*{COMMIT_SUFFIX}")}
+        names = [n for n in listed if n.endswith(COMMIT_SUFFIX)
+                 and SHARD_NAME.fullmatch(n[: -len(COMMIT_SUFFIX)])
+                 and (n in kept or f"{SHARDS_DIR}/{n}" not in self.found)]
         fetch = [f"{SHARDS_DIR}/{n}" for n in names if not (local / n).is_file()]
         for rel, body in self.remote.read_many(fetch).items():
             (local / rel.rsplit("/", 1)[-1]).write_bytes(body)

@@ -124,6 +124,19 @@ def test_a_build_stopped_before_its_commit_shows_nothing_new_and_the_rerun_keeps
     assert not any("dead_1" in n for n in objects(s3, "ix"))  # garbage deleted
 
 
+@pytest.mark.slow
+def test_overwrite_replaces_every_shard_of_the_bucket(s3, tmp_path):
+    url = s3.url("ix")
+    build_index(str(corpus(tmp_path / "a", names=range(4))), out=url, **FAST)
+    before = [n for n in objects(s3, "ix") if n.startswith("shards/")]
+    docs = corpus(tmp_path / "b", names=[4, 5])
+    summary = build_index(str(docs), out=url, overwrite=True, **FAST)
+    local = build_index(str(docs), out=str(tmp_path / "local"), **FAST)
+    assert summary["vectors_total"] == local["vectors_total"]
+    assert everything(url, tmp_path / "cache") == everything(tmp_path / "local", None)
+    assert not set(before) & set(objects(s3, "ix"))
+
+
 def test_a_second_build_is_refused_while_the_lease_is_held_and_takes_an_expired_one(s3, tmp_path):
     url = s3.url("ix")
     with Lease(Remote(url), run="other"):
