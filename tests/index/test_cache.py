@@ -129,3 +129,33 @@ def test_default_cache_dir_follows_xdg(monkeypatch, tmp_path):
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert default_cache_dir() == tmp_path / "home" / ".cache" / "embedingest"
+
+
+def test_serve_answers_from_an_index_in_the_bucket(s3, tmp_path, monkeypatch):
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from embedingest.cli import main
+    from embedingest.serve.app import create_app
+
+    local_index(tmp_path / "ix")
+    url = s3.upload(tmp_path / "ix", "ix")
+    q = unit_vectors(1, seed=11)
+
+    class Encoder:
+        dim = 16
+
+        def encode(self, texts):
+            return q
+
+    with open_index(tmp_path / "ix") as local:
+        want = [h.id for h in local.search_vectors(q, k=5)[0]]
+        total = local.ntotal
+    with open_index(url, encoder=Encoder(), cache_dir=tmp_path / "c") as index, \
+            TestClient(create_app(index)) as client:
+        info = client.get("/info").json()
+        hits = client.get("/search", params={"q": "anything", "k": 5}).json()
+    assert info["index"] == url and info["vectors"] == total
+    assert [h["id"] for h in hits["hits"]] == want and all(h["file"] is None for h in hits["hits"])
+    result = CliRunner().invoke(main, ["serve", "s3://no-such-bucket-here/ix", "--cache-dir", str(tmp_path)])
+    assert result.exit_code == 1 and "cannot list 's3://no-such-bucket-here/ix'" in result.output

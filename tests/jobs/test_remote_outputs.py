@@ -182,4 +182,10 @@ def test_urls_that_cannot_hold_an_index_are_refused_before_anything_runs(s3, tmp
         build_index(str(docs), out=s3.url(), **FAST)
     with pytest.raises(ConfigError, match="an index in object storage lives at an s3:// URL"):
         build_index(str(docs), out="memory://somewhere/ix", **FAST)
+    from click.testing import CliRunner
+
+    from embedingest.cli import main
+
+    result = CliRunner().invoke(main, ["build-index", str(docs), "--out", "s3://no-such-bucket-here/ix"])
+    assert result.exit_code == 1 and "cannot list 's3://no-such-bucket-here/ix'" in result.output
     assert not (tmp_path / "indexes").exists()
