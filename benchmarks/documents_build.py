@@ -33,10 +33,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tokenizer_corpus import build_corpus  # noqa: E402
 
 
-def write_documents(folder: Path, mb: float, copies: int = 1) -> dict:
+def write_documents(folder: Path, mb: float, copies: int = 1, join_mb: float = 0) -> dict:
     """The documents, each ``copies`` times under other names (a machine with few
-    documents of its own still gives a corpus of the size asked for)."""
+    documents of its own still gives a corpus of the size asked for); with ``join_mb``,
+    joined (a blank line between) into files of about that many MB, as large exports or
+    books are (above 4 MB, build-index reads them a block at a time)."""
     docs = build_corpus(int(mb * 1e6 / copies)) * copies
+    if join_mb:
+        joined, part, size = [], [], 0
+        for text in docs:
+            part.append(text)
+            size += len(text)
+            if size >= join_mb * 1e6:
+                joined.append("\n\n".join(part))
+                part, size = [], 0
+        docs = joined + (["\n\n".join(part)] if part else [])
     folder.mkdir(parents=True, exist_ok=True)
     for i, text in enumerate(docs):
         (folder / f"{i // 500:03d}").mkdir(exist_ok=True)
@@ -58,7 +69,34 @@ def build_index_cold(folder: Path, out: Path, args, extra: list[str] = ()) -> di
     if done.returncode != 0:
         raise SystemExit(f"build-index failed ({done.returncode}):\n{done.stderr[-4000:]}")
     summary = json.loads(done.stdout)
-    return {"command": " ".join(cmd[1:]), "seconds": seconds, "summary": summary}
+    return {"command": " ".join(cmd[1:]), "seconds": seconds, "summary": summary,
+            "startup": startup(seconds, summary)}
+
+
+def startup(wall: float, summary: dict) -> dict:
+    """Where a cold command's start went, from its wall time and its own summary:
+    before ``build_index`` was called (interpreter, imports, CLI), the phases up to the
+    encode step, the encode step's start (consumers), and the wait for the first batch:
+    their sum is the time from the command's start to the first batch on the device."""
+    phases, timing = summary["phases"], summary.get("timing") or {}
+    before = wall - summary["seconds"]
+    out = {"before_call_s": before, **{k: phases[k] for k in phases if k not in ("encode_s", "finish_s")},
+           "engine_start_s": timing.get("start_s", 0.0), "first_batch_s": timing.get("first_batch_s", 0.0)}
+    out["to_first_batch_s"] = sum(out.values())
+    out["first_forward_s"] = timing.get("first_forward_s", 0.0)
+    return {k: round(v, 3) for k, v in out.items()}
+
+
+def describe_row(name: str, row: dict) -> None:
+    s, st = row["summary"], row["startup"]
+    engine = s.get("engine") or {}
+    wall = engine.get("wall_seconds") or 0
+    row["steady_chunks_per_s"] = s["chunks"] / wall if wall else None
+    print(f"{name}: {row['chunks']} chunks in {row['seconds']:.1f} s: {row['chunks_per_s']:.0f} chunks/s; "
+          f"engine span {wall:.2f} s: {row['steady_chunks_per_s'] or 0:.0f} chunks/s, GPU idle "
+          f"{engine.get('gpu_idle_fraction')}, producer blocked {engine.get('producer_blocked_seconds')} s\n"
+          f"  start-up {json.dumps(st)}\n  phases {json.dumps(s['phases'])}\n"
+          f"  timing {json.dumps(s.get('timing'))}", flush=True)
 
 
 def forward_alone(folder: Path, args, dtype: str, chunk_tokens: int, overlap: int) -> dict:
@@ -115,6 +153,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=1024, help="of the forward-alone row")
     parser.add_argument("--copies", type=int, default=1,
                         help="write each document this many times (for machines with few)")
+    parser.add_argument("--join-mb", type=float, default=0,
+                        help="join the documents into files of about this many MB (0: one file each)")
     parser.add_argument("--folder", help="keep the documents here")
     parser.add_argument("--also", action="append", default=[],
                         help="options of another build-index row over the same documents "
@@ -128,7 +168,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="embedingest-docs-") as tmp:
         folder = Path(args.folder or Path(tmp) / "docs")
         t0 = time.perf_counter()
-        made = write_documents(folder, args.mb, args.copies)
+        made = write_documents(folder, args.mb, args.copies, args.join_mb)
         print(f"{made['documents']} documents, {made['bytes'] / 1e6:.1f} MB "
               f"(median {made['median_bytes'] / 1e3:.0f} KB) in {time.perf_counter() - t0:.1f} s", flush=True)
         # one untimed run over a few documents first, so no row pays for a cold page cache
@@ -142,15 +182,14 @@ def main() -> None:
         chunks = s.get("vectors_total") or s.get("vectors")
         job["chunks"] = chunks
         job["chunks_per_s"] = chunks / job["seconds"]
-        print(f"build-index: {chunks} chunks in {job['seconds']:.1f} s: {job['chunks_per_s']:.0f} chunks/s", flush=True)
+        describe_row("build-index", job)
         others = []
         for n, extra in enumerate(args.also):
             other = build_index_cold(folder, Path(tmp) / f"index-also-{n}", args, extra.split())
             o = other["summary"]
             other["chunks"] = o.get("vectors_total") or o.get("vectors")
             other["chunks_per_s"] = other["chunks"] / other["seconds"]
-            print(f"build-index {extra}: {other['chunks']} chunks in {other['seconds']:.1f} s: "
-                  f"{other['chunks_per_s']:.0f} chunks/s", flush=True)
+            describe_row(f"build-index {extra}", other)
             others.append(other)
         from embedingest.config import IndexConfig
 
@@ -161,9 +200,11 @@ def main() -> None:
     result = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": platform.node(),
               "cpus": os.cpu_count(), "args": vars(args), "documents": made, "build_index": job, "also": others,
               "forward_alone": alone, "job_vs_forward": job["chunks_per_s"] / alone["chunks_per_s"]}
-    print(f"build-index end to end / forward alone: {result['job_vs_forward']:.2f}")
-    for extra, other in zip(args.also, others):
-        print(f"build-index {extra} / forward alone: {other['chunks_per_s'] / alone['chunks_per_s']:.2f}")
+    for name, row in [("build-index", job)] + [(f"build-index {e}", o) for e, o in zip(args.also, others)]:
+        steady = row.get("steady_chunks_per_s") or 0
+        print(f"{name} / forward alone: end to end {row['chunks_per_s'] / alone['chunks_per_s']:.2f}, "
+              f"steady {steady / alone['chunks_per_s']:.2f}; to the first batch "
+              f"{row['startup']['to_first_batch_s']:.2f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
 

@@ -26,6 +26,8 @@ first call (cuDNN's set-up for a new input shape).
 
 from __future__ import annotations
 
+import json
+
 import os
 import random
 import tempfile
@@ -251,4 +253,6 @@ def table(result: dict) -> str:
     lines.append(f"\n{result['distinct_shapes']} model input shapes, {result['batches']} batches "
                  f"({result['short_batches']} short); first calls at new shapes cost the forward "
                  f"{alone['first_call_cost_s']:.2f} s in all.")
+    lines.append(f"job timing (s): {json.dumps(job['timing'])}; phases: {json.dumps(job['phases'])}; "
+                 f"GPU idle {job['gpu_idle_fraction']}")
     return "\n".join(lines)

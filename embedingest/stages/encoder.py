@@ -116,21 +116,16 @@ class TextEncoder:
         the tokenizer's and the model's). ``cuda_graphs`` replays the forward from CUDA
         graphs on a GPU (see :mod:`embedingest.stages.cuda_graphs`).
         """
-        torch_device = resolve_device(device)
-        dtype = precision(dtype, torch_device.type == "cuda")
-        if dtype == "fp16" and torch_device.type == "cpu":
-            raise ConfigError("dtype 'fp16' on the CPU is slow and loses accuracy; "
-                              "use dtype='fp32' (or 'bf16') on the CPU, and fp16 on a CUDA device")
-        torch_dtype = resolve_dtype(dtype, torch_device)
-        model_dir, name = resolve_model(model)
-        layout = read_layout(model_dir)
-        transformer = _load_model(layout.transformer_dir, torch_dtype).to(torch_device)
+        return cls.from_facts(ModelFacts.read(model, device, dtype, max_seq_length), cuda_graphs)
+
+    @classmethod
+    def from_facts(cls, facts: ModelFacts, cuda_graphs: bool = True) -> TextEncoder:
+        """Load the weights of the model ``facts`` describe (its tokenizer is theirs)."""
+        transformer = _load_model(facts.layout.transformer_dir,
+                                  resolve_dtype(facts.dtype, facts.device)).to(facts.device)
         transformer.eval().requires_grad_(False)
-        tokenizer = open_tokenizer(layout.transformer_dir, layout.do_lower_case)
-        seq_len = _resolve_max_seq_length(max_seq_length, layout, tokenizer, transformer.config)
-        tokenizer.model_max_length = seq_len
-        return cls(transformer, tokenizer, layout, model_dir, name, torch_device, dtype, seq_len,
-                   cuda_graphs)
+        return cls(transformer, facts.tokenizer, facts.layout, facts.model_dir, facts.name,
+                   facts.device, facts.dtype, facts.max_seq_length, cuda_graphs)
 
     def release(self) -> None:
         """Drop the CUDA graphs and hand the allocator's cached GPU memory back, so other
@@ -185,16 +180,8 @@ class TextEncoder:
 
     def info(self) -> dict[str, Any]:
         """What the index manifest records, so queries are encoded the way the index was."""
-        return {
-            "path": str(self._model_dir),
-            "name": self._name,
-            "model_type": getattr(self._model.config, "model_type", None),
-            "dim": self._dim,
-            "pooling": self.pooling,
-            "normalize": self.normalize,
-            "max_seq_length": self._max_seq_length,
-            "dtype": self._dtype,
-        }
+        return _info(self._model_dir, self._name, self._model.config, self._dim, self._layout,
+                     self._max_seq_length, self._dtype)
 
     def tokenize(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
         """Token ids and attention mask on the CPU, truncated, padded to the longest text;
@@ -281,10 +268,83 @@ class TextEncoder:
     def check_prompt(self, prompt: str) -> None:
         """Refuse a prompt this model's pooling would leave out (``include_prompt: false``,
         e.g. INSTRUCTOR): embedingest pools over every token."""
-        if prompt and not self._layout.include_prompt:
-            raise ConfigError(f"the Pooling of {self._model_dir} leaves the prompt's tokens out "
-                              f"(include_prompt: false), which embedingest does not do; "
-                              f"use no prompt (--doc-prompt '' --query-prompt '') or another model")
+        _check_prompt(self._layout, self._model_dir, prompt)
+
+
+class ModelFacts:
+    """What a job needs to know of a model before its weights are loaded: the folder, its
+    layout, the tokenizer (as :class:`TextEncoder` uses it), the transformers config, the
+    sequence limit, the prompts, and the output width the pooling gives (``dim``, None
+    when the config does not say). build-index plans and starts its tokenizing workers
+    from these while the weights load (:meth:`TextEncoder.from_facts`); the encoder's own
+    ``info()`` is compared with these ``info()`` once it is loaded."""
+
+    def __init__(self, model_dir: Path, name: str, layout: ModelLayout, tokenizer: Any, config: Any,
+                 device: torch.device, dtype: str, max_seq_length: int):
+        self.model_dir, self.name, self.layout = model_dir, name, layout
+        self.tokenizer, self.config = tokenizer, config
+        self.device, self.dtype, self.max_seq_length = device, dtype, max_seq_length
+        self.prompts = Prompts.read(model_dir)
+
+    @classmethod
+    def read(cls, model: str | Path | None = None, device: str | torch.device = "cpu",
+             dtype: str = "fp32", max_seq_length: int | None = None) -> ModelFacts:
+        """The facts of ``model`` as :meth:`TextEncoder.load` takes it (the same checks)."""
+        from transformers import AutoConfig
+
+        torch_device = resolve_device(device)
+        dtype = precision(dtype, torch_device.type == "cuda")
+        if dtype == "fp16" and torch_device.type == "cpu":
+            raise ConfigError("dtype 'fp16' on the CPU is slow and loses accuracy; "
+                              "use dtype='fp32' (or 'bf16') on the CPU, and fp16 on a CUDA device")
+        resolve_dtype(dtype, torch_device)
+        model_dir, name = resolve_model(model)
+        layout = read_layout(model_dir)
+        tokenizer = open_tokenizer(layout.transformer_dir, layout.do_lower_case)
+        try:
+            config = AutoConfig.from_pretrained(layout.transformer_dir, local_files_only=True)
+        except (OSError, ValueError, KeyError) as exc:
+            raise ConfigError(f"cannot load a transformer from {layout.transformer_dir}: {exc}") from exc
+        seq_len = _resolve_max_seq_length(max_seq_length, layout, tokenizer, config)
+        tokenizer.model_max_length = seq_len
+        return cls(model_dir, name, layout, tokenizer, config, torch_device, dtype, seq_len)
+
+    @property
+    def dim(self) -> int | None:
+        """The width of the vectors: the config's hidden size once per pooling mode (the
+        encoder's output is its last hidden state, pooled); None when it states none."""
+        hidden = getattr(self.config, "hidden_size", None)
+        return hidden * len(self.layout.pooling) if isinstance(hidden, int) and hidden > 0 else None
+
+    def info(self) -> dict[str, Any]:
+        """:meth:`TextEncoder.info` as it will be, ``dim`` as :attr:`dim` expects it."""
+        return _info(self.model_dir, self.name, self.config, self.dim, self.layout,
+                     self.max_seq_length, self.dtype)
+
+    def check_prompt(self, prompt: str) -> None:
+        """As :meth:`TextEncoder.check_prompt`."""
+        _check_prompt(self.layout, self.model_dir, prompt)
+
+
+def _info(model_dir: Path, name: str, config: Any, dim: int | None, layout: ModelLayout,
+          max_seq_length: int, dtype: str) -> dict[str, Any]:
+    return {
+        "path": str(model_dir),
+        "name": name,
+        "model_type": getattr(config, "model_type", None),
+        "dim": dim,
+        "pooling": "+".join(layout.pooling),
+        "normalize": layout.normalize,
+        "max_seq_length": max_seq_length,
+        "dtype": dtype,
+    }
+
+
+def _check_prompt(layout: ModelLayout, model_dir: Path, prompt: str) -> None:
+    if prompt and not layout.include_prompt:
+        raise ConfigError(f"the Pooling of {model_dir} leaves the prompt's tokens out "
+                          f"(include_prompt: false), which embedingest does not do; "
+                          f"use no prompt (--doc-prompt '' --query-prompt '') or another model")
 
 
 def import_model_code(model: str | Path | None = None) -> None:

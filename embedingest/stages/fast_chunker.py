@@ -22,10 +22,11 @@ token starts and where its last ends. :class:`FastChunker` gives exactly the chu
 
 The model's own tokenizer (through :class:`Chunker`) stays the reference, and does the work
 where the fast path cannot vouch for the result: nanotoken is not installed, the tokenizer is
-not BERT's WordPiece, nanotoken refuses it or gives other ids on a start-up check, a text
-streamed in parts, or a text with a piece at a window edge whose ids disagree. Each of
-these falls back silently; :attr:`FastChunker.fallback_reason` says why the whole path is
-off.
+not BERT's WordPiece, nanotoken refuses it or gives other ids on a start-up check, or a
+text (for a text streamed in parts: a segment of it) with a piece at a window edge whose
+ids disagree. Each of these falls back silently; :attr:`FastChunker.fallback_reason` says
+why the whole path is off. A text streamed in parts (a large file read a block at a time)
+takes the fast path a segment at a time (:meth:`FastChunker.iter_text`).
 """
 
 from __future__ import annotations
@@ -37,10 +38,11 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from .chunker import _UP_TO_LAST_SPACE, DEFAULT_PIECE_CHARS, Chunk, Chunker, bert_text_rules
+from .chunker import _UP_TO_LAST_SPACE, DEFAULT_PIECE_CHARS, Chunk, Chunker, _cut, bert_text_rules
 
 PIECE_CHARS = 128  # characters a piece holds, about: what a non-ASCII window edge re-encodes
 GROUP_PIECES = 1 << 16  # pieces per nanotoken call at most (texts are not split across calls)
+SEGMENT_CHARS = 1 << 20  # characters of a streamed text tokenized at a time, about
 NANOTOKEN_CACHE = 1 << 16  # entries per level of nanotoken's word cache (its default grows large)
 
 # BERT's pre-tokenizer on printable ASCII: runs of letters and digits, single punctuation.
@@ -99,13 +101,83 @@ class FastChunker(Chunker):
             yield from self.chunk(text)
 
     def iter_text(self, text: str | Iterable[str]) -> Iterator[tuple[Chunk, str]]:
-        """As :meth:`Chunker.iter_text`; a text streamed in parts takes the reference path
-        (its memory stays bounded by a few pieces)."""
-        if self._nt is None or not isinstance(text, str):
+        """As :meth:`Chunker.iter_text`. A text streamed in parts is cut into segments of
+        about :data:`SEGMENT_CHARS` characters where its tokens do not change (see
+        :meth:`_segments`), each taking the fast path, with windows across their joins:
+        memory stays bounded by a few segments."""
+        if self._nt is None:
             yield from super().iter_text(text)
-        else:
+        elif isinstance(text, str):
             for chunk in self.chunk(text):
                 yield chunk, text[chunk.char_start:chunk.char_end]
+        else:
+            yield from self._stream_fast(text)
+
+    def _segments(self, parts: Iterable[str]) -> Iterator[tuple[int, str]]:
+        """``(offset, segment)`` covering the text the ``parts`` make. A segment ends just
+        before its buffer's last space, tab or line break (a hard boundary, as between
+        :meth:`_cut_points`' pieces); a buffer with none after its first character lies
+        inside a stretch without whitespace, which started at that first character or
+        just after it: it ends where :meth:`Chunker._cut_at` cuts the stretch from there,
+        as the reference cuts it. So each segment starts where the reference starts a
+        piece, or at whitespace, and the segments' tokens joined are the text's."""
+        held: list[str] = []
+        size = base = 0
+        for part in parts:
+            if not part:
+                continue
+            held.append(part)
+            size += len(part)
+            if size < SEGMENT_CHARS:
+                continue
+            buf, a = "".join(held), 0
+            while len(buf) - a >= SEGMENT_CHARS:
+                cut = max(buf.rfind(c, a + 1) for c in " \t\n\r")
+                if cut > a:
+                    yield base, buf[a:cut]
+                    base, a = base + cut - a, cut
+                    continue
+                # No whitespace after buf[a]: pieces as the reference cuts the stretch,
+                # up to the last piece, which may end in parts still to come.
+                while len(buf) - a > self.piece_chars:
+                    cut = self._cut_at(buf, a, len(buf))
+                    yield base, buf[a:cut]
+                    base, a = base + cut - a, cut
+                break
+            held, size = [buf[a:]], len(buf) - a
+        if size:
+            yield base, "".join(held)
+
+    def _stream_fast(self, parts: Iterable[str]) -> Iterator[tuple[Chunk, str]]:
+        """The chunks of a text given in parts, a segment at a time (see :meth:`iter_text`).
+
+        Before a segment's windows are yielded, every piece the next windows may still
+        ask offsets of (those after the next window's start) has its ids checked, so a
+        disagreement can only come from the newest segment, whose windows are then made
+        again from the model's own tokenizer; nothing yielded is taken back."""
+        joined = _Joined([])
+        pos = covered = 0
+        for base, segment in self._segments(parts):
+            try:
+                grown = joined.plus(self._segment_doc(base, segment), base, segment)
+                chunks, next_pos, next_covered = self._windows_of(grown, pos, covered, final=False)
+                grown.check_from(next_pos)
+            except _Mismatch:
+                grown = joined.plus(_SlowDoc(self, base, segment), base, segment)
+                chunks, next_pos, next_covered = self._windows_of(grown, pos, covered, final=False)
+            for chunk in chunks:
+                yield chunk, grown.text(chunk)
+            joined = grown.drop(next_pos)
+            pos, covered = 0, next_covered - next_pos
+        for chunk in self._windows_of(joined, pos, covered, final=True)[0]:
+            yield chunk, joined.text(chunk)
+
+    def _segment_doc(self, base: int, segment: str) -> _Doc:
+        """One segment through nanotoken, its offsets counted from the text's start."""
+        cuts = self._cut_points(segment)
+        pieces = [segment[a:b] for a, b in zip(cuts, cuts[1:])]
+        flat, rows = self._nt.encode_batch(pieces, add_special_tokens=False, parallel=False)
+        return _Doc(self._edges, [c + base for c in cuts], pieces, flat, rows.tolist())
 
     def chunk_many(self, texts: list[str]) -> list[list[Chunk]]:
         """The chunks of each text, as :meth:`Chunker.chunk` gives them; the texts' pieces
@@ -171,8 +243,16 @@ class FastChunker(Chunker):
             except _Mismatch:
                 out[i] = self._reference(texts[i])
 
-    def _fast_windows(self, doc: _Doc) -> Iterator[Chunk]:
+    def _fast_windows(self, doc: _Doc) -> list[Chunk]:
         """The windows of :meth:`Chunker._windows`, asking for offsets only where needed."""
+        return self._windows_of(doc, 0, 0, final=True)[0]
+
+    def _windows_of(self, doc: _Doc | _Joined, pos: int, covered: int, final: bool
+                    ) -> tuple[list[Chunk], int, int]:
+        """``(windows, pos, covered)``: the windows of ``doc`` from token ``pos`` (tokens
+        before ``covered`` are in a window already), and where the next starts. Unless
+        ``final``, more tokens may follow: a window that could still grow is left out."""
+        out: list[Chunk] = []
         n = len(doc.ids)
         budget, max_chars = self.budget, self.max_chars
         if self.arrays:
@@ -185,7 +265,6 @@ class FastChunker(Chunker):
 
             def window(a: int, b: int) -> list[int]:
                 return prefix + doc.ids[a:b].tolist() + suffix
-        pos = covered = 0
         while pos < n:
             hi = min(pos + budget, n)
             start = doc.start(pos)
@@ -198,10 +277,11 @@ class FastChunker(Chunker):
             else:  # the first token past the character bound (rare: long words or gaps)
                 end = bisect_right(range(hi), limit, pos + 1, hi, key=doc.end)
                 last_end = doc.end(end - 1)
-            yield Chunk(window(pos, end), start, last_end)
+            out.append(Chunk(window(pos, end), start, last_end))
             pos, covered = self._next_start(pos, end), end
-        if n > covered:
-            yield Chunk(window(pos, n), doc.start(pos), doc.end(n - 1))
+        if final and n > covered:
+            out.append(Chunk(window(pos, n), doc.start(pos), doc.end(n - 1)))
+        return out, pos, covered
 
 
 class _Mismatch(Exception):
@@ -236,6 +316,90 @@ class _Doc:
     def end(self, i: int) -> int:
         return self._offset(i, 1)
 
+    def check_from(self, i: int) -> None:
+        """Check, with the model's tokenizer, the ids of every piece from the one that
+        holds token ``i`` whose offsets would come from it (not plain ASCII, or holding
+        the unknown token), so no later offset of them can disagree."""
+        for p in range(max(bisect_right(self.rows, i) - 1, 0), len(self.pieces)):
+            r, s = self.rows[p], self.rows[p + 1]
+            if p in self._slow or r == s:
+                continue
+            ids = self.ids[r:s].tolist()
+            if not self.edges.is_plain(self.pieces[p]) or self.edges.unk in ids:
+                self._slow[p] = self.edges.slow(self.pieces[p], ids)
+
+
+class _SlowDoc:
+    """A segment tokenized by the model's own tokenizer, a reference piece at a time
+    (:meth:`Chunker._pieces`), with every token's offsets: :class:`_Doc`'s interface."""
+
+    __slots__ = ("ids", "starts", "ends")
+
+    def __init__(self, chunker: FastChunker, base: int, segment: str):
+        ids: list[int] = []
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+        for offset, piece in chunker._pieces(segment):
+            enc = chunker._tok.encode(piece, add_special_tokens=False)
+            ids.extend(enc.ids)
+            self.starts.extend(a + base + offset for a, _ in enc.offsets)
+            self.ends.extend(b + base + offset for _, b in enc.offsets)
+        self.ids = np.array(ids, dtype=np.int64)
+
+    def start(self, i: int) -> int:
+        return self.starts[i]
+
+    def end(self, i: int) -> int:
+        return self.ends[i]
+
+    def check_from(self, i: int) -> None:
+        """Nothing to check: these are the model's own tokens."""
+
+
+class _Joined:
+    """Consecutive segments of a streamed text as one document: their tokens in a row,
+    offsets from the text's start, and their text for the chunks'."""
+
+    __slots__ = ("docs", "firsts", "texts", "ids")
+
+    def __init__(self, docs: list, firsts: list[int] | None = None,
+                 texts: list[tuple[int, str]] | None = None, ids: np.ndarray | None = None):
+        self.docs = docs
+        self.firsts = firsts or []  # the join's index of each doc's first token
+        self.texts = texts or []  # (offset, segment) of each doc
+        self.ids = ids if ids is not None else np.empty(0, np.int64)
+
+    def plus(self, doc: _Doc | _SlowDoc, base: int, segment: str) -> _Joined:
+        return _Joined(self.docs + [doc], self.firsts + [len(self.ids)],
+                       self.texts + [(base, segment)], np.concatenate((self.ids, doc.ids)))
+
+    def drop(self, pos: int) -> _Joined:
+        """The join from token ``pos`` on (token ``pos`` becomes 0): the docs before it go."""
+        keep = [k for k, (doc, first) in enumerate(zip(self.docs, self.firsts))
+                if first + len(doc.ids) > pos or first > pos]
+        return _Joined([self.docs[k] for k in keep], [self.firsts[k] - pos for k in keep],
+                       [self.texts[k] for k in keep], self.ids[pos:])
+
+    def _at(self, i: int) -> tuple[_Doc | _SlowDoc, int]:
+        k = bisect_right(self.firsts, i) - 1
+        return self.docs[k], i - self.firsts[k]
+
+    def start(self, i: int) -> int:
+        doc, j = self._at(i)
+        return doc.start(j)
+
+    def end(self, i: int) -> int:
+        doc, j = self._at(i)
+        return doc.end(j)
+
+    def check_from(self, i: int) -> None:
+        for doc, first in zip(self.docs, self.firsts):
+            if first + len(doc.ids) > i:
+                doc.check_from(max(i - first, 0))
+
+    def text(self, chunk: Chunk) -> str:
+        return _cut(self.texts, chunk)
+
 
 class _EdgeOffsets:
     """Where one token of a piece starts or ends: from the ids for plain ASCII, else
@@ -261,6 +425,11 @@ class _EdgeOffsets:
             raise _Mismatch(piece)
         return enc.offsets
 
+    def is_plain(self, piece: str) -> bool:
+        """Whether ``piece`` is plain printable ASCII holding no added token as text."""
+        return piece.isascii() and not _CONTROL.search(piece) and not (
+            self.added is not None and self.added.search(piece))
+
     def plain(self, piece: str, ids: list[int], j: int, side: int) -> int | None:
         """Where token ``j`` of ``piece`` starts (``side`` 0) or ends (1), from the ids;
         None unless the piece is plain printable ASCII.
@@ -268,8 +437,7 @@ class _EdgeOffsets:
         Such a piece's tokens cover its characters other than whitespace, in order, each
         as many as its vocabulary string holds; the unknown token covers a whole word
         (letters and digits, or one punctuation character)."""
-        if not piece.isascii() or _CONTROL.search(piece) or (
-                self.added is not None and self.added.search(piece)):
+        if not self.is_plain(piece):
             return None
         if len(ids) <= j:
             return None

@@ -177,13 +177,13 @@ def test_num_slots_reaches_the_engine(tmp_path):
 
 def test_no_cuda_graphs_reaches_the_encoder(tmp_path, monkeypatch):
     seen = []
-    load = TextEncoder.load.__func__
+    load = TextEncoder.from_facts.__func__
 
     def spy(cls, *args, **kwargs):
         seen.append(kwargs.get("cuda_graphs"))
         return load(cls, *args, **kwargs)
 
-    monkeypatch.setattr(TextEncoder, "load", classmethod(spy))
+    monkeypatch.setattr(TextEncoder, "from_facts", classmethod(spy))
     for flag, want in (("--no-cuda-graphs", False), ("--cuda-graphs", True)):
         seen.clear()
         r = CliRunner().invoke(main, ["build-index", str(make_corpus(tmp_path / want.__repr__())),
@@ -196,8 +196,8 @@ def test_no_cuda_graphs_reaches_the_encoder(tmp_path, monkeypatch):
 @pytest.mark.needs_cuda
 def test_no_cuda_graphs_on_a_gpu_runs_eager_with_the_same_vectors(tmp_path, monkeypatch):
     made = []
-    load = TextEncoder.load.__func__
-    monkeypatch.setattr(TextEncoder, "load", classmethod(
+    load = TextEncoder.from_facts.__func__
+    monkeypatch.setattr(TextEncoder, "from_facts", classmethod(
         lambda cls, *a, **k: made.append(load(cls, *a, **k)) or made[-1]))
     runs = {}
     for graphs in (True, False):
@@ -300,3 +300,57 @@ def test_memory_grows_with_the_index_not_the_corpus(tmp_path):
     assert out.returncode == 0, out.stderr
     small, big = map(int, out.stdout.split()[-2:])
     assert big - small < 24 << 20, (small >> 20, big >> 20)
+
+
+def test_workers_tokenize_while_the_weights_load_and_an_unchanged_run_loads_none(tmp_path, monkeypatch):
+    """On one device the loader's worker processes are running (and have batches ready)
+    before the weights start loading; phases are listed in the order they ran. A re-run
+    with nothing to encode does not load the weights at all."""
+    from embedingest.jobs.build_index import encode
+
+    corpus = make_corpus(tmp_path / "corpus")
+    loads = []
+    load = TextEncoder.from_facts.__func__
+    start = encode.start_batches
+
+    def started(*args, **kwargs):
+        batches = start(*args, **kwargs)
+        loads.append(("workers", [w.pid for w in batches._workers if w.is_alive()]))
+        return batches
+
+    def spy(cls, *args, **kwargs):
+        loads.append(("weights", None))
+        return load(cls, *args, **kwargs)
+
+    monkeypatch.setattr(encode, "start_batches", started)
+    monkeypatch.setattr(TextEncoder, "from_facts", classmethod(spy))
+    s = build_index(corpus, out=str(tmp_path / "idx"), num_workers=2, num_consumers=1, batch_size=4)
+    assert [kind for kind, _ in loads] == ["workers", "weights"]
+    assert len(loads[0][1]) == 2
+    assert list(s["phases"]) == ["plan_s", "load_model_s", "train_s", "encode_s", "finish_s"]
+    assert s["phases"]["load_model_s"] > 0 and s["chunks"] == 12
+    loads.clear()
+    again = build_index(corpus, out=str(tmp_path / "idx"), num_workers=2, num_consumers=1)
+    assert loads == [] and again["units_unchanged"] == 4 and again["phases"]["load_model_s"] == 0
+    assert again["model"] == s["model"]
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_width_the_config_gets_wrong_is_put_right(tmp_path, monkeypatch, existing):
+    """The plan runs on the model's facts, its width taken from the config; where the
+    weights give another, the manifest says the weights' (a new index), or the run loads
+    them to check the folder's index against (an existing one): no error either way."""
+    from embedingest.stages.encoder import ModelFacts
+
+    corpus = make_corpus(tmp_path / "corpus")
+    out = tmp_path / "idx"
+    if existing:
+        build_index(corpus, out=str(out), **FAST)
+        (corpus / "e.txt").write_text("Glaciers carve valleys as they flow downhill under their own weight.")
+    monkeypatch.setattr(ModelFacts, "dim", property(lambda self: 999))
+    s = build_index(corpus, out=str(out), **FAST)
+    with ShardStore(out) as store:
+        assert store.read_manifest().dim == 384
+    assert s["vectors_total"] == (13 if existing else 12)
+    (hit,), = open_index(out).search([PARAGRAPHS[1]], k=1)
+    assert hit.text == PARAGRAPHS[1]

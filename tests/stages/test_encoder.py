@@ -346,3 +346,16 @@ def test_import_model_code_imports_the_architecture_and_tolerates_bad_folders(tm
             "print(before, 'transformers.models.bert.modeling_bert' in sys.modules)")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.stdout.split() == ["False", "True"], run.stderr
+
+
+@pytest.mark.parametrize("max_seq_length", [None, 128])
+def test_model_facts_say_what_the_loaded_encoder_will(max_seq_length):
+    """What build-index plans with before the weights load (the folder, tokenizer, limits,
+    width, manifest info) is what the loaded encoder reports."""
+    from embedingest.stages.encoder import ModelFacts
+
+    facts = ModelFacts.read(gt_model.get_model_path(), max_seq_length=max_seq_length)
+    encoder = TextEncoder.from_facts(facts, cuda_graphs=False)
+    assert facts.info() == encoder.info() and facts.dim == encoder.dim == 384
+    assert facts.max_seq_length == encoder.max_seq_length == (max_seq_length or 256)
+    assert facts.tokenizer is encoder.tokenizer and facts.prompts == encoder.prompts

@@ -335,3 +335,77 @@ def test_words_longer_than_a_piece_are_cut_as_the_reference_cuts_them(tokenizer)
     assert chunks == ref.chunk(text)
     assert all(c.char_end - c.char_start <= fast.max_chars for c in chunks)
     assert sum(c.input_ids.count(100) for c in chunks) >= 7  # the long words' pieces: [UNK]s
+
+
+@pytest.fixture
+def small_segments(monkeypatch):
+    """Segments of a few thousand characters, so a test's texts make many."""
+    monkeypatch.setattr(fast_chunker, "SEGMENT_CHARS", 3000)
+
+
+@pytest.mark.parametrize("kind", list(HARD))
+@pytest.mark.parametrize("step", [1, 777, 5001])
+def test_streamed_segments_match_the_reference(tokenizer, fast, small_segments, kind, step):
+    """A text given in parts takes the fast path a segment at a time: the chunks and
+    texts of the reference over the whole string, whatever the parts' sizes."""
+    text = HARD[kind] if step > 1 else HARD[kind][:4000]
+    parts = [text[i:i + step] for i in range(0, len(text), step)]
+    got = [(list(c.input_ids), c.char_start, c.char_end, t) for c, t in fast.iter_text(iter(parts))]
+    assert got == [(c.input_ids, c.char_start, c.char_end, text[c.char_start:c.char_end])
+                   for c in Chunker(tokenizer).chunk(text)]
+
+
+def test_streamed_text_cut_into_segments_uses_nanotoken(tokenizer, fast, small_segments, monkeypatch):
+    """The segments of a streamed text go through nanotoken, not the model's tokenizer
+    (which only places the edges' non-ASCII pieces)."""
+    calls = []
+    real = fast._nt
+
+    class Counting:
+        def encode_batch(self, texts, **kwargs):
+            calls.append(len(texts))
+            return real.encode_batch(texts, **kwargs)
+
+    monkeypatch.setattr(fast, "_nt", Counting())
+    text = HARD["very-long"] * 3
+    chunks = [c for c, _ in fast.iter_text(iter([text[i:i + 1000] for i in range(0, len(text), 1000)]))]
+    assert len(calls) >= len(text) // 3000 - 1 and sum(calls) >= len(text) // 128
+    assert [(list(c.input_ids), c.char_start, c.char_end) for c in chunks] == \
+        [tuple(c) for c in Chunker(tokenizer).chunk(text)]
+
+
+@settings(max_examples=100, deadline=None)
+@given(parts=st.lists(st.tuples(SPACE, TOKEN), max_size=200), setting=st.sampled_from(SETTINGS),
+       step=st.integers(1, 400), segment=st.integers(1, 600))
+def test_any_streamed_text_matches_the_reference(chunkers, parts, setting, step, segment):
+    text = "".join(a + w for a, w in parts)
+    fast, ref = chunkers[setting]
+    old, fast_chunker.SEGMENT_CHARS = fast_chunker.SEGMENT_CHARS, segment
+    try:
+        got = list(fast.iter_text(text[i:i + step] for i in range(0, len(text), step)))
+    finally:
+        fast_chunker.SEGMENT_CHARS = old
+    assert [(list(c.input_ids), c.char_start, c.char_end, t) for c, t in got] == \
+        [(c.input_ids, c.char_start, c.char_end, text[c.char_start:c.char_end]) for c in ref.chunk(text)]
+
+
+def test_streamed_segment_whose_ids_disagree_takes_the_reference(tokenizer, small_segments):
+    """A segment whose edge pieces disagree with the model's tokenizer is made again by
+    the model's tokenizer; the segments before it keep the fast path."""
+    chunker = FastChunker(tokenizer, 32, 4)
+    real = chunker._nt
+
+    class ShiftedUnicode:
+        def encode_batch(self, texts, **kwargs):
+            flat, rows = real.encode_batch(texts, **kwargs)
+            flat = flat.copy()
+            for t, a, b in zip(texts, rows[:-1], rows[1:]):
+                if not t.isascii():
+                    flat[a:b] += 1
+            return flat, rows
+
+    chunker._nt = ShiftedUnicode()
+    text = HARD["plain"][:9000] + " " + HARD["unicode"][:4000] + " " + HARD["plain"][:9000]
+    parts = [text[i:i + 700] for i in range(0, len(text), 700)]
+    got = [(list(c.input_ids), c.char_start, c.char_end) for c, _ in chunker.iter_text(iter(parts))]
+    assert got == [tuple(c) for c in Chunker(tokenizer, 32, 4).chunk(text)]

@@ -11,6 +11,10 @@ shards hold complete), removes the rows and vectors of changed, deleted or half-
 units, and indexes only those and the new ones. So a run that was killed at
 any point is finished by running the same command again, with every chunk exactly once.
 
+Start-up: the model is described first (its tokenizer and config, not its weights), so
+the run is planned and, on one device, the tokenizing workers forked and at work before
+the weights load and CUDA starts; an unchanged corpus loads no weights at all.
+
 The package: :mod:`.plan` (what a run does), :mod:`.encode` (the encode step on one
 device), :mod:`.devices` (on several devices of one host), :mod:`.ray` (over a Ray
 Dataset); this module runs the steps in order and writes the summary.
@@ -38,9 +42,10 @@ from ...sources.files import refuse_output_as_input
 from ...sources.remote import check_remote, is_remote, local_path
 from ...sources.text_dataset import Unit
 from ...stages.device import precision, resolve_device
+from ...stages.encoder import ModelFacts
 from ...stages.prompts import Prompts
 from .devices import SeveralDevices
-from .encode import OneDevice
+from .encode import OneDevice, needs_training
 from .plan import (apply_plan, corpus_path, default_out, file_candidates, fingerprint,
                    plan_units, record_candidates, search_defaults, settled_prompts, unit_key)
 
@@ -86,7 +91,8 @@ def build_index(corpus, config: IndexConfig | None = None, *, progress: bool = F
 
 def _load_and_build(corpus, cfg: IndexConfig, where: OneDevice | SeveralDevices, dtype: str,
                     report: SkipReport, progress: bool, timeline, t_start: float, trace=None) -> dict:
-    """Load the encoder, then build under the folder's run lock."""
+    """Describe the model (its tokenizer and config; on several devices, their loaded
+    encoder), then build under the folder's run lock."""
     in_memory = not isinstance(corpus, (str, os.PathLike))
     remote = not in_memory and is_remote(corpus)
     if remote:
@@ -101,15 +107,18 @@ def _load_and_build(corpus, cfg: IndexConfig, where: OneDevice | SeveralDevices,
     out = Path(cfg.out) if cfg.out and not out_url else default_out(corpus)
     if not in_memory and not remote and not out_url:
         refuse_output_as_input(out, corpus, "corpus folder", "the index files")
-    phases = {}  # seconds of each step, for the summary: where a run's time goes
-    encoder = where.load_encoder(cfg)
-    phases["load_model_s"] = time.perf_counter() - t_start
-    chunk_tokens = min(cfg.chunk_tokens, encoder.max_seq_length)
+    phases = {}  # seconds of each step, in their order, for the summary: where a run's time goes
+    model = where.describe(cfg)
+    if model.dim is None:  # the config does not say the width: the weights do
+        model = where.load_encoder(cfg, model)
+        phases["load_model_s"] = time.perf_counter() - t_start
+    chunk_tokens = min(cfg.chunk_tokens, model.max_seq_length)
     if cfg.overlap >= chunk_tokens:
         raise ConfigError(f"overlap={cfg.overlap} must be smaller than the chunk size {chunk_tokens}")
-    parse_factory(encoder.dim, cfg.index, cfg.metric)  # every option checked before the first write
-    build = (corpus, cfg, encoder, where, dtype, in_memory, chunk_tokens, report, progress, timeline,
-             t_start, phases, trace)
+    parse_factory(model.dim, cfg.index, cfg.metric)  # every option checked before the first write
+    built = [model]  # the encoder, once loaded: released however the run ends
+    build = (corpus, cfg, model, built, where, dtype, in_memory, chunk_tokens, report, progress,
+             timeline, t_start, phases, trace)
     try:
         if out_url:
             return _build_remote(out_url, build)
@@ -117,7 +126,8 @@ def _load_and_build(corpus, cfg: IndexConfig, where: OneDevice | SeveralDevices,
         with RunLock(out):
             return _build_locked(corpus, cfg, out, *build[2:])
     finally:
-        encoder.release()  # a job in a longer process must not keep the GPU's memory
+        if not isinstance(built[-1], ModelFacts):
+            built[-1].release()  # a job in a longer process must not keep the GPU's memory
 
 
 def _build_remote(url: str, build: tuple) -> dict:
@@ -134,21 +144,50 @@ def _build_remote(url: str, build: tuple) -> dict:
     return summary
 
 
-def _build_locked(corpus, cfg: IndexConfig, out: Path, encoder, where: OneDevice | SeveralDevices,
+def _open_index(store: ShardStore, model, cfg: IndexConfig, dtype: str, corpus, in_memory: bool,
+                overwrite: bool) -> Manifest:
+    """The index's manifest for ``model`` (an encoder or the facts of one), created or
+    checked against the folder's (:meth:`ShardStore.create_or_open`)."""
+    wanted = Prompts.read(model.info()["path"]).resolve(cfg.doc_prompt, cfg.query_prompt)
+    return store.create_or_open(
+        Manifest(model=model.info(), dim=model.dim, metric=cfg.metric, factory=cfg.index,
+                 dtype=dtype, prompts=wanted, corpus_path=corpus_path(corpus, in_memory)),
+        overwrite=overwrite)
+
+
+def _loaded(where: OneDevice | SeveralDevices, cfg: IndexConfig, model, built: list, phases: dict):
+    """The encoder of ``model``: loaded now if ``model`` is its facts (the time goes to
+    ``load_model_s``)."""
+    if not isinstance(model, ModelFacts):
+        return model
+    t0 = time.perf_counter()
+    encoder = where.load_encoder(cfg, model)
+    built.append(encoder)
+    phases["load_model_s"] = phases.get("load_model_s", 0.0) + time.perf_counter() - t0
+    return encoder
+
+
+def _build_locked(corpus, cfg: IndexConfig, out: Path, model, built: list, where: OneDevice | SeveralDevices,
                   dtype: str, in_memory: bool, chunk_tokens: int, report: SkipReport, progress: bool,
                   timeline, t_start: float, phases: dict, trace=None, checkpoint=None) -> dict:
     """The body of :func:`build_index`, run while holding the folder's run lock: plan,
-    train, encode, then the manifest, the skip report and the summary. ``checkpoint()``
-    is called after the plan and after training (an index in object storage saves its
-    progress there)."""
+    start the tokenizing workers, load the model (unless loaded), train, encode, then the
+    manifest, the skip report and the summary. ``checkpoint()`` is called after the plan
+    and after training (an index in object storage saves its progress there).
+
+    ``model`` is the encoder, or the facts of it (:class:`ModelFacts`) while its weights
+    are not loaded: then the workers tokenize the first batches while they load. A
+    width the facts got wrong (``dim``) is put right before anything is encoded."""
     store = ShardStore(out)
     settings = {}  # what the manifest keeps besides the vectors: prompts, search defaults
     try:
-        wanted = Prompts.read(encoder.info()["path"]).resolve(cfg.doc_prompt, cfg.query_prompt)
-        manifest = store.create_or_open(
-            Manifest(model=encoder.info(), dim=encoder.dim, metric=cfg.metric, factory=cfg.index,
-                     dtype=dtype, prompts=wanted, corpus_path=corpus_path(corpus, in_memory)),
-            overwrite=cfg.overwrite)
+        try:
+            manifest = _open_index(store, model, cfg, dtype, corpus, in_memory, cfg.overwrite)
+        except ConfigError:
+            if not isinstance(model, ModelFacts):
+                raise
+            model = _loaded(where, cfg, model, built, phases)  # its own width, then the same check
+            manifest = _open_index(store, model, cfg, dtype, corpus, in_memory, False)
         settings = {"prompts": settled_prompts(manifest, cfg, str(out)),
                     "search": search_defaults(manifest, cfg),
                     "corpus_path": corpus_path(corpus, in_memory)}
@@ -163,13 +202,21 @@ def _build_locked(corpus, cfg: IndexConfig, out: Path, encoder, where: OneDevice
                       record_id=c.get("record_id")) for c in plan.todo]
         if checkpoint:
             checkpoint()
-        t_plan = time.perf_counter()
-        phases["plan_s"] = t_plan - t_start - phases["load_model_s"]
+        early = (isinstance(model, ModelFacts) and bool(units)
+                 and not needs_training(store, cfg, manifest.dim)
+                 and where.start_batches(units, model, cfg, chunk_tokens))
+        if early:
+            log.info("%s: the tokenizing workers start while the model loads", out)
+        phases["plan_s"] = time.perf_counter() - t_start - sum(phases.values())
+        encoder = _loaded(where, cfg, model, built, phases) if units else model
+        if encoder.dim != manifest.dim:  # a new index the facts' width was wrong for: no shard yet
+            manifest = _open_index(store, encoder, cfg, dtype, corpus, in_memory, False)
+        t_train = time.perf_counter()
         trained = where.train(store, manifest, encoder, units, cfg, chunk_tokens) if units else None
         if checkpoint and trained:
             checkpoint()
         t_encode = time.perf_counter()
-        phases["train_s"] = t_encode - t_plan
+        phases["train_s"] = t_encode - t_train
         counts = {"chunks": 0, "docs": 0, "units_done": 0}
         timing: dict = {}  # where this process's time went in the encode step
         stats = None
@@ -190,11 +237,12 @@ def _build_locked(corpus, cfg: IndexConfig, out: Path, encoder, where: OneDevice
         finally:
             store.close()
     seconds = time.perf_counter() - t_start
+    phases.setdefault("load_model_s", 0.0)  # nothing to encode: the weights were not needed
     phases["finish_s"] = seconds - sum(phases.values())
     total = sum(s["count"] for s in manifest.segments)
     summary = {
         "index": str(out), "device": where.name,
-        "dtype": dtype, "model": encoder.info()["name"],
+        "dtype": dtype, "model": model.info()["name"],
         "units_seen": plan.seen_keys, "units_indexed": counts["units_done"],
         "units_unchanged": plan.unchanged, "units_removed": len(plan.deleted),
         "vectors_removed": removed, "docs": counts["docs"], "chunks": counts["chunks"],

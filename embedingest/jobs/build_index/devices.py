@@ -185,8 +185,16 @@ class SeveralDevices:
         self.name = ",".join(devices)
         self.procs = start_device_processes(devices, cfg, dtype)
 
-    def load_encoder(self, cfg: IndexConfig) -> EncoderOnDevices:
+    def describe(self, cfg: IndexConfig) -> EncoderOnDevices:
+        """The children's encoder, loaded while this process got here (all the plan needs)."""
         return encoder_on_devices(self.procs)
+
+    def load_encoder(self, cfg: IndexConfig, facts: EncoderOnDevices | None = None) -> EncoderOnDevices:
+        return facts if facts is not None else encoder_on_devices(self.procs)
+
+    def start_batches(self, units: list[Unit], facts, cfg: IndexConfig, chunk_tokens: int) -> bool:
+        """Nothing starts early here: each child starts its own loader (False)."""
+        return False
 
     def train(self, store: ShardStore, manifest, encoder, units: list[Unit], cfg: IndexConfig,
               chunk_tokens: int) -> str | None:

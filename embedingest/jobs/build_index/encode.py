@@ -29,7 +29,7 @@ from ...sinks.faiss_shards import new_run_id, parse_factory
 from ...sinks.shard_writer import ShardWriterFactory, commit_finished
 from ...sources.remote import is_remote
 from ...sources.text_dataset import TextChunkDataset, Unit
-from ...stages.encoder import TextEncoder
+from ...stages.encoder import ModelFacts, TextEncoder
 from ...stages.prompts import chunk_prompt, with_prompt
 from ...stages.tokenizer import load_tokenizer
 
@@ -110,6 +110,15 @@ def embed_steps(encoder: TextEncoder, device: str, done=None, marks: list | None
     return BatchSteps(send, forward, skipped=lambda item: item["skipped"], done=handed_over)
 
 
+def start_batches(units: list[Unit], encoder: TextEncoder | ModelFacts, cfg: IndexConfig, device: str,
+                  chunk_tokens: int):
+    """The encode step's batches of ``units``: an iterator over :func:`make_loader`, whose
+    worker processes start now (forked: start them before anything starts threads here)
+    and prepare the first batches while the caller goes on (loads the model)."""
+    workers = loader_workers(cfg, len(units), units[0].path is None)
+    return iter(make_loader(units, encoder, cfg, workers, chunk_tokens, pin=device.startswith("cuda")))
+
+
 def loader_workers(cfg: IndexConfig, n_units: int, in_memory: bool) -> int:
     """DataLoader workers for ``n_units`` units: none for in-memory records (they would
     be pickled to each worker), else the configured share of the cores."""
@@ -148,17 +157,17 @@ def train_if_needed(store: ShardStore, manifest: Manifest, encoder: TextEncoder,
 def encode_units(units: list[Unit], encoder: TextEncoder, store: ShardStore, report: SkipReport,
                  cfg: IndexConfig, out: Path, device: str, chunk_tokens: int, trained: str | None,
                  counts: dict, progress: bool, run_id: str | None = None, on_item=None,
-                 timing: dict | None = None):
+                 timing: dict | None = None, batches=None):
     """The encode step on one device: the batch loop (:func:`~embedingest.runner.run_batches`)
     over ``units``, each batch's rows going with its vectors to the shard writers;
     returns the engine's stats. ``timing`` (a dict) receives where this process's time
-    went (the loop's keys)."""
+    went (the loop's keys). ``batches``: the loader's batches, already started
+    (:func:`start_batches`); by default a loader is made here."""
     from tqdm import tqdm
 
     if not cfg.save_embeddings and any(s.has_embeddings for s in store.committed()):
         cfg = dataclasses.replace(cfg, save_embeddings=True)  # an index that keeps them keeps all
-    workers = loader_workers(cfg, len(units), units[0].path is None)
-    loader = make_loader(units, encoder, cfg, workers, chunk_tokens, pin=device.startswith("cuda"))
+    loader = batches if batches is not None else start_batches(units, encoder, cfg, device, chunk_tokens)
     sinks = shard_sinks(out, encoder.dim, cfg, run_id or new_run_id(), trained, store.generation)
     marks: list[tuple[int, int]] = []
     timing = timing if timing is not None else {}
@@ -195,15 +204,30 @@ def encode_units(units: list[Unit], encoder: TextEncoder, store: ShardStore, rep
 class OneDevice:
     """Where build-index runs when it runs on one device: the encoder loaded here, the
     training and the encode step in this process. :class:`~.devices.SeveralDevices` is
-    the same interface over one process per device."""
+    the same interface over one process per device.
+
+    The model is described first (:meth:`describe`: its tokenizer and config, not its
+    weights), so the run is planned and the tokenizing workers started
+    (:meth:`start_batches`) before the weights load and CUDA starts."""
 
     def __init__(self, device: str, dtype: str):
         self.device = self.name = device
         self.dtype = dtype
+        self._batches = None
 
-    def load_encoder(self, cfg: IndexConfig) -> TextEncoder:
-        return TextEncoder.load(cfg.model, device=self.device, dtype=self.dtype,
-                                cuda_graphs=cfg.cuda_graphs)
+    def describe(self, cfg: IndexConfig) -> ModelFacts:
+        return ModelFacts.read(cfg.model, device=self.device, dtype=self.dtype)
+
+    def load_encoder(self, cfg: IndexConfig, facts: ModelFacts | None = None) -> TextEncoder:
+        if facts is None:
+            facts = self.describe(cfg)
+        return TextEncoder.from_facts(facts, cuda_graphs=cfg.cuda_graphs)
+
+    def start_batches(self, units: list[Unit], facts: ModelFacts, cfg: IndexConfig,
+                      chunk_tokens: int) -> bool:
+        """Start the encode step's loader now (its workers fork before the model loads)."""
+        self._batches = start_batches(units, facts, cfg, self.device, chunk_tokens)
+        return True
 
     def train(self, store: ShardStore, manifest: Manifest, encoder: TextEncoder, units: list[Unit],
               cfg: IndexConfig, chunk_tokens: int) -> str | None:
@@ -212,12 +236,17 @@ class OneDevice:
     def encode(self, units: list[Unit], sizes: list[int], encoder: TextEncoder, store: ShardStore,
                report: SkipReport, cfg: IndexConfig, chunk_tokens: int, trained: str | None,
                counts: dict, progress: bool, timing: dict):
+        batches, self._batches = self._batches, None  # the loop holds the only reference
         return encode_units(units, encoder, store, report, cfg, store.folder, self.device,
-                            chunk_tokens, trained, counts, progress, timing=timing)
+                            chunk_tokens, trained, counts, progress, timing=timing, batches=batches)
 
     def engines(self, stats) -> list:
         """(device, engine stats) pairs, for the trace."""
         return [(self.device, stats)]
 
     def close(self) -> None:
-        """Nothing runs elsewhere."""
+        """Shut down the workers of a loader started but not used (the run failed first)."""
+        batches, self._batches = self._batches, None
+        shutdown = getattr(batches, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
