@@ -78,15 +78,6 @@ def _weights_enum(arch: str):
     return tvmodels.get_model_weights(arch).DEFAULT
 
 
-def preset_preprocessing(arch: str, resize: str = "short", size: int | None = None) -> Preprocessing:
-    """The preprocessing :meth:`SegmentationModel.preprocessing` gives for ``arch``, from
-    its weights' preset alone (no weights read): the decoding workers start with it while
-    the model loads."""
-    t = _weights_enum(arch).transforms()
-    return Preprocessing(resize, size or int(t.resize_size[0]), tuple(t.mean), tuple(t.std),
-                         t.interpolation.value, bool(t.antialias))
-
-
 def hub_checkpoint_path(arch: str = "deeplabv3_resnet50") -> Path:
     """Where torchvision keeps the pretrained checkpoint of ``arch`` once downloaded."""
     url = _weights_enum(arch).url

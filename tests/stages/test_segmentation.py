@@ -19,8 +19,7 @@ from embedingest.errors import ConfigError
 from embedingest.sources.image_decode import ImageMeta
 from embedingest.stages.device import resolve_dtype
 from embedingest.stages.segmentation import (ARCHITECTURES, Segmenter, hub_checkpoint_path,
-                                             load_segmentation_model, preset_preprocessing,
-                                             upsampled_argmax)
+                                             load_segmentation_model, upsampled_argmax)
 
 SMALL = "deeplabv3_mobilenet_v3_large"   # same head and loading path, a quarter of the bytes
 
@@ -115,15 +114,6 @@ def test_hub_cache_file_is_used_without_download(tmp_path):
     random_weights_file(path, arch=SMALL, num_classes=21)
     loaded = load_segmentation_model(SMALL)
     assert loaded.source.startswith("hub cache") and loaded.categories[15] == "person"
-
-
-@pytest.mark.parametrize("resize, size", [("short", None), ("fit", None), ("short", 384)])
-def test_the_presets_preprocessing_is_the_loaded_models(resize, size):
-    """segment starts its decoding workers with the preset's preprocessing before the
-    weights load: it is the one the loaded model gives."""
-    loaded = load_segmentation_model(SMALL, random_weights=True)
-    assert preset_preprocessing(SMALL, resize, size) == loaded.preprocessing(resize, size)
-    assert preset_preprocessing(SMALL, resize, size).size == (size or 520)
 
 
 def test_no_weights_is_a_clear_error():

@@ -24,7 +24,7 @@ from ...sinks.masks import MaskSinkFactory, labels_info, write_labels
 from ...sources.image_decode import LONG_SIDE_LIMIT, ImageMeta
 from ...sources.images import ImageBatch, ImageFileDataset, collate_images, regroup
 from ...sources.shape_batches import HeaderReaders, ShapeBatchSampler
-from ...stages.segmentation import Segmenter, load_segmentation_model, preset_preprocessing
+from ...stages.segmentation import Segmenter, load_segmentation_model
 
 
 def slot_spec(config: SegmentConfig, num_classes: int) -> dict:
@@ -75,10 +75,20 @@ def segment_on_device(config: SegmentConfig, device: torch.device, todo: list[tu
     ``batch_shapes``: how many batches of each size and model input shape ran."""
     t0 = time.perf_counter()
     timing = {"load_model_s": 0.0}
-    # The decoding workers and header readers start (fork) first, with the weights'
-    # preset, and decode the first batches while the model loads.
-    prep = preset_preprocessing(config.arch, config.resize, config.size)
+    loaded = load_segmentation_model(config.arch, config.weights, config.num_classes,
+                                     config.random_weights)
+    prep = loaded.preprocessing(config.resize, config.size)
     full_max = config.upsample_max_pixels if config.resize == "short" else 0
+    write_labels(config.out, labels_info(loaded.arch, loaded.source, loaded.categories,
+                                         prep.describe(), full_max, loaded.preset),
+                 replace=config.overwrite)
+    segmenter = Segmenter(loaded, device, config.dtype)
+    # cuDNN's algorithm search (torch.backends.cudnn.benchmark) stays off: on an H200 it
+    # found no faster kernels for DeepLabV3-ResNet50 at batch 16 (fp16 741 against 739
+    # images/s, fp32 392 against 392) and cost 1.6-3.6 s (fp16) and 12 s (fp32) at the
+    # start of every process, and it would search again for every new input shape.
+    t_loaded = time.perf_counter()
+    timing["load_model_s"] = t_loaded - t0
     workers = min(share_of_cpus(config.num_workers, processes), -(-len(todo) // config.batch_size))
     # Headers are read by processes of their own (a few per cent of the decoding's work), so
     # this process, which drives the GPU, does nothing per image.
@@ -93,51 +103,15 @@ def segment_on_device(config: SegmentConfig, device: torch.device, todo: list[tu
         pin_memory=device.type == "cuda",
         persistent_workers=False, worker_init_fn=functools.partial(exit_with_parent, os.getpid()),
         multiprocessing_context=loader_context() if workers else None)
-    # Start the header readers and the decoding workers (fork) before any thread.
-    headers.start()
-    with headers:
-        decoded = iter(loader)
-        t_started = time.perf_counter()
-        try:
-            loaded = load_segmentation_model(config.arch, config.weights, config.num_classes,
-                                             config.random_weights)
-            if loaded.preprocessing(config.resize, config.size) != prep:
-                raise RuntimeError(f"the preprocessing of {loaded.preset} differs from its preset's: "
-                                   f"{loaded.preprocessing(config.resize, config.size)} != {prep}")
-            write_labels(config.out, labels_info(loaded.arch, loaded.source, loaded.categories,
-                                                 prep.describe(), full_max, loaded.preset),
-                         replace=config.overwrite)
-            segmenter = Segmenter(loaded, device, config.dtype)
-        except BaseException:
-            shutdown = getattr(decoded, "_shutdown_workers", None)
-            if shutdown is not None:
-                shutdown()
-            raise
-        # cuDNN's algorithm search (torch.backends.cudnn.benchmark) stays off: on an H200 it
-        # found no faster kernels for DeepLabV3-ResNet50 at batch 16 (fp16 741 against 739
-        # images/s, fp32 392 against 392) and cost 1.6-3.6 s (fp16) and 12 s (fp32) at the
-        # start of every process, and it would search again for every new input shape.
-        t_loaded = time.perf_counter()
-        timing["load_model_s"] = t_loaded - t_started
-        summary = _segment_batches(config, device, todo, report, progress, timeline, on_images, trace,
-                                   t0, timing, loaded, segmenter, decoded, full_max,
-                                   started=t_loaded - (t_started - t0))
-    return summary
-
-
-def _segment_batches(config: SegmentConfig, device: torch.device, todo: list[tuple[str, str]],
-                     report: SkipReport, progress: bool, timeline, on_images, trace, t0: float,
-                     timing: dict, loaded, segmenter: Segmenter, decoded, full_max: int,
-                     started: float) -> dict:
-    """The batch loop of :func:`segment_on_device` over the ``decoded`` batches, and its
-    summary; ``started``: where the loop's ``start_s`` counts from."""
     spec = slot_spec(config, loaded.num_classes)
     factory = MaskSinkFactory(str(config.out), config.save_logits, config.overlay,
                               config.overlay_alpha, config.max_pixels or None,
                               num_classes=loaded.num_classes, stats=config.stats,
                               categories=tuple(loaded.categories),
                               stats_commit_seconds=config.stats_commit_seconds)
-    batches = regroup(decoded, config.batch_size, max_waiting=4 * config.batch_size)
+    # Start the header readers and the decoding workers (fork) before any thread.
+    headers.start()
+    batches = regroup(iter(loader), config.batch_size, max_waiting=4 * config.batch_size)
     shapes: Counter = Counter()
     seen: set[tuple[int, int]] = set()
 
@@ -163,8 +137,8 @@ def _segment_batches(config: SegmentConfig, device: torch.device, todo: list[tup
         return _parts(metas, masks, crops, spec)
 
     # disable=None: a bar on a terminal only, never in logs or pipes.
-    with tqdm(total=len(todo), unit="img", desc="segment", dynamic_ncols=True,
-              disable=None if progress else True) as bar:
+    with headers, tqdm(total=len(todo), unit="img", desc="segment", dynamic_ncols=True,
+                       disable=None if progress else True) as bar:
 
         def done(batch: ImageBatch) -> None:
             bar.update(len(batch) + len(batch.bad))
@@ -176,7 +150,7 @@ def _segment_batches(config: SegmentConfig, device: torch.device, todo: list[tup
         engine = run_batches(factory, batches, steps, device=device, slot_spec=spec,
                              num_consumers=config.num_consumers, num_slots=config.num_slots or None,
                              on_skip=functools.partial(report.add, stage="read"), timing=timing,
-                             started=started)
+                             started=t_loaded)
     if timeline and engine.stats.records:
         from ...engine.timeline import render_timeline
 
