@@ -99,7 +99,7 @@ class RemoteShards:
 
     def open_parquet(self, shard: Shard):
         """The shard's Parquet file, read by range."""
-        return self.remote.fs.open(f"{self.remote.root}/{SHARDS_DIR}/{shard.files['parquet']['name']}",
+        return self.remote.fs.open(self.remote.fresh(f"{SHARDS_DIR}/{shard.files['parquet']['name']}"),
                                    "rb", cache_type="none")
 
     def faiss_path(self, shard: Shard) -> Path:
@@ -116,8 +116,7 @@ class RemoteShards:
             return path
         path.parent.mkdir(parents=True, exist_ok=True)
         h = hashlib.sha256()
-        with atomic_file(path) as fh, self.remote.fs.open(
-                f"{self.remote.root}/{SHARDS_DIR}/{name}", "rb") as src:
+        with atomic_file(path) as fh, self.remote.fs.open(self.remote.fresh(f"{SHARDS_DIR}/{name}"), "rb") as src:
             for block in iter(lambda: src.read(_BLOCK), b""):
                 h.update(block)
                 fh.write(block)

@@ -96,6 +96,14 @@ class Remote:
     def _path(self, rel: str) -> str:
         return f"{self.root}/{rel}"
 
+    def fresh(self, rel: str) -> str:
+        """The path of ``rel`` with fsspec's cached listings of it dropped: the store is
+        read afresh (a listing cached earlier in this process would hide new objects and
+        give old sizes)."""
+        path = self._path(rel)
+        self.fs.invalidate_cache(path)
+        return path
+
     def _call(self, op: str, rel: str, **kw) -> dict:
         return self.fs.call_s3(op, Bucket=self.bucket, Key=f"{self.prefix}/{rel}", **kw)
 
@@ -119,13 +127,13 @@ class Remote:
             return None
 
     def read(self, rel: str) -> bytes:
-        return self.fs.cat_file(self._path(rel))
+        return self.fs.cat_file(self.fresh(rel))
 
     def read_many(self, rels: list[str]) -> dict[str, bytes]:
         """Several small objects, fetched side by side."""
         if not rels:
             return {}
-        data = self.fs.cat([self._path(r) for r in rels])
+        data = self.fs.cat([self.fresh(r) for r in rels])
         return {r: data[self._path(r)] for r in rels}
 
     def delete(self, rel: str, if_match: str | None = None) -> None:
@@ -147,7 +155,7 @@ class Remote:
 
     def download(self, rel: str, local: Path) -> None:
         """``rel`` to ``local`` through a temporary name (whole or not at all)."""
-        with atomic_file(local) as fh, self.fs.open(self._path(rel), "rb") as src:
+        with atomic_file(local) as fh, self.fs.open(self.fresh(rel), "rb") as src:
             shutil.copyfileobj(src, fh, 1 << 22)
 
 

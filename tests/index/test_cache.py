@@ -159,3 +159,23 @@ def test_serve_answers_from_an_index_in_the_bucket(s3, tmp_path, monkeypatch):
     assert [h["id"] for h in hits["hits"]] == want and all(h["file"] is None for h in hits["hits"])
     result = CliRunner().invoke(main, ["serve", "s3://no-such-bucket-here/ix", "--cache-dir", str(tmp_path)])
     assert result.exit_code == 1 and "cannot list 's3://no-such-bucket-here/ix'" in result.output
+
+
+def test_a_later_open_in_the_same_process_sees_shards_committed_since(s3, tmp_path):
+    local_index(tmp_path / "ix")
+    manifest = json.loads((tmp_path / "ix" / "manifest.json").read_text())
+    late = manifest["segments"][-1]["name"]
+    for path in sorted((tmp_path / "ix").rglob("*")):
+        if path.is_file() and not path.name.startswith(late):
+            s3.put(f"ix/{path.relative_to(tmp_path / 'ix').as_posix()}", path.read_bytes())
+    s3.put("ix/manifest.json", json.dumps({**manifest, "segments": manifest["segments"][:-1]}).encode())
+    with open_index(s3.url("ix"), cache_dir=tmp_path / "c") as index:
+        before = index.ntotal
+    import s3fs
+
+    other = s3fs.S3FileSystem(skip_instance_cache=True)  # a build in another process commits one more shard
+    for path in sorted((tmp_path / "ix" / "shards").glob(f"{late}.*")):
+        other.pipe_file(f"{s3.name}/ix/shards/{path.name}", path.read_bytes())
+    other.pipe_file(f"{s3.name}/ix/manifest.json", json.dumps(manifest).encode())
+    with open_index(s3.url("ix"), cache_dir=tmp_path / "c") as index:
+        assert index.ntotal == before + manifest["segments"][-1]["count"]
