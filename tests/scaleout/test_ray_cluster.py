@@ -1,0 +1,117 @@
+"""build_index_ray on a Ray cluster of two nodes on this machine (``ray.cluster_utils.Cluster``:
+a head and a worker, each with a raylet and an object store of its own), one actor on
+each: the index of the single-process build, and a worker node killed mid-run loses
+nothing once the run is run again.
+
+The index folder is local (both nodes run on this machine): the actors share no other
+path, and the driver reads no record (see test_build_index_ray.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from test_build_index_devices import TOPICS
+from test_build_index_ray import SETTINGS, assert_same_index
+
+from embedingest import build_index
+
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.*"), pytest.mark.slow]
+
+RECORDS = [{"id": f"r{i}", "text": " ".join(TOPICS[i % 8:] + TOPICS[:i % 3]) + f" Part {i}."}
+           for i in range(96)]
+DRIVER = """
+import json, sys
+import ray
+from embedingest import build_index_ray
+address, out, settings = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+ray.init(address=address, log_to_driver=False, configure_logging=False)
+records = json.load(sys.stdin)
+build_index_ray(ray.data.from_items(records), out, concurrency=2, num_cpus=1, records_per_call=4,
+                **settings)
+"""
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'embedingest[ray]')")
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    # Every node on this machine, at the address Ray gives it: Ray turns 127.0.0.1 into
+    # the host's own address when a driver connects, so nodes bound to it are unreachable.
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+    yield ray, cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single") / "index"
+    build_index(RECORDS, out=str(out), num_workers=0, **SETTINGS)
+    return out
+
+
+def ray_pids(out) -> set[str]:
+    """The actor processes that committed shards (their run ids end in _ray<pid>)."""
+    names = [p.name for p in (out / "shards").glob("*.commit.json")]
+    return {n.split("_ray")[1].split("_")[0] for n in names if "_ray" in n}
+
+
+def test_two_nodes_build_the_single_process_index(tmp_path, cluster, single_process):
+    from embedingest import build_index_ray
+
+    ray, _ = cluster
+    assert len([n for n in ray.nodes() if n["Alive"]]) == 2
+    out = tmp_path / "two-nodes"
+    summary = build_index_ray(ray.data.from_items(RECORDS), out, concurrency=2, num_cpus=1,
+                              records_per_call=8, **SETTINGS)
+    assert summary["units_indexed"] == len(RECORDS) and summary["units_incomplete"] == 0
+    assert len(ray_pids(out)) == 2  # one actor per node: each node has one CPU
+    assert_same_index(single_process, out)
+
+
+def test_a_worker_node_killed_mid_run_loses_nothing(tmp_path, cluster, single_process):
+    from embedingest import build_index_ray
+
+    ray, cl = cluster
+    out = tmp_path / "killed"
+    driver = subprocess.Popen(
+        [sys.executable, "-c", DRIVER, cl.address, str(out), json.dumps(SETTINGS)],
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env=os.environ)  # PYTHONPATH: the checkout (tests/conftest.py)
+    driver.stdin.write(json.dumps(RECORDS))
+    driver.stdin.close()
+    try:
+        deadline = time.monotonic() + 90
+        while len(ray_pids(out) if (out / "shards").is_dir() else ()) < 2:  # both actors at work
+            assert driver.poll() is None, driver.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "the actors committed nothing in 90 s"
+            time.sleep(0.2)
+        assert driver.poll() is None  # mid-run
+        cl.remove_node(next(iter(cl.worker_nodes)))  # its raylet, object store and actor, killed
+        try:  # Ray Data may finish on the head alone, fail, or wait for a node
+            driver.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            pass
+    finally:
+        driver.kill()
+        driver.wait()
+    with open(out / "manifest.json") as fh:  # the killed run's state, whatever it got to
+        assert json.load(fh)["format"] == 2
+    cl.add_node(num_cpus=1)
+    cl.wait_for_nodes()
+    summary = build_index_ray(ray.data.from_items(RECORDS), out, concurrency=2, num_cpus=1,
+                              records_per_call=8, **SETTINGS)
+    assert summary["units_incomplete"] == 0
+    assert summary["units_indexed"] + summary["units_unchanged"] == len(RECORDS)
+    assert_same_index(single_process, out)
