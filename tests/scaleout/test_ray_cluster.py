@@ -23,7 +23,7 @@ from embedingest import build_index
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.*"), pytest.mark.slow]
 
 RECORDS = [{"id": f"r{i}", "text": " ".join(TOPICS[i % 8:] + TOPICS[:i % 3]) + f" Part {i}."}
-           for i in range(96)]
+           for i in range(48)]
 DRIVER = """
 import json, sys
 import ray
@@ -100,7 +100,7 @@ def test_a_worker_node_killed_mid_run_loses_nothing(tmp_path, cluster, single_pr
         assert driver.poll() is None  # mid-run
         cl.remove_node(next(iter(cl.worker_nodes)))  # its raylet, object store and actor, killed
         try:  # Ray Data may finish on the head alone, fail, or wait for a node
-            driver.wait(timeout=20)
+            driver.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
     finally:
