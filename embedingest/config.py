@@ -253,6 +253,9 @@ class QueryConfig:
     query_prompt: str | None = setting(
         None, "Text put before the query; '' for none.", metavar="TEXT",
         shown="the index's query prompt")
+    cache_dir: str | None = setting(
+        None, "Folder where the vectors of an index in object storage (s3://...) are kept once "
+              "downloaded.", path="dir", shown="~/.cache/embedingest")
 
 
 @dataclass

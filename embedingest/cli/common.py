@@ -57,6 +57,20 @@ class InputPath(click.ParamType):
         return click.Path(exists=True, path_type=str).convert(local_path(value), param, ctx)
 
 
+class IndexPath(click.ParamType):
+    """An index folder that exists, or the URL of an index in object storage
+    (``s3://bucket/prefix``), which opening it checks."""
+
+    name = "folder_or_url"
+
+    def convert(self, value, param, ctx):
+        from ..sources.remote import is_remote, local_path
+
+        if is_remote(value):
+            return value
+        return click.Path(exists=True, file_okay=False, path_type=str).convert(local_path(value), param, ctx)
+
+
 def exit_quickly(code: int) -> NoReturn:
     """Exit with ``code`` once the run is over (its files written, its processes gone),
     without the interpreter's last garbage collection over torch, transformers and the

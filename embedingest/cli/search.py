@@ -5,22 +5,24 @@ from __future__ import annotations
 import click
 
 from ..config import SearchConfig, ServeConfig, load_config
-from .common import config_options, emit_json, library_errors
+from .common import IndexPath, config_options, emit_json, library_errors
 
 
 @click.command()
-@click.argument("index_dir", type=click.Path(exists=True, file_okay=False, path_type=str))
+@click.argument("index_dir", type=IndexPath())
 @click.argument("query", nargs=-1, required=True)
 @config_options(SearchConfig)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of hits.")
 @library_errors
 def search(index_dir, query, as_json, **options) -> None:
-    """Search INDEX_DIR for QUERY; prints rank, score, source and the chunk's text."""
+    """Search INDEX_DIR (a folder, or s3://bucket/prefix) for QUERY; prints rank, score,
+    source and the chunk's text."""
     from ..index.search import open_index
 
     cfg = load_config(SearchConfig, **options)
     text = " ".join(query)
-    index = open_index(index_dir, device=cfg.device, params=cfg.params, query_prompt=cfg.query_prompt)
+    index = open_index(index_dir, device=cfg.device, params=cfg.params, query_prompt=cfg.query_prompt,
+                       cache_dir=cfg.cache_dir)
     try:
         (hits,) = index.search([text], k=cfg.k or index.manifest.search.get("k") or 5)
     finally:
@@ -39,11 +41,12 @@ def search(index_dir, query, as_json, **options) -> None:
 
 
 @click.command()
-@click.argument("index_dir", type=click.Path(exists=True, file_okay=False, path_type=str))
+@click.argument("index_dir", type=IndexPath())
 @config_options(ServeConfig)
 @library_errors
 def serve(index_dir, **options) -> None:
-    """Serve INDEX_DIR over HTTP: a search page at / and JSON at /search?q=...&k=...
+    """Serve INDEX_DIR (a folder, or s3://bucket/prefix) over HTTP: a search page at / and
+    JSON at /search?q=...&k=...
 
     The model and the index stay loaded between requests. Needs the serve extra
     (pip install 'embedingest[serve]').
@@ -54,7 +57,7 @@ def serve(index_dir, **options) -> None:
     try:
         run_server(index_dir, cfg.host, cfg.port, device=cfg.device, params=cfg.params,
                    query_prompt=cfg.query_prompt, max_query_chars=cfg.max_query_chars, max_k=cfg.max_k,
-                   threads=cfg.threads or None,
+                   threads=cfg.threads or None, cache_dir=cfg.cache_dir,
                    on_ready=lambda url: click.echo(f"serving {index_dir} at {url} (Ctrl-C stops)", err=True))
     except KeyboardInterrupt:  # how a server is stopped: not an error
         click.echo("stopped", err=True)

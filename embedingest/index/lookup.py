@@ -15,7 +15,7 @@ import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -37,8 +37,13 @@ class ShardRows:
     loads); else they are read from the Parquet files."""
 
     def __init__(self, shards: Iterable[Shard], ids: Sequence[np.ndarray] | None = None,
-                 threads: int | None = None):
+                 threads: int | None = None, opener: Callable[[Shard], object] | None = None,
+                 where: Callable[[Shard], str] | None = None):
         self.shards = [s for s in shards if s.rows]
+        # Parquet files elsewhere (object storage): ``opener`` gives a file object read by
+        # range, ``where`` the name errors give it.
+        self._opener = opener
+        self._where = where or (lambda shard: str(shard.path("parquet")))
         self._threads = min(READ_THREADS, os.cpu_count() or 1) if threads is None else threads
         self._pool: ThreadPoolExecutor | None = None
         self._files: OrderedDict[int, tuple[pq.ParquetFile, threading.Lock]] = OrderedDict()
@@ -50,13 +55,13 @@ class ShardRows:
             pf = self._open(no)
             meta = pf.metadata
             if meta.num_rows != shard.rows or (ids is not None and len(ids[no]) != shard.rows):
-                raise ConfigError(f"{str(shard.path('parquet'))!r} holds {meta.num_rows} rows, but "
+                raise ConfigError(f"{self._where(shard)!r} holds {meta.num_rows} rows, but "
                                   f"its commit record says {shard.rows}: the shard is damaged; "
                                   f"delete its files ({shard.name}.*) and run build-index again")
             group_starts.append(_group_starts(meta, shard))
             if ids is not None and not _groups_match(meta, group_starts[-1], ids[no]):
                 raise ConfigError(f"the vectors of shard {shard.name} are not in the order of its "
-                                  f"rows in {str(shard.path('parquet'))!r}: the shard is damaged; "
+                                  f"rows in {self._where(shard)!r}: the shard is damaged; "
                                   f"delete its files ({shard.name}.*) and run build-index again")
             per_shard.append(ids[no] if ids is not None else
                              pf.read(columns=["id"], use_threads=False).column(0).to_numpy())
@@ -95,9 +100,11 @@ class ShardRows:
         """A shard's Parquet file; one that is not Parquet is a ConfigError naming it."""
         shard = self.shards[no]
         try:
+            if self._opener is not None:
+                return pq.ParquetFile(self._opener(shard))
             return pq.ParquetFile(shard.path("parquet"), memory_map=True)
         except (pa.ArrowException, OSError) as exc:
-            raise ConfigError(f"cannot read {str(shard.path('parquet'))!r} ({exc}): the shard is "
+            raise ConfigError(f"cannot read {self._where(shard)!r} ({exc}): the shard is "
                               f"damaged; delete its files ({shard.name}.*) and run build-index "
                               "again to redo the units it held") from exc
 

@@ -24,6 +24,7 @@ from ..errors import ConfigError
 from ..outfiles import refuse_link
 from .formats import index_format, require_current
 from .lookup import ShardRows
+from ..sources.remote import is_remote
 from .shards import FORMAT as SHARDS_FORMAT
 from .shards import SHARDS_DIR, list_shards
 from .store import IndexStore, Manifest, read_index_file
@@ -254,8 +255,10 @@ def _ids_match(index: faiss.Index, seg) -> bool:
 
 
 def open_index(path: str | os.PathLike, device: str = "cpu", *, encoder=None,
-               params: str | None = None, query_prompt: str | None = None) -> Index:
-    """Open the index folder ``path`` for search.
+               params: str | None = None, query_prompt: str | None = None,
+               cache_dir: str | os.PathLike | None = None) -> Index:
+    """Open the index folder ``path`` (or an index in object storage, ``s3://bucket/prefix``)
+    for search.
 
     ``device`` is where the query encoder runs (faiss search itself runs on the CPU).
     ``encoder``: any object with ``encode(list[str]) -> np.ndarray``, instead of loading
@@ -263,7 +266,24 @@ def open_index(path: str | os.PathLike, device: str = "cpu", *, encoder=None,
     ``"nprobe=16"`` (IVF) or ``"efSearch=128"`` (HNSW); None: those stored with the index
     (``build-index --search-params``), "" for none. ``query_prompt``: text put before each
     query; None: the index's (the model's query prompt, or ``build-index --query-prompt``).
+    ``cache_dir``: where the vectors of an index in object storage are kept once downloaded
+    (:mod:`embedingest.index.cache`; None: ``~/.cache/embedingest``).
     """
+    if is_remote(path):
+        from .cache import RemoteShards
+
+        remote = RemoteShards(path, cache_dir)
+        manifest = remote.manifest
+        if params is None:
+            params = manifest.search.get("params")
+        try:
+            shards, rows = _load_shards(remote.shards, remote.faiss_path, manifest, params,
+                                        opener=remote.open_parquet, where=remote.where)
+        except BaseException:
+            remote.close()
+            raise
+        return Index(remote, manifest, shards, encoder=encoder, device=device, query_prompt=query_prompt,
+                     params=params or None, rows=rows)
     require_current(path)
     store = IndexStore(path, read_only=True)
     manifest = store.read_manifest()
@@ -305,9 +325,16 @@ def _open_shards(store: IndexStore, manifest: Manifest, params: str | None) -> t
     Each shard's vectors must be its rows' (same count and ids, in the same order)."""
     refuse_link(store.folder / SHARDS_DIR)  # a shard is read from inside the index folder only
     shards = [s for s in list_shards(store.folder / SHARDS_DIR, generation=manifest.generation) if s.rows]
+    return _load_shards(shards, lambda shard: shard.faiss_path(manifest.generation), manifest, params)
+
+
+def _load_shards(shards: list, faiss_path, manifest: Manifest, params: str | None, *, opener=None,
+                 where=None) -> tuple[list, ShardRows]:
+    """The vectors of ``shards`` (each read from ``faiss_path(shard)``) and their rows
+    (see :class:`ShardRows` for ``opener`` and ``where``)."""
     vectors, ids = [], []
     for shard in shards:
-        path = shard.faiss_path(manifest.generation)
+        path = faiss_path(shard)
         index = read_shard(path)
         id_map = getattr(index, "id_map", None)
         if index.ntotal != shard.rows or index.d != manifest.dim or id_map is None \
@@ -320,7 +347,7 @@ def _open_shards(store: IndexStore, manifest: Manifest, params: str | None) -> t
         _set_params(index, params, shard.name, manifest)
         vectors.append(index)
         ids.append(faiss.vector_to_array(id_map))
-    return vectors, ShardRows(shards, ids)
+    return vectors, ShardRows(shards, ids, opener=opener, where=where)
 
 
 def _ends_match(id_map, shard) -> bool:

@@ -245,12 +245,13 @@ _REDO = ("delete that shard's files (every file named {name}.*) and run the same
          "command again: the units it held are redone")
 
 
-def read_commit(path: Path) -> Shard:
-    """The shard of commit record ``path``; ConfigError saying what is wrong and how to
-    redo the shard when it is not a record embedingest wrote."""
+def read_commit(path: Path, text: bytes | str | None = None) -> Shard:
+    """The shard of commit record ``path`` (whose content is ``text`` when given: a record
+    read from object storage); ConfigError saying what is wrong and how to redo the
+    shard when it is not a record embedingest wrote."""
     name = path.name[: -len(COMMIT_SUFFIX)]
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8") if text is None else text)
         files = data["files"]
         if data.get("format") != FORMAT or data.get("name") != name or not isinstance(files, dict):
             raise ValueError("it is not a commit record of this shard in format 2")

@@ -23,6 +23,10 @@ Every file goes through a temporary name, is checked to be whole and is ``os.rep
 (``embedingest.outfiles``), and the mask is written last, so an existing mask means the
 image is finished: that is what resume checks. No folder under ``out`` is a link the
 sink writes through: a mask never lands outside ``out``.
+
+``out`` may be a URL (``s3://bucket/prefix``, any fsspec URL): each consumer then writes
+its files as above in a staging folder of its own (:func:`tempfile.mkdtemp`), uploads
+them, the mask last (one PUT each: an object is whole or absent), and deletes them.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +46,7 @@ from PIL import Image
 from ..errors import ConfigError
 from ..outfiles import atomic_write_bytes, ensure_folder
 from ..sources.image_decode import ImageMeta, ImageRejected, open_rgb
+from ..sources.remote import is_remote
 
 LABELS_FILE = "labels.json"
 MASK_SUFFIX = ".png"
@@ -146,24 +153,55 @@ def labels_info(arch: str, weights: str, categories: Sequence[str], preprocessin
 _LABELS_MUST_MATCH = ("arch", "num_classes", "categories", "preprocessing", "masks")
 
 
-def write_labels(out: str | os.PathLike, info: dict, replace: bool = False) -> Path:
-    """Write ``labels.json`` (atomically); refuse a folder whose labels differ, unless ``replace``."""
+def write_labels(out: str | os.PathLike, info: dict, replace: bool = False) -> Path | str:
+    """Write ``labels.json`` (atomically; one PUT where ``out`` is a URL); refuse a folder
+    whose labels differ, unless ``replace``."""
+    data = (json.dumps(info, indent=2) + "\n").encode()
+    if is_remote(out):
+        fs, root = _url_fs(out)
+        path = f"{root}/{LABELS_FILE}"
+        try:
+            old = fs.cat_file(path)
+        except FileNotFoundError:
+            old = None
+        if old is not None and not replace and _same_labels(old, info, out, f"{out}/{LABELS_FILE}"):
+            return f"{out}/{LABELS_FILE}"
+        fs.pipe_file(path, data)
+        return f"{out}/{LABELS_FILE}"
     path = Path(out) / LABELS_FILE
     if path.exists() and not replace:
         try:
-            old = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
+            old = path.read_bytes()
+        except OSError as exc:
             raise ConfigError(f"{path} is unreadable ({exc}); remove it or pass --overwrite") from exc
-        differ = [k for k in _LABELS_MUST_MATCH if old.get(k) != info.get(k)]
-        if differ:
-            raise ConfigError(
-                f"{out} holds masks made with other settings ({', '.join(differ)} differ: "
-                f"{', '.join(f'{k}={old.get(k)!r}' for k in differ[:2])}); use another --out, "
-                "or --overwrite to redo every image")
-        if old == info:
+        if _same_labels(old, info, out, path):
             return path
-    atomic_write_bytes(path, (json.dumps(info, indent=2) + "\n").encode())
+    atomic_write_bytes(path, data)
     return path
+
+
+def _same_labels(old: bytes, info: dict, out, path) -> bool:
+    """Whether the labels ``old`` (the file's bytes) are ``info``; ConfigError when they
+    describe masks made otherwise."""
+    try:
+        old = json.loads(old)
+    except ValueError as exc:
+        raise ConfigError(f"{path} is unreadable ({exc}); remove it or pass --overwrite") from exc
+    differ = [k for k in _LABELS_MUST_MATCH if old.get(k) != info.get(k)]
+    if differ:
+        raise ConfigError(
+            f"{out} holds masks made with other settings ({', '.join(differ)} differ: "
+            f"{', '.join(f'{k}={old.get(k)!r}' for k in differ[:2])}); use another --out, "
+            "or --overwrite to redo every image")
+    return old == info
+
+
+def _url_fs(url: str):
+    """(fsspec filesystem, root path) of an output URL."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(str(url).rstrip("/"))
+    return fs, root.rstrip("/")
 
 
 @dataclass
@@ -202,6 +240,11 @@ class MaskSink:
         self.written = 0
         self.failed: list[tuple[str, str]] = []
         self._folders: set[Path] = set()
+        self._remote = None  # (filesystem, root path) where ``out`` is a URL
+        self._stage = Path(factory.out)
+        if is_remote(factory.out):
+            self._remote = _url_fs(factory.out)
+            self._stage = Path(tempfile.mkdtemp(prefix="embedingest-masks-"))
         self.stats = None
         if factory.stats:
             from .mask_stats import StatsWriter
@@ -222,10 +265,10 @@ class MaskSink:
             self._write_one(meta, masks[i], None if logits is None else logits[i])
 
     def _write_one(self, meta: ImageMeta, mask: np.ndarray, logits: np.ndarray | None) -> None:
-        paths = output_paths(self.cfg.out, meta.rel_path)
+        paths = output_paths(self._stage, meta.rel_path)
         folder = paths["mask"].parent
         if folder not in self._folders:
-            ensure_folder(Path(self.cfg.out), folder)  # never through a link: masks stay in out
+            ensure_folder(self._stage, folder)  # never through a link: masks stay in out
             self._folders.add(folder)
         full = restore_mask(mask, meta)
         if self.cfg.save_logits and logits is not None:
@@ -236,9 +279,21 @@ class MaskSink:
             self._write_overlay(meta, full, paths["overlay"])
         atomic_write_bytes(paths["mask"], _encode(
             mask_image(full), "PNG", compress_level=self.cfg.png_compress_level))
+        if self._remote is not None:
+            self._upload(paths)
         self.written += 1
         if self.stats is not None:
             self.stats.add(meta.rel_path, full)
+
+    def _upload(self, paths: dict[str, Path]) -> None:
+        """Upload an image's files from the staging folder, the mask last (its object
+        says the image is done), and delete them there."""
+        fs, root = self._remote
+        for kind in ("logits", "overlay", "mask"):
+            path = paths[kind]
+            if path.is_file():
+                fs.put_file(os.fspath(path), f"{root}/{path.relative_to(self._stage).as_posix()}")
+                path.unlink()
 
     def _write_overlay(self, meta: ImageMeta, mask: np.ndarray, path: Path) -> None:
         try:
@@ -256,5 +311,7 @@ class MaskSink:
     def close(self) -> dict:
         if self.stats is not None:
             self.stats.close()
+        if self._remote is not None:
+            shutil.rmtree(self._stage, ignore_errors=True)
         return {"written": self.written, "failed": self.failed,
                 "stats_rows": self.stats.committed if self.stats is not None else 0}

@@ -9,7 +9,9 @@ vectors are added to the faiss index as they come (and kept as float16 when embe
 are saved). A commit writes the Parquet, embeddings and faiss files (each through a
 temporary name, checked, fsynced, renamed), then the commit record that makes the shard
 exist. A writer that dies before that leaves files no record names: garbage that the
-next build deletes before it redoes the units.
+next build deletes before it redoes the units. With ``remote`` (an index in object
+storage) the writer then uploads the shard, its commit record last
+(:mod:`embedingest.index.remote_store`).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class ShardWriterFactory:
     save_embeddings: bool = False
     generation: int = 0
     row_group_rows: int = ROW_GROUP_ROWS
+    remote: str | None = None  # s3:// URL of the index: each shard is uploaded once committed
 
     def __post_init__(self):
         self.folder = os.fspath(self.folder)
@@ -199,6 +202,10 @@ class ShardWriter:
                   "replaces": list(self.replaces), "run": self.spec.run_id, "created": now()}
         write_commit(self.folder, record)
         self._index, self._emb, self._pending = None, [], []
+        if self.spec.remote:
+            from ..index.remote_store import upload_shard
+
+            upload_shard(self.spec.remote, self.folder, record)
         return record
 
     def abort(self) -> None:

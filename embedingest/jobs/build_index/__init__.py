@@ -93,8 +93,13 @@ def _load_and_build(corpus, cfg: IndexConfig, where: OneDevice | SeveralDevices,
         check_remote(corpus)  # a missing bucket or credential stops the run before any write
     elif not in_memory and not Path(corpus).exists():
         raise ConfigError(f"corpus {str(corpus)!r} does not exist; pass a folder or a file")
-    out = Path(cfg.out) if cfg.out else default_out(corpus)
-    if not in_memory and not remote:
+    out_url = cfg.out if cfg.out and is_remote(cfg.out) else None
+    if out_url:
+        from ...index.remote_store import Remote
+
+        Remote(out_url).check()  # a missing bucket or credential stops the run before any write
+    out = Path(cfg.out) if cfg.out and not out_url else default_out(corpus)
+    if not in_memory and not remote and not out_url:
         refuse_output_as_input(out, corpus, "corpus folder", "the index files")
     phases = {}  # seconds of each step, for the summary: where a run's time goes
     encoder = where.load_encoder(cfg)
@@ -103,20 +108,39 @@ def _load_and_build(corpus, cfg: IndexConfig, where: OneDevice | SeveralDevices,
     if cfg.overlap >= chunk_tokens:
         raise ConfigError(f"overlap={cfg.overlap} must be smaller than the chunk size {chunk_tokens}")
     parse_factory(encoder.dim, cfg.index, cfg.metric)  # every option checked before the first write
-    out.mkdir(parents=True, exist_ok=True)
+    build = (corpus, cfg, encoder, where, dtype, in_memory, chunk_tokens, report, progress, timeline,
+             t_start, phases, trace)
     try:
+        if out_url:
+            return _build_remote(out_url, build)
+        out.mkdir(parents=True, exist_ok=True)
         with RunLock(out):
-            return _build_locked(corpus, cfg, out, encoder, where, dtype, in_memory, chunk_tokens,
-                                 report, progress, timeline, t_start, phases, trace)
+            return _build_locked(corpus, cfg, out, *build[2:])
     finally:
         encoder.release()  # a job in a longer process must not keep the GPU's memory
 
 
+def _build_remote(url: str, build: tuple) -> dict:
+    """Build the index at ``url`` (object storage) in a local working folder, holding the
+    index's lease; its shards are uploaded as they commit, the manifest last
+    (:mod:`embedingest.index.remote_store`)."""
+    from ...index.remote_store import RemoteBuild
+
+    corpus, cfg = build[:2]
+    with RemoteBuild(url, overwrite=cfg.overwrite) as remote:
+        with RunLock(remote.folder):
+            summary = _build_locked(corpus, cfg, remote.folder, *build[2:], checkpoint=remote.checkpoint)
+    summary.update(index=remote.url, report=f"{remote.url}/{REPORT_NAME}")
+    return summary
+
+
 def _build_locked(corpus, cfg: IndexConfig, out: Path, encoder, where: OneDevice | SeveralDevices,
                   dtype: str, in_memory: bool, chunk_tokens: int, report: SkipReport, progress: bool,
-                  timeline, t_start: float, phases: dict, trace=None) -> dict:
+                  timeline, t_start: float, phases: dict, trace=None, checkpoint=None) -> dict:
     """The body of :func:`build_index`, run while holding the folder's run lock: plan,
-    train, encode, then the manifest, the skip report and the summary."""
+    train, encode, then the manifest, the skip report and the summary. ``checkpoint()``
+    is called after the plan and after training (an index in object storage saves its
+    progress there)."""
     store = ShardStore(out)
     settings = {}  # what the manifest keeps besides the vectors: prompts, search defaults
     try:
@@ -137,9 +161,13 @@ def _build_locked(corpus, cfg: IndexConfig, out: Path, encoder, where: OneDevice
         removed, unit_nos = apply_plan(store, plan)
         units = [Unit(unit_nos[c["key"]], c["key"], path=c.get("path"), text=c.get("text"),
                       record_id=c.get("record_id")) for c in plan.todo]
+        if checkpoint:
+            checkpoint()
         t_plan = time.perf_counter()
         phases["plan_s"] = t_plan - t_start - phases["load_model_s"]
         trained = where.train(store, manifest, encoder, units, cfg, chunk_tokens) if units else None
+        if checkpoint and trained:
+            checkpoint()
         t_encode = time.perf_counter()
         phases["train_s"] = t_encode - t_plan
         counts = {"chunks": 0, "docs": 0, "units_done": 0}

@@ -27,6 +27,7 @@ from ...runner import BatchSteps, run_batches
 from ...scaleout.devices import share_of_cpus
 from ...sinks.faiss_shards import new_run_id, parse_factory
 from ...sinks.shard_writer import ShardWriterFactory, commit_finished
+from ...sources.remote import is_remote
 from ...sources.text_dataset import TextChunkDataset, Unit
 from ...stages.encoder import TextEncoder
 from ...stages.prompts import chunk_prompt, with_prompt
@@ -71,7 +72,8 @@ def shard_sinks(out: str | Path, dim: int, cfg: IndexConfig, run_id: str,
     generation ``generation``."""
     return ShardWriterFactory(str(out), dim, cfg.index, cfg.metric, run_id=run_id,
                               commit_every=cfg.commit_every, trained=trained,
-                              save_embeddings=cfg.save_embeddings, generation=generation)
+                              save_embeddings=cfg.save_embeddings, generation=generation,
+                              remote=cfg.out if is_remote(cfg.out) else None)
 
 
 def vector_slots(cfg: IndexConfig, dim: int) -> dict:

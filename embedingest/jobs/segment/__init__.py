@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -31,7 +32,7 @@ import numpy as np
 from ...config import SegmentConfig, load_config
 from ...errors import ConfigError
 from ...exit_codes import exit_code
-from ...report import SkipReport
+from ...report import REPORT_NAME, SkipReport
 from ...scaleout.devices import devices_of
 from ...sinks.mask_stats import drop_stats_rows
 from ...sinks.masks import restore_mask
@@ -64,19 +65,27 @@ def segment(config: SegmentConfig, progress: bool = True, timeline: str | None =
                           f"(--devices {config.devices!r} names {len(devices)})")
     # Several devices are not touched here (their processes can then be forked).
     device = None if several else resolve_device(devices[0] if devices else config.device)
-    config = dataclasses.replace(config, images=local_path(config.images))  # file://: local
+    config = dataclasses.replace(config, images=local_path(config.images), out=local_path(config.out))
+    remote_out = is_remote(config.out)
+    if remote_out:
+        if config.stats:
+            raise ConfigError(f"--stats writes a table that grows in place, which {config.out!r} (object "
+                              "storage) cannot hold: write the masks to a local --out, or drop --stats")
+        check_remote("/".join(config.out.split("/")[:3]))  # its bucket, before any write
     if is_remote(config.images):
         check_remote(config.images)  # a missing bucket or credential stops before any write
-    else:
+    elif not remote_out:
         refuse_output_as_input(config.out, config.images, "input folder", "the PNG masks")
     out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if not remote_out:
+        out.mkdir(parents=True, exist_ok=True)
     report = SkipReport()
     t0 = time.perf_counter()
     phases = {}  # seconds of each step, for the summary: where a run's time goes
     try:
         todo, already = list_inputs(config, report)
-        remove_stale_tmp_files(out, todo)
+        if not remote_out:  # an object is whole or absent: nothing half-written to delete
+            remove_stale_tmp_files(out, todo)
         if config.stats and config.overwrite and todo:
             drop_stats_rows(out, {rel for rel, _ in todo})
         phases["list_s"] = time.perf_counter() - t0
@@ -87,7 +96,7 @@ def segment(config: SegmentConfig, progress: bool = True, timeline: str | None =
             summary.update(segment_on_device(config, device, todo, report, progress, timeline, trace=trace))
         phases["segment_s"] = time.perf_counter() - t0 - phases["list_s"]
     finally:
-        report_path = report.write(out)
+        report_path = _write_report(report, config.out) if remote_out else report.write(out)
     seconds = time.perf_counter() - t0
     phases["finish_s"] = seconds - sum(phases.values())
     summary.update({
@@ -95,9 +104,27 @@ def segment(config: SegmentConfig, progress: bool = True, timeline: str | None =
         "passed_over": dict(report.passed_over.most_common()), "seconds": round(seconds, 3),
         "images_per_s": round(summary["written"] / seconds, 2) if seconds > 0 else 0.0,
         "phases": {k: round(v, 3) for k, v in phases.items()},
-        "out": str(out), "report": str(report_path), "report_run": report.run,
+        "out": config.out if remote_out else str(out), "report": str(report_path), "report_run": report.run,
     })
     return summary
+
+
+def _write_report(report: SkipReport, url: str) -> str:
+    """Add this run's entries to the skip report at ``url`` (read, merged in a local
+    temporary folder, uploaded in one PUT); its URL."""
+    import tempfile
+
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url.rstrip("/"))
+    path = f"{root.rstrip('/')}/{REPORT_NAME}"
+    with tempfile.TemporaryDirectory(prefix="embedingest-report-") as folder:
+        try:
+            fs.get_file(path, os.path.join(folder, REPORT_NAME))
+        except FileNotFoundError:
+            pass
+        fs.put_file(os.fspath(report.write(folder)), path)
+    return f"{url.rstrip('/')}/{REPORT_NAME}"
 
 
 def segment_images(images: Iterable, config: SegmentConfig | None = None, *,

@@ -28,7 +28,7 @@ def list_inputs(config: SegmentConfig, report: SkipReport) -> tuple[list[tuple[s
     out = Path(config.out)
     suffixes = ([MASK_SUFFIX] + [LOGITS_SUFFIX] * config.save_logits
                 + [OVERLAY_SUFFIX] * config.overlay)
-    present = _FolderNames(str(out))
+    present = _RemoteNames(config.out) if is_remote(config.out) else _FolderNames(str(out))
     with_row = stats_sources(out) if config.stats and not config.overwrite else set()
     todo, done = [], 0
     for rel, full in _images(config.images, report, out):
@@ -81,6 +81,24 @@ class _FolderNames:
                 with os.scandir(os.path.join(self.out, folder)) as entries:
                     names = frozenset(e.name for e in entries if not e.is_symlink())
             except OSError:  # not made yet, or not a folder: nothing in it is done
+                names = frozenset()
+            self.names[folder] = names
+        return name in names
+
+
+class _RemoteNames(_FolderNames):
+    """The same, for an output URL: each prefix listed once (an object is whole or absent)."""
+
+    def has(self, folder: str, name: str) -> bool:
+        names = self.names.get(folder)
+        if names is None:
+            import fsspec
+
+            fs, root = fsspec.core.url_to_fs(posixpath.join(self.out.rstrip("/"), folder).rstrip("/"))
+            try:
+                names = frozenset(e["name"].rstrip("/").rsplit("/", 1)[-1]
+                                  for e in fs.ls(root, detail=True, refresh=True) if e.get("type") == "file")
+            except FileNotFoundError:  # nothing written there yet
                 names = frozenset()
             self.names[folder] = names
         return name in names

@@ -1,0 +1,161 @@
+"""open_index over an index in object storage (moto's S3 server on 127.0.0.1): the same
+hits as the same index on disk, the vectors downloaded once into the cache and checked
+against their commit records, the rows read by range, and damaged or missing objects
+named."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from s3_fixtures import s3, s3_endpoint  # noqa: F401 (fixtures)
+from shard_fixtures import build_shards, unit_vectors
+
+from embedingest.errors import ConfigError
+from embedingest.index.cache import OBJECTS_DIR, default_cache_dir
+from embedingest.index.search import open_index
+from embedingest.index.shard_store import ShardStore
+from embedingest.index.shards import list_shards
+
+
+def local_index(folder):
+    """Shards of three writers, listed in the manifest as a build leaves them."""
+    built = build_shards(folder, n_units=7, chunks=19, commit_every=30, workers=3)
+    store = ShardStore(folder)
+    store.update_shards()
+    store.close()
+    return built
+
+
+def hits_of(index, q, k=9):
+    return [[(h.id, round(h.score, 6), h.source, h.record_id, h.chunk_no, h.char_start, h.char_end, h.text)
+             for h in hits] for hits in index.search_vectors(q, k=k)]
+
+
+def test_search_over_s3_equals_the_folder_and_downloads_each_vector_file_once(s3, tmp_path):
+    built = local_index(tmp_path / "ix")
+    url = s3.upload(tmp_path / "ix", "indexes/ix")
+    cache = tmp_path / "cache"
+    q = unit_vectors(5, seed=3)
+    with open_index(tmp_path / "ix") as local:
+        want = hits_of(local, q)
+    with open_index(url, cache_dir=cache) as remote:
+        assert remote.ntotal == len(built.ids)
+        assert hits_of(remote, q) == want
+    shards = list_shards(tmp_path / "ix" / "shards")
+    cached = sorted(p.name for p in (cache / OBJECTS_DIR).iterdir())
+    # only the vectors, under the sha256 their records give: no Parquet file is downloaded
+    assert cached == sorted(f"{s.files['faiss']['sha256']}.faiss" for s in shards if s.rows)
+    before = {p.name: p.stat().st_mtime_ns for p in (cache / OBJECTS_DIR).iterdir()}
+    with open_index(url, cache_dir=cache) as again:
+        assert hits_of(again, q) == want
+    assert {p.name: p.stat().st_mtime_ns for p in (cache / OBJECTS_DIR).iterdir()} == before
+
+
+def test_only_the_shards_the_manifest_names_are_read(s3, tmp_path):
+    local_index(tmp_path / "ix")
+    url = s3.upload(tmp_path / "ix", "ix")
+    manifest = json.loads((tmp_path / "ix" / "manifest.json").read_text())
+    dropped = manifest["segments"].pop()["name"]
+    s3.put("ix/manifest.json", json.dumps(manifest).encode())
+    # a half-uploaded shard of a running build: its files, no record
+    s3.put("ix/shards/shard-run9-w0-00000.faiss", b"partial")
+    with open_index(url, cache_dir=tmp_path / "cache") as index:
+        names = [s.name for s in index.rows.shards]
+    assert dropped not in names and len(names) == len(manifest["segments"])
+
+
+def test_a_tampered_vector_file_is_named(s3, tmp_path):
+    local_index(tmp_path / "ix")
+    shard = [s for s in list_shards(tmp_path / "ix" / "shards") if s.rows][1]
+    path = shard.path("faiss")
+    data = bytearray(path.read_bytes())
+    data[-20] ^= 0xFF  # same size, other bytes
+    url = s3.upload(tmp_path / "ix", "ix")
+    s3.put(f"ix/shards/{path.name}", bytes(data))
+    with pytest.raises(ConfigError, match=f"shard {shard.name} of {url} is damaged: its faiss object "
+                                          f"'{path.name}' does not hold the bytes that were committed"):
+        open_index(url, cache_dir=tmp_path / "cache")
+    assert not list((tmp_path / "cache" / OBJECTS_DIR).glob(f"{shard.files['faiss']['sha256']}*"))
+
+
+def test_a_truncated_or_missing_parquet_object_is_named(s3, tmp_path):
+    local_index(tmp_path / "ix")
+    shard = [s for s in list_shards(tmp_path / "ix" / "shards") if s.rows][0]
+    name = shard.files["parquet"]["name"]
+    url = s3.upload(tmp_path / "ix", "ix")
+    s3.put(f"ix/shards/{name}", shard.path("parquet").read_bytes()[:-10])
+    with pytest.raises(ConfigError, match=f"shard {shard.name} of {url} is damaged: its parquet object "
+                                          f"'{name}' holds {shard.files['parquet']['size'] - 10} bytes"):
+        open_index(url, cache_dir=tmp_path / "cache")
+    s3.fs.rm(f"{s3.name}/ix/shards/{name}")
+    with pytest.raises(ConfigError, match=f"its parquet object '{name}' is missing"):
+        open_index(url, cache_dir=tmp_path / "cache")
+
+
+def test_no_index_or_no_bucket_is_a_clear_error(s3, tmp_path):
+    with pytest.raises(ConfigError, match=r"holds no embedingest index \(no manifest.json\)"):
+        open_index(s3.url("nothing-here"), cache_dir=tmp_path)
+    with pytest.raises(ConfigError, match="cannot list 's3://no-such-bucket-here/ix'.*no such bucket"):
+        open_index("s3://no-such-bucket-here/ix", cache_dir=tmp_path)
+
+
+def test_cli_search_reads_a_url_with_a_cache_dir(s3, tmp_path, monkeypatch):
+    from embedingest.cli import main
+
+    local_index(tmp_path / "ix")
+    url = s3.upload(tmp_path / "ix", "ix")
+
+    class Encoder:  # the fixture's index has no model: queries are mapped to fixed vectors
+        dim = 16
+
+        def encode(self, texts):
+            return unit_vectors(len(texts), seed=11)
+
+    import embedingest.index.search as search
+
+    monkeypatch.setattr(search.Index, "encoder", property(lambda self: Encoder()))
+    runner = CliRunner()
+    local = runner.invoke(main, ["search", str(tmp_path / "ix"), "anything", "-k", "4", "--json"])
+    remote = runner.invoke(main, ["search", url, "anything", "-k", "4", "--json",
+                                  "--cache-dir", str(tmp_path / "c")])
+    assert local.exit_code == 0 and remote.exit_code == 0, remote.output
+    assert json.loads(remote.output) == json.loads(local.output) and len(json.loads(local.output)) == 4
+    assert list((tmp_path / "c" / OBJECTS_DIR).iterdir())
+
+
+def test_default_cache_dir_follows_xdg(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_cache_dir() == tmp_path / "embedingest"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_cache_dir() == tmp_path / "home" / ".cache" / "embedingest"
+
+
+def test_serve_answers_from_an_index_in_the_bucket(s3, tmp_path, monkeypatch):
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from embedingest.cli import main
+    from embedingest.serve.app import create_app
+
+    local_index(tmp_path / "ix")
+    url = s3.upload(tmp_path / "ix", "ix")
+    q = unit_vectors(1, seed=11)
+
+    class Encoder:
+        dim = 16
+
+        def encode(self, texts):
+            return q
+
+    with open_index(tmp_path / "ix") as local:
+        want = [h.id for h in local.search_vectors(q, k=5)[0]]
+        total = local.ntotal
+    with open_index(url, encoder=Encoder(), cache_dir=tmp_path / "c") as index, \
+            TestClient(create_app(index)) as client:
+        info = client.get("/info").json()
+        hits = client.get("/search", params={"q": "anything", "k": 5}).json()
+    assert info["index"] == url and info["vectors"] == total
+    assert [h["id"] for h in hits["hits"]] == want and all(h["file"] is None for h in hits["hits"])
+    result = CliRunner().invoke(main, ["serve", "s3://no-such-bucket-here/ix", "--cache-dir", str(tmp_path)])
+    assert result.exit_code == 1 and "cannot list 's3://no-such-bucket-here/ix'" in result.output

@@ -1,0 +1,76 @@
+"""segment --out s3://...: each mask (and overlay, logits) lands in the bucket with the
+bytes a run into a local folder writes, resumed by the objects there (moto's S3 server on
+127.0.0.1)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from s3_fixtures import s3, s3_endpoint  # noqa: F401 (fixtures)
+from segment_fixtures import SIZE, bad_files, image_tree, noise, random_weights_file
+
+from embedingest import SegmentConfig, segment
+from embedingest.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    return random_weights_file(tmp_path_factory.mktemp("w") / "small.pth",
+                               arch="deeplabv3_mobilenet_v3_large")
+
+
+def segment_config(images, out, weights, **kw) -> SegmentConfig:
+    return SegmentConfig(**{**dict(images=str(images), out=str(out), weights=str(weights), size=SIZE,
+                                   batch_size=3, num_workers=0, num_consumers=2, device="cpu",
+                                   arch="deeplabv3_mobilenet_v3_large"), **kw})
+
+
+def local_files(folder) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != "skipped.jsonl"}
+
+
+@pytest.mark.slow
+def test_masks_land_in_the_bucket_with_the_local_bytes_and_resume(s3, tmp_path, small):
+    images = tmp_path / "images"
+    sizes = image_tree(images)
+    bad = bad_files(images)
+    local = tmp_path / "local"
+    url = s3.url("masks/run")
+    kw = {"overlay": True, "save_logits": True}
+    s1 = segment(segment_config(images, local, small, **kw), progress=False)
+    s2 = segment(segment_config(images, url, small, **kw), progress=False)
+    assert s2["written"] == s1["written"] == len(sizes) and s2["skipped"] == s1["skipped"] == len(bad)
+    assert s2["out"] == url and s2["report"] == f"{url}/skipped.jsonl"
+    want = local_files(local)
+    assert len(want) == 3 * len(sizes) + 1  # mask, overlay, logits per image; labels.json
+    s3.fs.invalidate_cache()
+    got = {p.split("masks/run/", 1)[1]: s3.fs.cat_file(p) for p in s3.fs.find(f"{s3.name}/masks/run")}
+    report = got.pop("skipped.jsonl")
+    assert got == want
+    assert sorted(json.loads(line)["path"] for line in report.decode().splitlines()) == \
+        sorted(str(images / rel) for rel in bad)
+
+    from PIL import Image
+
+    Image.fromarray(noise(20, 30, seed=3)).save(images / "late.png")
+    again = segment(segment_config(images, url, small, **kw), progress=False)
+    assert (again["written"], again["already_done"]) == (1, len(sizes))
+    s3.fs.invalidate_cache()
+    assert s3.fs.exists(f"{s3.name}/masks/run/late.png.png")
+    # the report keeps the earlier run's entries once each
+    lines = s3.fs.cat_file(f"{s3.name}/masks/run/skipped.jsonl").decode().splitlines()
+    assert len(lines) == len(bad)
+
+
+def test_labels_of_other_settings_and_stats_are_refused(s3, tmp_path, small):
+    s3.put("m/labels.json", json.dumps({"arch": "fcn_resnet50", "num_classes": 3}).encode())
+    images = tmp_path / "images"
+    image_tree(images)
+    with pytest.raises(ConfigError, match=r"s3://.*/m holds masks made with other settings"):
+        segment(segment_config(images, s3.url("m"), small), progress=False)
+    with pytest.raises(ConfigError, match="--stats writes a table that grows in place"):
+        segment(segment_config(images, s3.url("m"), small, stats=True), progress=False)
+    with pytest.raises(ConfigError, match="cannot list 's3://no-such-bucket-here'"):
+        segment(segment_config(images, "s3://no-such-bucket-here/m", small), progress=False)
