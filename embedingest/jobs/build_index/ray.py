@@ -52,8 +52,9 @@ import functools
 import hashlib
 import logging
 import os
+import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,6 +80,7 @@ from ...runner import run_batches
 from ...scaleout.ray_data import number_blocks
 from ...sinks.faiss_shards import new_run_id, parse_factory
 from ...sinks.shard_writer import commit_finished
+from ...sources.remote import is_remote
 from ...stages.device import precision
 from ...stages.prefetch import thread_ahead
 from .encode import (chunk_batches, embed_steps, needs_training, shard_sinks, train_if_needed,
@@ -86,6 +88,11 @@ from .encode import (chunk_batches, embed_steps, needs_training, shard_sinks, tr
 from .plan import fingerprint, search_defaults, settled_prompts
 
 log = logging.getLogger("embedingest")
+
+SAVE_EVERY_S = 60.0
+"""With an index in object storage, how often the driver saves ``units.sqlite`` there
+while rows arrive: a driver killed before its commit loses at most this much of the
+actors' work (their shards are uploaded, but a shard whose unit has no row is redone)."""
 
 UNCHANGED, INDEXED, BAD, SKIPPED = "unchanged", "indexed", "bad", "skipped"
 RESULT_SCHEMA = pa.schema([
@@ -155,20 +162,28 @@ class EmbedBatches:
     """
 
     def __init__(self, out: str, config: dict, indexed, numbers, dtype: str, chunk_tokens: int,
-                 trained: str | None = None):
+                 trained: str | None = None, generation: int = 0):
         import torch
 
         from ...stages.encoder import TextEncoder
 
         self.cfg = IndexConfig(**config)
-        self.out, self.chunk_tokens, self.trained = out, chunk_tokens, trained
+        self.out, self.chunk_tokens, self.trained, self.generation = out, chunk_tokens, trained, generation
+        self.remote = out if is_remote(out) else None
+        if self.remote:  # a working folder of its own: each shard is uploaded once committed
+            from ...index.remote_store import Remote
+
+            self.out = tempfile.mkdtemp(prefix="embedingest-ray-")
+            self.cfg = dataclasses.replace(self.cfg, out=self.remote)
+            if trained:
+                self.trained = os.path.join(self.out, os.path.basename(trained))
+                Remote(self.remote).download(os.path.basename(trained), Path(self.trained))
         self.indexed: IndexedUnits = ray.get(indexed) if isinstance(indexed, ray.ObjectRef) else indexed
         self.numbers = numbers
         self.device = "cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu"
         self.encoder = TextEncoder.load(self.cfg.model, device=self.device, dtype=dtype,
                                        cuda_graphs=self.cfg.cuda_graphs)
         self.run_id = f"{new_run_id()}_ray{os.getpid()}"
-        self.generation = ShardStore(out).generation
         self.calls = 0
 
     def __call__(self, batch: dict) -> pa.Table:
@@ -230,6 +245,9 @@ class EmbedBatches:
                     num_consumers=cfg.num_consumers, num_slots=cfg.num_slots or None,
                     on_skip=lambda where, reason: skipped.append((where, reason)))
         commit_finished(sinks, marks)
+        if self.remote:  # uploaded: the local copies go
+            for path in Path(self.out, "shards").iterdir():
+                path.unlink()
         return done, skipped
 
 
@@ -275,30 +293,43 @@ class RayIndexPlan:
     store: ShardStore
     started: float
     settings: dict = dataclasses.field(default_factory=dict)  # manifest fields: prompts, search defaults
+    writers: str | None = None  # the s3:// URL the actors upload their shards to
 
     def actor_kwargs(self) -> dict:
         """``fn_constructor_kwargs`` for :class:`EmbedBatches`."""
-        return {"out": str(self.out), "config": dataclasses.asdict(self.config),
+        return {"out": self.writers or str(self.out), "config": dataclasses.asdict(self.config),
                 "indexed": self.indexed, "numbers": self.numbers, "dtype": self.dtype,
-                "chunk_tokens": self.chunk_tokens, "trained": self.trained}
+                "chunk_tokens": self.chunk_tokens, "trained": self.trained,
+                "generation": self.store.generation}
 
-    def finish(self, results: ray.data.Dataset, progress: bool = False) -> dict:
+    def finish(self, results: ray.data.Dataset, progress: bool = False,
+               pull: Callable[[], None] | None = None,
+               save: Callable[[], None] | None = None) -> dict:
         """Consume ``results`` (the output of ``map_batches(EmbedBatches, ...)``): write
         the unit row of each embedded record as its row arrives, count, report skipped
         inputs; once all arrived, remove deleted records, the old units of changed ones,
         duplicated ids and units the shards do not hold complete (see the module
         docstring); write the manifest and the skip report; return a summary like
         ``build_index``'s. When ``results`` fails, what arrived is kept and the error
-        raised: the next run finishes the work."""
+        raised: the next run finishes the work. ``pull()``, called once every row
+        arrived, brings the shards the actors uploaded into ``out``, and ``save()``, called
+        every :data:`SAVE_EVERY_S` seconds while rows arrive, saves the unit rows written
+        so far (an index in object storage, whose driver may be killed before it commits)."""
         from tqdm import tqdm
 
         store, counts, report = self.store, self.counts, self.report
         seen, outdated = _Seen(), []
+        saved = time.monotonic()
         bar = tqdm(unit="record", disable=not progress, dynamic_ncols=True)
         try:
             for table in results.iter_batches(batch_format="pyarrow", batch_size=None):
                 outdated += self._take(table, seen)
                 bar.update(table.num_rows)
+                if save is not None and time.monotonic() - saved > SAVE_EVERY_S:
+                    save()
+                    saved = time.monotonic()
+            if pull is not None:
+                pull()
             self._settle(seen, outdated)
         finally:
             bar.close()
@@ -388,12 +419,14 @@ class RayIndexPlan:
 
 def plan_ray_index(dataset: ray.data.Dataset, out: str | os.PathLike,
                    config: IndexConfig | None = None, *, num_gpus: float = 0,
-                   **overrides) -> RayIndexPlan:
+                   writers: str | None = None, **overrides) -> RayIndexPlan:
     """Create or open the index at ``out`` and plan the run over ``dataset`` (see the
     module docstring): only the index is read, and the dataset's first ``train_size``
     records when a factory must be trained. ``num_gpus`` is what the actors will get:
     with GPUs the default precision is fp16, else fp32. ``device``, ``devices`` and
-    ``num_workers`` do not apply here; Ray places the actors."""
+    ``num_workers`` do not apply here; Ray places the actors. ``writers``: the s3:// URL
+    of an index whose working folder ``out`` is (:func:`build_index_ray` with an s3://
+    ``out``): the actors write in folders of their own and upload their shards there."""
     from ...stages.encoder import TextEncoder
     from ...stages.prompts import Prompts
 
@@ -445,7 +478,7 @@ def plan_ray_index(dataset: ray.data.Dataset, out: str | os.PathLike,
               "vectors_removed": removed, "docs": 0, "chunks": 0}
     return RayIndexPlan(out, cfg, dtype, chunk_tokens, trained,
                         ray.put(IndexedUnits.build(complete)), numbers, known, others,
-                        encoder.info()["name"], counts, report, store, started, settings)
+                        encoder.info()["name"], counts, report, store, started, settings, writers)
 
 
 def _sample(dataset: ray.data.Dataset, cfg: IndexConfig) -> list:
@@ -466,9 +499,15 @@ def build_index_ray(dataset: ray.data.Dataset, out: str | os.PathLike,
                     config: IndexConfig | None = None, *, concurrency: int | tuple = 1,
                     num_gpus: float = 0, num_cpus: float | None = None,
                     records_per_call: int = 8192, progress: bool = False, **overrides) -> dict:
-    """Build or update the index at ``out`` from ``dataset`` (id and text columns) with
-    ``concurrency`` :class:`EmbedBatches` actors of ``num_gpus`` GPUs each; return a
-    summary dict like ``build_index``'s. Options are :class:`IndexConfig` fields.
+    """Build or update the index at ``out`` (a folder every actor reaches, or an s3://
+    URL) from ``dataset`` (id and text columns) with ``concurrency`` :class:`EmbedBatches`
+    actors of ``num_gpus`` GPUs each; return a summary dict like ``build_index``'s.
+    Options are :class:`IndexConfig` fields.
+
+    With an s3:// ``out`` the driver holds the index's lease and a working folder, as
+    ``build_index`` does (docs/INDEX_FORMAT.md, "Object storage"); each actor writes in
+    a temporary folder of its own and uploads every shard it commits, so the nodes share
+    no path.
 
     ``records_per_call`` records go to an actor per call; each call that has records to
     embed starts and closes the actor's engine (a fraction of a second), so keep it in
@@ -476,8 +515,23 @@ def build_index_ray(dataset: ray.data.Dataset, out: str | os.PathLike,
     below the cluster's CPUs when the actors use no GPU): Ray Data would otherwise wait
     forever for one.
     """
-    plan = plan_ray_index(dataset, out, config, num_gpus=num_gpus, **overrides)
-    results = dataset.map_batches(
-        EmbedBatches, fn_constructor_kwargs=plan.actor_kwargs(), batch_size=records_per_call,
-        batch_format="numpy", concurrency=concurrency, num_gpus=num_gpus or None, num_cpus=num_cpus)
-    return plan.finish(results, progress=progress)
+    def run(plan: RayIndexPlan, pull=None, remote=None) -> dict:
+        results = dataset.map_batches(
+            EmbedBatches, fn_constructor_kwargs=plan.actor_kwargs(), batch_size=records_per_call,
+            batch_format="numpy", concurrency=concurrency, num_gpus=num_gpus or None,
+            num_cpus=num_cpus)
+        return plan.finish(results, progress=progress, pull=pull,
+                           save=remote.checkpoint if remote else None)
+
+    if not is_remote(out):
+        return run(plan_ray_index(dataset, out, config, num_gpus=num_gpus, **overrides))
+    from ...index.remote_store import RemoteBuild
+
+    overwrite = overrides.get("overwrite", config.overwrite if config else False)
+    with RemoteBuild(str(out), overwrite=overwrite) as remote:
+        plan = plan_ray_index(dataset, remote.folder, config, num_gpus=num_gpus,
+                              writers=remote.url, **overrides)
+        remote.checkpoint()  # trained.faiss, which the actors download, and units.sqlite
+        summary = run(plan, pull=remote.pull_shards, remote=remote)
+    summary.update(index=remote.url, report=f"{remote.url}/{REPORT_NAME}")
+    return summary
