@@ -52,8 +52,10 @@ import functools
 import hashlib
 import logging
 import os
+import shutil
 import tempfile
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,6 +176,7 @@ class EmbedBatches:
             from ...index.remote_store import Remote
 
             self.out = tempfile.mkdtemp(prefix="embedingest-ray-")
+            weakref.finalize(self, shutil.rmtree, self.out, True)
             self.cfg = dataclasses.replace(self.cfg, out=self.remote)
             if trained:
                 self.trained = os.path.join(self.out, os.path.basename(trained))
@@ -194,12 +197,13 @@ class EmbedBatches:
         texts = list(batch[cfg.text_field])
         data = [t.encode("utf-8", "surrogatepass") if isinstance(t, str) else None for t in texts]
         shas = [hashlib.sha256(d).digest() if d is not None else b"" for d in data]
-        digests = np.array([_digest(i) for i in ids], dtype="S16")
-        known = self.indexed.unchanged(digests, np.array([h[:16] for h in shas], dtype="S16"))
+        keys = [_digest(i) for i in ids]  # bytes: numpy's S16 drops trailing zero bytes
+        known = self.indexed.unchanged(np.array(keys, dtype="S16"),
+                                       np.array([h[:16] for h in shas], dtype="S16"))
         rows = {name: [] for name in RESULT_SCHEMA.names}
 
         def row(n, status, unit_no=-1, n_chunks=0, where="", reason=""):
-            values = (digests[n] if n is not None else b"\0" * 16, ids[n] if n is not None else "",
+            values = (keys[n] if n is not None else b"\0" * 16, ids[n] if n is not None else "",
                       status, unit_no, len(data[n]) if n is not None and data[n] is not None else 0,
                       shas[n].hex() if n is not None else "", n_chunks, where, reason)
             for name, value in zip(RESULT_SCHEMA.names, values):
