@@ -11,8 +11,9 @@ with ``ray.data.read_json``; each record needs a unique ``id`` and a ``text``. T
 may be a prefix in object storage (``s3://bucket/docs/``, ``gs://...``): its files are
 listed as the CLI lists them and read by Ray Data, credentials coming from the
 environment (``AWS_*``, ``~/.aws``) on every node. Running the same command again embeds only
-new and changed records and drops deleted ones. On a cluster (``--address auto``), the
-index folder must be on a file system every node sees.
+new and changed records and drops deleted ones. On a cluster (``--address auto``, or
+``ray job submit``), give the index as an ``s3://bucket/prefix`` (each actor uploads its
+own shards) or a folder every node sees.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("corpus", help="folder (or s3://, gs:// prefix) of .jsonl files with 'id' "
                                    "and 'text' fields")
-    ap.add_argument("out", help="index folder")
+    ap.add_argument("out", help="index folder, or s3://bucket/prefix")
     ap.add_argument("--address", default=None, help="Ray cluster to join (default: a local Ray)")
     ap.add_argument("--actors", type=int, default=None,
                     help="EmbedBatches actors (default: one per GPU with --gpus, else the "

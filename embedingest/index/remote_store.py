@@ -302,6 +302,25 @@ class RemoteBuild:
                 if info["name"] in listed:  # one missing: the build finds the shard damaged
                     self.remote.download(f"{SHARDS_DIR}/{info['name']}", shards / info["name"])
 
+    def pull_shards(self) -> None:
+        """Download into the working folder the shards that writers elsewhere (a Ray run's
+        actors) committed to the bucket since the mirror, whole ones only, so that the
+        build's process checks and edits them as its own."""
+        listed = self.remote.listing(SHARDS_DIR)
+        local = self.folder / SHARDS_DIR
+        for name in sorted(listed):
+            if not (name.endswith(COMMIT_SUFFIX) and SHARD_NAME.fullmatch(name[: -len(COMMIT_SUFFIX)])) \
+                    or f"{SHARDS_DIR}/{name}" in self.found or (local / name).is_file():
+                continue
+            record = json.loads(self.remote.read(f"{SHARDS_DIR}/{name}"))
+            files = record.get("files", {}).values()
+            if any(listed.get(info.get("name")) != info.get("size") for info in files):
+                log.warning("shard %s in %s lacks whole objects: its units are redone", name, self.url)
+                continue
+            for info in files:
+                self.remote.download(f"{SHARDS_DIR}/{info['name']}", local / info["name"])
+            self.remote.download(f"{SHARDS_DIR}/{name}", local / name)
+
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
             if (self.folder / MANIFEST_NAME).is_file():

@@ -30,6 +30,7 @@ from .lookup import ShardRows
 from .reindex import trained_name
 from .shard_edit import remove_units as remove_shard_units
 from .shards import (
+    CHUNK_BITS,
     FORMAT,
     SHARDS_DIR,
     Shard,
@@ -181,6 +182,31 @@ class ShardStore(IndexStore):
     def delete_chunks(self, unit_nos: Iterable[int]) -> None:
         """Nothing: a unit's rows live in the shards with its vectors, and go with them
         (:meth:`remove_units`)."""
+
+    @_sqlite_errors
+    def put_numbered_units(self, rows: Iterable[Mapping]) -> list[int]:
+        """Insert units whose writer chose the unit number (``unit_no``, ``key``, ``size``,
+        ``sha256``; pending), replacing the row of the same key; return the unit numbers
+        those rows had (their vectors are now outdated). An insert, not an update, so
+        AUTOINCREMENT never hands these numbers out again."""
+        rows = list(rows)
+        old = self.units([r["key"] for r in rows]) if rows else {}
+        with self.db as db:
+            db.executemany("INSERT OR REPLACE INTO units VALUES (?, ?, ?, NULL, ?, 0, 'pending')",
+                           ((int(r["unit_no"]), r["key"], r["size"], r["sha256"]) for r in rows))
+        return [u.unit_no for u in old.values()]
+
+    @_sqlite_errors
+    def highest_unit_no(self) -> int:
+        """The highest unit number ever given in this index: by ``units.sqlite`` (its
+        AUTOINCREMENT counter) or found in a committed shard (0 when none)."""
+        (seq,) = self.db.execute("SELECT max(coalesce((SELECT seq FROM sqlite_sequence WHERE "
+                                 "name='units'), 0), coalesce((SELECT max(unit_no) FROM units), 0))"
+                                 ).fetchone()
+        shards = self.committed()
+        in_shards = max([s.id_max >> CHUNK_BITS for s in shards if s.rows]
+                        + [u for s in shards for u, _ in s.units], default=0)
+        return max(int(seq), int(in_shards))
 
     @_sqlite_errors
     def delete_units(self, unit_nos: Iterable[int]) -> None:

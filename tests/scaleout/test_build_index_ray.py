@@ -14,6 +14,7 @@ from s3_fixtures import s3, s3_endpoint  # noqa: F401 (fixtures)
 from test_build_index_devices import TOPICS, chunk_rows, vectors_by_id
 
 from embedingest import build_index, open_index
+from embedingest.index.shard_store import ShardStore
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.*")
 SETTINGS = {"num_consumers": 1, "batch_size": 8, "chunk_tokens": 32, "overlap": 8}
@@ -23,6 +24,7 @@ def records():
     """Long records (several chunks each), short ones, and one with no tokens."""
     recs = [{"id": f"long{i}", "text": " ".join(TOPICS[i:] + TOPICS[:i])} for i in range(4)]
     recs += [{"id": f"s{i}", "text": t} for i, t in enumerate(TOPICS)]
+    recs.append({"id": "z87", "text": "Tides rise twice a day."})  # its id's digest ends in a zero byte
     recs.append({"id": "blank", "text": "  "})
     return recs
 
@@ -35,15 +37,68 @@ def ray_cluster():
     ray.shutdown()
 
 
+def content(out) -> dict:
+    """The index's content keyed by (record id, chunk number): each chunk's vector and
+    row. Unit numbers (the high half of ids) are given in the order Ray's actors ask, so
+    the ids of a Ray build are compared through the rows they name."""
+    vectors = vectors_by_id(out)  # asserts each id is stored once
+    rows = chunk_rows(out, vectors)
+    assert sorted(rows) == sorted(vectors)
+    with ShardStore(out) as store:
+        units = {u.unit_no: u.key for u in store.units().values()}
+    found = {}
+    for i, row in rows.items():
+        source, record_id, chunk_no = row[:3]
+        assert units[i >> 32] == source == f"record:{record_id}" and i & 0xFFFFFFFF == chunk_no
+        assert (record_id, chunk_no) not in found
+        found[(record_id, chunk_no)] = (vectors[i], row)
+    return found
+
+
 def assert_same_index(a, b):
-    va, vb = vectors_by_id(a), vectors_by_id(b)
-    assert sorted(va) == sorted(vb)
-    diff = max(float(np.abs(va[i] - vb[i]).max()) for i in va)
+    ca, cb = content(a), content(b)
+    assert sorted(ca) == sorted(cb)
+    diff = max(float(np.abs(ca[k][0] - cb[k][0]).max()) for k in ca)
     assert diff <= 1e-5, diff
-    assert chunk_rows(a, va) == chunk_rows(b, vb)
+    assert {k: v[1] for k, v in ca.items()} == {k: v[1] for k, v in cb.items()}
+    assert complete_units(a) == complete_units(b)
 
 
-def test_ray_build_equals_single_process_build_and_resumes(tmp_path, ray_cluster):
+def complete_units(out) -> dict:
+    """{key: (n_chunks, sha256)} of the units the shards hold complete."""
+    with ShardStore(out) as store:
+        assert not store.reconcile()
+        return {k: (u.n_chunks, u.sha256) for k, u in store.units().items() if u.status == "done"}
+
+
+@pytest.fixture
+def driver_reads(monkeypatch, ray_cluster):
+    """Every batch a Ray Dataset hands to this (the driver's) process, as (columns, rows):
+    iter_batches, iter_rows, take and the rest all go through DataIterator._iter_batches."""
+    from ray.data.iterator import DataIterator
+
+    seen = []
+    inner = DataIterator._iter_batches
+
+    def counted(self, *args, **kwargs):
+        for batch in inner(self, *args, **kwargs):
+            columns = batch.column_names if hasattr(batch, "column_names") else list(batch)
+            rows = batch.num_rows if hasattr(batch, "num_rows") else len(next(iter(batch.values())))
+            seen.append((tuple(columns), rows))
+            yield batch
+
+    monkeypatch.setattr(DataIterator, "_iter_batches", counted)
+    return seen
+
+
+def dataset_rows(reads) -> int:
+    """Rows of the dataset (not the actors' results) the driver read."""
+    from embedingest.jobs.build_index.ray import RESULT_SCHEMA
+
+    return sum(rows for columns, rows in reads if columns != tuple(RESULT_SCHEMA.names))
+
+
+def test_ray_build_equals_single_process_build_and_resumes(tmp_path, ray_cluster, driver_reads):
     from embedingest import build_index_ray
 
     ray = ray_cluster
@@ -55,7 +110,7 @@ def test_ray_build_equals_single_process_build_and_resumes(tmp_path, ray_cluster
     for key in ("units_seen", "units_indexed", "docs", "chunks", "vectors_total", "skipped",
                 "skipped_by_reason", "exit_code"):
         assert s2[key] == s1[key], key
-    assert s1["chunks"] > len(recs) and s2["units_incomplete"] == 0
+    assert s1["chunks"] > len(recs) and s2["units_incomplete"] == 0 and s2["duplicate_ids"] == 0
     assert_same_index(one, two)
     manifest = json.loads((two / "manifest.json").read_text())
     assert sum(s["count"] for s in manifest["segments"]) == s1["vectors_total"]
@@ -64,6 +119,21 @@ def test_ray_build_equals_single_process_build_and_resumes(tmp_path, ray_cluster
     with open_index(two) as index:
         (hits,) = index.search([TOPICS[5]], k=1)
         assert hits[0].text == TOPICS[5] and hits[0].record_id == "s5"
+    assert dataset_rows(driver_reads) == 0  # the driver read the actors' rows only
+    assert sum(rows for _, rows in driver_reads) == len(recs) + 1  # and the blank one's skip
+
+    # unchanged: nothing is encoded, nothing removed, the shards with vectors stay as they are
+    driver_reads.clear()
+    s3 = build_index_ray(ray.data.from_items(recs), two, concurrency=2, records_per_call=4,
+                         **SETTINGS)
+    assert (s3["units_indexed"], s3["chunks"], s3["units_removed"], s3["vectors_removed"]) == (1, 0, 0, 0)
+    assert s3["units_unchanged"] == len(recs) - 1  # the blank one is read every run, as build_index does
+    after = json.loads((two / "manifest.json").read_text())["segments"]
+    before = {seg["name"] for seg in manifest["segments"]}  # no actor wrote a vector; a shard
+    assert all(seg["name"] in before or seg["name"].startswith("shard-rm") for seg in after)
+    assert sum(seg["count"] for seg in after) == s1["vectors_total"]  # holding the blank's mark is rewritten
+    assert dataset_rows(driver_reads) == 0 and sum(r for _, r in driver_reads) == len(recs) + 1
+    assert_same_index(one, two)
 
     # change one record, delete one, add one: both paths do the same work
     recs[5]["text"] = "Quantum computers use qubits that can be in superposition."
@@ -72,22 +142,54 @@ def test_ray_build_equals_single_process_build_and_resumes(tmp_path, ray_cluster
     s1 = build_index(recs, out=str(one), num_workers=0, **SETTINGS)
     s2 = build_index_ray(ray.data.from_items(recs), two, concurrency=2, records_per_call=4,
                          **SETTINGS)
-    for key in ("units_indexed", "units_removed", "units_unchanged", "skipped", "chunks"):
+    for key in ("units_seen", "units_indexed", "units_removed", "units_unchanged", "skipped",
+                "chunks", "vectors_removed", "vectors_total"):
         assert s2[key] == s1[key], key
     assert s2["units_indexed"] == 3  # the changed, the new and the blank one (read every run)
     assert s2["units_removed"] == 1 and s2["units_unchanged"] == len(recs) - 3
     assert_same_index(one, two)
+    with open_index(two) as index:
+        (hits,) = index.search([recs[5]["text"]], k=1)
+        assert hits[0].text == recs[5]["text"] and hits[0].record_id == "s1"
+    assert dataset_rows(driver_reads) == 0
 
 
-def test_duplicate_ids_and_missing_columns_are_errors(tmp_path, ray_cluster):
-    from embedingest.errors import ConfigError
+def test_duplicate_ids_are_reported_and_indexed_by_no_occurrence(tmp_path, ray_cluster):
+    """An id given twice is found once every record was seen: each occurrence is in the
+    skip report, and no unit of it stays (whether new, changed or unchanged)."""
     from embedingest import build_index_ray
+    from embedingest.report import REPORT_NAME
 
     ray = ray_cluster
-    dup = ray.data.from_items([{"id": 1, "text": "a b"}, {"id": 1, "text": "c d"}])
-    with pytest.raises(ConfigError, match="record id '1' occurs more than once"):
-        build_index_ray(dup, tmp_path / "a")
-    no_id = ray.data.from_items([{"body": "a b"}])
+    out = tmp_path / "a"
+    recs = [{"id": 1, "text": "a b"}, {"id": 2, "text": "c d"}, {"id": 1, "text": "e f"},
+            {"id": 3, "text": "g h"}]
+    s = build_index_ray(ray.data.from_items(recs), out, records_per_call=2, **SETTINGS)
+    assert (s["duplicate_ids"], s["units_seen"], s["units_indexed"], s["skipped"]) == (1, 2, 2, 2)
+    assert s["skipped_by_reason"] == {"duplicate": 2} and s["exit_code"] != 0
+    reported = [json.loads(line) for line in (out / REPORT_NAME).read_text().splitlines()]
+    assert [r["path"] for r in reported] == ["record 1", "record 1"]
+    assert "occurs 2 times" in reported[0]["reason"]
+    assert sorted(complete_units(out)) == ["record:2", "record:3"]
+    assert {k[0] for k in content(out)} == {"2", "3"}
+    # now 1 is unique, 2 is given twice (once unchanged, once changed), 3 went away
+    recs = [{"id": 1, "text": "a b"}, {"id": 2, "text": "c d"}, {"id": 2, "text": "x y"}]
+    s = build_index_ray(ray.data.from_items(recs), out, records_per_call=1, concurrency=2, **SETTINGS)
+    assert (s["duplicate_ids"], s["units_seen"], s["units_indexed"], s["units_unchanged"]) == (1, 1, 1, 0)
+    assert s["units_removed"] == 1 and s["skipped_by_reason"] == {"duplicate": 2}
+    assert sorted(complete_units(out)) == ["record:1"]
+    with ShardStore(out) as store:
+        assert sorted(store.units()) == ["record:1"]
+    one = tmp_path / "one"
+    build_index([recs[0]], out=str(one), num_workers=0, **SETTINGS)
+    assert_same_index(one, out)
+
+
+def test_missing_columns_are_errors(tmp_path, ray_cluster):
+    from embedingest import build_index_ray
+    from embedingest.errors import ConfigError
+
+    no_id = ray_cluster.data.from_items([{"body": "a b"}])
     with pytest.raises(ConfigError, match="no column 'id'.*columns are body"):
         build_index_ray(no_id, tmp_path / "b", text_field="body")
 
@@ -100,55 +202,111 @@ def test_import_without_ray_says_how_to_install():
     assert "pip install 'embedingest[ray]'" in proc.stderr
 
 
+def as_batch(recs) -> dict:
+    return {"id": np.array([r["id"] for r in recs], dtype=object),
+            "text": np.array([r["text"] for r in recs], dtype=object)}
+
+
+def abandon(plan) -> None:
+    """What a driver killed before ``finish`` leaves: the actors' shards, no unit row."""
+    import ray
+
+    plan.store.close()
+    ray.kill(plan.numbers)
+
+
 def test_plan_and_embed_batches_called_directly(tmp_path, ray_cluster):
     """The three steps by hand, as a pipeline of one's own would run them: the plan
-    marks every record with text pending, EmbedBatches (called here, not by Ray) embeds
-    only pending records into shards and returns one row per record, finish() writes
-    what build_index writes."""
+    reads the index only, EmbedBatches (called here, not by Ray) embeds the records the
+    index does not hold into shards and returns one row per record, finish() writes
+    the unit rows and what build_index writes."""
     from embedingest.jobs.build_index.ray import RESULT_SCHEMA, EmbedBatches, plan_ray_index
 
     ray = ray_cluster
     recs = records()
-    plan = plan_ray_index(ray.data.from_items(recs), tmp_path / "two", **SETTINGS)
-    assert plan.pending == len(recs) and plan.dtype == "fp32"  # the blank one too: read every run
-    assert plan.counts == {"units_seen": len(recs), "units_indexed": 0, "units_unchanged": 0,
+    one, two = tmp_path / "one", tmp_path / "two"
+    plan = plan_ray_index(ray.data.from_items(recs), two, **SETTINGS)
+    assert plan.dtype == "fp32" and len(ray.get(plan.indexed).digests) == 0
+    assert plan.counts == {"units_seen": 0, "units_indexed": 0, "units_unchanged": 0,
                            "units_removed": 0, "vectors_removed": 0, "docs": 0, "chunks": 0}
     kwargs = plan.actor_kwargs()
-    assert kwargs["config"]["batch_size"] == SETTINGS["batch_size"] and kwargs["out"] == str(tmp_path / "two")
+    assert kwargs["config"]["batch_size"] == SETTINGS["batch_size"] and kwargs["out"] == str(two)
     actor = EmbedBatches(**kwargs)
     assert actor.device == "cpu"
-    first, rest = recs[:5], recs[5:]
-    tables = []
-    for part in (first, rest):
-        batch = {"id": np.array([r["id"] for r in part], dtype=object),
-                 "text": np.array([r["text"] for r in part], dtype=object)}
-        table = actor(batch)
-        assert table.schema == RESULT_SCHEMA
-        tables.append(table)
-    from embedingest.index.shard_store import ShardStore
-
+    tables = [actor(as_batch(part)) for part in (recs[:5], recs[5:])]
+    assert all(t.schema == RESULT_SCHEMA for t in tables)
     rows = [r for t in tables for r in t.to_pylist()]
-    with ShardStore(tmp_path / "two") as store:  # the rows are in the shards the actor committed
-        nos = {key[len("record:"):]: u.unit_no for key, u in store.units().items()}
+    skipped = [(r["skip_where"], r["skip_reason"].split(":")[0]) for r in rows if r["status"] == "skipped"]
+    assert skipped == [("record:blank:blank", "empty")]  # as build_index reports it
+    rows = [r for r in rows if r["status"] != "skipped"]
+    assert [r["status"] for r in rows] == ["indexed"] * len(recs)
+    # one actor on a fresh index numbers the records in order, as build_index does
+    assert [r["unit_no"] for r in rows] == list(range(1, len(recs) + 1))
+    nos = {r["record_id"]: r["unit_no"] for r in rows}
+    with ShardStore(two) as store:  # the rows are in the shards the actor committed
+        assert store.units() == {}  # the driver writes unit rows, in finish()
         ids = [int(i) for s in store.shards() for i in s.ids()]
         chunks = store.chunks(ids)
-    embedded = {r["unit_no"]: r for r in rows if r["unit_no"] >= 0}
-    assert set(embedded) == set(nos.values())
-    for rec in recs:
+    for rec, row in zip(recs, rows):
         mine = sorted((c for c in chunks.values() if c.unit_no == nos[rec["id"]]), key=lambda c: c.chunk_no)
-        assert embedded[nos[rec["id"]]]["n_chunks"] == len(mine)
+        assert row["n_chunks"] == len(mine) and row["size"] == len(rec["text"].encode())
         assert [c.chunk_no for c in mine] == list(range(len(mine)))
         assert all(rec["text"][c.char_start:c.char_end] == c.text and c.record_id == rec["id"] for c in mine)
-    assert embedded[nos["blank"]]["n_chunks"] == 0 and embedded[nos["long0"]]["n_chunks"] > 1
+    assert rows[-1]["n_chunks"] == 0 and rows[0]["n_chunks"] > 1  # blank, long0
     assert actor.calls == 2  # one engine (and one run id) per call
-    # a record that is not pending passes without work
-    assert actor({"id": np.array(["nope"], dtype=object), "text": np.array(["x"], dtype=object)}).num_rows == 0
     s2 = plan.finish(ray.data.from_arrow(tables))
-    s1 = build_index(recs, out=str(tmp_path / "one"), num_workers=0, **SETTINGS)
-    for key in ("units_indexed", "docs", "chunks", "vectors_total", "skipped", "exit_code"):
+    s1 = build_index(recs, out=str(one), num_workers=0, **SETTINGS)
+    for key in ("units_seen", "units_indexed", "docs", "chunks", "vectors_total", "skipped", "exit_code"):
         assert s2[key] == s1[key], key
     assert s2["units_incomplete"] == 0
-    assert_same_index(tmp_path / "one", tmp_path / "two")
+    assert_same_index(one, two)
+    assert sorted(vectors_by_id(one)) == sorted(vectors_by_id(two))
+
+    # the next run's actors pass what the index holds without work
+    plan = plan_ray_index(ray.data.from_items(recs), two, **SETTINGS)
+    actor = EmbedBatches(**plan.actor_kwargs())
+    table = actor(as_batch(recs[4:6]) | {"id": np.array(["s0", 7], dtype=object)})
+    assert table.column("status").to_pylist() == ["unchanged", "indexed"]
+    assert table.column("unit_no").to_pylist()[0] == nos["s0"]
+    assert table.column("unit_no").to_pylist()[1] > len(recs)  # a number never given before
+    abandon(plan)
+
+
+def test_a_run_stopped_anywhere_is_finished_by_running_again(tmp_path, ray_cluster):
+    """A driver killed before finish() (shards committed, no unit row), then a finish()
+    whose results fail half-way (some unit rows written): the next run gives the index
+    of a clean build."""
+    from embedingest import build_index_ray
+    from embedingest.jobs.build_index.ray import EmbedBatches, plan_ray_index
+
+    ray = ray_cluster
+    recs = records()
+    one, two = tmp_path / "one", tmp_path / "two"
+    s1 = build_index(recs, out=str(one), num_workers=0, **SETTINGS)
+    plan = plan_ray_index(ray.data.from_items(recs), two, **SETTINGS)
+    first = EmbedBatches(**plan.actor_kwargs())(as_batch(recs[:6]))
+    abandon(plan)
+    stray = sum(first.column("n_chunks").to_pylist())
+    assert stray > 6
+
+    plan = plan_ray_index(ray.data.from_items(recs), two, **SETTINGS)
+    assert plan.counts["vectors_removed"] == stray  # vectors of units with no row
+    actor = EmbedBatches(**plan.actor_kwargs())
+    tables = [actor(as_batch(recs[:6])), actor(as_batch(recs[6:]))]
+
+    def fail_on_the_second(table):
+        if "s2" in table.column("record_id").to_pylist():
+            raise ValueError("the driver's stream broke")
+        return table
+
+    results = ray.data.from_arrow(tables).map_batches(fail_on_the_second, batch_format="pyarrow",
+                                                      batch_size=None, max_retries=0)
+    with pytest.raises(Exception, match="the driver's stream broke"):
+        plan.finish(results)
+
+    s2 = build_index_ray(ray.data.from_items(recs), two, records_per_call=4, **SETTINGS)
+    assert s2["units_incomplete"] == 0 and s2["vectors_total"] == s1["vectors_total"]
+    assert_same_index(one, two)
 
 
 @pytest.mark.slow
