@@ -376,7 +376,7 @@ def check_exactly_once(out: Path, expected: dict[str, int]) -> np.ndarray:
     duplicate, nothing else; every id has its chunk row; the manifest lists the shards;
     no temporary file is left; every shard's files are whole."""
     from embedingest.index.shard_store import ShardStore
-    from embedingest.index.store import CHUNK_BITS
+    from embedingest.index.shards import CHUNK_BITS
 
     check_index_files(out)
     assert not tmp_files(out), f"temporary files left: {tmp_files(out)}"

@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import ConfigError
+from ..index.faiss_factory import as_float32, empty_index
 from ..index.lock import hold_writer_lock
 from ..index.shards import (
     CHUNK_SCHEMA,
@@ -43,8 +44,7 @@ from ..index.shards import (
     write_commit,
     write_hashed,
 )
-from ..outfiles import atomic_file, new_run_id, write_streamed
-from .faiss_shards import _RUN_ID, as_float32, empty_index
+from ..outfiles import RUN_ID, atomic_file, new_run_id, write_streamed
 
 ROW_GROUP_ROWS = 32
 """Rows per Parquet row group: a lookup reads (and decompresses) one group per hit, so
@@ -74,7 +74,7 @@ class ShardWriterFactory:
         self.folder = os.fspath(self.folder)
         if self.trained is not None:
             self.trained = os.fspath(self.trained)
-        if not _RUN_ID.fullmatch(self.run_id):
+        if not RUN_ID.fullmatch(self.run_id):
             raise ConfigError(f"run id {self.run_id!r} may hold only letters, digits and '_'")
         for name in ("dim", "commit_every", "row_group_rows"):
             if getattr(self, name) <= 0:

@@ -243,13 +243,13 @@ def test_remove_units_sigkill_at_every_write_keeps_each_vector_once(tmp_path):
     import sys
 
     from fault_helpers import HOOKS
-    from index_fixtures import build_index_v2
+    from index_fixtures import build_index
 
     from embedingest.index.shard_store import ShardStore
     from embedingest.index.shards import CHUNK_BITS
 
     base = tmp_path / "base"
-    built = build_index_v2(base, n_units=6, chunks=20, commit_every=30, workers=2)
+    built = build_index(base, n_units=6, chunks=20, commit_every=30, workers=2)
     drop = [built.unit_nos["doc1.txt"], built.unit_nos["doc4.txt"]]
     keep = np.sort(built.ids[~np.isin(built.ids >> CHUNK_BITS, drop)])
     built.store.close()

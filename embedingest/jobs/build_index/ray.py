@@ -58,7 +58,8 @@ from ...index.store import Manifest
 from ...report import REPORT_NAME, SkipReport
 from ...runner import run_batches
 from ...scaleout.ray_data import in_order
-from ...sinks.faiss_shards import new_run_id, parse_factory
+from ...index.faiss_factory import parse_factory
+from ...outfiles import new_run_id
 from ...stages.device import precision
 from ...stages.prefetch import thread_ahead
 from ...sinks.shard_writer import commit_finished
