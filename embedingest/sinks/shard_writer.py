@@ -98,7 +98,8 @@ class ShardWriterFactory:
 
 
 class ShardWriter:
-    """One shard being written: :meth:`add` batches, then :meth:`commit` (or :meth:`abort`)."""
+    """One shard being written: :meth:`add` batches, then :meth:`commit`. A writer dropped
+    before its commit leaves a temporary Parquet file, which the next build deletes."""
 
     def __init__(self, spec: ShardWriterFactory, name: str, trained: faiss.Index | None = None,
                  folder: Path | None = None, replaces: tuple = ()):
@@ -200,17 +201,6 @@ class ShardWriter:
         write_commit(self.folder, record)
         self._index, self._emb, self._pending = None, [], []
         return record
-
-    def abort(self) -> None:
-        """Drop what was added; the temporary Parquet file is deleted."""
-        if self._parquet_file is not None:
-            stack, _, writer = self._parquet_file
-            self._parquet_file = None
-            with contextlib.suppress(Exception):
-                writer.close()
-            with contextlib.suppress(Exception):
-                stack.__exit__(RuntimeError, RuntimeError("shard aborted"), None)
-        self._index, self._emb, self._pending = None, [], []
 
 
 def write_faiss_hashed(index: faiss.Index, path: Path) -> dict:
