@@ -101,3 +101,14 @@ def test_wipe_removes_every_file_of_both_formats_and_nothing_else(tmp_path):
     ShardStore(folder).wipe()
     assert visible(folder) == ["mine.txt"]
     assert list_shards(folder / "shards") == []
+
+
+def test_wipe_starts_the_folder_again_at_generation_0(tmp_path):
+    from shard_fixtures import write_manifest
+
+    folder = tmp_path / "ix"
+    write_manifest(folder, generation=2)
+    store = ShardStore(folder)
+    assert store.generation == 2 and store.trained_path.name == "trained.g2.faiss"
+    store.wipe()
+    assert store.generation == 0 and store.trained_path == folder / "trained.faiss"

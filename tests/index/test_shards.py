@@ -221,3 +221,18 @@ def test_finished_marks_that_came_after_the_last_batch_get_a_shard_of_their_own(
     assert (record["name"], record["rows"], record["files"]) == ("shard-m-w9999-00000", 0, {})
     shards = list_shards(folder / "shards")
     assert incomplete_units(shards) == set() and finished_units(shards) == {3: 5, 4: 0}
+
+
+def test_verify_names_the_file_whose_bytes_changed_and_sizes_come_first(tmp_path):
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=1, chunks=5, workers=1, save_embeddings=True)
+    (shard,) = list_shards(folder / "shards")
+    assert shard.verify() is None
+    path = shard.path("emb")
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1  # same size, other bytes: only the hash can tell
+    path.write_bytes(data)
+    assert shard.check_sizes() is None
+    assert shard.verify() == f"its emb file '{shard.name}.emb.npy' does not hold the bytes that were committed"
+    path.write_bytes(data + b"x")
+    assert shard.verify() == f"its emb file '{shard.name}.emb.npy' holds {len(data) + 1} bytes, not {len(data)}"
