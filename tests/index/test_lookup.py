@@ -63,6 +63,25 @@ def test_more_shards_than_open_files_still_map_every_id(built, monkeypatch):
     assert len(rows._files) == 1
 
 
+def test_open_files_are_kept_and_reused_up_to_the_bound(built, monkeypatch):
+    """A lookup reuses the Parquet files it has open (opening one costs a footer read);
+    beyond OPEN_FILES the least recently used is dropped and opened again when needed."""
+    monkeypatch.setattr(lookup, "OPEN_FILES", 2)
+    rows = ShardRows(list_shards(built.folder / "shards"))
+    opened = []
+    real_open = rows._open
+    monkeypatch.setattr(rows, "_open", lambda no: opened.append(no) or real_open(no))
+    first = [int(rows.shard_ids(no)[0]) for no in range(len(rows.shards))]
+    assert len(first) >= 3
+    for _ in range(3):  # the files opened at start-up: none opened again
+        rows.chunks(first[:2])
+    assert opened == []
+    rows.chunks([first[2]])  # a third file: opened, and the least recently used one dropped
+    rows.chunks([first[1]])
+    rows.chunks([first[0]])
+    assert opened == [2, 0] and list(rows._files) == [1, 0]
+
+
 def test_threads_share_one_reader(built):
     rows = ShardRows(list_shards(built.folder / "shards"))
     errors, ids = [], list(built.ids)
