@@ -236,3 +236,21 @@ def test_verify_names_the_file_whose_bytes_changed_and_sizes_come_first(tmp_path
     assert shard.verify() == f"its emb file '{shard.name}.emb.npy' does not hold the bytes that were committed"
     path.write_bytes(data + b"x")
     assert shard.verify() == f"its emb file '{shard.name}.emb.npy' holds {len(data) + 1} bytes, not {len(data)}"
+
+
+def test_hashing_file_is_a_write_only_stream_that_leaves_the_real_file_open():
+    """pyarrow and numpy write through it; closing it (as a writer that owns its sink
+    does) must not close the temporary file, which atomic_file checks and renames."""
+    import hashlib
+    import io
+
+    from embedingest.index.shards import HashingFile
+
+    real = io.BytesIO()
+    out = HashingFile(real)
+    assert out.writable() and not out.seekable() and not out.closed
+    assert out.write(b"abc") == 3 and out.write(bytearray(b"de")) == 2 and out.tell() == 5
+    out.flush()
+    out.close()
+    assert out.closed and not real.closed and real.getvalue() == b"abcde"
+    assert out.summary("x") == {"name": "x", "size": 5, "sha256": hashlib.sha256(b"abcde").hexdigest()}
