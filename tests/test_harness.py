@@ -77,3 +77,10 @@ def test_each_fault_hook_works_alone(tmp_path, var, value, expected):
     out = subprocess.run([sys.executable, "-c", COMMITS, str(tmp_path / "b")], capture_output=True,
                          text=True, timeout=120, env=env)
     assert out.stdout.split()[:2] == ["commit", "ok,ok,ok"], out.stderr  # no variable, no patch
+
+
+def test_cli_runs_get_ctrl_c_even_when_pytest_runs_in_the_background():
+    """A child sees SIGINT at its default (Python's KeyboardInterrupt), so the Ctrl-C
+    tests test the CLI, not an inherited SIG_IGN (tests/conftest.py)."""
+    code = "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"
+    assert child(code) == "True"
