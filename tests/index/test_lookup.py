@@ -48,6 +48,30 @@ def test_only_asked_columns_are_read(built):
     assert rows.table([i], columns=["text"]) == {i: {"id": i, "text": built.rows[i]["text"]}}
 
 
+def test_a_lookup_reads_only_the_asked_columns_of_the_row_groups_hit(built, monkeypatch):
+    """id and chunk_no come from the id: asking only for them reads nothing; otherwise
+    the row group holding the id is read, with the columns asked for."""
+    import pyarrow.parquet as pq
+
+    reads = []
+    real = pq.ParquetFile.read_row_groups
+
+    def spy(self, groups, columns=None, **kw):
+        reads.append((list(groups), columns))
+        return real(self, groups, columns=columns, **kw)
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_groups", spy)
+    rows = ShardRows(list_shards(built.folder / "shards"), threads=1)
+    no = max(range(len(rows.shards)), key=lambda n: rows.shards[n].rows)
+    assert rows.shards[no].rows > 9
+    i = int(rows.shard_ids(no)[9])  # row 9: the second row group of 8 rows
+    assert rows.table([i], columns=["chunk_no"]) == {i: {"id": i, "chunk_no": built.rows[i]["chunk_no"]}}
+    assert reads == []
+    assert rows.table([i], columns=["text", "chunk_no"]) == {
+        i: {"id": i, "text": built.rows[i]["text"], "chunk_no": built.rows[i]["chunk_no"]}}
+    assert reads == [([1], ["text"])]
+
+
 def test_an_empty_index_has_no_rows(tmp_path):
     rows = ShardRows([])
     assert len(rows) == 0 and rows.chunks([1, 2]) == {}
