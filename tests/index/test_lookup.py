@@ -151,3 +151,16 @@ def test_row_groups_are_read_from_the_footer_when_the_record_gives_no_size(built
     assert rows.chunks(built.ids) == {i: expected_chunk(r) for i, r in built.rows.items()}
     assert all(np.array_equal(a, b) for a, b in zip(rows._group_starts,
                                                      ShardRows(list_shards(built.folder / "shards"))._group_starts))
+
+
+def test_locate_of_one_row_a_scalar_and_a_grid(tmp_path):
+    """An index of one row, ids above and below it; a scalar id; a 2-D grid of ids (as
+    faiss returns them) comes back flat."""
+    one = build_shards(tmp_path / "one", n_units=1, chunks=1, workers=1)
+    rows = ShardRows(list_shards(one.folder / "shards"))
+    (only,) = one.ids.tolist()
+    shard, row = rows.locate([only - 1, only, only + 1])
+    assert shard.tolist() == [-1, 0, -1] and row.tolist() == [-1, 0, -1]
+    assert [a.tolist() for a in rows.locate(only)] == [[0], [0]]
+    assert [a.tolist() for a in rows.locate(np.array([[only, -1], [only + 5, only]]))] == [[0, -1, -1, 0],
+                                                                                          [0, -1, -1, 0]]
