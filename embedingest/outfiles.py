@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import secrets
 import stat
 import time
@@ -26,6 +27,10 @@ from .errors import ConfigError
 # faiss asks for this many bytes at most per call of the Python writer: peak memory stays
 # the index itself plus this, where faiss.serialize_index held a second full copy.
 _FAISS_CHUNK = 1 << 20
+
+
+RUN_ID = re.compile(r"[A-Za-z0-9_]+")
+"""What a run id may hold (:func:`new_run_id` makes one): it goes into file names."""
 
 
 def new_run_id() -> str:

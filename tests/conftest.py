@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 
@@ -23,6 +24,11 @@ def pytest_configure(config):
     the checkout goes first on PYTHONPATH, which child processes inherit."""
     parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != ROOT]
     os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, *parts])
+    # Ctrl-C reaches the CLI runs the tests start as it would from a terminal, also when
+    # pytest itself runs as a background job (which ignores SIGINT, and an ignored signal
+    # stays ignored in every program the job starts; a handled one is reset at exec).
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):

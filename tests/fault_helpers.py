@@ -127,6 +127,21 @@ def stop_bound(module: str, floor: float = 5.0) -> float:
     return max(floor, 1.5 * (time.monotonic() - t0))
 
 
+def check_ctrl_c_stops(run, bound: float) -> None:
+    """Ctrl-C to a running ``run``: it exits 130 within ``bound`` seconds (:func:`stop_bound`)
+    with the message that says how to resume, no traceback and nothing left running."""
+    assert run.running(), run.describe()
+    run.signal_group(signal.SIGINT)
+    t0 = time.monotonic()
+    rc = run.wait(60)
+    stopped = time.monotonic() - t0
+    assert stopped < bound, f"the run took {stopped:.1f} s to stop (bound {bound:.1f} s)"
+    assert rc == 130, run.describe()
+    assert "interrupted:" in run.stderr and "run the same command again to resume" in run.stderr
+    assert "Traceback" not in run.stderr, run.describe()
+    run.assert_no_leftovers()
+
+
 def check_ctrl_c_during_start_up(start, delays=(0.4, 1.5)) -> None:
     """``start(n)`` starts run ``n``; each is interrupted ``delay`` s in (importing torch,
     loading the model, starting device processes) and must exit 130 with the usual
@@ -376,7 +391,7 @@ def check_exactly_once(out: Path, expected: dict[str, int]) -> np.ndarray:
     duplicate, nothing else; every id has its chunk row; the manifest lists the shards;
     no temporary file is left; every shard's files are whole."""
     from embedingest.index.shard_store import ShardStore
-    from embedingest.index.store import CHUNK_BITS
+    from embedingest.index.shards import CHUNK_BITS
 
     check_index_files(out)
     assert not tmp_files(out), f"temporary files left: {tmp_files(out)}"

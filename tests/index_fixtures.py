@@ -63,8 +63,6 @@ def build_index(folder, n_units=6, chunks=20, factory="Flat", metric="ip", commi
     return Built(store, emb, ids, unit_nos)
 
 
-build_index_v2 = build_index
-
 
 class _V1:
     def __init__(self, folder):

@@ -41,15 +41,46 @@ def test_spawned_children_import_the_checkout_too(tmp_path):
     assert Path(out.stdout.strip()) == ROOT / "embedingest" / "__init__.py", out.stderr
 
 
-@pytest.mark.parametrize("var, value, patched", [
-    ("EMBEDINGEST_FI_COMMIT_DELAY", "0.5", "slow_write_shard"),
-    ("EMBEDINGEST_FI_ENOSPC", "3", "full_write_shard"),
+COMMITS = """
+import errno, multiprocessing, sys, time
+multiprocessing.current_process().name = "embedingest-consumer-0"  # the hooks act in consumers
+import embedingest.sinks.shard_writer as m
+spec = m.ShardWriterFactory(sys.argv[1], 4)
+results, slowest = [], 0.0
+for part in range(3):
+    start = time.perf_counter()
+    try:
+        m.commit_finished(spec, [(part, 0)], part)
+        results.append("ok")
+    except OSError as exc:
+        results.append(errno.errorcode[exc.errno])
+    slowest = max(slowest, time.perf_counter() - start)
+print(m.ShardWriter.commit.__name__, ",".join(results), slowest >= 0.5)
+"""
+
+
+@pytest.mark.parametrize("var, value, expected", [
+    ("EMBEDINGEST_FI_COMMIT_DELAY", "0.5", ["slow_commit", "ok,ok,ok", "True"]),  # each took 0.5 s or more
+    ("EMBEDINGEST_FI_ENOSPC", "2", ["full_commit", "ok,ok,ENOSPC"]),
 ])
-def test_each_fault_hook_works_alone(tmp_path, var, value, patched):
+def test_each_fault_hook_works_alone(tmp_path, var, value, expected):
+    """Each hook patches the shard writer's commit by itself, and does what it says
+    there (three commits of a consumer process: each slowed down, or the third refused);
+    without its variable nothing is patched."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDINGEST_FI_")}
     env.update({var: value, "EMBEDINGEST_FI_COUNTER": str(tmp_path / "n"),
                 "PYTHONPATH": os.pathsep.join([str(HOOKS), env["PYTHONPATH"]])})
-    code = "import embedingest.sinks.faiss_shards as m; print(m.write_shard.__name__)"
-    assert child(code, env) == patched
+    out = subprocess.run([sys.executable, "-c", COMMITS, str(tmp_path / "a")], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert out.stdout.split()[:len(expected)] == expected, out.stderr
     env.pop(var)
-    assert child(code, env) == "write_shard"  # no variable, no patch
+    out = subprocess.run([sys.executable, "-c", COMMITS, str(tmp_path / "b")], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert out.stdout.split()[:2] == ["commit", "ok,ok,ok"], out.stderr  # no variable, no patch
+
+
+def test_cli_runs_get_ctrl_c_even_when_pytest_runs_in_the_background():
+    """A child sees SIGINT at its default (Python's KeyboardInterrupt), so the Ctrl-C
+    tests test the CLI, not an inherited SIG_IGN (tests/conftest.py)."""
+    code = "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"
+    assert child(code) == "True"

@@ -89,9 +89,9 @@ def require_current(folder: str | os.PathLike) -> None:
         raise ConfigError(f"the index at {str(folder)!r} has format {found}, newer than this "
                           f"embedingest reads (format {CURRENT}): upgrade embedingest")
     data = _manifest_data(folder)
-    where = "" if data.get("corpus_path") else (" (CORPUS: the folder or file it was built from; an "
-                                               "index of records is rebuilt by build_index(records, "
-                                               "out=..., overwrite=True))")
+    known = isinstance(data.get("corpus_path"), str) and data["corpus_path"]
+    where = "" if known else (" (CORPUS: the folder or file it was built from; an index of records "
+                              "is rebuilt by build_index(records, out=..., overwrite=True))")
     raise ConfigError(
         f"the index at {str(folder)!r} is in format {found} (chunk metadata in {V1_METADATA}), "
         f"which this embedingest no longer reads. Rebuild it in format {CURRENT} with:\n"

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..outfiles import write_faiss_index
-from ..sinks.faiss_shards import parse_factory
+from .faiss_factory import parse_factory
 from .formats import rebuild_command, require_current
 from .lock import RunLock
 from .shards import EMB_SUFFIX, SHARDS_DIR, clean_shards, list_shards, read_ids

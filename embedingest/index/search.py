@@ -6,8 +6,8 @@ index costs little memory and starts fast; the page cache holds what queries tou
 
 The manifest's query prompt goes before every text query, and its search defaults
 (faiss parameters such as ``nprobe``, and ``k``) apply unless the caller gives its own.
-An open index may be searched from several threads (a server's): each thread reads the
-chunk metadata through its own sqlite connection.
+An open index may be searched from several threads (a server's): the chunk rows are
+read from the shards' Parquet files (:class:`~embedingest.index.lookup.ShardRows`).
 """
 
 from __future__ import annotations
@@ -22,12 +22,11 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..outfiles import refuse_link
-from .formats import index_format, require_current
+from .faiss_factory import read_index_file
 from .lookup import ShardRows
 from ..sources.remote import is_remote
-from .shards import FORMAT as SHARDS_FORMAT
 from .shards import SHARDS_DIR, list_shards
-from .store import IndexStore, Manifest, read_index_file
+from .store import IndexStore, Manifest
 
 PARALLEL_FROM = 20_000  # vectors; below, threads cost more than the scan
 _MMAP_FLAGS = (
@@ -70,15 +69,13 @@ class Index:
                  encoder=None, device: str = "cpu", query_prompt: str | None = None,
                  params: str | None = None, rows: ShardRows | None = None):
         self.store = store
-        self.rows = rows  # format 2: the chunk rows, through the shards' Parquet files
+        self.rows = rows  # the chunk rows, through the shards' Parquet files
         self.manifest = manifest
         self.shards = shards
         self.device = device
         self._encoder = encoder
         self._encoder_lock = threading.Lock()
         self._encode_lock = threading.Lock()
-        self._local = threading.local()
-        self._local.store = store
         self.query_prompt = manifest.prompts.get("query", "") if query_prompt is None else query_prompt
         self.params = params  # the faiss search parameters in force ("" or None: none)
         self._pool = None
@@ -109,13 +106,6 @@ class Index:
             self._pool.shutdown()
             self._pool = None
         self.store.close()
-
-    def _thread_store(self) -> IndexStore:
-        """This thread's store (sqlite connections stay in the thread that made them)."""
-        store = getattr(self._local, "store", None)
-        if store is None:
-            store = self._local.store = IndexStore(self.store.folder, read_only=True)
-        return store
 
     @property
     def encoder(self):
@@ -177,9 +167,9 @@ class Index:
     def chunks(self, ids) -> dict:
         """Chunk rows by vector id (:class:`~embedingest.index.store.Chunk`, with its
         source); unknown ids are absent."""
-        if self.rows is not None:
-            return self.rows.chunks(ids)
-        return self._thread_store().chunks(ids)
+        if self.rows is None:
+            return {}
+        return self.rows.chunks(ids)
 
     def search_vectors(self, vectors: np.ndarray, k: int | None = None) -> list[list[Hit]]:
         """Top ``k`` chunks for each query vector (used as given: normalise them for "ip")."""
@@ -188,10 +178,9 @@ class Index:
         rows = self.chunks(found)
         missing = [i for i in found if i not in rows]
         if missing:
-            where = "its shard's Parquet file" if self.rows is not None else repr(str(self.store.metadata_path))
             raise ConfigError(
                 f"{len(missing)} of the vectors found have no metadata row in "
-                f"{where} (e.g. id {missing[0]}): the last build of this "
+                f"its shard's Parquet file (e.g. id {missing[0]}): the last build of this "
                 "index was stopped before it finished (or one is running now); run the same "
                 "build-index command again to finish it, then search")
         out = []
@@ -243,16 +232,6 @@ class Index:
         return self._pool.map(fn, shards)
 
 
-def _ids_match(index: faiss.Index, seg) -> bool:
-    """The first and last ids of a shard equal its sidecar's: a file cut short inside
-    its last page still loads memory-mapped (the rest of the page reads as zeros), with
-    its last ids wrong."""
-    id_map = getattr(index, "id_map", None)
-    if id_map is None or index.ntotal == 0:
-        return True
-    ids = np.load(seg.ids_path, mmap_mode="r")
-    return id_map.at(0) == ids[0] and id_map.at(index.ntotal - 1) == ids[-1]
-
 
 def open_index(path: str | os.PathLike, device: str = "cpu", *, encoder=None,
                params: str | None = None, query_prompt: str | None = None,
@@ -284,31 +263,13 @@ def open_index(path: str | os.PathLike, device: str = "cpu", *, encoder=None,
             raise
         return Index(remote, manifest, shards, encoder=encoder, device=device, query_prompt=query_prompt,
                      params=params or None, rows=rows)
-    require_current(path)
     store = IndexStore(path, read_only=True)
     manifest = store.read_manifest()
     if params is None:
         params = manifest.search.get("params")
-    if index_format(path) == SHARDS_FORMAT:
-        shards, rows = _open_shards(store, manifest, params)
-        return Index(store, manifest, shards, encoder=encoder, device=device, query_prompt=query_prompt,
-                     params=params or None, rows=rows)
-    listed = store.shards()
-    if any(seg.count for seg in listed) or os.path.lexists(store.metadata_path):
-        store.connect().close()  # a missing or damaged database fails here, not after a query
-    shards = []
-    for seg in listed:
-        index = read_shard(seg.path)
-        if index.ntotal != seg.count or index.d != manifest.dim or not _ids_match(index, seg):
-            raise ConfigError(
-                f"shard {str(seg.path)!r} holds {index.ntotal} vectors of dim {index.d}, but its "
-                f"sidecar lists {seg.count} (or other ids) and the manifest says dim {manifest.dim}: "
-                "the file is damaged; delete that shard's .faiss and .ids.npy files and run build-index "
-                "again to redo the units it held")
-        _set_params(index, params, seg.name, manifest)
-        shards.append(index)
+    shards, rows = _open_shards(store, manifest, params)
     return Index(store, manifest, shards, encoder=encoder, device=device, query_prompt=query_prompt,
-                 params=params or None)
+                 params=params or None, rows=rows)
 
 
 def _set_params(index: faiss.Index, params: str | None, name: str, manifest: Manifest) -> None:

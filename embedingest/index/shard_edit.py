@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 from ..outfiles import new_run_id
 from ..sinks.shard_writer import PARQUET_OPTIONS, ROW_GROUP_ROWS, write_faiss_hashed
 from .faiss_edit import removes_in_place, without
+from .faiss_factory import read_index_file
 from .shards import (
     CHUNK_BITS,
     EMB_SUFFIX,
@@ -34,7 +35,6 @@ from .shards import (
     write_commit,
     write_hashed,
 )
-from .store import read_index_file
 
 
 def remove_units(shards_dir: str | Path, unit_nos: Iterable[int], template: faiss.Index | None = None,

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..outfiles import ensure_folder
-from .formats import index_format, require_current
+from .formats import V1_SEGMENTS, index_format, require_current
 from .lookup import ShardRows
 from .reindex import trained_name
 from .shard_edit import remove_units as remove_shard_units
@@ -41,22 +41,17 @@ from .shards import (
     read_ids,
 )
 from .store import Chunk, IndexStore, Manifest, Unit, _sqlite_errors, log
-from .store import Shard as ShardFile
-
-UNITS_NAME = "units.sqlite"
-_UNITS_SCHEMA = """
-CREATE TABLE IF NOT EXISTS units(
-    unit_no INTEGER PRIMARY KEY AUTOINCREMENT, key TEXT UNIQUE NOT NULL, size INT,
-    mtime_ns INT, sha256 TEXT, n_chunks INT, status TEXT);
-"""
 
 
 @dataclass(frozen=True)
-class ShardVectors(ShardFile):
+class ShardVectors:
     """A committed shard as the manifest lists it: its vectors file and row count, with
     the shard itself (its ids are its Parquet rows')."""
 
-    shard: Shard | None = None
+    name: str
+    path: Path
+    count: int
+    shard: Shard
 
     @property
     def ids_path(self) -> Path:
@@ -70,22 +65,13 @@ class ShardStore(IndexStore):
     """One index folder of format 2. Not safe for two planners at once (the run lock);
     the shard writers of a run write only their own shards."""
 
-    _schema = _UNITS_SCHEMA
-    _probe_sql = "SELECT count(*) FROM units LIMIT 0"
-
     def __init__(self, folder, read_only: bool = False):
         super().__init__(folder, read_only)
-        self.metadata_path = self.folder / UNITS_NAME
-        self.v1_dir = self.shards_dir  # a format-1 index's vectors (wipe deletes them)
         self.shards_dir = self.folder / SHARDS_DIR
         self.generation = 0
         if index_format(self.folder) == FORMAT:
             self.generation = self.read_manifest().generation
         self.trained_path = self.folder / trained_name(self.generation)
-
-    def read_manifest(self) -> Manifest:
-        require_current(self.folder)
-        return super().read_manifest()
 
     def create_or_open(self, manifest: Manifest, overwrite: bool = False) -> Manifest:
         """:meth:`IndexStore.create_or_open` in format 2. A folder holding a format-1
@@ -118,18 +104,26 @@ class ShardStore(IndexStore):
         """Delete everything embedingest keeps in the folder, a format-1 index's files
         included (other files stay)."""
         super().wipe()
-        if self.v1_dir.is_symlink():
-            self.v1_dir.unlink()  # the link only: nothing outside the folder
-        else:
-            shutil.rmtree(self.v1_dir, ignore_errors=True)
-        for name in (UNITS_NAME, UNITS_NAME + "-wal", UNITS_NAME + "-shm"):
-            (self.folder / name).unlink(missing_ok=True)
+        for folder in (self.shards_dir, self.folder / V1_SEGMENTS):
+            if folder.is_symlink():
+                folder.unlink()  # the link only: nothing outside the folder
+            else:
+                shutil.rmtree(folder, ignore_errors=True)
         for path in self.folder.glob("trained.g*.faiss"):
             path.unlink()
         self.generation = 0
         self.trained_path = self.folder / trained_name(0)
 
     # -- shards ---------------------------------------------------------------------------
+
+    def update_shards(self, manifest: Manifest | None = None, **changes) -> Manifest:
+        """Rewrite the manifest with the current shard list and ``changes`` (e.g. corpus)."""
+        manifest = manifest or self.read_manifest()
+        for name, value in changes.items():
+            setattr(manifest, name, value)
+        manifest.segments = [{"name": s.name, "count": s.count} for s in self.shards()]
+        self.write_manifest(manifest)
+        return manifest
 
     def committed(self) -> list[Shard]:
         """The committed shards (their files checked against their records)."""
@@ -178,10 +172,6 @@ class ShardStore(IndexStore):
             db.execute("UPDATE units SET status='pending', n_chunks=0")
             db.executemany("UPDATE units SET status='done', n_chunks=? WHERE unit_no=?",
                            ((n, u) for u, n in done.items()))
-
-    def delete_chunks(self, unit_nos: Iterable[int]) -> None:
-        """Nothing: a unit's rows live in the shards with its vectors, and go with them
-        (:meth:`remove_units`)."""
 
     @_sqlite_errors
     def put_numbered_units(self, rows: Iterable[Mapping]) -> list[int]:

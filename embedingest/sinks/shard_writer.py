@@ -28,6 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import ConfigError
+from ..index.faiss_factory import as_float32, empty_index
 from ..index.lock import hold_writer_lock
 from ..index.shards import (
     CHUNK_SCHEMA,
@@ -45,8 +46,7 @@ from ..index.shards import (
     write_commit,
     write_hashed,
 )
-from ..outfiles import atomic_file, new_run_id, write_streamed
-from .faiss_shards import _RUN_ID, as_float32, empty_index
+from ..outfiles import RUN_ID, atomic_file, new_run_id, write_streamed
 
 ROW_GROUP_ROWS = 32
 """Rows per Parquet row group: a lookup reads (and decompresses) one group per hit, so
@@ -77,7 +77,7 @@ class ShardWriterFactory:
         self.folder = os.fspath(self.folder)
         if self.trained is not None:
             self.trained = os.fspath(self.trained)
-        if not _RUN_ID.fullmatch(self.run_id):
+        if not RUN_ID.fullmatch(self.run_id):
             raise ConfigError(f"run id {self.run_id!r} may hold only letters, digits and '_'")
         for name in ("dim", "commit_every", "row_group_rows"):
             if getattr(self, name) <= 0:
@@ -101,7 +101,8 @@ class ShardWriterFactory:
 
 
 class ShardWriter:
-    """One shard being written: :meth:`add` batches, then :meth:`commit` (or :meth:`abort`)."""
+    """One shard being written: :meth:`add` batches, then :meth:`commit`. A writer dropped
+    before its commit leaves a temporary Parquet file, which the next build deletes."""
 
     def __init__(self, spec: ShardWriterFactory, name: str, trained: faiss.Index | None = None,
                  folder: Path | None = None, replaces: tuple = ()):
@@ -207,17 +208,6 @@ class ShardWriter:
 
             upload_shard(self.spec.remote, self.folder, record)
         return record
-
-    def abort(self) -> None:
-        """Drop what was added; the temporary Parquet file is deleted."""
-        if self._parquet_file is not None:
-            stack, _, writer = self._parquet_file
-            self._parquet_file = None
-            with contextlib.suppress(Exception):
-                writer.close()
-            with contextlib.suppress(Exception):
-                stack.__exit__(RuntimeError, RuntimeError("shard aborted"), None)
-        self._index, self._emb, self._pending = None, [], []
 
 
 def write_faiss_hashed(index: faiss.Index, path: Path) -> dict:

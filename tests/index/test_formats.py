@@ -63,3 +63,29 @@ def test_rebuild_command_quotes_what_the_shell_would_split():
                                       "factory": "IVF64,Flat"}, save_embeddings=True)
     assert cmd == ("embedingest build-index 'a b' --out 'out dir' --model '/m x' --index IVF64,Flat "
                    "--save-embeddings --overwrite")
+
+
+@pytest.mark.parametrize("data", [
+    [1, 2],  # not an object
+    {"model": "m", "corpus_path": 5, "factory": "", "metric": 3},  # fields of the wrong types
+    {"model": {"name": 7, "path": ""}, "corpus_path": "", "factory": ["Flat"], "metric": "ip"},
+])
+def test_a_damaged_format_1_manifest_still_gets_the_rebuild_command(tmp_path, data):
+    """What the manifest says wrongly is left out of the command, never crashes it."""
+    folder = tmp_path / "ix"
+    folder.mkdir()
+    (folder / "metadata.sqlite").write_bytes(b"")
+    (folder / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(ConfigError) as err:
+        require_current(folder)
+    assert str(err.value).endswith(
+        f"  embedingest build-index CORPUS --out {folder} --overwrite (CORPUS: the folder or file it was "
+        "built from; an index of records is rebuilt by build_index(records, out=..., overwrite=True))")
+
+
+def test_the_rebuild_command_quotes_what_the_shell_would_split(tmp_path):
+    manifest = {"model": {"path": "/my models/m"}, "corpus_path": "/data/it's here", "factory": "IVF4,PQ8",
+                "metric": "l2"}
+    assert rebuild_command(tmp_path / "a b", manifest, save_embeddings=True) == (
+        f"embedingest build-index '/data/it'\"'\"'s here' --out '{tmp_path}/a b' --model '/my models/m' "
+        "--index IVF4,PQ8 --metric l2 --save-embeddings --overwrite")

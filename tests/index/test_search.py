@@ -1,12 +1,11 @@
 import numpy as np
 import pytest
-from index_fixtures import DIM, unit_vectors
-from index_fixtures import build_index_v2 as build_index
+from index_fixtures import DIM, build_index, build_v1, unit_vectors
 
 from embedingest.errors import ConfigError
 from embedingest.index.shard_store import ShardStore
 from embedingest.index.search import Hit, open_index, read_shard
-from embedingest.index.store import IndexStore, Manifest
+from embedingest.index.store import Manifest
 
 
 class FakeEncoder:
@@ -91,6 +90,18 @@ def test_empty_index_and_errors(tmp_path):
             index.search("hello")
     with pytest.raises(ConfigError, match="not an embedingest index"):
         open_index(tmp_path / "missing")
+
+
+def test_a_format_1_index_is_refused_not_read(tmp_path):
+    folder = tmp_path / "old"
+    build_v1(folder)
+    before = sorted((p.relative_to(folder), p.stat().st_mtime_ns) for p in folder.rglob("*"))
+    with pytest.raises(ConfigError) as err:
+        open_index(folder)
+    assert str(err.value).startswith(
+        f"the index at {str(folder)!r} is in format 1 (chunk metadata in metadata.sqlite), which this "
+        "embedingest no longer reads. Rebuild it in format 2 with:\n  embedingest build-index CORPUS --out ")
+    assert sorted((p.relative_to(folder), p.stat().st_mtime_ns) for p in folder.rglob("*")) == before
 
 
 def test_search_params_that_do_not_apply(tmp_path):

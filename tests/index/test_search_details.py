@@ -7,7 +7,7 @@ import faiss
 import numpy as np
 import pytest
 from index_fixtures import DIM, unit_vectors
-from index_fixtures import build_index_v2 as build_index
+from index_fixtures import build_index
 
 import embedingest.index.search as search_mod
 from embedingest.errors import ConfigError

@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from index_fixtures import unit_vectors
-from index_fixtures import build_index_v2 as build_index
+from index_fixtures import build_index
 
 from embedingest.index import search
 from embedingest.index.search import open_index

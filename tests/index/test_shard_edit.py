@@ -81,3 +81,43 @@ def test_removing_every_unit_of_a_shard_leaves_a_mark_only_shard_or_nothing(tmp_
     assert [(s.rows, s.files, s.units) for s in shards] == [(0, {}, ())]
     clean_shards(folder / "shards")
     assert list((folder / "shards").iterdir()) == []
+
+
+def test_a_rewritten_shard_keeps_small_zstd_row_groups(tmp_path):
+    """A lookup reads one row group per hit: the shard a removal writes has groups of
+    ROW_GROUP_ROWS rows, compressed like the writers' (whatever the old shard had)."""
+    from embedingest.index.shard_edit import remove_units
+    from embedingest.sinks.shard_writer import ROW_GROUP_ROWS
+
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=3, chunks=40, commit_every=200, workers=1, row_group_rows=8)
+    assert remove_units(folder / "shards", {1}) == 40
+    (shard,) = [s for s in list_shards(folder / "shards") if s.rows]
+    meta = pq.read_metadata(shard.path("parquet"))
+    sizes = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+    assert sizes == [ROW_GROUP_ROWS] * 2 + [80 - 2 * ROW_GROUP_ROWS]
+    assert {meta.row_group(0).column(c).compression for c in range(meta.num_columns)} == {"ZSTD"}
+
+
+def test_a_rewritten_shard_keeps_the_saved_embeddings_of_its_kept_rows(tmp_path):
+    from embedingest.index.shard_edit import remove_units
+
+    folder = tmp_path / "ix"
+    built = build_shards(folder, n_units=3, chunks=10, commit_every=100, workers=1, save_embeddings=True)
+    assert remove_units(folder / "shards", {1}) == 10
+    (shard,) = [s for s in list_shards(folder / "shards") if s.rows]
+    ids = read_ids(shard)
+    assert sorted(ids.tolist()) == sorted(built.ids[(built.ids >> 32) != 1].tolist())
+    expected = built.emb[np.searchsorted(built.ids, ids)].astype(np.float16)
+    np.testing.assert_array_equal(np.load(shard.path("emb")), expected)
+
+
+def test_a_kind_that_cannot_be_edited_in_place_needs_the_template(tmp_path):
+    from embedingest.index.shard_edit import remove_units
+    from embedingest.index.store import IndexStore
+
+    folder = tmp_path / "ix"
+    trained = IndexStore(folder).train_index("HNSW8", DIM, "ip", unit_vectors(10))
+    build_shards(folder, n_units=2, chunks=4, workers=1, factory="HNSW8", trained=trained)
+    with pytest.raises(ValueError, match=r"^removing vectors from shard-run1-w0-00000 needs the empty index template$"):
+        remove_units(folder / "shards", {1})

@@ -10,7 +10,7 @@ from shard_fixtures import DIM, batches, build_shards, meta_of, unit_vectors
 
 from embedingest.errors import ConfigError
 from embedingest.index.shard_store import ShardStore
-from embedingest.index.shards import list_shards
+from embedingest.index.shards import list_shards, read_ids
 from embedingest.index.store import Manifest
 from embedingest.sinks.shard_writer import ShardWriterFactory
 
@@ -120,3 +120,40 @@ def test_wipe_removes_every_file_of_both_formats_and_nothing_else(tmp_path):
     ShardStore(folder).wipe()
     assert visible(folder) == ["mine.txt"]
     assert list_shards(folder / "shards") == []
+
+
+def test_wipe_starts_the_folder_again_at_generation_0(tmp_path):
+    from shard_fixtures import write_manifest
+
+    folder = tmp_path / "ix"
+    write_manifest(folder, generation=2)
+    store = ShardStore(folder)
+    assert store.generation == 2 and store.trained_path.name == "trained.g2.faiss"
+    store.wipe()
+    assert store.generation == 0 and store.trained_path == folder / "trained.faiss"
+
+
+def test_remove_units_after_a_reindex_edits_that_generation(tmp_path):
+    from embedingest.index.reindex import reindex
+    from embedingest.index.search import open_index
+
+    folder = tmp_path / "ix"
+    built = build_shards(folder, n_units=3, chunks=10, commit_every=12, workers=1, save_embeddings=True)
+    reindex(folder, "Flat")
+    store = ShardStore(folder)
+    assert store.generation == 1
+    assert store.remove_units({1}) == 10
+    keep = (built.ids >> 32) != 1
+    with open_index(folder) as index:
+        _, ids = index.search_raw(unit_vectors(3, seed=5), 30)
+    assert sorted(ids[0].tolist()) == sorted(built.ids[keep].tolist())
+
+
+def test_remove_units_of_a_flat_index_needs_no_manifest(tmp_path):
+    """Flat vectors are edited in place: no template, so a folder whose manifest is gone
+    still has its units removed rather than a 'not an index' error."""
+    folder = tmp_path / "ix"
+    write_units(None, folder, [1, 2], 5, "a")
+    store = ShardStore(folder)
+    assert not store.exists() and store.remove_units({2}) == 5
+    assert {int(i) >> 32 for s in list_shards(folder / "shards") if s.rows for i in read_ids(s)} == {1}

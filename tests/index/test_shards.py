@@ -221,3 +221,36 @@ def test_finished_marks_that_came_after_the_last_batch_get_a_shard_of_their_own(
     assert (record["name"], record["rows"], record["files"]) == ("shard-m-w9999-00000", 0, {})
     shards = list_shards(folder / "shards")
     assert incomplete_units(shards) == set() and finished_units(shards) == {3: 5, 4: 0}
+
+
+def test_verify_names_the_file_whose_bytes_changed_and_sizes_come_first(tmp_path):
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=1, chunks=5, workers=1, save_embeddings=True)
+    (shard,) = list_shards(folder / "shards")
+    assert shard.verify() is None
+    path = shard.path("emb")
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1  # same size, other bytes: only the hash can tell
+    path.write_bytes(data)
+    assert shard.check_sizes() is None
+    assert shard.verify() == f"its emb file '{shard.name}.emb.npy' does not hold the bytes that were committed"
+    path.write_bytes(data + b"x")
+    assert shard.verify() == f"its emb file '{shard.name}.emb.npy' holds {len(data) + 1} bytes, not {len(data)}"
+
+
+def test_hashing_file_is_a_write_only_stream_that_leaves_the_real_file_open():
+    """pyarrow and numpy write through it; closing it (as a writer that owns its sink
+    does) must not close the temporary file, which atomic_file checks and renames."""
+    import hashlib
+    import io
+
+    from embedingest.index.shards import HashingFile
+
+    real = io.BytesIO()
+    out = HashingFile(real)
+    assert out.writable() and not out.seekable() and not out.closed
+    assert out.write(b"abc") == 3 and out.write(bytearray(b"de")) == 2 and out.tell() == 5
+    out.flush()
+    out.close()
+    assert out.closed and not real.closed and real.getvalue() == b"abcde"
+    assert out.summary("x") == {"name": "x", "size": 5, "sha256": hashlib.sha256(b"abcde").hexdigest()}

@@ -3,19 +3,18 @@ import json
 import faiss
 import numpy as np
 import pytest
-from index_fixtures import DIM, build_index, build_index_v2, unit_vectors
+from index_fixtures import DIM, build_index, unit_vectors
 
 from embedingest.errors import ConfigError
-from embedingest.index import store as store_mod
 from embedingest.index.lock import RUN_LOCK, WRITERS_LOCK
 from embedingest.index.search import open_index
 from embedingest.index.shard_store import ShardStore
-from embedingest.index.store import IndexStore, Manifest, Unit, vector_ids
-from embedingest.sinks.faiss_shards import sidecar_path, write_shard
+from embedingest.index.store import IndexStore, Manifest, Unit
 
 
 def manifest(**kw):
-    return Manifest(**{"model": {"name": "m", "path": "/m"}, "dim": DIM, **kw})
+    """The settings :func:`build_index` builds with, changed by ``kw``."""
+    return Manifest(**{"model": {"name": "test-model", "path": "/nowhere"}, "dim": DIM, **kw})
 
 
 def all_ids(store):
@@ -25,22 +24,20 @@ def all_ids(store):
 # -- manifest ---------------------------------------------------------------------------
 
 def test_manifest_create_reopen_and_mismatch(tmp_path):
-    store = IndexStore(tmp_path / "ix")
+    store = ShardStore(tmp_path / "ix")
     first = store.create_or_open(manifest(corpus="c1"))
     data = json.loads(store.manifest_path.read_text())
     assert data["dim"] == DIM and data["metric"] == "ip" and data["factory"] == "Flat"
-    assert data["version"] and data["created"] and data["corpus"] == "c1"
+    assert data["version"] and data["created"] and data["corpus"] == "c1" and data["format"] == 2
     assert store.create_or_open(manifest()).created == first.created
-    # No segment yet (a first build stopped before its first commit): other settings are
+    # No shard yet (a first build stopped before its first commit): other settings are
     # taken, and a trained index of the old ones goes with them.
     store.train_index("IVF2,Flat", DIM, "ip", unit_vectors(100))
     assert store.create_or_open(manifest(factory="HNSW8")).factory == "HNSW8"
     assert json.loads(store.manifest_path.read_text())["factory"] == "HNSW8"
     assert not store.trained_path.exists()
     assert store.create_or_open(manifest()).factory == "Flat"
-    index = faiss.IndexIDMap(faiss.IndexFlatIP(DIM))
-    index.add_with_ids(unit_vectors(2), np.arange(2))
-    write_shard(store.shards_dir / "seg-a-w0-00000.faiss", index, np.arange(2))
+    build_index(store.folder, n_units=1, chunks=2, workers=1)
     for bad, what in [({"dim": 8}, "dim 8"), ({"metric": "l2"}, "metric l2"),
                       ({"model": {"name": "other"}}, "'other'"), ({"factory": "HNSW8"}, "'HNSW8'")]:
         with pytest.raises(ConfigError, match=f"{what}.*--overwrite"):
@@ -67,42 +64,35 @@ def test_update_segments_and_wipe(tmp_path):
     assert [name for name in left if name not in (RUN_LOCK, WRITERS_LOCK)] == ["mine.txt"]
 
 
-# -- metadata ---------------------------------------------------------------------------
+# -- units ------------------------------------------------------------------------------
 
-def test_units_and_chunks(tmp_path):
+def test_units(tmp_path):
     store = IndexStore(tmp_path)
     nos = store.upsert_units([{"key": "a", "n_chunks": 2, "status": "pending"}, {"key": "b"}])
     assert store.upsert_units([{"key": "a", "n_chunks": 3, "status": "done"}]) == {"a": nos["a"]}
     assert store.units(["a", "zzz"])["a"].n_chunks == 3
     store.upsert_units([{"key": "a", "size": 7}])  # fields left out keep their value
     assert store.units()["a"] == Unit(nos["a"], "a", 7, None, None, 3, "done")
-    store.insert_chunks([(nos["a"], "r", c, c, c + 1, f"t{c}") for c in range(3)])
-    store.insert_chunks([(nos["b"], None, 0, 0, 1, "b0")])
-    ids = vector_ids(nos["a"], [0, 2]).tolist() + [12345]
-    rows = store.chunks(ids)
-    assert sorted(rows) == ids[:2]
-    assert rows[ids[1]].source == "a" and rows[ids[1]].text == "t2" and rows[ids[1]].chunk_no == 2
-    store.delete_units([nos["a"]])
-    assert store.chunks(ids) == {} and list(store.units()) == ["b"]
+    with store.db as db:
+        db.execute("DELETE FROM units WHERE key = 'a'")
+    assert list(store.units()) == ["b"]
     assert store.upsert_units([{"key": "a"}])["a"] > nos["b"]  # unit numbers are never reused
     assert store.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    store.set_status([nos["b"]], "done")
-    store.delete_chunks([nos["b"]])
-    assert store.units()["b"].status == "done" and store.chunks(vector_ids(nos["b"], [0]).tolist()) == {}
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(("-wal", "-shm"))) == [
+        "units.sqlite"]
 
 
-# -- segments ---------------------------------------------------------------------------
+# -- shards -----------------------------------------------------------------------------
 
-def test_present_ids_and_reconcile_complete(tmp_path):
+def test_reconcile_complete(tmp_path):
     built = build_index(tmp_path, n_units=4, chunks=30)
-    assert built.store.present_ids() == {no: 30 for no in built.unit_nos.values()}
     assert built.store.reconcile() == set()
     np.testing.assert_array_equal(all_ids(built.store), np.sort(built.ids))
 
 
 @pytest.mark.parametrize("factory", ["Flat", "IVF4,Flat", "HNSW8", "SQ8", "IVF4,PQ4x4"])
 def test_remove_units_removes_exactly_their_ids(tmp_path, factory):
-    built = build_index_v2(tmp_path, n_units=6, chunks=20, factory=factory, commit_every=40)
+    built = build_index(tmp_path, n_units=6, chunks=20, factory=factory, commit_every=40)
     store, nos = built.store, list(built.unit_nos.values())
     gone = {nos[1], nos[4]}
     segments_before = store.shards()
@@ -202,15 +192,15 @@ def test_links_in_place_of_the_units_database_or_the_shards_folder_are_refused(t
     assert not store.shards_dir.exists() and sorted(p.name for p in elsewhere.iterdir()) == listing
 
 
-def test_a_reader_creates_nothing_and_damaged_metadata_is_a_clear_error(tmp_path):
+def test_a_reader_creates_nothing_and_a_damaged_units_database_is_a_clear_error(tmp_path):
     store = IndexStore(tmp_path, read_only=True)
-    with pytest.raises(ConfigError, match="metadata.sqlite' does not exist.*build-index command again"):
-        store.chunks([1])
-    assert store.chunks([]) == {} and sorted(p.name for p in tmp_path.iterdir()) == []
-    (tmp_path / "metadata.sqlite").write_bytes(b"not a database" * 500)
+    with pytest.raises(ConfigError, match="units.sqlite' does not exist.*build-index command again"):
+        store.units()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    (tmp_path / "units.sqlite").write_bytes(b"not a database" * 500)
     for read_only in (True, False):
-        with pytest.raises(ConfigError, match="metadata.sqlite' .*damaged.*--overwrite"):
-            IndexStore(tmp_path, read_only=read_only).chunks([1])
+        with pytest.raises(ConfigError, match="units.sqlite' .*damaged.*--overwrite"):
+            IndexStore(tmp_path, read_only=read_only).units()
 
 
 DISK_FULL = """
@@ -222,8 +212,7 @@ if limit:  # no tmpfs: each file this process writes stops at ``limit`` bytes
 store = IndexStore(folder)
 try:
     for n in range(200):
-        nos = store.upsert_units([{"key": f"doc{n}", "n_chunks": 50}])
-        store.insert_chunks((nos[f"doc{n}"], None, c, 0, 100, "x" * 400) for c in range(50))
+        store.upsert_units({"key": f"doc{n}-{c}-" + "x" * 400, "size": c} for c in range(50))
 except OSError as exc:
     print(exc.errno, exc)
 """
@@ -231,7 +220,7 @@ except OSError as exc:
 
 def test_sqlite_on_a_full_disk_is_an_os_error_naming_the_database(tmp_path):
     """A real tmpfs of 256 KB: "database or disk is full" comes out as ENOSPC naming
-    metadata.sqlite, which the CLI prints as one line (where mounting is not allowed, the
+    units.sqlite, which the CLI prints as one line (where mounting is not allowed, the
     file cut by RLIMIT_FSIZE comes out as EIO the same way)."""
     import subprocess
     import sys
@@ -242,7 +231,7 @@ def test_sqlite_on_a_full_disk_is_an_os_error_naming_the_database(tmp_path):
         folder, limit = (fs, 0) if fs is not None else (tmp_path, 256 * 1024)
         proc = subprocess.run([sys.executable, "-c", DISK_FULL, str(folder), str(limit)],
                               capture_output=True, text=True, timeout=120, check=False)
-    assert proc.returncode == 0 and "metadata.sqlite" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "units.sqlite" in proc.stdout, proc.stdout + proc.stderr
     if fs is not None:
         assert proc.stdout.startswith("28 ") and "database or disk is full" in proc.stdout, proc.stdout
     else:  # a file cut by RLIMIT_FSIZE is an I/O error to sqlite

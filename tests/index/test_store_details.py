@@ -1,17 +1,17 @@
-"""IndexStore: wipe, model identity, an empty index, many ids, removal from other index
-kinds: cases that mutation testing found untested (docs/TESTING.md)."""
+"""IndexStore and ShardStore: wipe, model identity, an empty index, many units, removal
+from other index kinds: cases that mutation testing found untested (docs/TESTING.md)."""
 
 from __future__ import annotations
 
 import faiss
 import numpy as np
 import pytest
-from index_fixtures import DIM, build_index, build_index_v2, unit_vectors
+from index_fixtures import DIM, build_index, unit_vectors
 
 from embedingest.errors import ConfigError
 from embedingest.index.search import open_index
-from embedingest.index.store import (METADATA_NAME, IndexStore, Manifest, model_identity,
-                                     vector_ids)
+from embedingest.index.shard_store import ShardStore
+from embedingest.index.store import IndexStore, Manifest, model_identity, vector_ids
 
 
 def test_model_identity_is_the_name_else_the_path():
@@ -23,40 +23,37 @@ def test_model_identity_is_the_name_else_the_path():
     assert not a.compatible_with(Manifest(model={"path": "/models/b"}, dim=4))
 
 
-def test_overwrite_of_a_folder_without_segments_and_with_sqlite_side_files(tmp_path):
-    store = IndexStore(tmp_path)
+def test_overwrite_of_a_folder_without_shards_and_with_sqlite_side_files(tmp_path):
+    store = ShardStore(tmp_path)
     store.create_or_open(Manifest(model={"path": "/models/a"}, dim=4))
     store.close()
-    (tmp_path / "segments").rmdir()  # nothing committed yet
-    for suffix in ("-wal", "-shm"):  # what a killed sqlite writer leaves
-        (tmp_path / (METADATA_NAME + suffix)).write_bytes(b"x")
+    (tmp_path / "shards").rmdir()  # nothing committed yet
+    for name in ("units.sqlite-wal", "units.sqlite-shm", "metadata.sqlite-wal", "metadata.sqlite-shm"):
+        (tmp_path / name).write_bytes(b"x")  # what a killed sqlite writer leaves (of either format)
     # nothing committed: the folder takes the new run's settings (a first build that failed)
-    store = IndexStore(tmp_path)
+    store = ShardStore(tmp_path)
     assert store.create_or_open(Manifest(model={"path": "/models/b"}, dim=4)).model == {"path": "/models/b"}
     store.close()
-    IndexStore(tmp_path).wipe()
+    ShardStore(tmp_path).wipe()
     assert sorted(p.name for p in tmp_path.iterdir()) == []
-    store = IndexStore(tmp_path)
+    store = ShardStore(tmp_path)
     m = store.create_or_open(Manifest(model={"path": "/models/b"}, dim=4), overwrite=True)
     store.close()
     assert m.model == {"path": "/models/b"}
 
 
-def test_an_index_with_no_segments_reconciles_to_nothing(tmp_path):
-    store = IndexStore(tmp_path)
+def test_an_index_with_no_shards_reconciles_to_nothing(tmp_path):
+    store = ShardStore(tmp_path)
     store.create_or_open(Manifest(model={"name": "m"}, dim=DIM))
     assert store.shards() == [] and store.reconcile() == set() and store.reconcile({}) == set()
     store.close()
 
 
-def test_more_ids_than_one_query_batch(tmp_path):
+def test_more_units_than_one_query_batch(tmp_path):
     store = IndexStore(tmp_path)
     nos = store.upsert_units([{"key": f"k{i}"} for i in range(1200)])
-    assert set(store.units([f"k{i}" for i in range(1200)])) == {f"k{i}" for i in range(1200)}
-    no = nos["k0"]
-    store.insert_chunks((no, None, c, c, c + 1, f"t{c}") for c in range(1200))
-    got = store.chunks(vector_ids(no, range(1200)).tolist())
-    assert len(got) == 1200 and got[int(vector_ids(no, [1199])[0])].text == "t1199"
+    got = store.units([f"k{i}" for i in range(1200)] + ["absent"])
+    assert {k: u.unit_no for k, u in got.items()} == nos and len(set(nos.values())) == 1200
     store.close()
 
 
@@ -67,7 +64,7 @@ def test_remove_units_from_other_index_kinds(tmp_path, factory, params):
     rebuilt, PQ would re-quantise them),
     IVF with empty lists among full ones, and a trained HNSW kind (rebuilt from the
     stored vectors into a clone of the trained index)."""
-    built = build_index_v2(tmp_path, n_units=3, chunks=8, factory=factory, commit_every=100, workers=1)
+    built = build_index(tmp_path, n_units=3, chunks=8, factory=factory, commit_every=100, workers=1)
     store = built.store
     if factory == "IVF16,Flat":
         (seg,) = store.shards()

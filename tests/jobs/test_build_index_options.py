@@ -9,13 +9,12 @@ import json
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
-import faiss
 import numpy as np
 import pytest
 from click.testing import CliRunner
 from PIL import Image
+from corpus_fixtures import vectors_by_id
 from test_build_index import PARAGRAPHS, make_corpus
 
 from embedingest import build_index, open_index
@@ -26,19 +25,6 @@ from embedingest.stages.encoder import TextEncoder
 
 FAST = dict(num_workers=0, num_consumers=1, batch_size=8)
 RECORDS = [{"id": f"r{i}", "text": p} for i, p in enumerate(PARAGRAPHS)]
-
-
-def vectors_by_id(out: Path) -> dict[int, np.ndarray]:
-    """Every stored vector by id, read from the committed segments."""
-    found = {}
-    with ShardStore(out) as store:
-        for seg in store.shards():
-            index = faiss.read_index(str(seg.path))
-            for i, v in zip(faiss.vector_to_array(index.id_map).tolist(),
-                            index.index.reconstruct_n(0, index.ntotal)):
-                assert i not in found, f"id {i} stored twice"
-                found[i] = v
-    return found
 
 
 def test_overwrite_starts_a_fresh_index(tmp_path):

@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 from click.testing import CliRunner
+from corpus_fixtures import TOPICS as ALL_TOPICS
 from PIL import Image
 from s3_fixtures import s3, s3_endpoint  # noqa: F401 (fixtures)
 from segment_fixtures import SIZE, bad_files, image_tree, noise, random_weights_file
@@ -26,14 +27,7 @@ FAST = {"num_workers": 0, "num_consumers": 1, "batch_size": 8, "chunk_tokens": 3
 # One forked DataLoader worker: it must reach the store on its own (fsspec's instances
 # are per process).
 FORKED = {**FAST, "num_workers": 1}
-TOPICS = [
-    "The quick brown fox jumps over the lazy dog near the river bank at dawn.",
-    "Photosynthesis converts light energy into chemical energy stored in glucose molecules.",
-    "The French Revolution began in 1789 and reshaped politics across Europe for a century.",
-    "A hash table maps keys to values using a hash function to compute an index into buckets.",
-    "Mount Everest, at 8,849 metres, is the highest mountain above sea level on Earth.",
-    "Bread rises because yeast ferments sugars and releases carbon dioxide into the dough.",
-]
+TOPICS = ALL_TOPICS[:6]
 
 
 def text_corpus(root):

@@ -10,25 +10,17 @@ import sys
 import time
 from pathlib import Path
 
-import faiss
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from corpus_fixtures import TOPICS as ALL_TOPICS
+from corpus_fixtures import chunk_rows, vectors_by_id
 
 from embedingest import build_index, open_index
 from embedingest.cli import main
 from embedingest.index.shard_store import ShardStore
 
-TOPICS = [
-    "The quick brown fox jumps over the lazy dog near the river bank at dawn.",
-    "Photosynthesis converts light energy into chemical energy stored in glucose molecules.",
-    "The French Revolution began in 1789 and reshaped politics across Europe for a century.",
-    "A hash table maps keys to values using a hash function to compute an index into buckets.",
-    "Mount Everest, at 8,849 metres, is the highest mountain above sea level on Earth.",
-    "Bread rises because yeast ferments sugars and releases carbon dioxide into the dough.",
-    "TCP provides reliable, ordered delivery of a stream of bytes between applications.",
-    "Whales are marine mammals that breathe air through blowholes on top of their heads.",
-]
+TOPICS = ALL_TOPICS[:8]
 FAST = {"num_workers": 0, "num_consumers": 2, "batch_size": 8, "chunk_tokens": 48, "overlap": 8}
 
 
@@ -43,24 +35,6 @@ def make_corpus(root: Path) -> Path:
         (root / f"small{i}.md").write_text(text)
     (root / "empty.txt").write_text("   \n")
     return root
-
-
-def vectors_by_id(out: Path) -> dict[int, np.ndarray]:
-    with ShardStore(out) as store:
-        found = {}
-        for seg in store.shards():
-            index = faiss.read_index(str(seg.path))
-            ids = faiss.vector_to_array(index.id_map)
-            for i, v in zip(ids.tolist(), index.index.reconstruct_n(0, index.ntotal)):
-                assert i not in found, f"id {i} stored twice"
-                found[i] = v
-        return found
-
-
-def chunk_rows(out: Path, ids) -> dict:
-    with ShardStore(out) as store:
-        return {i: (c.source, c.record_id, c.chunk_no, c.char_start, c.char_end, c.text)
-                for i, c in store.chunks(ids).items()}
 
 
 def test_two_cpu_devices_build_the_single_process_index(tmp_path, no_leaks):

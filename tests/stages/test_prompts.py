@@ -5,19 +5,18 @@ from __future__ import annotations
 import json
 import os
 
-import faiss
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from corpus_fixtures import chunk_rows, vectors_by_id  # noqa: E402
 from model_fixtures import copy_model  # noqa: E402
 
 from embedingest import build_index, open_index  # noqa: E402
 from embedingest.cli import main  # noqa: E402
 from embedingest.errors import ConfigError  # noqa: E402
-from embedingest.index.shard_store import ShardStore  # noqa: E402
 from embedingest.sources.text_dataset import TextChunkDataset, Unit  # noqa: E402
 from embedingest.stages.encoder import TextEncoder  # noqa: E402
 from embedingest.stages.prompts import Prompts, chunk_prompt, with_prompt  # noqa: E402
@@ -48,16 +47,10 @@ def st_model(folder):
 
 def stored_vectors(out) -> tuple[np.ndarray, list[str], list[tuple]]:
     """Every vector of the index with its chunk's text and (record, span)."""
-    with ShardStore(out) as store:
-        vecs, ids = [], []
-        for seg in store.shards():
-            index = faiss.read_index(str(seg.path))
-            vecs.append(index.index.reconstruct_n(0, index.ntotal))
-            ids.append(faiss.vector_to_array(index.id_map))
-        ids = np.concatenate(ids).tolist()
-        rows = store.chunks(ids)
-    return (np.concatenate(vecs), [rows[i].text for i in ids],
-            [(rows[i].record_id, rows[i].char_start, rows[i].char_end) for i in ids])
+    found = vectors_by_id(out)
+    rows = chunk_rows(out, list(found))
+    return (np.stack(list(found.values())), [rows[i][5] for i in found],
+            [(rows[i][1], rows[i][3], rows[i][4]) for i in found])
 
 
 def test_roles_pick_the_declared_prompts(tmp_path):

@@ -37,7 +37,7 @@ from ...index.shard_store import ShardStore
 from ...index.store import Manifest
 from ...report import REPORT_NAME, SkipReport
 from ...scaleout.devices import devices_of
-from ...sinks.faiss_shards import parse_factory
+from ...index.faiss_factory import parse_factory
 from ...sources.files import refuse_output_as_input
 from ...sources.remote import check_remote, is_remote, local_path
 from ...sources.text_dataset import Unit

@@ -31,7 +31,7 @@ from ...report import SkipReport
 from ...scaleout.devices import child_env, share_of_cpus, split_by_size, usable_cpus
 from ...scaleout.procs import BatchedProgress, DeviceJob, DeviceProcesses, start_method
 from ...scaleout.stats import MultiDeviceStats
-from ...sinks.faiss_shards import new_run_id
+from ...outfiles import new_run_id
 from ...sources.text_dataset import Unit
 from .encode import encode_units, train_if_needed
 

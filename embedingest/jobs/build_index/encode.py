@@ -25,7 +25,8 @@ from ...index.store import Manifest
 from ...report import SkipReport
 from ...runner import BatchSteps, run_batches
 from ...scaleout.devices import share_of_cpus
-from ...sinks.faiss_shards import new_run_id, parse_factory
+from ...index.faiss_factory import parse_factory
+from ...outfiles import new_run_id
 from ...sinks.shard_writer import ShardWriterFactory, commit_finished
 from ...sources.remote import is_remote
 from ...sources.text_dataset import TextChunkDataset, Unit

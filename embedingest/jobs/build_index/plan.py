@@ -22,7 +22,7 @@ from ...errors import ConfigError
 from ...index.shard_store import ShardStore
 from ...index.store import Manifest
 from ...report import SkipReport
-from ...sinks.faiss_shards import parse_factory
+from ...index.faiss_factory import parse_factory
 from ...sources.files import open_input, os_error_reason, walk_files
 from ...sources.names import has_extension
 from ...sources.remote import input_name, is_remote, walk_remote
@@ -197,7 +197,6 @@ def apply_plan(store: ShardStore, plan: Plan) -> tuple[int, dict[str, int]]:
     outdated = plan.replaced + plan.deleted
     removed = store.remove_units(outdated) if outdated else 0
     store.delete_units(plan.deleted)
-    store.delete_chunks(plan.replaced)
     unit_nos = store.upsert_units([{k: c.get(k) for k in ("key", "size", "mtime_ns", "sha256")}
                                    | {"status": "pending", "n_chunks": 0} for c in plan.todo])
     return removed, unit_nos

@@ -79,8 +79,9 @@ from ...index.shard_store import ShardStore
 from ...index.store import MAX_UNIT_NO, Manifest
 from ...report import REPORT_NAME, SkipReport
 from ...runner import run_batches
+from ...index.faiss_factory import parse_factory
+from ...outfiles import new_run_id
 from ...scaleout.ray_data import number_blocks
-from ...sinks.faiss_shards import new_run_id, parse_factory
 from ...sinks.shard_writer import commit_finished
 from ...sources.remote import is_remote
 from ...stages.device import precision

@@ -10,8 +10,9 @@ Nothing happens unless one of these environment variables is set:
     disk), so a run lasts long enough to be hit at a chosen moment.
 
 ``EMBEDINGEST_FI_COMMIT_DELAY=SECONDS``
-    consumer processes sleep this long before writing each FAISS segment (a slow disk at
-    commit time), so a consumer's last commit lands well after its run's main process died.
+    consumer processes sleep this long before committing each shard
+    (``embedingest.sinks.shard_writer.ShardWriter.commit``: a slow disk at commit time), so
+    a consumer's last commit lands well after its run's main process died.
 
 ``EMBEDINGEST_FI_KILL=PROC:PATTERN:N:PHASE``
     the process of kind PROC (``main`` or ``consumer``) kills itself with SIGKILL at the
@@ -21,12 +22,10 @@ Nothing happens unless one of these environment variables is set:
     ``after``: just after the rename.
 
 ``EMBEDINGEST_FI_ENOSPC=N`` (with ``EMBEDINGEST_FI_COUNTER=FILE``)
-    the disk is "full" after N output files: in consumer processes, FAISS segment commits
-    (``embedingest.sinks.faiss_shards.write_shard``), format-2 shard commits
+    the disk is "full" after N output files: in consumer processes, shard commits
     (``embedingest.sinks.shard_writer.ShardWriter.commit``) and mask writes (the
     ``atomic_write_bytes`` of ``embedingest.sinks.masks``) beyond the N-th, counted over
-    all processes of the run through FILE, raise ``OSError(ENOSPC)``. A failing segment
-    commit first writes its ids sidecar (as a real full disk mid-segment would leave it).
+    all processes of the run through FILE, raise ``OSError(ENOSPC)``.
 
 ``EMBEDINGEST_FI_EACCES=PATTERN``
     opening a file whose name matches the glob PATTERN raises ``PermissionError`` (an
@@ -121,34 +120,6 @@ def _slow_down(sink_class) -> None:
     sink_class.__call__ = slow_call
 
 
-def _patch_faiss_shards(mod) -> None:
-    if _DELAY:
-        _slow_down(mod.FaissShardSink)
-    if _ENOSPC:
-        write_shard = mod.write_shard
-
-        def full_write_shard(path, index, ids, _write=write_shard):
-            if _proc_kind() == "consumer" and _disk_full():
-                import numpy as np
-
-                np.save(mod.sidecar_path(path), np.asarray(ids, dtype=np.int64))
-                raise _enospc(path.name)
-            return _write(path, index, ids)
-
-        mod.write_shard = full_write_shard
-    if _COMMIT_DELAY:
-        write = mod.write_shard
-
-        def slow_write_shard(path, index, ids, _write=write):
-            if _proc_kind() == "consumer":
-                import time
-
-                time.sleep(float(_COMMIT_DELAY))
-            return _write(path, index, ids)
-
-        mod.write_shard = slow_write_shard
-
-
 def _patch_masks(mod) -> None:
     if _DELAY:
         _slow_down(mod.MaskSink)
@@ -164,8 +135,8 @@ def _patch_masks(mod) -> None:
 
 
 def _patch_shard_writer(mod) -> None:
-    """Format 2: the same faults on the shard writer (its commit writes the Parquet,
-    embeddings and faiss files, then the commit record)."""
+    """The faults of shard commits (a commit writes the Parquet, embeddings and faiss
+    files, then the commit record)."""
     if _DELAY:
         _slow_down(mod.ShardSink)
     commit = mod.ShardWriter.commit
@@ -188,8 +159,7 @@ def _patch_shard_writer(mod) -> None:
         mod.ShardWriter.commit = slow_commit
 
 
-_PATCHES = {"embedingest.sinks.faiss_shards": _patch_faiss_shards,
-            "embedingest.sinks.shard_writer": _patch_shard_writer,
+_PATCHES = {"embedingest.sinks.shard_writer": _patch_shard_writer,
             "embedingest.sinks.masks": _patch_masks}
 
 

@@ -1,0 +1,78 @@
+"""The faiss side of an index: metrics, factory strings, empty (trained) indexes and
+reading index files, with faiss's errors turned into messages that say what to do.
+
+Imports faiss and numpy only, so the shard writers in consumer processes use it too.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import faiss
+import numpy as np
+
+from ..errors import ConfigError
+
+METRICS = {"ip": faiss.METRIC_INNER_PRODUCT, "l2": faiss.METRIC_L2}
+
+
+def metric_code(metric: str) -> int:
+    """The faiss metric constant of ``"ip"`` or ``"l2"``."""
+    try:
+        return METRICS[metric]
+    except KeyError:
+        raise ConfigError(f"unknown metric {metric!r}; use one of {', '.join(METRICS)}") from None
+
+
+def faiss_message(exc: RuntimeError) -> str:
+    """What a faiss error says failed, without the C++ function and source line it names."""
+    lines = str(exc).strip().splitlines() or [type(exc).__name__]
+    return re.sub(r"^Error in .*? at \S+:\d+: (Error: )?", "", lines[0])
+
+
+def parse_factory(dim: int, factory: str, metric: str) -> faiss.Index:
+    """``faiss.index_factory(dim, factory, metric)``, a ConfigError naming the string when
+    faiss cannot make it. A build calls it before it writes anything, so a bad
+    ``--index`` never gets into a manifest."""
+    try:
+        return faiss.index_factory(dim, factory, metric_code(metric))
+    except RuntimeError as exc:
+        raise ConfigError(f"faiss cannot build index factory {factory!r} for dim {dim}: "
+                          f"{faiss_message(exc)}; see faiss's index_factory strings (e.g. Flat, IVF1024,Flat, "
+                          "HNSW32)") from exc
+
+
+def empty_index(dim: int, factory: str, metric: str, trained: faiss.Index | None = None) -> faiss.Index:
+    """An empty, trained index of the shard kind (without the id map): a clone of
+    ``trained`` when given, else ``faiss.index_factory(dim, factory, metric)``."""
+    if trained is not None:
+        return faiss.clone_index(trained)
+    index = parse_factory(dim, factory, metric)
+    if not index.is_trained:
+        raise ConfigError(f"index factory {factory!r} needs training: train it on a sample "
+                          "with IndexStore.train_index and pass the trained index path")
+    return index
+
+
+def as_float32(emb: np.ndarray) -> np.ndarray:
+    """float32, float16, or bfloat16 bits (uint16, as the engine delivers bf16) -> float32."""
+    if emb.dtype == np.uint16:
+        return (emb.astype(np.uint32) << 16).view(np.float32)
+    if emb.dtype in (np.float32, np.float16):
+        return np.ascontiguousarray(emb, dtype=np.float32)
+    raise ConfigError(f"embeddings of dtype {emb.dtype} cannot be indexed; "
+                      "send float32, float16 or bfloat16")
+
+
+REDO_SHARD = "delete that shard's files and run build-index again to redo the units it held"
+
+
+def read_index_file(path: Path, flags: int = 0, redo: str = REDO_SHARD) -> faiss.Index:
+    """``faiss.read_index``; a damaged file is a ConfigError naming it and saying how to
+    redo it (``redo``), never a traceback of faiss."""
+    try:
+        return faiss.read_index(str(path), flags)
+    except RuntimeError as exc:
+        raise ConfigError(f"cannot read {str(path)!r} ({faiss_message(exc)}): the file is damaged; "
+                          f"{redo}") from exc

@@ -1,0 +1,81 @@
+"""The faiss helpers: metrics, factory strings, empty indexes, damaged files, half floats."""
+
+import faiss
+import numpy as np
+import pytest
+from index_fixtures import DIM, unit_vectors
+
+from embedingest.errors import ConfigError
+from embedingest.index.faiss_factory import (
+    as_float32,
+    empty_index,
+    faiss_message,
+    metric_code,
+    parse_factory,
+    read_index_file,
+)
+
+
+def test_metric_codes_and_an_unknown_metric():
+    assert (metric_code("ip"), metric_code("l2")) == (faiss.METRIC_INNER_PRODUCT, faiss.METRIC_L2)
+    with pytest.raises(ConfigError) as err:
+        metric_code("cosine")
+    assert str(err.value) == "unknown metric 'cosine'; use one of ip, l2"
+
+
+def test_parse_factory_makes_the_kind_asked_and_names_a_bad_string():
+    index = parse_factory(DIM, "IVF4,Flat", "l2")
+    assert isinstance(index, faiss.IndexIVFFlat) and index.d == DIM and index.metric_type == faiss.METRIC_L2
+    with pytest.raises(ConfigError) as err:
+        parse_factory(DIM, "Nonsense", "ip")
+    message = str(err.value)
+    assert message.startswith("faiss cannot build index factory 'Nonsense' for dim 16: ")
+    assert message.endswith("; see faiss's index_factory strings (e.g. Flat, IVF1024,Flat, HNSW32)")
+    assert "Error in" not in message and ".cpp" not in message  # no C++ location
+
+
+def test_empty_index_is_untrained_only_by_refusal_and_a_trained_one_is_cloned():
+    flat = empty_index(DIM, "Flat", "ip")
+    assert isinstance(flat, faiss.IndexFlat) and flat.metric_type == faiss.METRIC_INNER_PRODUCT and flat.ntotal == 0
+    with pytest.raises(ConfigError, match="^index factory 'IVF4,Flat' needs training: train it"):
+        empty_index(DIM, "IVF4,Flat", "ip")
+    trained = parse_factory(DIM, "IVF4,Flat", "ip")
+    trained.train(unit_vectors(200))
+    clone = empty_index(DIM, "IVF4,Flat", "ip", trained)
+    assert clone is not trained and clone.is_trained and clone.ntotal == 0
+    clone.add(unit_vectors(5))
+    assert trained.ntotal == 0  # a clone, not the trained index itself
+
+
+def test_faiss_message_keeps_what_failed_and_drops_where():
+    exc = RuntimeError("Error in virtual void faiss::Foo::bar() at /src/faiss/Foo.cpp:42: Error: "
+                       "'n > 0' failed\nsecond line")
+    assert faiss_message(exc) == "'n > 0' failed"
+    assert faiss_message(RuntimeError("plain words")) == "plain words"
+    assert faiss_message(RuntimeError("")) == "RuntimeError"
+
+
+def test_a_damaged_index_file_is_named_with_how_to_redo_it(tmp_path):
+    path = tmp_path / "x.faiss"
+    path.write_bytes(b"garbage" * 10)
+    with pytest.raises(ConfigError) as err:
+        read_index_file(path)
+    assert str(err.value).startswith(f"cannot read {str(path)!r} (")
+    assert str(err.value).endswith("): the file is damaged; delete that shard's files and run "
+                                   "build-index again to redo the units it held")
+    with pytest.raises(ConfigError, match="damaged; do this$"):
+        read_index_file(path, redo="do this")
+    good = tmp_path / "good.faiss"
+    faiss.write_index(faiss.IndexFlatL2(DIM), str(good))
+    assert read_index_file(good).d == DIM
+
+
+def test_as_float32_of_each_dtype():
+    x = unit_vectors(4)
+    assert as_float32(x) is x  # already float32 and contiguous: no copy
+    np.testing.assert_array_equal(as_float32(x.astype(np.float16)), x.astype(np.float16).astype(np.float32))
+    bits = (x.view(np.uint32) >> 16).astype(np.uint16)
+    np.testing.assert_array_equal(as_float32(bits).view(np.uint32), bits.astype(np.uint32) << 16)
+    assert as_float32(x[:, ::2]).flags.c_contiguous
+    with pytest.raises(ConfigError, match="^embeddings of dtype int8 cannot be indexed; send float32"):
+        as_float32(np.zeros((2, 3), np.int8))
