@@ -101,7 +101,7 @@ def measure(folder: Path, queries: int, dim: int) -> dict:
         real.append(time.perf_counter() - t)
     ms = np.array(fetch) * 1000
     cpu_ms = np.array(cpu) * 1000
-    return {"chunks": index.ntotal, "shards": len(index.segments), "open_index_s": round(open_s, 3),
+    return {"chunks": index.ntotal, "shards": len(index.shards), "open_index_s": round(open_s, 3),
             "fetch_top10_ms": {"first": round(float(ms[0]), 2), "median": round(float(np.median(ms)), 2),
                                "p95": round(float(np.percentile(ms, 95)), 2),
                                "max": round(float(ms.max()), 2)},
