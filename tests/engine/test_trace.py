@@ -125,7 +125,7 @@ def test_build_index_trace(tmp_path):
     events = json.loads(trace.read_text())["traceEvents"]
     assert_nested(events)
     phases = [e for e in events if e.get("cat") == "phase"]
-    assert [p["name"] for p in phases] == ["build-index", "load model", "plan", "train", "encode", "finish"]
+    assert [p["name"] for p in phases] == ["build-index", "plan", "load model", "train", "encode", "finish"]
     run, encode = phases[0], phases[4]
     for p in phases[1:]:
         assert run["ts"] <= p["ts"] and p["ts"] + p["dur"] <= run["ts"] + run["dur"] + 1
