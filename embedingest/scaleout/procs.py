@@ -322,10 +322,27 @@ def _interrupt_once(signum, frame):
     raise KeyboardInterrupt
 
 
+def _stop_from_finalizer(args) -> None:
+    """``sys.unraisablehook`` of a child: a SIGTERM that landed while a finalizer
+    (``__del__``) ran raised its KeyboardInterrupt there, where Python swallows it with an
+    "Exception ignored" traceback and the child would go on, deaf to SIGTERM. Deliver it
+    again instead, from a thread a moment later (a signal sent from here would be handled
+    here, inside the hook): the handler then raises in the child's own code, or, landing
+    in a finalizer again, comes back here."""
+    if args.exc_type is not None and issubclass(args.exc_type, KeyboardInterrupt):
+        signal.signal(signal.SIGTERM, _interrupt_once)
+        resend = threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGTERM))
+        resend.daemon = True
+        resend.start()
+        return
+    sys.__unraisablehook__(args)
+
+
 def _child_main(prepare, prepare_args, conn, parent_pid: int, level: int, siblings) -> None:
     """A device process: prepare, say ready, then serve calls until told to leave."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _interrupt_once)
+    sys.unraisablehook = _stop_from_finalizer
     for other in siblings:
         other.close()
     logging.basicConfig(level=level, stream=sys.stderr,

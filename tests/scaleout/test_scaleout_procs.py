@@ -225,3 +225,38 @@ def test_fork_is_safe_only_without_threads_and_cuda():
             "torch.cuda.is_available(); print(a, fork_is_safe())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["True", "False"], out.stderr
+
+
+FINALIZER_STOP = """
+import os, signal, sys, time
+from embedingest.scaleout.procs import _interrupt_once, _stop_from_finalizer
+signal.signal(signal.SIGTERM, _interrupt_once)
+if sys.argv[1] == "hook":
+    sys.unraisablehook = _stop_from_finalizer
+
+class Finalized:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)  # the stop arrives while the finalizer runs
+        time.sleep(0.2)
+
+try:
+    Finalized()
+    time.sleep(5)
+    sys.exit(4)  # the stop was lost
+except KeyboardInterrupt:
+    sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("hook", ["hook", "none"])
+def test_a_stop_that_lands_in_a_finalizer_still_stops_the_child(hook):
+    """A device process's SIGTERM raised inside a ``__del__`` is swallowed by Python;
+    the child's unraisable hook delivers it again, so the child stops, quietly. Without
+    the hook the stop is lost (exit 4) with an "Exception ignored" traceback."""
+    run = subprocess.run([sys.executable, "-c", FINALIZER_STOP, hook], capture_output=True,
+                         text=True, timeout=60)
+    if hook == "hook":
+        assert run.returncode == 3, run.stderr
+        assert "Exception ignored" not in run.stderr and "Traceback" not in run.stderr, run.stderr
+    else:
+        assert run.returncode == 4 and "Exception ignored" in run.stderr, run.stderr
