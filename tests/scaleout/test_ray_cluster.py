@@ -133,6 +133,10 @@ def test_a_worker_node_killed_mid_run_loses_nothing(tmp_path, cluster, single_pr
     cl.wait_for_nodes()
     summary = build_index_ray(ray.data.from_items(RECORDS), out, concurrency=2, num_cpus=1,
                               records_per_call=8, **SETTINGS)
-    assert summary["units_incomplete"] == 0 and summary["units_unchanged"] > 0  # work was kept
+    # Nothing lost: every record indexed once, the index equal to a clean build. Whether the
+    # killed run's work is reused depends on whether its driver had received a result before
+    # the node went (the wait above sees the actors' uploads, not the driver's rows); reuse
+    # of saved rows is tested without that race in test_build_index_ray.py (resume tests).
+    assert summary["units_incomplete"] == 0
     assert summary["units_indexed"] + summary["units_unchanged"] == len(RECORDS)
     assert_same_index(single_process, downloaded(s3, "killed", tmp_path / "killed"))
