@@ -5,9 +5,9 @@
                                        [--json OUT.json]
 
 Without --index it makes an index of CHUNKS chunks in a temporary folder, the way
-build-index lays one out (a segment of the faiss FACTORY per 50,000 vectors written by
-the build's own shard sink, trained first when the factory needs it; chunk rows with
-their text in metadata.sqlite, 100 source files), with the bundled model in its manifest
+build-index lays one out (format 2: a shard of the faiss FACTORY per 50,000 vectors
+written by the build's own shard writer, trained first when the factory needs it; chunk
+rows with their text in each shard's Parquet file, 100 source files), with the bundled model in its manifest
 and PARAMS as its stored search parameters. The chunk texts are the text benchmark's synthetic
 paragraphs; the vectors are random unit vectors (embedding 100,000 chunks takes this
 CPU a quarter of an hour, and the cost of a Flat search does not depend on the values).
