@@ -6,11 +6,13 @@ import io
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
 NUM_CLASSES = 5
 SIZE = 64
+SMALL = "deeplabv3_mobilenet_v3_large"  # the same pipeline as ResNet-50 at a fraction of the CPU time
 
 
 def random_weights_file(path: Path, arch: str = "deeplabv3_resnet50", num_classes: int = NUM_CLASSES,
@@ -138,3 +140,17 @@ def image_tensor(path) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         return read_image(str(path), ImageReadMode.RGB)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """Random weights of the :data:`SMALL` DeepLabV3, saved to a file (import the fixture)."""
+    return random_weights_file(tmp_path_factory.mktemp("w") / "small.pth", arch=SMALL)
+
+
+def small_config(images, out, weights, **kw):
+    """A CPU ``SegmentConfig`` of the :data:`SMALL` model at :data:`SIZE`, batches of 3."""
+    from embedingest import SegmentConfig
+
+    return SegmentConfig(**{**dict(images=str(images), out=str(out), weights=str(weights), size=SIZE,
+                                   batch_size=3, device="cpu", arch=SMALL), **kw})

@@ -5,6 +5,7 @@ be read a clear error before anything is written."""
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 
@@ -17,7 +18,8 @@ from click.testing import CliRunner
 from corpus_fixtures import TOPICS as ALL_TOPICS
 from PIL import Image
 from s3_fixtures import s3, s3_endpoint  # noqa: F401 (fixtures)
-from segment_fixtures import SIZE, bad_files, image_tree, noise, random_weights_file
+from segment_fixtures import small  # noqa: F401 (fixture)
+from segment_fixtures import bad_files, image_tree, noise, small_config
 
 from embedingest import SegmentConfig, build_index, open_index, segment
 from embedingest.errors import ConfigError
@@ -121,16 +123,7 @@ def test_the_cli_takes_a_url(s3, tmp_path):
     assert missing.exit_code == 1 and "no such bucket" in missing.output
 
 
-@pytest.fixture(scope="module")
-def small(tmp_path_factory):
-    return random_weights_file(tmp_path_factory.mktemp("w") / "small.pth",
-                               arch="deeplabv3_mobilenet_v3_large")
-
-
-def segment_config(images, out, weights, **kw) -> SegmentConfig:
-    return SegmentConfig(**{**dict(images=str(images), out=str(out), weights=str(weights), size=SIZE,
-                                   batch_size=3, num_workers=1, num_consumers=1, device="cpu",
-                                   arch="deeplabv3_mobilenet_v3_large"), **kw})
+segment_config = functools.partial(small_config, num_workers=1, num_consumers=1)
 
 
 @pytest.mark.slow

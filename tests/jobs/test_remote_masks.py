@@ -4,26 +4,19 @@ bytes a run into a local folder writes, resumed by the objects there (moto's S3 
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
 from s3_fixtures import s3, s3_endpoint  # noqa: F401 (fixtures)
-from segment_fixtures import SIZE, bad_files, image_tree, noise, random_weights_file
+from segment_fixtures import small  # noqa: F401 (fixture)
+from segment_fixtures import bad_files, image_tree, noise, small_config
 
-from embedingest import SegmentConfig, segment
+from embedingest import segment
 from embedingest.errors import ConfigError
 
 
-@pytest.fixture(scope="module")
-def small(tmp_path_factory):
-    return random_weights_file(tmp_path_factory.mktemp("w") / "small.pth",
-                               arch="deeplabv3_mobilenet_v3_large")
-
-
-def segment_config(images, out, weights, **kw) -> SegmentConfig:
-    return SegmentConfig(**{**dict(images=str(images), out=str(out), weights=str(weights), size=SIZE,
-                                   batch_size=3, num_workers=0, num_consumers=2, device="cpu",
-                                   arch="deeplabv3_mobilenet_v3_large"), **kw})
+segment_config = functools.partial(small_config, num_workers=0, num_consumers=2)
 
 
 def local_files(folder) -> dict[str, bytes]:

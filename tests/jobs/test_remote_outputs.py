@@ -8,6 +8,7 @@ import json
 import time
 
 import pytest
+from corpus_fixtures import TOPICS as ALL_TOPICS
 from s3_fixtures import s3, s3_endpoint  # noqa: F401 (fixtures)
 
 from embedingest import build_index, open_index
@@ -17,14 +18,7 @@ from embedingest.index.remote_store import LEASE_NAME, Lease, Remote, RemoteBuil
 
 FAST = {"num_workers": 0, "num_consumers": 2, "batch_size": 8, "chunk_tokens": 32, "overlap": 8,
         "commit_every": 16}
-TOPICS = [
-    "The quick brown fox jumps over the lazy dog near the river bank at dawn.",
-    "Photosynthesis converts light energy into chemical energy stored in glucose molecules.",
-    "The French Revolution began in 1789 and reshaped politics across Europe for a century.",
-    "A hash table maps keys to values using a hash function to compute an index into buckets.",
-    "Mount Everest, at 8,849 metres, is the highest mountain above sea level on Earth.",
-    "Bread rises because yeast ferments sugars and releases carbon dioxide into the dough.",
-]
+TOPICS = ALL_TOPICS[:6]
 
 
 def corpus(root, names=range(6)):

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
 from PIL import Image
-from segment_fixtures import (NUM_CLASSES, SIZE, bad_files, image_tensor, image_tree, noise,
+from segment_fixtures import small  # noqa: F401 (fixture)
+from segment_fixtures import (NUM_CLASSES, SIZE, SMALL, bad_files, image_tensor, image_tree, noise,
                               photo_set, random_weights_file, reference_model)
 from torchvision.models import get_model_weights
 from torchvision.transforms.functional import pil_to_tensor
@@ -28,18 +29,10 @@ from embedingest.sinks.masks import output_paths
 from embedingest.sources.image_decode import open_rgb
 from embedingest.stages.segmentation import ARCHITECTURES, Segmenter
 
-SMALL = "deeplabv3_mobilenet_v3_large"
-
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
     return random_weights_file(tmp_path_factory.mktemp("w") / "r50.pth")
-
-
-@pytest.fixture(scope="module")
-def small(tmp_path_factory):
-    """A mobilenet DeepLabV3: the same pipeline at a fraction of the CPU time."""
-    return random_weights_file(tmp_path_factory.mktemp("w") / "small.pth", arch=SMALL)
 
 
 def torchvision_masks(model, arch: str, *paths, size: int = SIZE, decode=image_tensor) -> list[np.ndarray]:
