@@ -14,6 +14,8 @@ Rows:
   clock, each batch shape run once first), chunks per second.
 
     python benchmarks/documents_build.py --mb 80 --dtype fp16 --also=--no-fast-tokenizer --json out.json
+
+``--st-sample N`` adds sentence-transformers ``encode()`` on N of the same chunks' texts.
 """
 
 from __future__ import annotations
@@ -109,12 +111,19 @@ def forward_alone(folder: Path, args, dtype: str, chunk_tokens: int, overlap: in
     tokenizer = enc.tokenizer
     cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
     inner, step = chunk_tokens - 2, chunk_tokens - 2 - overlap
-    windows = []
+    windows, texts, seen = [], [], {}
     for path in sorted(folder.rglob("*.txt")):
-        ids = tokenizer(path.read_text(encoding="utf-8", errors="surrogatepass"),
-                        add_special_tokens=False)["input_ids"]
-        for start in range(0, max(1, len(ids) - overlap), step):
-            windows.append([cls, *ids[start:start + inner], sep])
+        text = path.read_text(encoding="utf-8", errors="surrogatepass")
+        if text not in seen:  # --copies: each copy's windows are the first's
+            enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            ids, offsets, mine = enc["input_ids"], enc["offset_mapping"], []
+            for start in range(0, max(1, len(ids) - overlap), step):
+                part = offsets[start:start + inner]
+                mine.append(([cls, *ids[start:start + inner], sep],
+                             text[part[0][0]:part[-1][1]] if part else ""))
+            seen[text] = mine
+        windows += [w for w, _ in seen[text]]
+        texts += [t for _, t in seen[text]]
     windows.sort(key=len)
     batches = []
     for i in range(0, len(windows), args.batch_size):
@@ -140,8 +149,36 @@ def forward_alone(folder: Path, args, dtype: str, chunk_tokens: int, overlap: in
             enc.forward(ids, mask)
         sync()
     seconds = time.perf_counter() - t0
-    return {"chunks": len(windows), "seconds": seconds, "chunks_per_s": len(windows) / seconds,
-            "tokens": sum(map(len, windows))}
+    out = {"chunks": len(windows), "seconds": seconds, "chunks_per_s": len(windows) / seconds,
+           "tokens": sum(map(len, windows))}
+    del batches, enc
+    if args.st_sample:
+        out["sentence_transformers"] = st_encode(texts, args, dtype, chunk_tokens)
+    return out
+
+
+def st_encode(texts: list[str], args, dtype: str, chunk_tokens: int) -> dict:
+    """sentence-transformers ``encode()`` (batch 256, the job's dtype) on a random sample
+    of the same chunks' texts, as a user of it would run them."""
+    import random
+
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    from embedingest.stages.model_folder import resolve_model
+
+    sample = random.Random(0).sample(texts, min(args.st_sample, len(texts)))
+    model = SentenceTransformer(str(resolve_model(args.model)[0]), device=args.device)
+    model.max_seq_length = chunk_tokens
+    if dtype != "fp32":
+        model = model.to(torch.float16 if dtype == "fp16" else torch.bfloat16)
+    model.encode(sample[:512], batch_size=256)
+    t0 = time.perf_counter()
+    model.encode(sample, batch_size=256)
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    return {"chunks": len(sample), "seconds": seconds, "chunks_per_s": len(sample) / seconds}
 
 
 def main() -> None:
@@ -159,6 +196,8 @@ def main() -> None:
     parser.add_argument("--also", action="append", default=[],
                         help="options of another build-index row over the same documents "
                              "(repeatable; one string, split on spaces)")
+    parser.add_argument("--st-sample", type=int, default=0,
+                        help="also time sentence-transformers encode() on this many of the chunks")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args()
     if args.device == "auto":
@@ -197,6 +236,11 @@ def main() -> None:
         alone = forward_alone(folder, args, s["dtype"], cfg.chunk_tokens, cfg.overlap)
         print(f"forward alone: {alone['chunks']} chunks in {alone['seconds']:.2f} s: "
               f"{alone['chunks_per_s']:.0f} chunks/s", flush=True)
+        if "sentence_transformers" in alone:
+            st = alone["sentence_transformers"]
+            print(f"sentence-transformers encode(): {st['chunks']} chunks in {st['seconds']:.2f} s: "
+                  f"{st['chunks_per_s']:.0f} chunks/s; build-index end to end / it "
+                  f"{job['chunks_per_s'] / st['chunks_per_s']:.2f}x", flush=True)
     result = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": platform.node(),
               "cpus": os.cpu_count(), "args": vars(args), "documents": made, "build_index": job, "also": others,
               "forward_alone": alone, "job_vs_forward": job["chunks_per_s"] / alone["chunks_per_s"]}

@@ -32,6 +32,7 @@ Decisions:
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Sequence
 
 import numpy as np
@@ -39,9 +40,11 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
+from . import bert
 from .device import precision, resolve_device, resolve_dtype
 from .model_folder import ModelLayout, read_layout, resolve_model
 from .prompts import Prompts
+from .light_tokenizer import LightTokenizer
 from .tokenizer import open_tokenizer
 
 # Tokenizers that set no limit report this huge number as their model_max_length.
@@ -121,8 +124,8 @@ class TextEncoder:
     @classmethod
     def from_facts(cls, facts: ModelFacts, cuda_graphs: bool = True) -> TextEncoder:
         """Load the weights of the model ``facts`` describe (its tokenizer is theirs)."""
-        transformer = _load_model(facts.layout.transformer_dir,
-                                  resolve_dtype(facts.dtype, facts.device)).to(facts.device)
+        transformer = _load_model(facts.layout.transformer_dir, resolve_dtype(facts.dtype, facts.device),
+                                  facts.device)
         transformer.eval().requires_grad_(False)
         return cls(transformer, facts.tokenizer, facts.layout, facts.model_dir, facts.name,
                    facts.device, facts.dtype, facts.max_seq_length, cuda_graphs)
@@ -290,8 +293,6 @@ class ModelFacts:
     def read(cls, model: str | Path | None = None, device: str | torch.device = "cpu",
              dtype: str = "fp32", max_seq_length: int | None = None) -> ModelFacts:
         """The facts of ``model`` as :meth:`TextEncoder.load` takes it (the same checks)."""
-        from transformers import AutoConfig
-
         torch_device = resolve_device(device)
         dtype = precision(dtype, torch_device.type == "cuda")
         if dtype == "fp16" and torch_device.type == "cpu":
@@ -301,10 +302,7 @@ class ModelFacts:
         model_dir, name = resolve_model(model)
         layout = read_layout(model_dir)
         tokenizer = open_tokenizer(layout.transformer_dir, layout.do_lower_case)
-        try:
-            config = AutoConfig.from_pretrained(layout.transformer_dir, local_files_only=True)
-        except (OSError, ValueError, KeyError) as exc:
-            raise ConfigError(f"cannot load a transformer from {layout.transformer_dir}: {exc}") from exc
+        config = _read_config(layout.transformer_dir)
         seq_len = _resolve_max_seq_length(max_seq_length, layout, tokenizer, config)
         tokenizer.model_max_length = seq_len
         return cls(model_dir, name, layout, tokenizer, config, torch_device, dtype, seq_len)
@@ -351,18 +349,42 @@ def import_model_code(model: str | Path | None = None) -> None:
     """Import the transformers code :meth:`TextEncoder.load` runs for ``model`` (its
     architecture's module included), without loading weights: a process that forks
     encoders does it once. A model folder that cannot be read is left for the load to
-    report."""
+    report; one that :mod:`.bert` builds needs no transformers code."""
+    try:
+        layout = read_layout(resolve_model(model)[0])
+    except ConfigError:
+        return
+    if bert.supports(layout.transformer_dir) and LightTokenizer.open(layout.transformer_dir) is not None:
+        return
     from transformers import MODEL_MAPPING, AutoConfig, AutoModel, AutoTokenizer  # noqa: F401
 
     try:
-        layout = read_layout(resolve_model(model)[0])
         config = AutoConfig.from_pretrained(layout.transformer_dir, local_files_only=True)
         MODEL_MAPPING[type(config)]  # imports the architecture's module
     except (ConfigError, OSError, ValueError, KeyError):
         pass
 
 
-def _load_model(path: Path, dtype: torch.dtype) -> torch.nn.Module:
+def _read_config(path: Path) -> Any:
+    """The model's config: config.json as it is for a BERT that :mod:`.bert` builds
+    (transformers is not imported for it), else transformers' ``AutoConfig``."""
+    config = bert.read_config(path)
+    if bert.supports(path, config):
+        return SimpleNamespace(**config)
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"cannot load a transformer from {path}: {exc}") from exc
+
+
+def _load_model(path: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """The transformer of ``path`` on ``device``: :mod:`.bert`'s own stack where it builds
+    this model exactly, else transformers' ``AutoModel`` with SDPA attention."""
+    own = bert.load(path, dtype, device)
+    if own is not None:
+        return own
     from transformers import AutoModel
     from transformers.utils import logging as hf_logging
 
@@ -371,10 +393,11 @@ def _load_model(path: Path, dtype: torch.dtype) -> torch.nn.Module:
     kwargs = {"local_files_only": True, "dtype": dtype}
     try:
         try:
-            return AutoModel.from_pretrained(path, attn_implementation="sdpa", **kwargs)
+            model = AutoModel.from_pretrained(path, attn_implementation="sdpa", **kwargs)
         except ValueError:
             # This architecture has no SDPA attention: let transformers pick its own.
-            return AutoModel.from_pretrained(path, **kwargs)
+            model = AutoModel.from_pretrained(path, **kwargs)
+        return model.to(device)
     except (OSError, ValueError, KeyError) as exc:
         raise ConfigError(f"cannot load a transformer from {path}: {exc}") from exc
 

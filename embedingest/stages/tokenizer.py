@@ -6,6 +6,11 @@ Lower-casing follows sentence-transformers: ``do_lower_case`` in the folder's
 ``sentence_bert_config.json`` makes the tokenizer lower-case its input (its own
 normaliser may do so as well, as BERT-uncased's does); without that file nothing is
 added to what the tokenizer does.
+
+A BERT WordPiece folder whose tokenizer.json is exactly what transformers builds from its
+tokenizer_config.json is opened with ``tokenizers`` alone (:mod:`.light_tokenizer`):
+importing transformers costs seconds that the first batch would wait for. Every other
+folder goes through ``AutoTokenizer``.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from .light_tokenizer import LightTokenizer
 from .model_folder import read_layout, resolve_model
 
 
@@ -40,13 +46,15 @@ def load_tokenizer(model: str | Path | None = None) -> Any:
 def open_tokenizer(path: Path, lowercase: bool) -> Any:
     """The tokenizer in ``path`` (local files only), with a pad token, lower-casing its
     input when ``lowercase``."""
-    from transformers import AutoTokenizer
+    tokenizer = LightTokenizer.open(path)
+    if tokenizer is None:
+        from transformers import AutoTokenizer
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
-        raise ConfigError(f"cannot load a tokenizer from {str(path)!r}: {exc}; pass a folder "
-                          "that holds tokenizer.json") from exc
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError, KeyError) as exc:
+            raise ConfigError(f"cannot load a tokenizer from {str(path)!r}: {exc}; pass a folder "
+                              "that holds tokenizer.json") from exc
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ConfigError(f"the tokenizer in {path} has neither a pad nor an eos token "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -203,8 +204,8 @@ def test_eager_attention_keeps_the_2d_mask(tiny_hf, tmp_path, monkeypatch):
 
     folder = write_st_files(tiny_hf, tmp_path / "st", {"pooling_mode": "mean"})
     sdpa = TextEncoder.load(folder)
-    monkeypatch.setattr(encoder_module, "_load_model", lambda path, dtype: AutoModel.from_pretrained(
-        path, local_files_only=True, dtype=dtype, attn_implementation="eager"))
+    monkeypatch.setattr(encoder_module, "_load_model", lambda path, dtype, device: AutoModel.from_pretrained(
+        path, local_files_only=True, dtype=dtype, attn_implementation="eager").to(device))
     eager = TextEncoder.load(folder)
     assert sdpa._prepared_mask and not eager._prepared_mask
     assert cosine(eager.encode(TEXTS), st_encode(folder, TEXTS)).min() >= 0.9999
@@ -334,18 +335,25 @@ def test_fp16_copy_of_another_folder_keeps_its_name(tiny_hf, tmp_path):
     assert cosine(encoder.encode(TEXTS), TextEncoder.load(tiny_hf).encode(TEXTS)).min() >= 0.999
 
 
-def test_import_model_code_imports_the_architecture_and_tolerates_bad_folders(tmp_path):
+def test_import_model_code_imports_the_architecture_and_tolerates_bad_folders(tiny_hf, tmp_path):
     """What a process that forks encoders imports first: the model's own module, in a
-    fresh interpreter so nothing was imported before; a bad folder is left to the load."""
+    fresh interpreter so nothing was imported before; a bad folder is left to the load, and
+    a model that embedingest.stages.bert builds (the bundled one) needs no transformers."""
     import subprocess
     import sys
 
+    other = tmp_path / "relative"
+    shutil.copytree(tiny_hf, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(config | {"position_embedding_type": "relative_key"}))
     code = ("import sys; from embedingest.stages.encoder import import_model_code; "
             "before = 'transformers.models.bert.modeling_bert' in sys.modules; "
             f"import_model_code({str(tmp_path / 'nope')!r}); import_model_code(None); "
-            "print(before, 'transformers.models.bert.modeling_bert' in sys.modules)")
+            "bundled = 'transformers' in sys.modules; "
+            f"import_model_code({str(other)!r}); "
+            "print(before, bundled, 'transformers.models.bert.modeling_bert' in sys.modules)")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert run.stdout.split() == ["False", "True"], run.stderr
+    assert run.stdout.split() == ["False", "False", "True"], run.stderr
 
 
 @pytest.mark.parametrize("max_seq_length", [None, 128])
