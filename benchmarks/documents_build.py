@@ -115,8 +115,8 @@ def forward_alone(folder: Path, args, dtype: str, chunk_tokens: int, overlap: in
     for path in sorted(folder.rglob("*.txt")):
         text = path.read_text(encoding="utf-8", errors="surrogatepass")
         if text not in seen:  # --copies: each copy's windows are the first's
-            enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-            ids, offsets, mine = enc["input_ids"], enc["offset_mapping"], []
+            tokens = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            ids, offsets, mine = tokens["input_ids"], tokens["offset_mapping"], []
             for start in range(0, max(1, len(ids) - overlap), step):
                 part = offsets[start:start + inner]
                 mine.append(([cls, *ids[start:start + inner], sep],

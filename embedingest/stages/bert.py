@@ -66,12 +66,47 @@ def supports(folder: Path, config: dict | None = None) -> bool:
     return (Path(folder) / WEIGHTS).is_file()
 
 
+def _empty(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)
+
+
+class _Linear(nn.Module):
+    """``nn.Linear``'s parameters and forward, made without initialising them: :func:`load`
+    puts the weights in (torch's own layers initialise even on the meta device, which imports
+    its compiler: seconds)."""
+
+    def __init__(self, width_in: int, width_out: int):
+        super().__init__()
+        self.weight, self.bias = _empty(width_out, width_in), _empty(width_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class _LayerNorm(nn.Module):
+    def __init__(self, width: int, eps: float):
+        super().__init__()
+        self.weight, self.bias, self.eps = _empty(width), _empty(width), eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+
+class _Embedding(nn.Module):
+    def __init__(self, rows: int, width: int, padding_idx: int | None = None):
+        super().__init__()
+        self.weight, self.padding_idx = _empty(rows, width), padding_idx
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight, self.padding_idx)
+
+
 class _SelfAttention(nn.Module):
     def __init__(self, hidden: int, heads: int):
         super().__init__()
         self.heads, self.head_size = heads, hidden // heads
         self.scaling = self.head_size ** -0.5
-        self.query, self.key, self.value = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)
+        self.query, self.key, self.value = (_Linear(hidden, hidden, ) for _ in range(3))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         shape = (*x.shape[:-1], -1, self.head_size)
@@ -88,8 +123,8 @@ class _Residual(nn.Module):
 
     def __init__(self, width_in: int, hidden: int, eps: float):
         super().__init__()
-        self.dense = nn.Linear(width_in, hidden)
-        self.LayerNorm = nn.LayerNorm(hidden, eps=eps)
+        self.dense = _Linear(width_in, hidden, )
+        self.LayerNorm = _LayerNorm(hidden, eps=eps, )
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return self.LayerNorm(self.dense(x) + residual)
@@ -108,7 +143,7 @@ class _Attention(nn.Module):
 class _Intermediate(nn.Module):
     def __init__(self, hidden: int, inner: int, act):
         super().__init__()
-        self.dense, self.act = nn.Linear(hidden, inner), act
+        self.dense, self.act = _Linear(hidden, inner, ), act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.act(self.dense(x))
@@ -131,10 +166,10 @@ class _Embeddings(nn.Module):
     def __init__(self, c: dict):
         super().__init__()
         hidden = c["hidden_size"]
-        self.word_embeddings = nn.Embedding(c["vocab_size"], hidden, padding_idx=c.get("pad_token_id"))
-        self.position_embeddings = nn.Embedding(c["max_position_embeddings"], hidden)
-        self.token_type_embeddings = nn.Embedding(c["type_vocab_size"], hidden)
-        self.LayerNorm = nn.LayerNorm(hidden, eps=c.get("layer_norm_eps", 1e-12))
+        self.word_embeddings = _Embedding(c["vocab_size"], hidden, padding_idx=c.get("pad_token_id"))
+        self.position_embeddings = _Embedding(c["max_position_embeddings"], hidden, )
+        self.token_type_embeddings = _Embedding(c["type_vocab_size"], hidden, )
+        self.LayerNorm = _LayerNorm(hidden, eps=c.get("layer_norm_eps", 1e-12), )
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
@@ -150,7 +185,8 @@ class _Encoder(nn.Module):
 
 
 class BertEncoder(nn.Module):
-    """BertModel's embeddings and encoder (no pooler: the pipeline pools itself). Called as
+    """BertModel's embeddings and encoder (no pooler: the pipeline pools itself), its
+    parameters empty on the meta device until :func:`load` puts the weights in. Called as
     the encoder calls a transformers model: ``model(input_ids=, attention_mask=)`` with a 2-D
     padding mask or a prepared 4-D boolean one; ``.last_hidden_state`` of the result."""
 
@@ -182,8 +218,7 @@ def load(folder: Path, dtype: torch.dtype, device: torch.device | str = "cpu") -
     config = read_config(folder)
     if not supports(folder, config):
         return None
-    with torch.device("meta"):
-        model = BertEncoder(config)
+    model = BertEncoder(config)
     wanted = set(model.state_dict())
     state = {}
     with safe_open(str(Path(folder) / WEIGHTS), framework="pt", device=str(device)) as f:
