@@ -3,7 +3,7 @@
     python benchmarks/chunk_throughput.py [--mb 8] [--repeats 3] [--workers 1,2]
                                           [--batch-size 1024] [--model-dir DIR] [--json FILE]
 
-The corpus is real documents nobody on the project wrote (benchmarks/tokenizer_corpus.py:
+The corpus is real documents nobody on the project wrote (embedingest/bench/documents_corpus.py:
 manual pages, /usr/share/doc, the standard library, installed packages' docs), written as
 .txt files, one file a unit, as build-index reads a folder.
 
@@ -39,13 +39,11 @@ import hashlib  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
-import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tokenizer_corpus import build_corpus  # noqa: E402
+from embedingest.bench.documents_corpus import build_corpus  # noqa: E402
 
 from embedingest.sources.text_dataset import TextChunkDataset, Unit  # noqa: E402
 from embedingest.stages.fast_chunker import FastChunker  # noqa: E402

@@ -10,7 +10,7 @@ each window's character span (start of its first token, end of its last). The re
 is the model's own tokenizer (``tokenizers``, tokenizer.json of the bundled
 all-MiniLM-L6-v2 unless ``--model-dir`` names another WordPiece model) with offsets.
 
-Every candidate runs over the same real documents (benchmarks/tokenizer_corpus.py) in one
+Every candidate runs over the same real documents (embedingest/bench/documents_corpus.py) in one
 process, single-threaded, ``--repeats`` times (each time with cold caches); the rate is
 reference tokens per CPU second of the process (all its threads), so other load on the
 machine moves all rows alike; the table gives the median and its ratio to the reference's
@@ -48,8 +48,7 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tokenizer_corpus import build_corpus, hard_cases  # noqa: E402
+from embedingest.bench.documents_corpus import build_corpus, hard_cases  # noqa: E402
 
 MAX_TOKENS, OVERLAP = 256, 32
 GROUP = 64  # documents per batch call, for the batch APIs

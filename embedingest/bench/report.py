@@ -52,6 +52,13 @@ TEXT_COLUMNS = [("name", "loop", "s"), ("rate", "docs/s", ",.0f"), ("vs_bound", 
                 ("seconds", "seconds", ".1f"), ("gpu_idle", "GPU idle", ".0%"), ("pinned", "pinned", "")]
 
 
+DOCUMENTS_COLUMNS = [("name", "loop", "s"), ("rate", "chunks/s", ",.0f"), ("vs_bound", "x bound", ".2f"),
+                     ("vs_st", "x sentence-transformers", ".2f"),
+                     ("steady_chunks_per_s", "steady chunks/s", ",.0f"), ("steady_vs_bound", "steady x bound", ".2f"),
+                     ("seconds", "seconds", ".1f"), ("peak_pss_mb", "peak PSS MB", ",.0f"),
+                     ("vectors_mb", "vectors MB", ",.0f")]
+
+
 def table(rows: list[dict], unit: str, columns=None) -> str:
     """A Markdown table of ``rows`` (``rate`` in ``unit``)."""
     columns = columns or COLUMNS

@@ -103,8 +103,21 @@ def bench_segmentation(steps, warmup, batch_size, image_size, consumers, slots, 
 
 
 @bench.command("text")
+@click.option("--corpus", type=click.Choice(("paragraphs", "documents")), default="paragraphs", show_default=True,
+              help="paragraphs: --docs paragraphs of ~50 tokens, one chunk each; documents: the machine's "
+                   "own documents (manual pages, package docs, the standard library), cut into many "
+                   "chunks each, build-index run as a fresh command and timed from its start.")
 @click.option("--docs", default=200_000, show_default=True, help="Paragraphs (~50 tokens each).")
-@click.option("--batch-size", default=256, show_default=True, help="Chunks per batch, the same for every row.")
+@click.option("--mb", default=80.0, show_default=True, help="With --corpus documents: megabytes of documents.")
+@click.option("--copies", default=1, show_default=True,
+              help="With --corpus documents: write each document this many times (a machine with few).")
+@click.option("--join-mb", default=0.0, show_default=True,
+              help="With --corpus documents: join documents into files of about this many MB (0: one each).")
+@click.option("--st-sample", default=20_000, show_default=True,
+              help="With --corpus documents: chunks sentence-transformers encodes (0: no such row).")
+@click.option("--batch-size", type=int, default=None,
+              help="Chunks per batch, the same for every row.  [default: 256; with --corpus documents "
+                   "1024, for the forward alone (build-index picks its own)]")
 @click.option("--device", default="auto", show_default=True, metavar="DEVICE",
               help="auto (CUDA when available), cpu, cuda or cuda:N.")
 @click.option("--dtype", type=click.Choice(("auto", *DTYPE_NAMES)), default="auto", show_default=True,
@@ -123,10 +136,10 @@ def bench_segmentation(steps, warmup, batch_size, image_size, consumers, slots, 
 @click.option("--trace", type=click.Path(dir_okay=False),
               help="Chrome trace (JSON) of the build-index row: its phases and every batch.")
 @library_errors
-def bench_text(docs, batch_size, device, dtype, model, num_workers, num_consumers, st_fp32,
-               compare_eager, json_path, trace) -> None:
-    """sentence-transformers encode() + faiss.add against build-index end to end, with the
-    encoder's forward alone as the bound, on one corpus (runs on CPU too)."""
+def bench_text(corpus, docs, mb, copies, join_mb, st_sample, batch_size, device, dtype, model, num_workers,
+               num_consumers, st_fp32, compare_eager, json_path, trace) -> None:
+    """sentence-transformers against build-index end to end, with the encoder's forward
+    alone as the bound, on one corpus (runs on CPU too)."""
     from ..bench.report import TEXT_COLUMNS, machine_info, table, write_json
     from ..bench.text import TextBenchConfig, run_all
 
@@ -135,7 +148,10 @@ def bench_text(docs, batch_size, device, dtype, model, num_workers, num_consumer
     if device == "auto":
         device = str(resolve_device(device))
     dtype = precision(dtype, device.startswith("cuda"))
-    cfg = TextBenchConfig(docs=docs, batch_size=batch_size, device=device, dtype=dtype, model=model,
+    if corpus == "documents":
+        _bench_documents(mb, copies, join_mb, st_sample, batch_size or 1024, device, dtype, model, json_path)
+        return
+    cfg = TextBenchConfig(docs=docs, batch_size=batch_size or 256, device=device, dtype=dtype, model=model,
                           num_workers=num_workers, num_consumers=num_consumers, st_fp32=st_fp32,
                           compare_eager=compare_eager, trace=trace)
     info = machine_info()
@@ -144,5 +160,21 @@ def bench_text(docs, batch_size, device, dtype, model, num_workers, num_consumer
     click.echo(table(rows, "docs/s", TEXT_COLUMNS))
     if json_path:
         write_json(json_path, {"machine": info, "config": cfg.__dict__,
+                               "rows": [{k: v for k, v in r.items() if k != "summary"} for r in rows],
+                               "build_index_summaries": [r["summary"] for r in rows if "summary" in r]})
+
+
+def _bench_documents(mb, copies, join_mb, st_sample, batch_size, device, dtype, model, json_path) -> None:
+    from ..bench.documents import DocumentsBenchConfig, run_documents
+    from ..bench.report import DOCUMENTS_COLUMNS, machine_info, table, write_json
+
+    cfg = DocumentsBenchConfig(mb=mb, copies=copies, join_mb=join_mb, device=device, dtype=dtype, model=model,
+                               batch_size=batch_size, st_sample=st_sample)
+    info = machine_info()
+    click.echo(f"# {info.get('gpu', 'CPU')} {info.get('driver', '')}, torch {info.get('torch')}, {info['date']}")
+    made, rows = run_documents(cfg, log=lambda m: click.echo(m, err=True))
+    click.echo(table(rows, "chunks/s", DOCUMENTS_COLUMNS))
+    if json_path:
+        write_json(json_path, {"machine": info, "config": cfg.__dict__, "documents": made,
                                "rows": [{k: v for k, v in r.items() if k != "summary"} for r in rows],
                                "build_index_summaries": [r["summary"] for r in rows if "summary" in r]})

@@ -1,4 +1,4 @@
-"""Real documents nobody on the project wrote, for the tokenizer comparison.
+"""Real documents nobody on the project wrote, for the long-document and tokenizer benchmarks.
 
 Gathered from what this machine holds: manual pages (gzip'd roff, in many languages:
 accents, Cyrillic, Chinese, Japanese, Korean), /usr/share/doc (changelogs, copyright files,

@@ -1,0 +1,258 @@
+"""Long documents side by side: ``embedingest build-index`` as a user runs it (a fresh
+command, timed from its start), the encoder's forward alone on the same chunks (the
+bound), and sentence-transformers ``encode()`` on the same chunks' texts.
+
+The documents are what the machine holds that nobody on the project wrote
+(:mod:`~embedingest.bench.documents_corpus`), one ``.txt`` file each, from a few KB to MB;
+``copies`` writes each several times under other names (a machine with few documents
+still gives the corpus size asked for), ``join_mb`` joins them into large files. The
+command's processes are sampled for their summed proportional set size (PSS), so runs of
+two corpus sizes show whether memory grows with the corpus.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .documents_corpus import build_corpus
+
+
+@dataclass
+class DocumentsBenchConfig:
+    mb: float = 80  # megabytes of documents
+    copies: int = 1  # each document written this many times
+    join_mb: float = 0  # join documents into files of about this many MB (0: one file each)
+    device: str = "cuda"
+    dtype: str = "fp16"
+    model: str | None = None
+    batch_size: int = 1024  # of the forward-alone row (build-index picks its own)
+    st_sample: int = 20_000  # chunks for the sentence-transformers row (0: none)
+    folder: str | None = None  # keep the documents here
+    extra: list[str] = field(default_factory=list)  # more build-index options, one string each
+
+
+def write_documents(folder: Path, mb: float, copies: int = 1, join_mb: float = 0) -> dict:
+    """The documents under ``folder`` (500 a subfolder); their count and sizes."""
+    docs = build_corpus(int(mb * 1e6 / copies)) * copies
+    if join_mb:
+        joined, part, size = [], [], 0
+        for text in docs:
+            part.append(text)
+            size += len(text)
+            if size >= join_mb * 1e6:
+                joined.append("\n\n".join(part))
+                part, size = [], 0
+        docs = joined + (["\n\n".join(part)] if part else [])
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, text in enumerate(docs):
+        (folder / f"{i // 500:03d}").mkdir(exist_ok=True)
+        (folder / f"{i // 500:03d}" / f"doc{i:06d}.txt").write_text(text, encoding="utf-8",
+                                                                    errors="surrogatepass")
+    sizes = sorted(len(t.encode("utf-8", "surrogatepass")) for t in docs)
+    return {"documents": len(docs), "copies": copies, "bytes": sum(sizes),
+            "median_bytes": sizes[len(sizes) // 2], "max_bytes": sizes[-1]}
+
+
+def _tree_pss(root: int) -> int:
+    """Bytes of PSS summed over ``root`` and its descendants (Linux /proc; 0 elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as fh:
+                    ppid = int(fh.read().rsplit(b")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as fh:
+                total += next(int(line.split()[1]) * 1024 for line in fh if line.startswith("Pss:"))
+        except (OSError, StopIteration, ValueError):
+            pass
+    return total
+
+
+def build_index_command(folder: Path, out: Path, cfg: DocumentsBenchConfig, extra: list[str] = ()) -> dict:
+    """``python -m embedingest build-index FOLDER --json`` in a fresh process: its wall time
+    from the start, its own summary, and the peak PSS of its processes (sampled)."""
+    cmd = [sys.executable, "-m", "embedingest", "build-index", str(folder), "--out", str(out),
+           "--json", "--dtype", cfg.dtype, "--device", cfg.device, *extra]
+    if cfg.model:
+        cmd += ["--model", cfg.model]
+    peak, done = [0], threading.Event()
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def sample():
+        while not done.wait(0.25):
+            peak[0] = max(peak[0], _tree_pss(proc.pid))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    stdout, stderr = proc.communicate()
+    seconds = time.perf_counter() - t0
+    done.set()
+    sampler.join()
+    if proc.returncode != 0:
+        raise RuntimeError(f"build-index failed ({proc.returncode}):\n{stderr[-4000:]}")
+    summary = json.loads(stdout)
+    chunks = summary.get("vectors_total") or 0
+    engine = summary.get("engine") or {}
+    wall = engine.get("wall_seconds") or 0
+    return {"name": " ".join(["embedingest build-index", *extra]), "kind": "engine",
+            "command": " ".join(cmd[1:]), "seconds": seconds, "chunks": chunks,
+            "chunks_per_s": chunks / seconds, "steady_chunks_per_s": chunks / wall if wall else None,
+            "startup": startup(seconds, summary), "peak_pss_mb": peak[0] / 2**20, "summary": summary}
+
+
+def startup(wall: float, summary: dict) -> dict:
+    """Where a cold command's start went: before ``build_index`` was called (interpreter,
+    imports, CLI), the phases up to the encode step, the engine's start and the wait for
+    the first batch; their sum is the time from the command's start to the first batch."""
+    phases, timing = summary["phases"], summary.get("timing") or {}
+    out = {"before_call_s": wall - summary["seconds"],
+           **{k: phases[k] for k in phases if k not in ("encode_s", "finish_s")},
+           "engine_start_s": timing.get("start_s", 0.0), "first_batch_s": timing.get("first_batch_s", 0.0)}
+    out["to_first_batch_s"] = sum(out.values())
+    out["first_forward_s"] = timing.get("first_forward_s", 0.0)
+    return {k: round(v, 3) for k, v in out.items()}
+
+
+def chunk_windows(folder: Path, tokenizer, chunk_tokens: int, overlap: int) -> tuple[list, list]:
+    """Every document cut into windows of ``chunk_tokens`` (special tokens included) by the
+    model's own tokenizer, and each window's text; one tokenization per distinct text."""
+    cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
+    inner, step = chunk_tokens - 2, chunk_tokens - 2 - overlap
+    windows, texts, seen = [], [], {}
+    for path in sorted(folder.rglob("*.txt")):
+        text = path.read_text(encoding="utf-8", errors="surrogatepass")
+        if text not in seen:
+            tokens = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            ids, offsets, mine = tokens["input_ids"], tokens["offset_mapping"], []
+            for start in range(0, max(1, len(ids) - overlap), step):
+                part = offsets[start:start + inner]
+                mine.append(([cls, *ids[start:start + inner], sep],
+                             text[part[0][0]:part[-1][1]] if part else ""))
+            seen[text] = mine
+        windows += [w for w, _ in seen[text]]
+        texts += [t for _, t in seen[text]]
+    return windows, texts
+
+
+def forward_alone(windows: list, cfg: DocumentsBenchConfig, dtype: str) -> dict:
+    """The bound: the encoder on the windows, length-sorted, on the device before the
+    clock, each batch shape run once first."""
+    import torch
+
+    from ..stages.encoder import TextEncoder
+
+    enc = TextEncoder.load(cfg.model, device=cfg.device, dtype=dtype)
+    ordered = sorted(windows, key=len)
+    batches = []
+    for i in range(0, len(ordered), cfg.batch_size):
+        part = ordered[i:i + cfg.batch_size]
+        width = -(-len(part[-1]) // 16) * 16
+        ids = torch.zeros((len(part), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, w in enumerate(part):
+            ids[row, :len(w)] = torch.tensor(w)
+            mask[row, :len(w)] = 1
+        batches.append((ids.to(cfg.device), mask.to(cfg.device)))
+    with torch.inference_mode():
+        for ids, mask in batches:
+            enc.forward(ids, mask)
+        _sync(cfg.device)
+        t0 = time.perf_counter()
+        for ids, mask in batches:
+            enc.forward(ids, mask)
+        _sync(cfg.device)
+    seconds = time.perf_counter() - t0
+    return {"name": f"encoder forward alone (pre-tokenized), {dtype}", "kind": "bound",
+            "chunks": len(windows), "seconds": seconds, "chunks_per_s": len(windows) / seconds,
+            "dim": enc.dim}
+
+
+def st_encode(texts: list[str], cfg: DocumentsBenchConfig, dtype: str, chunk_tokens: int) -> dict:
+    """sentence-transformers ``encode()`` (batch 256, the job's dtype) on a random sample of
+    the same chunks' texts, as its users run it."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    from ..stages.model_folder import resolve_model
+
+    sample = random.Random(0).sample(texts, min(cfg.st_sample, len(texts)))
+    model = SentenceTransformer(str(resolve_model(cfg.model)[0]), device=cfg.device)
+    model.max_seq_length = chunk_tokens
+    if dtype != "fp32":
+        model = model.to(torch.float16 if dtype == "fp16" else torch.bfloat16)
+    model.encode(sample[:512], batch_size=256)
+    _sync(cfg.device)
+    t0 = time.perf_counter()
+    model.encode(sample, batch_size=256)
+    _sync(cfg.device)
+    seconds = time.perf_counter() - t0
+    return {"name": f"sentence-transformers encode(), {dtype}", "kind": "reference",
+            "chunks": len(sample), "seconds": seconds, "chunks_per_s": len(sample) / seconds}
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def run_documents(cfg: DocumentsBenchConfig, log=print) -> tuple[dict, list[dict]]:
+    """The corpus's description and the rows, each with its ratio to the forward alone
+    (``vs_bound``) and to sentence-transformers (``vs_st``)."""
+    from ..config import IndexConfig
+    from ..stages.encoder import ModelFacts
+
+    with tempfile.TemporaryDirectory(prefix="embedingest-docs-") as tmp:
+        folder = Path(cfg.folder or Path(tmp) / "docs")
+        made = write_documents(folder, cfg.mb, cfg.copies, cfg.join_mb)
+        log(f"{made['documents']} documents, {made['bytes'] / 1e6:.1f} MB (median "
+            f"{made['median_bytes'] / 1e3:.0f} KB, largest {made['max_bytes'] / 1e6:.1f} MB)")
+        warm = Path(tmp) / "warm-up"  # no row pays for a cold page cache or first compile
+        warm.mkdir()
+        for path in sorted(folder.rglob("*.txt"))[:20]:
+            (warm / path.name).write_bytes(path.read_bytes())
+        build_index_command(warm, Path(tmp) / "warm-index", cfg)
+        rows = [build_index_command(folder, Path(tmp) / "index", cfg)]
+        for n, extra in enumerate(cfg.extra):
+            rows.append(build_index_command(folder, Path(tmp) / f"index-{n}", cfg, extra.split()))
+        for row in rows:
+            log(f"  {row['name']}: {row['chunks']:,} chunks in {row['seconds']:.1f} s; start-up "
+                f"{json.dumps(row['startup'])}; peak PSS {row['peak_pss_mb']:,.0f} MB")
+        dtype = rows[0]["summary"]["dtype"]
+        icfg = IndexConfig()
+        facts = ModelFacts.read(cfg.model)  # the tokenizer and limits, not the weights
+        chunk_tokens = min(icfg.chunk_tokens, facts.max_seq_length)
+        windows, texts = chunk_windows(folder, facts.tokenizer, chunk_tokens, icfg.overlap)
+    rows.append(forward_alone(windows, cfg, dtype))
+    for row in rows[:-1]:  # the vectors' own bytes, which an index's memory must hold
+        row["vectors_mb"] = row["chunks"] * rows[-1]["dim"] * 4 / 2**20
+    if cfg.st_sample:
+        rows.append(st_encode(texts, cfg, dtype, chunk_tokens))
+    bound = next(r["chunks_per_s"] for r in rows if r["kind"] == "bound")
+    st = next((r["chunks_per_s"] for r in rows if r["kind"] == "reference"), None)
+    for r in rows:
+        r["rate"] = r["chunks_per_s"]
+        r["vs_bound"] = r["chunks_per_s"] / bound
+        r["vs_st"] = r["chunks_per_s"] / st if st else None
+        if r.get("steady_chunks_per_s"):
+            r["steady_vs_bound"] = r["steady_chunks_per_s"] / bound
+    return made, rows

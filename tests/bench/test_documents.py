@@ -1,0 +1,78 @@
+"""The long-document benchmark (``bench text --corpus documents``): its windows are the
+chunker's, its memory sampler sees a child's pages, and the command writes every row."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from embedingest.bench import documents
+from embedingest.cli import main
+from embedingest.stages.chunker import Chunker
+from embedingest.stages.tokenizer import load_tokenizer
+
+DOCS = [
+    ("The engine copies each batch's outputs into pinned host buffers on its own stream, and "
+     "consumer processes write them out while the GPU runs the next batches. ") * 40,
+    "Short note: FAISS shards hold the vectors; a Parquet table holds each chunk's source and span.\n" * 25,
+    "ünïcödé, CJK 東京都 and emoji \U0001F600 in a document that is cut into several windows. " * 30,
+]
+
+
+def test_windows_are_the_chunkers_chunks(tmp_path):
+    """The forward-alone row must run the chunks build-index makes: the same ids, and texts
+    that are the chunks' spans."""
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for i, text in enumerate(DOCS):
+        (folder / f"d{i}.txt").write_text(text, encoding="utf-8")
+    tokenizer = load_tokenizer(None)
+    windows, texts = documents.chunk_windows(folder, tokenizer, 64, 8)
+    chunker = Chunker(tokenizer, 64, 8)
+    expected = [c for text in DOCS for c in chunker.chunk(text)]
+    assert [list(c.input_ids) for c in expected] == windows
+    assert [text[c.char_start:c.char_end] for text in DOCS for c in chunker.chunk(text)] == texts
+    assert len(windows) > 3 * len(DOCS)  # long enough to give several windows each
+
+
+def test_memory_of_the_process_tree_counts_a_child(tmp_path):
+    code = ("import sys, time; x = bytearray(256 * 2**20); x[::4096] = b'\\1' * len(x[::4096]); "
+            "print('ready', flush=True); time.sleep(60)")
+    before = documents._tree_pss(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        grown = documents._tree_pss(os.getpid()) - before
+    finally:
+        child.kill()
+        child.wait()
+    assert 240 * 2**20 <= grown <= 400 * 2**20  # the child's 256 MB, and its interpreter
+
+
+@pytest.mark.slow
+def test_bench_text_documents_on_the_cpu_writes_its_rows(tmp_path, monkeypatch):
+    monkeypatch.setattr(documents, "build_corpus", lambda size: DOCS)
+    path = tmp_path / "bench.json"
+    t0 = time.perf_counter()
+    r = CliRunner().invoke(main, ["bench", "text", "--corpus", "documents", "--mb", "0.1", "--device", "cpu",
+                                  "--st-sample", "30", "--batch-size", "16", "--json", str(path)])
+    assert r.exit_code == 0, r.output
+    assert "| loop | chunks/s | x bound | x sentence-transformers |" in r.stdout
+    data = json.loads(path.read_text())
+    rows = {row["kind"]: row for row in data["rows"]}
+    assert set(rows) == {"engine", "bound", "reference"}
+    engine, bound, st = rows["engine"], rows["bound"], rows["reference"]
+    assert engine["chunks"] == bound["chunks"] > 3 * len(DOCS)  # build-index made the same chunks
+    assert st["chunks"] == min(30, bound["chunks"]) and bound["vs_bound"] == 1.0 and st["vs_st"] == 1.0
+    assert engine["vectors_mb"] == engine["chunks"] * 384 * 4 / 2**20
+    assert 50 < engine["peak_pss_mb"] < 8192  # the command's processes were sampled
+    assert 0 < engine["startup"]["to_first_batch_s"] < engine["seconds"] <= time.perf_counter() - t0
+    assert data["documents"]["documents"] == len(DOCS) and data["config"]["device"] == "cpu"
+    (summary,) = data["build_index_summaries"]
+    assert summary["device"] == "cpu" and summary["vectors_total"] == engine["chunks"]
