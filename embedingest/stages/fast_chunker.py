@@ -265,6 +265,7 @@ class FastChunker(Chunker):
 
             def window(a: int, b: int) -> list[int]:
                 return prefix + doc.ids[a:b].tolist() + suffix
+        rest = None  # the span of the last window when the loop found it (a text's only one, often)
         while pos < n:
             hi = min(pos + budget, n)
             start = doc.start(pos)
@@ -272,6 +273,7 @@ class FastChunker(Chunker):
             last_end = doc.end(hi - 1)
             if last_end <= limit:
                 if hi == n:
+                    rest = (start, last_end)
                     break
                 end = hi
             else:  # the first token past the character bound (rare: long words or gaps)
@@ -280,7 +282,7 @@ class FastChunker(Chunker):
             out.append(Chunk(window(pos, end), start, last_end))
             pos, covered = self._next_start(pos, end), end
         if final and n > covered:
-            out.append(Chunk(window(pos, n), doc.start(pos), doc.end(n - 1)))
+            out.append(Chunk(window(pos, n), *(rest or (doc.start(pos), doc.end(n - 1)))))
         return out, pos, covered
 
 
