@@ -2,7 +2,7 @@
 
     python benchmarks/serve_latency.py [--chunks 100000] [--queries 200] [--index DIR]
                                        [--factory Flat] [--params nprobe=32] [--threads 1]
-                                       [--json OUT.json]
+                                       [--query-runtime torch,onnx] [--json OUT.json]
 
 Without --index it makes an index of CHUNKS chunks in a temporary folder, the way
 build-index lays one out (format 2: a shard of the faiss FACTORY per 50,000 vectors
@@ -13,11 +13,16 @@ paragraphs; the vectors are random unit vectors (embedding 100,000 chunks takes 
 CPU a quarter of an hour, and the cost of a Flat search does not depend on the values).
 The queries are encoded by the real model in the server.
 
-It starts `embedingest serve` on a free loopback port, waits for it, sends 10 warm-up
-queries and then the timed ones over one keep-alive connection, and prints the client's
+It starts one `embedingest serve` per query runtime (``--query-runtime``, several
+comma-separated: they are compared in the same run) on free loopback ports, waits for
+them, sends 10 warm-up queries and then the timed ones, each query to every server in
+turn (the order alternating from one query to the next, so a busy moment of a shared
+machine falls on all of them), one keep-alive connection each, and prints the client's
 round-trip and the server's own time per query (``took_ms``: query encoding, faiss
-search, metadata rows). Afterwards it times, in this process, the two parts alone
-(encoding the queries, the faiss search of their vectors) for the same queries.
+search, metadata rows). Afterwards it times, in this process, the parts alone (encoding
+the queries with each runtime, interleaved the same way; the faiss search of their
+vectors) for the same queries, and how far each runtime's vectors are from the first's.
+The exported ONNX graph is kept in a cache folder inside the temporary folder.
 """
 
 from __future__ import annotations
@@ -29,7 +34,6 @@ import os
 import platform
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -94,12 +98,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(index: Path, port: int, threads: int) -> subprocess.Popen:
+def start_server(index: Path, port: int, threads: int, runtime: str, cache: Path) -> subprocess.Popen:
     env = {**os.environ, "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.Popen([sys.executable, "-m", "embedingest", "serve", str(index), "--port", str(port),
-                             "--threads", str(threads)],
+    return subprocess.Popen([sys.executable, "-m", "embedingest", "serve", str(index), "--port", str(port),
+                             "--threads", str(threads), "--query-runtime", runtime, "--cache-dir", str(cache)],
                             env=env)
+
+
+def wait_for(proc: subprocess.Popen, port: int) -> dict:
+    """/info of the server once it answers."""
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -107,8 +115,9 @@ def start_server(index: Path, port: int, threads: int) -> subprocess.Popen:
         try:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
             conn.request("GET", "/info")
-            if conn.getresponse().status == 200:
-                return proc
+            response = conn.getresponse()
+            if response.status == 200:
+                return json.loads(response.read())
         except OSError:
             time.sleep(0.5)
     proc.kill()
@@ -136,6 +145,8 @@ def main() -> None:
     ap.add_argument("--factory", default="Flat", help="faiss index_factory of the synthetic index")
     ap.add_argument("--params", default=None, help="its stored search parameters, e.g. nprobe=32")
     ap.add_argument("--threads", type=int, default=1, help="serve --threads (torch threads), 0: all")
+    ap.add_argument("--query-runtime", default="torch,onnx",
+                    help="serve --query-runtime of each server, comma-separated: compared side by side")
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="embedingest-serve-bench-"))
@@ -144,56 +155,88 @@ def main() -> None:
     print(f"index {index}: made in {time.perf_counter() - t0:.1f} s", flush=True)
     queries = make_paragraphs(args.queries + 10, seed=1, words=8)
     warmup, timed = queries[:10], queries[10:]
-    port = free_port()
+    runtimes = args.query_runtime.split(",")
+    cache = work / "cache"
     load_before = os.getloadavg()
-    proc = start_server(index, port, args.threads)
+    ports = [free_port() for _ in runtimes]
+    procs = [start_server(index, port, args.threads, runtime, cache) for port, runtime in zip(ports, runtimes)]
     try:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        round_trip, server_ms = [], []
+        in_use = [wait_for(proc, port)["query_runtime"] for proc, port in zip(procs, ports)]
+        conns = [http.client.HTTPConnection("127.0.0.1", port, timeout=60) for port in ports]
+        round_trip = {r: [] for r in runtimes}
+        server_ms = {r: [] for r in runtimes}
         for i, q in enumerate(warmup + timed):
-            t = time.perf_counter()
-            conn.request("GET", "/search?" + urllib.parse.urlencode({"q": q, "k": 10}))
-            response = conn.getresponse()
-            data = json.loads(response.read())
-            elapsed = (time.perf_counter() - t) * 1e3
-            if response.status != 200 or len(data["hits"]) != 10:
-                raise SystemExit(f"query {q!r}: {response.status} {data}")
-            if i >= len(warmup):
-                round_trip.append(elapsed)
-                server_ms.append(data["took_ms"])
+            order = list(range(len(runtimes)))
+            for j in order[::-1] if i % 2 else order:
+                t = time.perf_counter()
+                conns[j].request("GET", "/search?" + urllib.parse.urlencode({"q": q, "k": 10}))
+                response = conns[j].getresponse()
+                data = json.loads(response.read())
+                elapsed = (time.perf_counter() - t) * 1e3
+                if response.status != 200 or len(data["hits"]) != 10:
+                    raise SystemExit(f"query {q!r} ({runtimes[j]}): {response.status} {data}")
+                if i >= len(warmup):
+                    round_trip[runtimes[j]].append(elapsed)
+                    server_ms[runtimes[j]].append(data["took_ms"])
     finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(60)
+        for proc in procs:
+            proc.send_signal(signal.SIGINT)
+        for proc in procs:
+            proc.wait(60)
     load_after = os.getloadavg()
-    if args.threads:
-        import torch
+    import torch
 
+    from embedingest.stages.onnx_forward import load as load_onnx
+
+    if args.threads:
         torch.set_num_threads(args.threads)
+
     with open_index(index) as opened:
         ntotal, factory, params = opened.ntotal, opened.manifest.factory, opened.params
         encoder = opened.encoder
-        encode_ms, faiss_ms, vectors = [], [], []
-        for q in warmup + timed:
-            t = time.perf_counter()
-            vectors.append(encoder.encode([q]))
-            encode_ms.append((time.perf_counter() - t) * 1e3)
-        for v in vectors:
+        forwards = {r: None if r == "torch" else load_onnx(encoder, cache, torch.get_num_threads())
+                    for r in runtimes}
+        encode_ms = {r: [] for r in runtimes}
+        vectors = {r: [] for r in runtimes}
+        for i, q in enumerate(warmup + timed):
+            order = list(range(len(runtimes)))
+            for j in order[::-1] if i % 2 else order:
+                encoder.use_runtime(forwards[runtimes[j]])
+                t = time.perf_counter()
+                vectors[runtimes[j]].append(encoder.encode([q]))
+                encode_ms[runtimes[j]].append((time.perf_counter() - t) * 1e3)
+        faiss_ms = []
+        for v in vectors[runtimes[0]]:
             t = time.perf_counter()
             opened.search_raw(v, 10)
             faiss_ms.append((time.perf_counter() - t) * 1e3)
+    first = np.concatenate(vectors[runtimes[0]])
+    per_runtime = {}
+    for runtime, used in zip(runtimes, in_use):
+        other = np.concatenate(vectors[runtime])
+        per_runtime[runtime] = {
+            "in_use": used, "round_trip_ms": percentiles(round_trip[runtime]),
+            "server_took_ms": percentiles(server_ms[runtime]), "encode_alone_ms": percentiles(encode_ms[runtime][10:]),
+            f"max_abs_difference_to_{runtimes[0]}": float(np.abs(other - first).max()),
+            f"min_cosine_to_{runtimes[0]}": float((other * first).sum(axis=1).min())}
+    base = per_runtime[runtimes[0]]
+    for runtime in runtimes[1:]:
+        per_runtime[runtime][f"p50_ratio_{runtimes[0]}_to_this"] = {
+            key: base[key]["p50"] / per_runtime[runtime][key]["p50"]
+            for key in ("round_trip_ms", "server_took_ms", "encode_alone_ms")}
     result = {
         "machine": machine(), "load_average_before": load_before, "load_average_after": load_after,
         "command": "python benchmarks/serve_latency.py " + " ".join(sys.argv[1:]),
         "index": {"chunks": ntotal, "synthetic": args.index is None, "factory": factory, "params": params},
-        "queries": len(timed), "k": 10,
-        "round_trip_ms": percentiles(round_trip), "server_took_ms": percentiles(server_ms),
-        "encode_alone_ms": percentiles(encode_ms[10:]), "faiss_alone_ms": percentiles(faiss_ms[10:]),
+        "queries": len(timed), "k": 10, "threads": args.threads, "runtimes": per_runtime,
+        "faiss_alone_ms": percentiles(faiss_ms[10:]),
     }
     print(json.dumps(result, indent=2))
-    print(f"round trip over HTTP: p50 {result['round_trip_ms']['p50']:.1f} ms, "
-          f"p99 {result['round_trip_ms']['p99']:.1f} ms ({len(timed)} queries, {ntotal:,} chunks, "
-          f"{factory} {params or ''}); "
-          f"median of the server's own time {statistics.median(server_ms):.1f} ms")
+    for runtime, r in per_runtime.items():
+        print(f"{runtime} ({r['in_use']}): round trip over HTTP p50 {r['round_trip_ms']['p50']:.1f} ms, "
+              f"p99 {r['round_trip_ms']['p99']:.1f} ms; server's own time p50 {r['server_took_ms']['p50']:.1f} ms; "
+              f"encoding alone p50 {r['encode_alone_ms']['p50']:.1f} ms "
+              f"({len(timed)} queries, {ntotal:,} chunks, {factory} {params or ''})")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
 

@@ -255,7 +255,8 @@ class QueryConfig:
         shown="the index's query prompt")
     cache_dir: str | None = setting(
         None, "Folder where the vectors of an index in object storage (s3://...) are kept once "
-              "downloaded.", path="dir", shown="~/.cache/embedingest")
+              "downloaded, and (serve) the query encoder's ONNX graph once exported.", path="dir",
+        shown="~/.cache/embedingest")
 
 
 @dataclass
@@ -277,8 +278,14 @@ class ServeConfig(QueryConfig):
     port: int = setting(8000, "Port to listen on.", range=(0, 65535))
     max_query_chars: int = setting(2000, "Longer queries are refused (HTTP 422).", range=(1, None))
     max_k: int = setting(100, "Most results one request may ask for.", range=(1, None))
+    query_runtime: str = setting(
+        "auto", "What encodes the queries: onnx (ONNX Runtime on the encoder exported at first use "
+                "into the cache folder; the same vectors as torch, faster on a CPU), torch, or auto "
+                "(onnx on the CPU in fp32, else torch; torch with a warning when onnxruntime is "
+                "missing or the graph fails).", choices=("auto", "torch", "onnx"))
     threads: int = setting(
-        1, "torch threads of the query encoder; 0: torch's default (every core).", range=(0, None))
+        1, "Threads of the query encoder (torch's, and ONNX Runtime's); 0: torch's default (every core).",
+        range=(0, None))
 
 
 def load_config(cls: type[T], path: str | Path | None = None, **overrides: Any) -> T:

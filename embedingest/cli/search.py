@@ -57,7 +57,7 @@ def serve(index_dir, **options) -> None:
     try:
         run_server(index_dir, cfg.host, cfg.port, device=cfg.device, params=cfg.params,
                    query_prompt=cfg.query_prompt, max_query_chars=cfg.max_query_chars, max_k=cfg.max_k,
-                   threads=cfg.threads or None, cache_dir=cfg.cache_dir,
+                   threads=cfg.threads or None, cache_dir=cfg.cache_dir, query_runtime=cfg.query_runtime,
                    on_ready=lambda url: click.echo(f"serving {index_dir} at {url} (Ctrl-C stops)", err=True))
     except KeyboardInterrupt:  # how a server is stopped: not an error
         click.echo("stopped", err=True)

@@ -67,7 +67,8 @@ class Index:
 
     def __init__(self, store: IndexStore, manifest: Manifest, shards: list[faiss.Index],
                  encoder=None, device: str = "cpu", query_prompt: str | None = None,
-                 params: str | None = None, rows: ShardRows | None = None):
+                 params: str | None = None, rows: ShardRows | None = None, query_runtime: str = "torch",
+                 cache_dir: str | os.PathLike | None = None):
         self.store = store
         self.rows = rows  # the chunk rows, through the shards' Parquet files
         self.manifest = manifest
@@ -78,6 +79,8 @@ class Index:
         self._encode_lock = threading.Lock()
         self.query_prompt = manifest.prompts.get("query", "") if query_prompt is None else query_prompt
         self.params = params  # the faiss search parameters in force ("" or None: none)
+        self.query_runtime = query_runtime  # asked for; the encoder's runtime says which runs
+        self._cache_dir = cache_dir
         self._pool = None
 
     @property
@@ -119,11 +122,21 @@ class Index:
                 self._encoder = self._load_encoder()
         return self._encoder
 
+    @property
+    def query_runtime_in_use(self) -> str | None:
+        """What encodes the queries ("torch", "onnx"), once the encoder is loaded; None
+        before, or for an encoder given by the caller that does not say."""
+        return getattr(self._encoder, "runtime", None)
+
     def _load_encoder(self):
         """The manifest's model, from its path or else by its name (the bundled model, a
         Hugging Face id in the local cache)."""
+        import torch
+
         from ..stages.encoder import TextEncoder
         from ..stages.model_folder import BUNDLED_NAME, resolve_model
+        from ..stages.query_runtime import use_query_runtime
+        from .cache import default_cache_dir
         from ..stages.hub import is_hub_id
 
         model = self.manifest.model
@@ -145,6 +158,8 @@ class Index:
             raise ConfigError(f"model at {path!r} is {encoder.info().get('name')!r} (dim "
                               f"{encoder.dim}), but the index was built with {name!r} (dim "
                               f"{self.manifest.dim}): rebuild with --overwrite or pass encoder=")
+        use_query_runtime(encoder, self.query_runtime, self._cache_dir or default_cache_dir(),
+                          torch.get_num_threads())
         return encoder
 
     def search(self, queries: str | list[str], k: int | None = None) -> list[list[Hit]]:
@@ -235,7 +250,7 @@ class Index:
 
 def open_index(path: str | os.PathLike, device: str = "cpu", *, encoder=None,
                params: str | None = None, query_prompt: str | None = None,
-               cache_dir: str | os.PathLike | None = None) -> Index:
+               cache_dir: str | os.PathLike | None = None, query_runtime: str = "torch") -> Index:
     """Open the index folder ``path`` (or an index in object storage, ``s3://bucket/prefix``)
     for search.
 
@@ -246,8 +261,13 @@ def open_index(path: str | os.PathLike, device: str = "cpu", *, encoder=None,
     (``build-index --search-params``), "" for none. ``query_prompt``: text put before each
     query; None: the index's (the model's query prompt, or ``build-index --query-prompt``).
     ``cache_dir``: where the vectors of an index in object storage are kept once downloaded
-    (:mod:`embedingest.index.cache`; None: ``~/.cache/embedingest``).
+    (:mod:`embedingest.index.cache`; None: ``~/.cache/embedingest``), and the query
+    encoder's ONNX graph. ``query_runtime``: "torch", "onnx" or "auto" (ONNX Runtime where
+    it applies, else torch; :mod:`embedingest.stages.query_runtime`).
     """
+    from ..stages.query_runtime import check_runtime
+
+    check_runtime(query_runtime)
     if is_remote(path):
         from .cache import RemoteShards
 
@@ -262,14 +282,14 @@ def open_index(path: str | os.PathLike, device: str = "cpu", *, encoder=None,
             remote.close()
             raise
         return Index(remote, manifest, shards, encoder=encoder, device=device, query_prompt=query_prompt,
-                     params=params or None, rows=rows)
+                     params=params or None, rows=rows, query_runtime=query_runtime, cache_dir=cache_dir)
     store = IndexStore(path, read_only=True)
     manifest = store.read_manifest()
     if params is None:
         params = manifest.search.get("params")
     shards, rows = _open_shards(store, manifest, params)
     return Index(store, manifest, shards, encoder=encoder, device=device, query_prompt=query_prompt,
-                 params=params or None, rows=rows)
+                 params=params or None, rows=rows, query_runtime=query_runtime, cache_dir=cache_dir)
 
 
 def _set_params(index: faiss.Index, params: str | None, name: str, manifest: Manifest) -> None:

@@ -72,7 +72,8 @@ def create_app(index: Index, *, max_query_chars: int = MAX_QUERY_CHARS, max_k: i
         m = index.manifest
         return {"index": str(index.store.folder), "vectors": index.ntotal, "model": m.model.get("name"),
                 "dim": m.dim, "factory": m.factory, "query_prompt": index.query_prompt,
-                "params": index.params, "default_k": min(index.default_k, max_k), "max_k": max_k,
+                "params": index.params, "query_runtime": index.query_runtime_in_use,
+                "default_k": min(index.default_k, max_k), "max_k": max_k,
                 "max_query_chars": max_query_chars}
 
     @app.get("/search")

@@ -98,6 +98,7 @@ class TextEncoder:
         self._max_seq_length = max_seq_length
         self._prepared_mask = False
         self._graphs = None
+        self._runtime = None
         self._prompts = Prompts.read(model_dir)
         probe = self.tokenize(["dim", "a longer text, so the batch has padding"])
         reference = self.forward(probe["input_ids"], probe["attention_mask"])
@@ -160,6 +161,12 @@ class TextEncoder:
         return self._model_dir
 
     @property
+    def transformer_dir(self) -> Path:
+        """The folder of the transformer's config and weights (the model folder, or its
+        sentence-transformers module folder)."""
+        return self._layout.transformer_dir
+
+    @property
     def pooling(self) -> str:
         """The pooling mode, or several joined by '+' when their outputs are concatenated."""
         return "+".join(self._layout.pooling)
@@ -201,6 +208,8 @@ class TextEncoder:
         On CUDA the call only enqueues work: it never waits for the GPU, and with
         ``cuda_graphs`` each batch shape is replayed from a captured graph.
         """
+        if self._runtime is not None:
+            return self._runtime(input_ids, attention_mask)
         with torch.inference_mode():
             input_ids = input_ids.to(self._device, non_blocking=True)
             attention_mask = attention_mask.to(self._device, non_blocking=True)
@@ -212,6 +221,23 @@ class TextEncoder:
                     self._graphs.prime(widest, widest)
                 return self._graphs(input_ids, attention_mask)
             return self._embed(input_ids, attention_mask)
+
+    def use_runtime(self, runtime) -> None:
+        """Run :meth:`forward` through ``runtime(input_ids, attention_mask)`` (CPU tensors in,
+        the same vectors out, its ``name`` said by :attr:`runtime`, e.g.
+        :class:`~embedingest.stages.onnx_forward.OnnxForward`); None: torch again."""
+        self._runtime = runtime
+
+    @property
+    def runtime(self) -> str:
+        """What runs :meth:`forward`: "torch", or the name of the runtime in use."""
+        return "torch" if self._runtime is None else self._runtime.name
+
+    def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The torch forward as a plain function of tensors on the encoder's device (no
+        inference mode, no CUDA graphs, no runtime): what an exporter traces, and the
+        reference a runtime is checked against."""
+        return self._embed(input_ids, attention_mask)
 
     def _embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         mask = attention_mask[:, None, None, :].bool() if self._prepared_mask else attention_mask

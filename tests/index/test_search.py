@@ -156,3 +156,8 @@ def test_text_search_with_the_manifest_model(tmp_path):
         hits = index.search(["baking a cake", "shares dropped"], k=2)
     assert [h[0].text for h in hits] == [texts[2], texts[1]]
     assert hits[0][0].source == "news.txt" and hits[0][0].score > hits[0][1].score
+
+
+def test_open_index_refuses_an_unknown_query_runtime(tmp_path):
+    with pytest.raises(ConfigError, match="query runtime 'gpu' is not one of auto, torch, onnx"):
+        open_index(tmp_path, query_runtime="gpu")

@@ -11,6 +11,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
+import numpy as np
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -28,6 +29,12 @@ def index(tmp_path_factory):
     build_index(make_corpus(root / "corpus"), out=str(root / "idx"), num_workers=0, num_consumers=1,
                 batch_size=8, search_k=2)
     return root / "idx"
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """The servers' cache folder (the query encoder's ONNX graph), not the user's."""
+    return tmp_path_factory.mktemp("cache")
 
 
 def listening_addresses(port: int) -> set[str]:
@@ -63,8 +70,8 @@ def raw_get(port: int, target: bytes, timeout: float = 30.0) -> bytes:
     return reply
 
 
-def test_serve_answers_and_refuses_on_loopback(index):
-    with Server(index) as server:
+def test_serve_answers_and_refuses_on_loopback(index, cache):
+    with Server(index, "--cache-dir", str(cache)) as server:
         assert listening_addresses(server.port) == {"0100007F"}  # 127.0.0.1, nothing else
         q = urllib.parse.urlencode({"q": "how do whales breathe"})
         with urllib.request.urlopen(f"{server.url}/search?{q}", timeout=30) as r:
@@ -82,3 +89,29 @@ def test_serve_answers_and_refuses_on_loopback(index):
         with urllib.request.urlopen(f"{server.url}/search?{q}", timeout=30) as r:  # still serving
             assert r.status == 200
         assert server.stop() == 0, server.output
+
+
+def search(server: Server, q: str, k: int = 3) -> list[dict]:
+    with urllib.request.urlopen(f"{server.url}/search?{urllib.parse.urlencode({'q': q, 'k': k})}",
+                                timeout=60) as r:
+        return json.loads(r.read())["hits"]
+
+
+def info(server: Server) -> dict:
+    with urllib.request.urlopen(f"{server.url}/info", timeout=30) as r:
+        return json.loads(r.read())
+
+
+@pytest.mark.slow
+def test_default_runtime_is_onnx_with_torch_results(index, cache):
+    """serve encodes with ONNX Runtime by default (the graph exported into --cache-dir),
+    and answers what the torch runtime answers."""
+    pytest.importorskip("onnxruntime")
+    with Server(index, "--cache-dir", str(cache)) as fast, Server(index, "--query-runtime", "torch") as plain:
+        assert (info(fast)["query_runtime"], info(plain)["query_runtime"]) == ("onnx", "torch")
+        assert [p.suffix for p in (cache / "onnx").iterdir()] == [".onnx"]
+        for q in ("how do whales breathe", "bread", "reliable byte streams", "the tallest mountain"):
+            got, want = search(fast, q), search(plain, q)
+            assert [h["id"] for h in got] == [h["id"] for h in want]
+            np.testing.assert_allclose([h["score"] for h in got], [h["score"] for h in want], atol=1e-5)
+        assert fast.stop() == 0 and plain.stop() == 0, fast.output + plain.output
