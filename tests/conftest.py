@@ -31,6 +31,29 @@ def pytest_configure(config):
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_report_to_serializable(config, report):
+    """Reports as pytest-xdist's workers send them: strict UTF-8. Tests feed lone surrogates
+    on purpose and the skip warnings they capture quote them; such a string crashed the
+    worker (execnet: "strings must be utf-8 encodable") and ended the whole run."""
+    data = yield
+    return _utf8(data)
+
+
+def _utf8(obj):
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError:
+            return obj.encode("utf-8", "backslashreplace").decode("utf-8")
+        return obj
+    if isinstance(obj, dict):
+        return {_utf8(k): _utf8(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_utf8(v) for v in obj)
+    return obj
+
+
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
     for item in items:

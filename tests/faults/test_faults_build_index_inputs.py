@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from fault_helpers import WORDS, check_index_files, wait_for
+from fault_helpers import WORDS, check_index_files, stop_bound, wait_for
 
 
 def _long_corpus(root: Path, n: int = 12) -> Path:
@@ -31,6 +31,7 @@ def test_ctrl_c_during_a_full_cpu_batch_exits_130_within_5_s(cli, tmp_path):
     5 s for it; and the interpreter's last garbage collection (torch, transformers) took
     seconds more on a loaded machine. The worker now leaves Ctrl-C to the main process,
     and the command exits without that collection."""
+    bound = stop_bound("embedingest.jobs.build_index")  # 5 s, more on a machine slower now
     corpus = _long_corpus(tmp_path / "corpus")
     out = tmp_path / "idx"
     run = cli("build-index", corpus, "--out", out, "--device", "cpu", "--num-workers", "1",
@@ -44,7 +45,7 @@ def test_ctrl_c_during_a_full_cpu_batch_exits_130_within_5_s(cli, tmp_path):
     rc = run.wait(60)
     took = time.monotonic() - t0
     assert rc == 130, run.describe()
-    assert took < 5, f"the run took {took:.1f} s to stop"
+    assert took < bound, f"the run took {took:.1f} s to stop (bound {bound:.1f} s)"
     assert "interrupted:" in run.stderr and "Traceback" not in run.stderr, run.describe()
     run.assert_no_leftovers()
     check_index_files(out)

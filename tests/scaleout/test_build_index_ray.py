@@ -32,7 +32,10 @@ def records():
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'embedingest[ray]')")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # address="local": a new instance of its own, never the cluster another test (or a
+    # parallel test worker) started and recorded in Ray's temp folder for bare ray.init()s
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
     yield ray
     ray.shutdown()
 

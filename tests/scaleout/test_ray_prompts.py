@@ -27,7 +27,8 @@ def test_ray_build_uses_the_document_prompt_and_records_both(tmp_path):
     model = copy_model(tmp_path / "e5-like", prompts={"query": "query: ", "passage": "passage: "})
     one, two = tmp_path / "one", tmp_path / "two"
     build_index(RECORDS, out=str(one), model=str(model), num_workers=0, **SETTINGS)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)  # its own instance (test_build_index_ray.py says why)
     try:
         build_index_ray(ray.data.from_items(RECORDS), two, model=str(model), concurrency=1, **SETTINGS)
     finally:
