@@ -235,7 +235,7 @@ class Index:
 
 def open_index(path: str | os.PathLike, device: str = "cpu", *, encoder=None,
                params: str | None = None, query_prompt: str | None = None,
-               cache_dir: str | os.PathLike | None = None) -> Index:
+               cache_dir: str | os.PathLike | None = None, cache_size: float | None = None) -> Index:
     """Open the index folder ``path`` (or an index in object storage, ``s3://bucket/prefix``)
     for search.
 
@@ -246,12 +246,14 @@ def open_index(path: str | os.PathLike, device: str = "cpu", *, encoder=None,
     (``build-index --search-params``), "" for none. ``query_prompt``: text put before each
     query; None: the index's (the model's query prompt, or ``build-index --query-prompt``).
     ``cache_dir``: where the vectors of an index in object storage are kept once downloaded
-    (:mod:`embedingest.index.cache`; None: ``~/.cache/embedingest``).
+    (:mod:`embedingest.index.cache`; None: ``~/.cache/embedingest``), ``cache_size`` the
+    most GiB it keeps (None: 20; 0: no bound; the least recently used files no open index
+    uses go first).
     """
     if is_remote(path):
         from .cache import RemoteShards
 
-        remote = RemoteShards(path, cache_dir)
+        remote = RemoteShards(path, cache_dir, cache_size)
         manifest = remote.manifest
         if params is None:
             params = manifest.search.get("params")
