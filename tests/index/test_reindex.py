@@ -141,6 +141,16 @@ def test_an_index_in_object_storage_is_reindexed_as_the_same_index_on_disk(s3, t
         assert pq.read_table(path).equals(pq.read_table(tmp_path / "b" / path.name))
     with pytest.raises(ConfigError, match="export writes a local folder, not 's3://"):
         export_index(local, s3.url("out"))
+    from click.testing import CliRunner
+
+    from embedingest.cli import main
+
+    result = CliRunner().invoke(main, ["export", url, "--to", str(tmp_path / "c"), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["rows"] == 200
+    result = CliRunner().invoke(main, ["reindex", url, "--index", "HNSW8", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["generation"] == 3
 
 
 def test_reindex_of_a_prefix_without_an_index_says_so(s3, tmp_path):
