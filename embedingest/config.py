@@ -257,6 +257,10 @@ class QueryConfig:
         None, "Folder where the vectors of an index in object storage (s3://...) are kept once "
               "downloaded, and (serve) the query encoder's ONNX graph once exported.", path="dir",
         shown="~/.cache/embedingest")
+    cache_size: float = setting(
+        20.0, "Most GiB of vectors the cache keeps: past it, the least recently used files no "
+              "open index uses are deleted (and downloaded again when needed); 0: no bound.",
+        metavar="GIB", range=(0, None))
 
 
 @dataclass

@@ -9,7 +9,7 @@ import click
 from ..config import IndexConfig, load_config
 from ..exit_codes import exit_status_help
 from ..report import passed_over_sentence
-from .common import InputPath, config_options, emit_json, library_errors, run_job, run_options
+from .common import IndexPath, InputPath, config_options, emit_json, library_errors, run_job, run_options
 
 
 @click.command("build-index", help=f"""Index the text files under CORPUS (or one file) into FAISS shards.
@@ -50,7 +50,7 @@ def _index_paragraph(s: dict) -> str:
 
 
 @click.command()
-@click.argument("index_dir", type=click.Path(exists=True, file_okay=False, path_type=str))
+@click.argument("index_dir", type=IndexPath())
 @click.option("--index", "factory", required=True, metavar="FACTORY",
               help="faiss index_factory string of the new index, e.g. 'IVF4096,PQ32' or HNSW32.")
 @click.option("--train-size", type=click.IntRange(min=1), default=50_000, show_default=True,
@@ -61,8 +61,8 @@ def _index_paragraph(s: dict) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @library_errors
 def reindex(index_dir, factory, train_size, search_params, as_json) -> None:
-    """Rebuild INDEX_DIR's vectors as another faiss index from the embeddings it kept
-    (built with --save-embeddings): no model, no corpus."""
+    """Rebuild INDEX_DIR's vectors (a folder, or s3://bucket/prefix) as another faiss index
+    from the embeddings it kept (built with --save-embeddings): no model, no corpus."""
     from ..index.reindex import reindex as run_reindex
 
     s = run_reindex(index_dir, factory, train_size=train_size, search_params=search_params)
@@ -75,7 +75,7 @@ def reindex(index_dir, factory, train_size, search_params, as_json) -> None:
 
 
 @click.command("export")
-@click.argument("index_dir", type=click.Path(exists=True, file_okay=False, path_type=str))
+@click.argument("index_dir", type=IndexPath())
 @click.option("--to", "to", required=True, type=click.Path(file_okay=False, path_type=str),
               help="Folder for the Parquet files (new or empty; see --overwrite).")
 @click.option("--embeddings/--no-embeddings", default=None,
@@ -85,7 +85,8 @@ def reindex(index_dir, factory, train_size, search_params, as_json) -> None:
 @library_errors
 def export(index_dir, to, embeddings, overwrite, as_json) -> None:
     """Write INDEX_DIR's chunks (id, source, record_id, chunk_no, span, text, embedding)
-    as Parquet files that pandas, DuckDB or Spark read as they are."""
+    as Parquet files that pandas, DuckDB or Spark read as they are; INDEX_DIR may be
+    s3://bucket/prefix, --to is a local folder."""
     from ..index.export import export_index
 
     s = export_index(index_dir, to, embeddings=embeddings, overwrite=overwrite)

@@ -22,7 +22,7 @@ def search(index_dir, query, as_json, **options) -> None:
     cfg = load_config(SearchConfig, **options)
     text = " ".join(query)
     index = open_index(index_dir, device=cfg.device, params=cfg.params, query_prompt=cfg.query_prompt,
-                       cache_dir=cfg.cache_dir)
+                       cache_dir=cfg.cache_dir, cache_size=cfg.cache_size)
     try:
         (hits,) = index.search([text], k=cfg.k or index.manifest.search.get("k") or 5)
     finally:
@@ -57,7 +57,8 @@ def serve(index_dir, **options) -> None:
     try:
         run_server(index_dir, cfg.host, cfg.port, device=cfg.device, params=cfg.params,
                    query_prompt=cfg.query_prompt, max_query_chars=cfg.max_query_chars, max_k=cfg.max_k,
-                   threads=cfg.threads or None, cache_dir=cfg.cache_dir, query_runtime=cfg.query_runtime,
+                   threads=cfg.threads or None, cache_dir=cfg.cache_dir, cache_size=cfg.cache_size,
+                   query_runtime=cfg.query_runtime,
                    on_ready=lambda url: click.echo(f"serving {index_dir} at {url} (Ctrl-C stops)", err=True))
     except KeyboardInterrupt:  # how a server is stopped: not an error
         click.echo("stopped", err=True)

@@ -7,10 +7,15 @@ embeddings (``--save-embeddings``), ``embedding``: a fixed-size list of float32 
 saved float16 values widened; float16 columns are not read by every engine). Row groups
 are large here (:data:`ROW_GROUP_ROWS`), for scans rather than lookups. Every file is
 written to a temporary name and renamed; ``_SUCCESS`` is written last.
+
+The index may be in object storage (``s3://bucket/prefix``): the shards its manifest
+names are read from there (checked as ``open_index`` checks them), one at a time, into
+the local folder ``to``.
 """
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 
@@ -20,6 +25,7 @@ import pyarrow.parquet as pq
 
 from ..errors import ConfigError
 from ..outfiles import atomic_file, atomic_write_bytes, ensure_folder, refuse_link
+from ..sources.remote import is_remote
 from .formats import require_current
 from .shards import EMB_SUFFIX, SHARDS_DIR, list_shards
 from .store import IndexStore
@@ -35,21 +41,48 @@ def export_index(index: str | os.PathLike, to: str | os.PathLike, *, embeddings:
     them when the index kept them; True refuses an index without them. ``to`` must be
     empty or not exist, unless ``overwrite`` (then the Parquet files and ``_SUCCESS``
     there are replaced; other files stay)."""
-    index, to = Path(index), Path(to)
-    require_current(index)
-    if not (index / "manifest.json").is_file():
-        raise ConfigError(f"{str(index)!r} is not an embedingest index (no manifest.json)")
-    if to.resolve() == index.resolve() or index.resolve() in to.resolve().parents:
-        raise ConfigError(f"export folder {str(to)!r} is inside the index {str(index)!r}: "
-                          "choose a folder outside it")
-    generation = IndexStore(index).read_manifest().generation
-    shards = list_shards(index / SHARDS_DIR, generation=generation)
-    with_rows = [s for s in shards if s.rows]
+    if is_remote(str(to)):
+        raise ConfigError(f"export writes a local folder, not {str(to)!r}: export to a folder, then "
+                          "copy it (e.g. aws s3 sync FOLDER URL)")
+    if is_remote(index):
+        from .cache import RemoteShards
+
+        remote = RemoteShards(str(index))
+        with_rows = remote.shards
+
+        def rows_of(shard):
+            with remote.open_parquet(shard) as fh:
+                return pq.read_table(fh)
+
+        def embeddings_of(shard):
+            rel = f"{SHARDS_DIR}/{shard.files['emb']['name']}"
+            return np.load(io.BytesIO(remote.remote.read(rel)))
+
+        where = index = remote.url
+    else:
+        index = Path(index)
+        require_current(index)
+        if not (index / "manifest.json").is_file():
+            raise ConfigError(f"{str(index)!r} is not an embedingest index (no manifest.json)")
+        if Path(to).resolve() == index.resolve() or index.resolve() in Path(to).resolve().parents:
+            raise ConfigError(f"export folder {str(to)!r} is inside the index {str(index)!r}: "
+                              "choose a folder outside it")
+        generation = IndexStore(index).read_manifest().generation
+        with_rows = [s for s in list_shards(index / SHARDS_DIR, generation=generation) if s.rows]
+
+        def rows_of(shard):
+            return pq.read_table(shard.path("parquet"))
+
+        def embeddings_of(shard):
+            return np.load(shard.folder / f"{shard.name}{EMB_SUFFIX}", mmap_mode="r")
+
+        where = str(index)
+    to = Path(to)
     kept = all(s.has_embeddings for s in with_rows)
     if embeddings is None:
         embeddings = kept and bool(with_rows)
     elif embeddings and not kept:
-        raise ConfigError(f"the index at {str(index)!r} kept no embeddings (it was built without "
+        raise ConfigError(f"the index at {where!r} kept no embeddings (it was built without "
                           "--save-embeddings): export without them, or rebuild the index with "
                           "--save-embeddings")
     refuse_link(to)
@@ -64,9 +97,9 @@ def export_index(index: str | os.PathLike, to: str | os.PathLike, *, embeddings:
     ensure_folder(to, to)
     rows = 0
     for shard in with_rows:
-        table = pq.read_table(shard.path("parquet"))
+        table = rows_of(shard)
         if embeddings:
-            emb = np.load(shard.folder / f"{shard.name}{EMB_SUFFIX}", mmap_mode="r")
+            emb = embeddings_of(shard)
             if emb.shape[0] != table.num_rows:
                 raise ConfigError(f"{shard.name}{EMB_SUFFIX} holds {emb.shape[0]} vectors for "
                                   f"{table.num_rows} rows: the shard is damaged; rebuild the index")
@@ -76,5 +109,5 @@ def export_index(index: str | os.PathLike, to: str | os.PathLike, *, embeddings:
             pq.write_table(table, fh, compression="zstd", row_group_size=ROW_GROUP_ROWS)
         rows += table.num_rows
     atomic_write_bytes(to / SUCCESS_NAME, b"", sync_dir=True)
-    return {"index": str(index), "to": str(to), "files": len(with_rows), "rows": rows,
+    return {"index": where, "to": str(to), "files": len(with_rows), "rows": rows,
             "embeddings": bool(embeddings)}

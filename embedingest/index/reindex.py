@@ -20,8 +20,9 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..outfiles import write_faiss_index
+from ..sources.remote import is_remote
 from .faiss_factory import parse_factory
-from .formats import rebuild_command, require_current
+from .formats import MANIFEST_NAME, rebuild_command, require_current
 from .lock import RunLock
 from .shards import EMB_SUFFIX, SHARDS_DIR, clean_shards, list_shards, read_ids
 from .store import IndexStore
@@ -41,7 +42,22 @@ def reindex(index: str | os.PathLike, factory: str, *, train_size: int = 50_000,
     embeddings; return a summary. Factories that need training are trained on
     ``train_size`` vectors drawn evenly from all shards (with ``seed``).
     ``search_params`` become the index's search defaults (None keeps the stored ones
-    when they apply to the new factory, else drops them; "" drops them)."""
+    when they apply to the new factory, else drops them; "" drops them).
+
+    An index in object storage (``s3://bucket/prefix``) is reindexed as a build updates
+    it (docs/INDEX_FORMAT.md, "Object storage"): under its lease, in a local working
+    folder that mirrors it (room for the whole index is needed there), the new vectors
+    files uploaded, then the manifest written conditionally, then the old files deleted."""
+    if is_remote(index):
+        from .remote_store import RemoteBuild
+
+        with RemoteBuild(str(index)) as remote:
+            if not (remote.folder / MANIFEST_NAME).is_file():
+                raise ConfigError(f"{remote.url!r} holds no embedingest index (no {MANIFEST_NAME}); "
+                                  f"build one with embedingest build-index CORPUS --out {remote.url}")
+            summary = reindex(remote.folder, factory, train_size=train_size,
+                              search_params=search_params, seed=seed)
+        return summary | {"index": remote.url}
     folder = Path(index)
     require_current(folder)
     store = IndexStore(folder)

@@ -289,6 +289,7 @@ class RemoteBuild:
         shards.mkdir()
         if self.overwrite:
             return
+        generation = self._generation()
         for name in sorted(listed):
             if not (name.endswith(COMMIT_SUFFIX) and SHARD_NAME.fullmatch(name[: -len(COMMIT_SUFFIX)])):
                 continue
@@ -298,9 +299,12 @@ class RemoteBuild:
             except ConfigError as exc:
                 log.warning("%s", exc)  # the local build deletes it, and so does the commit
                 continue
-            for info in files:
-                if info["name"] in listed:  # one missing: the build finds the shard damaged
-                    self.remote.download(f"{SHARDS_DIR}/{info['name']}", shards / info["name"])
+            names = [info["name"] for info in files]
+            if generation:  # a reindexed index: its vectors are in files no record names
+                names.append(faiss_name(name[: -len(COMMIT_SUFFIX)], generation))
+            for file in names:
+                if file in listed:  # one missing: the build finds the shard damaged
+                    self.remote.download(f"{SHARDS_DIR}/{file}", shards / file)
 
     def pull_shards(self) -> None:
         """Download into the working folder the shards that writers elsewhere (a Ray run's
@@ -342,6 +346,9 @@ class RemoteBuild:
         shards_dir = self.folder / SHARDS_DIR
         listed = self.remote.listing(SHARDS_DIR)
         for shard in list_shards(shards_dir, generation=generation):
+            vectors = shards_dir / faiss_name(shard.name, generation)
+            if generation and shard.rows and listed.get(vectors.name) != vectors.stat().st_size:
+                self.remote.upload(vectors, f"{SHARDS_DIR}/{vectors.name}")  # a reindex's: no record names it
             files = [info for kind, info in shard.files.items() if kind != "faiss" or not generation]
             if any(listed.get(i["name"]) != i["size"] for i in files) or \
                     shard.commit_path().name not in listed:

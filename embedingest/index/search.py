@@ -250,7 +250,8 @@ class Index:
 
 def open_index(path: str | os.PathLike, device: str = "cpu", *, encoder=None,
                params: str | None = None, query_prompt: str | None = None,
-               cache_dir: str | os.PathLike | None = None, query_runtime: str = "torch") -> Index:
+               cache_dir: str | os.PathLike | None = None, cache_size: float | None = None,
+               query_runtime: str = "torch") -> Index:
     """Open the index folder ``path`` (or an index in object storage, ``s3://bucket/prefix``)
     for search.
 
@@ -262,8 +263,10 @@ def open_index(path: str | os.PathLike, device: str = "cpu", *, encoder=None,
     query; None: the index's (the model's query prompt, or ``build-index --query-prompt``).
     ``cache_dir``: where the vectors of an index in object storage are kept once downloaded
     (:mod:`embedingest.index.cache`; None: ``~/.cache/embedingest``), and the query
-    encoder's ONNX graph. ``query_runtime``: "torch", "onnx" or "auto" (ONNX Runtime where
-    it applies, else torch; :mod:`embedingest.stages.query_runtime`).
+    encoder's ONNX graph; ``cache_size`` the most GiB of vectors it keeps (None: 20; 0: no
+    bound; the least recently used files no open index uses go first). ``query_runtime``:
+    "torch", "onnx" or "auto" (ONNX Runtime where it applies, else torch;
+    :mod:`embedingest.stages.query_runtime`).
     """
     from ..stages.query_runtime import check_runtime
 
@@ -271,7 +274,7 @@ def open_index(path: str | os.PathLike, device: str = "cpu", *, encoder=None,
     if is_remote(path):
         from .cache import RemoteShards
 
-        remote = RemoteShards(path, cache_dir)
+        remote = RemoteShards(path, cache_dir, cache_size)
         manifest = remote.manifest
         if params is None:
             params = manifest.search.get("params")

@@ -174,17 +174,15 @@ class ShardStore(IndexStore):
                            ((n, u) for u, n in done.items()))
 
     @_sqlite_errors
-    def put_numbered_units(self, rows: Iterable[Mapping]) -> list[int]:
-        """Insert units whose writer chose the unit number (``unit_no``, ``key``, ``size``,
-        ``sha256``; pending), replacing the row of the same key; return the unit numbers
-        those rows had (their vectors are now outdated). An insert, not an update, so
-        AUTOINCREMENT never hands these numbers out again."""
-        rows = list(rows)
-        old = self.units([r["key"] for r in rows]) if rows else {}
+    def spend_unit_nos(self, highest: int) -> None:
+        """Make AUTOINCREMENT hand out numbers above ``highest`` only (numbers a shard
+        held without a unit row, e.g. a killed writer's, are never given again)."""
         with self.db as db:
-            db.executemany("INSERT OR REPLACE INTO units VALUES (?, ?, ?, NULL, ?, 0, 'pending')",
-                           ((int(r["unit_no"]), r["key"], r["size"], r["sha256"]) for r in rows))
-        return [u.unit_no for u in old.values()]
+            row = db.execute("SELECT seq FROM sqlite_sequence WHERE name='units'").fetchone()
+            if row is None and highest > 0:
+                db.execute("INSERT INTO sqlite_sequence(name, seq) VALUES ('units', ?)", (int(highest),))
+            elif row is not None and row[0] < highest:
+                db.execute("UPDATE sqlite_sequence SET seq=? WHERE name='units'", (int(highest),))
 
     @_sqlite_errors
     def highest_unit_no(self) -> int:

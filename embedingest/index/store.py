@@ -338,18 +338,20 @@ class IndexStore:
         """Insert or update units by key (one transaction); return {key: unit_no}.
 
         Each row gives key and any of size, mtime_ns, sha256, n_chunks, status; fields left
-        out (or None) keep the value stored. unit_no is
-        never reused (AUTOINCREMENT), so stray vectors of a deleted unit cannot be taken
-        for those of a new one.
+        out (or None) keep the value stored. unit_no is never reused (AUTOINCREMENT), so
+        stray vectors of a deleted unit cannot be taken for those of a new one; an existing
+        key is updated, not upserted: sqlite's upsert spends a number even when it updates.
         """
-        sql = (f"INSERT INTO units({', '.join(_UNIT_COLUMNS)}) VALUES (?, ?, ?, ?, ?, ?) "
-               "ON CONFLICT(key) DO UPDATE SET "
-               + ", ".join(f"{c}=COALESCE(excluded.{c}, {c})" for c in _UNIT_COLUMNS[1:])
-               + " RETURNING unit_no")
+        update = ("UPDATE units SET " + ", ".join(f"{c}=COALESCE(?, {c})" for c in _UNIT_COLUMNS[1:])
+                  + " WHERE key=? RETURNING unit_no")
+        insert = (f"INSERT INTO units({', '.join(_UNIT_COLUMNS)}) VALUES (?, ?, ?, ?, ?, ?) "
+                  "RETURNING unit_no")
         out = {}
         with self.db as db:
             for row in rows:
-                (unit_no,) = db.execute(sql, [row.get(c) for c in _UNIT_COLUMNS]).fetchone()
+                values = [row.get(c) for c in _UNIT_COLUMNS]
+                found = db.execute(update, values[1:] + values[:1]).fetchone()
+                (unit_no,) = found or db.execute(insert, values).fetchone()
                 if unit_no > MAX_UNIT_NO:
                     raise EmbedingestError(f"unit number {unit_no} of {row['key']!r} does not fit "
                                            "in a vector id: rebuild the index with --overwrite")

@@ -1,6 +1,5 @@
 """Scale-out, the generic part: one process per device of a host (:mod:`.procs`,
-:mod:`.devices`), merged per-device stats (:mod:`.stats`) and Ray Data helpers
-(:mod:`.ray_data`, imported only on demand since Ray is optional). It imports no job:
+:mod:`.devices`) and merged per-device stats (:mod:`.stats`). It imports no job:
 each job owns its variants (``embedingest.jobs.build_index.devices`` and ``.ray``,
 ``embedingest.jobs.segment.devices``).
 

@@ -26,7 +26,8 @@ def is_loopback(host: str) -> bool:
 def serve(index_dir: str | os.PathLike, host: str = "127.0.0.1", port: int = 8000, *, device: str = "cpu",
           params: str | None = None, query_prompt: str | None = None, max_query_chars: int | None = None,
           max_k: int | None = None, threads: int | None = 1, on_ready=None,
-          cache_dir: str | os.PathLike | None = None, query_runtime: str = "auto") -> None:
+          cache_dir: str | os.PathLike | None = None, cache_size: float | None = None,
+          query_runtime: str = "auto") -> None:
     """Open ``index_dir``, load its model, and serve it until interrupted.
 
     ``params`` and ``query_prompt`` as for :func:`~embedingest.open_index` (None: the
@@ -34,7 +35,7 @@ def serve(index_dir: str | os.PathLike, host: str = "127.0.0.1", port: int = 800
     every core); one query of a few words gains little from more, and they wait on each
     other as soon as the cores are busy with anything else. ``on_ready(url)`` is called
     once the model is loaded, before the server starts listening. ``index_dir`` may be an
-    index in object storage (``s3://...``), read through ``cache_dir`` (see
+    index in object storage (``s3://...``), read through ``cache_dir`` of ``cache_size`` GiB (see
     :func:`~embedingest.open_index`). ``query_runtime``: what encodes the queries
     (:mod:`~embedingest.stages.query_runtime`); ONNX Runtime gets ``threads`` threads too.
     """
@@ -52,7 +53,7 @@ def serve(index_dir: str | os.PathLike, host: str = "127.0.0.1", port: int = 800
 
         torch.set_num_threads(threads)
     index = open_index(index_dir, device=device, params=params, query_prompt=query_prompt,
-                       cache_dir=cache_dir, query_runtime=query_runtime)
+                       cache_dir=cache_dir, cache_size=cache_size, query_runtime=query_runtime)
     try:
         index.search(["warm up the model"], k=1)  # load it now, not at the first request
         app = create_app(index, max_query_chars=max_query_chars or MAX_QUERY_CHARS, max_k=max_k or MAX_K)

@@ -45,10 +45,10 @@ def test_search_over_s3_equals_the_folder_and_downloads_each_vector_file_once(s3
     cached = sorted(p.name for p in (cache / OBJECTS_DIR).iterdir())
     # only the vectors, under the sha256 their records give: no Parquet file is downloaded
     assert cached == sorted(f"{s.files['faiss']['sha256']}.faiss" for s in shards if s.rows)
-    before = {p.name: p.stat().st_mtime_ns for p in (cache / OBJECTS_DIR).iterdir()}
-    with open_index(url, cache_dir=cache) as again:
+    before = {p.name: p.stat().st_ino for p in (cache / OBJECTS_DIR).iterdir()}
+    with open_index(url, cache_dir=cache) as again:  # the same files: none downloaded again
         assert hits_of(again, q) == want
-    assert {p.name: p.stat().st_mtime_ns for p in (cache / OBJECTS_DIR).iterdir()} == before
+    assert {p.name: p.stat().st_ino for p in (cache / OBJECTS_DIR).iterdir()} == before
 
 
 def test_only_the_shards_the_manifest_names_are_read(s3, tmp_path):
@@ -179,3 +179,60 @@ def test_a_later_open_in_the_same_process_sees_shards_committed_since(s3, tmp_pa
     other.pipe_file(f"{s3.name}/ix/manifest.json", json.dumps(manifest).encode())
     with open_index(s3.url("ix"), cache_dir=tmp_path / "c") as index:
         assert index.ntotal == before + manifest["segments"][-1]["count"]
+
+
+def cached(cache) -> dict:
+    """{file name: size} of the vectors in the cache."""
+    return {p.name: p.stat().st_size for p in (cache / OBJECTS_DIR).iterdir()}
+
+
+def test_the_cache_keeps_to_its_bound_and_a_search_after_eviction_gives_the_same_hits(s3, tmp_path):
+    local_index(tmp_path / "ix")
+    url = s3.upload(tmp_path / "ix", "ix")
+    shards = [s for s in list_shards(tmp_path / "ix" / "shards") if s.rows]
+    sizes = sorted(s.files["faiss"]["size"] for s in shards)
+    assert len(sizes) >= 4
+    bound = sum(sizes[:2]) + 1  # bytes: about two of the files fit
+    gib = bound / 2**30
+    q = unit_vectors(5, seed=3)
+    with open_index(tmp_path / "ix") as local:
+        want = hits_of(local, q)
+    cache = tmp_path / "cache"
+    with open_index(url, cache_dir=cache, cache_size=gib) as index:
+        assert len(cached(cache)) == len(shards)  # all in use: none evicted while open
+        assert hits_of(index, q) == want
+    after = cached(cache)
+    assert sum(after.values()) <= bound and 0 < len(after) < len(shards)
+    evicted = [s.files["faiss"]["size"] for s in shards if f"{s.files['faiss']['sha256']}.faiss" not in after]
+    assert sum(after.values()) + max(evicted) > bound  # the last one it evicted was needed
+    with open_index(url, cache_dir=cache, cache_size=gib) as index:  # evicted ones come back
+        assert hits_of(index, q) == want
+        assert len(cached(cache)) == len(shards)
+    assert sum(cached(cache).values()) <= bound
+    # 0: no bound
+    with open_index(url, cache_dir=cache, cache_size=0) as index:
+        assert hits_of(index, q) == want
+    assert len(cached(cache)) == len(shards)
+
+
+def test_eviction_passes_over_the_files_another_open_index_uses(s3, tmp_path):
+    """Another index in the same cache (here in this process; the lock is a flock, so in
+    another process alike) closing with a small bound deletes none of the open one's files."""
+    local_index(tmp_path / "a")
+    build_shards(tmp_path / "b", n_units=5, chunks=11, commit_every=20, workers=2, seed=7)
+    with ShardStore(tmp_path / "b") as store:
+        store.update_shards()
+    url_a, url_b = s3.upload(tmp_path / "a", "a"), s3.upload(tmp_path / "b", "b")
+    cache = tmp_path / "cache"
+    q = unit_vectors(4, seed=5)
+    with open_index(tmp_path / "a") as local:
+        want = hits_of(local, q)
+    with open_index(url_a, cache_dir=cache, cache_size=0) as a:
+        mine = set(cached(cache))
+        with open_index(url_b, cache_dir=cache, cache_size=1e-9):  # a bound nothing fits in
+            assert set(cached(cache)) > mine
+        assert set(cached(cache)) == mine  # b's files went, a's stayed
+        assert hits_of(a, q) == want
+    with open_index(url_b, cache_dir=cache, cache_size=1e-9):
+        pass
+    assert cached(cache) == {}  # none in use: all went

@@ -6,6 +6,7 @@ import os
 import faiss
 import numpy as np
 import pytest
+from s3_fixtures import s3, s3_endpoint  # noqa: F401 (fixtures)
 from shard_fixtures import build_shards, unit_vectors
 
 import embedingest.index.reindex as reindex_mod
@@ -95,3 +96,64 @@ def test_training_samples_spread_over_every_shard():
     assert sample.shape == (50, 2)
     assert set(np.unique(sample[:, 0]).tolist()) == {0, 2, 3}
     assert reindex_mod._sample(embs, 1000, 0).shape == (100, 2)
+
+
+def test_an_index_in_object_storage_is_reindexed_as_the_same_index_on_disk(s3, tmp_path):
+    """reindex s3://... (twice: the second reads the first's .g1 vectors) and export
+    s3://... give what they give on disk; the bucket keeps no old vectors and no lease."""
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    from embedingest.index.export import export_index
+    from embedingest.index.remote_store import LEASE_NAME
+    from embedingest.index.search import open_index
+    from embedingest.index.shard_store import ShardStore
+
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=8, chunks=25, commit_every=60, workers=2)
+    with ShardStore(folder) as store:
+        store.update_shards()
+    url = s3.upload(folder, "idx/ix")
+    local = tmp_path / "local"
+    shutil.copytree(folder, local)
+    q = unit_vectors(6, seed=4)
+
+    def hits(where):
+        with open_index(where, cache_dir=tmp_path / "cache") as index:
+            return [[(h.id, round(h.score, 5), h.text) for h in row] for row in index.search_vectors(q, k=7)]
+
+    for factory, params in (("IVF4,Flat", "nprobe=4"), ("Flat", "")):
+        want = reindex(local, factory, train_size=150, search_params=params)
+        got = reindex(url, factory, train_size=150, search_params=params)
+        assert got == want | {"index": url}
+        assert hits(url) == hits(local)
+    names = set(s3.fs.ls(f"{s3.name}/idx/ix/shards", refresh=True))
+    vectors = sorted(n.rsplit("/", 1)[-1] for n in names if n.endswith(".faiss"))
+    assert vectors and all(".g2." in n for n in vectors)  # the older generations' are deleted
+    top = {n.rsplit("/", 1)[-1] for n in s3.fs.ls(f"{s3.name}/idx/ix", refresh=True)}
+    assert LEASE_NAME not in top and not {n for n in top if n.startswith("trained")}  # Flat: none
+    assert json.loads(s3.fs.cat(f"{s3.name}/idx/ix/manifest.json"))["generation"] == 2
+
+    a, b = export_index(local, tmp_path / "a"), export_index(url, tmp_path / "b")
+    assert a | {"index": url, "to": "b"} == b | {"to": "b"} and a["embeddings"] and a["rows"] == 200
+    for path in sorted((tmp_path / "a").glob("*.parquet")):
+        assert pq.read_table(path).equals(pq.read_table(tmp_path / "b" / path.name))
+    with pytest.raises(ConfigError, match="export writes a local folder, not 's3://"):
+        export_index(local, s3.url("out"))
+    from click.testing import CliRunner
+
+    from embedingest.cli import main
+
+    result = CliRunner().invoke(main, ["export", url, "--to", str(tmp_path / "c"), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["rows"] == 200
+    result = CliRunner().invoke(main, ["reindex", url, "--index", "HNSW8", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["generation"] == 3
+
+
+def test_reindex_of_a_prefix_without_an_index_says_so(s3, tmp_path):
+    s3.put("empty/x.txt", b"x")
+    with pytest.raises(ConfigError, match="holds no embedingest index"):
+        reindex(s3.url("empty"), "Flat")

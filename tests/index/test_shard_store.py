@@ -71,23 +71,22 @@ def test_a_stopped_writer_leaves_its_units_to_redo_and_strays_are_found(tmp_path
     assert {u.key: u.status for u in store.units().values()} == {"a": "done", "b": "pending"}
 
 
-def test_numbered_units_replace_their_key_and_numbers_are_never_given_twice(tmp_path):
-    """The Ray path's unit rows: numbers chosen by the writers, the highest number ever
-    given found in units.sqlite's counter, its rows, and the commit records."""
+def test_unit_numbers_are_never_given_twice(tmp_path):
+    """The highest number ever given is found in units.sqlite's counter, its rows and the
+    commit records; spend_unit_nos makes AUTOINCREMENT count on from it."""
     store = ShardStore(tmp_path / "ix")
     store.create_or_open(manifest())
     assert store.highest_unit_no() == 0
-    store.upsert_units([{"key": "a"}, {"key": "b"}])  # 1, 2
-    assert store.put_numbered_units([{"unit_no": 7, "key": "a", "size": 3, "sha256": "ab"},
-                                     {"unit_no": 8, "key": "c", "size": 4, "sha256": "cd"}]) == [1]
-    units = store.units()
-    assert {k: (u.unit_no, u.size, u.sha256, u.status) for k, u in units.items()} == {
-        "a": (7, 3, "ab", "pending"), "b": (2, None, None, "pending"), "c": (8, 4, "cd", "pending")}
-    store.delete_units([8])
-    assert store.highest_unit_no() == 8  # the counter keeps it: AUTOINCREMENT gives 9 next
-    assert store.upsert_units([{"key": "d"}]) == {"d": 9}
+    store.spend_unit_nos(0)  # nothing to skip on a fresh index: numbering starts at 1
+    assert store.upsert_units([{"key": "a"}, {"key": "b"}]) == {"a": 1, "b": 2}
+    store.delete_units([2])
+    assert store.highest_unit_no() == 2  # the counter keeps it: AUTOINCREMENT gives 3 next
     write_units(store, tmp_path / "ix", [40], 2, "w")  # vectors of a unit no row names
     assert store.highest_unit_no() == 40
+    store.spend_unit_nos(store.highest_unit_no())
+    store.spend_unit_nos(7)  # never back
+    assert store.upsert_units([{"key": "c"}]) == {"c": 41}
+    assert store.highest_unit_no() == 41
 
 
 def test_a_format_1_folder_is_refused_and_overwritten_only_when_asked(tmp_path):

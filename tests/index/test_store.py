@@ -76,7 +76,10 @@ def test_units(tmp_path):
     with store.db as db:
         db.execute("DELETE FROM units WHERE key = 'a'")
     assert list(store.units()) == ["b"]
-    assert store.upsert_units([{"key": "a"}])["a"] > nos["b"]  # unit numbers are never reused
+    assert store.upsert_units([{"key": "a"}])["a"] == nos["b"] + 1  # unit numbers are never reused
+    for _ in range(3):  # and updating a unit spends none
+        store.upsert_units([{"key": "a", "size": 1}, {"key": "b", "size": 2}])
+    assert store.upsert_units([{"key": "c"}])["c"] == nos["b"] + 2
     assert store.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(("-wal", "-shm"))) == [
         "units.sqlite"]

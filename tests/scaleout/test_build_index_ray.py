@@ -1,5 +1,7 @@
 """build_index_ray on a local two-CPU Ray cluster: the same ids, vectors and chunk rows as
-build_index on the same records, and the same incremental behaviour."""
+build_index on the same records (two actors, several blocks, batches that cut records
+apart), and the same incremental behaviour: unchanged records keep their ids, changed ones
+get fresh ones, a stopped run finished gives the ids of a clean one."""
 
 from __future__ import annotations
 
@@ -41,37 +43,42 @@ def ray_cluster():
 
 
 def content(out) -> dict:
-    """The index's content keyed by (record id, chunk number): each chunk's vector and
-    row. Unit numbers (the high half of ids) are given in the order Ray's actors ask, so
-    the ids of a Ray build are compared through the rows they name."""
+    """The index's content by vector id: each chunk's vector and row, each id checked
+    against its unit's key and chunk number."""
     vectors = vectors_by_id(out)  # asserts each id is stored once
     rows = chunk_rows(out, vectors)
     assert sorted(rows) == sorted(vectors)
     with ShardStore(out) as store:
         units = {u.unit_no: u.key for u in store.units().values()}
-    found = {}
     for i, row in rows.items():
         source, record_id, chunk_no = row[:3]
         assert units[i >> 32] == source == f"record:{record_id}" and i & 0xFFFFFFFF == chunk_no
-        assert (record_id, chunk_no) not in found
-        found[(record_id, chunk_no)] = (vectors[i], row)
-    return found
+    return {i: (vectors[i], rows[i]) for i in vectors}
 
 
 def assert_same_index(a, b):
+    """The same ids, each with the same vector and row, and the same units."""
     ca, cb = content(a), content(b)
     assert sorted(ca) == sorted(cb)
+    assert ca, "an empty index proves nothing"
     diff = max(float(np.abs(ca[k][0] - cb[k][0]).max()) for k in ca)
     assert diff <= 1e-5, diff
     assert {k: v[1] for k, v in ca.items()} == {k: v[1] for k, v in cb.items()}
     assert complete_units(a) == complete_units(b)
 
 
+def unit_numbers(out) -> dict:
+    """{key: unit number} of every unit row."""
+    with ShardStore(out) as store:
+        return {k: u.unit_no for k, u in store.units().items()}
+
+
 def complete_units(out) -> dict:
     """{key: (n_chunks, sha256)} of the units the shards hold complete."""
     with ShardStore(out) as store:
         assert not store.reconcile()
-        return {k: (u.n_chunks, u.sha256) for k, u in store.units().items() if u.status == "done"}
+        return {k: (u.unit_no, u.n_chunks, u.sha256) for k, u in store.units().items()
+                if u.status == "done"}
 
 
 @pytest.fixture
@@ -94,13 +101,18 @@ def driver_reads(monkeypatch, ray_cluster):
     return seen
 
 
-def dataset_rows(reads) -> int:
-    """Rows of the dataset (not the actors' results) the driver read."""
-    from embedingest.jobs.build_index.ray import RESULT_SCHEMA
+def texts_read(reads) -> int:
+    """Rows holding a record's text that the driver read (the actors' and the first
+    pass's rows hold none)."""
+    return sum(rows for columns, rows in reads if "text" in columns)
 
-    return sum(rows for columns, rows in reads if columns != tuple(RESULT_SCHEMA.names))
+
+def blocks(ray, recs, n=5):
+    """``recs`` as a dataset of ``n`` blocks (batches of 4 records cut across them)."""
+    return ray.data.from_items(recs, override_num_blocks=n)
 
 
+@pytest.mark.timeout(900)  # six builds, each Ray one two passes over the dataset, on a loaded host
 def test_ray_build_equals_single_process_build_and_resumes(tmp_path, ray_cluster, driver_reads):
     from embedingest import build_index_ray
 
@@ -108,53 +120,63 @@ def test_ray_build_equals_single_process_build_and_resumes(tmp_path, ray_cluster
     recs = records()
     one, two = tmp_path / "one", tmp_path / "two"
     s1 = build_index(recs, out=str(one), num_workers=0, **SETTINGS)
-    s2 = build_index_ray(ray.data.from_items(recs), two, concurrency=2, records_per_call=4,
-                         **SETTINGS)
+    s2 = build_index_ray(blocks(ray, recs), two, concurrency=2, records_per_call=4, **SETTINGS)
     for key in ("units_seen", "units_indexed", "docs", "chunks", "vectors_total", "skipped",
                 "skipped_by_reason", "exit_code"):
         assert s2[key] == s1[key], key
     assert s1["chunks"] > len(recs) and s2["units_incomplete"] == 0 and s2["duplicate_ids"] == 0
-    assert_same_index(one, two)
+    assert_same_index(one, two)  # the same ids: unit numbers 1..n in the records' order
+    assert unit_numbers(two) == {f"record:{r['id']}": n for n, r in enumerate(recs, 1)}
     manifest = json.loads((two / "manifest.json").read_text())
     assert sum(s["count"] for s in manifest["segments"]) == s1["vectors_total"]
-    assert len(manifest["segments"]) >= 2 and manifest["dtype"] == "fp32"
+    pids = {seg["name"].split("_ray")[1].split("_")[0] for seg in manifest["segments"]}
+    assert len(pids) == 2  # both actors wrote shards
+    assert manifest["dtype"] == "fp32"
     assert json.loads((one / "manifest.json").read_text())["corpus"] == manifest["corpus"]
     with open_index(two) as index:
         (hits,) = index.search([TOPICS[5]], k=1)
         assert hits[0].text == TOPICS[5] and hits[0].record_id == "s5"
-    assert dataset_rows(driver_reads) == 0  # the driver read the actors' rows only
-    assert sum(rows for _, rows in driver_reads) == len(recs) + 1  # and the blank one's skip
+    assert texts_read(driver_reads) == 0  # the driver read no text: the first pass's rows,
+    assert sum(rows for _, rows in driver_reads) == 2 * len(recs) + 1  # the actors', the blank's skip
 
     # unchanged: nothing is encoded, nothing removed, the shards with vectors stay as they are
     driver_reads.clear()
-    s3 = build_index_ray(ray.data.from_items(recs), two, concurrency=2, records_per_call=4,
-                         **SETTINGS)
+    s3 = build_index_ray(blocks(ray, recs, 3), two, concurrency=2, records_per_call=4, **SETTINGS)
     assert (s3["units_indexed"], s3["chunks"], s3["units_removed"], s3["vectors_removed"]) == (1, 0, 0, 0)
     assert s3["units_unchanged"] == len(recs) - 1  # the blank one is read every run, as build_index does
     after = json.loads((two / "manifest.json").read_text())["segments"]
     before = {seg["name"] for seg in manifest["segments"]}  # no actor wrote a vector; a shard
     assert all(seg["name"] in before or seg["name"].startswith("shard-rm") for seg in after)
     assert sum(seg["count"] for seg in after) == s1["vectors_total"]  # holding the blank's mark is rewritten
-    assert dataset_rows(driver_reads) == 0 and sum(r for _, r in driver_reads) == len(recs) + 1
+    assert texts_read(driver_reads) == 0 and sum(r for _, r in driver_reads) == len(recs) + 2
+    build_index(recs, out=str(one), num_workers=0, **SETTINGS)
     assert_same_index(one, two)
 
-    # change one record, delete one, add one: both paths do the same work
-    recs[5]["text"] = "Quantum computers use qubits that can be in superposition."
+    # change one record, delete one, add one: both paths do the same work and give the same ids
+    before = unit_numbers(two)
+    changed = recs[5]
+    changed["text"] = "Quantum computers use qubits that can be in superposition."
     del recs[7]
-    recs.append({"id": "new", "text": "Arctic terns migrate from pole to pole every year."})
+    recs.insert(2, {"id": "new", "text": "Arctic terns migrate from pole to pole every year."})
     s1 = build_index(recs, out=str(one), num_workers=0, **SETTINGS)
-    s2 = build_index_ray(ray.data.from_items(recs), two, concurrency=2, records_per_call=4,
-                         **SETTINGS)
+    s2 = build_index_ray(blocks(ray, recs, 4), two, concurrency=2, records_per_call=3, **SETTINGS)
     for key in ("units_seen", "units_indexed", "units_removed", "units_unchanged", "skipped",
                 "chunks", "vectors_removed", "vectors_total"):
         assert s2[key] == s1[key], key
     assert s2["units_indexed"] == 3  # the changed, the new and the blank one (read every run)
     assert s2["units_removed"] == 1 and s2["units_unchanged"] == len(recs) - 3
     assert_same_index(one, two)
+    now = unit_numbers(two)
+    fresh = max(before.values())
+    assert fresh == len(recs)  # no run spent a number on an unchanged record
+    assert now["record:new"] == fresh + 1 and now["record:s1"] == fresh + 2  # in order
+    assert {k: v for k, v in now.items() if v <= fresh} == {
+        k: v for k, v in before.items() if k in now and k != "record:s1"}
     with open_index(two) as index:
-        (hits,) = index.search([recs[5]["text"]], k=1)
-        assert hits[0].text == recs[5]["text"] and hits[0].record_id == "s1"
-    assert dataset_rows(driver_reads) == 0
+        (hits,) = index.search([changed["text"]], k=1)
+        assert hits[0].text == changed["text"] and hits[0].record_id == "s1"
+        assert hits[0].id >> 32 == fresh + 2
+    assert texts_read(driver_reads) == 0
 
 
 def test_duplicate_ids_are_reported_and_indexed_by_no_occurrence(tmp_path, ray_cluster):
@@ -174,7 +196,7 @@ def test_duplicate_ids_are_reported_and_indexed_by_no_occurrence(tmp_path, ray_c
     assert [r["path"] for r in reported] == ["record 1", "record 1"]
     assert "occurs 2 times" in reported[0]["reason"]
     assert sorted(complete_units(out)) == ["record:2", "record:3"]
-    assert {k[0] for k in content(out)} == {"2", "3"}
+    assert {row[1] for _, row in content(out).values()} == {"2", "3"}
     # now 1 is unique, 2 is given twice (once unchanged, once changed), 3 went away
     recs = [{"id": 1, "text": "a b"}, {"id": 2, "text": "c d"}, {"id": 2, "text": "x y"}]
     s = build_index_ray(ray.data.from_items(recs), out, records_per_call=1, concurrency=2, **SETTINGS)
@@ -183,9 +205,11 @@ def test_duplicate_ids_are_reported_and_indexed_by_no_occurrence(tmp_path, ray_c
     assert sorted(complete_units(out)) == ["record:1"]
     with ShardStore(out) as store:
         assert sorted(store.units()) == ["record:1"]
+    assert unit_numbers(out) == {"record:1": 3}  # fresh: 1 and 2 were given before
     one = tmp_path / "one"
     build_index([recs[0]], out=str(one), num_workers=0, **SETTINGS)
-    assert_same_index(one, out)
+    (a,), (b,) = content(one).values(), content(out).values()  # its one chunk, under unit 1 there
+    assert np.abs(a[0] - b[0]).max() <= 1e-5 and a[1] == b[1]
 
 
 def test_missing_columns_are_errors(tmp_path, ray_cluster):
@@ -211,48 +235,47 @@ def as_batch(recs) -> dict:
 
 
 def abandon(plan) -> None:
-    """What a driver killed before ``finish`` leaves: the actors' shards, no unit row."""
-    import ray
-
+    """What a driver killed before ``finish`` leaves: the unit rows the plan wrote, the
+    actors' shards, no manifest naming them."""
     plan.store.close()
-    ray.kill(plan.numbers)
 
 
 def test_plan_and_embed_batches_called_directly(tmp_path, ray_cluster):
     """The three steps by hand, as a pipeline of one's own would run them: the plan
-    reads the index only, EmbedBatches (called here, not by Ray) embeds the records the
-    index does not hold into shards and returns one row per record, finish() writes
-    the unit rows and what build_index writes."""
+    numbers the records as build_index does and writes their unit rows, EmbedBatches
+    (called here, not by Ray) embeds the records the plan assigned into shards and
+    returns one row per record, finish() writes what build_index writes."""
     from embedingest.jobs.build_index.ray import RESULT_SCHEMA, EmbedBatches, plan_ray_index
 
     ray = ray_cluster
     recs = records()
     one, two = tmp_path / "one", tmp_path / "two"
     plan = plan_ray_index(ray.data.from_items(recs), two, **SETTINGS)
-    assert plan.dtype == "fp32" and len(ray.get(plan.indexed).digests) == 0
-    assert plan.counts == {"units_seen": 0, "units_indexed": 0, "units_unchanged": 0,
-                           "units_removed": 0, "vectors_removed": 0, "docs": 0, "chunks": 0}
+    assert plan.dtype == "fp32" and len(ray.get(plan.assigned).digests) == len(recs)
+    assert plan.counts == {"units_seen": len(recs), "units_indexed": 0, "units_unchanged": 0,
+                           "units_removed": 0, "vectors_removed": 0, "docs": 0, "chunks": 0,
+                           "duplicate_ids": 0, "units_incomplete": 0}
+    # the unit rows are written first, numbered in the records' order
+    assert unit_numbers(two) == {f"record:{r['id']}": n for n, r in enumerate(recs, 1)}
     kwargs = plan.actor_kwargs()
     assert kwargs["config"]["batch_size"] == SETTINGS["batch_size"] and kwargs["out"] == str(two)
     actor = EmbedBatches(**kwargs)
     assert actor.device == "cpu"
-    tables = [actor(as_batch(part)) for part in (recs[:5], recs[5:])]
+    tables = [actor(as_batch(part)) for part in (recs[5:], recs[:5])]  # any order, any batch
     assert all(t.schema == RESULT_SCHEMA for t in tables)
     rows = [r for t in tables for r in t.to_pylist()]
     skipped = [(r["skip_where"], r["skip_reason"].split(":")[0]) for r in rows if r["status"] == "skipped"]
     assert skipped == [("record:blank:blank", "empty")]  # as build_index reports it
-    rows = [r for r in rows if r["status"] != "skipped"]
+    rows = sorted((r for r in rows if r["status"] != "skipped"), key=lambda r: r["unit_no"])
     assert [r["status"] for r in rows] == ["indexed"] * len(recs)
-    # one actor on a fresh index numbers the records in order, as build_index does
-    assert [r["unit_no"] for r in rows] == list(range(1, len(recs) + 1))
+    assert [(r["record_id"], r["unit_no"]) for r in rows] == [(r["id"], n) for n, r in enumerate(recs, 1)]
     nos = {r["record_id"]: r["unit_no"] for r in rows}
     with ShardStore(two) as store:  # the rows are in the shards the actor committed
-        assert store.units() == {}  # the driver writes unit rows, in finish()
         ids = [int(i) for s in store.shards() for i in s.ids()]
         chunks = store.chunks(ids)
     for rec, row in zip(recs, rows):
         mine = sorted((c for c in chunks.values() if c.unit_no == nos[rec["id"]]), key=lambda c: c.chunk_no)
-        assert row["n_chunks"] == len(mine) and row["size"] == len(rec["text"].encode())
+        assert row["n_chunks"] == len(mine)
         assert [c.chunk_no for c in mine] == list(range(len(mine)))
         assert all(rec["text"][c.char_start:c.char_end] == c.text and c.record_id == rec["id"] for c in mine)
     assert rows[-1]["n_chunks"] == 0 and rows[0]["n_chunks"] > 1  # blank, long0
@@ -263,22 +286,26 @@ def test_plan_and_embed_batches_called_directly(tmp_path, ray_cluster):
         assert s2[key] == s1[key], key
     assert s2["units_incomplete"] == 0
     assert_same_index(one, two)
-    assert sorted(vectors_by_id(one)) == sorted(vectors_by_id(two))
 
-    # the next run's actors pass what the index holds without work
-    plan = plan_ray_index(ray.data.from_items(recs), two, **SETTINGS)
+    # the next run's actors pass what the index holds without work; a record whose text
+    # is not the one planned is reported, not embedded
+    changed = [dict(r) for r in recs]
+    changed[5]["text"] = "Quantum computers use qubits."
+    plan = plan_ray_index(ray.data.from_items(changed), two, **SETTINGS)
     actor = EmbedBatches(**plan.actor_kwargs())
-    table = actor(as_batch(recs[4:6]) | {"id": np.array(["s0", 7], dtype=object)})
-    assert table.column("status").to_pylist() == ["unchanged", "indexed"]
-    assert table.column("unit_no").to_pylist()[0] == nos["s0"]
-    assert table.column("unit_no").to_pylist()[1] > len(recs)  # a number never given before
+    table = actor(as_batch(recs[4:6]))
+    assert table.column("status").to_pylist() == ["skipped"]
+    assert table.column("skip_reason")[0].as_py().startswith("changed: its text is not the one")
+    table = actor(as_batch(changed[4:6]))
+    assert table.column("status").to_pylist() == ["indexed"]
+    assert table.column("unit_no").to_pylist() == [len(recs) + 1]  # a number never given before
     abandon(plan)
 
 
 def test_a_run_stopped_anywhere_is_finished_by_running_again(tmp_path, ray_cluster):
-    """A driver killed before finish() (shards committed, no unit row), then a finish()
-    whose results fail half-way (some unit rows written): the next run gives the index
-    of a clean build."""
+    """A driver killed before finish() (unit rows and some shards committed), then a
+    finish() whose results fail half-way, then an actor call retried (its units twice):
+    the next run keeps what is whole and gives the index, ids included, of a clean build."""
     from embedingest import build_index_ray
     from embedingest.jobs.build_index.ray import EmbedBatches, plan_ray_index
 
@@ -286,19 +313,18 @@ def test_a_run_stopped_anywhere_is_finished_by_running_again(tmp_path, ray_clust
     recs = records()
     one, two = tmp_path / "one", tmp_path / "two"
     s1 = build_index(recs, out=str(one), num_workers=0, **SETTINGS)
-    plan = plan_ray_index(ray.data.from_items(recs), two, **SETTINGS)
-    first = EmbedBatches(**plan.actor_kwargs())(as_batch(recs[:6]))
+    plan = plan_ray_index(blocks(ray, recs), two, **SETTINGS)
+    EmbedBatches(**plan.actor_kwargs())(as_batch(recs[:6]))
     abandon(plan)
-    stray = sum(first.column("n_chunks").to_pylist())
-    assert stray > 6
 
-    plan = plan_ray_index(ray.data.from_items(recs), two, **SETTINGS)
-    assert plan.counts["vectors_removed"] == stray  # vectors of units with no row
+    plan = plan_ray_index(blocks(ray, recs), two, **SETTINGS)
+    assert plan.counts["units_unchanged"] == 6 and plan.counts["vectors_removed"] == 0
+    assert len(ray.get(plan.assigned).digests) == len(recs) - 6
     actor = EmbedBatches(**plan.actor_kwargs())
-    tables = [actor(as_batch(recs[:6])), actor(as_batch(recs[6:]))]
+    tables = [actor(as_batch(recs[6:9])), actor(as_batch(recs[9:]))]
 
     def fail_on_the_second(table):
-        if "s2" in table.column("record_id").to_pylist():
+        if "s5" in table.column("record_id").to_pylist():
             raise ValueError("the driver's stream broke")
         return table
 
@@ -307,7 +333,16 @@ def test_a_run_stopped_anywhere_is_finished_by_running_again(tmp_path, ray_clust
     with pytest.raises(Exception, match="the driver's stream broke"):
         plan.finish(results)
 
-    s2 = build_index_ray(ray.data.from_items(recs), two, records_per_call=4, **SETTINGS)
+    recs[3]["text"] = "Quantum computers use qubits that can be in superposition."
+    s1 = build_index(recs, out=str(one), num_workers=0, **SETTINGS)  # the same history, one process
+    plan = plan_ray_index(blocks(ray, recs), two, **SETTINGS)
+    assert plan.counts["units_unchanged"] == len(recs) - 2  # all but the changed and the blank one
+    actor = EmbedBatches(**plan.actor_kwargs())
+    tables = [actor(as_batch(recs[3:4])), actor(as_batch(recs[3:4]))]  # a call retried
+    s2 = plan.finish(ray.data.from_arrow(tables))
+    assert s2["units_incomplete"] == 1  # its chunks twice: removed, redone by the next run
+
+    s2 = build_index_ray(blocks(ray, recs), two, records_per_call=4, **SETTINGS)
     assert s2["units_incomplete"] == 0 and s2["vectors_total"] == s1["vectors_total"]
     assert_same_index(one, two)
 

@@ -11,6 +11,7 @@ corpus fingerprint.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from collections.abc import Iterable, Mapping
@@ -56,6 +57,7 @@ class Plan:
     replaced: list[int]  # unit_nos to index again: their old vectors and chunks go first
     deleted: list[int]  # unit_nos no longer in the corpus
     seen_keys: int
+    renumbered: list[int] = dataclasses.field(default_factory=list)  # of replaced: changed content
 
 
 def file_candidates(root: Path | str, report: SkipReport, out: Path) -> Iterable[dict]:
@@ -149,10 +151,13 @@ def plan_units(store: ShardStore, candidates: Iterable[dict], report: SkipReport
 
     A unit is unchanged when it was finished before, its committed vectors are exactly its
     chunks, and its size and mtime (or, if those moved, its content hash) are the same.
+    A unit to redo keeps its number while its content is the one its row names (a run
+    that stopped, resumed: the ids a clean run gives); a changed content gets a fresh
+    number (``renumbered``), so no id ever names two texts.
     """
     known = store.units()
     incomplete = store.reconcile()
-    todo, replaced, seen, unchanged = [], [], set(), 0
+    todo, replaced, renumbered, seen, unchanged = [], [], [], set(), 0
     touched = []
     for cand in candidates:
         key = cand["key"]
@@ -181,22 +186,31 @@ def plan_units(store: ShardStore, candidates: Iterable[dict], report: SkipReport
             continue
         if old is not None:
             replaced.append(old.unit_no)
+            if old.sha256 != cand["sha256"]:
+                renumbered.append(old.unit_no)
         todo.append(cand)
     if touched:
         store.upsert_units(touched)
     deleted = [u.unit_no for k, u in known.items() if k not in seen]
     known_nos = {u.unit_no for u in known.values()}
     stray = [u for u in incomplete if u not in known_nos]  # vectors of units with no row
-    return Plan(todo, unchanged, replaced + stray, deleted, len(seen))
-
+    return Plan(todo, unchanged, replaced + stray, deleted, len(seen), renumbered)
 
 
 def apply_plan(store: ShardStore, plan: Plan) -> tuple[int, dict[str, int]]:
     """Remove what ``plan`` replaces or deletes and mark its units to index as pending;
-    return the number of vectors removed and each pending unit's number by key."""
+    return the number of vectors removed and each pending unit's number by key.
+
+    New units (and changed ones, whose rows go) are numbered in the order of
+    ``plan.todo`` from above every number the index ever gave, in ``units.sqlite`` or in
+    a shard (a stray's vectors are removed first, its number stays spent): the same
+    records in the same order get the same ids on every path (one process, several
+    devices, Ray)."""
     outdated = plan.replaced + plan.deleted
+    highest = store.highest_unit_no()
     removed = store.remove_units(outdated) if outdated else 0
-    store.delete_units(plan.deleted)
+    store.delete_units(plan.deleted + plan.renumbered)
+    store.spend_unit_nos(highest)
     unit_nos = store.upsert_units([{k: c.get(k) for k in ("key", "size", "mtime_ns", "sha256")}
                                    | {"status": "pending", "n_chunks": 0} for c in plan.todo])
     return removed, unit_nos

@@ -4,45 +4,46 @@ CPU) each, into one index folder that the CLI, ``open_index`` and later runs sha
 Import it as ``embedingest.jobs.build_index.ray`` (``build_index_ray`` also as
 ``from embedingest import build_index_ray``). Three steps, which :func:`build_index_ray`
 runs in order (call them yourself to put :class:`EmbedBatches` into a pipeline of your
-own). The driver never reads the dataset (only the first ``train_size`` records, once,
-when an IVF/PQ/HNSW factory is still to be trained): it reads the index, and one small
-row per record that the actors send back.
+own). The driver never reads a record's text (only the first ``train_size`` texts, once,
+when an IVF/PQ/HNSW factory is still to be trained): it reads the index, and small rows
+that Ray's workers compute from the records.
 
-1. :func:`plan_ray_index` (driver): opens the index, removes what a stopped run left
-   half done, and puts one snapshot of the units the index holds complete into the
-   object store (:class:`IndexedUnits`: per record a 16-byte digest of its id, 16 bytes
-   of its text's sha256 and its unit number; 40 bytes a unit, read from
-   ``units.sqlite`` and the commit records, not from the dataset). It starts a
-   :class:`~embedingest.scaleout.ray_data.NumberBlocks` actor that hands out unit
-   numbers above every number the index ever gave.
+1. :func:`plan_ray_index` (driver): opens the index, then runs a first, cheap pass over
+   the dataset in its order (``preserve_order``): Ray tasks hash each record and send
+   back one row (16-byte digest of its id, the id, its size and sha256, or why it is
+   bad). The driver plans exactly as ``build_index`` does with the same records
+   (``plan_units`` and ``apply_plan``: unchanged, new, changed, deleted, half done), so
+   the new and changed records get the unit numbers ``build_index`` gives them, in
+   the dataset's order, and their unit rows are written (pending) before anything is
+   embedded. One snapshot of what to embed goes into the object store
+   (:class:`Assigned`: per record its id digest, 16 bytes of its sha256 and its unit
+   number, 40 bytes a record to embed).
 2. ``dataset.map_batches(EmbedBatches, fn_constructor_kwargs=plan.actor_kwargs(), ...)``:
    each actor loads the encoder on its GPU (or the CPU when Ray gave it none) and, per
-   batch of records, hashes each one: a record whose id and content hash the snapshot
-   holds passes without work; the others get fresh unit numbers (one request for the
-   whole batch), are chunked and tokenized (in a thread, ahead of the GPU), encoded
-   and sent through an egress engine whose consumers commit shards (vectors and chunk
-   rows together) under the actor's own run id. The engine is closed at the end of
-   each call, so when a call returns its shards are committed; it returns one row per
-   record (id digest, status, unit number, size, hash, chunk count) and per skipped
-   input: no chunk's row or text goes back to the driver.
-3. :meth:`RayIndexPlan.finish` (driver): as those rows stream in, writes the unit row
-   of every embedded record into ``units.sqlite`` (the only file the driver writes
-   besides the manifest and the report); at the end removes the units of records not
-   seen (deleted), the old units of changed records, both occurrences of a duplicated
-   id, and whatever a retried actor call left behind, then writes one manifest.
+   batch of records, hashes each one: a record the snapshot does not name passes without
+   work; the others are chunked and tokenized (in a thread, ahead of the GPU) under the
+   unit number the plan gave them, encoded and sent through an egress engine whose
+   consumers commit shards (vectors and chunk rows together) under the actor's own run
+   id. The engine is closed at the end of each call, so when a call returns its shards
+   are committed; it returns one row per embedded record (unit number, chunk count) and
+   per skipped input: no chunk's row or text goes back to the driver.
+3. :meth:`RayIndexPlan.finish` (driver): counts those rows, reports the skipped inputs,
+   removes what the shards do not hold complete (a retried actor call's leftovers), and
+   writes one manifest.
 
-Unit numbers are given in the order actors ask, so the vector ids of a Ray build are
-not those ``build_index`` gives the same records (with one actor on a fresh index they
-are); the index's content (each record's chunks, vectors and rows) is the same. A
-changed record gets a new unit number (its old vectors are removed at the end, so a
-stop in between leaves them as units without a row, which the next run removes); a
-number is never given twice. A record id that occurs more than once in the dataset is
-indexed by none of its occurrences: each is reported in ``skipped.jsonl`` (reason
-``duplicate``) and the units they made are removed, so one key never has two units.
+The ids are those of ``build_index`` on the same records in the same order, whatever the
+number of actors and the blocks and batches (docs/INDEX_FORMAT.md, "Vector ids"): a
+record keeps its unit number while its text is the same, a changed record gets a fresh
+one, a number is never given twice, and a run that stopped anywhere is finished by
+running it again, which gives the index (ids included) of a clean run. A record id that
+occurs more than once in the dataset is indexed by none of its occurrences: each is
+reported in ``skipped.jsonl`` (reason ``duplicate``) and a unit it had is removed, so one
+key never has two units.
 
-A run that stopped anywhere is finished by running it again, as with the CLI. The
-shards folder (shards/) must be reachable by every actor (one host, or a shared file
-system); ``units.sqlite`` is written by the driver only.
+The driver holds one small row per record (id, size, hash) while it plans, never a text
+or a chunk. The actors write their shards into the index folder when the driver's folder
+is theirs (one host), or, for an ``s3://`` index, in temporary folders of their own,
+uploading each shard they commit; ``units.sqlite`` is written by the driver only.
 """
 
 from __future__ import annotations
@@ -76,37 +77,38 @@ from ...config import IndexConfig
 from ...errors import ConfigError
 from ...exit_codes import exit_code
 from ...index.shard_store import ShardStore
-from ...index.store import MAX_UNIT_NO, Manifest
+from ...index.store import Manifest
 from ...report import REPORT_NAME, SkipReport
 from ...runner import run_batches
 from ...index.faiss_factory import parse_factory
 from ...outfiles import new_run_id
-from ...scaleout.ray_data import number_blocks
 from ...sinks.shard_writer import commit_finished
 from ...sources.remote import is_remote
+from ...sources.text import lone_surrogate
 from ...stages.device import precision
 from ...stages.prefetch import thread_ahead
 from .encode import (chunk_batches, embed_steps, needs_training, shard_sinks, train_if_needed,
                      vector_slots)
-from .plan import fingerprint, search_defaults, settled_prompts
+from .plan import apply_plan, fingerprint, plan_units, search_defaults, settled_prompts
 
 log = logging.getLogger("embedingest")
 
-SAVE_EVERY_S = 60.0
-"""With an index in object storage, how often the driver saves ``units.sqlite`` there
-while rows arrive: a driver killed before its commit loses at most this much of the
-actors' work (their shards are uploaded, but a shard whose unit has no row is redone)."""
-
-UNCHANGED, INDEXED, BAD, SKIPPED = "unchanged", "indexed", "bad", "skipped"
+INDEXED, SKIPPED = "indexed", "skipped"
 RESULT_SCHEMA = pa.schema([
-    ("digest", pa.binary(16)), ("record_id", pa.string()), ("status", pa.string()),
-    ("unit_no", pa.int64()), ("size", pa.int64()), ("sha256", pa.string()),
+    ("record_id", pa.string()), ("status", pa.string()), ("unit_no", pa.int64()),
     ("n_chunks", pa.int64()), ("skip_where", pa.string()), ("skip_reason", pa.string()),
 ])
-"""What :class:`EmbedBatches` returns: one row per record, ``status`` "unchanged" (the
-index holds it complete: ``unit_no`` is its unit), "indexed" (embedded now into
-``n_chunks`` chunks under the new ``unit_no``) or "bad" (its text is not a string), and
-one row per input the chunker skipped ("skipped", ``unit_no`` -1)."""
+"""What :class:`EmbedBatches` returns: one row per record it embedded (``status``
+"indexed", into ``n_chunks`` chunks under ``unit_no``) and one per input it skipped
+("skipped", ``unit_no`` -1): what the chunker skipped, or a record whose text is not the
+one planned."""
+
+DESCRIBE_SCHEMA = pa.schema([
+    ("digest", pa.binary(16)), ("record_id", pa.string()), ("size", pa.int64()),
+    ("sha256", pa.string()), ("problem", pa.string()),
+])
+"""The first pass's rows (:func:`describe_records`), one per record: its id's digest, the
+id, its text's size and sha256, and why it cannot be indexed ("" when it can)."""
 
 
 def _digest(record_id: str) -> bytes:
@@ -118,32 +120,71 @@ def _key(record_id: str) -> str:
 
 
 @dataclass(frozen=True)
-class IndexedUnits:
-    """The records the index holds complete, as three arrays sorted by id digest (16
-    bytes of blake2b of the id; 16 bytes of the text's sha256; the unit number), put
-    once into Ray's object store and shared by the actors of a node."""
+class _Hashed:
+    """A batch's records as both passes see them: ids as text, the texts' bytes (None
+    when not a string), their sha256 and the ids' digests."""
+
+    ids: list
+    texts: list
+    data: list
+    shas: list
+    digests: list
+
+    @classmethod
+    def of(cls, batch: dict, id_field: str, text_field: str) -> _Hashed:
+        ids = [str(i) for i in batch[id_field]]
+        texts = list(batch[text_field])
+        data = [t.encode("utf-8", "surrogatepass") if isinstance(t, str) else None for t in texts]
+        shas = [hashlib.sha256(d).digest() if d is not None else b"" for d in data]
+        return cls(ids, texts, data, shas, [_digest(i) for i in ids])
+
+
+def describe_records(batch: dict, id_field: str, text_field: str) -> pa.Table:
+    """The first pass (a Ray task per batch): one :data:`DESCRIBE_SCHEMA` row per record,
+    judged as ``build_index`` judges in-memory records."""
+    h = _Hashed.of(batch, id_field, text_field)
+    problems = []
+    for rid, text in zip(h.ids, h.texts):
+        if not isinstance(text, str):
+            problems.append(f"field: {text_field!r} is not a string")
+        else:
+            wrong = lone_surrogate(text) or lone_surrogate(rid)
+            problems.append(f"unicode: the text or id holds {wrong}" if wrong else "")
+    return pa.Table.from_pydict(
+        {"digest": h.digests, "record_id": h.ids,
+         "size": [len(d) if d is not None else 0 for d in h.data],
+         "sha256": [sha.hex() for sha in h.shas], "problem": problems}, schema=DESCRIBE_SCHEMA)
+
+
+@dataclass(frozen=True)
+class Assigned:
+    """The records this run embeds, as three arrays sorted by id digest (16 bytes of
+    blake2b of the id; 16 bytes of the text's sha256; the unit number the plan gave it),
+    put once into Ray's object store and shared by the actors of a node."""
 
     digests: np.ndarray
     hashes: np.ndarray
     unit_nos: np.ndarray
 
     @classmethod
-    def build(cls, units: Iterable) -> IndexedUnits:
-        """From unit rows (``key`` ``record:<id>``, ``sha256`` in hex, ``unit_no``)."""
-        units = [u for u in units if u.key.startswith("record:") and u.sha256]
-        digests = np.array([_digest(u.key[len("record:"):]) for u in units], dtype="S16")
-        hashes = np.array([bytes.fromhex(u.sha256)[:16] for u in units], dtype="S16")
-        unit_nos = np.array([u.unit_no for u in units], dtype=np.int64)
+    def build(cls, rows: Iterable[tuple[str, str, int]]) -> Assigned:
+        """From (record id, sha256 in hex, unit number) triples."""
+        rows = list(rows)
+        digests = np.array([_digest(r) for r, _, _ in rows], dtype="S16")
+        hashes = np.array([bytes.fromhex(h)[:16] for _, h, _ in rows], dtype="S16")
+        unit_nos = np.array([u for _, _, u in rows], dtype=np.int64)
         order = np.argsort(digests, kind="stable")
         return cls(digests[order], hashes[order], unit_nos[order])
 
-    def unchanged(self, digests: np.ndarray, hashes: np.ndarray) -> np.ndarray:
-        """The unit number of each record the index holds with this content, else -1."""
+    def lookup(self, digests: np.ndarray, hashes: np.ndarray) -> np.ndarray:
+        """The unit number of each record to embed; -1 for a record not to embed, -2 for
+        one whose id is to be embedded but whose text is not the one planned."""
         if not len(self.digests) or not len(digests):
             return np.full(len(digests), -1, dtype=np.int64)
         pos = np.minimum(np.searchsorted(self.digests, digests), len(self.digests) - 1)
-        same = (self.digests[pos] == digests) & (self.hashes[pos] == hashes)
-        return np.where(same, self.unit_nos[pos], -1)
+        found = self.digests[pos] == digests
+        same = found & (self.hashes[pos] == hashes)
+        return np.where(same, self.unit_nos[pos], np.where(found, -2, -1))
 
 
 @functools.lru_cache(maxsize=4)
@@ -155,16 +196,16 @@ def _tokenizer(model_dir: str):
 
 
 class EmbedBatches:
-    """The Ray Data callable class: embeds the new and changed records of each batch
-    into shards.
+    """The Ray Data callable class: embeds the records of each batch that the plan
+    assigned a unit number into shards.
 
     Use it through ``map_batches(EmbedBatches, fn_constructor_kwargs=plan.actor_kwargs(),
     batch_format="numpy", concurrency=N, num_gpus=1)`` (or ``compute=ActorPoolStrategy``);
-    the batch needs the configured id and text columns. Records the index holds with the
-    same content pass without work.
+    the batch needs the configured id and text columns. Records the plan did not assign
+    (unchanged, bad, duplicated) pass without work.
     """
 
-    def __init__(self, out: str, config: dict, indexed, numbers, dtype: str, chunk_tokens: int,
+    def __init__(self, out: str, config: dict, assigned, dtype: str, chunk_tokens: int,
                  trained: str | None = None, generation: int = 0):
         import torch
 
@@ -182,8 +223,7 @@ class EmbedBatches:
             if trained:
                 self.trained = os.path.join(self.out, os.path.basename(trained))
                 Remote(self.remote).download(os.path.basename(trained), Path(self.trained))
-        self.indexed: IndexedUnits = ray.get(indexed) if isinstance(indexed, ray.ObjectRef) else indexed
-        self.numbers = numbers
+        self.assigned: Assigned = ray.get(assigned) if isinstance(assigned, ray.ObjectRef) else assigned
         self.device = "cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu"
         self.encoder = TextEncoder.load(self.cfg.model, device=self.device, dtype=dtype,
                                        cuda_graphs=self.cfg.cuda_graphs)
@@ -193,40 +233,30 @@ class EmbedBatches:
     def __call__(self, batch: dict) -> pa.Table:
         from ...sources.text_dataset import Unit
 
-        cfg = self.cfg
-        ids = [str(i) for i in batch[cfg.id_field]]
-        texts = list(batch[cfg.text_field])
-        data = [t.encode("utf-8", "surrogatepass") if isinstance(t, str) else None for t in texts]
-        shas = [hashlib.sha256(d).digest() if d is not None else b"" for d in data]
-        keys = [_digest(i) for i in ids]  # bytes: numpy's S16 drops trailing zero bytes
-        known = self.indexed.unchanged(np.array(keys, dtype="S16"),
-                                       np.array([h[:16] for h in shas], dtype="S16"))
+        h = _Hashed.of(batch, self.cfg.id_field, self.cfg.text_field)
+        # bytes: numpy's S16 drops trailing zero bytes, alike on both sides
+        nos = self.assigned.lookup(np.array(h.digests, dtype="S16"),
+                                   np.array([sha[:16] for sha in h.shas], dtype="S16"))
         rows = {name: [] for name in RESULT_SCHEMA.names}
 
-        def row(n, status, unit_no=-1, n_chunks=0, where="", reason=""):
-            values = (keys[n] if n is not None else b"\0" * 16, ids[n] if n is not None else "",
-                      status, unit_no, len(data[n]) if n is not None and data[n] is not None else 0,
-                      shas[n].hex() if n is not None else "", n_chunks, where, reason)
-            for name, value in zip(RESULT_SCHEMA.names, values):
+        def row(rid, status, unit_no=-1, n_chunks=0, where="", reason=""):
+            for name, value in zip(RESULT_SCHEMA.names, (rid, status, unit_no, n_chunks, where, reason)):
                 rows[name].append(value)
 
-        todo = []
-        for n, rid in enumerate(ids):
-            if data[n] is None:
-                row(n, BAD, where=f"record {rid}", reason=f"field: {cfg.text_field!r} is not a string")
-            elif known[n] >= 0:
-                row(n, UNCHANGED, unit_no=int(known[n]))
-            else:
-                todo.append(n)
-        if todo:
-            first = ray.get(self.numbers.take.remote(len(todo)))
-            units = [Unit(first + k, _key(ids[n]), text=texts[n], record_id=ids[n])
-                     for k, n in enumerate(todo)]
+        for n in np.flatnonzero(nos == -2):
+            rid = h.ids[n]
+            row(rid, SKIPPED, where=f"record {rid}",
+                reason="changed: its text is not the one the run's plan read (the dataset changed "
+                       "during the run); run again to index it")
+        todo = np.flatnonzero(nos >= 0)
+        if len(todo):
+            units = [Unit(int(nos[n]), _key(h.ids[n]), text=h.texts[n], record_id=h.ids[n])
+                     for n in todo]
             done, skipped = self._embed(units)
-            for n, unit in zip(todo, units):
-                row(n, INDEXED, unit_no=unit.unit_no, n_chunks=done.get(unit.unit_no, 0))
+            for unit in units:
+                row(unit.record_id, INDEXED, unit_no=unit.unit_no, n_chunks=done.get(unit.unit_no, 0))
             for where, reason in skipped:
-                row(None, SKIPPED, where=where, reason=reason)
+                row("", SKIPPED, where=where, reason=reason)
         return pa.Table.from_pydict(rows, schema=RESULT_SCHEMA)
 
     def _embed(self, units: list) -> tuple[dict[int, int], list[tuple[str, str]]]:
@@ -257,29 +287,6 @@ class EmbedBatches:
 
 
 @dataclass
-class _Seen:
-    """One entry per record row the actors sent back (24 bytes and a status each): what
-    the end of the run needs to find deleted records and duplicated ids."""
-
-    digests: list = dataclasses.field(default_factory=list)
-    unit_nos: list = dataclasses.field(default_factory=list)
-    n_chunks: list = dataclasses.field(default_factory=list)
-    indexed: list = dataclasses.field(default_factory=list)
-
-    def add(self, table: pa.Table) -> None:
-        self.digests.append(np.array(table.column("digest").to_pylist(), dtype="S16"))
-        self.unit_nos.append(table.column("unit_no").to_numpy())
-        self.n_chunks.append(table.column("n_chunks").to_numpy())
-        self.indexed.append(np.asarray(table.column("status").to_pylist(), dtype=object) == INDEXED)
-
-    def arrays(self) -> tuple[np.ndarray, ...]:
-        def cat(parts, dtype):
-            return np.concatenate(parts) if parts else np.empty(0, dtype)
-        return (cat(self.digests, "S16"), cat(self.unit_nos, np.int64),
-                cat(self.n_chunks, np.int64), cat(self.indexed, bool))
-
-
-@dataclass
 class RayIndexPlan:
     """What the driver decided (see :func:`plan_ray_index`); :meth:`finish` completes it."""
 
@@ -288,10 +295,7 @@ class RayIndexPlan:
     dtype: str
     chunk_tokens: int
     trained: str | None
-    indexed: object  # ObjectRef of the IndexedUnits
-    numbers: object  # the NumberBlocks actor
-    known: tuple  # (id digests, unit_nos) of every record's unit row when the run started
-    others: list  # unit_nos of rows that are not records (files): never in a dataset
+    assigned: object  # ObjectRef of the Assigned records
     model_name: str
     counts: dict
     report: SkipReport
@@ -303,45 +307,40 @@ class RayIndexPlan:
     def actor_kwargs(self) -> dict:
         """``fn_constructor_kwargs`` for :class:`EmbedBatches`."""
         return {"out": self.writers or str(self.out), "config": dataclasses.asdict(self.config),
-                "indexed": self.indexed, "numbers": self.numbers, "dtype": self.dtype,
+                "assigned": self.assigned, "dtype": self.dtype,
                 "chunk_tokens": self.chunk_tokens, "trained": self.trained,
                 "generation": self.store.generation}
 
     def finish(self, results: ray.data.Dataset, progress: bool = False,
-               pull: Callable[[], None] | None = None,
-               save: Callable[[], None] | None = None) -> dict:
-        """Consume ``results`` (the output of ``map_batches(EmbedBatches, ...)``): write
-        the unit row of each embedded record as its row arrives, count, report skipped
-        inputs; once all arrived, remove deleted records, the old units of changed ones,
-        duplicated ids and units the shards do not hold complete (see the module
-        docstring); write the manifest and the skip report; return a summary like
-        ``build_index``'s. When ``results`` fails, what arrived is kept and the error
-        raised: the next run finishes the work. ``pull()``, called once every row
-        arrived, brings the shards the actors uploaded into ``out``, and ``save()``, called
-        every :data:`SAVE_EVERY_S` seconds while rows arrive, saves the unit rows written
-        so far (an index in object storage, whose driver may be killed before it commits)."""
+               pull: Callable[[], None] | None = None) -> dict:
+        """Consume ``results`` (the output of ``map_batches(EmbedBatches, ...)``): count,
+        report skipped inputs; once all arrived, remove the units the shards do not hold
+        complete (a retried actor call's leftovers); write the manifest and the skip
+        report; return a summary like ``build_index``'s. When ``results`` fails, what
+        arrived is kept and the error raised: the next run finishes the work (the unit
+        rows were written by the plan). ``pull()``, called once every row arrived, brings
+        the shards the actors uploaded into ``out``."""
         from tqdm import tqdm
 
         store, counts, report = self.store, self.counts, self.report
-        seen, outdated = _Seen(), []
-        saved = time.monotonic()
         bar = tqdm(unit="record", disable=not progress, dynamic_ncols=True)
         try:
             for table in results.iter_batches(batch_format="pyarrow", batch_size=None):
-                outdated += self._take(table, seen)
-                bar.update(table.num_rows)
-                if save is not None and time.monotonic() - saved > SAVE_EVERY_S:
-                    save()
-                    saved = time.monotonic()
+                bar.update(self._take(table))
             if pull is not None:
                 pull()
-            self._settle(seen, outdated)
+            bad = store.reconcile()
+            counts["vectors_removed"] += store.remove_units(bad) if bad else 0
+            counts["units_incomplete"] = len(bad)
+            if bad:
+                log.warning("%d records have vectors that do not match their rows (an actor failed "
+                            "and was retried?); their vectors are removed: run again to redo them",
+                            len(bad))
         finally:
             bar.close()
             manifest = store.update_shards(corpus=fingerprint(store), **self.settings)
             report.write(self.out)
             store.close()
-            ray.kill(self.numbers)
         seconds = time.perf_counter() - self.started
         summary = {"index": str(self.out), "device": "ray", "dtype": self.dtype,
                    "model": self.model_name, **counts,
@@ -355,83 +354,74 @@ class RayIndexPlan:
         summary["exit_code"] = exit_code(len(report.entries))
         return summary
 
-    def _take(self, table: pa.Table, seen: _Seen) -> list[int]:
-        """One table of :class:`EmbedBatches`: skipped inputs to the report, records to
-        ``seen``, embedded ones into ``units.sqlite``; return the units they replace."""
+    def _take(self, table: pa.Table) -> int:
+        """One table of :class:`EmbedBatches`: skipped inputs to the report, embedded
+        records counted; return how many records it holds."""
         counts, report = self.counts, self.report
         status = table.column("status").to_pylist()
-        for n in (i for i, s in enumerate(status) if s in (BAD, SKIPPED)):
+        for n in (i for i, s in enumerate(status) if s == SKIPPED):
             report.add(table.column("skip_where")[n].as_py(), table.column("skip_reason")[n].as_py(),
                        stage="read")
-        records = table.filter(pc.is_in(table.column("status"), pa.array([UNCHANGED, INDEXED])))
-        seen.add(records)
-        new = records.filter(pc.equal(records.column("status"), INDEXED))
+        new = table.filter(pc.equal(table.column("status"), INDEXED))
         n_chunks = new.column("n_chunks").to_numpy()
-        counts["units_unchanged"] += records.num_rows - new.num_rows
         counts["units_indexed"] += new.num_rows
         counts["chunks"] += int(n_chunks.sum())
         counts["docs"] += int((n_chunks > 0).sum())
-        if not new.num_rows:
-            return []
-        return self.store.put_numbered_units(
-            {"unit_no": u, "key": _key(r), "size": s, "sha256": h} for u, r, s, h in zip(
-                new.column("unit_no").to_pylist(), new.column("record_id").to_pylist(),
-                new.column("size").to_pylist(), new.column("sha256").to_pylist()))
+        return new.num_rows
 
-    def _settle(self, seen: _Seen, outdated: list[int]) -> None:
-        """The end of a run whose every record was seen: remove the units of deleted
-        records, the old units of changed ones, every unit of a duplicated id, and the
-        units the shards do not hold complete (a retried actor call's leftovers); drop
-        the unit rows of the deleted and duplicated."""
-        store, counts = self.store, self.counts
-        digests, unit_nos, n_chunks, indexed = seen.arrays()
-        uniq, inverse, times = np.unique(digests, return_inverse=True, return_counts=True)
-        twice = times[inverse] > 1
-        dup_nos = set(unit_nos[twice].tolist())
-        if dup_nos:
-            keys = {u.unit_no: u.key for u in store.units().values() if u.unit_no in dup_nos}
-            by_digest = {}
-            for d, u in zip(digests[twice].tolist(), unit_nos[twice].tolist()):
-                by_digest.setdefault(d, []).append(keys.get(u))
-            for d, found in by_digest.items():
-                key = next((k for k in found if k), None)
-                rid = key[len("record:"):] if key else d.hex()
-                for _ in found:
-                    self.report.add(f"record {rid}", f"duplicate: the record id {rid!r} occurs "
-                                    f"{len(found)} times in the dataset; ids must be unique, so "
-                                    "none of them is indexed", stage="plan")
-            counts["units_indexed"] -= int((twice & indexed).sum())
-            counts["units_unchanged"] -= int((twice & ~indexed).sum())
-            counts["chunks"] -= int(n_chunks[twice & indexed].sum())
-            counts["docs"] -= int((n_chunks[twice & indexed] > 0).sum())
-        counts["duplicate_ids"] = int((times > 1).sum())
-        counts["units_seen"] = int((times == 1).sum())
-        known_digests, known_nos = self.known
-        deleted = set(known_nos[~np.isin(known_digests, uniq)].tolist()) | set(self.others)
-        bad = store.reconcile()
-        drop = deleted | dup_nos
-        removed = store.remove_units(set(outdated) | drop | bad)
-        store.delete_units(drop)
-        counts["units_removed"] = len(deleted)
-        counts["vectors_removed"] += removed
-        rows = {u.unit_no for u in store.units().values()}
-        counts["units_incomplete"] = len(bad & rows)
-        if counts["units_incomplete"]:
-            log.warning("%d records have vectors that do not match their rows (an actor failed "
-                        "and was retried?); their vectors are removed: run again to redo them",
-                        counts["units_incomplete"])
+
+def _described(dataset: ray.data.Dataset, cfg: IndexConfig) -> pa.Table:
+    """The first pass: :func:`describe_records` over ``dataset`` in its order, by Ray
+    tasks; the driver gets the small rows only."""
+    described = dataset.select_columns([cfg.id_field, cfg.text_field]).map_batches(
+        describe_records, fn_kwargs={"id_field": cfg.id_field, "text_field": cfg.text_field},
+        batch_format="numpy", batch_size=None)
+    options = described.context.execution_options  # shared with ``dataset``: put back after
+    kept, options.preserve_order = options.preserve_order, True
+    try:
+        tables = list(described.iter_batches(batch_format="pyarrow", batch_size=None))
+    finally:
+        options.preserve_order = kept
+    return pa.concat_tables(tables) if tables else DESCRIBE_SCHEMA.empty_table()
+
+
+def _candidates(described: pa.Table, report: SkipReport, store: ShardStore) -> tuple[list, set, int]:
+    """The records to plan, as ``record_candidates`` makes them: bad ones reported, and
+    each occurrence of an id the dataset gives twice (none is indexed); also the unit
+    numbers those ids had and how many ids were duplicated."""
+    digests = np.array(described.column("digest").to_pylist(), dtype="S16")
+    _, inverse, times = np.unique(digests, return_inverse=True, return_counts=True)
+    times = times[inverse] if len(digests) else np.empty(0, np.int64)
+    ids = described.column("record_id").to_pylist()
+    problems = described.column("problem").to_pylist()
+    sizes, shas = described.column("size").to_pylist(), described.column("sha256").to_pylist()
+    out, duplicated = [], set()
+    for n, rid in enumerate(ids):
+        if problems[n] and times[n] == 1:
+            report.add(f"record {rid}", problems[n], stage="read")
+        elif times[n] > 1:
+            duplicated.add(rid)
+            report.add(f"record {rid}", f"duplicate: the record id {rid!r} occurs {times[n]} times "
+                       "in the dataset; ids must be unique, so none of them is indexed", stage="plan")
+        else:
+            out.append({"key": _key(rid), "size": sizes[n], "mtime_ns": None, "sha256": shas[n],
+                        "record_id": rid})
+    had = {u.unit_no for u in store.units([_key(r) for r in duplicated]).values()}
+    return out, had, len(duplicated)
 
 
 def plan_ray_index(dataset: ray.data.Dataset, out: str | os.PathLike,
                    config: IndexConfig | None = None, *, num_gpus: float = 0,
                    writers: str | None = None, **overrides) -> RayIndexPlan:
     """Create or open the index at ``out`` and plan the run over ``dataset`` (see the
-    module docstring): only the index is read, and the dataset's first ``train_size``
-    records when a factory must be trained. ``num_gpus`` is what the actors will get:
-    with GPUs the default precision is fp16, else fp32. ``device``, ``devices`` and
-    ``num_workers`` do not apply here; Ray places the actors. ``writers``: the s3:// URL
-    of an index whose working folder ``out`` is (:func:`build_index_ray` with an s3://
-    ``out``): the actors write in folders of their own and upload their shards there."""
+    module docstring): a first pass of Ray tasks hashes the records, the driver plans as
+    ``build_index`` does, numbers the records to embed and writes their unit rows; it
+    reads the dataset's first ``train_size`` texts when a factory must be trained.
+    ``num_gpus`` is what the actors will get: with GPUs the default precision is fp16,
+    else fp32. ``device``, ``devices`` and ``num_workers`` do not apply here; Ray places
+    the actors. ``writers``: the s3:// URL of an index whose working folder ``out`` is
+    (:func:`build_index_ray` with an s3:// ``out``): the actors write in folders of their
+    own and upload their shards there."""
     from ...stages.encoder import TextEncoder
     from ...stages.prompts import Prompts
 
@@ -465,24 +455,22 @@ def plan_ray_index(dataset: ray.data.Dataset, out: str | os.PathLike,
                     "search": search_defaults(manifest, cfg)}
         cfg = dataclasses.replace(cfg, doc_prompt=settings["prompts"]["document"])
         store.clean_garbage()
-        half_done = store.reconcile()  # a stopped run's units, and vectors of units with no row
-        removed = store.remove_units(half_done) if half_done else 0
-        units = store.units()
-        complete = [u for u in units.values() if u.status == "done" and u.n_chunks]
-        records = [u for u in units.values() if u.key.startswith("record:")]
-        known = (np.array([_digest(u.key[len("record:"):]) for u in records], dtype="S16"),
-                 np.array([u.unit_no for u in records], dtype=np.int64))
-        others = [u.unit_no for u in units.values() if not u.key.startswith("record:")]
-        sample = _sample(dataset, cfg) if needs_training(store, cfg, encoder.dim) else []
+        candidates, duplicated_units, duplicate_ids = _candidates(_described(dataset, cfg), report, store)
+        plan = plan_units(store, candidates, report)
+        log.info("%s: %d records to index, %d unchanged, %d deleted", out, len(plan.todo),
+                 plan.unchanged, len(plan.deleted))
+        removed, unit_nos = apply_plan(store, plan)
+        assigned = Assigned.build((c["record_id"], c["sha256"], unit_nos[c["key"]]) for c in plan.todo)
+        sample = _sample(dataset, cfg) if plan.todo and needs_training(store, cfg, encoder.dim) else []
         trained = train_if_needed(store, manifest, encoder, sample, cfg, chunk_tokens)
-        numbers = number_blocks(store.highest_unit_no() + 1, MAX_UNIT_NO)
     except BaseException:
         store.close()
         raise
-    counts = {"units_seen": 0, "units_indexed": 0, "units_unchanged": 0, "units_removed": 0,
-              "vectors_removed": removed, "docs": 0, "chunks": 0}
-    return RayIndexPlan(out, cfg, dtype, chunk_tokens, trained,
-                        ray.put(IndexedUnits.build(complete)), numbers, known, others,
+    counts = {"units_seen": plan.seen_keys, "units_indexed": 0, "units_unchanged": plan.unchanged,
+              "units_removed": len(set(plan.deleted) - duplicated_units),
+              "vectors_removed": removed, "docs": 0, "chunks": 0, "duplicate_ids": duplicate_ids,
+              "units_incomplete": 0}
+    return RayIndexPlan(out, cfg, dtype, chunk_tokens, trained, ray.put(assigned),
                         encoder.info()["name"], counts, report, store, started, settings, writers)
 
 
@@ -520,13 +508,12 @@ def build_index_ray(dataset: ray.data.Dataset, out: str | os.PathLike,
     below the cluster's CPUs when the actors use no GPU): Ray Data would otherwise wait
     forever for one.
     """
-    def run(plan: RayIndexPlan, pull=None, remote=None) -> dict:
+    def run(plan: RayIndexPlan, pull=None) -> dict:
         results = dataset.map_batches(
             EmbedBatches, fn_constructor_kwargs=plan.actor_kwargs(), batch_size=records_per_call,
             batch_format="numpy", concurrency=concurrency, num_gpus=num_gpus or None,
             num_cpus=num_cpus)
-        return plan.finish(results, progress=progress, pull=pull,
-                           save=remote.checkpoint if remote else None)
+        return plan.finish(results, progress=progress, pull=pull)
 
     if not is_remote(out):
         return run(plan_ray_index(dataset, out, config, num_gpus=num_gpus, **overrides))
@@ -537,6 +524,6 @@ def build_index_ray(dataset: ray.data.Dataset, out: str | os.PathLike,
         plan = plan_ray_index(dataset, remote.folder, config, num_gpus=num_gpus,
                               writers=remote.url, **overrides)
         remote.checkpoint()  # trained.faiss, which the actors download, and units.sqlite
-        summary = run(plan, pull=remote.pull_shards, remote=remote)
+        summary = run(plan, pull=remote.pull_shards)
     summary.update(index=remote.url, report=f"{remote.url}/{REPORT_NAME}")
     return summary
