@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import signal
 import sqlite3
 import sys
 import typing
@@ -16,6 +17,7 @@ from typing import NoReturn
 import click
 
 from ..errors import EmbedingestError
+from ..interrupts import redeliver_swallowed_interrupts
 from ..exit_codes import EXIT_INTERRUPTED
 
 
@@ -122,12 +124,17 @@ def run_options(preset: str, timeline: str, trace: str):
 def run_job(module: str, call, *, as_json: bool, paragraph, interrupted: str) -> NoReturn:
     """Import the job's ``module`` (Ctrl-C-safe), run ``call(module)`` and print the summary
     it returns (as JSON, or as ``paragraph(summary)``), then exit with its ``exit_code``;
-    on Ctrl-C say ``interrupted: <interrupted>`` and exit with :data:`EXIT_INTERRUPTED`."""
+    on Ctrl-C say ``interrupted: <interrupted>`` and exit with :data:`EXIT_INTERRUPTED`,
+    also when the Ctrl-C landed where Python swallows it (a finalizer, an import lock's
+    callback): it is delivered again."""
+    previous, sys.unraisablehook = sys.unraisablehook, redeliver_swallowed_interrupts(signal.SIGINT)
     try:
         summary = call(import_interruptibly(module))
     except KeyboardInterrupt:
         click.echo(f"\ninterrupted: {interrupted}", err=True)
         exit_quickly(EXIT_INTERRUPTED)
+    finally:
+        sys.unraisablehook = previous
     if as_json:
         emit_json(summary)
     else:

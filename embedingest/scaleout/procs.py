@@ -26,6 +26,7 @@ from multiprocessing.connection import wait
 
 from ..engine.consumers import _die_with_parent
 from ..errors import EngineError, error_payload, rebuild_error
+from ..interrupts import redeliver_swallowed_interrupts
 
 log = logging.getLogger("embedingest")
 
@@ -322,20 +323,8 @@ def _interrupt_once(signum, frame):
     raise KeyboardInterrupt
 
 
-def _stop_from_finalizer(args) -> None:
-    """``sys.unraisablehook`` of a child: a SIGTERM that landed while a finalizer
-    (``__del__``) ran raised its KeyboardInterrupt there, where Python swallows it with an
-    "Exception ignored" traceback and the child would go on, deaf to SIGTERM. Deliver it
-    again instead, from a thread a moment later (a signal sent from here would be handled
-    here, inside the hook): the handler then raises in the child's own code, or, landing
-    in a finalizer again, comes back here."""
-    if args.exc_type is not None and issubclass(args.exc_type, KeyboardInterrupt):
-        signal.signal(signal.SIGTERM, _interrupt_once)
-        resend = threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGTERM))
-        resend.daemon = True
-        resend.start()
-        return
-    sys.__unraisablehook__(args)
+_stop_from_finalizer = redeliver_swallowed_interrupts(
+    signal.SIGTERM, lambda: signal.signal(signal.SIGTERM, _interrupt_once))
 
 
 def _child_main(prepare, prepare_args, conn, parent_pid: int, level: int, siblings) -> None:
