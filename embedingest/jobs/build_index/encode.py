@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from ...config import IndexConfig
 from ...engine.consumers import exit_with_parent, loader_context
+from ...engine.worker_loader import WorkerLoader
 from ...errors import ConfigError
 from ...index.shard_store import ShardStore
 from ...index.shards import BatchMeta
@@ -60,7 +61,7 @@ def chunk_batches(units: list[Unit], encoder: TextEncoder, cfg: IndexConfig, chu
 def make_loader(units: list[Unit], encoder: TextEncoder, cfg: IndexConfig, workers: int,
                 chunk_tokens: int, pin: bool) -> DataLoader:
     """:func:`chunk_batches` from ``workers`` DataLoader worker processes."""
-    return DataLoader(chunk_batches(units, encoder, cfg, chunk_tokens), batch_size=None,
+    return WorkerLoader(chunk_batches(units, encoder, cfg, chunk_tokens), batch_size=None,
                       num_workers=workers, pin_memory=pin,
                       prefetch_factor=4 if workers else None, persistent_workers=False,
                       worker_init_fn=functools.partial(exit_with_parent, os.getpid()),

@@ -11,11 +11,11 @@ from collections import Counter
 from collections.abc import Iterator
 
 import torch
-from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from ...config import SegmentConfig
 from ...engine.consumers import exit_with_parent, loader_context
+from ...engine.worker_loader import WorkerLoader
 from ...engine.markers import annotate
 from ...report import SkipReport
 from ...runner import BatchSteps, run_batches
@@ -94,7 +94,7 @@ def segment_on_device(config: SegmentConfig, device: torch.device, todo: list[tu
     # this process, which drives the GPU, does nothing per image.
     headers = HeaderReaders(max(1, workers // 8) if workers and config.resize != "fit" else 0,
                             loader_context(), functools.partial(exit_with_parent, os.getpid()))
-    loader = DataLoader(
+    loader = WorkerLoader(
         ImageFileDataset(todo, prep, config.max_pixels or None),
         # batches of one shape planned from the headers; regroup joins their chunks
         batch_sampler=ShapeBatchSampler(todo, prep, config.batch_size, read_sizes=headers),

@@ -1,0 +1,27 @@
+"""A DataLoader whose forked workers never collect the parent's objects.
+
+A worker forked from a process that already used CUDA (a library caller's second job, a
+notebook, a test run) inherits that process's CUDA tensors and graphs. If the worker's
+garbage collector frees one of them, its destructor calls into a CUDA context that is the
+parent's: the CUDA runtime fails with "initialization error" and, inside a destructor, the
+worker aborts (a graph's reset only warns). Freezing the garbage collector while the
+workers fork puts every object of the parent into the permanent generation of each
+worker, which its collector never examines; the parent unfreezes its own right after.
+"""
+
+from __future__ import annotations
+
+import gc
+
+from torch.utils.data import DataLoader
+
+
+class WorkerLoader(DataLoader):
+    """:class:`torch.utils.data.DataLoader`, its workers forked with the collector frozen."""
+
+    def __iter__(self):
+        gc.freeze()
+        try:
+            return super().__iter__()
+        finally:
+            gc.unfreeze()
