@@ -269,3 +269,13 @@ def test_shards_after_a_reindex_are_that_generations_vectors(tmp_path):
     assert [(v.name, v.path, v.count, v.shard.name, v.ids_path) for v in store.shards()] == [
         (f"shard-run1-w0-0000{p}", folder / "shards" / f"shard-run1-w0-0000{p}.g1.faiss", n,
          f"shard-run1-w0-0000{p}", folder / "shards" / f"shard-run1-w0-0000{p}.parquet") for p, n in ((0, 6), (1, 4))]
+
+
+def test_a_read_only_store_never_makes_the_units_database(tmp_path):
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=1, chunks=2, workers=1)
+    store = ShardStore(folder, read_only=True)
+    assert store.read_only and store.generation == 0
+    with pytest.raises(ConfigError, match="units.sqlite' does not exist"):
+        store.units()
+    assert not (folder / "units.sqlite").exists()
