@@ -119,3 +119,13 @@ def test_a_segments_folder_alone_means_format_1(tmp_path):
     (tmp_path / "segments").rmdir()
     (tmp_path / "segments").write_text("a file of that name is not format 1's folder")
     assert index_format(tmp_path) is None
+
+
+def test_a_newer_format_is_refused_naming_the_folder(tmp_path):
+    folder = tmp_path / "ix"
+    folder.mkdir()
+    (folder / "manifest.json").write_text(json.dumps({"format": 7}))
+    with pytest.raises(ConfigError) as err:
+        require_current(folder)
+    assert str(err.value) == (f"the index at {str(folder)!r} has format 7, newer than this embedingest reads "
+                              "(format 2): upgrade embedingest")
