@@ -299,3 +299,27 @@ def test_irregular_row_groups_as_many_as_the_record_implies_are_read_from_the_fo
     rows = ShardRows([shard])
     assert rows._group_starts[0].tolist() == np.cumsum([0] + groups).tolist()
     assert rows.chunks(one.ids) == {i: expected_chunk(r) for i, r in one.rows.items()}
+
+
+def test_ids_of_the_highest_unit_numbers_map_to_their_own_rows(tmp_path):
+    """Unit numbers up to MAX_UNIT_NO make ids near 2**63: neighbouring chunks differ in
+    bits a float64 cannot hold, so the ids must stay integers all the way."""
+    from shard_fixtures import DIM, batches, meta_of, unit_vectors, write_manifest
+
+    from embedingest.index.store import MAX_UNIT_NO
+    from embedingest.sinks.shard_writer import ShardWriterFactory
+
+    folder = tmp_path / "ix"
+    write_manifest(folder)
+    units = [MAX_UNIT_NO - 1, MAX_UNIT_NO]
+    sink = ShardWriterFactory(str(folder), DIM, run_id="big")(0)
+    plan = batches(units, 5)
+    for b, (part, done) in enumerate(plan):
+        ids = np.array([r["id"] for r in part], dtype=np.int64)
+        sink(meta_of(b, part, done), {"emb": unit_vectors(len(ids), seed=b), "ids": ids})
+    sink.close()
+    want = {r["id"]: expected_chunk(r) for part, _ in plan for r in part}
+    rows = ShardRows(list_shards(folder / "shards"))
+    assert rows.chunks(list(want)) == want
+    shard, row = rows.locate(list(want))
+    assert shard.tolist() == [0] * 10 and row.tolist() == list(range(10))
