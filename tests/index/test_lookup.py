@@ -91,7 +91,8 @@ def test_open_files_are_kept_and_reused_up_to_the_bound(built, monkeypatch):
     """A lookup reuses the Parquet files it has open (opening one costs a footer read);
     beyond OPEN_FILES the least recently used is dropped and opened again when needed."""
     monkeypatch.setattr(lookup, "OPEN_FILES", 2)
-    rows = ShardRows(list_shards(built.folder / "shards"))
+    # one thread: two shards read side by side would use their files in either order
+    rows = ShardRows(list_shards(built.folder / "shards"), threads=1)
     opened = []
     real_open = rows._open
     monkeypatch.setattr(rows, "_open", lambda no: opened.append(no) or real_open(no))
