@@ -89,3 +89,43 @@ def test_the_rebuild_command_quotes_what_the_shell_would_split(tmp_path):
     assert rebuild_command(tmp_path / "a b", manifest, save_embeddings=True) == (
         f"embedingest build-index '/data/it'\"'\"'s here' --out '{tmp_path}/a b' --model '/my models/m' "
         "--index IVF4,PQ8 --metric l2 --save-embeddings --overwrite")
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("[1, 2]", "format is None"),  # not an object
+    ('{"format": true}', "format is True"),  # a bool is no format number
+    ('{"format": 2.0}', "format is 2.0"),
+])
+def test_a_manifest_whose_format_is_not_an_integer_is_refused_exactly(tmp_path, text, problem):
+    (tmp_path / "manifest.json").write_text(text)
+    with pytest.raises(ConfigError) as err:
+        index_format(tmp_path)
+    assert str(err.value) == (f"{tmp_path / 'manifest.json'}: {problem}, not an integer: the manifest was "
+                              "changed or damaged; rebuild the index with --overwrite")
+
+
+def test_a_manifest_that_is_not_json_is_named_with_what_to_do(tmp_path):
+    (tmp_path / "manifest.json").write_text("{not json")
+    with pytest.raises(ConfigError) as err:
+        index_format(tmp_path)
+    path = str(tmp_path / "manifest.json")
+    assert str(err.value).startswith(f"cannot read {path!r}: Expecting property name")
+    assert str(err.value).endswith("; rebuild the index with --overwrite")
+
+
+def test_a_segments_folder_alone_means_format_1(tmp_path):
+    (tmp_path / "segments").mkdir()
+    assert index_format(tmp_path) == 1
+    (tmp_path / "segments").rmdir()
+    (tmp_path / "segments").write_text("a file of that name is not format 1's folder")
+    assert index_format(tmp_path) is None
+
+
+def test_a_newer_format_is_refused_naming_the_folder(tmp_path):
+    folder = tmp_path / "ix"
+    folder.mkdir()
+    (folder / "manifest.json").write_text(json.dumps({"format": 7}))
+    with pytest.raises(ConfigError) as err:
+        require_current(folder)
+    assert str(err.value) == (f"the index at {str(folder)!r} has format 7, newer than this embedingest reads "
+                              "(format 2): upgrade embedingest")

@@ -91,7 +91,8 @@ def test_open_files_are_kept_and_reused_up_to_the_bound(built, monkeypatch):
     """A lookup reuses the Parquet files it has open (opening one costs a footer read);
     beyond OPEN_FILES the least recently used is dropped and opened again when needed."""
     monkeypatch.setattr(lookup, "OPEN_FILES", 2)
-    rows = ShardRows(list_shards(built.folder / "shards"))
+    # one thread: two shards read side by side would use their files in either order
+    rows = ShardRows(list_shards(built.folder / "shards"), threads=1)
     opened = []
     real_open = rows._open
     monkeypatch.setattr(rows, "_open", lambda no: opened.append(no) or real_open(no))
@@ -164,3 +165,162 @@ def test_locate_of_one_row_a_scalar_and_a_grid(tmp_path):
     assert [a.tolist() for a in rows.locate(only)] == [[0], [0]]
     assert [a.tolist() for a in rows.locate(np.array([[only, -1], [only + 5, only]]))] == [[0, -1, -1, 0],
                                                                                           [0, -1, -1, 0]]
+
+
+@pytest.mark.parametrize("size", [0, 1, 3, 5, 9, 16, 1000, "8"])
+def test_a_record_whose_row_group_size_is_not_the_files_reads_the_footer(built, size):
+    """Row groups of 8 rows; a record that says another size (or none that is a positive
+    integer) must not place rows in the wrong group: the starts come from the footer."""
+    import dataclasses
+
+    real = list_shards(built.folder / "shards")
+    shards = [dataclasses.replace(s, record={**s.record, "row_group_rows": size}) for s in real]
+    rows = ShardRows(shards)
+    footer = [np.cumsum([0] + [8] * (s.rows // 8) + ([s.rows % 8] if s.rows % 8 else [])) for s in real]
+    assert [a.tolist() for a in rows._group_starts] == [f.tolist() for f in footer]
+    assert rows.chunks(built.ids) == {i: expected_chunk(r) for i, r in built.rows.items()}
+
+
+def test_the_record_size_gives_the_same_starts_as_the_footer(built):
+    rows = ShardRows(list_shards(built.folder / "shards"))
+    assert [a.tolist() for a in rows._group_starts] == [
+        list(range(0, s.rows, 8)) + [s.rows] for s in rows.shards]
+
+
+def test_ids_given_by_the_caller_are_checked_against_the_row_groups(built):
+    """open_index passes the ids of the faiss files: a shard whose ids differ from its
+    rows' in the first or the last row group (their min/max statistics) is refused."""
+    from embedingest.errors import ConfigError
+    from embedingest.index.shards import read_ids
+
+    shards = list_shards(built.folder / "shards")
+    ids = [read_ids(s) for s in shards]
+    rows = ShardRows(shards, ids=ids)
+    assert rows.chunks(built.ids) == {i: expected_chunk(r) for i, r in built.rows.items()}
+    assert all(np.array_equal(rows.shard_ids(n), ids[n]) for n in range(len(shards)))
+    no = max(range(len(shards)), key=lambda n: shards[n].rows)
+    last = (shards[no].rows - 1) // 8 * 8
+    for at in (0, last, shards[no].rows - 1):
+        bad = [a.copy() for a in ids]
+        bad[no][at] -= 1 << 40
+        with pytest.raises(ConfigError) as err:
+            ShardRows(shards, ids=bad)
+        assert str(err.value) == (
+            f"the vectors of shard {shards[no].name} are not in the order of its rows in "
+            f"{str(shards[no].path('parquet'))!r}: the shard is damaged; delete its files "
+            f"({shards[no].name}.*) and run build-index again")
+    with pytest.raises(ValueError, match=f"^{len(shards) - 1} id arrays for {len(shards)} shards with rows$"):
+        ShardRows(shards, ids=ids[1:])
+    short = [a.copy() for a in ids]
+    short[no] = short[no][:-1]
+    with pytest.raises(ConfigError, match=f"holds {shards[no].rows} rows, but its commit record says "
+                                          f"{shards[no].rows}: the shard is damaged"):
+        ShardRows(shards, ids=short)
+
+
+def test_a_shard_whose_rows_are_not_its_records_count_is_named(built):
+    import dataclasses
+
+    from embedingest.errors import ConfigError
+
+    shards = list_shards(built.folder / "shards")
+    wrong = dataclasses.replace(shards[1], rows=shards[1].rows + 1)
+    with pytest.raises(ConfigError) as err:
+        ShardRows([shards[0], wrong])
+    assert str(err.value) == (
+        f"{str(wrong.path('parquet'))!r} holds {shards[1].rows} rows, but its commit record says "
+        f"{wrong.rows}: the shard is damaged; delete its files ({wrong.name}.*) and run build-index again")
+
+
+def test_a_file_that_is_not_parquet_is_named_with_what_to_do(tmp_path):
+    from embedingest.errors import ConfigError
+
+    one = build_shards(tmp_path / "ix", n_units=1, chunks=3, workers=1)
+    (shard,) = list_shards(one.folder / "shards")
+    path = shard.path("parquet")
+    path.write_bytes(b"\0" * path.stat().st_size)
+    with pytest.raises(ConfigError) as err:
+        ShardRows([shard])
+    message = str(err.value)
+    assert message.startswith(f"cannot read {str(path)!r} (")
+    assert message.endswith(f"): the shard is damaged; delete its files ({shard.name}.*) and run build-index "
+                            "again to redo the units it held")
+
+
+def test_files_read_through_an_opener_are_named_by_where(built):
+    """Shards in object storage: files opened by the caller's opener, named in errors by
+    ``where``."""
+    import dataclasses
+    import io
+
+    from embedingest.errors import ConfigError
+
+    shards = list_shards(built.folder / "shards")
+    opened = []
+
+    def opener(shard):
+        opened.append(shard.name)
+        return io.BytesIO(shard.path("parquet").read_bytes())
+
+    rows = ShardRows(shards, opener=opener, where=lambda s: f"s3://bucket/ix/{s.name}.parquet")
+    assert opened == [s.name for s in shards]
+    assert rows.chunks(built.ids) == {i: expected_chunk(r) for i, r in built.rows.items()}
+    wrong = dataclasses.replace(shards[0], rows=shards[0].rows + 1)
+    with pytest.raises(ConfigError, match=f"^'s3://bucket/ix/{wrong.name}.parquet' holds {shards[0].rows} rows"):
+        ShardRows([wrong], opener=opener, where=lambda s: f"s3://bucket/ix/{s.name}.parquet")
+
+
+def test_a_closed_reader_opens_its_files_and_threads_again(built):
+    rows = ShardRows(list_shards(built.folder / "shards"), threads=2)
+    part = built.ids[::7]
+    want = {int(i): expected_chunk(built.rows[int(i)]) for i in part}
+    assert rows.chunks(part) == want and rows._pool is not None
+    rows.close()
+    assert rows._pool is None and len(rows._files) == 0
+    assert rows.chunks(part) == want
+    rows.close()
+
+
+@pytest.mark.parametrize("groups", [[8, 8, 4, 8], [4, 4, 8, 12]])
+def test_irregular_row_groups_as_many_as_the_record_implies_are_read_from_the_footer(tmp_path, groups):
+    """A file of 28 rows in 4 groups, as a record of 8-row groups implies, but not of 8
+    rows each but the last: the starts must come from the footer."""
+    import pyarrow.parquet as pq
+
+    from embedingest.index.shards import CHUNK_SCHEMA
+
+    one = build_shards(tmp_path / "ix", n_units=1, chunks=28, commit_every=100, workers=1, row_group_rows=8)
+    (shard,) = list_shards(one.folder / "shards")
+    table = pq.read_table(shard.path("parquet"))
+    with pq.ParquetWriter(shard.path("parquet"), CHUNK_SCHEMA) as writer:
+        start = 0
+        for size in groups:
+            writer.write_table(table.slice(start, size), row_group_size=size)
+            start += size
+    rows = ShardRows([shard])
+    assert rows._group_starts[0].tolist() == np.cumsum([0] + groups).tolist()
+    assert rows.chunks(one.ids) == {i: expected_chunk(r) for i, r in one.rows.items()}
+
+
+def test_ids_of_the_highest_unit_numbers_map_to_their_own_rows(tmp_path):
+    """Unit numbers up to MAX_UNIT_NO make ids near 2**63: neighbouring chunks differ in
+    bits a float64 cannot hold, so the ids must stay integers all the way."""
+    from shard_fixtures import DIM, batches, meta_of, unit_vectors, write_manifest
+
+    from embedingest.index.store import MAX_UNIT_NO
+    from embedingest.sinks.shard_writer import ShardWriterFactory
+
+    folder = tmp_path / "ix"
+    write_manifest(folder)
+    units = [MAX_UNIT_NO - 1, MAX_UNIT_NO]
+    sink = ShardWriterFactory(str(folder), DIM, run_id="big")(0)
+    plan = batches(units, 5)
+    for b, (part, done) in enumerate(plan):
+        ids = np.array([r["id"] for r in part], dtype=np.int64)
+        sink(meta_of(b, part, done), {"emb": unit_vectors(len(ids), seed=b), "ids": ids})
+    sink.close()
+    want = {r["id"]: expected_chunk(r) for part, _ in plan for r in part}
+    rows = ShardRows(list_shards(folder / "shards"))
+    assert rows.chunks(list(want)) == want
+    shard, row = rows.locate(list(want))
+    assert shard.tolist() == [0] * 10 and row.tolist() == list(range(10))

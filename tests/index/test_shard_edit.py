@@ -121,3 +121,86 @@ def test_a_kind_that_cannot_be_edited_in_place_needs_the_template(tmp_path):
     build_shards(folder, n_units=2, chunks=4, workers=1, factory="HNSW8", trained=trained)
     with pytest.raises(ValueError, match=r"^removing vectors from shard-run1-w0-00000 needs the empty index template$"):
         remove_units(folder / "shards", {1})
+
+
+def test_the_replacing_shards_records_say_exactly_what_they_hold(tmp_path):
+    """Each rewritten shard: named after the removal's run, parts in order, the kept
+    rows' id range (empty: 0, -1), the old shard's settings, the finished-marks of the
+    units left, its creation time."""
+    import re
+
+    from embedingest.index.shard_edit import remove_units
+    from embedingest.sinks.shard_writer import ROW_GROUP_ROWS
+
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=3, chunks=10, commit_every=8, workers=1)
+    old = list_shards(folder / "shards")
+    assert [s.rows for s in old] == [8, 8, 8, 6]
+    old_ids = [read_ids(s).tolist() for s in old]
+    assert remove_units(folder / "shards", {0, 2}, run_id="x") == 20
+    new = list_shards(folder / "shards")
+    assert [s.name for s in new] == [f"shard-rmx-w0-0000{p}" for p in range(4)]
+    for before, before_ids, after in zip(old, old_ids, new):
+        kept = [i for i in before_ids if i >> 32 == 1]
+        assert read_ids(after).tolist() == kept
+        record = {k: v for k, v in after.record.items() if k not in ("files", "created")}
+        marks = [(u, n) for u, n in before.units if u == 1]
+        assert record == {"format": 2, "name": after.name, "rows": len(kept),
+                          "id_min": min(kept) if kept else 0, "id_max": max(kept) if kept else -1,
+                          "dim": DIM, "factory": "Flat", "generation": 0, "row_group_rows": ROW_GROUP_ROWS,
+                          "units": [[u for u, _ in marks], [n for _, n in marks]],
+                          "replaces": [before.name], "run": "rmx"}
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", after.record["created"])
+        assert sorted(after.files) == (["emb", "faiss", "parquet"] if kept else [])
+        assert after.verify() is None
+    assert finished_units(new) == {1: 10}
+
+
+def test_a_shard_of_finished_marks_only_loses_the_marks_of_removed_units(tmp_path):
+    """A shard without rows is rewritten only when it marks a removed unit; the shards
+    after one left alone are still edited."""
+    from embedingest.index.shard_edit import remove_units
+    from embedingest.sinks.shard_writer import ShardWriterFactory, commit_finished
+
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=2, chunks=5, commit_every=100, workers=1)
+    commit_finished(ShardWriterFactory(str(folder), DIM, run_id="m"), [(7, 0), (8, 0)])
+    names = [s.name for s in list_shards(folder / "shards")]
+    assert names == ["shard-m-w9999-00000", "shard-run1-w0-00000"]
+    assert remove_units(folder / "shards", {0}, run_id="a") == 5  # the marks' shard comes first, untouched
+    assert [s.name for s in list_shards(folder / "shards")] == ["shard-m-w9999-00000", "shard-rma-w0-00000"]
+    assert remove_units(folder / "shards", {7}, run_id="b") == 0
+    shards = {s.name: s for s in list_shards(folder / "shards")}
+    marks = shards["shard-rmb-w0-00000"]
+    assert (marks.rows, marks.id_min, marks.id_max, marks.files, marks.units, marks.replaces) == (
+        0, 0, -1, {}, ((8, 0),), ("shard-m-w9999-00000",))
+    assert finished_units(shards.values()) == {1: 5, 8: 0}
+
+
+def test_vectors_out_of_their_rows_order_are_refused(tmp_path):
+    """A shard whose faiss ids are not its Parquet rows' order (same file size, so only
+    the rewrite can tell) is not rewritten with rows and vectors mismatched."""
+    from embedingest.index.shard_edit import remove_units
+
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=2, chunks=5, commit_every=100, workers=1)
+    (shard,) = list_shards(folder / "shards")
+    index = faiss.read_index(str(shard.path("faiss")))
+    ids = faiss.vector_to_array(index.id_map)
+    faiss.copy_array_to_vector(ids[::-1].copy(), index.id_map)
+    faiss.write_index(index, str(shard.path("faiss")))
+    assert list_shards(folder / "shards") == [shard]
+    with pytest.raises(ValueError, match=r"^the vectors of shard-run1-w0-00000 are not in the order of its rows$"):
+        remove_units(folder / "shards", {1})
+    assert list_shards(folder / "shards") == [shard]
+
+
+def test_a_shard_emptied_by_a_removal_has_an_empty_id_range(tmp_path):
+    from embedingest.index.shard_edit import remove_units
+
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=1, chunks=5, commit_every=100, workers=1)
+    assert remove_units(folder / "shards", [0], run_id="e") == 5
+    (shard,) = list_shards(folder / "shards")
+    assert (shard.name, shard.rows, shard.id_min, shard.id_max, shard.files, shard.units) == (
+        "shard-rme-w0-00000", 0, 0, -1, {}, ())

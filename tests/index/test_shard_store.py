@@ -156,3 +156,125 @@ def test_remove_units_of_a_flat_index_needs_no_manifest(tmp_path):
     store = ShardStore(folder)
     assert not store.exists() and store.remove_units({2}) == 5
     assert {int(i) >> 32 for s in list_shards(folder / "shards") if s.rows for i in read_ids(s)} == {1}
+
+
+def test_units_keep_every_field_of_their_row(tmp_path):
+    store = ShardStore(tmp_path / "ix")
+    store.create_or_open(manifest())
+    store.upsert_units([{"key": "a", "size": 5, "mtime_ns": 123456789, "sha256": "ab"}])
+    write_units(store, tmp_path / "ix", [1], 3, "a")
+    (unit,) = store.units().values()
+    assert (unit.unit_no, unit.key, unit.size, unit.mtime_ns, unit.sha256, unit.n_chunks, unit.status) == (
+        1, "a", 5, 123456789, "ab", 3, "done")
+
+
+def test_clean_garbage_after_a_reindex_keeps_that_generations_vectors(tmp_path):
+    """Only temporary files go: the shards' vectors are in their .g1.faiss files now."""
+    from embedingest.index.reindex import reindex
+
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=2, chunks=5, commit_every=6, workers=1, save_embeddings=True)
+    reindex(folder, "Flat")
+    store = ShardStore(folder)
+    before = sorted(os.listdir(folder / "shards"))
+    assert sum(n.endswith(".g1.faiss") for n in before) == 2
+    (folder / ".manifest.json.tmp-1").write_bytes(b"x")
+    assert store.clean_garbage() == [".manifest.json.tmp-1"]
+    assert sorted(os.listdir(folder / "shards")) == before
+    assert [s.rows for s in store.committed()] == [6, 4]
+
+
+def test_reconcile_against_the_expected_chunk_counts(tmp_path):
+    """Units the plan expects but no shard holds, and rows of units it does not expect."""
+    store = ShardStore(tmp_path / "ix")
+    store.create_or_open(manifest())
+    write_units(store, tmp_path / "ix", [1, 2], 10, "a")
+    assert store.reconcile({1: 10, 2: 10}) == set()
+    assert store.reconcile({1: 10, 3: 4}) == {2, 3}
+    assert store.reconcile({1: 11, 2: 10}) == {1}
+
+
+def test_create_makes_the_folder_and_its_missing_parents(tmp_path):
+    folder = tmp_path / "new" / "nested" / "ix"
+    ShardStore(folder).create_or_open(manifest())
+    assert visible(folder) == ["manifest.json", "shards"]
+
+
+def test_reopening_an_index_takes_its_generation_and_trained_file(tmp_path):
+    from shard_fixtures import write_manifest
+
+    folder = tmp_path / "ix"
+    store = ShardStore(folder)  # made before the index was (as by a waiting build)
+    write_manifest(folder, generation=2)
+    assert store.create_or_open(manifest()).generation == 2
+    assert (store.generation, store.trained_path) == (2, folder / "trained.g2.faiss")
+    again = ShardStore(folder)
+    again.create_or_open(manifest())
+    assert (again.generation, again.trained_path) == (2, folder / "trained.g2.faiss")
+
+
+def test_new_settings_of_an_index_without_vectors_are_logged_and_its_trained_file_goes(tmp_path, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="embedingest")
+    folder = tmp_path / "ix"
+    store = ShardStore(folder)
+    assert store.create_or_open(manifest("IVF4,Flat")).generation == 0
+    assert store.trained_path == folder / "trained.faiss"
+    store.trained_path.write_bytes(b"trained for IVF4")
+    old, new = manifest("IVF4,Flat").describe(), manifest("Flat").describe()
+    caplog.clear()
+    assert store.create_or_open(manifest("Flat")).factory == "Flat"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the index at {folder} holds no shard yet: its settings ({old}) become {new}"]
+    assert not (folder / "trained.faiss").exists()
+    assert json.loads((folder / "manifest.json").read_text())["factory"] == "Flat"
+
+
+def test_other_settings_are_refused_even_when_a_shard_with_vectors_is_damaged(tmp_path):
+    """The refusal says what to do (--overwrite), not that a shard is damaged."""
+    store = ShardStore(tmp_path / "ix")
+    store.create_or_open(manifest())
+    write_units(store, tmp_path / "ix", [1], 2, "a")
+    (shard,) = list_shards(tmp_path / "ix" / "shards")
+    with open(shard.path("parquet"), "r+b") as fh:
+        fh.truncate(10)
+    with pytest.raises(ConfigError) as err:
+        store.create_or_open(manifest("HNSW8"))
+    assert str(err.value) == (
+        f"the index at {str(tmp_path / 'ix')!r} was built with {manifest().describe()}, not "
+        f"{manifest('HNSW8').describe()}: use --overwrite to rebuild it, or another folder")
+
+
+def test_update_shards_writes_the_changes_and_the_shard_list_into_the_given_manifest(tmp_path):
+    store = ShardStore(tmp_path / "ix")
+    m = store.create_or_open(manifest())
+    write_units(store, tmp_path / "ix", [1], 3, "a")
+    m.search = {"params": "nprobe=4"}  # held by the caller, not yet written
+    out = store.update_shards(m, corpus_path="/data/other")
+    assert out is m and (m.corpus_path, m.segments) == ("/data/other", [{"name": "shard-a-w0-00000", "count": 3}])
+    data = json.loads((tmp_path / "ix" / "manifest.json").read_text())
+    assert (data["corpus_path"], data["search"], data["segments"]) == (
+        "/data/other", {"params": "nprobe=4"}, [{"name": "shard-a-w0-00000", "count": 3}])
+
+
+def test_shards_after_a_reindex_are_that_generations_vectors(tmp_path):
+    from embedingest.index.reindex import reindex
+
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=2, chunks=5, commit_every=6, workers=1, save_embeddings=True)
+    reindex(folder, "Flat")
+    store = ShardStore(folder)
+    assert [(v.name, v.path, v.count, v.shard.name, v.ids_path) for v in store.shards()] == [
+        (f"shard-run1-w0-0000{p}", folder / "shards" / f"shard-run1-w0-0000{p}.g1.faiss", n,
+         f"shard-run1-w0-0000{p}", folder / "shards" / f"shard-run1-w0-0000{p}.parquet") for p, n in ((0, 6), (1, 4))]
+
+
+def test_a_read_only_store_never_makes_the_units_database(tmp_path):
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=1, chunks=2, workers=1)
+    store = ShardStore(folder, read_only=True)
+    assert store.read_only and store.generation == 0
+    with pytest.raises(ConfigError, match="units.sqlite' does not exist"):
+        store.units()
+    assert not (folder / "units.sqlite").exists()
