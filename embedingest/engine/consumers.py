@@ -13,6 +13,7 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 import time
 
 from ..errors import error_payload
@@ -69,11 +70,31 @@ def exit_with_parent(parent_pid: int, worker_id: int = 0) -> None:
     running forever. A worker that takes Ctrl-C (sent to the whole process group) as
     KeyboardInterrupt leaves its loop before the loader is shut down, then waits at exit
     to flush a queue nobody reads, and the loader's shutdown waits 5 s for it; ignoring
-    SIGINT, it goes as soon as the main process shuts the loader down."""
+    SIGINT, it goes as soon as the main process shuts the loader down.
+
+    A worker hands a batch's tensors over through multiprocessing's resource sharer (a
+    thread serving file descriptors); when the main process exits on Ctrl-C in the middle
+    of that hand-over, the thread's connection breaks and Python would print its traceback
+    under the run's "interrupted" line, in the moment before the worker is killed with its
+    parent. Such an error is dropped (:func:`_quiet_resource_sharer`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.excepthook = _quiet_resource_sharer
     _parent_death_signal(signal.SIGKILL)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
+
+
+def _quiet_resource_sharer(args) -> None:
+    """``threading.excepthook`` of a loader worker: a broken connection in the resource
+    sharer's thread (the process fetching a batch went away: the run is stopping) is no
+    error; anything else is reported as Python does."""
+    if issubclass(args.exc_type, (OSError, EOFError)):
+        tb = args.exc_traceback
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename.endswith("resource_sharer.py"):
+                return
+            tb = tb.tb_next
+    threading.__excepthook__(args)
 
 
 def _error_message(worker: int, seq, batch_id, exc: BaseException) -> Failed:
