@@ -192,7 +192,7 @@ class BertEncoder(nn.Module):
 
     def __init__(self, config: dict):
         super().__init__()
-        self.config = SimpleNamespace(**config, _attn_implementation="sdpa")
+        self.config = SimpleNamespace(**{**config, "_attn_implementation": "sdpa"})
         self.embeddings = _Embeddings(config)
         self.encoder = _Encoder(config, _ACTIVATIONS[config.get("hidden_act", "gelu")])
 
