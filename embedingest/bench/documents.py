@@ -158,6 +158,7 @@ def forward_alone(windows: list, cfg: DocumentsBenchConfig, dtype: str) -> dict:
     import torch
 
     from ..stages.encoder import TextEncoder
+    from .text import timed_forward
 
     enc = TextEncoder.load(cfg.model, device=cfg.device, dtype=dtype)
     ordered = sorted(windows, key=len)
@@ -171,15 +172,7 @@ def forward_alone(windows: list, cfg: DocumentsBenchConfig, dtype: str) -> dict:
             ids[row, :len(w)] = torch.tensor(w)
             mask[row, :len(w)] = 1
         batches.append((ids.to(cfg.device), mask.to(cfg.device)))
-    with torch.inference_mode():
-        for ids, mask in batches:
-            enc.forward(ids, mask)
-        _sync(cfg.device)
-        t0 = time.perf_counter()
-        for ids, mask in batches:
-            enc.forward(ids, mask)
-        _sync(cfg.device)
-    seconds = time.perf_counter() - t0
+    seconds = timed_forward(enc, batches, cfg.device)
     return {"name": f"encoder forward alone (pre-tokenized), {dtype}", "kind": "bound",
             "chunks": len(windows), "seconds": seconds, "chunks_per_s": len(windows) / seconds,
             "dim": enc.dim}
@@ -192,6 +185,7 @@ def st_encode(texts: list[str], cfg: DocumentsBenchConfig, dtype: str, chunk_tok
     from sentence_transformers import SentenceTransformer
 
     from ..stages.model_folder import resolve_model
+    from .text import sync
 
     sample = random.Random(0).sample(texts, min(cfg.st_sample, len(texts)))
     model = SentenceTransformer(str(resolve_model(cfg.model)[0]), device=cfg.device)
@@ -199,20 +193,13 @@ def st_encode(texts: list[str], cfg: DocumentsBenchConfig, dtype: str, chunk_tok
     if dtype != "fp32":
         model = model.to(torch.float16 if dtype == "fp16" else torch.bfloat16)
     model.encode(sample[:512], batch_size=256)
-    _sync(cfg.device)
+    sync(cfg.device)
     t0 = time.perf_counter()
     model.encode(sample, batch_size=256)
-    _sync(cfg.device)
+    sync(cfg.device)
     seconds = time.perf_counter() - t0
     return {"name": f"sentence-transformers encode(), {dtype}", "kind": "reference",
             "chunks": len(sample), "seconds": seconds, "chunks_per_s": len(sample) / seconds}
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.synchronize()
 
 
 def run_documents(cfg: DocumentsBenchConfig, log=print) -> tuple[dict, list[dict]]:

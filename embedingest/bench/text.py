@@ -89,9 +89,23 @@ def read_corpus(folder: Path) -> list[str]:
     return texts
 
 
-def _sync(device: str) -> None:
+def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
+
+
+def timed_forward(enc, batches: list, device: str) -> float:
+    """Seconds of ``enc.forward`` over ``batches`` (on the device already), each batch run
+    once before the clock, so kernels are chosen and CUDA graphs captured untimed."""
+    with torch.inference_mode():
+        for ids, mask in batches:
+            enc.forward(ids, mask)
+        sync(device)
+        t0 = time.perf_counter()
+        for ids, mask in batches:
+            enc.forward(ids, mask)
+        sync(device)
+    return time.perf_counter() - t0
 
 
 def st_encode_add(cfg: TextBenchConfig, corpus: Path, model_dir: str, dtype: str) -> dict:
@@ -103,7 +117,7 @@ def st_encode_add(cfg: TextBenchConfig, corpus: Path, model_dir: str, dtype: str
     if dtype == "fp16":
         model.half()
     model.encode(["warm up"] * cfg.batch_size, batch_size=cfg.batch_size)
-    _sync(cfg.device)
+    sync(cfg.device)
     t0 = time.perf_counter()
     texts = read_corpus(corpus)
     emb = model.encode(texts, batch_size=cfg.batch_size, normalize_embeddings=True,
@@ -140,15 +154,7 @@ def forward_only(cfg: TextBenchConfig, texts: list[str], batches: list, model_di
 
     enc = TextEncoder.load(model_dir, device=cfg.device, dtype=cfg.dtype, cuda_graphs=cuda_graphs)
     how = "CUDA graphs" if enc.uses_cuda_graphs else "eager"
-    with torch.inference_mode():
-        for ids, mask in batches:  # every shape once: graphs are captured before the clock
-            enc.forward(ids, mask)
-        _sync(cfg.device)
-        t0 = time.perf_counter()
-        for ids, mask in batches:
-            enc.forward(ids, mask)
-        _sync(cfg.device)
-    dt = time.perf_counter() - t0
+    dt = timed_forward(enc, batches, cfg.device)
     tokens = sum(int(m.sum()) for _, m in batches)
     return {"name": f"encoder forward alone (pre-tokenized), {cfg.dtype}, {how}",
             "kind": "bound" if cuda_graphs else "bound-eager",
