@@ -1,4 +1,5 @@
-"""A DataLoader whose forked workers never collect the parent's objects.
+"""Forking worker processes that never collect the parent's objects (a DataLoader's
+workers, the header readers of ``sources.shape_batches``).
 
 A worker forked from a process that already used CUDA (a library caller's second job, a
 notebook, a test run) inherits that process's CUDA tensors and graphs. If the worker's
@@ -11,17 +12,26 @@ worker, which its collector never examines; the parent unfreezes its own right a
 
 from __future__ import annotations
 
+import contextlib
 import gc
+from collections.abc import Iterator
 
 from torch.utils.data import DataLoader
+
+
+@contextlib.contextmanager
+def frozen_gc() -> Iterator[None]:
+    """Fork the processes that start in this block with the collector frozen."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 class WorkerLoader(DataLoader):
     """:class:`torch.utils.data.DataLoader`, its workers forked with the collector frozen."""
 
     def __iter__(self):
-        gc.freeze()
-        try:
+        with frozen_gc():
             return super().__iter__()
-        finally:
-            gc.unfreeze()

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
+from ..engine.worker_loader import frozen_gc
 from .image_decode import Preprocessing, header_size
 
 __all__ = ["ShapeBatchSampler", "HeaderReaders"]
@@ -54,7 +55,8 @@ class HeaderReaders:
         if self.processes and self._pool is None:
             self._pool = ProcessPoolExecutor(self.processes, mp_context=self.mp_context,
                                              initializer=self.initializer)
-            with contextlib.suppress(BrokenProcessPool):
+            # a reader forked from a process that used CUDA must not free its objects
+            with frozen_gc(), contextlib.suppress(BrokenProcessPool):
                 self._pool.submit(int).result()
         return self
 

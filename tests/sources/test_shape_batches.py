@@ -121,3 +121,18 @@ def test_header_readers_give_the_sizes_in_order_and_survive_a_dead_reader(tmp_pa
     with HeaderReaders(1, chunksize=1, initializer=functools.partial(os._exit, 3)) as read:  # each reader dies
         assert list(read(paths)) == want
     assert list(HeaderReaders(1)(paths)) == want  # not started: read here
+
+
+def test_readers_fork_with_the_parents_objects_frozen():
+    """A reader forked from a process that used CUDA (a library caller's second job) must
+    never collect the parent's objects: a CUDA tensor freed there aborts the reader
+    (seen on the H200 as "terminate called ... initialization error"). Forked with the
+    collector frozen, the parent's objects sit in the reader's permanent generation."""
+    import gc
+    import multiprocessing
+
+    assert gc.get_freeze_count() == 0
+    with HeaderReaders(1, multiprocessing.get_context("fork")) as read:
+        frozen = read._pool.submit(gc.get_freeze_count).result()
+    assert frozen > 1000  # every object of this test process
+    assert gc.get_freeze_count() == 0  # the parent's collector runs as before
