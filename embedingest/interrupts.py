@@ -5,9 +5,12 @@ Imports nothing heavy: the CLI installs it before the job's imports."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 import threading
+from collections.abc import Iterator
 
 
 def redeliver_swallowed_interrupts(signum: int, before=None):
@@ -30,3 +33,31 @@ def redeliver_swallowed_interrupts(signum: int, before=None):
         sys.__unraisablehook__(args)
 
     return hook
+
+
+@contextlib.contextmanager
+def children_ignore_sigint() -> Iterator[None]:
+    """SIGINT ignored while children start (device processes, engine consumers), so each
+    starts ignoring it (an ignored signal stays ignored through exec, and Python then
+    installs no handler): a Ctrl-C in the terminal reaches the whole process group, and a
+    spawned child still importing would die of it with a traceback before it could ignore
+    it itself.
+
+    Here it is blocked too, so a Ctrl-C meanwhile stays pending (Linux keeps a blocked
+    signal even when ignored) and arrives once the handler is back. That holds when no
+    other thread takes it: the CLI imports torch and numpy with SIGINT blocked, so their
+    threads keep it blocked (:func:`embedingest.cli.common.import_interruptibly`)."""
+    previous = signal.getsignal(signal.SIGINT)
+    # Not from another thread, nor over a handler set outside Python (it could not be put back).
+    if threading.current_thread() is not threading.main_thread() or previous is None:
+        yield
+        return
+    held = (signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            if hasattr(signal, "pthread_sigmask") else None)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)

@@ -100,3 +100,31 @@ class RecordingSink:
 
 def recording_sink_factory(worker: int):
     return RecordingSink(worker)
+
+
+class StartupSignalSinkFactory:
+    """Records how the consumer process treats SIGINT while it is still starting: it is
+    unpickled with the consumer's other arguments, before any code of the consumer runs."""
+
+    def __init__(self):
+        self.sigint_at_startup = "not unpickled"  # some state, so pickle calls __setstate__
+
+    def __setstate__(self, state):
+        import signal
+
+        self.__dict__.update(state)
+        self.sigint_at_startup = "ignored" if signal.getsignal(signal.SIGINT) == signal.SIG_IGN else "handled"
+
+    def __call__(self, worker: int):
+        return StartupSignalSink(self.sigint_at_startup)
+
+
+class StartupSignalSink:
+    def __init__(self, seen: str):
+        self.seen = seen
+
+    def __call__(self, batch_id, arrays):
+        return None
+
+    def close(self):
+        return self.seen

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from multiprocessing.connection import wait
 
 from ..errors import EngineError
+from ..interrupts import children_ignore_sigint
 from .consumers import consumer_main
 from .messages import Closed, Done, Skipped, Task
 from .pool import PoolHandle
@@ -47,7 +48,8 @@ class ConsumerGroup:
             p = ctx.Process(target=consumer_main, name=f"embedingest-consumer-{w}", daemon=True,
                             args=(w, sink_factory, handle, theirs, self.abort, os.getpid()))
             try:
-                p.start()
+                with children_ignore_sigint():
+                    p.start()
             except Exception as exc:
                 raise EngineError(f"cannot start consumer {w}: {exc}; the sink factory must "
                                   "be picklable (a top-level function or class)") from exc

@@ -26,7 +26,7 @@ from multiprocessing.connection import wait
 
 from ..engine.consumers import _die_with_parent
 from ..errors import EngineError, error_payload, rebuild_error
-from ..interrupts import redeliver_swallowed_interrupts
+from ..interrupts import children_ignore_sigint, redeliver_swallowed_interrupts
 
 log = logging.getLogger("embedingest")
 
@@ -147,7 +147,7 @@ class DeviceProcesses:
                 siblings = list(self.conns) if start_method == "fork" else []
                 proc = ctx.Process(target=_child_main, name=f"embedingest-{job.name}",
                                    args=(prepare, job.args, theirs, os.getpid(), level, siblings))
-                with _environ(job.env), _sigint_ignored():
+                with _environ(job.env), children_ignore_sigint():
                     proc.start()
                 theirs.close()
                 self.procs.append(proc)
@@ -289,33 +289,6 @@ def _environ(extra: dict[str, str]):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-@contextlib.contextmanager
-def _sigint_ignored():
-    """SIGINT ignored while a child starts, so the child starts ignoring it (an ignored
-    signal stays ignored through exec, and Python then installs no handler): a Ctrl-C
-    in the terminal reaches the whole process group, and a spawned child still importing
-    would die of it with a traceback before it could ignore it itself.
-
-    Here it is blocked too, so a Ctrl-C meanwhile stays pending (Linux keeps a blocked
-    signal even when ignored) and arrives once the handler is back. That holds when no
-    other thread takes it: the CLI imports torch and numpy with SIGINT blocked, so their
-    threads keep it blocked (:func:`embedingest.cli.common.import_interruptibly`)."""
-    previous = signal.getsignal(signal.SIGINT)
-    # Not from another thread, nor over a handler set outside Python (it could not be put back).
-    if threading.current_thread() is not threading.main_thread() or previous is None:
-        yield
-        return
-    held = (signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-            if hasattr(signal, "pthread_sigmask") else None)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if held is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def _interrupt_once(signum, frame):

@@ -37,3 +37,22 @@ def test_a_broken_hand_over_in_the_resource_sharer_prints_nothing(capsys, exc):
 def test_other_thread_errors_are_reported(capsys, filename, exc):
     err = run_in_thread(filename, exc, capsys)
     assert "Traceback" in err and type(exc).__name__ in err
+
+
+def test_consumers_ignore_ctrl_c_from_the_start_of_their_start_up():
+    """A Ctrl-C in the terminal reaches every process of the group. A consumer still
+    importing (its arguments are unpickled before its code runs) died of it with a
+    KeyboardInterrupt traceback under the run's 'interrupted' line; it must already
+    ignore SIGINT then, and the producer's own handler must be back afterwards."""
+    import signal
+
+    from engine_sinks import StartupSignalSinkFactory
+
+    from embedingest.engine import EgressEngine
+
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with EgressEngine(StartupSignalSinkFactory(), num_consumers=2, device="cpu",
+                      slot_spec={"x": ((4,), "float32")}) as engine:
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.pthread_sigmask(signal.SIG_BLOCK, set()) == set()  # nothing left blocked
+    assert engine.closed_results == ["ignored", "ignored"]
