@@ -54,6 +54,27 @@ def _utf8(obj):
     return obj
 
 
+RAY_FILES = {"test_build_index_ray.py", "test_ray_prompts.py", "test_ray_cluster.py"}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``-n 2 --dist loadfile`` (README's test command): each test file runs whole on one
+    worker, so its module fixtures (a Ray cluster, a served index, the browser) start once,
+    and the Ray files share one worker: side by side their builds starve each other's
+    actors on two cores. (``xdist_group`` marks would say the same, but pytest-xdist 3.8's
+    ``loadgroup`` renames items through an attribute pytest 9 no longer reads.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "ray" if os.path.basename(path) in RAY_FILES else path
+
+    return FileScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
     for item in items:

@@ -447,10 +447,19 @@ def shm_in_use() -> set[str]:
     return used
 
 
-def new_shm_files(before: set[str], timeout: float = 5.0) -> set[str]:
+def shm_wait() -> float:
+    """How long a /dev/shm file nobody uses may stay before it counts as leaked. Alone, 5 s.
+    Beside another pytest-xdist worker, 120 s: /dev/shm is the machine's, and a run the
+    other worker's test killed leaves its multiprocessing semaphores (``sem.mp-*``) until
+    that test ends its run's last process, when the run's resource tracker unlinks them.
+    A real leak stays for good, so the longer wait only delays its failure."""
+    return 120.0 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 else 5.0
+
+
+def new_shm_files(before: set[str], timeout: float | None = None) -> set[str]:
     """/dev/shm files that appeared since ``before``, are still there after ``timeout``
-    and no live process uses: what a run leaked."""
-    deadline = time.monotonic() + timeout
+    (default :func:`shm_wait`) and no live process uses: what a run leaked."""
+    deadline = time.monotonic() + (shm_wait() if timeout is None else timeout)
     while True:
         new = shm_listing() - before
         if new:

@@ -72,4 +72,4 @@ def test_every_batch_reaches_one_sink_exactly_once_bit_exact(case):
     while child_pids() - kids_before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not child_pids() - kids_before, "consumer processes left behind"
-    assert not new_shm_files(shm_before, timeout=2.0)
+    assert not new_shm_files(shm_before)
