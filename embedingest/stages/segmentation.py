@@ -269,13 +269,27 @@ class Segmenter:
         for (h, w), index in by_size.items():
             ch, cw = metas[index[0]].content_height, metas[index[0]].content_width
             step = max(1, UPSAMPLE_BUDGET // (per_image * h * w))
-            for k in range(0, len(index), step):
-                part = index[k:k + step]
-                rows = (logits[part[0]:part[-1] + 1] if part[-1] - part[0] + 1 == len(part)
-                        else logits[part])
-                for i, mask in zip(part, upsampled_argmax(rows[:, :, :ch, :cw], (h, w)), strict=True):
-                    masks[i] = mask
+            # Rows of one size are taken as slices, one run of neighbours at a time: indexing
+            # a CUDA tensor with a list copies the list from pageable memory, and such a copy
+            # waits for the stream: the host would wait for every batch's forward.
+            for run in _runs(index):
+                for k in range(0, len(run), step):
+                    a, b = run[k], run[min(k + step, len(run)) - 1] + 1
+                    for i, mask in zip(range(a, b), upsampled_argmax(logits[a:b, :, :ch, :cw], (h, w)),
+                                       strict=True):
+                        masks[i] = mask
         return masks, out
+
+
+def _runs(index: list[int]) -> list[list[int]]:
+    """``index`` (ascending) cut into runs of consecutive numbers."""
+    runs: list[list[int]] = []
+    for i in index:
+        if runs and runs[-1][-1] + 1 == i:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
 
 
 def upsampled_argmax(logits: torch.Tensor, size: tuple[int, int],

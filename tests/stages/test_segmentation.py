@@ -224,6 +224,27 @@ def test_image_masks_upsample_the_logits_to_each_image(r50_weights):
     assert not torch.equal(masks[1].float(), nearest_wrong), "the test tells the two apart"
 
 
+@pytest.mark.needs_cuda
+def test_image_masks_never_wait_for_the_gpu(r50_weights):
+    """The host must run ahead of the GPU: sizes interleaved in a batch (rows 0 and 2 of one
+    size) were gathered with a list index, whose copy from pageable memory waits for the
+    stream, so the host waited for every batch's forward. CUDA's sync debug mode raises
+    on any call that synchronizes."""
+    seg = Segmenter(load_segmentation_model(weights=str(r50_weights)), "cuda", "fp16")
+    logits = seg.logits(pixels(4).cuda())
+    metas = [ImageMeta("a", "", 150, 100, SIZE, SIZE), ImageMeta("b", "", 30, 20, SIZE, SIZE),
+             ImageMeta("c", "", 150, 100, SIZE, SIZE), ImageMeta("d", "", 150, 100, SIZE, SIZE)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        masks, _ = seg.image_masks(logits, metas, full_max_pixels=None)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for i, m in enumerate(metas):
+        up = F.interpolate(logits[i:i + 1], size=(m.height, m.width), mode="bilinear", align_corners=False)
+        assert torch.equal(masks[i], up.argmax(1)[0].to(torch.uint8)), m.rel_path
+
+
 def test_upsampled_argmax_in_parts_is_the_same_mask():
     """Scaling a few classes at a time (big images) keeps the mask, ties included."""
     torch.manual_seed(0)
