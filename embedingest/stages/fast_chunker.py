@@ -49,8 +49,9 @@ NANOTOKEN_CACHE = 1 << 16  # entries per level of nanotoken's word cache (its de
 _ASCII_PRE = re.compile(r"[A-Za-z0-9]+|[^A-Za-z0-9 \t\n\r]")
 _SPACE = re.compile(r"[ \t\n\r]")  # where BERT's words end for sure, as for Chunker's pieces
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+_SPACES = " \t\n\r"  # the only whitespace of a plain piece (_CONTROL excludes the rest)
 _NOT_SPACE = np.ones(256, dtype=bool)
-_NOT_SPACE[[ord(c) for c in " \t\n\r"]] = False
+_NOT_SPACE[[ord(c) for c in _SPACES]] = False
 # Strings that have tripped tokenizers: the start-up check encodes them with both.
 _CHECK = [
     "Hello, World! It's 3.14 o'clock; x[SEP]y [CLS] [cls] [MASK]s",
@@ -75,6 +76,7 @@ class FastChunker(Chunker):
                  fast: bool = True, arrays: bool = False):
         super().__init__(tokenizer, max_tokens, overlap, piece_chars, max_chars)
         self.arrays = arrays
+        self._special_arrays = np.array(self.prefix, np.int64), np.array(self.suffix, np.int64)
         self._nt = None
         self.fallback_reason: str | None = "fast=False was asked for"
         if fast:
@@ -256,7 +258,7 @@ class FastChunker(Chunker):
         n = len(doc.ids)
         budget, max_chars = self.budget, self.max_chars
         if self.arrays:
-            prefix, suffix = np.array(self.prefix, np.int64), np.array(self.suffix, np.int64)
+            prefix, suffix = self._special_arrays
 
             def window(a: int, b: int) -> np.ndarray:
                 return np.concatenate((prefix, doc.ids[a:b], suffix))
@@ -446,6 +448,12 @@ class _EdgeOffsets:
         plen = self.piece_len
         if self.unk in ids:
             return self._walk(piece, ids, j, side)
+        # a window's first token (a text's start) and last one (a text's end): the piece's
+        # first character that is not a space, and the end of its last
+        if j == 0 and not side:
+            return len(piece) - len(piece.lstrip(_SPACES))
+        if j == len(ids) - 1 and side:
+            return len(piece.rstrip(_SPACES))
         kept = _NOT_SPACE[np.frombuffer(piece.encode("ascii"), np.uint8)].nonzero()[0]
         before = sum(map(plen.__getitem__, ids[:j]))
         if side:
