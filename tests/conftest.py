@@ -54,13 +54,13 @@ def _utf8(obj):
     return obj
 
 
-RAY_FILES = {"test_build_index_ray.py", "test_ray_prompts.py", "test_ray_cluster.py"}
+RAY_FILES = {"test_build_index_ray.py", "test_ray_cluster.py"}
 
 
 def pytest_xdist_make_scheduler(config, log):
     """``-n 2 --dist loadfile`` (README's test command): each test file runs whole on one
     worker, so its module fixtures (a Ray cluster, a served index, the browser) start once,
-    and the Ray files share one worker: side by side their builds starve each other's
+    and the two Ray files share one worker: side by side their builds starve each other's
     actors on two cores. (``xdist_group`` marks would say the same, but pytest-xdist 3.8's
     ``loadgroup`` renames items through an attribute pytest 9 no longer reads.)"""
     if config.getvalue("dist") != "loadfile":

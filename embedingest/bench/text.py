@@ -9,6 +9,7 @@ read with ``ast``) joined into paragraphs of about 50 tokens, written as JSON li
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import random
 import re
@@ -39,7 +40,10 @@ class TextBenchConfig:
     trace: str | None = None  # Chrome trace of the build-index row (with CUDA graphs on a GPU)
 
 
-def _sentences() -> list[str]:
+@functools.lru_cache(maxsize=1)
+def _sentences() -> tuple[str, ...]:
+    """The stdlib's docstring sentences, sorted; read once per process (parsing every
+    module takes seconds, and callers make several corpora)."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     out: list[str] = []
     for path in sorted(stdlib.glob("*.py")):
@@ -53,7 +57,7 @@ def _sentences() -> list[str]:
                 for s in re.split(r"(?<=[.!?])\s+", " ".join(doc.split())):
                     if 30 <= len(s) <= 300 and not s.startswith(">>>"):
                         out.append(s)
-    return sorted(set(out))
+    return tuple(sorted(set(out)))
 
 
 def make_paragraphs(n: int, seed: int = 0, words: int = 24) -> list[str]:

@@ -12,6 +12,7 @@ import sys
 
 import numpy as np
 import pytest
+from model_fixtures import copy_model
 from s3_fixtures import s3, s3_endpoint  # noqa: F401 (fixtures)
 from test_build_index_devices import TOPICS, chunk_rows, vectors_by_id
 
@@ -19,6 +20,7 @@ from embedingest import build_index, open_index
 from embedingest.index.shard_store import ShardStore
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.*")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 SETTINGS = {"num_consumers": 1, "batch_size": 8, "chunk_tokens": 32, "overlap": 8}
 
 
@@ -31,13 +33,20 @@ def records():
     return recs
 
 
+KEEP_IDLE_WORKERS = {"num_workers_soft_limit": 8, "idle_worker_killing_time_threshold_ms": 3_600_000}
+"""Ray's ``_system_config`` for the tests' instances: the worker that ran a first pass (and
+imported torch with this package) is kept while the actors run, so the next build's
+first pass reuses it instead of paying that import again; by default Ray kills idle
+workers beyond one per CPU after a second."""
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'embedingest[ray]')")
     # address="local": a new instance of its own, never the cluster another test (or a
     # parallel test worker) started and recorded in Ray's temp folder for bare ray.init()s
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             configure_logging=False)
+             configure_logging=False, _system_config=KEEP_IDLE_WORKERS)
     yield ray
     ray.shutdown()
 
@@ -380,3 +389,22 @@ def test_records_in_a_bucket_build_the_index_of_the_same_records(tmp_path, ray_c
     for key in ("units_seen", "units_indexed", "chunks", "vectors_total", "skipped"):
         assert s2[key] == s1[key], key
     assert_same_index(one, two)
+
+
+@pytest.mark.slow
+def test_ray_build_uses_the_document_prompt_and_records_both(tmp_path, ray_cluster):
+    """build_index_ray honours the model's prompts as build_index does."""
+    from embedingest import build_index_ray
+
+    recs = [{"id": f"r{i}", "text": f"Record {i} tells of rivers, bread and whales, part {i}."}
+            for i in range(6)]
+    settings = {"num_consumers": 1, "batch_size": 4, "search_k": 4}
+    model = copy_model(tmp_path / "e5-like", prompts={"query": "query: ", "passage": "passage: "})
+    one, two = tmp_path / "one", tmp_path / "two"
+    build_index(recs, out=str(one), model=str(model), num_workers=0, **settings)
+    build_index_ray(ray_cluster.data.from_items(recs), two, model=str(model), concurrency=1, **settings)
+    m1, m2 = (json.loads((f / "manifest.json").read_text()) for f in (one, two))
+    assert m1["prompts"] == m2["prompts"] == {"document": "passage: ", "query": "query: "}
+    assert m2["search"] == {"k": 4}
+    va, vb = vectors_by_id(one), vectors_by_id(two)
+    assert sorted(va) == sorted(vb) and max(float(np.abs(va[i] - vb[i]).max()) for i in va) <= 1e-5
