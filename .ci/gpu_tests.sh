@@ -8,7 +8,7 @@ out=${OUT:-/tmp}
 skip=(--ignore=tests/jobs/test_remote_inputs.py --ignore=tests/jobs/test_remote_masks.py
       --ignore=tests/jobs/test_remote_outputs.py --ignore=tests/faults/test_faults_remote_outputs.py
       --ignore=tests/scaleout/test_ray_cluster.py --ignore=tests/scaleout/test_build_index_ray.py
-      --ignore=tests/scaleout/test_ray_prompts.py --ignore=tests/index/test_cache.py
+      --ignore=tests/index/test_cache.py
       --ignore=tests/sources/test_remote.py)
 rc=0
 python3 -m pytest -q -p no:cacheprovider -m needs_cuda "${skip[@]}" --ignore=tests/faults "$@" 2>&1 | tee "$out/gpu_rest.log" || rc=1
