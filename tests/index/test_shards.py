@@ -1,6 +1,7 @@
 """Index format 2 shards: what the writers commit, what a crash leaves, what is complete."""
 
 import json
+import logging
 import os
 
 import faiss
@@ -22,6 +23,7 @@ from embedingest.index.shards import (
     finished_units,
     incomplete_units,
     list_shards,
+    read_commit,
     read_ids,
 )
 from embedingest.sinks.shard_writer import ShardWriter, ShardWriterFactory
@@ -254,3 +256,81 @@ def test_hashing_file_is_a_write_only_stream_that_leaves_the_real_file_open():
     out.close()
     assert out.closed and not real.closed and real.getvalue() == b"abcde"
     assert out.summary("x") == {"name": "x", "size": 5, "sha256": hashlib.sha256(b"abcde").hexdigest()}
+
+
+def test_clean_names_everything_it_deletes_warns_and_keeps_finished_marks(tmp_path, caplog):
+    """Unreadable records, replaced shards, damaged shards and a removal's empty record
+    are all deleted and all named (several of each kind); a shard of finished-marks
+    only, and a replacement that keeps some marks, stay."""
+    from embedingest.sinks.shard_writer import commit_finished
+
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=4, chunks=10, commit_every=15, workers=1)  # parts 0, 1, 2
+    shards_dir = folder / "shards"
+    part = [f"shard-run1-w0-{p:05d}" for p in range(3)]
+    bad = [shards_dir / "shard-bad-w0-00000.commit.json", shards_dir / "shard-bad-w0-00001.commit.json"]
+    bad[0].write_text("{not json")
+    bad[1].write_text("[]")
+    expected_errors = []
+    for path in bad:
+        with pytest.raises(ConfigError) as err:
+            read_commit(path)
+        expected_errors.append(str(err.value))
+    sizes = {}
+    for name in part[1:]:  # damaged: 100 bytes of parquet left
+        path = shards_dir / f"{name}.parquet"
+        sizes[name] = path.stat().st_size
+        with open(path, "r+b") as fh:
+            fh.truncate(100)
+    spec = ShardWriterFactory(str(folder), DIM, run_id="rm1")
+    ShardWriter(spec, "shard-rm1-w0-00000", replaces=[part[0]]).commit()  # removes part 0, keeps nothing
+    commit_finished(ShardWriterFactory(str(folder), DIM, run_id="m"), [(7, 0)])
+    commit_finished(ShardWriterFactory(str(folder), DIM, run_id="n"), [(8, 0), (9, 0)])
+    keeper = ShardWriter(spec, "shard-rm1-w0-00001", replaces=["shard-n-w9999-00000"])  # unit 9 removed
+    keeper.add(np.zeros((0, DIM), np.float32), np.zeros(0, np.int64), meta_of(0, [], ()).chunks, [(8, 0)])
+    keeper.commit()
+
+    with caplog.at_level(logging.WARNING, logger="embedingest"):
+        removed = clean_shards(shards_dir)
+    assert sorted(removed) == sorted(
+        [p.name for p in bad] + ["shard-n-w9999-00000.commit.json", "shard-rm1-w0-00000.commit.json"]
+        + [f"{n}.{s}" for n in part for s in ("commit.json", "emb.npy", "faiss", "parquet")])
+    assert len(removed) == len(set(removed))
+    assert caplog.messages == expected_errors + [
+        f"shard {name} is damaged (its parquet file '{name}.parquet' holds 100 bytes, not {sizes[name]}): "
+        "it is deleted and its units are redone" for name in part[1:]]
+    left = list_shards(shards_dir)
+    assert [s.name for s in left] == ["shard-m-w9999-00000", "shard-rm1-w0-00001"]
+    assert finished_units(left) == {7: 0, 8: 0}
+    assert sorted(os.listdir(shards_dir)) == ["shard-m-w9999-00000.commit.json", "shard-rm1-w0-00001.commit.json"]
+
+
+def test_a_unit_declared_with_0_chunks_and_again_with_its_rows_is_incomplete(tmp_path):
+    """Two marks of one unit disagree (an empty unit, then one of 4 chunks): redo it,
+    although the later mark matches the rows."""
+    from embedingest.sinks.shard_writer import commit_finished
+
+    folder = tmp_path / "ix"
+    commit_finished(ShardWriterFactory(str(folder), DIM, run_id="a"), [(2, 0), (3, 0)])
+    writer = ShardWriter(ShardWriterFactory(str(folder), DIM, run_id="b"), "shard-b-w0-00000")
+    ((rows, _),) = batches([2], 4)
+    writer.add(unit_vectors(4), np.array([r["id"] for r in rows]), meta_of(0, rows, ()).chunks, [(2, 4)])
+    writer.commit()
+    shards = list_shards(folder / "shards")
+    assert [s.units for s in shards] == [((2, 0), (3, 0)), ((2, 4),)]
+    assert incomplete_units(shards) == {2}
+    assert incomplete_units(shards[1:]) == set()
+    commit_finished(ShardWriterFactory(str(folder), DIM, run_id="c"), [(3, 0)])
+    assert incomplete_units(list_shards(folder / "shards")) == {2}  # an empty unit marked twice is fine
+
+
+def test_known_units_count_units_of_finished_marks_alone(tmp_path):
+    from embedingest.sinks.shard_writer import commit_finished
+
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=2, chunks=3, workers=1)
+    commit_finished(ShardWriterFactory(str(folder), DIM, run_id="m"), [(5, 0)])
+    shards = list_shards(folder / "shards")
+    assert incomplete_units(shards, known={0, 1, 5}) == set()
+    assert incomplete_units(shards, known={0, 1}) == {5}  # marked, no rows, not a unit of the index
+    assert incomplete_units(shards, known={1, 5}) == {0}
