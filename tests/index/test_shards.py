@@ -20,6 +20,7 @@ from embedingest.index.shards import (
     decode_chunks,
     delete_shard,
     encode_chunks,
+    faiss_name,
     finished_units,
     incomplete_units,
     list_shards,
@@ -334,3 +335,142 @@ def test_known_units_count_units_of_finished_marks_alone(tmp_path):
     assert incomplete_units(shards, known={0, 1, 5}) == set()
     assert incomplete_units(shards, known={0, 1}) == {5}  # marked, no rows, not a unit of the index
     assert incomplete_units(shards, known={1, 5}) == {0}
+
+
+def test_read_commit_refuses_what_is_not_a_record_of_the_shard_word_for_word(tmp_path):
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=1, chunks=5, workers=1)
+    (shard,) = list_shards(folder / "shards")
+    path, good = shard.commit_path(), dict(shard.record)
+    advice = ("; delete that shard's files (every file named shard-run1-w0-00000.*) and run the same "
+              "build-index command again: the units it held are redone")
+
+    def refusal(text):
+        path.write_text(text if isinstance(text, str) else json.dumps(text))
+        with pytest.raises(ConfigError) as err:
+            read_commit(path)
+        return str(err.value)
+
+    def says(why):
+        return f"cannot read the commit record {str(path)!r} ({why}){advice}"
+
+    assert refusal("{not json") == says("JSONDecodeError: Expecting property name enclosed in double "
+                                        "quotes: line 1 column 2 (char 1)")
+    not_this = "ValueError: it is not a commit record of this shard in format 2"
+    assert refusal(dict(good, name="shard-run1-w0-00001")) == says(not_this)  # another shard's record
+    assert refusal(dict(good, format=1)) == says(not_this)
+    assert refusal(dict(good, files=list(good["files"].values()))) == says(not_this)
+    assert refusal({k: v for k, v in good.items() if k != "files"}) == says("KeyError: 'files'")
+    odd = {"name": "shard-run1-w0-00000.txt", "size": 3, "sha256": "0"}
+    assert refusal(dict(good, files=dict(good["files"], text=odd))) == says(
+        f"ValueError: its 'text' entry {odd!r} is not a file of the shard")
+    sized = dict(good["files"]["parquet"], size="1777")
+    assert refusal(dict(good, files=dict(good["files"], parquet=sized))) == says(
+        f"ValueError: its 'parquet' entry {sized!r} is not a file of the shard")
+    assert refusal(dict(good, units=[[0, 1], [5]])) == says(
+        "ValueError: zip() argument 2 is shorter than argument 1")
+    assert refusal(dict(good, replaces=["../shard-run1-w0-00001"])) == says(
+        "ValueError: replaces ('../shard-run1-w0-00001',) is not a list of shard names")
+    assert refusal(dict(good, replaces=[7])) == says("ValueError: replaces (7,) is not a list of shard names")
+
+    path.write_text(json.dumps({k: v for k, v in good.items() if k != "replaces"}))  # an older record
+    assert read_commit(path) == shard and read_commit(path).replaces == ()
+    path.unlink()  # a record read from object storage: its text is given, the path is only its name
+    assert read_commit(path, json.dumps(good).encode()) == shard
+
+
+def test_check_sizes_names_the_file_and_what_is_wrong(tmp_path):
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=1, chunks=5, workers=1)
+    (shard,) = list_shards(folder / "shards")
+    name, parquet = shard.name, shard.path("parquet")
+    assert shard.check_sizes() is None and shard.check_sizes(0) is None
+    assert shard.check_sizes(1) == f"its vectors file '{name}.g1.faiss' is missing"  # after a reindex
+    g1 = shard.faiss_path(1)
+    g1.symlink_to(shard.path("faiss"))
+    assert shard.check_sizes(1) == f"its vectors file '{name}.g1.faiss' is missing"  # a link is not followed
+    g1.unlink()
+    g1.write_bytes(b"new vectors: their size is in no record")
+    shard.path("faiss").unlink()  # the old generation's vectors are gone after a reindex
+    assert shard.check_sizes(1) is None
+    assert shard.check_sizes(0) == (f"its faiss file '{name}.faiss' cannot be read (No such file or directory)")
+
+    data = parquet.read_bytes()
+    parquet.unlink()
+    assert shard.check_sizes(1) == f"its parquet file '{name}.parquet' cannot be read (No such file or directory)"
+    parquet.write_bytes(data + b"x")
+    assert shard.check_sizes(1) == f"its parquet file '{name}.parquet' holds {len(data) + 1} bytes, not {len(data)}"
+    # the vectors listed first: the files after them are still checked
+    first = type(shard)(**{**{f: getattr(shard, f) for f in shard.__dataclass_fields__},
+                           "files": {"faiss": shard.files["faiss"], "parquet": shard.files["parquet"]}})
+    assert first.check_sizes(1) == f"its parquet file '{name}.parquet' holds {len(data) + 1} bytes, not {len(data)}"
+    copy = tmp_path / "copy.parquet"
+    copy.write_bytes(data)
+    parquet.unlink()
+    parquet.symlink_to(copy)  # the right size behind a link
+    assert shard.check_sizes(1) == f"its parquet file '{name}.parquet' is not a regular file (a link?)"
+    with pytest.raises(ConfigError) as err:
+        list_shards(folder / "shards", generation=1)
+    assert str(err.value) == (
+        f"shard {name} in {str(folder / 'shards')!r} is damaged: its parquet file '{name}.parquet' is not a "
+        f"regular file (a link?); delete that shard's files (every file named {name}.*) and run the same "
+        "build-index command again: the units it held are redone")
+
+
+def test_faiss_names_by_generation(tmp_path):
+    assert faiss_name("shard-a-w0-00001") == faiss_name("shard-a-w0-00001", 0) == "shard-a-w0-00001.faiss"
+    assert faiss_name("shard-a-w0-00001", 12) == "shard-a-w0-00001.g12.faiss"
+    build_shards(tmp_path, n_units=1, chunks=2, workers=1)
+    (shard,) = list_shards(tmp_path / "shards")
+    assert shard.faiss_path() == shard.path("faiss") == tmp_path / "shards" / "shard-run1-w0-00000.faiss"
+    assert shard.faiss_path(3) == tmp_path / "shards" / "shard-run1-w0-00000.g3.faiss"
+
+
+def test_a_commit_record_says_when_it_was_made_and_is_made_durable(tmp_path, monkeypatch):
+    """The record's rename is fsynced with its folder: the record that makes a shard exist
+    survives a power cut once the commit returns."""
+    import calendar
+    import time
+
+    import embedingest.outfiles as outfiles
+    from embedingest.index.shards import write_commit
+
+    synced = []
+    real = outfiles.fsync_dir
+    monkeypatch.setattr(outfiles, "fsync_dir", lambda folder: (synced.append(
+        (folder, sorted(p.name for p in folder.iterdir()))), real(folder)))
+    before = time.time()
+    build_shards(tmp_path / "ix", n_units=1, chunks=2, workers=1)
+    after = time.time()
+    (shard,) = list_shards(tmp_path / "ix" / "shards")
+    created = shard.record["created"]
+    assert int(before) <= calendar.timegm(time.strptime(created, "%Y-%m-%dT%H:%M:%SZ")) <= after
+    assert (tmp_path / "ix" / "shards", sorted(os.listdir(tmp_path / "ix" / "shards"))) in synced
+    synced.clear()
+    write_commit(tmp_path, {"name": "shard-x-w0-00000", "rows": 0})
+    assert synced == [(tmp_path, sorted(os.listdir(tmp_path)))] and "shard-x-w0-00000.commit.json" in synced[0][1]
+
+
+def test_chunk_rows_of_another_schema_are_refused_with_both_schemas():
+    import pyarrow as pa
+
+    other = pa.record_batch([pa.array([1], pa.int64())], names=["id"])
+    with pytest.raises(ConfigError) as err:
+        decode_chunks(other)
+    from embedingest.index.shards import CHUNK_SCHEMA
+    assert str(err.value) == f"chunk metadata has schema {other.schema}, not the shard schema {CHUNK_SCHEMA}"
+
+
+def test_read_ids_reads_only_the_id_column(tmp_path, monkeypatch):
+    build_shards(tmp_path, n_units=2, chunks=3, workers=1)
+    (shard,) = list_shards(tmp_path / "shards")
+    reads = []
+    real = pq.ParquetFile.read
+
+    def spy(self, columns=None, **kw):
+        reads.append(columns)
+        return real(self, columns=columns, **kw)
+    monkeypatch.setattr(pq.ParquetFile, "read", spy)
+    ids = read_ids(shard)
+    assert ids.dtype == np.int64 and ids.tolist() == [u << 32 | c for u in range(2) for c in range(3)]
+    assert reads == [["id"]]
