@@ -474,3 +474,20 @@ def test_read_ids_reads_only_the_id_column(tmp_path, monkeypatch):
     ids = read_ids(shard)
     assert ids.dtype == np.int64 and ids.tolist() == [u << 32 | c for u in range(2) for c in range(3)]
     assert reads == [["id"]]
+
+
+def test_now_is_utc_whatever_the_local_zone(monkeypatch):
+    import calendar
+    import time
+
+    from embedingest.index.shards import now
+
+    monkeypatch.setenv("TZ", "XYZ-5:30")  # five and a half hours east of UTC, no tz database needed
+    time.tzset()
+    try:
+        before = int(time.time())
+        stamp = calendar.timegm(time.strptime(now(), "%Y-%m-%dT%H:%M:%SZ"))
+        assert before <= stamp <= time.time()
+    finally:
+        monkeypatch.undo()
+        time.tzset()

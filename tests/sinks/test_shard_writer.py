@@ -10,6 +10,7 @@ import faiss
 import numpy as np
 import pytest
 import torch
+from s3_fixtures import s3, s3_endpoint  # noqa: F401 (fixtures)
 from shard_fixtures import DIM, batches, meta_of, unit_vectors
 
 from embedingest import EgressEngine
@@ -312,3 +313,38 @@ def test_a_sink_holds_the_writers_lock_until_it_closes(tmp_path):
     assert not taken()
     sink.close()
     assert not taken()
+
+
+def test_parquet_files_are_zstd_with_dictionaries_and_id_statistics(tmp_path):
+    """What lookups rely on: the id column's statistics (row groups found by id range),
+    the repeated source and record id columns dictionary-encoded, everything zstd."""
+    import pyarrow.parquet as pq
+
+    plan, ids = plan_of(range(2), 20)
+    sink = ShardWriterFactory(tmp_path, DIM, run_id="z", row_group_rows=16)(0)
+    feed(sink, plan, unit_vectors(len(ids)), ids)
+    sink.close()
+    (shard,) = list_shards(tmp_path / "shards")
+    meta = pq.read_metadata(shard.path("parquet"))
+    assert meta.num_row_groups == 3
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        columns = {group.column(c).path_in_schema: group.column(c) for c in range(group.num_columns)}
+        assert {name: col.compression for name, col in columns.items()} == dict.fromkeys(columns, "ZSTD")
+        assert [name for name, col in columns.items() if col.is_stats_set] == ["id"]
+        assert (columns["id"].statistics.min, columns["id"].statistics.max) == (
+            int(ids[16 * g]), int(ids[min(16 * g + 15, len(ids) - 1)]))
+        assert [name for name, col in columns.items() if col.has_dictionary_page] == ["source", "record_id"]
+
+
+def test_a_writer_with_remote_uploads_each_shard_it_commits(s3, tmp_path):
+    url = s3.url("ix")
+    sink = ShardWriterFactory(tmp_path, DIM, run_id="up", remote=url, commit_every=10, save_embeddings=True)(0)
+    plan, ids = plan_of([0], 15)
+    feed(sink, plan, unit_vectors(len(ids)), ids)
+    assert sink.close() == [{"name": "shard-up-w0-00000", "count": 10}, {"name": "shard-up-w0-00001", "count": 5}]
+    local = sorted(p.name for p in (tmp_path / "shards").iterdir())
+    assert len(local) == 8
+    assert sorted(p.rsplit("/", 1)[1] for p in s3.fs.find(f"{s3.name}/ix")) == local
+    for name in local:
+        assert s3.fs.cat_file(f"{s3.name}/ix/shards/{name}") == (tmp_path / "shards" / name).read_bytes()
