@@ -376,3 +376,21 @@ def test_ids_are_checked_against_sixteen_row_groups_spread_over_the_file():
 
 def test_ids_of_a_file_without_statistics_are_taken_as_given():
     assert lookup._groups_match(Footer([4, 4, 2]), np.array([0, 4, 8, 10]), np.arange(10, dtype=np.int64))
+
+
+def test_opening_reads_only_the_id_column_of_each_shard(built, monkeypatch):
+    import pyarrow.parquet as pq
+
+    reads = []
+    real = pq.ParquetFile.read
+
+    def spy(self, columns=None, **kw):
+        reads.append(columns)
+        return real(self, columns=columns, **kw)
+    monkeypatch.setattr(pq.ParquetFile, "read", spy)
+    shards = list_shards(built.folder / "shards")
+    rows = ShardRows(shards)
+    assert reads == [["id"]] * len(shards)
+    assert sorted(np.concatenate([rows.shard_ids(n) for n in range(len(shards))]).tolist()) == sorted(
+        built.ids.tolist())
+    rows.close()
