@@ -324,3 +324,73 @@ def test_ids_of_the_highest_unit_numbers_map_to_their_own_rows(tmp_path):
     assert rows.chunks(list(want)) == want
     shard, row = rows.locate(list(want))
     assert shard.tolist() == [0] * 10 and row.tolist() == list(range(10))
+
+
+class Footer:
+    """A Parquet footer of row groups of ``sizes`` rows whose id statistics are ``stats``
+    ((min, max) per group, or None for a file written without them); it records which
+    groups are asked for."""
+
+    def __init__(self, sizes, stats=None):
+        self.sizes, self.stats, self.asked = sizes, stats, []
+        self.num_row_groups = len(sizes)
+
+    def row_group(self, g):
+        from types import SimpleNamespace
+
+        self.asked.append(g)
+        st = None if self.stats is None else SimpleNamespace(has_min_max=True, min=self.stats[g][0],
+                                                              max=self.stats[g][1])
+        return SimpleNamespace(num_rows=self.sizes[g], column=lambda c: SimpleNamespace(statistics=st))
+
+
+def shard_of(rows, size):
+    from embedingest.index.shards import Shard
+
+    return Shard(None, "shard-f-w0-00000", rows, 0, rows - 1, {}, (), (), {"row_group_rows": size})
+
+
+@pytest.mark.parametrize("rows, size", [(1000, 32), (1024, 32), (5, 1), (7, 8)])
+def test_regular_row_groups_are_placed_from_the_record_asking_the_footer_once(rows, size):
+    """A shard has thousands of row groups: when the record's size fits the file's group
+    count and last group, only the last group's size is read."""
+    sizes = [size] * (rows // size) + ([rows % size] if rows % size else [])
+    footer = Footer(sizes)
+    starts = lookup._group_starts(footer, shard_of(rows, size))
+    assert starts.dtype == np.int64 and starts.tolist() == list(range(0, rows, size)) + [rows]
+    assert footer.asked == [len(sizes) - 1]
+
+
+def test_ids_are_checked_against_sixteen_row_groups_spread_over_the_file():
+    sizes = [4] * 100
+    ids = np.arange(400, dtype=np.int64)
+    starts = np.arange(0, 401, 4)
+    footer = Footer(sizes, [(4 * g, 4 * g + 3) for g in range(100)])
+    assert lookup._groups_match(footer, starts, ids)
+    assert footer.asked == [0, 6, 13, 19, 26, 33, 39, 46, 52, 59, 66, 72, 79, 85, 92, 99]
+    assert len(footer.asked) == lookup.CHECKED_GROUPS
+    moved = ids.copy()
+    moved[6 * 4] = -1  # in a group that is checked
+    assert not lookup._groups_match(Footer(sizes, footer.stats), starts, moved)
+
+
+def test_ids_of_a_file_without_statistics_are_taken_as_given():
+    assert lookup._groups_match(Footer([4, 4, 2]), np.array([0, 4, 8, 10]), np.arange(10, dtype=np.int64))
+
+
+def test_opening_reads_only_the_id_column_of_each_shard(built, monkeypatch):
+    import pyarrow.parquet as pq
+
+    reads = []
+    real = pq.ParquetFile.read
+
+    def spy(self, columns=None, **kw):
+        reads.append(columns)
+        return real(self, columns=columns, **kw)
+    monkeypatch.setattr(pq.ParquetFile, "read", spy)
+    shards = list_shards(built.folder / "shards")
+    rows = ShardRows(shards)
+    assert reads == [["id"]] * len(shards)
+    assert sorted(np.concatenate([rows.shard_ids(n) for n in range(len(shards))]).tolist()) == sorted(
+        built.ids.tolist())
+    rows.close()

@@ -1,6 +1,7 @@
 """Index format 2 shards: what the writers commit, what a crash leaves, what is complete."""
 
 import json
+import logging
 import os
 
 import faiss
@@ -19,9 +20,11 @@ from embedingest.index.shards import (
     decode_chunks,
     delete_shard,
     encode_chunks,
+    faiss_name,
     finished_units,
     incomplete_units,
     list_shards,
+    read_commit,
     read_ids,
 )
 from embedingest.sinks.shard_writer import ShardWriter, ShardWriterFactory
@@ -254,3 +257,237 @@ def test_hashing_file_is_a_write_only_stream_that_leaves_the_real_file_open():
     out.close()
     assert out.closed and not real.closed and real.getvalue() == b"abcde"
     assert out.summary("x") == {"name": "x", "size": 5, "sha256": hashlib.sha256(b"abcde").hexdigest()}
+
+
+def test_clean_names_everything_it_deletes_warns_and_keeps_finished_marks(tmp_path, caplog):
+    """Unreadable records, replaced shards, damaged shards and a removal's empty record
+    are all deleted and all named (several of each kind); a shard of finished-marks
+    only, and a replacement that keeps some marks, stay."""
+    from embedingest.sinks.shard_writer import commit_finished
+
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=4, chunks=10, commit_every=15, workers=1)  # parts 0, 1, 2
+    shards_dir = folder / "shards"
+    part = [f"shard-run1-w0-{p:05d}" for p in range(3)]
+    bad = [shards_dir / "shard-bad-w0-00000.commit.json", shards_dir / "shard-bad-w0-00001.commit.json"]
+    bad[0].write_text("{not json")
+    bad[1].write_text("[]")
+    expected_errors = []
+    for path in bad:
+        with pytest.raises(ConfigError) as err:
+            read_commit(path)
+        expected_errors.append(str(err.value))
+    sizes = {}
+    for name in part[1:]:  # damaged: 100 bytes of parquet left
+        path = shards_dir / f"{name}.parquet"
+        sizes[name] = path.stat().st_size
+        with open(path, "r+b") as fh:
+            fh.truncate(100)
+    spec = ShardWriterFactory(str(folder), DIM, run_id="rm1")
+    ShardWriter(spec, "shard-rm1-w0-00000", replaces=[part[0]]).commit()  # removes part 0, keeps nothing
+    commit_finished(ShardWriterFactory(str(folder), DIM, run_id="m"), [(7, 0)])
+    commit_finished(ShardWriterFactory(str(folder), DIM, run_id="n"), [(8, 0), (9, 0)])
+    keeper = ShardWriter(spec, "shard-rm1-w0-00001", replaces=["shard-n-w9999-00000"])  # unit 9 removed
+    keeper.add(np.zeros((0, DIM), np.float32), np.zeros(0, np.int64), meta_of(0, [], ()).chunks, [(8, 0)])
+    keeper.commit()
+
+    with caplog.at_level(logging.WARNING, logger="embedingest"):
+        removed = clean_shards(shards_dir)
+    assert sorted(removed) == sorted(
+        [p.name for p in bad] + ["shard-n-w9999-00000.commit.json", "shard-rm1-w0-00000.commit.json"]
+        + [f"{n}.{s}" for n in part for s in ("commit.json", "emb.npy", "faiss", "parquet")])
+    assert len(removed) == len(set(removed))
+    assert caplog.messages == expected_errors + [
+        f"shard {name} is damaged (its parquet file '{name}.parquet' holds 100 bytes, not {sizes[name]}): "
+        "it is deleted and its units are redone" for name in part[1:]]
+    left = list_shards(shards_dir)
+    assert [s.name for s in left] == ["shard-m-w9999-00000", "shard-rm1-w0-00001"]
+    assert finished_units(left) == {7: 0, 8: 0}
+    assert sorted(os.listdir(shards_dir)) == ["shard-m-w9999-00000.commit.json", "shard-rm1-w0-00001.commit.json"]
+
+
+def test_a_unit_declared_with_0_chunks_and_again_with_its_rows_is_incomplete(tmp_path):
+    """Two marks of one unit disagree (an empty unit, then one of 4 chunks): redo it,
+    although the later mark matches the rows."""
+    from embedingest.sinks.shard_writer import commit_finished
+
+    folder = tmp_path / "ix"
+    commit_finished(ShardWriterFactory(str(folder), DIM, run_id="a"), [(2, 0), (3, 0)])
+    writer = ShardWriter(ShardWriterFactory(str(folder), DIM, run_id="b"), "shard-b-w0-00000")
+    ((rows, _),) = batches([2], 4)
+    writer.add(unit_vectors(4), np.array([r["id"] for r in rows]), meta_of(0, rows, ()).chunks, [(2, 4)])
+    writer.commit()
+    shards = list_shards(folder / "shards")
+    assert [s.units for s in shards] == [((2, 0), (3, 0)), ((2, 4),)]
+    assert incomplete_units(shards) == {2}
+    assert incomplete_units(shards[1:]) == set()
+    commit_finished(ShardWriterFactory(str(folder), DIM, run_id="c"), [(3, 0)])
+    assert incomplete_units(list_shards(folder / "shards")) == {2}  # an empty unit marked twice is fine
+
+
+def test_known_units_count_units_of_finished_marks_alone(tmp_path):
+    from embedingest.sinks.shard_writer import commit_finished
+
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=2, chunks=3, workers=1)
+    commit_finished(ShardWriterFactory(str(folder), DIM, run_id="m"), [(5, 0)])
+    shards = list_shards(folder / "shards")
+    assert incomplete_units(shards, known={0, 1, 5}) == set()
+    assert incomplete_units(shards, known={0, 1}) == {5}  # marked, no rows, not a unit of the index
+    assert incomplete_units(shards, known={1, 5}) == {0}
+
+
+def test_read_commit_refuses_what_is_not_a_record_of_the_shard_word_for_word(tmp_path):
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=1, chunks=5, workers=1)
+    (shard,) = list_shards(folder / "shards")
+    path, good = shard.commit_path(), dict(shard.record)
+    advice = ("; delete that shard's files (every file named shard-run1-w0-00000.*) and run the same "
+              "build-index command again: the units it held are redone")
+
+    def refusal(text):
+        path.write_text(text if isinstance(text, str) else json.dumps(text))
+        with pytest.raises(ConfigError) as err:
+            read_commit(path)
+        return str(err.value)
+
+    def says(why):
+        return f"cannot read the commit record {str(path)!r} ({why}){advice}"
+
+    assert refusal("{not json") == says("JSONDecodeError: Expecting property name enclosed in double "
+                                        "quotes: line 1 column 2 (char 1)")
+    not_this = "ValueError: it is not a commit record of this shard in format 2"
+    assert refusal(dict(good, name="shard-run1-w0-00001")) == says(not_this)  # another shard's record
+    assert refusal(dict(good, format=1)) == says(not_this)
+    assert refusal(dict(good, files=list(good["files"].values()))) == says(not_this)
+    assert refusal({k: v for k, v in good.items() if k != "files"}) == says("KeyError: 'files'")
+    odd = {"name": "shard-run1-w0-00000.txt", "size": 3, "sha256": "0"}
+    assert refusal(dict(good, files=dict(good["files"], text=odd))) == says(
+        f"ValueError: its 'text' entry {odd!r} is not a file of the shard")
+    sized = dict(good["files"]["parquet"], size="1777")
+    assert refusal(dict(good, files=dict(good["files"], parquet=sized))) == says(
+        f"ValueError: its 'parquet' entry {sized!r} is not a file of the shard")
+    assert refusal(dict(good, units=[[0, 1], [5]])) == says(
+        "ValueError: zip() argument 2 is shorter than argument 1")
+    assert refusal(dict(good, replaces=["../shard-run1-w0-00001"])) == says(
+        "ValueError: replaces ('../shard-run1-w0-00001',) is not a list of shard names")
+    assert refusal(dict(good, replaces=[7])) == says("ValueError: replaces (7,) is not a list of shard names")
+
+    path.write_text(json.dumps({k: v for k, v in good.items() if k != "replaces"}))  # an older record
+    assert read_commit(path) == shard and read_commit(path).replaces == ()
+    path.unlink()  # a record read from object storage: its text is given, the path is only its name
+    assert read_commit(path, json.dumps(good).encode()) == shard
+
+
+def test_check_sizes_names_the_file_and_what_is_wrong(tmp_path):
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=1, chunks=5, workers=1)
+    (shard,) = list_shards(folder / "shards")
+    name, parquet = shard.name, shard.path("parquet")
+    assert shard.check_sizes() is None and shard.check_sizes(0) is None
+    assert shard.check_sizes(1) == f"its vectors file '{name}.g1.faiss' is missing"  # after a reindex
+    g1 = shard.faiss_path(1)
+    g1.symlink_to(shard.path("faiss"))
+    assert shard.check_sizes(1) == f"its vectors file '{name}.g1.faiss' is missing"  # a link is not followed
+    g1.unlink()
+    g1.write_bytes(b"new vectors: their size is in no record")
+    shard.path("faiss").unlink()  # the old generation's vectors are gone after a reindex
+    assert shard.check_sizes(1) is None
+    assert shard.check_sizes(0) == (f"its faiss file '{name}.faiss' cannot be read (No such file or directory)")
+
+    data = parquet.read_bytes()
+    parquet.unlink()
+    assert shard.check_sizes(1) == f"its parquet file '{name}.parquet' cannot be read (No such file or directory)"
+    parquet.write_bytes(data + b"x")
+    assert shard.check_sizes(1) == f"its parquet file '{name}.parquet' holds {len(data) + 1} bytes, not {len(data)}"
+    # the vectors listed first: the files after them are still checked
+    first = type(shard)(**{**{f: getattr(shard, f) for f in shard.__dataclass_fields__},
+                           "files": {"faiss": shard.files["faiss"], "parquet": shard.files["parquet"]}})
+    assert first.check_sizes(1) == f"its parquet file '{name}.parquet' holds {len(data) + 1} bytes, not {len(data)}"
+    copy = tmp_path / "copy.parquet"
+    copy.write_bytes(data)
+    parquet.unlink()
+    parquet.symlink_to(copy)  # the right size behind a link
+    assert shard.check_sizes(1) == f"its parquet file '{name}.parquet' is not a regular file (a link?)"
+    with pytest.raises(ConfigError) as err:
+        list_shards(folder / "shards", generation=1)
+    assert str(err.value) == (
+        f"shard {name} in {str(folder / 'shards')!r} is damaged: its parquet file '{name}.parquet' is not a "
+        f"regular file (a link?); delete that shard's files (every file named {name}.*) and run the same "
+        "build-index command again: the units it held are redone")
+
+
+def test_faiss_names_by_generation(tmp_path):
+    assert faiss_name("shard-a-w0-00001") == faiss_name("shard-a-w0-00001", 0) == "shard-a-w0-00001.faiss"
+    assert faiss_name("shard-a-w0-00001", 12) == "shard-a-w0-00001.g12.faiss"
+    build_shards(tmp_path, n_units=1, chunks=2, workers=1)
+    (shard,) = list_shards(tmp_path / "shards")
+    assert shard.faiss_path() == shard.path("faiss") == tmp_path / "shards" / "shard-run1-w0-00000.faiss"
+    assert shard.faiss_path(3) == tmp_path / "shards" / "shard-run1-w0-00000.g3.faiss"
+
+
+def test_a_commit_record_says_when_it_was_made_and_is_made_durable(tmp_path, monkeypatch):
+    """The record's rename is fsynced with its folder: the record that makes a shard exist
+    survives a power cut once the commit returns."""
+    import calendar
+    import time
+
+    import embedingest.outfiles as outfiles
+    from embedingest.index.shards import write_commit
+
+    synced = []
+    real = outfiles.fsync_dir
+    monkeypatch.setattr(outfiles, "fsync_dir", lambda folder: (synced.append(
+        (folder, sorted(p.name for p in folder.iterdir()))), real(folder)))
+    before = time.time()
+    build_shards(tmp_path / "ix", n_units=1, chunks=2, workers=1)
+    after = time.time()
+    (shard,) = list_shards(tmp_path / "ix" / "shards")
+    created = shard.record["created"]
+    assert int(before) <= calendar.timegm(time.strptime(created, "%Y-%m-%dT%H:%M:%SZ")) <= after
+    assert (tmp_path / "ix" / "shards", sorted(os.listdir(tmp_path / "ix" / "shards"))) in synced
+    synced.clear()
+    write_commit(tmp_path, {"name": "shard-x-w0-00000", "rows": 0})
+    assert synced == [(tmp_path, sorted(os.listdir(tmp_path)))] and "shard-x-w0-00000.commit.json" in synced[0][1]
+
+
+def test_chunk_rows_of_another_schema_are_refused_with_both_schemas():
+    import pyarrow as pa
+
+    other = pa.record_batch([pa.array([1], pa.int64())], names=["id"])
+    with pytest.raises(ConfigError) as err:
+        decode_chunks(other)
+    from embedingest.index.shards import CHUNK_SCHEMA
+    assert str(err.value) == f"chunk metadata has schema {other.schema}, not the shard schema {CHUNK_SCHEMA}"
+
+
+def test_read_ids_reads_only_the_id_column(tmp_path, monkeypatch):
+    build_shards(tmp_path, n_units=2, chunks=3, workers=1)
+    (shard,) = list_shards(tmp_path / "shards")
+    reads = []
+    real = pq.ParquetFile.read
+
+    def spy(self, columns=None, **kw):
+        reads.append(columns)
+        return real(self, columns=columns, **kw)
+    monkeypatch.setattr(pq.ParquetFile, "read", spy)
+    ids = read_ids(shard)
+    assert ids.dtype == np.int64 and ids.tolist() == [u << 32 | c for u in range(2) for c in range(3)]
+    assert reads == [["id"]]
+
+
+def test_now_is_utc_whatever_the_local_zone(monkeypatch):
+    import calendar
+    import time
+
+    from embedingest.index.shards import now
+
+    monkeypatch.setenv("TZ", "XYZ-5:30")  # five and a half hours east of UTC, no tz database needed
+    time.tzset()
+    try:
+        before = int(time.time())
+        stamp = calendar.timegm(time.strptime(now(), "%Y-%m-%dT%H:%M:%SZ"))
+        assert before <= stamp <= time.time()
+    finally:
+        monkeypatch.undo()
+        time.tzset()

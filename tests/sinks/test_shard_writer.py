@@ -1,6 +1,8 @@
 """The shard writer as the egress engine's sink: rows travel as the batch id, each
 consumer commits its own shards."""
 
+import hashlib
+import json
 import pickle
 from pathlib import Path
 
@@ -8,6 +10,7 @@ import faiss
 import numpy as np
 import pytest
 import torch
+from s3_fixtures import s3, s3_endpoint  # noqa: F401 (fixtures)
 from shard_fixtures import DIM, batches, meta_of, unit_vectors
 
 from embedingest import EgressEngine
@@ -15,7 +18,7 @@ from embedingest.errors import ConfigError
 from embedingest.index.lookup import ShardRows
 from embedingest.index.shards import finished_units, incomplete_units, list_shards, read_ids
 from embedingest.index.store import IndexStore
-from embedingest.sinks.shard_writer import ShardWriterFactory
+from embedingest.sinks.shard_writer import ShardWriter, ShardWriterFactory, commit_finished
 
 
 def test_consumers_commit_every_row_and_vector_sent_through_the_engine(tmp_path):
@@ -179,3 +182,169 @@ def test_a_shards_folder_that_is_a_link_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="shards' .*is a symbolic link"):
         ShardWriterFactory(tmp_path / "idx", DIM, run_id="l")(0)
     assert list(outside.iterdir()) == []
+
+
+def unit_batch(unit, chunks):
+    (rows, done), = batches([unit], chunks, batch=chunks)
+    return rows, done
+
+
+def file_entry(path):
+    data = Path(path).read_bytes()
+    return {"name": Path(path).name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+@pytest.mark.parametrize("order", [(5, 2), (2, 5)])
+def test_the_commit_record_holds_every_field_and_the_id_range_of_all_batches(tmp_path, order):
+    """A writer's batches need not come in id order (a unit redone under its old number
+    comes after higher ones): the range covers them all. The vectors of generation 2
+    go to the .g2.faiss file."""
+    spec = ShardWriterFactory(tmp_path, DIM, run_id="k", generation=2, row_group_rows=4, save_embeddings=True)
+    writer = ShardWriter(spec, "shard-k-w0-00003", replaces=["shard-j-w1-00000"])
+    for seed, unit in enumerate(order):
+        rows, done = unit_batch(unit, 3)
+        writer.add(unit_vectors(3, seed=seed), np.array([r["id"] for r in rows]), meta_of(0, rows, done).chunks, done)
+    record = writer.commit()
+    folder = tmp_path / "shards"
+    name = "shard-k-w0-00003"
+    assert sorted(p.name for p in folder.iterdir()) == [f"{name}.{s}" for s in (
+        "commit.json", "emb.npy", "g2.faiss", "parquet")]
+    assert record == {
+        "format": 2, "name": name, "rows": 6, "id_min": 2 << 32, "id_max": 5 << 32 | 2, "dim": DIM,
+        "factory": "Flat", "generation": 2, "row_group_rows": 4,
+        "files": {kind: file_entry(folder / f"{name}.{suffix}")
+                  for kind, suffix in (("parquet", "parquet"), ("emb", "emb.npy"), ("faiss", "g2.faiss"))},
+        "units": [[2, 5], [3, 3]], "replaces": ["shard-j-w1-00000"], "run": "k", "created": record["created"]}
+    assert list(record["files"]) == ["parquet", "emb", "faiss"]
+    assert json.loads((folder / f"{name}.commit.json").read_text()) == record
+    marks = commit_finished(spec, [(9, 0), (8, 4)], part=2)
+    assert {k: v for k, v in marks.items() if k != "created"} == {
+        "format": 2, "name": "shard-k-w9999-00002", "rows": 0, "id_min": 0, "id_max": -1, "dim": DIM,
+        "factory": "Flat", "generation": 2, "row_group_rows": 4, "files": {}, "units": [[8, 9], [4, 0]],
+        "replaces": [], "run": "k"}
+
+
+def test_a_writer_holds_less_than_a_row_group_of_rows(tmp_path, monkeypatch):
+    """Rows go to the temporary Parquet file a row group at a time as they come, not at
+    the commit: a writer's memory is one row group of text, whatever the shard's size."""
+    import pyarrow.parquet as pq
+
+    written = []
+    real = pq.ParquetWriter.write_table
+
+    def spy(self, table, row_group_size=None):
+        written.append((table.num_rows, row_group_size))
+        return real(self, table, row_group_size=row_group_size)
+    monkeypatch.setattr(pq.ParquetWriter, "write_table", spy)
+    plan, ids = plan_of(range(4), 10, batch=4)  # 40 rows in batches of 4, groups of 8
+    sink = ShardWriterFactory(tmp_path, DIM, run_id="g", row_group_rows=8)(0)
+    emb = unit_vectors(len(ids))
+    for b, (part, done) in enumerate(plan):
+        sink(meta_of(b, part, done), {"emb": emb[4 * b:4 * b + 4], "ids": ids[4 * b:4 * b + 4]})
+        sent = 4 * (b + 1)
+        assert sum(n for n, _ in written) == sent - sent % 8  # only whole groups, all of them
+    sink.close()
+    assert written == [(8, 8)] * 5
+    (shard,) = list_shards(tmp_path / "shards")
+    meta = pq.read_metadata(shard.path("parquet"))
+    assert [meta.row_group(g).num_rows for g in range(meta.num_row_groups)] == [8] * 5
+
+
+def test_refusals_say_what_is_wrong_word_for_word(tmp_path):
+    spec = ShardWriterFactory(tmp_path, DIM, run_id="w")
+    with pytest.raises(ConfigError) as err:
+        ShardWriter(spec, "shard-w-0")
+    assert str(err.value) == "'shard-w-0' is not a shard name (shard-<run>-w<worker>-<part>)"
+    commit_finished(spec, [(1, 0)])
+    with pytest.raises(ConfigError) as err:
+        ShardWriter(spec, "shard-w-w9999-00000")
+    assert str(err.value) == (f"shard shard-w-w9999-00000 already exists in {str(tmp_path / 'shards')!r}: run id "
+                              "'w' was used before; start each run with a new one")
+    missing = tmp_path / "none.faiss"
+    with pytest.raises(ConfigError) as err:
+        ShardWriterFactory(tmp_path, DIM, trained=missing)
+    assert str(err.value) == (f"trained index {str(missing)!r} does not exist; train one with "
+                              "IndexStore.train_index")
+    sink = spec(0)
+    with pytest.raises(ConfigError) as err:
+        sink(5, {"emb": unit_vectors(1), "ids": np.array([0])})
+    assert str(err.value) == ("batch 5 carries no chunk metadata: submit a BatchMeta as the batch id to a "
+                              "shard writer")
+    rows, done = unit_batch(1, 3)
+    moved = [dict(r, chunk_no=r["chunk_no"] + 1) for r in rows]  # ids right, chunk numbers not
+    with pytest.raises(ConfigError) as err:
+        sink(meta_of(0, moved, done), {"emb": unit_vectors(3), "ids": np.array([r["id"] for r in rows])})
+    assert str(err.value) == ("shard shard-w-w0-00000: chunk numbers of a batch are not the low half of "
+                              "their vector ids (unit_no << 32 | chunk_no)")
+    sink.close()
+
+
+def test_the_smallest_settings_work(tmp_path):
+    spec = ShardWriterFactory(tmp_path, 1, run_id="s", commit_every=1, row_group_rows=1)
+    sink = spec(0)
+    rows, done = unit_batch(0, 3)
+    sink(meta_of(0, rows, done), {"emb": np.ones((3, 1), np.float32), "ids": np.array([r["id"] for r in rows])})
+    assert sink.close() == [{"name": f"shard-s-w0-0000{p}", "count": 1} for p in range(3)]
+    shards = list_shards(tmp_path / "shards")
+    assert [read_ids(s).tolist() for s in shards] == [[0], [1], [2]]
+    assert finished_units(shards) == {0: 3} and incomplete_units(shards) == set()
+
+
+def test_a_sink_holds_the_writers_lock_until_it_closes(tmp_path):
+    """A new build waits for the writers of the last one (index/lock.py): the lock is
+    shared from the sink's start to its close."""
+    import fcntl
+    import os
+
+    from embedingest.index.lock import WRITERS_LOCK
+
+    def taken():
+        fd = os.open(tmp_path / WRITERS_LOCK, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+        return False
+    sink = ShardWriterFactory(tmp_path, DIM, run_id="l")(0)
+    assert taken()
+    sink.close()
+    assert not taken()
+    sink.close()
+    assert not taken()
+
+
+def test_parquet_files_are_zstd_with_dictionaries_and_id_statistics(tmp_path):
+    """What lookups rely on: the id column's statistics (row groups found by id range),
+    the repeated source and record id columns dictionary-encoded, everything zstd."""
+    import pyarrow.parquet as pq
+
+    plan, ids = plan_of(range(2), 20)
+    sink = ShardWriterFactory(tmp_path, DIM, run_id="z", row_group_rows=16)(0)
+    feed(sink, plan, unit_vectors(len(ids)), ids)
+    sink.close()
+    (shard,) = list_shards(tmp_path / "shards")
+    meta = pq.read_metadata(shard.path("parquet"))
+    assert meta.num_row_groups == 3
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        columns = {group.column(c).path_in_schema: group.column(c) for c in range(group.num_columns)}
+        assert {name: col.compression for name, col in columns.items()} == dict.fromkeys(columns, "ZSTD")
+        assert [name for name, col in columns.items() if col.is_stats_set] == ["id"]
+        assert (columns["id"].statistics.min, columns["id"].statistics.max) == (
+            int(ids[16 * g]), int(ids[min(16 * g + 15, len(ids) - 1)]))
+        assert [name for name, col in columns.items() if col.has_dictionary_page] == ["source", "record_id"]
+
+
+def test_a_writer_with_remote_uploads_each_shard_it_commits(s3, tmp_path):
+    url = s3.url("ix")
+    sink = ShardWriterFactory(tmp_path, DIM, run_id="up", remote=url, commit_every=10, save_embeddings=True)(0)
+    plan, ids = plan_of([0], 15)
+    feed(sink, plan, unit_vectors(len(ids)), ids)
+    assert sink.close() == [{"name": "shard-up-w0-00000", "count": 10}, {"name": "shard-up-w0-00001", "count": 5}]
+    local = sorted(p.name for p in (tmp_path / "shards").iterdir())
+    assert len(local) == 8
+    assert sorted(p.rsplit("/", 1)[1] for p in s3.fs.find(f"{s3.name}/ix")) == local
+    for name in local:
+        assert s3.fs.cat_file(f"{s3.name}/ix/shards/{name}") == (tmp_path / "shards" / name).read_bytes()
