@@ -11,6 +11,7 @@ import json
 import signal
 import sqlite3
 import sys
+import threading
 import typing
 from typing import NoReturn
 
@@ -127,7 +128,10 @@ def run_job(module: str, call, *, as_json: bool, paragraph, interrupted: str) ->
     on Ctrl-C say ``interrupted: <interrupted>`` and exit with :data:`EXIT_INTERRUPTED`,
     also when the Ctrl-C landed where Python swallows it (a finalizer, an import lock's
     callback): it is delivered again."""
+    from ..engine.consumers import _quiet_resource_sharer
+
     previous, sys.unraisablehook = sys.unraisablehook, redeliver_swallowed_interrupts(signal.SIGINT)
+    threads_hook, threading.excepthook = threading.excepthook, _quiet_resource_sharer
     try:
         summary = call(import_interruptibly(module))
     except KeyboardInterrupt:
@@ -135,6 +139,7 @@ def run_job(module: str, call, *, as_json: bool, paragraph, interrupted: str) ->
         exit_quickly(EXIT_INTERRUPTED)
     finally:
         sys.unraisablehook = previous
+        threading.excepthook = threads_hook
     if as_json:
         emit_json(summary)
     else:

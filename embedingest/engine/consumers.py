@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import multiprocessing
 import os
 import signal
 import sys
@@ -85,10 +86,11 @@ def exit_with_parent(parent_pid: int, worker_id: int = 0) -> None:
 
 
 def _quiet_resource_sharer(args) -> None:
-    """``threading.excepthook`` of a loader worker: a broken connection in the resource
-    sharer's thread (the process fetching a batch went away: the run is stopping) is no
-    error; anything else is reported as Python does."""
-    if issubclass(args.exc_type, (OSError, EOFError)):
+    """``threading.excepthook`` of a loader worker (and of the CLI's process, which hands
+    the pool's descriptor to the consumers the same way): a broken connection in the
+    resource sharer's thread (the process at the other end went away, or its handshake
+    broke off: the run is stopping) is no error; anything else is reported as Python does."""
+    if issubclass(args.exc_type, (OSError, EOFError, multiprocessing.AuthenticationError)):
         tb = args.exc_traceback
         while tb is not None:
             if tb.tb_frame.f_code.co_filename.endswith("resource_sharer.py"):

@@ -285,6 +285,8 @@ class EgressEngine:
         self._free.put(slot)
 
     def _consumer_died(self, w: int, p, seq: int) -> None:
+        if p.exitcode is None:  # its pipe closed a moment before the kernel reaped it
+            p.join(timeout=2.0)
         code = p.exitcode
         how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 \
             else f"exited with code {code}"

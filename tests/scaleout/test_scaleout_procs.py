@@ -22,9 +22,11 @@ def square(x, report):
 
 
 def sleeper(marker, report):
-    """Runs until stopped; the marker says it started, then that its clean-up ran."""
-    Path(marker).write_text("running")
+    """Runs until stopped; the marker says it started, then that its clean-up ran. The
+    marker is written inside the ``try``: another job waits for the file to exist, and a
+    stop landing while it is written must still end in the clean-up."""
     try:
+        Path(marker).write_text("running")
         report("started")
         while True:
             time.sleep(0.05)
