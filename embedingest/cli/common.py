@@ -128,12 +128,14 @@ def run_job(module: str, call, *, as_json: bool, paragraph, interrupted: str) ->
     on Ctrl-C say ``interrupted: <interrupted>`` and exit with :data:`EXIT_INTERRUPTED`,
     also when the Ctrl-C landed where Python swallows it (a finalizer, an import lock's
     callback): it is delivered again."""
-    from ..engine.consumers import _quiet_resource_sharer
-
     previous, sys.unraisablehook = sys.unraisablehook, redeliver_swallowed_interrupts(signal.SIGINT)
-    threads_hook, threading.excepthook = threading.excepthook, _quiet_resource_sharer
+    threads_hook = threading.excepthook
     try:
-        summary = call(import_interruptibly(module))
+        job = import_interruptibly(module)
+        from ..engine.consumers import _quiet_resource_sharer  # imported with the job, no cost
+
+        threading.excepthook = _quiet_resource_sharer
+        summary = call(job)
     except KeyboardInterrupt:
         click.echo(f"\ninterrupted: {interrupted}", err=True)
         exit_quickly(EXIT_INTERRUPTED)
