@@ -83,3 +83,19 @@ def build_shards(folder, n_units=6, chunks=20, factory="Flat", commit_every=50, 
     written = [w for sink in sinks for w in sink.close()]
     rows = {r["id"]: r for part, _ in plan for r in part}
     return Built(folder, emb, ids, rows, written)
+
+
+def parquet_reads(monkeypatch) -> list:
+    """Record the ``columns`` of every ``pyarrow.parquet.ParquetFile.read`` from now on (the
+    read still happens): which columns a reader pulls from a shard's Parquet file."""
+    import pyarrow.parquet as pq
+
+    reads: list = []
+    real = pq.ParquetFile.read
+
+    def spy(self, columns=None, **kw):
+        reads.append(columns)
+        return real(self, columns=columns, **kw)
+
+    monkeypatch.setattr(pq.ParquetFile, "read", spy)
+    return reads

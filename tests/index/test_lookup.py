@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from shard_fixtures import build_shards
+from shard_fixtures import build_shards, parquet_reads
 
 import embedingest.index.lookup as lookup
 from embedingest.index.lookup import ShardRows
@@ -379,15 +379,7 @@ def test_ids_of_a_file_without_statistics_are_taken_as_given():
 
 
 def test_opening_reads_only_the_id_column_of_each_shard(built, monkeypatch):
-    import pyarrow.parquet as pq
-
-    reads = []
-    real = pq.ParquetFile.read
-
-    def spy(self, columns=None, **kw):
-        reads.append(columns)
-        return real(self, columns=columns, **kw)
-    monkeypatch.setattr(pq.ParquetFile, "read", spy)
+    reads = parquet_reads(monkeypatch)
     shards = list_shards(built.folder / "shards")
     rows = ShardRows(shards)
     assert reads == [["id"]] * len(shards)

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from shard_fixtures import DIM, batches, build_shards, meta_of, unit_vectors
+from shard_fixtures import DIM, batches, build_shards, meta_of, parquet_reads, unit_vectors
 
 from embedingest.errors import ConfigError
 from embedingest.index.shards import (
@@ -464,13 +464,7 @@ def test_chunk_rows_of_another_schema_are_refused_with_both_schemas():
 def test_read_ids_reads_only_the_id_column(tmp_path, monkeypatch):
     build_shards(tmp_path, n_units=2, chunks=3, workers=1)
     (shard,) = list_shards(tmp_path / "shards")
-    reads = []
-    real = pq.ParquetFile.read
-
-    def spy(self, columns=None, **kw):
-        reads.append(columns)
-        return real(self, columns=columns, **kw)
-    monkeypatch.setattr(pq.ParquetFile, "read", spy)
+    reads = parquet_reads(monkeypatch)
     ids = read_ids(shard)
     assert ids.dtype == np.int64 and ids.tolist() == [u << 32 | c for u in range(2) for c in range(3)]
     assert reads == [["id"]]
