@@ -132,9 +132,9 @@ def run_job(module: str, call, *, as_json: bool, paragraph, interrupted: str) ->
     threads_hook = threading.excepthook
     try:
         job = import_interruptibly(module)
-        from ..engine.consumers import _quiet_resource_sharer  # imported with the job, no cost
+        from ..engine.consumers import quiet_resource_sharer  # imported with the job, no cost
 
-        threading.excepthook = _quiet_resource_sharer
+        threading.excepthook = quiet_resource_sharer
         summary = call(job)
     except KeyboardInterrupt:
         click.echo(f"\ninterrupted: {interrupted}", err=True)

@@ -77,15 +77,15 @@ def exit_with_parent(parent_pid: int, worker_id: int = 0) -> None:
     thread serving file descriptors); when the main process exits on Ctrl-C in the middle
     of that hand-over, the thread's connection breaks and Python would print its traceback
     under the run's "interrupted" line, in the moment before the worker is killed with its
-    parent. Such an error is dropped (:func:`_quiet_resource_sharer`)."""
+    parent. Such an error is dropped (:func:`quiet_resource_sharer`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.excepthook = _quiet_resource_sharer
+    threading.excepthook = quiet_resource_sharer
     _parent_death_signal(signal.SIGKILL)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
 
 
-def _quiet_resource_sharer(args) -> None:
+def quiet_resource_sharer(args) -> None:
     """``threading.excepthook`` of a loader worker (and of the CLI's process, which hands
     the pool's descriptor to the consumers the same way): a broken connection in the
     resource sharer's thread (the process at the other end went away, or its handshake

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from embedingest.engine.consumers import _quiet_resource_sharer
+from embedingest.engine.consumers import quiet_resource_sharer
 
 SERVE = "def serve(exc):\n    raise exc\n"
 
@@ -16,7 +16,7 @@ SERVE = "def serve(exc):\n    raise exc\n"
 def run_in_thread(filename: str, exc: BaseException, capsys) -> str:
     scope: dict = {}
     exec(compile(SERVE, filename, "exec"), scope)  # frames that look like the sharer's own
-    previous, threading.excepthook = threading.excepthook, _quiet_resource_sharer
+    previous, threading.excepthook = threading.excepthook, quiet_resource_sharer
     try:
         thread = threading.Thread(target=scope["serve"], args=(exc,))
         thread.start()
