@@ -128,3 +128,40 @@ class StartupSignalSink:
 
     def close(self):
         return self.seen
+
+
+class SlowCloseSink:
+    """Counts its batches; ``close`` says where it is (its pid in ``<marker>.closing``),
+    then takes ``seconds`` before it returns, like the last commit of a large shard. With
+    ``hold`` the first batch takes the ``seconds`` instead, and ``close`` none."""
+
+    def __init__(self, worker: int, seconds: float, marker: str, hold: bool):
+        self.worker, self.seconds, self.marker, self.hold = worker, seconds, marker, hold
+        self.count = 0
+
+    def __call__(self, batch_id, arrays):
+        if self.hold:  # the first batch waits here (its pid in <marker>.holding) until stopped
+            _say(f"{self.marker}.holding")
+            time.sleep(self.seconds)
+        self.count += 1
+        return None
+
+    def close(self):
+        _say(f"{self.marker}.closing")
+        if not self.hold:
+            time.sleep(self.seconds)
+        return {"worker": self.worker, "count": self.count}
+
+
+def _say(path: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(path + ".tmp", path)
+
+
+class SlowCloseSinkFactory:
+    def __init__(self, seconds: float, marker: str, hold: bool = False):
+        self.seconds, self.marker, self.hold = seconds, marker, hold
+
+    def __call__(self, worker: int):
+        return SlowCloseSink(worker, self.seconds, f"{self.marker}{worker}", self.hold)

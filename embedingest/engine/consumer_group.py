@@ -27,8 +27,9 @@ class ConsumerGroup:
     """``num_consumers`` processes running ``consumer_main`` on one pool.
 
     ``on_message(msg)`` gets every answer (in the collector thread); ``on_death(worker,
-    process, seq)`` is called when a consumer ends without having closed its sink, with
-    the oldest batch it held (-1 when idle).
+    process, seq)`` is called when a consumer ends without having closed its sink, or
+    with batches it never ran (stopped by someone else's SIGTERM), with the oldest batch it
+    held (-1 when idle).
     """
 
     def __init__(self, sink_factory, num_consumers: int, handle: PoolHandle,
@@ -99,7 +100,9 @@ class ConsumerGroup:
                     self._drain(w, conns)
                     p = alive.pop(w)
                     p.join(timeout=1.0)
-                    if not self._closed_ok[w]:
+                    with self._lock:
+                        lost = bool(self._outstanding[w]) and not self.aborting
+                    if lost or not self._closed_ok[w]:
                         self._died(w, p)
 
     def _drain(self, w: int, conns: dict) -> None:
@@ -136,12 +139,27 @@ class ConsumerGroup:
         sink (the run is stopping: Ctrl-C, a failure)."""
         self.abort[0] = 1
 
-    def stop(self, timeout: float) -> None:
-        """Ask every consumer to finish, wait up to ``timeout``, then SIGTERM (the sink
-        still closes), then SIGKILL."""
+    def stop(self, timeout: float, finished: bool = False) -> None:
+        """Ask every consumer to finish, then stop what is left: SIGTERM after ``timeout``
+        seconds (the sink still closes), SIGKILL 2 s later.
+
+        ``finished``: the run ended normally, so each consumer gets as long as its sink's
+        ``close`` takes (the last commit of a large shard, a slow disk); a deadline here
+        would cut that commit and lose its rows. The deadline applies only once the wait
+        itself is interrupted (Ctrl-C)."""
         for c in self._conns:
             with contextlib.suppress(OSError):  # that consumer is already gone
                 c.send(None)
+        if finished:
+            try:
+                for p in self.procs:
+                    p.join()
+            finally:
+                self._stop_within(timeout)
+        else:
+            self._stop_within(timeout)
+
+    def _stop_within(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         for p in self.procs:
             p.join(timeout=max(0.0, deadline - time.monotonic()))

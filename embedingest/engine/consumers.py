@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 
-from ..errors import error_payload
+from ..errors import EngineError, error_payload
 from .markers import annotate
 from .messages import Closed, Done, Failed, Ready, Skipped
 
@@ -156,7 +156,9 @@ def consumer_main(worker: int, sink_factory, handle, conn, abort, parent_pid: in
             try:
                 closed = close()
             except _Stop:
-                pass
+                _send(conn, _error_message(worker, None, "close", EngineError(
+                    f"consumer {worker} was stopped (SIGTERM) while closing its sink, so what "
+                    "the sink had not yet written out is lost; re-run to redo it")))
             except BaseException as exc:
                 _send(conn, _error_message(worker, None, "close", exc))
         _send(conn, Closed(worker, closed))

@@ -69,7 +69,9 @@ class EgressEngine:
         slot_spec: ``{name: (shape, dtype)}`` with the largest batch's shapes, to size
             the slots up front; otherwise they are sized from the first batch.
         pin_memory: register the pool with CUDA (only turn off to measure the effect).
-        shutdown_timeout: seconds consumers get to close their sinks when stopping.
+        shutdown_timeout: seconds consumers get to close their sinks when the run is
+            stopped early (an error, Ctrl-C); at a normal end each close takes as
+            long as it needs.
         on_result: ``callback(batch_id, value)`` for values sinks return, called in a
             background thread of this process.
 
@@ -338,7 +340,7 @@ class EgressEngine:
             self._pending.put(None)
             self._monitor.join()
             self._path.stop()  # no copy may still write into the pool
-            self._consumers.stop(self.config.shutdown_timeout)
+            self._consumers.stop(self.config.shutdown_timeout, finished=not abort)
         finally:
             self._stats = self._make_stats()
             self._path.release()

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -15,11 +16,11 @@ import pytest
 import torch
 from conftest import child_pids
 from fault_helpers import wait_for
-from engine_sinks import (FailingSinkFactory, HashSinkFactory, SuicideSinkFactory,
+from engine_sinks import (FailingSinkFactory, HashSinkFactory, SlowCloseSinkFactory, SuicideSinkFactory,
                           broken_factory, digest, slow_sink_factory)
 
 from embedingest import EgressEngine
-from embedingest.errors import ConfigError, ConsumerDied, RemoteTraceback
+from embedingest.errors import ConfigError, ConsumerDied, EngineError, RemoteTraceback
 
 
 def make_batch(rng, n, dtype=np.float32):
@@ -165,6 +166,53 @@ def test_caller_exception_stops_consumers_and_propagates(no_leaks):
             for i in range(5):
                 e.submit(i, {"x": np.zeros(3, np.float32)})
             raise KeyError("boom")
+
+
+def test_a_close_slower_than_the_shutdown_timeout_still_completes_at_a_normal_end(tmp_path, no_leaks):
+    """``shutdown_timeout`` is for runs stopped early. At a normal end every sink's close
+    runs to its end (the last commit of a large shard on a slow disk): a deadline there
+    cut the close with SIGTERM, and the run reported success with that shard lost."""
+    with EgressEngine(SlowCloseSinkFactory(2.0, str(tmp_path / "c")), num_consumers=2,
+                      device="cpu", shutdown_timeout=0.2) as e:
+        for i in range(6):
+            e.submit(i, {"x": np.full((4,), i, np.float32)})
+    assert sorted(r["worker"] for r in e.closed_results) == [0, 1]
+    assert sum(r["count"] for r in e.closed_results) == 6
+
+
+def test_a_close_cut_by_sigterm_fails_the_run(tmp_path, no_leaks):
+    """A consumer stopped while its sink closes (someone's SIGTERM) lost what the sink had
+    not written out: the run must fail, not report the close as done."""
+    marker = tmp_path / "c"
+    with pytest.raises(EngineError, match="stopped .SIGTERM. while closing its sink") as info:
+        with EgressEngine(SlowCloseSinkFactory(60.0, str(marker)), num_consumers=1,
+                          device="cpu") as e:
+            e.submit(0, {"x": np.zeros(4, np.float32)})
+            e.flush()
+            closing = tmp_path / "c0.closing"
+            threading.Thread(target=_sigterm_when_written, args=(closing,), daemon=True).start()
+    assert "consumer 0" in str(info.value)
+    assert e.closed_results == [None]
+
+
+def test_a_consumer_stopped_with_batches_in_hand_fails_the_run(tmp_path, no_leaks):
+    """A consumer stopped by someone's SIGTERM closes its sink and exits cleanly, but the
+    batch it was in and the one queued behind it never ran: the run fails naming the
+    batch, instead of waiting for them for ever."""
+    t0 = time.monotonic()
+    with pytest.raises(ConsumerDied, match="while holding batch 0") as info:
+        with EgressEngine(SlowCloseSinkFactory(60.0, str(tmp_path / "c"), hold=True),
+                          num_consumers=1, num_slots=2, device="cpu") as e:
+            e.submit(0, {"x": np.zeros(4, np.float32)})
+            e.submit(1, {"x": np.ones(4, np.float32)})
+            _sigterm_when_written(tmp_path / "c0.holding")
+    assert info.value.exitcode == 0 and info.value.batch_id == 0
+    assert time.monotonic() - t0 < 45  # not the 60-s sleep of a sink left to run on
+
+
+def _sigterm_when_written(path) -> None:
+    wait_for(path.exists, 120, what=str(path))
+    os.kill(int(path.read_text()), signal.SIGTERM)
 
 
 def test_submit_outside_the_block_is_an_error():

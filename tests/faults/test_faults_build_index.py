@@ -134,6 +134,23 @@ def test_main_sigkill_at_random_moments_loses_nothing(cli, tmp_path, device, see
     finish(cli, corpus, out, device)
 
 
+def test_a_last_commit_slower_than_the_shutdown_timeout_lands(cli, tmp_path):
+    """Each consumer's last commit takes 6 s here, more than the engine's 5-s shutdown
+    timeout (which is for runs stopped early). The run waits for the commits: the index
+    holds every chunk and the summary counts them, where the commits used to be cut by
+    SIGTERM and the run said it indexed every file into an empty index."""
+    corpus = make_corpus(tmp_path / "corpus", 6, seed=5)
+    out = tmp_path / "idx"
+    run = build(cli, corpus, out, "--json", "--commit-every", "100000",  # one commit each, at close
+                env={"EMBEDINGEST_FI_COMMIT_DELAY": "6"})
+    assert run.wait() == 0, run.describe()
+    expected = expected_chunks(corpus)
+    check_exactly_once(out, expected)
+    summary = json.loads(run.stdout)
+    assert summary["vectors_total"] == summary["chunks"] == sum(expected.values())
+    assert summary["timing"]["close_s"] >= 6
+
+
 def test_rerun_at_once_after_main_sigkill_waits_for_the_last_commits(cli, tmp_path):
     """Re-run the moment the main process is killed, while its consumers are still
     alive and committing (each commit takes seconds here): the new run waits for them
