@@ -3,6 +3,7 @@
 import threading
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -385,4 +386,17 @@ def test_opening_reads_only_the_id_column_of_each_shard(built, monkeypatch):
     assert reads == [["id"]] * len(shards)
     assert sorted(np.concatenate([rows.shard_ids(n) for n in range(len(shards))]).tolist()) == sorted(
         built.ids.tolist())
+    rows.close()
+
+
+def test_opening_with_the_callers_ids_reads_no_column(built, monkeypatch):
+    """open_index hands over the ids of the faiss files it loaded: ShardRows then checks
+    them against the row groups' statistics and reads no column of any file."""
+    shards = list_shards(built.folder / "shards")
+    ids = [pq.read_table(s.path("parquet"), columns=["id"]).column(0).to_numpy() for s in shards]
+    reads = parquet_reads(monkeypatch)
+    rows = ShardRows(shards, ids=ids)
+    assert reads == []
+    for n, shard_ids in enumerate(ids):
+        assert rows.shard_ids(n).tolist() == shard_ids.tolist()
     rows.close()
