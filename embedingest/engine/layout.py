@@ -21,9 +21,18 @@ _RAW_BITS = {"bfloat16": "uint16", "float8_e4m3fn": "uint8", "float8_e5m2": "uin
 
 
 def numpy_dtype(dtype) -> np.dtype:
-    """Map a torch or numpy dtype (or its name) to the numpy dtype used on the host."""
+    """Map a torch or numpy dtype (or its name, or a numpy scalar type such as
+    ``np.float32``) to the numpy dtype used on the host."""
     name = str(dtype).replace("torch.", "")
-    return np.dtype(_RAW_BITS.get(name, name))
+    if name in _RAW_BITS:
+        return np.dtype(_RAW_BITS[name])
+    for candidate in (dtype, name):
+        try:
+            return np.dtype(candidate)
+        except TypeError:
+            continue
+    raise ConfigError(f"dtype {dtype} has no host type: cast the array to a numpy type "
+                      f"(bfloat16 and float8 travel as raw bits) before submit")
 
 
 @dataclass(frozen=True)

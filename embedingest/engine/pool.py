@@ -23,7 +23,30 @@ from ..errors import EngineError
 from .layout import SlotLayout
 
 
+def _available_bytes() -> int | None:
+    """Memory the kernel says is available now (MemAvailable), else the physical total."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def _anonymous_fd(size: int) -> int:
+    """A descriptor of ``size`` bytes of anonymous shared memory. A pool larger than the
+    memory available is refused here: the mapping itself would succeed (the pages are
+    only reserved), and faulting them in would bring the OOM killer instead of an error."""
+    available = _available_bytes()
+    if available is not None and size > available:
+        raise EngineError(f"cannot allocate a host pool of {size / 1e9:.2f} GB: only "
+                          f"{available / 1e9:.2f} GB of memory is available; use fewer slots "
+                          "or smaller batches")
     if hasattr(os, "memfd_create"):
         fd = os.memfd_create("embedingest-pool", os.MFD_CLOEXEC)
     else:  # pragma: no cover - non-Linux: an unlinked temporary file behaves the same

@@ -350,6 +350,13 @@ def test_a_run_stopped_anywhere_is_finished_by_running_again(tmp_path, ray_clust
     tables = [actor(as_batch(recs[3:4])), actor(as_batch(recs[3:4]))]  # a call retried
     s2 = plan.finish(ray.data.from_arrow(tables))
     assert s2["units_incomplete"] == 1  # its chunks twice: removed, redone by the next run
+    # ... and said: not counted as indexed, reported, and the run's status is not success
+    assert (s2["units_indexed"], s2["chunks"], s2["docs"]) == (0, 0, 0)
+    assert s2["exit_code"] == 3 and s2["skipped_by_reason"] == {"incomplete": 1}
+    entries = [json.loads(line) for line in (two / "skipped.jsonl").read_text().splitlines()]
+    last = [e for e in entries if e["reason"].startswith("incomplete")]
+    assert [e["path"] for e in last] == [f"record {recs[3]['id']}"]
+    assert "run again to index it" in last[0]["reason"]
 
     s2 = build_index_ray(blocks(ray, recs), two, records_per_call=4, **SETTINGS)
     assert s2["units_incomplete"] == 0 and s2["vectors_total"] == s1["vectors_total"]

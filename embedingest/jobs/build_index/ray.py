@@ -303,6 +303,9 @@ class RayIndexPlan:
     started: float
     settings: dict = dataclasses.field(default_factory=dict)  # manifest fields: prompts, search defaults
     writers: str | None = None  # the s3:// URL the actors upload their shards to
+    # (unit numbers, chunk counts) of each results table: 16 bytes a record, so the counts
+    # can leave out what the reconciliation removes
+    embedded: list = dataclasses.field(default_factory=list)
 
     def actor_kwargs(self) -> dict:
         """``fn_constructor_kwargs`` for :class:`EmbedBatches`."""
@@ -333,9 +336,7 @@ class RayIndexPlan:
             counts["vectors_removed"] += store.remove_units(bad) if bad else 0
             counts["units_incomplete"] = len(bad)
             if bad:
-                log.warning("%d records have vectors that do not match their rows (an actor failed "
-                            "and was retried?); their vectors are removed: run again to redo them",
-                            len(bad))
+                self._incomplete(bad)
         finally:
             bar.close()
             manifest = store.update_shards(corpus=fingerprint(store), **self.settings)
@@ -364,10 +365,33 @@ class RayIndexPlan:
                        stage="read")
         new = table.filter(pc.equal(table.column("status"), INDEXED))
         n_chunks = new.column("n_chunks").to_numpy()
+        self.embedded.append((new.column("unit_no").to_numpy(), n_chunks))
         counts["units_indexed"] += new.num_rows
         counts["chunks"] += int(n_chunks.sum())
         counts["docs"] += int((n_chunks > 0).sum())
         return new.num_rows
+
+
+    def _incomplete(self, bad: set[int]) -> None:
+        """Units whose committed rows were not their chunks once each (an actor killed
+        mid-call, its call retried by Ray: the first try's shards hold part of them again),
+        now removed: each is reported (the run's status says so) and left out of the
+        counts; the next run indexes them."""
+        counts = self.counts
+        if self.embedded:
+            units = np.concatenate([u for u, _ in self.embedded])
+            chunks = np.concatenate([c for _, c in self.embedded])
+            hit = np.isin(units, np.fromiter(bad, np.int64, len(bad)))
+            counts["units_indexed"] -= int(hit.sum())
+            counts["chunks"] -= int(chunks[hit].sum())
+            counts["docs"] -= int((chunks[hit] > 0).sum())
+        names = {u.unit_no: u.key for u in self.store.units().values() if u.unit_no in bad}
+        for unit_no in sorted(bad):
+            key = names.get(unit_no)
+            where = f"record {key[len('record:'):]}" if key and key.startswith("record:") else f"unit {unit_no}"
+            self.report.add(where, "incomplete: its chunks were committed more than once (an actor "
+                            "was stopped and Ray ran its call again), so its vectors were removed; "
+                            "run again to index it", stage="write")
 
 
 def _described(dataset: ray.data.Dataset, cfg: IndexConfig) -> pa.Table:

@@ -1,0 +1,74 @@
+"""The host pool: one anonymous shared mapping, slots that do not overlap, a handle that
+maps the same memory in another process."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+
+import numpy as np
+import pytest
+
+from embedingest.engine.layout import SlotLayout
+from embedingest.engine.pool import HostPool
+from embedingest.errors import EngineError
+
+LAYOUT = SlotLayout.from_spec({"x": ((4, 2), np.float32), "n": ((4,), np.int64)})
+
+
+def _child_reads_and_writes(handle, conn):
+    slots = handle.attach()
+    conn.send([s["x"].tolist() for s in slots])
+    slots[1]["n"][:] = [7, 8, 9, 10]
+    conn.send("written")
+
+
+def test_slots_do_not_overlap_and_are_zeroed():
+    pool = HostPool(LAYOUT, 3)
+    try:
+        assert (pool.num_slots, pool.size, pool.pinned) == (3, 3 * LAYOUT.slot_bytes, False)
+        for i in range(3):
+            pool.views(i)["x"][:] = i + 1
+        assert [float(pool.views(i)["x"].sum()) for i in range(3)] == [8.0, 16.0, 24.0]
+        assert all(not pool.views(i)["n"].any() for i in range(3))
+    finally:
+        pool.close()
+
+
+def test_a_spawned_process_maps_the_same_memory():
+    pool = HostPool(LAYOUT, 2)
+    try:
+        pool.views(0)["x"][:] = np.arange(8, dtype=np.float32).reshape(4, 2)
+        ctx = mp.get_context("spawn")
+        mine, theirs = ctx.Pipe()
+        p = ctx.Process(target=_child_reads_and_writes, args=(pool.handle(), theirs))
+        p.start()
+        seen = mine.recv()
+        assert mine.recv() == "written"
+        p.join(30)
+        assert p.exitcode == 0
+        assert seen[0] == [[0, 1], [2, 3], [4, 5], [6, 7]] and seen[1] == [[0, 0]] * 4
+        assert pool.views(1)["n"].tolist() == [7, 8, 9, 10]
+    finally:
+        pool.close()
+
+
+def test_nothing_is_named_in_dev_shm_and_close_frees_the_descriptor():
+    pool = HostPool(LAYOUT, 2)
+    fd = pool.fd
+    assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:embedingest-pool")
+    assert not [n for n in os.listdir("/dev/shm") if "embedingest" in n]
+    pool.close()
+    assert pool.fd == -1
+    with pytest.raises(OSError):
+        os.fstat(fd)
+    pool.close()  # twice is fine
+
+
+def test_a_pool_larger_than_the_memory_available_is_refused_before_it_is_touched():
+    """The mapping of a memfd succeeds at any size; faulting its pages in would bring the
+    OOM killer. 8 TiB is refused up front, naming both sizes."""
+    huge = SlotLayout.from_spec({"x": ((1 << 40,), np.uint8)})  # 1 TiB a slot
+    with pytest.raises(EngineError, match=r"cannot allocate a host pool of 8796\.09 GB: only "
+                                          r"[0-9.]+ GB of memory is available; use fewer slots"):
+        HostPool(huge, 8)
