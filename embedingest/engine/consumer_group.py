@@ -9,6 +9,7 @@ in /dev/shm, whatever way the run ends.
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing as mp
 import os
 import threading
@@ -21,6 +22,11 @@ from ..interrupts import children_ignore_sigint
 from .consumers import consumer_main
 from .messages import Closed, Done, Skipped, Task
 from .pool import PoolHandle
+
+
+log = logging.getLogger("embedingest")
+
+_CLOSE_NOTE = 30.0  # seconds between two "waiting for consumer N" lines at a run's end
 
 
 class ConsumerGroup:
@@ -152,12 +158,23 @@ class ConsumerGroup:
                 c.send(None)
         if finished:
             try:
-                for p in self.procs:
-                    p.join()
+                self._wait_for_closes()
             finally:
                 self._stop_within(timeout)
         else:
             self._stop_within(timeout)
+
+    def _wait_for_closes(self) -> None:
+        """Wait for every consumer to exit, saying every ``_CLOSE_NOTE`` seconds which one
+        the run is waiting for (a close that never ends shows, instead of a silent hang)."""
+        t0 = time.monotonic()
+        for w, p in enumerate(self.procs):
+            while True:
+                p.join(timeout=_CLOSE_NOTE)
+                if p.exitcode is not None:
+                    break
+                log.warning("waiting for consumer %d (pid %d) to close its sink: %.0f s so far",
+                            w, p.pid, time.monotonic() - t0)
 
     def _stop_within(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from engine_sinks import (FailingSinkFactory, HashSinkFactory, SlowCloseSinkFact
                           broken_factory, digest, slow_sink_factory)
 
 from embedingest import EgressEngine
+from embedingest.engine import consumer_group
 from embedingest.errors import ConfigError, ConsumerDied, EngineError, RemoteTraceback
 
 
@@ -168,16 +170,24 @@ def test_caller_exception_stops_consumers_and_propagates(no_leaks):
             raise KeyError("boom")
 
 
-def test_a_close_slower_than_the_shutdown_timeout_still_completes_at_a_normal_end(tmp_path, no_leaks):
+def test_a_close_slower_than_the_shutdown_timeout_still_completes_at_a_normal_end(
+        tmp_path, no_leaks, monkeypatch, caplog):
     """``shutdown_timeout`` is for runs stopped early. At a normal end every sink's close
     runs to its end (the last commit of a large shard on a slow disk): a deadline there
-    cut the close with SIGTERM, and the run reported success with that shard lost."""
+    cut the close with SIGTERM, and the run reported success with that shard lost. The
+    wait says which consumer it is for (here every 0.5 s), so a close that never ends
+    shows."""
+    monkeypatch.setattr(consumer_group, "_CLOSE_NOTE", 0.5)
     with EgressEngine(SlowCloseSinkFactory(2.0, str(tmp_path / "c")), num_consumers=2,
                       device="cpu", shutdown_timeout=0.2) as e:
         for i in range(6):
             e.submit(i, {"x": np.full((4,), i, np.float32)})
     assert sorted(r["worker"] for r in e.closed_results) == [0, 1]
     assert sum(r["count"] for r in e.closed_results) == 6
+    notes = [m for m in caplog.messages if m.startswith("waiting for consumer")]
+    assert notes, caplog.messages
+    assert all(re.fullmatch(r"waiting for consumer 0 \(pid \d+\) to close its sink: [0-9] s so far", m)
+               for m in notes), notes
 
 
 def test_a_close_cut_by_sigterm_fails_the_run(tmp_path, no_leaks):
