@@ -165,3 +165,33 @@ class SlowCloseSinkFactory:
 
     def __call__(self, worker: int):
         return SlowCloseSink(worker, self.seconds, f"{self.marker}{worker}", self.hold)
+
+
+class ListSink:
+    """Keeps what it was given (batch id, arrays copied); fails on ``bad`` batch ids; its
+    close returns the list, or raises when ``close_fails``."""
+
+    def __init__(self, worker: int, bad=(), close_fails: bool = False):
+        self.worker, self.bad, self.close_fails = worker, tuple(bad), close_fails
+        self.seen = []
+
+    def __call__(self, batch_id, arrays):
+        if batch_id in self.bad:
+            raise ValueError(f"bad batch {batch_id}")
+        self.seen.append((batch_id, {k: v.copy() for k, v in arrays.items()}))
+        return f"w{self.worker}:{batch_id}"
+
+    def close(self):
+        if self.close_fails:
+            raise OSError(28, "No space left on device")
+        return [b for b, _ in self.seen]
+
+
+class ListSinkFactory:
+    def __init__(self, bad=(), close_fails: bool = False, factory_fails: bool = False):
+        self.bad, self.close_fails, self.factory_fails = tuple(bad), close_fails, factory_fails
+
+    def __call__(self, worker: int):
+        if self.factory_fails:
+            raise PermissionError(13, "cannot open the shard folder")
+        return ListSink(worker, self.bad, self.close_fails)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import threading
 
@@ -81,3 +82,162 @@ def test_a_dead_consumer_is_named_with_its_signal_even_before_it_is_reaped():
     EgressEngine._consumer_died(stub, 0, Dying(), 7)
     assert str(failures[0]).startswith("consumer 0 (pid 4242) was killed by SIGKILL while holding "
                                        "batch ('a.png',) (seq 7); the run was stopped")
+
+
+# -- consumer_main, run in this process (the messages it sends, exactly) ---------------
+
+def run_consumer(factory, tasks, abort=False, end_with_sentinel=True):
+    """Run ``consumer_main`` here on a pool of two slots: ``tasks`` as (seq, slot,
+    batch_id, values of "x") are written into the slots and queued on its pipe before it
+    starts. Returns every message it sent, in order. Its signal dispositions and parent
+    death signal are put back afterwards (it sets them for a process of its own)."""
+    import ctypes
+    import os
+    import signal
+
+    import numpy as np
+
+    from embedingest.engine import consumers
+    from embedingest.engine.layout import SlotLayout
+    from embedingest.engine.messages import Task
+    from embedingest.engine.pool import HostPool, PoolHandle
+
+    pool = HostPool(SlotLayout.from_spec({"x": ((4,), np.float32), "n": ((4,), np.int64)}), 2)
+    tasks_in, tasks_out = multiprocessing.Pipe(duplex=False)
+    said_in, said_out = multiprocessing.Pipe(duplex=False)
+    mine, theirs = _Ends(said_in, tasks_out), _Ends(tasks_in, said_out)
+    flag = multiprocessing.RawArray("b", 1)
+    flag[0] = int(abort)
+    for seq, slot, batch_id, values in tasks:
+        pool.views(slot)["x"][:len(values)] = values
+        pool.views(slot)["n"][:len(values)] = np.arange(len(values)) + 10 * seq
+        mine.send(Task(seq, slot, batch_id, {"x": len(values), "n": len(values)}))
+    if end_with_sentinel:
+        mine.send(None)
+    else:
+        tasks_out.close()  # the producer's end: gone
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        consumers.consumer_main(3, factory, PoolHandle(os.dup(pool.fd), pool.layout, 2), theirs, flag,
+                                os.getppid())
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+        ctypes.CDLL(None).prctl(1, 0)  # PR_SET_PDEATHSIG: none, as before
+        pool.close()
+    out = []
+    with contextlib.suppress(EOFError):  # its end is closed once all is said
+        while True:
+            out.append(mine.recv())
+    assert said_out.closed and tasks_in.closed  # it closed its ends
+    return out
+
+
+class _Ends:
+    """One end of two one-way pipes, used as one duplex connection: what a side sent
+    stays readable after it closed, unread tasks or not."""
+
+    def __init__(self, recv_from, send_to):
+        self._recv_from, self._send_to = recv_from, send_to
+
+    def recv(self):
+        return self._recv_from.recv()
+
+    def send(self, msg):
+        self._send_to.send(msg)
+
+    def close(self):
+        self._send_to.close()
+        self._recv_from.close()
+
+
+
+def test_consumer_runs_each_task_on_its_slot_and_says_so():
+    from engine_sinks import ListSinkFactory
+
+    from embedingest.engine.messages import Closed, Done, Ready
+
+    msgs = run_consumer(ListSinkFactory(), [(0, 1, "a", [1.0, 2.0, 3.0]), (1, 0, ("b", 2), [4.0])])
+    import os
+    assert msgs[0] == Ready(3, os.getpid())
+    assert [type(m) for m in msgs] == [Ready, Done, Done, Closed]
+    d0, d1 = msgs[1], msgs[2]
+    assert (d0.worker, d0.seq, d0.slot, d0.result) == (3, 0, 1, "w3:a")
+    assert (d1.worker, d1.seq, d1.slot, d1.result) == (3, 1, 0, "w3:('b', 2)")
+    assert 0 < d0.sink_start <= d0.sink_end <= d1.sink_start <= d1.sink_end
+    assert msgs[3] == Closed(3, ["a", ("b", 2)])
+
+
+def test_consumer_hands_slots_back_unused_when_aborting():
+    from engine_sinks import ListSinkFactory
+
+    from embedingest.engine.messages import Closed, Ready, Skipped
+
+    msgs = run_consumer(ListSinkFactory(), [(5, 1, "a", [1.0]), (6, 0, "b", [2.0])], abort=True)
+    assert msgs[1:] == [Skipped(3, 5, 1), Skipped(3, 6, 0), Closed(3, [])]
+    assert isinstance(msgs[0], Ready)
+
+
+def test_consumer_reports_a_failing_sink_then_still_closes():
+    from engine_sinks import ListSinkFactory
+
+    from embedingest.engine.messages import Closed, Done, Failed, Ready
+
+    msgs = run_consumer(ListSinkFactory(bad=("b",)), [(0, 0, "a", [1.0]), (1, 1, "b", [2.0]), (2, 0, "c", [3.0])])
+    assert [type(m) for m in msgs] == [Ready, Done, Failed, Closed]  # nothing after the failure
+    f = msgs[2]
+    assert (f.worker, f.seq, f.batch_id, f.summary) == (3, 1, "b", "ValueError: bad batch b")
+    assert "raise ValueError" in f.traceback and f.payload is not None
+    assert msgs[3] == Closed(3, ["a"])
+
+
+def test_consumer_reports_a_failing_factory_and_a_failing_close():
+    from engine_sinks import ListSinkFactory
+
+    from embedingest.engine.messages import Closed, Failed, Ready
+
+    msgs = run_consumer(ListSinkFactory(factory_fails=True), [(0, 0, "a", [1.0])])
+    assert [type(m) for m in msgs] == [Failed, Closed]  # no Ready: the sink never existed
+    assert (msgs[0].seq, msgs[0].batch_id) == (None, None)
+    assert msgs[0].summary == "PermissionError: [Errno 13] cannot open the shard folder"
+    assert msgs[1] == Closed(3, None)
+
+    msgs = run_consumer(ListSinkFactory(close_fails=True), [(0, 0, "a", [1.0])])
+    assert [type(m) for m in msgs] == [Ready, type(msgs[1]), Failed, Closed]
+    assert (msgs[2].seq, msgs[2].batch_id) == (None, "close")
+    assert msgs[2].summary == "OSError: [Errno 28] No space left on device"
+    assert msgs[3] == Closed(3, None)
+
+
+def test_consumer_ends_when_the_producer_is_gone():
+    """No sentinel: the producer's end of the pipe closed (it died). The consumer runs
+    what was queued, closes its sink, and leaves without an error."""
+    from engine_sinks import ListSinkFactory
+
+    from embedingest.engine.messages import Closed, Done, Ready
+
+    msgs = run_consumer(ListSinkFactory(), [(0, 0, "a", [1.0])], end_with_sentinel=False)
+    assert [type(m) for m in msgs] == [Ready, Done, Closed] and msgs[2] == Closed(3, ["a"])
+
+
+def test_consumer_sink_sees_only_the_rows_of_its_batch():
+    from engine_sinks import ListSink
+
+    seen = []
+
+    class Probe(ListSink):
+        def __call__(self, batch_id, arrays):
+            seen.append({k: (v.shape, v.tolist()) for k, v in arrays.items()})
+            return None
+
+    run_consumer(ProbeFactory(Probe), [(0, 1, "a", [1.0, 2.0, 3.0]), (1, 0, "b", [9.0])])
+    assert seen == [{"x": ((3,), [1.0, 2.0, 3.0]), "n": ((3,), [0, 1, 2])},
+                    {"x": ((1,), [9.0]), "n": ((1,), [10])}]
+
+
+class ProbeFactory:
+    def __init__(self, cls):
+        self.cls = cls
+
+    def __call__(self, worker):
+        return self.cls(worker)
