@@ -86,7 +86,8 @@ def test_a_dead_consumer_is_named_with_its_signal_even_before_it_is_reaped():
 
 # -- consumer_main, run in this process (the messages it sends, exactly) ---------------
 
-def run_consumer(factory, tasks, abort=False, end_with_sentinel=True):
+def run_consumer(factory, tasks, abort=False, end_with_sentinel=True, recv_fails_after=None,
+                 deaf=False):
     """Run ``consumer_main`` here on a pool of two slots: ``tasks`` as (seq, slot,
     batch_id, values of "x") are written into the slots and queued on its pipe before it
     starts. Returns every message it sent, in order. Its signal dispositions and parent
@@ -105,7 +106,7 @@ def run_consumer(factory, tasks, abort=False, end_with_sentinel=True):
     pool = HostPool(SlotLayout.from_spec({"x": ((4,), np.float32), "n": ((4,), np.int64)}), 2)
     tasks_in, tasks_out = multiprocessing.Pipe(duplex=False)
     said_in, said_out = multiprocessing.Pipe(duplex=False)
-    mine, theirs = _Ends(said_in, tasks_out), _Ends(tasks_in, said_out)
+    mine, theirs = _Ends(said_in, tasks_out), _Ends(tasks_in, said_out, recv_fails_after)
     flag = multiprocessing.RawArray("b", 1)
     flag[0] = int(abort)
     for seq, slot, batch_id, values in tasks:
@@ -116,6 +117,8 @@ def run_consumer(factory, tasks, abort=False, end_with_sentinel=True):
         mine.send(None)
     else:
         tasks_out.close()  # the producer's end: gone
+    if deaf:  # nobody reads what it says: every send fails (BrokenPipeError)
+        said_in.close()
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         consumers.consumer_main(3, factory, PoolHandle(os.dup(pool.fd), pool.layout, 2), theirs, flag,
@@ -126,7 +129,7 @@ def run_consumer(factory, tasks, abort=False, end_with_sentinel=True):
         ctypes.CDLL(None).prctl(1, 0)  # PR_SET_PDEATHSIG: none, as before
         pool.close()
     out = []
-    with contextlib.suppress(EOFError):  # its end is closed once all is said
+    with contextlib.suppress(EOFError, OSError):  # its end is closed once all is said
         while True:
             out.append(mine.recv())
     assert said_out.closed and tasks_in.closed  # it closed its ends
@@ -137,10 +140,15 @@ class _Ends:
     """One end of two one-way pipes, used as one duplex connection: what a side sent
     stays readable after it closed, unread tasks or not."""
 
-    def __init__(self, recv_from, send_to):
+    def __init__(self, recv_from, send_to, recv_fails_after=None):
         self._recv_from, self._send_to = recv_from, send_to
+        self._left = recv_fails_after
 
     def recv(self):
+        if self._left is not None:
+            if self._left == 0:
+                raise ValueError("a message that cannot be unpickled")
+            self._left -= 1
         return self._recv_from.recv()
 
     def send(self, msg):
@@ -241,3 +249,100 @@ class ProbeFactory:
 
     def __call__(self, worker):
         return self.cls(worker)
+
+
+def test_consumer_marks_each_sink_call_for_the_profiler(monkeypatch):
+    """Each sink call is an NVTX range named after its batch (cut to 64 characters), of
+    the "sink" kind (its colour in Nsight Systems)."""
+    from engine_sinks import ListSinkFactory
+
+    from embedingest.engine import consumers
+
+    marks = []
+    monkeypatch.setattr(consumers, "annotate", lambda name, kind: marks.append((name, kind))
+                        or contextlib.nullcontext())
+    long_id = "p" * 100
+    run_consumer(ListSinkFactory(), [(0, 0, "a", [1.0]), (1, 1, long_id, [2.0])])
+    assert marks == [("sink 'a'", "sink"), (f"sink '{long_id}"[:64], "sink")]
+    assert len(marks[1][0]) == 64
+
+
+def test_a_close_stopped_by_sigterm_is_reported_not_taken_as_done():
+    from engine_sinks import ListSink
+
+    from embedingest.engine import consumers
+    from embedingest.engine.messages import Closed, Done, Failed, Ready
+
+    class StoppedInClose(ListSink):
+        def close(self):
+            raise consumers._Stop(143)  # what the SIGTERM handler raises
+
+    msgs = run_consumer(ProbeFactory(StoppedInClose), [(0, 0, "a", [1.0])])
+    assert [type(m) for m in msgs] == [Ready, Done, Failed, Closed]
+    f = msgs[2]
+    assert (f.worker, f.seq, f.batch_id) == (3, None, "close")
+    assert f.summary == ("EngineError: consumer 3 was stopped (SIGTERM) while closing its sink, so "
+                         "what the sink had not yet written out is lost; re-run to redo it")
+    assert msgs[3] == Closed(3, None)
+
+
+def test_a_message_that_cannot_be_read_is_reported_with_no_batch():
+    """After a batch went through, the next message fails to unpickle: the error names no
+    batch (not the one before), and the sink still closes."""
+    from engine_sinks import ListSinkFactory
+
+    from embedingest.engine.messages import Closed, Done, Failed, Ready
+
+    msgs = run_consumer(ListSinkFactory(), [(0, 0, "a", [1.0]), (1, 1, "b", [2.0])], recv_fails_after=1)
+    assert [type(m) for m in msgs] == [Ready, Done, Failed, Closed]
+    assert (msgs[2].seq, msgs[2].batch_id, msgs[2].summary) == (None, None, "ValueError: a message that cannot be unpickled")
+    assert msgs[3] == Closed(3, ["a"])
+
+
+def test_a_consumer_nobody_listens_to_still_runs_and_closes():
+    """The producer's reading end is gone (it died): every answer fails to send, which is
+    no error; the queued batches still go through the sink, and it closes."""
+    from engine_sinks import ListSink
+
+    made = []
+
+    class Kept(ListSink):
+        def __init__(self, worker):
+            super().__init__(worker)
+            made.append(self)
+
+        def close(self):
+            self.closed = True
+            return super().close()
+
+    assert run_consumer(ProbeFactory(Kept), [(0, 0, "a", [1.0]), (1, 1, "b", [2.0])], deaf=True) == []
+    (sink,) = made
+    assert [b for b, _ in sink.seen] == ["a", "b"] and sink.closed
+
+
+def _death_signal() -> int:
+    import ctypes
+
+    value = ctypes.c_int(-1)
+    ctypes.CDLL(None).prctl(2, ctypes.byref(value))  # PR_GET_PDEATHSIG
+    return value.value
+
+
+def test_consumers_ask_for_sigterm_when_their_parent_dies():
+    import ctypes
+    import os
+    import signal
+
+    from embedingest.engine import consumers
+
+    try:
+        consumers._parent_death_signal(signal.SIGUSR1)
+        assert _death_signal() == signal.SIGUSR1
+        consumers._die_with_parent(os.getppid())
+        assert _death_signal() == signal.SIGTERM
+        with pytest.raises(consumers._Stop) as stop:  # the parent is already another process
+            consumers._die_with_parent(os.getppid() + 1)
+        assert stop.value.code == 1
+    finally:
+        ctypes.CDLL(None).prctl(1, 0)
+    assert _death_signal() == 0

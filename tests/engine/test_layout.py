@@ -58,7 +58,7 @@ def test_bad_specs_are_refused(spec, match):
 def test_field_by_name():
     layout = SlotLayout.from_spec({"a": ((2,), np.float32), "b": ((2,), np.int64)})
     assert layout.field("b").offset == ALIGN
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError, match="'c'"):
         layout.field("c")
 
 
