@@ -104,8 +104,9 @@ def _error_message(worker: int, seq, batch_id, exc: BaseException) -> Failed:
 
 
 def _send(conn, msg) -> None:
-    """Send to the producer; when it is gone nothing is listening, and that is no error."""
-    with contextlib.suppress(EOFError, OSError):
+    """Send to the producer; when it is gone nothing is listening, and that is no error
+    (a send to a closed pipe raises BrokenPipeError, an OSError)."""
+    with contextlib.suppress(OSError):
         conn.send(msg)
 
 

@@ -212,7 +212,7 @@ def test_consumer_reports_a_failing_factory_and_a_failing_close():
 
     msgs = run_consumer(ListSinkFactory(close_fails=True), [(0, 0, "a", [1.0])])
     assert [type(m) for m in msgs] == [Ready, type(msgs[1]), Failed, Closed]
-    assert (msgs[2].seq, msgs[2].batch_id) == (None, "close")
+    assert (msgs[2].worker, msgs[2].seq, msgs[2].batch_id) == (3, None, "close")
     assert msgs[2].summary == "OSError: [Errno 28] No space left on device"
     assert msgs[3] == Closed(3, None)
 
@@ -346,3 +346,44 @@ def test_consumers_ask_for_sigterm_when_their_parent_dies():
     finally:
         ctypes.CDLL(None).prctl(1, 0)
     assert _death_signal() == 0
+
+
+def test_sigterm_becomes_a_clean_stop_with_the_shell_s_status():
+    from embedingest.engine import consumers
+
+    with pytest.raises(consumers._Stop) as stop:
+        consumers._on_sigterm(15, None)
+    assert stop.value.code == 143 and isinstance(stop.value, SystemExit)
+
+
+def test_loader_workers_are_forked_on_linux():
+    from embedingest.engine.consumers import loader_context
+
+    assert loader_context().get_start_method() == "fork"
+
+
+def test_a_loader_worker_leaves_ctrl_c_to_its_parent_and_dies_with_it(monkeypatch):
+    """``exit_with_parent``, as a DataLoader worker runs it first: SIGINT ignored, the
+    resource sharer's broken hand-overs quiet, SIGKILL when the parent dies; a parent
+    already gone (the worker was re-parented) ends the worker at once with status 1."""
+    import ctypes
+    import os
+    import signal
+
+    from embedingest.engine import consumers
+
+    exits = []
+    monkeypatch.setattr(os, "_exit", lambda code: exits.append(code))
+    monkeypatch.setattr(threading, "excepthook", threading.excepthook)
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        consumers.exit_with_parent(os.getppid())
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert threading.excepthook is consumers.quiet_resource_sharer
+        assert _death_signal() == signal.SIGKILL
+        assert exits == []
+        consumers.exit_with_parent(os.getppid() + 1)
+        assert exits == [1]
+    finally:
+        signal.signal(signal.SIGINT, before)
+        ctypes.CDLL(None).prctl(1, 0)
