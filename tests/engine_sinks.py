@@ -164,7 +164,8 @@ class SlowCloseSinkFactory:
         self.seconds, self.marker, self.hold = seconds, marker, hold
 
     def __call__(self, worker: int):
-        return SlowCloseSink(worker, self.seconds, f"{self.marker}{worker}", self.hold)
+        seconds = self.seconds[worker] if isinstance(self.seconds, tuple) else self.seconds
+        return SlowCloseSink(worker, seconds, f"{self.marker}{worker}", self.hold)
 
 
 class ListSink:

@@ -190,6 +190,16 @@ def test_a_close_slower_than_the_shutdown_timeout_still_completes_at_a_normal_en
                for m in notes), notes
 
 
+def test_every_consumer_s_close_is_waited_for_not_only_the_first(tmp_path, no_leaks):
+    """Consumer 0 closes at once, consumer 1 takes 2 s: the wait goes on to consumer 1
+    (its close is not cut by the 0.2-s timeout after consumer 0 is done)."""
+    with EgressEngine(SlowCloseSinkFactory((0.0, 2.0), str(tmp_path / "c")), num_consumers=2,
+                      device="cpu", shutdown_timeout=0.2) as e:
+        for i in range(4):
+            e.submit(i, {"x": np.full((4,), i, np.float32)})
+    assert [r["worker"] for r in e.closed_results] == [0, 1]
+
+
 def test_a_close_cut_by_sigterm_fails_the_run(tmp_path, no_leaks):
     """A consumer stopped while its sink closes (someone's SIGTERM) lost what the sink had
     not written out: the run must fail, not report the close as done."""
