@@ -60,3 +60,31 @@ def test_abort_flag():
     assert not g.aborting
     g.drop_queued()
     assert g.aborting and g.abort[0] == 1
+
+
+def test_a_batch_sent_to_a_consumer_that_is_gone_reports_its_death_with_that_batch():
+    """The send fails (its pipe is closed: it died a moment ago): the group waits up to
+    1 s for its exit status, then reports the death with the batch just given to it."""
+    from embedingest.engine.messages import Task
+
+    class Gone:
+        def send(self, msg):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    class Proc:
+        def __init__(self):
+            self.joined = []
+
+        def join(self, timeout=None):
+            self.joined.append(timeout)
+
+    g = group([[], [4]])
+    g._conns = [Gone(), Gone()]
+    proc = Proc()
+    g.procs = [proc, Proc()]
+    deaths = []
+    g._on_death = lambda w, p, seq: deaths.append((w, p, seq))
+    g.dispatch(Task(5, 1, "batch-5", {"x": 4}))
+    assert deaths == [(0, proc, 5)]
+    assert proc.joined == [1.0]
+    assert g._outstanding == [[5], [4]]

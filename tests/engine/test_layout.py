@@ -75,7 +75,8 @@ def test_lengths_take_shorter_batches_and_name_every_mismatch():
          r"array 'emb' has shape \(3, 5\), the slots hold \(8, 4\) \(only the first dimension"),
         ({**ok, "emb": np.zeros((3, 4, 1), np.float32)}, r"array 'emb' has shape \(3, 4, 1\)"),
         ({**ok, "emb": np.zeros((9, 4), np.float32)},
-         r"array 'emb' has 9 rows but a slot holds at most 8 \(sized from the first batch"),
+         r"array 'emb' has 9 rows but a slot holds at most 8 \(sized from the first batch or the declared "
+         r"slot_spec\); declare slot_spec with the largest batch size, or keep batches no larger$"),
     ]
     for arrays, match in cases:
         with pytest.raises(ConfigError, match=match):
