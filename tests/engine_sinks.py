@@ -196,3 +196,14 @@ class ListSinkFactory:
         if self.factory_fails:
             raise PermissionError(13, "cannot open the shard folder")
         return ListSink(worker, self.bad, self.close_fails)
+
+
+def whoami_sink_factory(worker: int):
+    """Answers each batch with its process's multiprocessing name and daemon flag."""
+    import multiprocessing
+
+    def sink(batch_id, arrays):
+        me = multiprocessing.current_process()
+        return (me.name, me.daemon)
+
+    return sink

@@ -18,7 +18,7 @@ import torch
 from conftest import child_pids
 from fault_helpers import wait_for
 from engine_sinks import (FailingSinkFactory, HashSinkFactory, SlowCloseSinkFactory, SuicideSinkFactory,
-                          broken_factory, digest, slow_sink_factory)
+                          broken_factory, digest, slow_sink_factory, whoami_sink_factory)
 
 from embedingest import EgressEngine
 from embedingest.engine import consumer_group
@@ -160,6 +160,30 @@ def test_killed_consumer_is_detected_and_named(no_leaks):
     assert err.exitcode == -signal.SIGKILL
     assert err.batch_id == 5
     assert f"consumer {err.worker}" in str(err) and "SIGKILL" in str(err) and "batch 5" in str(err)
+
+
+def test_consumers_are_named_daemon_processes(no_leaks):
+    """The name is how the fault hooks and the process listings find a consumer; daemon,
+    so a process that exits without stopping them does not wait for them at exit."""
+    seen = []
+    with EgressEngine(whoami_sink_factory, num_consumers=2, device="cpu",
+                      on_result=lambda batch_id, value: seen.append(value)) as e:
+        for i in range(8):
+            e.submit(i, {"x": np.zeros(2, np.float32)})
+    assert set(seen) == {("embedingest-consumer-0", True), ("embedingest-consumer-1", True)}
+
+
+def test_a_consumer_killed_while_idle_fails_the_run(no_leaks):
+    """Killed with no batch in hand, its sink never closed (its shard never committed):
+    the run must fail, naming it, not end as if all was written."""
+    with pytest.raises(ConsumerDied, match=r"consumer 1 \(pid \d+\) was killed by SIGKILL while idle") as info:
+        with EgressEngine(HashSinkFactory(), num_consumers=2, device="cpu") as e:
+            e.submit(0, {"x": np.zeros(2, np.float32)})
+            e.flush()
+            victim = e._consumers.procs[1]
+            os.kill(victim.pid, signal.SIGKILL)
+            victim.join(30)
+    assert info.value.worker == 1 and info.value.exitcode == -signal.SIGKILL
 
 
 def test_caller_exception_stops_consumers_and_propagates(no_leaks):
