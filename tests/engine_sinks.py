@@ -207,3 +207,16 @@ def whoami_sink_factory(worker: int):
         return (me.name, me.daemon)
 
     return sink
+
+
+class PicklesOnce:
+    """A sink factory that can be pickled once only (``count`` pickles are allowed): the
+    first consumer starts, the next cannot."""
+
+    allowed = 1
+
+    def __reduce__(self):
+        if PicklesOnce.allowed <= 0:
+            raise TypeError("cannot pickle this factory twice")
+        PicklesOnce.allowed -= 1
+        return (HashSinkFactory, ())

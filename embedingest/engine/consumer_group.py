@@ -58,6 +58,8 @@ class ConsumerGroup:
                 with children_ignore_sigint():
                     p.start()
             except Exception as exc:
+                mine.close()
+                self._stop_started()
                 raise EngineError(f"cannot start consumer {w}: {exc}; the sink factory must "
                                   "be picklable (a top-level function or class)") from exc
             finally:
@@ -67,6 +69,16 @@ class ConsumerGroup:
         self._collector = threading.Thread(target=self._collect_loop, name="embedingest-collector",
                                            daemon=True)
         self._collector.start()
+
+    def _stop_started(self) -> None:
+        """The consumers started before one that could not start: stopped, their pipes closed."""
+        for c in self._conns:
+            c.close()  # each sees EOF and closes its sink
+        for p in self.procs:
+            p.join(timeout=5.0)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=1.0)
 
     def dispatch(self, task: Task) -> None:
         """Send ``task`` to the consumer with the fewest batches outstanding."""

@@ -209,13 +209,24 @@ class EgressEngine:
     # -- set-up --------------------------------------------------------------------
 
     def _open(self, layout: SlotLayout) -> None:
+        """Make the pool, the copy path and the consumers; when a part cannot be made, what
+        was made is released and the engine stays unopened (its exit then has nothing to stop)."""
         cfg = self.config
-        self._pool = HostPool(layout, cfg.slots(), pin=self._path.pins and cfg.pin_memory)
+        pool = HostPool(layout, cfg.slots(), pin=self._path.pins and cfg.pin_memory)
+        try:
+            self._path.open(pool)
+            try:
+                consumers = ConsumerGroup(self.sink_factory, cfg.num_consumers, pool.handle(),
+                                          self._on_message, self._consumer_died)
+            except BaseException:
+                self._path.release()
+                raise
+        except BaseException:
+            pool.close()
+            raise
+        self._pool, self._consumers = pool, consumers
         for i in range(cfg.slots()):
             self._free.put(i)
-        self._path.open(self._pool)
-        self._consumers = ConsumerGroup(self.sink_factory, cfg.num_consumers, self._pool.handle(),
-                                        self._on_message, self._consumer_died)
         self._monitor = threading.Thread(target=self._monitor_loop, name="embedingest-monitor", daemon=True)
         self._monitor.start()
 

@@ -165,12 +165,36 @@ def test_killed_consumer_is_detected_and_named(no_leaks):
 def test_consumers_are_named_daemon_processes(no_leaks):
     """The name is how the fault hooks and the process listings find a consumer; daemon,
     so a process that exits without stopping them does not wait for them at exit."""
+    import threading
+
     seen = []
     with EgressEngine(whoami_sink_factory, num_consumers=2, device="cpu",
                       on_result=lambda batch_id, value: seen.append(value)) as e:
         for i in range(8):
             e.submit(i, {"x": np.zeros(2, np.float32)})
+        collectors = [t for t in threading.enumerate() if t.name == "embedingest-collector"]
+        assert len(collectors) == 1 and collectors[0].daemon
     assert set(seen) == {("embedingest-consumer-0", True), ("embedingest-consumer-1", True)}
+
+
+def test_a_sink_factory_that_cannot_be_pickled_is_refused_saying_why(no_leaks):
+    local = lambda worker: None  # noqa: E731 - a lambda cannot be pickled for a spawned process
+    with pytest.raises(EngineError, match=r"^cannot start consumer 0: .*; the sink factory must be "
+                                          r"picklable \(a top-level function or class\)$"):
+        with EgressEngine(local, num_consumers=2, device="cpu") as e:
+            e.submit(0, {"x": np.zeros(2, np.float32)})
+
+
+def test_a_consumer_that_cannot_start_stops_those_started_before_it(no_leaks, monkeypatch):
+    """Consumer 0 starts, consumer 1 cannot (its factory does not pickle): the error says
+    so, and consumer 0 is stopped, not left running (``no_leaks`` counts the children)."""
+    from engine_sinks import PicklesOnce
+
+    monkeypatch.setattr(PicklesOnce, "allowed", 1)
+    with pytest.raises(EngineError, match=r"^cannot start consumer 1: cannot pickle this factory twice"):
+        with EgressEngine(PicklesOnce(), num_consumers=3, device="cpu") as e:
+            e.submit(0, {"x": np.zeros(2, np.float32)})
+    assert child_pids(os.getpid()) == set()
 
 
 def test_a_consumer_killed_while_idle_fails_the_run(no_leaks):
