@@ -283,10 +283,18 @@ def _sigterm_when_written(path) -> None:
     os.kill(int(path.read_text()), signal.SIGTERM)
 
 
-def test_submit_outside_the_block_is_an_error():
+def test_submit_outside_the_block_is_an_error(no_leaks):
     e = EgressEngine(HashSinkFactory(), num_consumers=1, device="cpu")
-    with pytest.raises(Exception, match="outside the engine's 'with' block"):
+    with pytest.raises(EngineError, match=r"^submit\(\) outside the engine's 'with' block$"):
         e.submit(0, np.zeros(2))
+    with pytest.raises(EngineError, match=r"^flush\(\) outside the engine's 'with' block$"):
+        e.flush()
+    with e:
+        e.submit(0, np.zeros(2, np.float32))
+        e.flush()
+    for call in (lambda: e.submit(1, np.zeros(2, np.float32)), e.flush):  # after the block too
+        with pytest.raises(EngineError, match="outside the engine's 'with' block"):
+            call()
 
 
 def test_caller_exception_drops_the_batches_not_yet_in_a_sink(no_leaks):

@@ -46,7 +46,11 @@ def test_lanes_from_records_made_by_hand():
     assert list(lanes) == ["compute", "h2d", "d2h", "hand-off", "consumer 1", "consumer 0"]
     assert [s for _, _, s in lanes["compute"]] == list(range(5, 25))
     assert lanes["h2d"] == [(9.0, 9.5, -1)]  # 4.0-4.5 ended before batch 5's slot
+    assert lanes["compute"][0] == (5.0, 5.1, 5)
     assert lanes["d2h"][0] == (5.1, 5.2, 5) and lanes["hand-off"][0] == (5.2, 5.5, 5)
     assert lanes["consumer 1"][0] == (5.5, 5.7, 5)
     unmarked = [BatchRecord(seq=0, slot=0, nbytes=1, submit_t=0.0, slot_t=0.0, compute_end=2.0)]
     assert lanes_of(unmarked) == {"compute": [(2.0, 2.0, 0)], "d2h": []}
+    half = [BatchRecord(seq=0, slot=0, nbytes=1, submit_t=0.0, slot_t=0.0, copy_start=1.0),
+            BatchRecord(seq=1, slot=0, nbytes=1, submit_t=0.0, slot_t=0.0, copy_end=1.0)]
+    assert lanes_of(half) == {"compute": [], "d2h": []}  # a copy span needs both ends
