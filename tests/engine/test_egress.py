@@ -234,7 +234,7 @@ def test_a_close_slower_than_the_shutdown_timeout_still_completes_at_a_normal_en
     assert sum(r["count"] for r in e.closed_results) == 6
     notes = [m for m in caplog.messages if m.startswith("waiting for consumer")]
     assert notes, caplog.messages
-    assert all(re.fullmatch(r"waiting for consumer 0 \(pid \d+\) to close its sink: [0-9] s so far", m)
+    assert all(re.fullmatch(r"waiting for consumer [01] \(pid \d+\) to close its sink: [0-9] s so far", m)
                for m in notes), notes
 
 

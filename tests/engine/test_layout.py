@@ -21,8 +21,9 @@ def test_host_dtypes(dtype, host):
 
 
 def test_a_dtype_without_a_host_type_is_refused_by_name():
-    with pytest.raises(ConfigError, match=r"dtype torch.complex32 has no host type: cast the array"):
-        numpy_dtype(torch.complex32)
+    # torch's quantized types: no numpy twin (complex32 has one once onnx is imported)
+    with pytest.raises(ConfigError, match=r"dtype torch.qint8 has no host type: cast the array"):
+        numpy_dtype(torch.qint8)
     with pytest.raises(ConfigError, match="dtype quaternion has no host type"):
         SlotLayout.from_spec({"x": ((2,), "quaternion")})
 
