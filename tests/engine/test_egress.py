@@ -193,8 +193,7 @@ def test_a_consumer_that_cannot_start_stops_those_started_before_it(no_leaks, mo
     monkeypatch.setattr(PicklesOnce, "allowed", 1)
     with pytest.raises(EngineError, match=r"^cannot start consumer 1: cannot pickle this factory twice"):
         with EgressEngine(PicklesOnce(), num_consumers=3, device="cpu") as e:
-            e.submit(0, {"x": np.zeros(2, np.float32)})
-    assert child_pids(os.getpid()) == set()
+            e.submit(0, {"x": np.zeros(2, np.float32)})  # no_leaks: consumer 0 was stopped
 
 
 def test_a_consumer_killed_while_idle_fails_the_run(no_leaks):
