@@ -203,9 +203,7 @@ def test_a_consumer_killed_while_idle_fails_the_run(no_leaks):
         with EgressEngine(HashSinkFactory(), num_consumers=2, device="cpu") as e:
             e.submit(0, {"x": np.zeros(2, np.float32)})
             e.flush()
-            victim = e._consumers.procs[1]
-            os.kill(victim.pid, signal.SIGKILL)
-            victim.join(30)
+            os.kill(e._consumers.procs[1].pid, signal.SIGKILL)  # the engine reaps it (no second join here)
     assert info.value.worker == 1 and info.value.exitcode == -signal.SIGKILL
 
 
