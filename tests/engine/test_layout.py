@@ -47,7 +47,7 @@ def test_raw_bits_remember_the_submitted_dtype():
 
 
 @pytest.mark.parametrize("spec, match", [
-    ({}, "a slot needs at least one array; got an empty output dict"),
+    ({}, "^a slot needs at least one array; got an empty output dict$"),
     ({"x": ((), np.float32)}, r"array 'x' has shape \(\); the engine needs a leading batch dimension"),
     ({"x": ((4, -1), np.float32)}, r"array 'x' has shape \(4, -1\)"),
 ])

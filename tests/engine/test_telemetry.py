@@ -53,13 +53,19 @@ def test_summary_of_records():
     st = stats(records, wall=4.0)
     assert (st.batches, st.bytes, st.wall_seconds) == (4, 6000, 4.0)
     assert (st.batches_per_second, st.bytes_per_second) == (1.0, 1500.0)
-    assert st.copy_gbps == pytest.approx(6000 / (0.5 + 2.0 + 0.5) / 1e9)
+    assert st.copy_gbps == 6000 / 3.0 / 1e9
     assert st.producer_blocked_seconds == 1.5  # 0.5 + 0 (slot_t before submit_t) + 1.0
     assert st.sink_seconds == {0: 0.75, 1: 1.0}
     assert st.batches_per_worker == {0: 2, 1: 1}
     assert (st.device, st.pinned, st.num_slots, st.num_consumers, st.slot_bytes) == ("cpu", True, 4, 2, 4096)
     assert st.compute_gap_fraction is None  # no CUDA events on the CPU
     assert st.records is records
+
+
+def test_rates_of_a_run_shorter_than_a_second():
+    st = stats([rec(0, slot_t=1.0, ready_t=1.5)], wall=0.5)
+    assert (st.batches_per_second, st.bytes_per_second) == (2.0, 2000.0)
+    assert st.copy_gbps == 1000 / 0.5 / 1e9
 
 
 def test_no_wall_time_and_no_copy_time_give_zero_rates():
