@@ -27,6 +27,7 @@ from .pool import PoolHandle
 log = logging.getLogger("embedingest")
 
 _CLOSE_NOTE = 30.0  # seconds between two "waiting for consumer N" lines at a run's end
+_START_FAILED_STOP = 5.0  # seconds the consumers started before one that could not start get
 
 
 class ConsumerGroup:
@@ -50,6 +51,7 @@ class ConsumerGroup:
         self._outstanding: list[list[int]] = [[] for _ in range(num_consumers)]
         self._next = 0
         self._lock = threading.Lock()
+        self._collector: threading.Thread | None = None
         for w in range(num_consumers):
             mine, theirs = ctx.Pipe(duplex=True)
             p = ctx.Process(target=consumer_main, name=f"embedingest-consumer-{w}", daemon=True,
@@ -59,7 +61,8 @@ class ConsumerGroup:
                     p.start()
             except Exception as exc:
                 mine.close()
-                self._stop_started()
+                self.stop(_START_FAILED_STOP)  # those started before it
+                self.close()
                 raise EngineError(f"cannot start consumer {w}: {exc}; the sink factory must "
                                   "be picklable (a top-level function or class)") from exc
             finally:
@@ -69,16 +72,6 @@ class ConsumerGroup:
         self._collector = threading.Thread(target=self._collect_loop, name="embedingest-collector",
                                            daemon=True)
         self._collector.start()
-
-    def _stop_started(self) -> None:
-        """The consumers started before one that could not start: stopped, their pipes closed."""
-        for c in self._conns:
-            c.close()  # each sees EOF and closes its sink
-        for p in self.procs:
-            p.join(timeout=5.0)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=1.0)
 
     def dispatch(self, task: Task) -> None:
         """Send ``task`` to the consumer with the fewest batches outstanding."""
@@ -201,7 +194,8 @@ class ConsumerGroup:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=1.0)
-        self._collector.join(timeout=5.0)
+        if self._collector is not None:  # None: a consumer could not start
+            self._collector.join(timeout=5.0)
 
     def close(self) -> None:
         for c in self._conns:

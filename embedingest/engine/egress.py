@@ -15,6 +15,7 @@ so CI tests all of it without a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import queue
 import signal
@@ -212,18 +213,14 @@ class EgressEngine:
         """Make the pool, the copy path and the consumers; when a part cannot be made, what
         was made is released and the engine stays unopened (its exit then has nothing to stop)."""
         cfg = self.config
-        pool = HostPool(layout, cfg.slots(), pin=self._path.pins and cfg.pin_memory)
-        try:
+        with contextlib.ExitStack() as undo:
+            pool = HostPool(layout, cfg.slots(), pin=self._path.pins and cfg.pin_memory)
+            undo.callback(pool.close)
             self._path.open(pool)
-            try:
-                consumers = ConsumerGroup(self.sink_factory, cfg.num_consumers, pool.handle(),
-                                          self._on_message, self._consumer_died)
-            except BaseException:
-                self._path.release()
-                raise
-        except BaseException:
-            pool.close()
-            raise
+            undo.callback(self._path.release)
+            consumers = ConsumerGroup(self.sink_factory, cfg.num_consumers, pool.handle(),
+                                      self._on_message, self._consumer_died)
+            undo.pop_all()  # all made: kept
         self._pool, self._consumers = pool, consumers
         for i in range(cfg.slots()):
             self._free.put(i)

@@ -165,8 +165,6 @@ def test_killed_consumer_is_detected_and_named(no_leaks):
 def test_consumers_are_named_daemon_processes(no_leaks):
     """The name is how the fault hooks and the process listings find a consumer; daemon,
     so a process that exits without stopping them does not wait for them at exit."""
-    import threading
-
     seen = []
     with EgressEngine(whoami_sink_factory, num_consumers=2, device="cpu",
                       on_result=lambda batch_id, value: seen.append(value)) as e:

@@ -371,7 +371,6 @@ class RayIndexPlan:
         counts["docs"] += int((n_chunks > 0).sum())
         return new.num_rows
 
-
     def _incomplete(self, bad: set[int]) -> None:
         """Units whose committed rows were not their chunks once each (an actor killed
         mid-call, its call retried by Ray: the first try's shards hold part of them again),
@@ -388,7 +387,8 @@ class RayIndexPlan:
         names = {u.unit_no: u.key for u in self.store.units().values() if u.unit_no in bad}
         for unit_no in sorted(bad):
             key = names.get(unit_no)
-            where = f"record {key[len('record:'):]}" if key and key.startswith("record:") else f"unit {unit_no}"
+            rid = key[len("record:"):] if key and key.startswith("record:") else None
+            where = f"record {rid}" if rid is not None else f"unit {unit_no}"
             self.report.add(where, "incomplete: its chunks were committed more than once (an actor "
                             "was stopped and Ray ran its call again), so its vectors were removed; "
                             "run again to index it", stage="write")
