@@ -78,6 +78,19 @@ def broken_factory(worker: int):
     raise ValueError(f"cannot open the output store for worker {worker}")
 
 
+class SleepySinkFactory:
+    """Sinks that take ``seconds`` per batch."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def __call__(self, worker: int):
+        def sink(batch_id, arrays):
+            time.sleep(self.seconds)
+
+        return sink
+
+
 def slow_sink_factory(worker: int):
     def sink(batch_id, arrays):
         time.sleep(0.05)

@@ -34,7 +34,7 @@ class ConsumerGroup:
     """``num_consumers`` processes running ``consumer_main`` on one pool.
 
     ``on_message(msg)`` gets every answer (in the collector thread); ``on_death(worker,
-    process, seq)`` is called when a consumer ends without having closed its sink, or
+    process, seq, exitcode)`` is called when a consumer ends without having closed its sink, or
     with batches it never ran (stopped by someone else's SIGTERM), with the oldest batch it
     held (-1 when idle).
     """
@@ -51,6 +51,7 @@ class ConsumerGroup:
         self._outstanding: list[list[int]] = [[] for _ in range(num_consumers)]
         self._next = 0
         self._lock = threading.Lock()
+        self._reap_lock = threading.Lock()
         self._collector: threading.Thread | None = None
         for w in range(num_consumers):
             mine, theirs = ctx.Pipe(duplex=True)
@@ -81,8 +82,7 @@ class ConsumerGroup:
         try:
             self._conns[w].send(task)
         except OSError:
-            self.procs[w].join(timeout=1.0)
-            self._died(w, self.procs[w])
+            self._died(w, self.procs[w], self.exitcode(self.procs[w], 1.0))
 
     def _pick(self) -> int:
         """The consumer with the fewest batches outstanding, in turn among equals."""
@@ -110,11 +110,11 @@ class ConsumerGroup:
                 elif w in alive:
                     self._drain(w, conns)
                     p = alive.pop(w)
-                    p.join(timeout=1.0)
+                    code = self.exitcode(p, 2.0)
                     with self._lock:
                         lost = bool(self._outstanding[w]) and not self.aborting
                     if lost or not self._closed_ok[w]:
-                        self._died(w, p)
+                        self._died(w, p, code)
 
     def _drain(self, w: int, conns: dict) -> None:
         conn = conns.get(w)
@@ -136,10 +136,32 @@ class ConsumerGroup:
             conns.pop(w, None)
             self._on_message(EngineError(f"cannot read the answer of consumer {w}: {exc!r}"))
 
-    def _died(self, w: int, p) -> None:
+    def exitcode(self, p, timeout: float = 0.0) -> int | None:
+        """Consumer ``p``'s exit code, waiting up to ``timeout`` seconds for its end; None
+        while it runs. Every wait for a consumer goes through here: multiprocessing's
+        ``join`` is not safe from two threads at once (the one that loses the race to reap
+        the process reads it as running)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            wait([p.sentinel], max(0.0, deadline - time.monotonic()))
+            with self._reap_lock:
+                code = p.exitcode
+            if code is not None or time.monotonic() >= deadline:
+                return code
+            time.sleep(0.005)  # its pipes closed a moment before the kernel reaped it
+
+    def _signal(self, p, kill: bool) -> None:
+        with self._reap_lock:
+            if p.exitcode is None:
+                if kill:
+                    p.kill()
+                else:
+                    p.terminate()
+
+    def _died(self, w: int, p, code: int | None) -> None:
         with self._lock:
             seq = self._outstanding[w][0] if self._outstanding[w] else -1
-        self._on_death(w, p, seq)
+        self._on_death(w, p, seq, code)
 
     @property
     def aborting(self) -> bool:
@@ -174,26 +196,21 @@ class ConsumerGroup:
         the run is waiting for (a close that never ends shows, instead of a silent hang)."""
         t0 = time.monotonic()
         for w, p in enumerate(self.procs):
-            while True:
-                p.join(timeout=_CLOSE_NOTE)
-                if p.exitcode is not None:
-                    break
+            while self.exitcode(p, _CLOSE_NOTE) is None:
                 log.warning("waiting for consumer %d (pid %d) to close its sink: %.0f s so far",
                             w, p.pid, time.monotonic() - t0)
 
     def _stop_within(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         for p in self.procs:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
+            self.exitcode(p, max(0.0, deadline - time.monotonic()))
         for p in self.procs:
-            if p.is_alive():
-                p.terminate()
+            self._signal(p, kill=False)
         deadline = time.monotonic() + 2.0
         for p in self.procs:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=1.0)
+            if self.exitcode(p, max(0.0, deadline - time.monotonic())) is None:
+                self._signal(p, kill=True)
+                self.exitcode(p, 1.0)
         if self._collector is not None:  # None: a consumer could not start
             self._collector.join(timeout=5.0)
 

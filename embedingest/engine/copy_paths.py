@@ -59,6 +59,7 @@ class HostCopyPath:
     def __init__(self, device: str):
         self.device = device
         self._compute_start = None
+        self._compute_end = None
         self._spans: list[tuple] = []
 
     def open(self, pool: HostPool) -> None:
@@ -66,6 +67,11 @@ class HostCopyPath:
 
     def mark_compute_start(self) -> None:
         self._compute_start = time.perf_counter()
+
+    def mark_compute_end(self) -> None:
+        """Mark where the batch's compute ends, before ``submit`` may wait for a slot (a
+        mark after the wait would count the wait as compute)."""
+        self._compute_end = time.perf_counter()
 
     @contextlib.contextmanager
     def span(self, lane: str, stream=None):
@@ -79,8 +85,8 @@ class HostCopyPath:
         t0 = time.perf_counter()
         nbytes = self._copy_host(pool.views(slot), arrays, pending.lengths, skip_device=False)
         rec.copy_start, rec.copy_end = t0, time.perf_counter()
-        rec.compute_start, rec.compute_end = self._compute_start, rec.submit_t
-        self._compute_start = None
+        rec.compute_start, rec.compute_end = self._compute_start, self._compute_end or rec.submit_t
+        self._compute_start = self._compute_end = None
         return nbytes
 
     def _copy_host(self, views: dict, arrays: dict, lengths: dict, skip_device: bool) -> int:
@@ -159,6 +165,13 @@ class CudaCopyPath(HostCopyPath):
         ev.record(torch.cuda.current_stream(self.device))
         self._compute_start = ev
 
+    def mark_compute_end(self) -> None:
+        import torch
+
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        self._compute_end = ev
+
     @contextlib.contextmanager
     def span(self, lane: str, stream=None):
         import torch
@@ -174,6 +187,7 @@ class CudaCopyPath(HostCopyPath):
         nbytes = self._copy_host(pool.views(slot), arrays, pending.lengths, skip_device=True)
         items = [(name, a) for name, a in arrays.items() if _is_torch(a) and a.is_cuda]
         if not items:
+            self._compute_start = self._compute_end = None
             return nbytes
         return nbytes + self._copy_device(slot, items, pending)
 
@@ -184,9 +198,10 @@ class CudaCopyPath(HostCopyPath):
             if t.device.index != self._device_index:
                 raise ConfigError(f"array {name!r} is on {t.device}, the engine on "
                                   f"cuda:{self._device_index}; one engine serves one GPU")
-        compute = torch.cuda.current_stream(self.device)
-        end = torch.cuda.Event(enable_timing=True)
-        end.record(compute)
+        end = self._compute_end
+        if end is None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(torch.cuda.current_stream(self.device))
         start_copy = torch.cuda.Event(enable_timing=True)
         done = torch.cuda.Event(enable_timing=True, blocking=True)
         self._stream.wait_event(end)
@@ -201,7 +216,7 @@ class CudaCopyPath(HostCopyPath):
         pending.done_event = done
         pending.timing = (self._compute_start, end, start_copy)
         pending.keep = [t for _, t in items]
-        self._compute_start = None
+        self._compute_start = self._compute_end = None
         return nbytes
 
     def _host_time(self, ev) -> float | None:

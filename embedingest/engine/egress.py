@@ -174,6 +174,7 @@ class EgressEngine:
             t_submit = time.perf_counter()
             if self._t_first is None:
                 self._t_first = t_submit
+            self._path.mark_compute_end()
             slot = self._acquire_slot()
             seq = self._seq
             self._seq += 1
@@ -291,13 +292,13 @@ class EgressEngine:
             self._inflight.pop(seq, None)
             self._done += 1
             self._t_last = time.perf_counter()
+            rec = self._records.get(seq)
+            if rec is not None:
+                rec.freed_t = self._t_last
             self._lock.notify_all()
         self._free.put(slot)
 
-    def _consumer_died(self, w: int, p, seq: int) -> None:
-        if p.exitcode is None:  # its pipe closed a moment before the kernel reaped it
-            p.join(timeout=2.0)
-        code = p.exitcode
+    def _consumer_died(self, w: int, p, seq: int, code: int | None) -> None:
         how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 \
             else f"exited with code {code}"
         with self._lock:

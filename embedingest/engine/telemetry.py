@@ -21,6 +21,7 @@ class BatchRecord:
     dispatch_t: float = 0.0  # host: handed to the consumers' queue
     sink_start_t: float = 0.0  # host, in the consumer
     sink_end_t: float = 0.0
+    freed_t: float = 0.0  # host: the slot back on the free list (the answer collected)
     worker: int = -1
     # GPU spans on the host clock (CUDA only); compute_start is None when not marked.
     compute_start: float | None = None

@@ -16,6 +16,7 @@ def group(outstanding, next_=0):
     g._outstanding = [list(o) for o in outstanding]
     g._next = next_
     g._lock = threading.Lock()
+    g._reap_lock = threading.Lock()
     return g
 
 
@@ -48,10 +49,10 @@ def test_batches_spread_evenly_over_idle_consumers():
 def test_a_dead_consumer_is_reported_with_its_oldest_batch():
     g = group([[7, 9], []])
     deaths = []
-    g._on_death = lambda w, p, seq: deaths.append((w, p, seq))
-    g._died(0, "proc0")
-    g._died(1, "proc1")
-    assert deaths == [(0, "proc0", 7), (1, "proc1", -1)]
+    g._on_death = lambda w, p, seq, code: deaths.append((w, p, seq, code))
+    g._died(0, "proc0", -9)
+    g._died(1, "proc1", 3)
+    assert deaths == [(0, "proc0", 7, -9), (1, "proc1", -1, 3)]
 
 
 def test_abort_flag():
@@ -71,20 +72,56 @@ def test_a_batch_sent_to_a_consumer_that_is_gone_reports_its_death_with_that_bat
         def send(self, msg):
             raise BrokenPipeError(32, "Broken pipe")
 
-    class Proc:
-        def __init__(self):
-            self.joined = []
-
-        def join(self, timeout=None):
-            self.joined.append(timeout)
-
     g = group([[], [4]])
     g._conns = [Gone(), Gone()]
-    proc = Proc()
-    g.procs = [proc, Proc()]
+    proc = Ending(calls_running=3, code=-9)
+    g.procs = [proc, Ending()]
     deaths = []
-    g._on_death = lambda w, p, seq: deaths.append((w, p, seq))
+    g._on_death = lambda w, p, seq, code: deaths.append((w, p, seq, code))
     g.dispatch(Task(5, 1, "batch-5", {"x": 4}))
-    assert deaths == [(0, proc, 5)]
-    assert proc.joined == [1.0]
+    assert deaths == [(0, proc, 5, -9)]
     assert g._outstanding == [[5], [4]]
+
+
+class Ending:
+    """A process whose pipes closed (its sentinel reads as ready) and whose exit status
+    shows only after ``calls_running`` reads, as when the kernel has not reaped it yet."""
+
+    def __init__(self, calls_running: int = 0, code: int | None = 0, ended: bool = True):
+        import os
+
+        r, w = os.pipe()
+        if ended:
+            os.close(w)
+        else:
+            self._w = w
+        self.sentinel, self.pid = r, 4242
+        self._left, self._code, self.reads = calls_running, code, 0
+
+    @property
+    def exitcode(self):
+        self.reads += 1
+        if self._left:
+            self._left -= 1
+            return None
+        return self._code
+
+
+def test_exitcode_waits_for_the_status_of_a_consumer_whose_pipes_closed():
+    """Its pipes close a moment before its status exists: the status is read again
+    until it comes (a death was named "exited with code None" under load)."""
+    g = group([[]])
+    p = Ending(calls_running=4, code=-9)
+    assert g.exitcode(p, 2.0) == -9
+    assert p.reads == 5
+
+
+def test_exitcode_of_a_running_consumer_is_none_after_the_timeout():
+    import time
+
+    g = group([[]])
+    p = Ending(code=None, ended=False)
+    t0 = time.monotonic()
+    assert g.exitcode(p, 0.2) is None
+    assert 0.2 <= time.monotonic() - t0 < 1.0
+    assert g.exitcode(p) is None

@@ -61,25 +61,22 @@ def test_consumers_ignore_ctrl_c_from_the_start_of_their_start_up():
     assert engine.closed_results == ["ignored", "ignored"]
 
 
-def test_a_dead_consumer_is_named_with_its_signal_even_before_it_is_reaped():
-    """The collector sees a consumer's pipe close a moment before its exit status exists;
-    the message said "exited with code None" under load instead of "was killed by
-    SIGKILL" (the fault test of a SIGKILLed consumer caught it once)."""
+def test_a_dead_consumer_is_named_with_its_signal():
+    """The group gives the exit status it waited for (``ConsumerGroup.exitcode``; under
+    load a death was once named "exited with code None" instead of "was killed by
+    SIGKILL")."""
     import threading
 
     from embedingest.engine.egress import EgressEngine
 
-    class Dying:  # a killed process not reaped yet: the status comes with join
-        pid, exitcode = 4242, None
-
-        def join(self, timeout=None):
-            self.exitcode = -9
+    class Dead:
+        pid = 4242
 
     failures = []
     stub = type("Stub", (), {})()
     stub._lock, stub._inflight, stub._ready = threading.Condition(), {7: ("a.png",)}, {0}
     stub._fail = failures.append
-    EgressEngine._consumer_died(stub, 0, Dying(), 7)
+    EgressEngine._consumer_died(stub, 0, Dead(), 7, -9)
     assert str(failures[0]).startswith("consumer 0 (pid 4242) was killed by SIGKILL while holding "
                                        "batch ('a.png',) (seq 7); the run was stopped")
 

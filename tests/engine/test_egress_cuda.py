@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from engine_sinks import HashSinkFactory, digest
+from engine_sinks import HashSinkFactory, SleepySinkFactory, digest
 
 from embedingest import EgressEngine
 
@@ -114,3 +114,21 @@ def test_pools_are_unregistered_between_runs(no_leaks):
         _, res = collect("cuda", [(0, lambda: {"x": torch.full((1 << 20,), float(run), device="cuda")})],
                          num_consumers=1)
         assert res[0] == digest({"x": np.full((1 << 20,), float(run), np.float32)})
+
+
+def test_a_wait_for_a_free_slot_is_not_counted_as_compute(no_leaks):
+    """One slot and a sink that takes 0.3 s: each submit after the first waits for the
+    slot while the GPU has nothing to do. The compute span of a batch ends where its
+    kernels end, before that wait, so the gaps show (before, the end was marked after
+    the wait and the GPU looked busy all along)."""
+    with EgressEngine(SleepySinkFactory(0.3), num_consumers=1, num_slots=1, device="cuda") as e:
+        for i in range(4):
+            e.mark_compute_start()
+            torch.cuda._sleep(20_000_000)  # a few ms of kernel
+            e.submit(i, {"x": torch.ones(1024, device="cuda")})
+    st = e.stats
+    assert st.producer_blocked_seconds > 0.6
+    assert st.compute_gap_fraction > 0.7, st.compute_gap_fraction
+    for r in st.records[1:]:
+        assert r.compute_end < r.slot_t - 0.1, (r.compute_end, r.slot_t)
+        assert r.freed_t >= r.sink_end_t > r.sink_start_t >= r.dispatch_t
