@@ -37,7 +37,9 @@ class DocumentsBenchConfig:
     batch_size: int = 1024  # of the forward-alone row (build-index picks its own)
     st_sample: int = 20_000  # chunks for the sentence-transformers row (0: none)
     folder: str | None = None  # keep the documents here
-    extra: list[str] = field(default_factory=list)  # more build-index options, one string each
+    extra: list[str] = field(default_factory=list)  # more build-index rows: their options, a string each
+    build_options: list[str] = field(default_factory=list)  # options of every build-index row
+    trace: str | None = None  # a Chrome trace of the first build-index row, written here
 
 
 def write_documents(folder: Path, mb: float, copies: int = 1, join_mb: float = 0) -> dict:
@@ -85,11 +87,15 @@ def _tree_pss(root: int) -> int:
     return total
 
 
-def build_index_command(folder: Path, out: Path, cfg: DocumentsBenchConfig, extra: list[str] = ()) -> dict:
+def build_index_command(folder: Path, out: Path, cfg: DocumentsBenchConfig, extra: list[str] = (),
+                        trace: str | None = None) -> dict:
     """``python -m embedingest build-index FOLDER --json`` in a fresh process: its wall time
-    from the start, its own summary, and the peak PSS of its processes (sampled)."""
+    from the start, its own summary, and the peak PSS of its processes (sampled); with
+    ``trace``, its Chrome trace is written there."""
     cmd = [sys.executable, "-m", "embedingest", "build-index", str(folder), "--out", str(out),
-           "--json", "--dtype", cfg.dtype, "--device", cfg.device, *extra]
+           "--json", "--dtype", cfg.dtype, "--device", cfg.device, *cfg.build_options, *extra]
+    if trace:
+        cmd += ["--trace", str(Path(trace).resolve())]
     if cfg.model:
         cmd += ["--model", cfg.model]
     peak, done = [0], threading.Event()
@@ -218,7 +224,7 @@ def run_documents(cfg: DocumentsBenchConfig, log=print) -> tuple[dict, list[dict
         for path in sorted(folder.rglob("*.txt"))[:20]:
             (warm / path.name).write_bytes(path.read_bytes())
         build_index_command(warm, Path(tmp) / "warm-index", cfg)
-        rows = [build_index_command(folder, Path(tmp) / "index", cfg)]
+        rows = [build_index_command(folder, Path(tmp) / "index", cfg, trace=cfg.trace)]
         for n, extra in enumerate(cfg.extra):
             rows.append(build_index_command(folder, Path(tmp) / f"index-{n}", cfg, extra.split()))
         for row in rows:

@@ -149,7 +149,9 @@ def bench_text(corpus, docs, mb, copies, join_mb, st_sample, batch_size, device,
         device = str(resolve_device(device))
     dtype = precision(dtype, device.startswith("cuda"))
     if corpus == "documents":
-        _bench_documents(mb, copies, join_mb, st_sample, batch_size or 1024, device, dtype, model, json_path)
+        build_options = ["--num-workers", str(num_workers), "--num-consumers", str(num_consumers)]
+        _bench_documents(mb, copies, join_mb, st_sample, batch_size or 1024, device, dtype, model, json_path,
+                         build_options, trace)
         return
     cfg = TextBenchConfig(docs=docs, batch_size=batch_size or 256, device=device, dtype=dtype, model=model,
                           num_workers=num_workers, num_consumers=num_consumers, st_fp32=st_fp32,
@@ -164,12 +166,14 @@ def bench_text(corpus, docs, mb, copies, join_mb, st_sample, batch_size, device,
                                "build_index_summaries": [r["summary"] for r in rows if "summary" in r]})
 
 
-def _bench_documents(mb, copies, join_mb, st_sample, batch_size, device, dtype, model, json_path) -> None:
+def _bench_documents(mb, copies, join_mb, st_sample, batch_size, device, dtype, model, json_path,
+                     build_options, trace) -> None:
     from ..bench.documents import DocumentsBenchConfig, run_documents
     from ..bench.report import DOCUMENTS_COLUMNS, machine_info, table, write_json
 
     cfg = DocumentsBenchConfig(mb=mb, copies=copies, join_mb=join_mb, device=device, dtype=dtype, model=model,
-                               batch_size=batch_size, st_sample=st_sample)
+                               batch_size=batch_size, st_sample=st_sample, build_options=build_options,
+                               trace=trace)
     info = machine_info()
     click.echo(f"# {info.get('gpu', 'CPU')} {info.get('driver', '')}, torch {info.get('torch')}, {info['date']}")
     made, rows = run_documents(cfg, log=lambda m: click.echo(m, err=True))

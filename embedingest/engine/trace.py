@@ -78,8 +78,10 @@ def engine_events(records: Iterable[BatchRecord], spans: Iterable[tuple[str, flo
                                "args": args if ph == "b" else {}})
             tid = CONSUMER_TID0 + r.worker
             workers.add(r.worker)
+            back = {"slot_back_ts": _us(r.freed_t, t0)} if r.freed_t else {}
             events.append({"ph": "X", "pid": pid, "tid": tid, "name": f"sink {r.seq}", "cat": "consumer",
-                           **_span(r.sink_start_t, r.sink_end_t, t0), "args": args | {"worker": r.worker}})
+                           **_span(r.sink_start_t, r.sink_end_t, t0),
+                           "args": args | {"worker": r.worker} | back})
             flow.append((tid, r.sink_start_t))
         for i, (tid, t) in enumerate(flow):
             ph = "s" if i == 0 else ("f" if i == len(flow) - 1 else "t")

@@ -6,7 +6,9 @@ waits on the launching thread. A CUDA graph launches them all at once. Batches c
 a few shapes only (full batches, widths padded to a multiple of 16 tokens), so a graph
 is captured the first time a shape is seen and replayed after that; shapes past
 ``max_graphs`` and any function that cannot be captured run eagerly, so nothing is lost
-but speed.
+but speed. The warm-up run that precedes a capture is that batch's result: a new shape
+costs one forward and the capture's host time, not a forward more (a run meets a few
+dozen shapes, most of them once: the last batch of each loader worker).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class GraphedFunction:
         self.fn = fn
         self.device = torch.device(device)
         self.max_graphs = max_graphs
-        self.warmup = warmup
+        self.warmup = max(1, warmup)  # the last warm-up run is the first batch's result
         self._graphs: dict[tuple, tuple[list[torch.Tensor], torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         # One side stream for every warm-up and capture: the caching allocator keeps the
@@ -59,8 +61,13 @@ class GraphedFunction:
         self._pool = None
 
     def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
-        entry = self._entry(inputs)
+        key = tuple((tuple(t.shape), t.dtype) for t in inputs)
+        entry = self._graphs.get(key)
         if entry is None:
+            if self.disabled_reason is None and len(self._graphs) < self.max_graphs:
+                result = self._capture(key, inputs)
+                if result is not None:
+                    return result
             return self.fn(*inputs)
         static_in, graph, static_out = entry
         for dst, src in zip(static_in, inputs):
@@ -68,16 +75,16 @@ class GraphedFunction:
         graph.replay()
         return static_out.clone()
 
-    def _entry(self, inputs: tuple[torch.Tensor, ...]):
-        """The graph of these input shapes, captured now if need be; None to run eagerly
-        (graphs off, or ``max_graphs`` taken)."""
+    def _entry(self, inputs: tuple[torch.Tensor, ...]) -> None:
+        """Capture the graph of these input shapes unless it exists (or graphs are off,
+        or ``max_graphs`` are taken)."""
         key = tuple((tuple(t.shape), t.dtype) for t in inputs)
-        entry = self._graphs.get(key)
-        if entry is None and self.disabled_reason is None and len(self._graphs) < self.max_graphs:
-            entry = self._capture(key, inputs)
-        return entry
+        if key not in self._graphs and self.disabled_reason is None and len(self._graphs) < self.max_graphs:
+            self._capture(key, inputs)
 
-    def _capture(self, key: tuple, inputs: tuple[torch.Tensor, ...]):
+    def _capture(self, key: tuple, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+        """Warm up on ``inputs`` and capture their shapes' graph; return the warm-up's
+        result (None when the capture failed: graphs are off from then on)."""
         static_in = [t.clone() for t in inputs]
         compute = torch.cuda.current_stream(self.device)
         if self._side is None:
@@ -87,8 +94,11 @@ class GraphedFunction:
         try:
             with torch.cuda.stream(side):  # warm-up off the capture: cuBLAS handles, workspaces
                 for _ in range(self.warmup):
-                    self.fn(*static_in)
+                    result = self.fn(*static_in)
             compute.wait_stream(side)
+            # made on the side stream, used on the compute stream: its memory must not go
+            # to the side stream's next allocation before the compute stream is done with it
+            result.record_stream(compute)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
@@ -108,6 +118,5 @@ class GraphedFunction:
             log.warning("CUDA graphs off for this run (%s); running eagerly", self.disabled_reason)
             torch.cuda.synchronize(self.device)
             return None
-        entry = (static_in, graph, static_out)
-        self._graphs[key] = entry
-        return entry
+        self._graphs[key] = (static_in, graph, static_out)
+        return result

@@ -61,7 +61,9 @@ def test_bench_text_documents_on_the_cpu_writes_its_rows(tmp_path, monkeypatch):
     path = tmp_path / "bench.json"
     t0 = time.perf_counter()
     r = CliRunner().invoke(main, ["bench", "text", "--corpus", "documents", "--mb", "0.1", "--device", "cpu",
-                                  "--st-sample", "30", "--batch-size", "16", "--json", str(path)])
+                                  "--st-sample", "30", "--batch-size", "16", "--json", str(path),
+                                  "--num-workers", "1", "--num-consumers", "1",
+                                  "--trace", str(tmp_path / "trace.json")])
     assert r.exit_code == 0, r.output
     assert "| loop | chunks/s | x bound | x sentence-transformers |" in r.stdout
     data = json.loads(path.read_text())
@@ -76,3 +78,7 @@ def test_bench_text_documents_on_the_cpu_writes_its_rows(tmp_path, monkeypatch):
     assert data["documents"]["documents"] == len(DOCS) and data["config"]["device"] == "cpu"
     (summary,) = data["build_index_summaries"]
     assert summary["device"] == "cpu" and summary["vectors_total"] == engine["chunks"]
+    # the build-index options given reach the command (they were dropped for documents)
+    assert summary["engine"]["num_consumers"] == 1 and "--num-workers 1" in engine["command"]
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert sum(e.get("cat") == "consumer" for e in trace["traceEvents"]) == summary["engine"]["batches"]

@@ -66,6 +66,7 @@ def assert_batch_order(per_batch: dict[int, dict], workers: int) -> None:
         assert copy["ts"] + copy["dur"] <= b["handoff_b"] + 1e-3, seq
         assert b["handoff_b"] <= b["handoff_e"] <= sink["ts"] + 1e-3, seq
         assert sink["dur"] > 0
+        assert sink["args"]["slot_back_ts"] >= sink["ts"] + sink["dur"] - 1e-3, seq  # freed after
 
 
 def test_engine_run_as_a_chrome_trace(tmp_path, no_leaks):

@@ -111,3 +111,25 @@ def test_encoder_graphs_match_eager_and_never_sync():
             enc.forward(ids, mask)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+def test_a_new_shape_runs_its_kernels_once_and_its_result_is_the_warm_up_s():
+    """A new shape's batch is the warm-up before the capture: its kernels run once on the
+    GPU (counted by an in-place add that a replay repeats), not once more as a replay."""
+    counter = torch.zeros((), device="cuda")
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        counter.add_(1)
+        return x * 2
+
+    graphed = GraphedFunction(fn, "cuda")
+    first = graphed(torch.arange(4.0, device="cuda"))
+    torch.cuda.synchronize()
+    assert counter.item() == 1 and graphed.captured == 1
+    again = graphed(torch.arange(4.0, device="cuda") + 1)
+    other = graphed(torch.arange(6.0, device="cuda"))
+    torch.cuda.synchronize()
+    assert counter.item() == 3 and graphed.captured == 2
+    torch.testing.assert_close(first, torch.arange(4.0, device="cuda") * 2)
+    torch.testing.assert_close(again, (torch.arange(4.0, device="cuda") + 1) * 2)
+    torch.testing.assert_close(other, torch.arange(6.0, device="cuda") * 2)
