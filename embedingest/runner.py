@@ -54,7 +54,7 @@ class BatchSteps:
 def run_batches(sinks, batches: Iterable, steps: BatchSteps, *, device: str | torch.device,
                 slot_spec: dict, num_consumers: int, num_slots: int | None,
                 on_skip: Callable[[str, str], None], timing: dict | None = None,
-                started: float | None = None):
+                started: float | None = None, engine: EgressEngine | None = None):
     """Run every batch of ``batches`` through ``steps`` on ``device`` and an egress engine
     writing to ``sinks`` (a sink factory); return the closed engine (its ``stats``, its
     consumers' ``closed_results``).
@@ -63,12 +63,15 @@ def run_batches(sinks, batches: Iterable, steps: BatchSteps, *, device: str | to
     the loop's timing (:data:`LOOP_KEYS`), ``start_s`` counted from ``started`` (a
     ``time.perf_counter()``; default: now). The loader is closed on the way out, whatever
     stops the loop, so its workers are shut down here, not whenever it is collected.
+    ``engine``: an engine for ``sinks`` made (and perhaps started) by the caller, used
+    instead of a new one.
     """
     timing = timing if timing is not None else {}
     timing.update(dict.fromkeys(LOOP_KEYS, 0.0))
     t_start = time.perf_counter() if started is None else started
-    engine = EgressEngine(sinks, num_consumers=num_consumers, num_slots=num_slots, device=str(device),
-                          slot_spec=slot_spec)
+    if engine is None:
+        engine = EgressEngine(sinks, num_consumers=num_consumers, num_slots=num_slots, device=str(device),
+                              slot_spec=slot_spec)
     with engine, torch.inference_mode(), contextlib.ExitStack() as stack:
         moved_batches = stack.enter_context(
             contextlib.closing(prefetch(batches, steps.send, device, engine.span)))

@@ -123,10 +123,25 @@ class EgressEngine:
     # -- public API ----------------------------------------------------------------
 
     def __enter__(self) -> EgressEngine:
-        self._entered = True
-        if self._slot_spec is not None:
-            self._open(SlotLayout.from_spec(self._slot_spec))
+        if not self._entered:  # an engine started early (start()) is entered once
+            self._entered = True
+            if self._slot_spec is not None:
+                self._open(SlotLayout.from_spec(self._slot_spec))
         return self
+
+    def start(self) -> EgressEngine:
+        """Make the pool and start the consumers now, before the ``with`` block (which then
+        uses them): their start-up (a fresh interpreter each, the sink's imports) overlaps
+        the caller's own, a model loading. Needs ``slot_spec``; an engine started and then
+        not used is stopped with :meth:`stop`."""
+        if self._slot_spec is None:
+            raise ConfigError("start() needs the slots' sizes up front: give slot_spec")
+        return self.__enter__()
+
+    def stop(self) -> None:
+        """Stop an engine started with :meth:`start` that will not be used (the caller
+        failed before its batches): the consumers close their sinks and exit."""
+        self._shutdown(abort=True)
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         if exc_type is None:
@@ -366,9 +381,9 @@ class EgressEngine:
             pinned=bool(self._pool and self._pool.pinned), num_slots=self.config.slots(),
             num_consumers=self.config.num_consumers,
             slot_bytes=self._pool.layout.slot_bytes if self._pool else 0)
-        if self.cuda:
-            st.gpu_idle_fraction, st.gpu_idle_source = gpu_idle(self._path.idle_fraction(),
-                                                                st.compute_gap_fraction)
+        if self.cuda:  # from the first batch on: an engine started early idles until then
+            measured = self._path.idle_fraction(self._t_first or 0.0, self._t_last or float("inf"))
+            st.gpu_idle_fraction, st.gpu_idle_source = gpu_idle(measured, st.compute_gap_fraction)
         st.spans = self._path.spans(pool_open=self._pool is not None)
         return st
 

@@ -370,3 +370,36 @@ def _alive(pid: int) -> bool:
             return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_an_engine_started_early_runs_its_batches_with_the_same_consumers(no_leaks):
+    """start() makes the pool and the consumers before the ``with`` block; entering it then
+    starts nothing more."""
+    e = EgressEngine(HashSinkFactory(), num_consumers=2, device="cpu",
+                     slot_spec={"x": ((8,), "float32")}).start()
+    pids = [p.pid for p in e._consumers.procs]
+    assert all(p.is_alive() for p in e._consumers.procs)
+    with e:
+        assert [p.pid for p in e._consumers.procs] == pids
+        for i in range(6):
+            e.submit(i, {"x": np.full((8,), i, np.float32)})
+    assert e.stats.batches == 6 and sum(e.stats.batches_per_worker.values()) == 6
+
+
+def test_an_engine_started_and_not_used_is_stopped(tmp_path, no_leaks):
+    """The caller failed before its first batch: stop() has each consumer close its sink
+    and exit."""
+    e = EgressEngine(SlowCloseSinkFactory(0.0, str(tmp_path / "c")), num_consumers=2, device="cpu",
+                     slot_spec={"x": ((4,), "float32")}).start()
+    procs = list(e._consumers.procs)
+    e.stop()
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert sorted(r["worker"] for r in e.closed_results) == [0, 1]
+    assert e.stats.batches == 0
+    with pytest.raises(EngineError, match="outside the engine's 'with' block"):
+        e.submit(0, {"x": np.zeros(4, np.float32)})
+
+
+def test_start_needs_the_slot_sizes():
+    with pytest.raises(ConfigError, match="give slot_spec"):
+        EgressEngine(HashSinkFactory(), num_consumers=1, device="cpu").start()

@@ -289,36 +289,61 @@ def test_memory_grows_with_the_index_not_the_corpus(tmp_path):
 
 
 def test_workers_tokenize_while_the_weights_load_and_an_unchanged_run_loads_none(tmp_path, monkeypatch):
-    """On one device the loader's worker processes are running (and have batches ready)
-    before the weights start loading; phases are listed in the order they ran. A re-run
-    with nothing to encode does not load the weights at all."""
+    """On one device the loader's worker processes are running (and have batches ready),
+    and the engine's consumers started, before the weights start loading; phases are
+    listed in the order they ran. A re-run with nothing to encode does not load the
+    weights at all."""
+    from embedingest.engine.egress import EgressEngine
     from embedingest.jobs.build_index import encode
 
     corpus = make_corpus(tmp_path / "corpus")
     loads = []
     load = TextEncoder.from_facts.__func__
     start = encode.start_batches
+    engine_start = EgressEngine.start
 
     def started(*args, **kwargs):
         batches = start(*args, **kwargs)
         loads.append(("workers", [w.pid for w in batches._workers if w.is_alive()]))
         return batches
 
+    def consumers(engine):
+        engine_start(engine)
+        loads.append(("consumers", [p.pid for p in engine._consumers.procs if p.is_alive()]))
+        return engine
+
     def spy(cls, *args, **kwargs):
         loads.append(("weights", None))
         return load(cls, *args, **kwargs)
 
     monkeypatch.setattr(encode, "start_batches", started)
+    monkeypatch.setattr(EgressEngine, "start", consumers)
     monkeypatch.setattr(TextEncoder, "from_facts", classmethod(spy))
     s = build_index(corpus, out=str(tmp_path / "idx"), num_workers=2, num_consumers=1, batch_size=4)
-    assert [kind for kind, _ in loads] == ["workers", "weights"]
-    assert len(loads[0][1]) == 2
+    assert [kind for kind, _ in loads] == ["workers", "consumers", "weights"]
+    assert len(loads[0][1]) == 2 and len(loads[1][1]) == 1
     assert list(s["phases"]) == ["plan_s", "load_model_s", "train_s", "encode_s", "finish_s"]
     assert s["phases"]["load_model_s"] > 0 and s["chunks"] == 12
     loads.clear()
     again = build_index(corpus, out=str(tmp_path / "idx"), num_workers=2, num_consumers=1)
     assert loads == [] and again["units_unchanged"] == 4 and again["phases"]["load_model_s"] == 0
     assert again["model"] == s["model"]
+
+
+def test_weights_that_fail_to_load_stop_the_workers_and_consumers_started_before(
+        tmp_path, monkeypatch, no_leaks):
+    """The loader's workers and the engine's consumers start before the weights load; a
+    load that fails stops them all, and the error is the load's."""
+    corpus = make_corpus(tmp_path / "corpus")
+
+    def broken(cls, *args, **kwargs):
+        raise ConfigError("model.safetensors is damaged: cannot read tensor 'embeddings'")
+
+    monkeypatch.setattr(TextEncoder, "from_facts", classmethod(broken))
+    with pytest.raises(ConfigError, match="model.safetensors is damaged"):
+        build_index(corpus, out=str(tmp_path / "idx"), num_workers=2, num_consumers=2, batch_size=4)
+    with ShardStore(tmp_path / "idx") as store:
+        assert store.committed() == []
 
 
 @pytest.mark.parametrize("existing", [False, True])

@@ -48,3 +48,41 @@ def test_units_are_numbered_in_order_and_a_changed_one_gets_a_fresh_number(tmp_p
         "record:a": 1, "record:b": 42, "record:c": 3, "record:d": 41}
     plan = plan_units(store, records(d="new", b="changed", a="x", c="z"), SkipReport())
     assert apply_plan(store, plan)[1] == {"record:d": 41, "record:b": 42, "record:c": 3}  # a rerun: the same
+
+
+def test_files_are_hashed_in_parallel_in_the_corpus_order_and_a_failed_read_is_reported(
+        tmp_path, monkeypatch):
+    """Files are hashed by a thread pool; the plan keeps the corpus's order, each digest is
+    its own file's, and a file whose read fails is reported (stage hash) and left out."""
+    import threading
+    import time
+
+    from embedingest.jobs.build_index import plan as plan_module
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    texts = {f"doc{i:03d}.txt": f"document {i} " * (i + 1) for i in range(40)}
+    for name, text in texts.items():
+        (corpus / name).write_text(text)
+    threads, real = set(), plan_module._sha256
+
+    def sha256(path):
+        threads.add(threading.get_ident())
+        time.sleep(0.01)  # long enough that the pool's threads all take files
+        if path.endswith("doc017.txt"):
+            raise PermissionError(13, "Permission denied", path)
+        return real(path)
+
+    monkeypatch.setattr(plan_module, "_sha256", sha256)
+    store = ShardStore(tmp_path / "ix")
+    store.create_or_open(Manifest(model={"name": "m", "path": "/nowhere"}, dim=DIM))
+    report = SkipReport()
+    plan = plan_units(store, plan_module.file_candidates(corpus, report, tmp_path / "ix"), report)
+    names = [c["path"].rsplit("/", 1)[1] for c in plan.todo]
+    assert names == [n for n in sorted(texts) if n != "doc017.txt"]
+    for cand in plan.todo:
+        name = cand["path"].rsplit("/", 1)[1]
+        assert cand["sha256"] == hashlib.sha256(texts[name].encode()).hexdigest()
+    assert [(e["stage"], e["reason"].split(":")[0]) for e in report.entries] == [("hash", "unreadable")]
+    assert report.entries[0]["where"].endswith("doc017.txt")
+    assert len(threads) > 1 and threading.get_ident() not in threads

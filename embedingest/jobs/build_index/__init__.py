@@ -204,7 +204,7 @@ def _build_locked(corpus, cfg: IndexConfig, out: Path, model, built: list, where
             checkpoint()
         early = (isinstance(model, ModelFacts) and bool(units)
                  and not needs_training(store, cfg, manifest.dim)
-                 and where.start_batches(units, model, cfg, chunk_tokens))
+                 and where.start_batches(units, model, cfg, chunk_tokens, store))
         if early:
             log.info("%s: the tokenizing workers start while the model loads", out)
         phases["plan_s"] = time.perf_counter() - t_start - sum(phases.values())

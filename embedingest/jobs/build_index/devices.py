@@ -192,7 +192,8 @@ class SeveralDevices:
     def load_encoder(self, cfg: IndexConfig, facts: EncoderOnDevices | None = None) -> EncoderOnDevices:
         return facts if facts is not None else encoder_on_devices(self.procs)
 
-    def start_batches(self, units: list[Unit], facts, cfg: IndexConfig, chunk_tokens: int) -> bool:
+    def start_batches(self, units: list[Unit], facts, cfg: IndexConfig, chunk_tokens: int,
+                      store: ShardStore) -> bool:
         """Nothing starts early here: each child starts its own loader (False)."""
         return False
 

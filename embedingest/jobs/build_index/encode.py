@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from ...config import IndexConfig
 from ...engine.consumers import exit_with_parent, loader_context
+from ...engine.egress import EgressEngine
 from ...engine.worker_loader import WorkerLoader
 from ...errors import ConfigError
 from ...index.shard_store import ShardStore
@@ -156,21 +157,42 @@ def train_if_needed(store: ShardStore, manifest: Manifest, encoder: TextEncoder,
     return str(store.trained_path)
 
 
+def shard_engine(store: ShardStore, out: str | Path, dim: int, cfg: IndexConfig, device: str,
+                 trained: str | None, run_id: str | None = None) -> EgressEngine:
+    """The encode step's egress engine, not started: its slots hold a batch of ``dim``-wide
+    vectors and ids, its consumers write shards under ``out`` (:func:`shard_sinks`)."""
+    if not cfg.save_embeddings and any(s.has_embeddings for s in store.committed()):
+        cfg = dataclasses.replace(cfg, save_embeddings=True)  # an index that keeps them keeps all
+    sinks = shard_sinks(out, dim, cfg, run_id or new_run_id(), trained, store.generation)
+    return EgressEngine(sinks, num_consumers=cfg.num_consumers, num_slots=engine_slots(cfg, device),
+                        device=device, slot_spec=vector_slots(cfg, dim))
+
+
+def engine_slots(cfg: IndexConfig, device: str) -> int | None:
+    """Host slots of the engine: as configured, else on a GPU 8 per consumer. A slot holds
+    one batch's vectors (1.5 MB for 1024 x 384 floats), and a consumer's periodic write
+    of a row group or a shard must not leave the GPU waiting for a free slot."""
+    if cfg.num_slots:
+        return cfg.num_slots
+    return 8 * cfg.num_consumers if device.startswith("cuda") else None
+
+
 def encode_units(units: list[Unit], encoder: TextEncoder, store: ShardStore, report: SkipReport,
                  cfg: IndexConfig, out: Path, device: str, chunk_tokens: int, trained: str | None,
                  counts: dict, progress: bool, run_id: str | None = None, on_item=None,
-                 timing: dict | None = None, batches=None):
+                 timing: dict | None = None, batches=None, engine: EgressEngine | None = None):
     """The encode step on one device: the batch loop (:func:`~embedingest.runner.run_batches`)
     over ``units``, each batch's rows going with its vectors to the shard writers;
     returns the engine's stats. ``timing`` (a dict) receives where this process's time
     went (the loop's keys). ``batches``: the loader's batches, already started
-    (:func:`start_batches`); by default a loader is made here."""
+    (:func:`start_batches`); by default a loader is made here. ``engine``: the engine of
+    :func:`shard_engine`, perhaps started already; by default one is made here."""
     from tqdm import tqdm
 
-    if not cfg.save_embeddings and any(s.has_embeddings for s in store.committed()):
-        cfg = dataclasses.replace(cfg, save_embeddings=True)  # an index that keeps them keeps all
     loader = batches if batches is not None else start_batches(units, encoder, cfg, device, chunk_tokens)
-    sinks = shard_sinks(out, encoder.dim, cfg, run_id or new_run_id(), trained, store.generation)
+    if engine is None:
+        engine = shard_engine(store, out, encoder.dim, cfg, device, trained, run_id)
+    sinks = engine.sink_factory
     marks: list[tuple[int, int]] = []
     timing = timing if timing is not None else {}
     docs = 0
@@ -194,8 +216,9 @@ def encode_units(units: list[Unit], encoder: TextEncoder, store: ShardStore, rep
     try:
         engine = run_batches(sinks, loader, embed_steps(encoder, device, done, marks), device=device,
                              slot_spec=vector_slots(cfg, encoder.dim), num_consumers=cfg.num_consumers,
-                             num_slots=cfg.num_slots or None,
-                             on_skip=functools.partial(report.add, stage="read"), timing=timing)
+                             num_slots=engine_slots(cfg, device),
+                             on_skip=functools.partial(report.add, stage="read"), timing=timing,
+                             engine=engine)
         commit_finished(sinks, marks)
     finally:
         counts["docs"] = docs
@@ -209,13 +232,15 @@ class OneDevice:
     the same interface over one process per device.
 
     The model is described first (:meth:`describe`: its tokenizer and config, not its
-    weights), so the run is planned and the tokenizing workers started
-    (:meth:`start_batches`) before the weights load and CUDA starts."""
+    weights), so the run is planned, the tokenizing workers started and the engine's
+    consumers too (:meth:`start_batches`) before the weights load."""
 
     def __init__(self, device: str, dtype: str):
         self.device = self.name = device
         self.dtype = dtype
         self._batches = None
+        self._engine: EgressEngine | None = None
+        self._engine_dim: int | None = None
 
     def describe(self, cfg: IndexConfig) -> ModelFacts:
         return ModelFacts.read(cfg.model, device=self.device, dtype=self.dtype)
@@ -226,9 +251,13 @@ class OneDevice:
         return TextEncoder.from_facts(facts, cuda_graphs=cfg.cuda_graphs)
 
     def start_batches(self, units: list[Unit], facts: ModelFacts, cfg: IndexConfig,
-                      chunk_tokens: int) -> bool:
-        """Start the encode step's loader now (its workers fork before the model loads)."""
+                      chunk_tokens: int, store: ShardStore) -> bool:
+        """Start the encode step's loader now (its workers fork before the model loads),
+        then its engine (the consumers start while the model loads)."""
         self._batches = start_batches(units, facts, cfg, self.device, chunk_tokens)
+        trained = str(store.trained_path) if store.trained_path.is_file() else None
+        self._engine = shard_engine(store, store.folder, facts.dim, cfg, self.device, trained).start()
+        self._engine_dim = facts.dim
         return True
 
     def train(self, store: ShardStore, manifest: Manifest, encoder: TextEncoder, units: list[Unit],
@@ -239,16 +268,27 @@ class OneDevice:
                report: SkipReport, cfg: IndexConfig, chunk_tokens: int, trained: str | None,
                counts: dict, progress: bool, timing: dict):
         batches, self._batches = self._batches, None  # the loop holds the only reference
+        engine, self._engine = self._engine, None
+        if engine is not None and self._engine_dim != encoder.dim:  # the facts' width was wrong
+            engine.stop()
+            engine = None
         return encode_units(units, encoder, store, report, cfg, store.folder, self.device,
-                            chunk_tokens, trained, counts, progress, timing=timing, batches=batches)
+                            chunk_tokens, trained, counts, progress, timing=timing, batches=batches,
+                            engine=engine)
 
     def engines(self, stats) -> list:
         """(device, engine stats) pairs, for the trace."""
         return [(self.device, stats)]
 
     def close(self) -> None:
-        """Shut down the workers of a loader started but not used (the run failed first)."""
+        """Shut down the workers of a loader and the engine started but not used (the run
+        failed first)."""
         batches, self._batches = self._batches, None
-        shutdown = getattr(batches, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
+        engine, self._engine = self._engine, None
+        try:
+            shutdown = getattr(batches, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+        finally:
+            if engine is not None:
+                engine.stop()

@@ -14,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,9 @@ def default_out(corpus) -> Path:
         name = Path(corpus).resolve().name
         return Path("indexes") / (Path(name).stem if Path(corpus).is_file() else name)
     return Path("indexes") / "records"
+
+
+HASH_THREADS = 8  # files hashed at once while planning
 
 
 def _sha256(path: Path | str) -> str:
@@ -158,7 +162,7 @@ def plan_units(store: ShardStore, candidates: Iterable[dict], report: SkipReport
     known = store.units()
     incomplete = store.reconcile()
     todo, replaced, renumbered, seen, unchanged = [], [], [], set(), 0
-    touched = []
+    touched, to_hash = [], []
     for cand in candidates:
         key = cand["key"]
         if key in seen:  # two files or records under one key: keep the first, say so
@@ -174,16 +178,14 @@ def plan_units(store: ShardStore, candidates: Iterable[dict], report: SkipReport
         if ok and cand.get("sha256") is None and (old.size, old.mtime_ns) == (cand["size"], cand["mtime_ns"]):
             unchanged += 1
             continue
-        if cand.get("sha256") is None:
-            try:
-                cand["sha256"] = _sha256(cand["path"])
-            except OSError as exc:
-                report.add(cand["path"], os_error_reason(exc), stage="hash")
-                continue
-        if ok and cand["sha256"] == old.sha256:
+        to_hash.append((cand, old if ok else None))
+    for cand, old in _hashed(to_hash, report):
+        key = cand["key"]
+        if old is not None and cand["sha256"] == old.sha256:
             unchanged += 1
             touched.append({"key": key, "size": cand["size"], "mtime_ns": cand["mtime_ns"]})
             continue
+        old = known.get(key)
         if old is not None:
             replaced.append(old.unit_no)
             if old.sha256 != cand["sha256"]:
@@ -195,6 +197,33 @@ def plan_units(store: ShardStore, candidates: Iterable[dict], report: SkipReport
     known_nos = {u.unit_no for u in known.values()}
     stray = [u for u in incomplete if u not in known_nos]  # vectors of units with no row
     return Plan(todo, unchanged, replaced + stray, deleted, len(seen), renumbered)
+
+
+def _hashed(pairs: list[tuple[dict, object]], report: SkipReport) -> Iterator[tuple[dict, object]]:
+    """``pairs`` (candidate, its old unit if that one counts) in order, each candidate with
+    its ``sha256``; files are hashed by a thread pool (hashlib and reads release the GIL:
+    one core would make a large corpus's planning seconds long). A file that cannot be
+    read is reported and left out."""
+    paths = [cand["path"] for cand, _ in pairs if cand.get("sha256") is None]
+    digests = iter(())
+    if paths:
+        with ThreadPoolExecutor(max_workers=min(HASH_THREADS, len(paths))) as pool:
+            digests = iter(list(pool.map(_sha256_or_error, paths)))
+    for cand, old in pairs:
+        if cand.get("sha256") is None:
+            digest = next(digests)
+            if isinstance(digest, OSError):
+                report.add(cand["path"], os_error_reason(digest), stage="hash")
+                continue
+            cand["sha256"] = digest
+        yield cand, old
+
+
+def _sha256_or_error(path: str) -> str | OSError:
+    try:
+        return _sha256(path)
+    except OSError as exc:
+        return exc
 
 
 def apply_plan(store: ShardStore, plan: Plan) -> tuple[int, dict[str, int]]:
