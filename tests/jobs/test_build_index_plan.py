@@ -84,5 +84,5 @@ def test_files_are_hashed_in_parallel_in_the_corpus_order_and_a_failed_read_is_r
         name = cand["path"].rsplit("/", 1)[1]
         assert cand["sha256"] == hashlib.sha256(texts[name].encode()).hexdigest()
     assert [(e["stage"], e["reason"].split(":")[0]) for e in report.entries] == [("hash", "unreadable")]
-    assert report.entries[0]["where"].endswith("doc017.txt")
+    assert report.entries[0]["path"].endswith("doc017.txt")
     assert len(threads) > 1 and threading.get_ident() not in threads
