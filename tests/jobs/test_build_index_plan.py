@@ -52,8 +52,9 @@ def test_units_are_numbered_in_order_and_a_changed_one_gets_a_fresh_number(tmp_p
 
 def test_files_are_hashed_in_parallel_in_the_corpus_order_and_a_failed_read_is_reported(
         tmp_path, monkeypatch):
-    """Files are hashed by a thread pool; the plan keeps the corpus's order, each digest is
-    its own file's, and a file whose read fails is reported (stage hash) and left out."""
+    """Large files are hashed by a thread pool, the others by the planning thread; the plan
+    keeps the corpus's order, each digest is its own file's, and a file whose read fails
+    is reported (stage hash) and left out."""
     import threading
     import time
 
@@ -61,6 +62,7 @@ def test_files_are_hashed_in_parallel_in_the_corpus_order_and_a_failed_read_is_r
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
+    monkeypatch.setattr(plan_module, "HASH_APART", 200)  # "large": the files from doc015 on
     texts = {f"doc{i:03d}.txt": f"document {i} " * (i + 1) for i in range(40)}
     for name, text in texts.items():
         (corpus / name).write_text(text)
@@ -85,4 +87,4 @@ def test_files_are_hashed_in_parallel_in_the_corpus_order_and_a_failed_read_is_r
         assert cand["sha256"] == hashlib.sha256(texts[name].encode()).hexdigest()
     assert [(e["stage"], e["reason"].split(":")[0]) for e in report.entries] == [("hash", "unreadable")]
     assert report.entries[0]["path"].endswith("doc017.txt")
-    assert len(threads) > 1 and threading.get_ident() not in threads
+    assert len(threads) > 2 and threading.get_ident() in threads

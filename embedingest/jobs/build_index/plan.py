@@ -41,7 +41,8 @@ def default_out(corpus) -> Path:
     return Path("indexes") / "records"
 
 
-HASH_THREADS = 8  # files hashed at once while planning
+HASH_THREADS = 8  # large files hashed at once while planning
+HASH_APART = 1 << 20  # bytes from which a file is hashed in the thread pool
 
 
 def _sha256(path: Path | str) -> str:
@@ -201,17 +202,22 @@ def plan_units(store: ShardStore, candidates: Iterable[dict], report: SkipReport
 
 def _hashed(pairs: list[tuple[dict, object]], report: SkipReport) -> Iterator[tuple[dict, object]]:
     """``pairs`` (candidate, its old unit if that one counts) in order, each candidate with
-    its ``sha256``; files are hashed by a thread pool (hashlib and reads release the GIL:
-    one core would make a large corpus's planning seconds long). A file that cannot be
-    read is reported and left out."""
-    paths = [cand["path"] for cand, _ in pairs if cand.get("sha256") is None]
-    digests = iter(())
-    if paths:
-        with ThreadPoolExecutor(max_workers=min(HASH_THREADS, len(paths))) as pool:
-            digests = iter(list(pool.map(_sha256_or_error, paths)))
+    its ``sha256``. Files of :data:`HASH_APART` bytes or more are hashed by a thread pool
+    while this thread hashes the others (hashlib releases the GIL on large buffers, so
+    large files hash in parallel; a small file's cost is Python's, which threads would only
+    fight over). A file that cannot be read is reported and left out."""
+    to_hash = [cand for cand, _ in pairs if cand.get("sha256") is None]
+    large = [cand["path"] for cand in to_hash if (cand.get("size") or 0) >= HASH_APART]
+    digests: dict[str, str | OSError] = {}
+    with ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, len(large)))) as pool:
+        futures = {path: pool.submit(_sha256_or_error, path) for path in large}
+        for cand in to_hash:
+            if cand["path"] not in futures:
+                digests[cand["path"]] = _sha256_or_error(cand["path"])
+        digests.update((path, f.result()) for path, f in futures.items())
     for cand, old in pairs:
         if cand.get("sha256") is None:
-            digest = next(digests)
+            digest = digests[cand["path"]]
             if isinstance(digest, OSError):
                 report.add(cand["path"], os_error_reason(digest), stage="hash")
                 continue
