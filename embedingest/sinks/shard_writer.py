@@ -6,7 +6,10 @@ process or a Ray actor (:class:`ShardWriter` directly). Imports numpy, pyarrow a
 only, never torch. The Parquet rows are streamed to the shard's temporary file a row
 group at a time, so a writer holds one row group of text, not a whole shard's; the
 vectors are added to the faiss index as they come (and kept as float16 when embeddings
-are saved). A commit writes the Parquet, embeddings and faiss files (each through a
+are saved). Both happen in a thread of the writer's own, a few batches behind
+:meth:`ShardWriter.add`, which returns once the batch is checked and copied: a faiss index
+that doubles its storage (a copy of the whole shard so far) or a slow disk then holds up
+that thread, not the engine's slots; its errors are raised by the next call. A commit writes the Parquet, embeddings and faiss files (each through a
 temporary name, checked, fsynced, renamed), then the commit record that makes the shard
 exist. A writer that dies before that leaves files no record names: garbage that the
 next build deletes before it redoes the units. With ``remote`` (an index in object
@@ -16,9 +19,11 @@ storage) the writer then uploads the shard, its commit record last
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,6 +57,9 @@ ROW_GROUP_ROWS = 32
 """Rows per Parquet row group: a lookup reads (and decompresses) one group per hit, so
 groups are small (docs/BENCHMARKS.md, index lookup: 32 against 64 rows)."""
 _FAISS_CHUNK = 1 << 20
+STORE_BEHIND = 16
+"""Batches a writer's thread may be behind :meth:`ShardWriter.add` (memory: that many
+batches' vectors and rows)."""
 PARQUET_OPTIONS = {"compression": "zstd", "use_dictionary": ["source", "record_id"],
                    "write_statistics": ["id"]}
 
@@ -119,6 +127,9 @@ class ShardWriter:
         self._pending: list[pa.RecordBatch] = []
         self._pending_rows = 0
         self._parquet_file = None  # (ExitStack holding the temporary file, hashing file, writer)
+        self._storing: collections.deque[Future] = collections.deque()  # oldest first
+        self._thread: ThreadPoolExecutor | None = None
+        self._broken: BaseException | None = None  # the thread's error: no commit after it
         self.rows = 0
         self.id_min: int | None = None
         self.id_max: int | None = None
@@ -128,6 +139,8 @@ class ShardWriter:
             units_done=()) -> None:
         """Add vectors ``emb`` under ``ids`` with their rows ``chunks`` (same order, ids
         equal), and record ``units_done`` ((unit_no, n_chunks) pairs) as finished here."""
+        if self._broken is not None:
+            raise self._broken
         chunks = decode_chunks(chunks)
         n = len(ids)
         if emb.ndim != 2 or emb.shape != (n, self.spec.dim):
@@ -145,23 +158,55 @@ class ShardWriter:
             self.units[int(unit)] = int(n_chunks)
         if not n:
             return
+        vectors = np.array(as_float32(emb), dtype=np.float32, order="C")  # a copy: the slot is reused
+        self.rows += n
+        lo, hi = int(ids.min()), int(ids.max())
+        self.id_min = lo if self.id_min is None else min(self.id_min, lo)
+        self.id_max = hi if self.id_max is None else max(self.id_max, hi)
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"embedingest-{self.name}")
+        while len(self._storing) >= STORE_BEHIND:
+            self._result(self._storing.popleft())
+        self._storing.append(self._thread.submit(self._store, vectors, ids, chunks))
+
+    def _store(self, vectors: np.ndarray, ids: np.ndarray, chunks: pa.RecordBatch) -> None:
+        """Add a batch to the faiss index and the Parquet rows (the writer's thread)."""
         if self._index is None:
             spec = self.spec
             base = (faiss.clone_index(self._trained) if self._trained is not None
                     else empty_index(spec.dim, spec.factory, spec.metric))
             self._index = faiss.IndexIDMap(base)
-        vectors = as_float32(emb)
         self._index.add_with_ids(vectors, ids)
         if self.spec.save_embeddings:
             self._emb.append(vectors.astype(np.float16))
         self._pending.append(chunks)
-        self._pending_rows += n
-        self.rows += n
-        lo, hi = int(ids.min()), int(ids.max())
-        self.id_min = lo if self.id_min is None else min(self.id_min, lo)
-        self.id_max = hi if self.id_max is None else max(self.id_max, hi)
+        self._pending_rows += len(ids)
         if self._pending_rows >= self.spec.row_group_rows:
             self._write_row_groups(final=False)
+
+    def _result(self, stored: Future) -> None:
+        """Wait for one batch's store; its error is raised here and by every later call."""
+        try:
+            stored.result()
+        except BaseException as exc:
+            self._broken = exc
+            raise
+
+    def _stored(self) -> None:
+        """Wait until the writer's thread has stored every batch (its thread then ends);
+        raise its error, if any."""
+        try:
+            while self._storing:
+                self._result(self._storing.popleft())
+        finally:
+            for stored in self._storing:  # after an error: the batches behind it are dropped
+                stored.cancel()
+            self._storing.clear()
+            if self._thread is not None:
+                self._thread.shutdown(wait=True)
+                self._thread = None
+        if self._broken is not None:
+            raise self._broken
 
     def _write_row_groups(self, final: bool) -> None:
         """Write the buffered rows as whole row groups (the rest too when ``final``)."""
@@ -182,6 +227,7 @@ class ShardWriter:
 
     def commit(self) -> dict:
         """Write the shard's files, then its commit record; return the record."""
+        self._stored()
         files = {}
         if self.rows:
             self._write_row_groups(final=True)

@@ -241,6 +241,7 @@ def test_a_writer_holds_less_than_a_row_group_of_rows(tmp_path, monkeypatch):
     emb = unit_vectors(len(ids))
     for b, (part, done) in enumerate(plan):
         sink(meta_of(b, part, done), {"emb": emb[4 * b:4 * b + 4], "ids": ids[4 * b:4 * b + 4]})
+        sink._current()._stored()  # the writer's thread is a few batches behind
         sent = 4 * (b + 1)
         assert sum(n for n, _ in written) == sent - sent % 8  # only whole groups, all of them
     sink.close()
@@ -348,3 +349,96 @@ def test_a_writer_with_remote_uploads_each_shard_it_commits(s3, tmp_path):
     assert sorted(p.rsplit("/", 1)[1] for p in s3.fs.find(f"{s3.name}/ix")) == local
     for name in local:
         assert s3.fs.cat_file(f"{s3.name}/ix/shards/{name}") == (tmp_path / "shards" / name).read_bytes()
+
+
+def _writer(tmp_path, **kw):
+    return ShardWriter(ShardWriterFactory(str(tmp_path), DIM, run_id="t", **kw), "shard-t-w0-00000")
+
+
+def _batches(n_batches, size=4):
+    plan, ids = plan_of(range(n_batches), size, batch=size)
+    emb = unit_vectors(len(ids))
+    for b, (part, done) in enumerate(plan):
+        meta = meta_of(b, part, done)
+        yield emb[size * b:size * (b + 1)], ids[size * b:size * (b + 1)], meta.chunks, meta.units_done
+
+
+def test_add_returns_before_the_batch_is_stored_and_the_commit_waits_for_it(tmp_path, monkeypatch):
+    """A slow store (a faiss index doubling its storage, a slow disk) holds up the writer's
+    thread, not add(): the engine's slot is free at once. The commit has every row."""
+    import threading
+    import time
+
+    from embedingest.sinks import shard_writer
+
+    real, threads = shard_writer.ShardWriter._store, set()
+
+    def slow(self, *args):
+        threads.add(threading.get_ident())
+        time.sleep(0.2)
+        return real(self, *args)
+
+    monkeypatch.setattr(shard_writer.ShardWriter, "_store", slow)
+    w = _writer(tmp_path)
+    sent = list(_batches(3))
+    t0 = time.perf_counter()
+    for emb, ids, chunks, done in sent:
+        w.add(emb, ids, chunks, done)
+    assert time.perf_counter() - t0 < 0.15
+    record = w.commit()
+    assert time.perf_counter() - t0 >= 0.6 and record["rows"] == 12
+    assert threads and threading.get_ident() not in threads
+    got = faiss.read_index(str(tmp_path / "shards" / record["files"]["faiss"]["name"]))
+    np.testing.assert_array_equal(faiss.vector_to_array(got.id_map),
+                                  np.concatenate([ids for _, ids, _, _ in sent]))
+
+
+def test_the_writer_s_thread_is_at_most_store_behind_batches_behind(tmp_path, monkeypatch):
+    import threading
+
+    from embedingest.sinks import shard_writer
+
+    monkeypatch.setattr(shard_writer, "STORE_BEHIND", 2)
+    gate, real = threading.Event(), shard_writer.ShardWriter._store
+    monkeypatch.setattr(shard_writer.ShardWriter, "_store", lambda self, *a: (gate.wait(), real(self, *a)))
+    w = _writer(tmp_path)
+    sent = list(_batches(4))
+    w.add(*sent[0])
+    w.add(*sent[1])
+    third = threading.Thread(target=w.add, args=sent[2])
+    third.start()
+    third.join(0.3)
+    assert third.is_alive()  # two batches not stored yet: the third waits
+    gate.set()
+    third.join(5)
+    assert not third.is_alive()
+    w.add(*sent[3])
+    assert w.commit()["rows"] == 16
+
+
+def test_an_error_of_the_writer_s_thread_is_raised_by_the_next_call(tmp_path, monkeypatch):
+    """The thread's error (here the disk full while a row group is written) is raised,
+    itself, by the commit (or a later add): never lost, never a silent short shard."""
+    import errno
+    import threading
+
+    from embedingest.sinks import shard_writer
+
+    def full(self, final):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shard_writer.ShardWriter, "_write_row_groups", full)
+    w = _writer(tmp_path, row_group_rows=4)
+    for batch in _batches(2):
+        try:
+            w.add(*batch)
+        except OSError:
+            pytest.fail("the error of a batch is raised by a later call, not by its own add")
+    with pytest.raises(OSError, match="No space left on device") as err:
+        w.commit()
+    assert err.value.errno == errno.ENOSPC
+    for again in (w.commit, lambda: w.add(*next(_batches(1)))):  # broken for good: no short shard
+        with pytest.raises(OSError, match="No space left on device"):
+            again()
+    assert not list((tmp_path / "shards").glob("*.commit.json"))
+    assert not [t for t in threading.enumerate() if t.name.startswith("embedingest-shard-t")]
