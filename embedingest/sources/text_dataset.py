@@ -42,6 +42,7 @@ large in-memory corpora are better given as files.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -56,6 +57,8 @@ from ..stages.chunker import DEFAULT_PIECE_CHARS, Chunk, Chunker
 from ..stages.fast_chunker import FastChunker
 from ..stages.tokenizer import load_tokenizer
 from .text import iter_records, lone_surrogate
+
+log = logging.getLogger("embedingest")
 
 MAX_UNIT_NO = 2**31 - 1
 MAX_CHUNKS_PER_UNIT = 2**32
@@ -199,6 +202,10 @@ class TextChunkDataset(IterableDataset):
                               f"eos token to pad batches with")
         chunker = FastChunker(tokenizer, self.max_tokens, self.overlap, self.piece_chars,
                               fast=self.fast_chunker, arrays=True)
+        if chunker.fast_missed and worker == 0:
+            log.warning("the fast chunker is off (%s): the model's own tokenizer cuts every "
+                        "text, the same chunks several times slower; `pip install nanotoken` "
+                        "(a dependency of embedingest) to turn it on", chunker.fallback_reason)
         return _WorkerBatches(self, chunker, pad_id).run(
             self.units[worker::workers])
 

@@ -87,6 +87,12 @@ class FastChunker(Chunker):
                 self._edges = _EdgeOffsets(self._tok, spec)
 
     @property
+    def fast_missed(self) -> bool:
+        """Whether the fast path is off for a tokenizer it covers (nanotoken missing, or
+        refusing it, or giving other ids): the same chunks, several times slower."""
+        return self._nt is None and (self.fallback_reason or "").startswith("nanotoken")
+
+    @property
     def fast(self) -> bool:
         """Whether the fast path is on (else every text takes the model's own tokenizer)."""
         return self._nt is not None
@@ -483,14 +489,14 @@ class _EdgeOffsets:
 def _nanotoken_for(tok, spec_text: str, spec: dict) -> tuple[object | None, str | None]:
     """``(nanotoken tokenizer, None)`` for a tokenizer the fast path covers exactly, else
     ``(None, why not)``."""
+    why = _spec_problem(spec)
+    if why:
+        return None, why
     try:
         import nanotoken
         from nanotoken.nanotoken_rs import UnsupportedTokenizerError, WordPieceTokenizer
     except ImportError:
         return None, "nanotoken is not installed"
-    why = _spec_problem(spec)
-    if why:
-        return None, why
     try:
         nt = WordPieceTokenizer.from_json(spec_text)
     except (UnsupportedTokenizerError, ValueError) as exc:

@@ -208,8 +208,31 @@ def test_without_nanotoken_the_model_tokenizer_does_it(tokenizer, model_tok, mon
     monkeypatch.setitem(sys.modules, "nanotoken.nanotoken_rs", None)
     chunker = FastChunker(tokenizer)
     assert not chunker.fast and "not installed" in chunker.fallback_reason
+    assert chunker.fast_missed  # a tokenizer it covers: said once by the first loader worker
     texts = list(HARD.values())
     assert chunker.chunk_many(texts) == [model_windows(model_tok, t) for t in texts]
+
+
+def test_a_missing_nanotoken_is_said_once_by_the_loader(tmp_path, monkeypatch, caplog):
+    """The wheel folder carried to a GPU machine once lacked nanotoken, and the runs
+    measured the slow path without a word: the first loader worker now says so."""
+    from embedingest.sources.text_dataset import TextChunkDataset, Unit
+    from embedingest.stages.model_folder import resolve_model
+
+    monkeypatch.setitem(sys.modules, "nanotoken", None)
+    monkeypatch.setitem(sys.modules, "nanotoken.nanotoken_rs", None)
+    (tmp_path / "a.txt").write_text("Rivers carry sediment to the sea. " * 20)
+    ds = TextChunkDataset([Unit(1, "a.txt", path=str(tmp_path / "a.txt"))], resolve_model(None)[0],
+                          batch_size=8)
+    items = list(ds)
+    assert sum(len(i["ids"]) for i in items) >= 1
+    notes = [m for m in caplog.messages if m.startswith("the fast chunker is off")]
+    assert len(notes) == 1 and "nanotoken is not installed" in notes[0]
+
+
+def test_a_model_the_fast_path_does_not_cover_is_not_a_missed_fast_path():
+    chunker = FastChunker(_wordlevel_tokenizer())
+    assert not chunker.fast and not chunker.fast_missed
 
 
 def test_fast_false_forces_the_reference(tokenizer, model_tok):
