@@ -107,7 +107,8 @@ class IndexConfig:
         "id", "Field holding the record id (optional; line or row numbers otherwise).", metavar="NAME")
     num_workers: int = setting(-1, "Tokenizer worker processes; -1 picks from the CPU count.")
     num_consumers: int = setting(2, "Consumer processes, each writing its own FAISS shards.")
-    num_slots: int = setting(0, "Host buffer slots of the egress engine; 0 is twice the consumers.")
+    num_slots: int = setting(0, "Host buffer slots of the egress engine; 0 is 8 per consumer on a GPU, "
+                                "twice the consumers on the CPU.")
     sort_window: int = setting(
         16, "Batches of chunks sorted together by length, so batches pad little.")
     commit_every: int = setting(
