@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-from pathlib import PurePosixPath
 
 
 def has_extension(name: str, extensions: set[str]) -> bool:
     """Whether ``name`` ends in one of ``extensions`` (lower case, with the dot), which
-    may be double, like ``.jsonl.gz``."""
-    suffixes = [s.lower() for s in PurePosixPath(name).suffixes]
-    return bool(suffixes) and (suffixes[-1] in extensions or "".join(suffixes[-2:]) in extensions)
+    may be double, like ``.jsonl.gz``. The suffixes are ``PurePosixPath(name).suffixes``,
+    found with string operations: a corpus's walk asks this of every file."""
+    name = name.rpartition("/")[2]
+    if name.endswith("."):
+        return False
+    parts = name.lstrip(".").lower().split(".")
+    if len(parts) < 2:
+        return False
+    return "." + parts[-1] in extensions or (len(parts) > 2 and f".{parts[-2]}.{parts[-1]}" in extensions)

@@ -73,15 +73,17 @@ def file_candidates(root: Path | str, report: SkipReport, out: Path) -> Iterable
         return
     root = Path(root)
     base = root if root.is_dir() else root.parent
+    prefix = os.path.join(str(base), "")  # the walk's paths start with it: no pathlib per file
     for path in walk_files(root, TEXT_EXTENSIONS, on_skip=lambda p, r: report.add(p, r, stage="list"),
                            on_other=report.pass_over, exclude=out):
+        name = str(path)
         try:
-            st = path.stat()
+            st = os.stat(name)
         except OSError as exc:
-            report.add(str(path), f"unreadable: {exc.strerror or exc}", stage="list")
+            report.add(name, f"unreadable: {exc.strerror or exc}", stage="list")
             continue
-        yield {"key": unit_key(path.relative_to(base).as_posix()), "size": st.st_size,
-               "mtime_ns": st.st_mtime_ns, "path": str(path)}
+        relative = name[len(prefix):] if name.startswith(prefix) else path.relative_to(base).as_posix()
+        yield {"key": unit_key(relative), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "path": name}
 
 
 def remote_candidates(url: str, report: SkipReport) -> Iterable[dict]:
