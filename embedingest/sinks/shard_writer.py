@@ -9,10 +9,11 @@ vectors are added to the faiss index as they come (and kept as float16 when embe
 are saved). Both happen in a thread of the writer's own, a few batches behind
 :meth:`ShardWriter.add`, which returns once the batch is checked and copied: a faiss index
 that doubles its storage (a copy of the whole shard so far) or a slow disk then holds up
-that thread, not the engine's slots; its errors are raised by the next call. A commit writes the Parquet, embeddings and faiss files (each through a
-temporary name, checked, fsynced, renamed), then the commit record that makes the shard
-exist. A writer that dies before that leaves files no record names: garbage that the
-next build deletes before it redoes the units. With ``remote`` (an index in object
+that thread, not the engine's slots; its errors are raised by the next call. A commit
+writes the Parquet, embeddings and faiss files (each through a temporary name, checked,
+fsynced, renamed), then the commit record that makes the shard exist. A writer that dies
+before that leaves files no record names: garbage that the next build deletes before it
+redoes the units. With ``remote`` (an index in object
 storage) the writer then uploads the shard, its commit record last
 (:mod:`embedingest.index.remote_store`).
 """
@@ -166,7 +167,8 @@ class ShardWriter:
         if self._thread is None:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"embedingest-{self.name}")
         while len(self._storing) >= STORE_BEHIND:
-            self._result(self._storing.popleft())
+            self._result(self._storing[0])
+            self._storing.popleft()
         self._storing.append(self._thread.submit(self._store, vectors, ids, chunks))
 
     def _store(self, vectors: np.ndarray, ids: np.ndarray, chunks: pa.RecordBatch) -> None:
@@ -185,26 +187,34 @@ class ShardWriter:
             self._write_row_groups(final=False)
 
     def _result(self, stored: Future) -> None:
-        """Wait for one batch's store; its error is raised here and by every later call."""
+        """Wait for one batch's store; its error is raised here and by every later call
+        (an interrupt of the wait itself, Ctrl-C or the engine's SIGTERM, is not its error:
+        the batch stays queued and the commit waits for it)."""
         try:
             stored.result()
         except BaseException as exc:
-            self._broken = exc
+            if stored.done() and not stored.cancelled() and stored.exception() is exc:
+                self._broken = exc
             raise
 
     def _stored(self) -> None:
         """Wait until the writer's thread has stored every batch (its thread then ends);
-        raise its error, if any."""
-        try:
-            while self._storing:
-                self._result(self._storing.popleft())
-        finally:
-            for stored in self._storing:  # after an error: the batches behind it are dropped
-                stored.cancel()
-            self._storing.clear()
-            if self._thread is not None:
-                self._thread.shutdown(wait=True)
-                self._thread = None
+        raise its error, if any (the batches behind the failed one are dropped)."""
+        while self._storing:
+            try:
+                self._result(self._storing[0])
+            except BaseException:
+                if self._broken is not None:
+                    for stored in self._storing:
+                        stored.cancel()
+                    self._storing.clear()
+                    self._thread.shutdown(wait=True)
+                    self._thread = None
+                raise
+            self._storing.popleft()
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None
         if self._broken is not None:
             raise self._broken
 

@@ -442,3 +442,30 @@ def test_an_error_of_the_writer_s_thread_is_raised_by_the_next_call(tmp_path, mo
             again()
     assert not list((tmp_path / "shards").glob("*.commit.json"))
     assert not [t for t in threading.enumerate() if t.name.startswith("embedingest-shard-t")]
+
+
+def test_an_interrupted_wait_keeps_the_batch_and_the_commit_still_has_it(tmp_path, monkeypatch):
+    """Ctrl-C (or the engine's SIGTERM) while the commit waits for the writer's thread is
+    not the thread's error: the batch stays queued, and a later commit stores and writes
+    every row."""
+    import threading
+
+    from embedingest.sinks import shard_writer
+
+    gate, real = threading.Event(), shard_writer.ShardWriter._store
+    monkeypatch.setattr(shard_writer.ShardWriter, "_store", lambda self, *a: (gate.wait(), real(self, *a)))
+    w = _writer(tmp_path)
+    for batch in _batches(3):
+        w.add(*batch)
+    first = w._storing[0]
+
+    def interrupted(timeout=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(first, "result", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        w.commit()
+    assert w._broken is None and len(w._storing) == 3
+    monkeypatch.undo()
+    gate.set()
+    assert w.commit()["rows"] == 12
