@@ -72,3 +72,43 @@ def test_a_pool_larger_than_the_memory_available_is_refused_before_it_is_touched
     with pytest.raises(EngineError, match=r"cannot allocate a host pool of 8796\.09 GB: only "
                                           r"[0-9.]+ GB of memory is available; use fewer slots"):
         HostPool(huge, 8)
+
+
+def _rss_kib(address: int) -> int:
+    """Resident KiB of the mapping of this process that starts at ``address``."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                inside = int(head.split("-")[0], 16) == address
+            elif inside and head == "Rss:":
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping at {address:#x}")
+
+
+def test_every_page_is_faulted_in_when_the_pool_is_made():
+    """The first copies into a slot must not pay for page faults: the whole mapping is
+    resident as soon as the pool exists (every page touched, not every 8th)."""
+    import ctypes
+
+    layout = SlotLayout.from_spec({"x": ((8 << 20,), np.uint8)})  # 8 MiB a slot
+    pool = HostPool(layout, 4)
+    try:
+        address = ctypes.addressof(ctypes.c_char.from_buffer(pool._mm))
+        assert _rss_kib(address) >= pool.size // 1024
+    finally:
+        pool.close()
+
+
+def test_close_unmaps_the_pool_even_while_a_view_is_held():
+    """A caller that still holds a slot's view: close neither fails nor leaves the pool
+    mapped for others; the memory goes with the last view."""
+    pool = HostPool(LAYOUT, 2)
+    held = pool.views(0)["x"]
+    held[:] = 3.0
+    pool.close()
+    assert held.sum() == 24.0  # the view still reads its memory
+    pool2 = HostPool(LAYOUT, 2)
+    pool2.close()
+    assert pool2._mm.closed  # with no view left, the mapping itself is closed
