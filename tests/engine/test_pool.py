@@ -112,3 +112,16 @@ def test_close_unmaps_the_pool_even_while_a_view_is_held():
     pool2 = HostPool(LAYOUT, 2)
     pool2.close()
     assert pool2._mm.closed  # with no view left, the mapping itself is closed
+
+
+def test_the_memory_available_is_the_kernel_s_memavailable():
+    """The up-front refusal compares with MemAvailable (what can be used now without
+    swapping), not with the physical total, which is only its fallback."""
+    from embedingest.engine import pool as pool_module
+
+    fields = dict(line.split(":", 1) for line in open("/proc/meminfo"))
+    available = int(fields["MemAvailable"].split()[0]) * 1024
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    got = pool_module._available_bytes()
+    assert abs(got - available) < 128 << 20
+    assert total - got > 128 << 20  # this machine uses some memory: not the total
