@@ -125,3 +125,20 @@ def test_the_memory_available_is_the_kernel_s_memavailable():
     got = pool_module._available_bytes()
     assert abs(got - available) < 128 << 20
     assert total - got > 128 << 20  # this machine uses some memory: not the total
+
+
+def test_without_proc_meminfo_the_physical_total_is_the_bound(monkeypatch):
+    import builtins
+
+    from embedingest.engine import pool as pool_module
+
+    real_open = builtins.open
+
+    def no_meminfo(path, *args, **kwargs):
+        if str(path) == "/proc/meminfo":
+            raise PermissionError(13, "Permission denied", path)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", no_meminfo)
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert pool_module._available_bytes() == total
