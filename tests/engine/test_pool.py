@@ -142,3 +142,16 @@ def test_without_proc_meminfo_the_physical_total_is_the_bound(monkeypatch):
     monkeypatch.setattr(builtins, "open", no_meminfo)
     total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     assert pool_module._available_bytes() == total
+
+
+def test_memavailable_is_read_in_kib(monkeypatch):
+    import builtins
+    import io
+
+    from embedingest.engine import pool as pool_module
+
+    real_open = builtins.open
+    text = "MemTotal:       32000000 kB\nMemFree:         1000 kB\nMemAvailable:    1234567 kB\n"
+    monkeypatch.setattr(builtins, "open", lambda path, *a, **k: io.StringIO(text) if str(path) == "/proc/meminfo"
+                        else real_open(path, *a, **k))
+    assert pool_module._available_bytes() == 1234567 * 1024
