@@ -155,3 +155,21 @@ def test_memavailable_is_read_in_kib(monkeypatch):
     monkeypatch.setattr(builtins, "open", lambda path, *a, **k: io.StringIO(text) if str(path) == "/proc/meminfo"
                         else real_open(path, *a, **k))
     assert pool_module._available_bytes() == 1234567 * 1024
+
+
+def test_a_pool_the_kernel_will_not_size_is_refused_with_what_to_do(monkeypatch):
+    import errno
+
+    from embedingest.engine import pool as pool_module
+
+    def full(fd, size):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pool_module.os, "ftruncate", full)
+    before = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(EngineError) as err:
+        HostPool(LAYOUT, 1_000_000)
+    size = LAYOUT.slot_bytes * 1_000_000
+    assert str(err.value) == (f"cannot allocate a host pool of {size / 1e9:.2f} GB: [Errno 28] No space "
+                              "left on device; use fewer slots or smaller batches")
+    assert set(os.listdir("/proc/self/fd")) <= before  # its descriptor closed
