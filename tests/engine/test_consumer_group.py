@@ -125,3 +125,35 @@ def test_exitcode_of_a_running_consumer_is_none_after_the_timeout():
     assert g.exitcode(p, 0.2) is None
     assert 0.2 <= time.monotonic() - t0 < 1.0
     assert g.exitcode(p) is None
+
+
+def test_exitcode_without_a_timeout_does_not_wait():
+    import time
+
+    g = group([[]])
+    p = Ending(code=None, ended=False)
+    t0 = time.monotonic()
+    assert g.exitcode(p) is None
+    assert time.monotonic() - t0 < 0.1
+
+
+class Signalled(Ending):
+    def __init__(self, code):
+        super().__init__(code=code, ended=code is not None)
+        self.sent = []
+
+    def terminate(self):
+        self.sent.append("SIGTERM")
+
+    def kill(self):
+        self.sent.append("SIGKILL")
+
+
+def test_only_a_consumer_still_running_is_signalled():
+    """A reaped consumer's pid may already name another process: no signal goes to it."""
+    g = group([[]])
+    running, ended = Signalled(None), Signalled(0)
+    for p in (running, ended):
+        g._signal(p, kill=False)
+        g._signal(p, kill=True)
+    assert running.sent == ["SIGTERM", "SIGKILL"] and ended.sent == []
