@@ -21,6 +21,11 @@ import torch
 log = logging.getLogger("embedingest")
 
 
+def _key(inputs: tuple[torch.Tensor, ...]) -> tuple:
+    """What a graph is captured for: the inputs' shapes and dtypes."""
+    return tuple((tuple(t.shape), t.dtype) for t in inputs)
+
+
 class GraphedFunction:
     """``fn(*tensors) -> tensor`` on CUDA tensors, replayed from a graph per input shape.
 
@@ -53,7 +58,8 @@ class GraphedFunction:
         allocator cannot serve a larger request from the blocks a smaller shape left
         behind, so shapes met in growing order reserve the sum of their sizes; after the
         largest, every smaller shape reuses its blocks."""
-        self._entry(inputs)
+        if _key(inputs) not in self._graphs:
+            self._capture_new(inputs)
 
     def release(self) -> None:
         """Drop the graphs and their memory pool; later calls capture again."""
@@ -61,26 +67,22 @@ class GraphedFunction:
         self._pool = None
 
     def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
-        key = tuple((tuple(t.shape), t.dtype) for t in inputs)
-        entry = self._graphs.get(key)
+        entry = self._graphs.get(_key(inputs))
         if entry is None:
-            if self.disabled_reason is None and len(self._graphs) < self.max_graphs:
-                result = self._capture(key, inputs)
-                if result is not None:
-                    return result
-            return self.fn(*inputs)
+            result = self._capture_new(inputs)
+            return result if result is not None else self.fn(*inputs)
         static_in, graph, static_out = entry
         for dst, src in zip(static_in, inputs):
             dst.copy_(src, non_blocking=True)
         graph.replay()
         return static_out.clone()
 
-    def _entry(self, inputs: tuple[torch.Tensor, ...]) -> None:
-        """Capture the graph of these input shapes unless it exists (or graphs are off,
-        or ``max_graphs`` are taken)."""
-        key = tuple((tuple(t.shape), t.dtype) for t in inputs)
-        if key not in self._graphs and self.disabled_reason is None and len(self._graphs) < self.max_graphs:
-            self._capture(key, inputs)
+    def _capture_new(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+        """Capture the graph of these input shapes (not captured yet) and return the
+        warm-up's result; None to run eagerly (graphs off, or ``max_graphs`` taken)."""
+        if self.disabled_reason is not None or len(self._graphs) >= self.max_graphs:
+            return None
+        return self._capture(_key(inputs), inputs)
 
     def _capture(self, key: tuple, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
         """Warm up on ``inputs`` and capture their shapes' graph; return the warm-up's

@@ -79,10 +79,14 @@ class FastChunker(Chunker):
         self._special_arrays = np.array(self.prefix, np.int64), np.array(self.suffix, np.int64)
         self._nt = None
         self.fallback_reason: str | None = "fast=False was asked for"
+        self._covered = False  # the tokenizer is one the fast path covers
         if fast:
             spec_text = self._tok.to_str()
             spec = json.loads(spec_text)
-            self._nt, self.fallback_reason = _nanotoken_for(self._tok, spec_text, spec)
+            self.fallback_reason = _spec_problem(spec)
+            self._covered = self.fallback_reason is None
+            if self._covered:
+                self._nt, self.fallback_reason = _nanotoken_for(self._tok, spec_text)
             if self._nt is not None:
                 self._edges = _EdgeOffsets(self._tok, spec)
 
@@ -90,7 +94,7 @@ class FastChunker(Chunker):
     def fast_missed(self) -> bool:
         """Whether the fast path is off for a tokenizer it covers (nanotoken missing, or
         refusing it, or giving other ids): the same chunks, several times slower."""
-        return self._nt is None and (self.fallback_reason or "").startswith("nanotoken")
+        return self._covered and self._nt is None
 
     @property
     def fast(self) -> bool:
@@ -486,12 +490,9 @@ class _EdgeOffsets:
         return None
 
 
-def _nanotoken_for(tok, spec_text: str, spec: dict) -> tuple[object | None, str | None]:
-    """``(nanotoken tokenizer, None)`` for a tokenizer the fast path covers exactly, else
-    ``(None, why not)``."""
-    why = _spec_problem(spec)
-    if why:
-        return None, why
+def _nanotoken_for(tok, spec_text: str) -> tuple[object | None, str | None]:
+    """``(nanotoken tokenizer, None)`` for a tokenizer the fast path covers
+    (:func:`_spec_problem` found none), else ``(None, why not)``."""
     try:
         import nanotoken
         from nanotoken.nanotoken_rs import UnsupportedTokenizerError, WordPieceTokenizer

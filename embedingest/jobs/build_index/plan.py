@@ -181,14 +181,14 @@ def plan_units(store: ShardStore, candidates: Iterable[dict], report: SkipReport
         if ok and cand.get("sha256") is None and (old.size, old.mtime_ns) == (cand["size"], cand["mtime_ns"]):
             unchanged += 1
             continue
-        to_hash.append((cand, old if ok else None))
-    for cand, old in _hashed(to_hash, report):
+        to_hash.append((cand, ok))
+    for cand, ok in _hashed(to_hash, report):
         key = cand["key"]
-        if old is not None and cand["sha256"] == old.sha256:
+        old = known.get(key)
+        if ok and cand["sha256"] == old.sha256:
             unchanged += 1
             touched.append({"key": key, "size": cand["size"], "mtime_ns": cand["mtime_ns"]})
             continue
-        old = known.get(key)
         if old is not None:
             replaced.append(old.unit_no)
             if old.sha256 != cand["sha256"]:
@@ -202,8 +202,8 @@ def plan_units(store: ShardStore, candidates: Iterable[dict], report: SkipReport
     return Plan(todo, unchanged, replaced + stray, deleted, len(seen), renumbered)
 
 
-def _hashed(pairs: list[tuple[dict, object]], report: SkipReport) -> Iterator[tuple[dict, object]]:
-    """``pairs`` (candidate, its old unit if that one counts) in order, each candidate with
+def _hashed(pairs: list[tuple[dict, bool]], report: SkipReport) -> Iterator[tuple[dict, bool]]:
+    """``pairs`` (candidate, whether its old unit counts) in order, each candidate with
     its ``sha256``. Files of :data:`HASH_APART` bytes or more are hashed by a thread pool
     while this thread hashes the others (hashlib releases the GIL on large buffers, so
     large files hash in parallel; a small file's cost is Python's, which threads would only
@@ -217,14 +217,14 @@ def _hashed(pairs: list[tuple[dict, object]], report: SkipReport) -> Iterator[tu
             if cand["path"] not in futures:
                 digests[cand["path"]] = _sha256_or_error(cand["path"])
         digests.update((path, f.result()) for path, f in futures.items())
-    for cand, old in pairs:
+    for cand, ok in pairs:
         if cand.get("sha256") is None:
             digest = digests[cand["path"]]
             if isinstance(digest, OSError):
                 report.add(cand["path"], os_error_reason(digest), stage="hash")
                 continue
             cand["sha256"] = digest
-        yield cand, old
+        yield cand, ok
 
 
 def _sha256_or_error(path: str) -> str | OSError:
