@@ -181,3 +181,139 @@ def test_bench_text_trace(tmp_path):
     per_batch = batches(events, pid=1)
     assert len(per_batch) == 3  # 48 paragraphs in batches of 16
     assert_batch_order(per_batch, workers=1)
+
+
+def meta(pid: int, tid: int | None, kind: str, name: str) -> list[dict]:
+    """A track's (or, with no ``tid``, a process's) name, and a track's place: its tid."""
+    if tid is None:
+        return [{"ph": "M", "pid": pid, "name": kind, "args": {"name": name}}]
+    return [{"ph": "M", "pid": pid, "tid": tid, "name": kind, "args": {"name": name}},
+            {"ph": "M", "pid": pid, "tid": tid, "name": "thread_sort_index", "args": {"sort_index": tid}}]
+
+
+def engine_tracks(pid: int, name: str) -> list[dict]:
+    return (meta(pid, None, "process_name", name) + meta(pid, 1, "thread_name", "compute")
+            + meta(pid, 2, "thread_name", "d2h copy") + meta(pid, 3, "thread_name", "hand-off"))
+
+
+def test_engine_events_of_records_made_by_hand():
+    """Every event of three batches and three stage spans, exactly: times in µs rounded to
+    the nanosecond (the third span, 1000003.0004 to 1000004.2344 µs, starts at 1000003.0 and
+    lasts 1.234); a batch with its compute and copy marked, with all its consumer's
+    times; one with only the compute's end and no copy marks (its copy is the slot's
+    wait until ready) that no consumer took; one without compute whose slot came back
+    unrecorded. A stage's track is made once, at its first span; consumers' tracks
+    follow the batches, in worker order."""
+    from embedingest.engine.telemetry import BatchRecord
+    from embedingest.engine.trace import engine_events
+
+    marked = BatchRecord(seq=3, slot=1, nbytes=64, submit_t=1.00001, slot_t=1.00001, ready_t=1.000013,
+                         sink_start_t=1.00002, sink_end_t=1.00003, freed_t=1.000031, worker=1,
+                         compute_start=1.000005, compute_end=1.000008, copy_start=1.000009, copy_end=1.000012)
+    unmarked = BatchRecord(seq=4, slot=0, nbytes=32, submit_t=1.000015, slot_t=1.000015, ready_t=1.000017,
+                           compute_end=1.000014)
+    no_compute = BatchRecord(seq=5, slot=2, nbytes=16, submit_t=1.00002, slot_t=1.00002, ready_t=1.000023,
+                             sink_start_t=1.000025, sink_end_t=1.000026, worker=0, copy_start=1.000021,
+                             copy_end=1.000022)
+    spans = [("h2d", 1.0, 1.0000015), ("tokenize", 1.000001, 1.000002), ("h2d", 1.0000030004, 1.0000042344)]
+    events = engine_events([no_compute, marked, unmarked], spans)
+
+    def flow(ph, tid, seq, ts):
+        return {"ph": ph, "pid": 1, "tid": tid, "name": "batch", "cat": "batch", "id": 1000000000 + seq,
+                "ts": ts, "bp": "e"}
+
+    a3, a4, a5 = ({"batch": 3, "slot": 1, "bytes": 64}, {"batch": 4, "slot": 0, "bytes": 32},
+                  {"batch": 5, "slot": 2, "bytes": 16})
+    assert events == engine_tracks(1, "engine") + meta(1, 10, "thread_name", "h2d") + [
+        {"ph": "X", "pid": 1, "tid": 10, "name": "h2d", "cat": "stage", "ts": 1000000.0, "dur": 1.5},
+    ] + meta(1, 11, "thread_name", "tokenize") + [
+        {"ph": "X", "pid": 1, "tid": 11, "name": "tokenize", "cat": "stage", "ts": 1000001.0, "dur": 1.0},
+        {"ph": "X", "pid": 1, "tid": 10, "name": "h2d", "cat": "stage", "ts": 1000003.0, "dur": 1.234},
+        # batch 3
+        {"ph": "X", "pid": 1, "tid": 1, "name": "compute 3", "cat": "compute", "ts": 1000005.0, "dur": 3.0,
+         "args": a3},
+        {"ph": "X", "pid": 1, "tid": 2, "name": "copy 3", "cat": "copy", "ts": 1000009.0, "dur": 3.0, "args": a3},
+        {"ph": "b", "pid": 1, "tid": 3, "name": "hand-off", "cat": "hand-off", "id": "1-3", "ts": 1000012.0,
+         "args": a3},
+        {"ph": "e", "pid": 1, "tid": 3, "name": "hand-off", "cat": "hand-off", "id": "1-3", "ts": 1000020.0,
+         "args": {}},
+        {"ph": "X", "pid": 1, "tid": 101, "name": "sink 3", "cat": "consumer", "ts": 1000020.0, "dur": 10.0,
+         "args": {"batch": 3, "slot": 1, "bytes": 64, "worker": 1, "slot_back_ts": 1000031.0}},
+        flow("s", 1, 3, 1000005.0), flow("t", 2, 3, 1000009.0), flow("f", 101, 3, 1000020.0),
+        # batch 4
+        {"ph": "X", "pid": 1, "tid": 1, "name": "compute 4", "cat": "compute", "ts": 1000014.0, "dur": 0.0,
+         "args": a4},
+        {"ph": "X", "pid": 1, "tid": 2, "name": "copy 4", "cat": "copy", "ts": 1000015.0, "dur": 2.0, "args": a4},
+        flow("s", 1, 4, 1000014.0), flow("f", 2, 4, 1000015.0),
+        # batch 5
+        {"ph": "X", "pid": 1, "tid": 2, "name": "copy 5", "cat": "copy", "ts": 1000021.0, "dur": 1.0, "args": a5},
+        {"ph": "b", "pid": 1, "tid": 3, "name": "hand-off", "cat": "hand-off", "id": "1-5", "ts": 1000022.0,
+         "args": a5},
+        {"ph": "e", "pid": 1, "tid": 3, "name": "hand-off", "cat": "hand-off", "id": "1-5", "ts": 1000025.0,
+         "args": {}},
+        {"ph": "X", "pid": 1, "tid": 100, "name": "sink 5", "cat": "consumer", "ts": 1000025.0, "dur": 1.0,
+         "args": {"batch": 5, "slot": 2, "bytes": 16, "worker": 0}},
+        flow("s", 2, 5, 1000021.0), flow("f", 100, 5, 1000025.0),
+    ] + meta(1, 100, "thread_name", "consumer 0") + meta(1, 101, "thread_name", "consumer 1")
+
+
+def test_a_trace_of_two_engines_and_the_job_s_phases(tmp_path):
+    """The file, exactly: compact JSON; the phases as process 0; each engine a process of
+    its own, numbered from 1 and named after it; times from the earliest start (here the
+    first phase's), so the same instant has the same time on every track."""
+    from types import SimpleNamespace
+
+    from embedingest.engine.telemetry import BatchRecord
+
+    cpu = SimpleNamespace(records=[], spans=[("h2d", 1.0, 1.25)])
+    rec = BatchRecord(seq=0, slot=0, nbytes=8, submit_t=1.5, slot_t=1.5, ready_t=1.625, compute_start=1.25,
+                      compute_end=1.375)
+    cuda = SimpleNamespace(records=[rec], spans=[("h2d", 1.75, 2.0)])
+    path = write_trace(str(tmp_path / "t.json"), [("cpu", cpu), ("cuda:1", cuda)],
+                       phases=[("job", 0.5, 3.0), ("encode", 1.0, 2.0)], title="a job")
+    assert path == tmp_path / "t.json"
+    events = meta(0, None, "process_name", "a job") + meta(0, 0, "thread_name", "phases") + [
+        {"ph": "X", "pid": 0, "tid": 0, "name": "job", "cat": "phase", "ts": 0.0, "dur": 2500000.0},
+        {"ph": "X", "pid": 0, "tid": 0, "name": "encode", "cat": "phase", "ts": 500000.0, "dur": 1000000.0},
+    ] + engine_tracks(1, "engine cpu") + meta(1, 10, "thread_name", "h2d") + [
+        {"ph": "X", "pid": 1, "tid": 10, "name": "h2d", "cat": "stage", "ts": 500000.0, "dur": 250000.0},
+    ] + engine_tracks(2, "engine cuda:1") + meta(2, 10, "thread_name", "h2d") + [
+        {"ph": "X", "pid": 2, "tid": 10, "name": "h2d", "cat": "stage", "ts": 1250000.0, "dur": 250000.0},
+        {"ph": "X", "pid": 2, "tid": 1, "name": "compute 0", "cat": "compute", "ts": 750000.0, "dur": 125000.0,
+         "args": {"batch": 0, "slot": 0, "bytes": 8}},
+        {"ph": "X", "pid": 2, "tid": 2, "name": "copy 0", "cat": "copy", "ts": 1000000.0, "dur": 125000.0,
+         "args": {"batch": 0, "slot": 0, "bytes": 8}},
+        {"ph": "s", "pid": 2, "tid": 1, "name": "batch", "cat": "batch", "id": 2000000000, "ts": 750000.0, "bp": "e"},
+        {"ph": "f", "pid": 2, "tid": 2, "name": "batch", "cat": "batch", "id": 2000000000, "ts": 1000000.0,
+         "bp": "e"},
+    ]
+    data = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"title": "a job"}}
+    text = path.read_text(encoding="utf-8")
+    assert json.loads(text) == data
+    assert text == json.dumps(json.loads(text), separators=(",", ":"))  # compact: no spaces
+
+
+def test_without_phases_the_trace_starts_at_the_first_compute(tmp_path):
+    """A compute marked before its batch's slot was taken (the model runs first) is the
+    trace's time zero; a batch without a compute mark adds no start; the default title."""
+    from types import SimpleNamespace
+
+    from embedingest.engine.telemetry import BatchRecord
+
+    recs = [BatchRecord(seq=0, slot=0, nbytes=8, submit_t=2.0, slot_t=2.0, ready_t=2.5, compute_start=1.0,
+                        compute_end=1.5),
+            BatchRecord(seq=1, slot=1, nbytes=8, submit_t=3.0, slot_t=3.0, ready_t=3.5)]
+    path = write_trace(tmp_path / "t.json", [("cpu", SimpleNamespace(records=recs, spans=[("h2d", 1.25, 1.5)]))])
+    data = json.loads(path.read_text())
+    assert data["otherData"] == {"title": "embedingest"}
+    assert [(e["name"], e["ts"], e["dur"]) for e in data["traceEvents"] if e["ph"] == "X"] == [
+        ("h2d", 250000.0, 250000.0), ("compute 0", 0.0, 500000.0), ("copy 0", 1000000.0, 500000.0),
+        ("copy 1", 2000000.0, 500000.0)]
+
+
+def test_a_trace_with_nothing_timed_names_its_tracks_only(tmp_path):
+    from types import SimpleNamespace
+
+    path = write_trace(tmp_path / "t.json", [("cpu", SimpleNamespace(records=[], spans=[]))])
+    assert json.loads(path.read_text()) == {"traceEvents": engine_tracks(1, "engine cpu"), "displayTimeUnit": "ms",
+                                            "otherData": {"title": "embedingest"}}
