@@ -29,6 +29,7 @@ from .shards import (
     Shard,
     delete_shard,
     faiss_name,
+    hashes_record,
     list_shards,
     now,
     shard_name,
@@ -51,6 +52,7 @@ def remove_units(shards_dir: str | Path, unit_nos: Iterable[int], template: fais
         ids = table.column("id").to_numpy() if table is not None else np.empty(0, np.int64)
         drop = np.isin(ids >> CHUNK_BITS, units)
         marks = [(u, n) for u, n in shard.units if u not in set(units.tolist())]
+        kept_units = {u for u, _ in marks}
         if not drop.any() and len(marks) == len(shard.units):
             continue
         name = shard_name(run, 0, part)
@@ -65,7 +67,8 @@ def remove_units(shards_dir: str | Path, unit_nos: Iterable[int], template: fais
                   "dim": shard.record.get("dim"), "factory": shard.record.get("factory"),
                   "generation": generation, "row_group_rows": ROW_GROUP_ROWS, "files": files,
                   "units": [[u for u, _ in marks], [n for _, n in marks]],
-                  "replaces": [shard.name], "run": run, "created": now()}
+                  "replaces": [shard.name], "run": run, "created": now(),
+                  **hashes_record((u, h) for u, h in shard.unit_hashes if u in kept_units)}
         write_commit(folder, record)  # the switch: the old shard is hidden from here on
         delete_shard(shard)
         removed += int(drop.sum())

@@ -35,6 +35,7 @@ from .shards import (
     SHARDS_DIR,
     Shard,
     clean_shards,
+    finished_hashes,
     finished_units,
     incomplete_units,
     list_shards,
@@ -157,21 +158,28 @@ class ShardStore(IndexStore):
 
     def units(self, keys: Iterable[str] | None = None) -> dict[str, Unit]:
         """Unit rows by key, with ``n_chunks`` and ``status`` ("done" or "pending") as the
-        committed shards say (their finished-marks; :meth:`reconcile` checks the rows)."""
+        committed shards say (their finished-marks; :meth:`reconcile` checks the rows), and
+        ``sha256`` from the row or, for a file the loader hashed, the shard that finished it."""
         rows = super().units(keys)
-        done = finished_units(self.committed())
-        return {k: Unit(u.unit_no, u.key, u.size, u.mtime_ns, u.sha256, done.get(u.unit_no, 0),
-                        "done" if u.unit_no in done else "pending") for k, u in rows.items()}
+        shards = self.committed()
+        done, hashes = finished_units(shards), finished_hashes(shards)
+        return {k: Unit(u.unit_no, u.key, u.size, u.mtime_ns, u.sha256 or hashes.get(u.unit_no),
+                        done.get(u.unit_no, 0), "done" if u.unit_no in done else "pending")
+                for k, u in rows.items()}
 
     @_sqlite_errors
     def sync_status(self) -> None:
-        """Write the status the shards give into ``units.sqlite`` (one transaction), for
-        readers of that file: nothing in embedingest reads it back."""
-        done = finished_units(self.committed())
+        """Write the status the shards give into ``units.sqlite`` (one transaction), and
+        the hashes the loader made, for readers of that file: embedingest reads the
+        status and those hashes from the shards."""
+        shards = self.committed()
+        done = finished_units(shards)
         with self.db as db:
             db.execute("UPDATE units SET status='pending', n_chunks=0")
             db.executemany("UPDATE units SET status='done', n_chunks=? WHERE unit_no=?",
                            ((n, u) for u, n in done.items()))
+            db.executemany("UPDATE units SET sha256=? WHERE unit_no=? AND sha256 IS NULL",
+                           ((h, u) for u, h in finished_hashes(shards).items()))
 
     @_sqlite_errors
     def spend_unit_nos(self, highest: int) -> None:

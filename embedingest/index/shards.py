@@ -9,7 +9,8 @@ shards it writes, and each shard keeps its vectors and its chunks' metadata side
     shards/<name>.emb.npy      the vectors as float16, same order (only with --save-embeddings)
     shards/<name>.commit.json  written last: the size and sha256 of each file, the row
                                count and id range, the units this shard finished
-                               (unit_no, n_chunks) and the shards it replaces
+                               (unit_no, n_chunks), the sha256 of those whose files
+                               the loader hashed, and the shards it replaces
 
 Each data file is written to a temporary name, checked, fsynced and renamed
 (:mod:`embedingest.outfiles`); the commit record goes last, so a shard exists iff its
@@ -112,13 +113,14 @@ def decode_chunks(data: bytes | pa.RecordBatch) -> pa.RecordBatch:
 @dataclass(slots=True)
 class BatchMeta:
     """What travels beside a batch's vectors to the shard writer (as the engine's batch
-    id): its chunk rows as Arrow IPC bytes, and the units whose last chunk is in this
-    batch or an earlier one, as (unit_no, n_chunks). Its repr stays short: the engine
-    names batches by it in traces."""
+    id): its chunk rows as Arrow IPC bytes, the units whose last chunk is in this batch
+    or an earlier one, as (unit_no, n_chunks), and the content hashes the loader made of
+    some of them. Its repr stays short: the engine names batches by it in traces."""
 
     no: int
     chunks: bytes = b""
     units_done: tuple = ()
+    unit_hashes: tuple = ()  # (unit_no, sha256) of units of units_done hashed by the loader
 
     def __repr__(self) -> str:
         return f"batch {self.no}"
@@ -187,6 +189,7 @@ class Shard:
     units: tuple  # (unit_no, n_chunks) of the units finished here
     replaces: tuple = ()
     record: dict = field(default_factory=dict, compare=False, repr=False)
+    unit_hashes: tuple = ()  # (unit_no, sha256) of units finished here, hashed by the loader
 
     def path(self, kind: str) -> Path:
         return self.folder / self.files[kind]["name"]
@@ -264,10 +267,35 @@ def read_commit(path: Path, text: bytes | str | None = None) -> Shard:
         if not all(isinstance(r, str) and SHARD_NAME.fullmatch(r) for r in replaces):
             raise ValueError(f"replaces {replaces!r} is not a list of shard names")
         return Shard(path.parent, name, int(data["rows"]), int(data["id_min"]), int(data["id_max"]),
-                     files, units, replaces, data)
+                     files, units, replaces, data, _unit_hashes(data.get("unit_sha256", {}), units))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ConfigError(f"cannot read the commit record {str(path)!r} ({type(exc).__name__}: "
                           f"{exc}); {_REDO.format(name=name)}") from exc
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _unit_hashes(hashes, units: tuple) -> tuple:
+    """A record's ``unit_sha256`` ({unit_no as text: sha256}) as sorted pairs, each of a
+    unit the record finishes."""
+    if not isinstance(hashes, dict):
+        raise ValueError(f"unit_sha256 {hashes!r} is not a mapping of unit numbers to hashes")
+    finished = {u for u, _ in units}
+    out = []
+    for unit, digest in hashes.items():
+        if not (isinstance(unit, str) and unit.isdecimal() and int(unit) in finished
+                and isinstance(digest, str) and _SHA256.fullmatch(digest)):
+            raise ValueError(f"unit_sha256 entry {unit!r}: {digest!r} is not the sha256 of a "
+                             "unit the shard finishes")
+        out.append((int(unit), digest))
+    return tuple(sorted(out))
+
+
+def hashes_record(unit_hashes: Iterable[tuple[int, str]]) -> dict:
+    """The commit record's ``unit_sha256`` entry of ``unit_hashes`` pairs ({} when none)."""
+    hashes = {str(int(u)): str(h) for u, h in sorted(unit_hashes)}
+    return {"unit_sha256": hashes} if hashes else {}
 
 
 def _commit_paths(folder: Path) -> list[Path]:
@@ -410,6 +438,15 @@ def finished_units(shards: Iterable[Shard]) -> dict[int, int]:
     out: dict[int, int] = {}
     for shard in shards:
         out.update(shard.units)
+    return out
+
+
+def finished_hashes(shards: Iterable[Shard]) -> dict[int, str]:
+    """{unit_no: sha256} of the finished units whose files the loader hashed: the hash of
+    the bytes their vectors were made from."""
+    out: dict[int, str] = {}
+    for shard in shards:
+        out.update(shard.unit_hashes)
     return out
 
 

@@ -341,21 +341,36 @@ class IndexStore:
         out (or None) keep the value stored. unit_no is never reused (AUTOINCREMENT), so
         stray vectors of a deleted unit cannot be taken for those of a new one; an existing
         key is updated, not upserted: sqlite's upsert spends a number even when it updates.
+        New keys are inserted in the order given (their numbers ascend in it), with one
+        statement for all of them: a plan of a million new files is one ``executemany``.
         """
+        rows = [[row.get(c) for c in _UNIT_COLUMNS] for row in rows]
+        keys = [values[0] for values in rows]
         update = ("UPDATE units SET " + ", ".join(f"{c}=COALESCE(?, {c})" for c in _UNIT_COLUMNS[1:])
-                  + " WHERE key=? RETURNING unit_no")
-        insert = (f"INSERT INTO units({', '.join(_UNIT_COLUMNS)}) VALUES (?, ?, ?, ?, ?, ?) "
-                  "RETURNING unit_no")
-        out = {}
+                  + " WHERE key=?")
+        insert = f"INSERT INTO units({', '.join(_UNIT_COLUMNS)}) VALUES (?, ?, ?, ?, ?, ?)"
         with self.db as db:
-            for row in rows:
-                values = [row.get(c) for c in _UNIT_COLUMNS]
-                found = db.execute(update, values[1:] + values[:1]).fetchone()
-                (unit_no,) = found or db.execute(insert, values).fetchone()
-                if unit_no > MAX_UNIT_NO:
-                    raise EmbedingestError(f"unit number {unit_no} of {row['key']!r} does not fit "
+            if len(set(keys)) < len(keys):  # a key twice: the second row updates the first's
+                for values in rows:
+                    if not db.execute(update, values[1:] + values[:1]).rowcount:
+                        db.execute(insert, values)
+            else:
+                found = self._unit_nos(db, keys)
+                db.executemany(update, (v[1:] + v[:1] for v in rows if v[0] in found))
+                db.executemany(insert, (v for v in rows if v[0] not in found))
+            out = self._unit_nos(db, keys)
+            for key in keys:  # inside the transaction: nothing of this call is kept
+                if out[key] > MAX_UNIT_NO:
+                    raise EmbedingestError(f"unit number {out[key]} of {key!r} does not fit "
                                            "in a vector id: rebuild the index with --overwrite")
-                out[row["key"]] = unit_no
+        return {key: out[key] for key in keys}
+
+    @staticmethod
+    def _unit_nos(db, keys: list[str]) -> dict[str, int]:
+        out = {}
+        for batch in _batches(keys):
+            marks = ",".join("?" * len(batch))
+            out.update(db.execute(f"SELECT key, unit_no FROM units WHERE key IN ({marks})", batch))
         return out
 
     @_sqlite_errors

@@ -47,6 +47,7 @@ from ..index.shards import (
     decode_chunks,
     ensure_shards_dir,
     faiss_name,
+    hashes_record,
     now,
     shard_name,
     write_commit,
@@ -135,11 +136,13 @@ class ShardWriter:
         self.id_min: int | None = None
         self.id_max: int | None = None
         self.units: dict[int, int] = {}
+        self.hashes: dict[int, str] = {}
 
     def add(self, emb: np.ndarray, ids: np.ndarray, chunks: pa.RecordBatch | bytes,
-            units_done=()) -> None:
+            units_done=(), unit_hashes=()) -> None:
         """Add vectors ``emb`` under ``ids`` with their rows ``chunks`` (same order, ids
-        equal), and record ``units_done`` ((unit_no, n_chunks) pairs) as finished here."""
+        equal), and record ``units_done`` ((unit_no, n_chunks) pairs) as finished here,
+        with ``unit_hashes`` ((unit_no, sha256) pairs, of some of them)."""
         if self._broken is not None:
             raise self._broken
         chunks = decode_chunks(chunks)
@@ -157,6 +160,11 @@ class ShardWriter:
                               "of their vector ids (unit_no << 32 | chunk_no)")
         for unit, n_chunks in units_done:
             self.units[int(unit)] = int(n_chunks)
+        for unit, digest in unit_hashes:
+            if int(unit) not in self.units:
+                raise ConfigError(f"shard {self.name}: a hash for unit {unit}, which no batch "
+                                  "finished: a unit's hash goes with its finishing")
+            self.hashes[int(unit)] = str(digest)
         if not n:
             return
         vectors = np.array(as_float32(emb), dtype=np.float32, order="C")  # a copy: the slot is reused
@@ -256,7 +264,8 @@ class ShardWriter:
                   "id_min": self.id_min if self.rows else 0, "id_max": self.id_max if self.rows else -1,
                   "dim": self.spec.dim, "factory": self.spec.factory, "generation": self.spec.generation,
                   "row_group_rows": self.spec.row_group_rows, "files": files, "units": [[u for u, _ in units], [n for _, n in units]],
-                  "replaces": list(self.replaces), "run": self.spec.run_id, "created": now()}
+                  "replaces": list(self.replaces), "run": self.spec.run_id, "created": now(),
+                  **hashes_record(self.hashes.items())}
         write_commit(self.folder, record)
         self._index, self._emb, self._pending = None, [], []
         if self.spec.remote:
@@ -268,18 +277,25 @@ class ShardWriter:
 
 def write_faiss_hashed(index: faiss.Index, path: Path) -> dict:
     """Write a faiss index like :func:`~embedingest.outfiles.write_faiss_index`, hashing
-    the bytes on their way; return {name, size, sha256}."""
+    the bytes on their way; return {name, size, sha256}. A thread hashes each chunk while
+    this one writes it (both release the GIL), so a shard's last commit, which the run's
+    end waits for, costs the larger of the two rather than their sum."""
     h, size = hashlib.sha256(), 0
+    hashing: Future | None = None
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedingest-hash") as hasher:
+        def produce(write) -> None:
+            def hashed(chunk: bytes) -> None:
+                nonlocal size, hashing
+                if hashing is not None:
+                    hashing.result()  # in order, and one chunk ahead at most
+                hashing = hasher.submit(h.update, chunk)
+                size += len(chunk)
+                write(chunk)
+            faiss.write_index(index, faiss.PyCallbackIOWriter(hashed, _FAISS_CHUNK))
 
-    def produce(write) -> None:
-        def hashed(chunk: bytes) -> None:
-            nonlocal size
-            h.update(chunk)
-            size += len(chunk)
-            write(chunk)
-        faiss.write_index(index, faiss.PyCallbackIOWriter(hashed, _FAISS_CHUNK))
-
-    write_streamed(path, produce)
+        write_streamed(path, produce)
+        if hashing is not None:
+            hashing.result()
     return {"name": path.name, "size": size, "sha256": h.hexdigest()}
 
 
@@ -317,7 +333,7 @@ class ShardSink:
             stop = min(n, start + self.spec.commit_every - writer.rows)
             last = stop == n
             writer.add(emb[start:stop], ids[start:stop], chunks.slice(start, stop - start),
-                       batch_id.units_done if last else ())
+                       batch_id.units_done if last else (), batch_id.unit_hashes if last else ())
             start = stop
             if writer.rows >= self.spec.commit_every:
                 self.commit()
@@ -348,15 +364,16 @@ MARKS_WORKER = 9999
 """The worker number of the shard :func:`commit_finished` writes (no engine consumer has it)."""
 
 
-def commit_finished(spec: ShardWriterFactory, units_done, part: int = 0) -> dict | None:
+def commit_finished(spec: ShardWriterFactory, units_done, part: int = 0, unit_hashes=()) -> dict | None:
     """Commit a shard of no rows that declares ``units_done`` ((unit_no, n_chunks) pairs)
-    finished: for the units whose finishing came after the last batch a writer got (their
-    rows are in the shards of the writers that got them). None when there are none."""
+    finished, with ``unit_hashes`` ((unit_no, sha256) of some of them): for the units
+    whose finishing came after the last batch a writer got (their rows are in the shards
+    of the writers that got them). None when there are none."""
     units_done = list(units_done)
     if not units_done:
         return None
     writer = ShardWriter(spec, shard_name(spec.run_id, MARKS_WORKER, part))
     empty = np.zeros((0, spec.dim), np.float32)
     chunks = pa.RecordBatch.from_pylist([], schema=CHUNK_SCHEMA)
-    writer.add(empty, np.zeros(0, np.int64), chunks, units_done)
+    writer.add(empty, np.zeros(0, np.int64), chunks, units_done, unit_hashes)
     return writer.commit()

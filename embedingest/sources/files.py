@@ -8,6 +8,7 @@ loops, and every folder or file that cannot be read is reported instead of crash
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import stat
 from collections.abc import Callable, Iterator
@@ -75,6 +76,16 @@ def open_input(path: str | os.PathLike):
     return open_remote(path) if is_remote(path) else open_regular(path)
 
 
+def file_sha256(path: str | os.PathLike) -> str:
+    """The sha256 of an input's bytes (opened with :func:`open_input`: a file turned into
+    a pipe cannot hang the hashing), read a megabyte at a time."""
+    h = hashlib.sha256()
+    with open_input(path) as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def _open_nonblocking(path, flags: int) -> int:
     return os.open(path, flags | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0), 0o666)
 
@@ -98,9 +109,18 @@ def refuse_output_as_input(out: str | os.PathLike, inputs: str | os.PathLike, fo
 def walk_files(root: str | os.PathLike, extensions: set[str] | None = None,
                on_skip: OnSkip = _noop, on_other: Callable[[str], None] | None = None,
                exclude: str | os.PathLike | None = None) -> Iterator[Path]:
+    """:func:`walk_paths`, each path as a :class:`~pathlib.Path`."""
+    for path in walk_paths(root, extensions, on_skip, on_other, exclude):
+        yield Path(path)
+
+
+def walk_paths(root: str | os.PathLike, extensions: set[str] | None = None,
+               on_skip: OnSkip = _noop, on_other: Callable[[str], None] | None = None,
+               exclude: str | os.PathLike | None = None) -> Iterator[str]:
     """Yield the files under ``root`` whose suffix (lower case, with the dot; see
     :func:`has_extension`) is in ``extensions``; ``root`` itself when it is a file
-    (whatever its suffix).
+    (whatever its suffix). Paths are strings (``root`` joined with the names below it):
+    a corpus of millions of files pays no object per file beyond that.
 
     Hidden files and folders (name starting with '.') are passed over. Symbolic links
     are followed, but a folder is entered once only, so a link loop ends. Folders that
@@ -109,12 +129,12 @@ def walk_files(root: str | os.PathLike, extensions: set[str] | None = None,
     The folder ``exclude`` (a job's output inside its input) is not entered, under
     whatever path it is reached.
     """
-    root = Path(root)
-    if root.is_file():
+    root = os.fspath(root)
+    if os.path.isfile(root):
         yield root
         return
-    if not root.is_dir():
-        raise FileNotFoundError(f"input path {str(root)!r} does not exist or is not a file or folder")
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"input path {root!r} does not exist or is not a file or folder")
     seen: set[tuple[int, int]] = set()
     try:
         st = os.stat(exclude) if exclude is not None else None
@@ -125,21 +145,21 @@ def walk_files(root: str | os.PathLike, extensions: set[str] | None = None,
     while stack:
         folder = stack.pop()
         try:
-            st = folder.stat()
+            st = os.stat(folder)
         except OSError as exc:
-            on_skip(str(folder), f"cannot stat folder: {exc.strerror or exc}")
+            on_skip(folder, f"cannot stat folder: {exc.strerror or exc}")
             continue
         key = (st.st_dev, st.st_ino)
         if key == excluded:
             continue
         if key in seen:
-            on_skip(str(folder), "symlink loop: folder already visited")
+            on_skip(folder, "symlink loop: folder already visited")
             continue
         seen.add(key)
         try:
             entries = sorted(os.scandir(folder), key=lambda e: e.name)
         except OSError as exc:
-            on_skip(str(folder), f"cannot list folder: {exc.strerror or exc}")
+            on_skip(folder, f"cannot list folder: {exc.strerror or exc}")
             continue
         subdirs = []
         for entry in entries:
@@ -147,7 +167,7 @@ def walk_files(root: str | os.PathLike, extensions: set[str] | None = None,
                 continue
             try:
                 if entry.is_dir():
-                    subdirs.append(Path(entry.path))
+                    subdirs.append(entry.path)
                     continue
                 is_file = entry.is_file()
             except OSError as exc:
@@ -160,7 +180,7 @@ def walk_files(root: str | os.PathLike, extensions: set[str] | None = None,
                     on_skip(entry.path, reason)
                 continue
             if wanted:
-                yield Path(entry.path)
+                yield entry.path
             elif on_other is not None:
                 on_other(entry.path)
         stack.extend(reversed(subdirs))

@@ -24,6 +24,10 @@ Each yielded item is a dict:
   2-item lists) for every unit whose last chunk is in this item or an earlier one;
   every unit appears exactly once over the whole iteration, units with no chunks too
   (with 0), so a caller can checkpoint progress by unit;
+* ``unit_hashes``: ``(unit_no, sha256)`` of the units of ``units_done`` that this worker
+  hashed: a file unit given without its hash (``Unit.sha256`` None, as the plan leaves
+  new files) is hashed by the worker that reads it, so no one process reads every file
+  twice; a file that cannot be hashed is skipped whole, as one that cannot be read;
 * ``skipped``: ``(where, reason)`` for the bad inputs met since the previous item: the
   reasons of :func:`~embedingest.sources.text.iter_records`, plus ``empty`` for a text
   with no tokens and ``read`` for an unexpected error, which skips the rest of a unit.
@@ -56,6 +60,7 @@ from ..index.shards import decode_chunks, encode_chunks
 from ..stages.chunker import DEFAULT_PIECE_CHARS, Chunk, Chunker
 from ..stages.fast_chunker import FastChunker
 from ..stages.tokenizer import load_tokenizer
+from .files import file_sha256, os_error_reason
 from .text import iter_records, lone_surrogate
 
 log = logging.getLogger("embedingest")
@@ -78,6 +83,7 @@ class Unit:
     path: str | None = None
     text: str | None = None
     record_id: str | None = None
+    sha256: str | None = None  # of the file's bytes; None: the worker that reads it hashes it
 
     def __post_init__(self):
         if not isinstance(self.unit_no, int) or not 0 <= self.unit_no <= MAX_UNIT_NO:
@@ -222,6 +228,8 @@ class _WorkerBatches:
         self.total: dict[int, int] = {}
         self.reading: int | None = None
         self.done: list[tuple[int, int]] = []
+        self.hashes: dict[int, str] = {}  # unit_no -> sha256 of the units hashed here, until done
+        self.hashed: list[tuple[int, str]] = []
         self.skipped: list[tuple[str, str]] = []
         self.sources: dict[int, str] = {}  # unit_no -> key, of this worker's units
         # The window starts at one batch and doubles up to its full size, so the first
@@ -251,6 +259,8 @@ class _WorkerBatches:
     def _finish(self, unit_no: int) -> None:
         del self.in_window[unit_no]
         self.done.append((unit_no, self.total.pop(unit_no)))
+        if unit_no in self.hashes:
+            self.hashed.append((unit_no, self.hashes.pop(unit_no)))
 
     def _unit_chunks(self, unit: Unit) -> Iterator[tuple[Sequence[int], tuple]]:
         """``(input_ids, chunk row)`` for every chunk of ``unit`` (a row as :class:`Chunks`
@@ -263,6 +273,12 @@ class _WorkerBatches:
                 return
             records = iter([(unit.record_id or "", unit.text)])
         else:
+            if unit.sha256 is None:
+                try:  # before the read: the page cache then serves the read
+                    self.hashes[unit.unit_no] = file_sha256(unit.path)
+                except OSError as exc:
+                    self._skip(where, os_error_reason(exc))
+                    return
             records = iter_records(unit.path, text_field=self.ds.text_field,
                                    id_field=self.ds.id_field, on_skip=self._skip,
                                    stream_above=STREAM_ABOVE)
@@ -369,7 +385,8 @@ class _WorkerBatches:
             "ids": torch.tensor([row[0] for row in rows], dtype=torch.long),
             "chunks": chunks,
             "units_done": self.done,
+            "unit_hashes": self.hashed,
             "skipped": self.skipped,
         }
-        self.done, self.skipped = [], []
+        self.done, self.hashed, self.skipped = [], [], []
         return item

@@ -63,7 +63,7 @@ def test_a_file_replaced_by_a_pipe_after_planning_is_reported_not_waited_for(tmp
     corpus.mkdir()
     for i in range(3):
         (corpus / f"d{i}.txt").write_text(" ".join(WORDS[i:i + 12]))
-    (corpus / "pipe.jsonl").write_text('{"text": "soon a pipe"}\n')  # new: hashed in planning
+    (corpus / "pipe.jsonl").write_text('{"text": "soon a pipe"}\n')  # a pipe before the plan lists it
     (corpus / "later.txt").write_text("soon a pipe as well")
     out = tmp_path / "idx"
     script = f"""
@@ -75,7 +75,7 @@ plan_units = job.plan_units
 def plan_then_swap(store, candidates, report):
     def swapped():
         for cand in candidates:
-            if cand["key"] == "pipe.jsonl":  # before the planner hashes it
+            if cand["key"] == "pipe.jsonl":  # listed as a file, a pipe before anything reads it
                 os.unlink(cand["path"]); os.mkfifo(cand["path"])
             yield cand
     plan = plan_units(store, swapped(), report)
@@ -90,7 +90,7 @@ print(summary["exit_code"], summary["units_indexed"], summary["chunks"])
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["3", "4", "3"]  # later.txt is a unit with no chunks
+    assert proc.stdout.split() == ["3", "5", "3"]  # the pipes are units with no chunks
     report = [json.loads(line) for line in (out / "skipped.jsonl").read_text().splitlines()]
     assert sorted((Path(r["path"]).name, r["reason"]) for r in report) == [
         ("later.txt", "not a regular file: a named pipe (FIFO)"),

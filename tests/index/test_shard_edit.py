@@ -204,3 +204,18 @@ def test_a_shard_emptied_by_a_removal_has_an_empty_id_range(tmp_path):
     (shard,) = list_shards(folder / "shards")
     assert (shard.name, shard.rows, shard.id_min, shard.id_max, shard.files, shard.units) == (
         "shard-rme-w0-00000", 0, 0, -1, {}, ())
+
+
+def test_a_rewritten_shard_keeps_the_hashes_of_the_units_it_still_finishes(tmp_path):
+    from embedingest.index.shard_edit import remove_units
+    from embedingest.index.shards import finished_hashes
+    from embedingest.sinks.shard_writer import ShardWriterFactory, commit_finished
+
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=1, chunks=5, commit_every=100, workers=1)
+    commit_finished(ShardWriterFactory(str(folder), DIM, run_id="m"), [(7, 0), (8, 0), (9, 0)],
+                    unit_hashes=[(7, "7" * 64), (8, "8" * 64)])
+    assert remove_units(folder / "shards", {7}, run_id="b") == 0
+    shards = list_shards(folder / "shards")
+    assert finished_hashes(shards) == {8: "8" * 64}
+    assert finished_units(shards) == {0: 5, 8: 0, 9: 0}

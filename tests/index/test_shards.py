@@ -485,3 +485,28 @@ def test_now_is_utc_whatever_the_local_zone(monkeypatch):
     finally:
         monkeypatch.undo()
         time.tzset()
+
+
+def test_the_loaders_hashes_are_recorded_with_the_units_they_finish(tmp_path):
+    """A unit's content hash, made by the loader, is in the commit record of the shard that
+    finishes the unit, read back as ``unit_hashes``; a hash for a unit no batch finished is
+    refused, and a record whose hashes are not hex digests of its own units is damaged."""
+    from embedingest.index.shards import finished_hashes, read_commit
+    from embedingest.sinks.shard_writer import commit_finished
+
+    folder = tmp_path / "ix"
+    spec = ShardWriterFactory(str(folder), DIM, run_id="m")
+    record = commit_finished(spec, [(3, 5), (4, 0)], unit_hashes=[(4, "b" * 64)])
+    assert record["unit_sha256"] == {"4": "b" * 64}
+    assert "unit_sha256" not in commit_finished(spec, [(5, 1)], part=1)
+    shards = list_shards(folder / "shards")
+    assert finished_hashes(shards) == {4: "b" * 64}
+    writer = ShardWriter(spec, "shard-m-w0-00007")
+    with pytest.raises(ConfigError, match="a hash for unit 6, which no batch finished"):
+        writer.add(np.zeros((0, DIM), np.float32), np.zeros(0, np.int64), meta_of(0, [], ()).chunks,
+                   [(5, 1)], [(6, "c" * 64)])
+    path = folder / "shards" / "shard-m-w9999-00000.commit.json"
+    for bad in ({"3": "B" * 64}, {"9": "b" * 64}, {"4": "b" * 63}, ["4"], {"x": "b" * 64}):
+        path.write_text(json.dumps(dict(record, unit_sha256=bad)))
+        with pytest.raises(ConfigError, match="unit_sha256"):
+            read_commit(path)

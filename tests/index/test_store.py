@@ -239,3 +239,29 @@ def test_sqlite_on_a_full_disk_is_an_os_error_naming_the_database(tmp_path):
         assert proc.stdout.startswith("28 ") and "database or disk is full" in proc.stdout, proc.stdout
     else:  # a file cut by RLIMIT_FSIZE is an I/O error to sqlite
         assert proc.stdout.startswith("5 ") and "disk I/O error" in proc.stdout, proc.stdout
+
+
+def test_upsert_numbers_new_keys_in_their_order_and_updates_known_ones(tmp_path):
+    """New keys get ascending numbers in the order given, known keys keep theirs and take
+    only the fields given; a key given twice in one call is one unit, its second row an
+    update; numbers past what a vector id holds roll the whole call back."""
+    import pytest
+
+    from embedingest.errors import EmbedingestError
+    from embedingest.index import store as store_module
+
+    store = IndexStore(tmp_path / "ix")
+    assert store.upsert_units([{"key": "b", "size": 1}, {"key": "a", "size": 2}]) == {"b": 1, "a": 2}
+    nos = store.upsert_units([{"key": "c"}, {"key": "a", "sha256": "s"}, {"key": "d", "size": 4}])
+    assert nos == {"c": 3, "a": 2, "d": 4}
+    rows = store.db.execute("SELECT unit_no, key, size, sha256 FROM units ORDER BY unit_no").fetchall()
+    assert rows == [(1, "b", 1, None), (2, "a", 2, "s"), (3, "c", None, None), (4, "d", 4, None)]
+    assert store.upsert_units([{"key": "e", "size": 5}, {"key": "e", "mtime_ns": 9}]) == {"e": 5}
+    assert store.units()["e"].size == 5 and store.units()["e"].mtime_ns == 9
+    store_module.MAX_UNIT_NO, old = 6, store_module.MAX_UNIT_NO
+    try:
+        with pytest.raises(EmbedingestError, match="unit number 7 of 'g' does not fit"):
+            store.upsert_units([{"key": "f"}, {"key": "g"}])
+    finally:
+        store_module.MAX_UNIT_NO = old
+    assert sorted(store.units()) == ["a", "b", "c", "d", "e"]

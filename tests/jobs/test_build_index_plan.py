@@ -50,11 +50,12 @@ def test_units_are_numbered_in_order_and_a_changed_one_gets_a_fresh_number(tmp_p
     assert apply_plan(store, plan)[1] == {"record:d": 41, "record:b": 42, "record:c": 3}  # a rerun: the same
 
 
-def test_files_are_hashed_in_parallel_in_the_corpus_order_and_a_failed_read_is_reported(
+def test_files_whose_stamp_moved_are_hashed_in_parallel_in_the_corpus_order_and_a_failed_read_is_reported(
         tmp_path, monkeypatch):
-    """Large files are hashed by a thread pool, the others by the planning thread; the plan
-    keeps the corpus's order, each digest is its own file's, and a file whose read fails
-    is reported (stage hash) and left out."""
+    """Files known to the index whose size or mtime moved are hashed to compare with their
+    rows: large files by a thread pool, the others by the planning thread; the plan keeps
+    the corpus's order, each digest is its own file's, and a file whose read fails is
+    reported (stage hash) and left out."""
     import threading
     import time
 
@@ -78,6 +79,8 @@ def test_files_are_hashed_in_parallel_in_the_corpus_order_and_a_failed_read_is_r
     monkeypatch.setattr(plan_module, "_sha256", sha256)
     store = ShardStore(tmp_path / "ix")
     store.create_or_open(Manifest(model={"name": "m", "path": "/nowhere"}, dim=DIM))
+    store.upsert_units([{"key": name, "size": len(text), "mtime_ns": 1, "sha256": "0" * 64,
+                         "status": "pending", "n_chunks": 0} for name, text in texts.items()])
     report = SkipReport()
     plan = plan_units(store, plan_module.file_candidates(corpus, report, tmp_path / "ix"), report)
     names = [c["path"].rsplit("/", 1)[1] for c in plan.todo]
@@ -88,3 +91,84 @@ def test_files_are_hashed_in_parallel_in_the_corpus_order_and_a_failed_read_is_r
     assert [(e["stage"], e["reason"].split(":")[0]) for e in report.entries] == [("hash", "unreadable")]
     assert report.entries[0]["path"].endswith("doc017.txt")
     assert len(threads) > 2 and threading.get_ident() in threads
+    assert len(plan.renumbered) == 39  # every content differs from the rows' (zeros)
+
+
+def test_new_files_are_not_read_by_the_plan(tmp_path, monkeypatch):
+    """A file the index never saw goes to the todo list unhashed (its loader worker hashes
+    it), so the plan costs a stat per file; an unreadable new file is left to the worker."""
+    from embedingest.jobs.build_index import plan as plan_module
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(5):
+        (corpus / f"d{i}.txt").write_text(f"text {i}")
+    (corpus / "d2.txt").chmod(0)
+    read = []
+    monkeypatch.setattr(plan_module, "_sha256", lambda path: read.append(path) or "0" * 64)
+    store = ShardStore(tmp_path / "ix")
+    store.create_or_open(Manifest(model={"name": "m", "path": "/nowhere"}, dim=DIM))
+    report = SkipReport()
+    plan = plan_units(store, plan_module.file_candidates(corpus, report, tmp_path / "ix"), report)
+    assert read == [] and report.entries == []
+    assert [(c["key"], c["sha256"]) for c in plan.todo] == [(f"d{i}.txt", None) for i in range(5)]
+    assert apply_plan(store, plan)[1] == {f"d{i}.txt": i + 1 for i in range(5)}
+    assert [u.sha256 for u in store.units().values()] == [None] * 5
+
+
+def test_a_half_done_file_without_a_hash_keeps_its_number_while_its_stamp_is_the_same(tmp_path):
+    """A unit whose run stopped before its worker hashed it has no hash to compare: the
+    same size and mtime keep its number (the ids a clean run gives); a moved stamp gives
+    it a fresh one. Neither is read by the plan."""
+    from embedingest.jobs.build_index import plan as plan_module
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in ("a.txt", "b.txt"):
+        (corpus / name).write_text(f"text of {name}")
+    store = ShardStore(tmp_path / "ix")
+    store.create_or_open(Manifest(model={"name": "m", "path": "/nowhere"}, dim=DIM))
+    report = SkipReport()
+    plan = plan_units(store, plan_module.file_candidates(corpus, report, tmp_path / "ix"), report)
+    assert apply_plan(store, plan)[1] == {"a.txt": 1, "b.txt": 2}  # then the run is killed
+    (corpus / "b.txt").write_text("b changed, longer")
+    plan = plan_units(store, plan_module.file_candidates(corpus, report, tmp_path / "ix"), report)
+    assert [(c["key"], c["sha256"]) for c in plan.todo] == [("a.txt", None), ("b.txt", None)]
+    assert (sorted(plan.replaced), plan.renumbered) == ([1, 2], [2])
+    assert apply_plan(store, plan)[1] == {"a.txt": 1, "b.txt": 3}
+
+
+def test_a_finished_unit_takes_its_hash_from_the_shard_that_finished_it(tmp_path):
+    """The loader's hash of a file travels with the unit's finishing into the shard's
+    commit record; the store reads it back, and a moved stamp over the same bytes is then
+    unchanged (compared by that hash), over other bytes renumbered."""
+    from embedingest.jobs.build_index import plan as plan_module
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("alpha")
+    (corpus / "b.txt").write_text("beta")
+    store = ShardStore(tmp_path / "ix")
+    store.create_or_open(Manifest(model={"name": "m", "path": "/nowhere"}, dim=DIM))
+    report = SkipReport()
+    plan = plan_units(store, plan_module.file_candidates(corpus, report, tmp_path / "ix"), report)
+    nos = apply_plan(store, plan)[1]
+    sha = {k: hashlib.sha256((corpus / k).read_bytes()).hexdigest() for k in nos}
+    sink = ShardWriterFactory(str(tmp_path / "ix"), DIM, run_id="r1")(0)
+    for b, (part, done) in enumerate(batches([nos["a.txt"], nos["b.txt"]], 2)):
+        ids = np.array([r["id"] for r in part], dtype=np.int64)
+        meta = meta_of(b, part, done)
+        meta.unit_hashes = tuple((u, sha["a.txt" if u == nos["a.txt"] else "b.txt"]) for u, _ in done)
+        sink(meta, {"emb": unit_vectors(len(ids), seed=b), "ids": ids})
+    sink.close()
+    assert {k: (u.sha256, u.status) for k, u in store.units().items()} == {
+        k: (sha[k], "done") for k in nos}
+    import os
+    for name, text in (("a.txt", "alpha"), ("b.txt", "BETA!")):
+        (corpus / name).write_text(text)
+        os.utime(corpus / name, ns=(1, 1))
+    plan = plan_units(store, plan_module.file_candidates(corpus, report, tmp_path / "ix"), report)
+    assert (plan.unchanged, [c["key"] for c in plan.todo], plan.renumbered) == (1, ["b.txt"], [nos["b.txt"]])
+    store.sync_status()
+    rows = store.db.execute("SELECT key, sha256 FROM units ORDER BY key").fetchall()
+    assert rows == [("a.txt", sha["a.txt"]), ("b.txt", sha["b.txt"])]

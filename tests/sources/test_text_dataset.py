@@ -327,3 +327,28 @@ def test_ctrl_c_lets_the_loader_workers_go_at_once():
     del it
     assert time.monotonic() - start < 2.5
     assert not worker.is_alive()
+
+
+def test_a_file_given_without_its_hash_is_hashed_by_its_worker(tmp_path):
+    """The worker that reads a file the plan left unhashed hashes its bytes, and the hash
+    goes out with the unit's finishing; a file given with its hash, or a text, is not
+    hashed again; a file gone since the plan is skipped whole with the reason."""
+    import hashlib
+
+    data = {"a.txt": "alpha " * 50, "b.txt": "beta " * 40}
+    for name, text in data.items():
+        (tmp_path / name).write_text(text)
+    units = [Unit(0, "a.txt", path=str(tmp_path / "a.txt")),
+             Unit(1, "b.txt", path=str(tmp_path / "b.txt"), sha256="f" * 64),
+             Unit(2, "t", text="some text"),
+             Unit(3, "c.txt", path=str(tmp_path / "c.txt"))]
+    items = run(units, batch_size=4)
+    done = [tuple(d) for item in items for d in item["units_done"]]
+    hashes = [tuple(h) for item in items for h in item["unit_hashes"]]
+    assert hashes == [(0, hashlib.sha256(data["a.txt"].encode()).hexdigest())]
+    assert sorted(done)[3] == (3, 0)
+    for item in items:  # a unit's hash is in the item that finishes it
+        assert {u for u, _ in item["unit_hashes"]} <= {u for u, _ in item["units_done"]}
+    skipped = [s for item in items for s in item["skipped"]]
+    assert [(where.rsplit("/", 1)[1], reason) for where, reason in skipped] == [
+        ("c.txt", "unreadable: No such file or directory")]

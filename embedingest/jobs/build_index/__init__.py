@@ -6,7 +6,7 @@ engine -> consumer processes, each committing its own shards: vectors, chunk row
 (with --save-embeddings) float16 embeddings (index format 2, docs/INDEX_FORMAT.md). The
 main process passes each batch's rows on as one bytes object; it keeps only the units
 (one row per file or record) and is the only one that decides what a run must do: it
-compares the corpus with what the index holds (content hashes; the units the committed
+compares the corpus with what the index holds (sizes, mtimes, content hashes; the units the committed
 shards hold complete), removes the rows and vectors of changed, deleted or half-done
 units, and indexes only those and the new ones. So a run that was killed at
 any point is finished by running the same command again, with every chunk exactly once.
@@ -199,7 +199,7 @@ def _build_locked(corpus, cfg: IndexConfig, out: Path, model, built: list, where
                  plan.unchanged, len(plan.deleted))
         removed, unit_nos = apply_plan(store, plan)
         units = [Unit(unit_nos[c["key"]], c["key"], path=c.get("path"), text=c.get("text"),
-                      record_id=c.get("record_id")) for c in plan.todo]
+                      record_id=c.get("record_id"), sha256=c.get("sha256")) for c in plan.todo]
         if checkpoint:
             checkpoint()
         early = (isinstance(model, ModelFacts) and bool(units)

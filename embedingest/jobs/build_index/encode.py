@@ -87,9 +87,10 @@ def vector_slots(cfg: IndexConfig, dim: int) -> dict:
 def embed_steps(encoder: TextEncoder, device: str, done=None, marks: list | None = None) -> BatchSteps:
     """What the batch loop does with a batch of chunks: token ids and mask to the device,
     the encoder's vectors and their ids to the engine (one part per batch), with the
-    batch's rows and finished units as its :class:`~embedingest.index.shards.BatchMeta`.
-    Units that finished in a batch without rows wait in ``marks`` for the next batch
-    with rows; the caller commits those left at the end (:func:`commit_finished`)."""
+    batch's rows and finished units (and the hashes the loader made of them) as its
+    :class:`~embedingest.index.shards.BatchMeta`. Units that finished in a batch without
+    rows wait in ``marks`` ((unit_no, n_chunks, sha256 or None) triples) for the next
+    batch with rows; the caller commits those left at the end (:func:`commit_marks`)."""
     marks = marks if marks is not None else []
 
     def send(item):
@@ -99,18 +100,36 @@ def embed_steps(encoder: TextEncoder, device: str, done=None, marks: list | None
                 item["attention_mask"].to(device, non_blocking=True))
 
     def forward(batch_no: int, item, on_device):
-        marks.extend((int(u), int(n)) for u, n in item["units_done"])
-        meta = BatchMeta(batch_no, item["chunks"].data, tuple(marks))
+        marks.extend(finished(item))
+        meta = BatchMeta(batch_no, item["chunks"].data, *split_marks(marks))
         marks.clear()
         return [(meta, {"emb": encoder.forward(*on_device), "ids": item["ids"]})]
 
     def handed_over(item) -> None:
         if not len(item["ids"]):
-            marks.extend((int(u), int(n)) for u, n in item["units_done"])
+            marks.extend(finished(item))
         if done is not None:
             done(item)
 
     return BatchSteps(send, forward, skipped=lambda item: item["skipped"], done=handed_over)
+
+
+def finished(item) -> list[tuple[int, int, str | None]]:
+    """The units a loader item finishes, as (unit_no, n_chunks, sha256 or None): the hash
+    where the loader made it."""
+    hashes = {int(u): str(h) for u, h in item.get("unit_hashes", ())}
+    return [(int(u), int(n), hashes.get(int(u))) for u, n in item["units_done"]]
+
+
+def split_marks(marks: list[tuple[int, int, str | None]]) -> tuple[tuple, tuple]:
+    """(unit_no, n_chunks) pairs and (unit_no, sha256) pairs of ``marks``, as a shard takes them."""
+    return (tuple((u, n) for u, n, _ in marks), tuple((u, h) for u, _, h in marks if h is not None))
+
+
+def commit_marks(sinks: ShardWriterFactory, marks: list[tuple[int, int, str | None]]) -> None:
+    """Commit the finished units no batch carried (:func:`commit_finished`)."""
+    units_done, unit_hashes = split_marks(marks)
+    commit_finished(sinks, units_done, unit_hashes=unit_hashes)
 
 
 def start_batches(units: list[Unit], encoder: TextEncoder | ModelFacts, cfg: IndexConfig, device: str,
@@ -193,7 +212,7 @@ def encode_units(units: list[Unit], encoder: TextEncoder, store: ShardStore, rep
     if engine is None:
         engine = shard_engine(store, out, encoder.dim, cfg, device, trained, run_id)
     sinks = engine.sink_factory
-    marks: list[tuple[int, int]] = []
+    marks: list[tuple[int, int, str | None]] = []
     timing = timing if timing is not None else {}
     docs = 0
     bar = tqdm(total=len(units), unit="unit", disable=not progress, dynamic_ncols=True)
@@ -219,7 +238,7 @@ def encode_units(units: list[Unit], encoder: TextEncoder, store: ShardStore, rep
                              num_slots=engine_slots(cfg, device),
                              on_skip=functools.partial(report.add, stage="read"), timing=timing,
                              engine=engine)
-        commit_finished(sinks, marks)
+        commit_marks(sinks, marks)
     finally:
         counts["docs"] = docs
         bar.close()

@@ -25,7 +25,7 @@ from ...index.shard_store import ShardStore
 from ...index.store import Manifest
 from ...report import SkipReport
 from ...index.faiss_factory import parse_factory
-from ...sources.files import open_input, os_error_reason, walk_files
+from ...sources.files import file_sha256, os_error_reason, walk_paths
 from ...sources.names import has_extension
 from ...sources.remote import input_name, is_remote, walk_remote
 from ...sources.text import TEXT_EXTENSIONS, lone_surrogate
@@ -46,11 +46,7 @@ HASH_APART = 1 << 20  # bytes from which a file is hashed in the thread pool
 
 
 def _sha256(path: Path | str) -> str:
-    h = hashlib.sha256()
-    with open_input(path) as fh:  # a file turned into a pipe must not hang the planning
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    return file_sha256(path)
 
 
 @dataclass
@@ -73,16 +69,15 @@ def file_candidates(root: Path | str, report: SkipReport, out: Path) -> Iterable
         return
     root = Path(root)
     base = root if root.is_dir() else root.parent
-    prefix = os.path.join(str(base), "")  # the walk's paths start with it: no pathlib per file
-    for path in walk_files(root, TEXT_EXTENSIONS, on_skip=lambda p, r: report.add(p, r, stage="list"),
+    prefix = os.path.join(str(root) if root.is_dir() else os.path.dirname(str(root)), "")
+    for name in walk_paths(root, TEXT_EXTENSIONS, on_skip=lambda p, r: report.add(p, r, stage="list"),
                            on_other=report.pass_over, exclude=out):
-        name = str(path)
         try:
             st = os.stat(name)
         except OSError as exc:
             report.add(name, f"unreadable: {exc.strerror or exc}", stage="list")
             continue
-        relative = name[len(prefix):] if name.startswith(prefix) else path.relative_to(base).as_posix()
+        relative = name[len(prefix):] if name.startswith(prefix) else Path(name).relative_to(base).as_posix()
         yield {"key": unit_key(relative), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "path": name}
 
 
@@ -161,11 +156,19 @@ def plan_units(store: ShardStore, candidates: Iterable[dict], report: SkipReport
     A unit to redo keeps its number while its content is the one its row names (a run
     that stopped, resumed: the ids a clean run gives); a changed content gets a fresh
     number (``renumbered``), so no id ever names two texts.
+
+    Only a file whose stamp moved is hashed here, to compare with the hash its row holds.
+    A new file (or one whose row has no hash yet) goes to the todo list unhashed
+    (``sha256`` None): the loader worker that reads it hashes it, and the shard that
+    finishes the unit records the hash (:func:`~embedingest.index.shards.finished_hashes`).
+    So the plan's cost is a stat per file, not a read, and a unit's hash is that of the
+    bytes its vectors were made from. Without a hash to compare, an unfinished unit whose
+    stamp is the same keeps its number; one whose stamp moved gets a fresh one.
     """
     known = store.units()
     incomplete = store.reconcile()
     todo, replaced, renumbered, seen, unchanged = [], [], [], set(), 0
-    touched, to_hash = [], []
+    touched, pending = [], []
     for cand in candidates:
         key = cand["key"]
         if key in seen:  # two files or records under one key: keep the first, say so
@@ -178,11 +181,14 @@ def plan_units(store: ShardStore, candidates: Iterable[dict], report: SkipReport
         # run that read it (lost if that run was killed), so read it again: every run reports it.
         ok = (old is not None and old.status == "done" and bool(old.n_chunks)
               and old.unit_no not in incomplete)
-        if ok and cand.get("sha256") is None and (old.size, old.mtime_ns) == (cand["size"], cand["mtime_ns"]):
-            unchanged += 1
-            continue
-        to_hash.append((cand, ok))
-    for cand, ok in _hashed(to_hash, report):
+        same_stamp = old is not None and (old.size, old.mtime_ns) == (cand["size"], cand["mtime_ns"])
+        if cand.get("sha256") is None and same_stamp:
+            if ok:
+                unchanged += 1
+                continue
+            cand["sha256"] = old.sha256  # the same file, half done: its row's hash (or None)
+        pending.append((cand, ok, old is not None and old.sha256 is not None))
+    for cand, ok in _hashed(pending, report):
         key = cand["key"]
         old = known.get(key)
         if ok and cand["sha256"] == old.sha256:
@@ -191,7 +197,9 @@ def plan_units(store: ShardStore, candidates: Iterable[dict], report: SkipReport
             continue
         if old is not None:
             replaced.append(old.unit_no)
-            if old.sha256 != cand["sha256"]:
+            same = (cand["sha256"] == old.sha256 if cand["sha256"] is not None and old.sha256 is not None
+                    else (old.size, old.mtime_ns) == (cand["size"], cand["mtime_ns"]))
+            if not same:
                 renumbered.append(old.unit_no)
         todo.append(cand)
     if touched:
@@ -202,13 +210,14 @@ def plan_units(store: ShardStore, candidates: Iterable[dict], report: SkipReport
     return Plan(todo, unchanged, replaced + stray, deleted, len(seen), renumbered)
 
 
-def _hashed(pairs: list[tuple[dict, bool]], report: SkipReport) -> Iterator[tuple[dict, bool]]:
-    """``pairs`` (candidate, whether its old unit counts) in order, each candidate with
-    its ``sha256``. Files of :data:`HASH_APART` bytes or more are hashed by a thread pool
-    while this thread hashes the others (hashlib releases the GIL on large buffers, so
-    large files hash in parallel; a small file's cost is Python's, which threads would only
-    fight over). A file that cannot be read is reported and left out."""
-    to_hash = [cand for cand, _ in pairs if cand.get("sha256") is None]
+def _hashed(pending: list[tuple[dict, bool, bool]], report: SkipReport) -> Iterator[tuple[dict, bool]]:
+    """``pending`` (candidate, whether its old unit counts, whether to hash it) in order,
+    as (candidate, counts) pairs; each candidate to hash gets its ``sha256``. Files of
+    :data:`HASH_APART` bytes or more are hashed by a thread pool while this thread hashes
+    the others (hashlib releases the GIL on large buffers, so large files hash in
+    parallel; a small file's cost is Python's, which threads would only fight over). A
+    file that cannot be read is reported and left out."""
+    to_hash = [cand for cand, _, hash_it in pending if hash_it and cand.get("sha256") is None]
     large = [cand["path"] for cand in to_hash if (cand.get("size") or 0) >= HASH_APART]
     digests: dict[str, str | OSError] = {}
     with ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, len(large)))) as pool:
@@ -217,13 +226,14 @@ def _hashed(pairs: list[tuple[dict, bool]], report: SkipReport) -> Iterator[tupl
             if cand["path"] not in futures:
                 digests[cand["path"]] = _sha256_or_error(cand["path"])
         digests.update((path, f.result()) for path, f in futures.items())
-    for cand, ok in pairs:
-        if cand.get("sha256") is None:
+    for cand, ok, hash_it in pending:
+        if hash_it and cand.get("sha256") is None:
             digest = digests[cand["path"]]
             if isinstance(digest, OSError):
                 report.add(cand["path"], os_error_reason(digest), stage="hash")
                 continue
             cand["sha256"] = digest
+        cand.setdefault("sha256", None)
         yield cand, ok
 
 

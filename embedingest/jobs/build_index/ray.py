@@ -82,12 +82,11 @@ from ...report import REPORT_NAME, SkipReport
 from ...runner import run_batches
 from ...index.faiss_factory import parse_factory
 from ...outfiles import new_run_id
-from ...sinks.shard_writer import commit_finished
 from ...sources.remote import is_remote
 from ...sources.text import lone_surrogate
 from ...stages.device import precision
 from ...stages.prefetch import thread_ahead
-from .encode import (chunk_batches, embed_steps, needs_training, shard_sinks, train_if_needed,
+from .encode import (chunk_batches, commit_marks, embed_steps, needs_training, shard_sinks, train_if_needed,
                      vector_slots)
 from .plan import apply_plan, fingerprint, plan_units, search_defaults, settled_prompts
 
@@ -269,7 +268,7 @@ class EmbedBatches:
         self.calls += 1
         done: dict[int, int] = {}
         skipped: list[tuple[str, str]] = []
-        marks: list[tuple[int, int]] = []
+        marks: list[tuple[int, int, str | None]] = []
 
         def keep(item) -> None:
             """Only what finished goes back to the driver: the rows are in the shards."""
@@ -279,7 +278,7 @@ class EmbedBatches:
                     device=self.device, slot_spec=vector_slots(cfg, enc.dim),
                     num_consumers=cfg.num_consumers, num_slots=cfg.num_slots or None,
                     on_skip=lambda where, reason: skipped.append((where, reason)))
-        commit_finished(sinks, marks)
+        commit_marks(sinks, marks)
         if self.remote:  # uploaded: the local copies go
             for path in Path(self.out, "shards").iterdir():
                 path.unlink()
