@@ -219,6 +219,10 @@ def run_documents(cfg: DocumentsBenchConfig, log=print) -> tuple[dict, list[dict
         made = write_documents(folder, cfg.mb, cfg.copies, cfg.join_mb)
         log(f"{made['documents']} documents, {made['bytes'] / 1e6:.1f} MB (median "
             f"{made['median_bytes'] / 1e3:.0f} KB, largest {made['max_bytes'] / 1e6:.1f} MB)")
+        if made["bytes"] < 0.9 * cfg.mb * 1e6:
+            log(f"  fewer than the {cfg.mb:g} MB asked for: this machine holds about "
+                f"{made['bytes'] / cfg.copies / 1e6:.1f} MB of distinct documents; raise --copies "
+                f"to about {cfg.mb * 1e6 * cfg.copies / made['bytes']:.0f} for that size")
         warm = Path(tmp) / "warm-up"  # no row pays for a cold page cache or first compile
         warm.mkdir()
         for path in sorted(folder.rglob("*.txt"))[:20]:
