@@ -127,9 +127,9 @@ class ConsumerGroup:
                     with self._lock:
                         if msg.seq in self._outstanding[w]:
                             self._outstanding[w].remove(msg.seq)
-                elif isinstance(msg, Closed):
-                    self._closed_ok[w] = True
                 self._on_message(msg)
+                if isinstance(msg, Closed):  # after the engine took it: a waiter then sees both
+                    self._closed_ok[w] = True
         except (EOFError, OSError):
             conns.pop(w, None)
         except BaseException as exc:  # a message that cannot be read

@@ -151,16 +151,18 @@ def consumer_main(worker: int, sink_factory, handle, conn, abort, parent_pid: in
     except BaseException as exc:  # report everything, including errors in the factory
         _send(conn, _error_message(worker, seq, batch_id, exc))
     finally:
-        closed = None
+        closed, t_close, t_closed = None, 0.0, 0.0
         close = getattr(sink, "close", None)
         if close is not None:
             try:
+                t_close = time.perf_counter()
                 closed = close()
+                t_closed = time.perf_counter()
             except _Stop:
                 _send(conn, _error_message(worker, None, "close", EngineError(
                     f"consumer {worker} was stopped (SIGTERM) while closing its sink, so what "
                     "the sink had not yet written out is lost; re-run to redo it")))
             except BaseException as exc:
                 _send(conn, _error_message(worker, None, "close", exc))
-        _send(conn, Closed(worker, closed))
+        _send(conn, Closed(worker, closed, t_close, t_closed))
         conn.close()

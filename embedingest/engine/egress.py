@@ -99,6 +99,7 @@ class EgressEngine:
         self.device = _resolve_device(device)
         self.cuda = self.device.startswith("cuda")
         self.closed_results: list = [None] * num_consumers
+        self._closes: dict[int, tuple[float, float]] = {}  # worker -> when its sink's close ran
         self._ready: set[int] = set()  # consumers that said they started
         self._path = CudaCopyPath(self.device) if self.cuda else HostCopyPath(self.device)
         self._slot_spec = slot_spec
@@ -299,6 +300,8 @@ class EgressEngine:
             self._ready.add(msg.worker)
         elif isinstance(msg, Closed):
             self.closed_results[msg.worker] = msg.result
+            if msg.close_end:
+                self._closes[msg.worker] = (msg.close_start, msg.close_end)
         elif isinstance(msg, BaseException):
             self._fail(msg)
 
@@ -385,6 +388,9 @@ class EgressEngine:
             measured = self._path.idle_fraction(self._t_first or 0.0, self._t_last or float("inf"))
             st.gpu_idle_fraction, st.gpu_idle_source = gpu_idle(measured, st.compute_gap_fraction)
         st.spans = self._path.spans(pool_open=self._pool is not None)
+        for w, (a, b) in sorted(self._closes.items()):  # a sink's last writes: a run's tail
+            st.spans.append((f"consumer {w} close", a, b))
+            st.close_seconds[w] = b - a
         return st
 
 

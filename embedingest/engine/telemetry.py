@@ -66,6 +66,7 @@ class EngineStats:
     num_consumers: int = 0
     slot_bytes: int = 0
     sink_seconds: dict[int, float] = field(default_factory=dict)  # busy time per worker
+    close_seconds: dict[int, float] = field(default_factory=dict)  # each worker's sink.close()
     batches_per_worker: dict[int, int] = field(default_factory=dict)
     records: list[BatchRecord] = field(default_factory=list, repr=False)
     spans: list[tuple[str, float, float]] = field(default_factory=list, repr=False)  # engine.span()
@@ -97,6 +98,7 @@ class EngineStats:
         d.pop("records")
         d.pop("spans")
         d["sink_seconds"] = {str(k): round(v, 4) for k, v in self.sink_seconds.items()}
+        d["close_seconds"] = {str(k): round(v, 4) for k, v in self.close_seconds.items()}
         d["batches_per_worker"] = {str(k): v for k, v in self.batches_per_worker.items()}
         return d
 

@@ -84,11 +84,13 @@ def test_a_dead_consumer_is_named_with_its_signal():
 # -- consumer_main, run in this process (the messages it sends, exactly) ---------------
 
 def run_consumer(factory, tasks, abort=False, end_with_sentinel=True, recv_fails_after=None,
-                 deaf=False):
+                 deaf=False, timed=False):
     """Run ``consumer_main`` here on a pool of two slots: ``tasks`` as (seq, slot,
     batch_id, values of "x") are written into the slots and queued on its pipe before it
-    starts. Returns every message it sent, in order. Its signal dispositions and parent
-    death signal are put back afterwards (it sets them for a process of its own)."""
+    starts. Returns every message it sent, in order; unless ``timed``, a ``Closed``'s
+    times are checked (in order, or no end when the close failed) and given as zeros.
+    Its signal dispositions and parent death signal are put back afterwards (it sets
+    them for a process of its own)."""
     import ctypes
     import os
     import signal
@@ -130,7 +132,16 @@ def run_consumer(factory, tasks, abort=False, end_with_sentinel=True, recv_fails
         while True:
             out.append(mine.recv())
     assert said_out.closed and tasks_in.closed  # it closed its ends
-    return out
+    return out if timed else [_untimed(m) for m in out]
+
+
+def _untimed(msg):
+    from embedingest.engine.messages import Closed
+
+    if not isinstance(msg, Closed):
+        return msg
+    assert msg.close_end == 0.0 or 0.0 < msg.close_start <= msg.close_end, msg
+    return msg._replace(close_start=0.0, close_end=0.0)
 
 
 class _Ends:
@@ -162,7 +173,8 @@ def test_consumer_runs_each_task_on_its_slot_and_says_so():
 
     from embedingest.engine.messages import Closed, Done, Ready
 
-    msgs = run_consumer(ListSinkFactory(), [(0, 1, "a", [1.0, 2.0, 3.0]), (1, 0, ("b", 2), [4.0])])
+    msgs = run_consumer(ListSinkFactory(), [(0, 1, "a", [1.0, 2.0, 3.0]), (1, 0, ("b", 2), [4.0])],
+                        timed=True)
     import os
     assert msgs[0] == Ready(3, os.getpid())
     assert [type(m) for m in msgs] == [Ready, Done, Done, Closed]
@@ -170,7 +182,9 @@ def test_consumer_runs_each_task_on_its_slot_and_says_so():
     assert (d0.worker, d0.seq, d0.slot, d0.result) == (3, 0, 1, "w3:a")
     assert (d1.worker, d1.seq, d1.slot, d1.result) == (3, 1, 0, "w3:('b', 2)")
     assert 0 < d0.sink_start <= d0.sink_end <= d1.sink_start <= d1.sink_end
-    assert msgs[3] == Closed(3, ["a", ("b", 2)])
+    c = msgs[3]
+    assert c == Closed(3, ["a", ("b", 2)], c.close_start, c.close_end)
+    assert d1.sink_end <= c.close_start <= c.close_end  # the close is timed, after the last sink
 
 
 def test_consumer_hands_slots_back_unused_when_aborting():

@@ -245,6 +245,16 @@ def test_every_consumer_s_close_is_waited_for_not_only_the_first(tmp_path, no_le
             e.submit(i, {"x": np.full((4,), i, np.float32)})
     assert [r["worker"] for r in e.closed_results] == [0, 1]
     assert not [m for m in caplog.messages if m.startswith("waiting for consumer")]
+    # each close is timed, in the stats and as a span after that consumer's last batch
+    st = e.stats
+    assert sorted(st.close_seconds) == [0, 1] and st.close_seconds[0] < 2.0 <= st.close_seconds[1]
+    assert st.summary()["close_seconds"] == {str(w): round(v, 4) for w, v in st.close_seconds.items()}
+    spans = {lane: (a, b) for lane, a, b in st.spans if lane.endswith(" close")}
+    assert sorted(spans) == ["consumer 0 close", "consumer 1 close"]
+    for w in (0, 1):
+        a, b = spans[f"consumer {w} close"]
+        assert b - a == st.close_seconds[w]
+        assert a >= max(r.sink_end_t for r in st.records if r.worker == w)
 
 
 def test_a_close_cut_by_sigterm_fails_the_run(tmp_path, no_leaks):
