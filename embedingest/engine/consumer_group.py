@@ -19,7 +19,7 @@ from multiprocessing.connection import wait
 
 from ..errors import EngineError
 from ..interrupts import children_ignore_sigint
-from .consumers import consumer_main
+from .consumers import consumer_process
 from .messages import Closed, Done, Skipped, Task
 from .pool import PoolHandle
 
@@ -31,7 +31,7 @@ _START_FAILED_STOP = 5.0  # seconds the consumers started before one that could 
 
 
 class ConsumerGroup:
-    """``num_consumers`` processes running ``consumer_main`` on one pool.
+    """``num_consumers`` processes running ``consumer_main`` (through ``consumer_process``) on one pool.
 
     ``on_message(msg)`` gets every answer (in the collector thread); ``on_death(worker,
     process, seq, exitcode)`` is called when a consumer ends without having closed its sink, or
@@ -55,7 +55,7 @@ class ConsumerGroup:
         self._collector: threading.Thread | None = None
         for w in range(num_consumers):
             mine, theirs = ctx.Pipe(duplex=True)
-            p = ctx.Process(target=consumer_main, name=f"embedingest-consumer-{w}", daemon=True,
+            p = ctx.Process(target=consumer_process, name=f"embedingest-consumer-{w}", daemon=True,
                             args=(w, sink_factory, handle, theirs, self.abort, os.getpid()))
             try:
                 with children_ignore_sigint():

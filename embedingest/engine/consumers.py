@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 
 from ..errors import EngineError, error_payload
 from .markers import annotate
@@ -108,6 +109,28 @@ def _send(conn, msg) -> None:
     (a send to a closed pipe raises BrokenPipeError, an OSError)."""
     with contextlib.suppress(OSError):
         conn.send(msg)
+
+
+def consumer_process(*args) -> None:
+    """A consumer process's target: :func:`consumer_main`, then the process ends at once
+    with ``os._exit``. By then its sink is closed (its files committed) and its last
+    message sent; the interpreter's own finalization (the sink's libraries and the index
+    it held, freed object by object) would only delay the end of the run, which waits for
+    every consumer to exit. Its status: 0, a ``SystemExit``'s code (143 after SIGTERM), or
+    1 with the traceback printed for an error that escaped."""
+    code = 0
+    try:
+        consumer_main(*args)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
 
 
 def consumer_main(worker: int, sink_factory, handle, conn, abort, parent_pid: int) -> None:

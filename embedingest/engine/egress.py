@@ -100,6 +100,7 @@ class EgressEngine:
         self.cuda = self.device.startswith("cuda")
         self.closed_results: list = [None] * num_consumers
         self._closes: dict[int, tuple[float, float]] = {}  # worker -> when its sink's close ran
+        self._shutdown_spans: list[tuple[str, float, float]] = []
         self._ready: set[int] = set()  # consumers that said they started
         self._path = CudaCopyPath(self.device) if self.cuda else HostCopyPath(self.device)
         self._slot_spec = slot_spec
@@ -361,13 +362,17 @@ class EgressEngine:
         self._closed = True
         if self._pool is None:
             return
+        t0 = time.perf_counter()
         try:
             if abort:
                 self._consumers.drop_queued()
             self._pending.put(None)
             self._monitor.join()
             self._path.stop()  # no copy may still write into the pool
+            t1 = time.perf_counter()
             self._consumers.stop(self.config.shutdown_timeout, finished=not abort)
+            self._shutdown_spans = [("engine: copies end", t0, t1),
+                                    ("engine: consumers end", t1, time.perf_counter())]
         finally:
             self._stats = self._make_stats()
             self._path.release()
@@ -391,6 +396,7 @@ class EgressEngine:
         for w, (a, b) in sorted(self._closes.items()):  # a sink's last writes: a run's tail
             st.spans.append((f"consumer {w} close", a, b))
             st.close_seconds[w] = b - a
+        st.spans += self._shutdown_spans
         return st
 
 

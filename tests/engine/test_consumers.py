@@ -398,3 +398,35 @@ def test_a_loader_worker_leaves_ctrl_c_to_its_parent_and_dies_with_it(monkeypatc
     finally:
         signal.signal(signal.SIGINT, before)
         ctypes.CDLL(None).prctl(1, 0)
+
+
+@pytest.mark.parametrize("ending, code, printed", [
+    (None, 0, ""), (SystemExit(143), 143, ""), (SystemExit("why"), 1, ""),
+    (ValueError("escaped"), 1, "ValueError: escaped")])
+def test_a_consumer_process_ends_at_once_with_its_status(monkeypatch, capsys, ending, code, printed):
+    """``consumer_process`` runs ``consumer_main`` with its arguments, then ends the
+    process with ``os._exit`` (no interpreter finalization to wait for at the run's end),
+    with the status that ending means, an escaped error's traceback printed first."""
+    from embedingest.engine import consumers
+
+    got, exits = [], []
+
+    def main(*args):
+        got.append(args)
+        if ending is not None:
+            raise ending
+
+    class Exited(Exception):
+        pass
+
+    def _exit(status):
+        exits.append(status)
+        raise Exited
+
+    monkeypatch.setattr(consumers, "consumer_main", main)
+    monkeypatch.setattr(consumers.os, "_exit", _exit)
+    with pytest.raises(Exited):
+        consumers.consumer_process(1, "factory", "handle", "conn", "abort", 42)
+    assert got == [(1, "factory", "handle", "conn", "abort", 42)] and exits == [code]
+    err = capsys.readouterr().err
+    assert (printed in err and "Traceback" in err) if printed else err == ""
