@@ -15,9 +15,8 @@ job started before, from ``started``), ``first_batch_s`` (waiting for the first 
 the loader's start-up), ``input_wait_s`` (waiting for later batches: when it is large
 the CPUs that read and prepare the inputs are the bound), ``first_forward_s`` (the first
 forward and its hand-over, with CUDA's lazy set-up), ``forward_submit_s`` (the others),
-``close_s`` (closing the loader, then the engine: the consumers' last writes), of which
-``loader_close_s`` (the input workers' shutdown). A job adds its own keys in
-:attr:`BatchSteps.done`.
+``close_s`` (closing the engine: the consumers' last writes). A job adds its own keys
+in :attr:`BatchSteps.done`.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ from .engine import EgressEngine
 from .stages.prefetch import prefetch
 
 LOOP_KEYS = ("start_s", "first_batch_s", "input_wait_s", "first_forward_s", "forward_submit_s",
-             "close_s", "loader_close_s")
+             "close_s")
 
 
 @dataclass
@@ -73,14 +72,7 @@ def run_batches(sinks, batches: Iterable, steps: BatchSteps, *, device: str | to
     if engine is None:
         engine = EgressEngine(sinks, num_consumers=num_consumers, num_slots=num_slots, device=str(device),
                               slot_spec=slot_spec)
-    t_close = None
-
-    def loader_closed() -> None:  # the stack's last step: the loader is closed by then
-        if t_close is not None:
-            timing["loader_close_s"] = time.perf_counter() - t_close
-
     with engine, torch.inference_mode(), contextlib.ExitStack() as stack:
-        stack.callback(loader_closed)
         moved_batches = stack.enter_context(
             contextlib.closing(prefetch(batches, steps.send, device, engine.span)))
         timing["start_s"] = time.perf_counter() - t_start

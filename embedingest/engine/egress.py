@@ -362,17 +362,15 @@ class EgressEngine:
         self._closed = True
         if self._pool is None:
             return
-        t0 = time.perf_counter()
         try:
             if abort:
                 self._consumers.drop_queued()
             self._pending.put(None)
             self._monitor.join()
             self._path.stop()  # no copy may still write into the pool
-            t1 = time.perf_counter()
+            t_stop = time.perf_counter()
             self._consumers.stop(self.config.shutdown_timeout, finished=not abort)
-            self._shutdown_spans = [("engine: copies end", t0, t1),
-                                    ("engine: consumers end", t1, time.perf_counter())]
+            self._shutdown_spans = [("engine: consumers end", t_stop, time.perf_counter())]
         finally:
             self._stats = self._make_stats()
             self._path.release()

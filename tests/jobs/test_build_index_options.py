@@ -205,8 +205,9 @@ def test_timeline_draws_the_run(tmp_path):
     assert r.exit_code == 0, r.output
     img = Image.open(png)
     assert img.format == "PNG" and img.width == 1600
-    # lanes: compute, d2h, hand-off and each of the two consumers, 34 pixels each
-    assert img.height == 50 + 34 * 5 + 40
+    # lanes: compute, d2h, hand-off, each of the two consumers, each one's close and the
+    # engine's wait for the consumers to end, 34 pixels each
+    assert img.height == 50 + 34 * 8 + 40
     assert len(img.getcolors(maxcolors=1 << 16)) > 5
 
 
