@@ -150,13 +150,17 @@ def test_error_in_sink_factory_is_raised(no_leaks):
 
 
 def test_killed_consumer_is_detected_and_named(no_leaks):
-    t0 = time.monotonic()
+    """The death stops the run at a later ``submit``: the producer does not go on to its
+    end (the slots the dead consumer held never come back, so it cannot run far ahead,
+    however slowly the machine starts the consumers)."""
+    submitted = 0
     with pytest.raises(ConsumerDied) as info:
         with EgressEngine(SuicideSinkFactory(bad=5), num_consumers=3, device="cpu") as e:
-            for i in range(2000):
+            for i in range(20_000):  # 40 s at least: the death is seen long before
                 e.submit(i, {"x": np.zeros((2, 2), np.float32)})
+                submitted += 1
                 time.sleep(0.002)
-    assert time.monotonic() - t0 < 10
+    assert 5 < submitted < 20_000
     err = info.value
     assert err.exitcode == -signal.SIGKILL
     assert err.batch_id == 5
@@ -400,7 +404,8 @@ def test_an_engine_started_and_not_used_is_stopped(tmp_path, no_leaks):
     """The caller failed before its first batch: stop() has each consumer close its sink
     and exit."""
     e = EgressEngine(SlowCloseSinkFactory(0.0, str(tmp_path / "c")), num_consumers=2, device="cpu",
-                     slot_spec={"x": ((4,), "float32")}).start()
+                     slot_spec={"x": ((4,), "float32")},
+                     shutdown_timeout=120.0).start()  # a loaded machine may take seconds to start them
     procs = list(e._consumers.procs)
     e.stop()
     assert [p.exitcode for p in procs] == [0, 0]
