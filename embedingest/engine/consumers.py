@@ -116,13 +116,14 @@ def consumer_process(*args) -> None:
     with ``os._exit``. By then its sink is closed (its files committed) and its last
     message sent; the interpreter's own finalization (the sink's libraries and the index
     it held, freed object by object) would only delay the end of the run, which waits for
-    every consumer to exit. Its status: 0, a ``SystemExit``'s code (143 after SIGTERM), or
-    1 with the traceback printed for an error that escaped."""
+    every consumer to exit. Its status: 0, a ``SystemExit``'s code (143 after SIGTERM; 1
+    for one that is not a number, as Python's own), or 1 with the traceback printed for an
+    error that escaped."""
     code = 0
     try:
         consumer_main(*args)
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
+        code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
     except BaseException:
         traceback.print_exc()
         code = 1

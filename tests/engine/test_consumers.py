@@ -401,7 +401,7 @@ def test_a_loader_worker_leaves_ctrl_c_to_its_parent_and_dies_with_it(monkeypatc
 
 
 @pytest.mark.parametrize("ending, code, printed", [
-    (None, 0, ""), (SystemExit(143), 143, ""), (SystemExit("why"), 1, ""),
+    (None, 0, ""), (SystemExit(143), 143, ""), (SystemExit(None), 0, ""), (SystemExit("why"), 1, ""),
     (ValueError("escaped"), 1, "ValueError: escaped")])
 def test_a_consumer_process_ends_at_once_with_its_status(monkeypatch, capsys, ending, code, printed):
     """``consumer_process`` runs ``consumer_main`` with its arguments, then ends the
