@@ -277,25 +277,18 @@ class ShardWriter:
 
 def write_faiss_hashed(index: faiss.Index, path: Path) -> dict:
     """Write a faiss index like :func:`~embedingest.outfiles.write_faiss_index`, hashing
-    the bytes on their way; return {name, size, sha256}. A thread hashes each chunk while
-    this one writes it (both release the GIL), so a shard's last commit, which the run's
-    end waits for, costs the larger of the two rather than their sum."""
+    the bytes on their way; return {name, size, sha256}."""
     h, size = hashlib.sha256(), 0
-    hashing: Future | None = None
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedingest-hash") as hasher:
-        def produce(write) -> None:
-            def hashed(chunk: bytes) -> None:
-                nonlocal size, hashing
-                if hashing is not None:
-                    hashing.result()  # in order, and one chunk ahead at most
-                hashing = hasher.submit(h.update, chunk)
-                size += len(chunk)
-                write(chunk)
-            faiss.write_index(index, faiss.PyCallbackIOWriter(hashed, _FAISS_CHUNK))
 
-        write_streamed(path, produce)
-        if hashing is not None:
-            hashing.result()
+    def produce(write) -> None:
+        def hashed(chunk: bytes) -> None:
+            nonlocal size
+            h.update(chunk)
+            size += len(chunk)
+            write(chunk)
+        faiss.write_index(index, faiss.PyCallbackIOWriter(hashed, _FAISS_CHUNK))
+
+    write_streamed(path, produce)
     return {"name": path.name, "size": size, "sha256": h.hexdigest()}
 
 
