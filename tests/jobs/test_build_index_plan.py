@@ -67,7 +67,7 @@ def test_files_whose_stamp_moved_are_hashed_in_parallel_in_the_corpus_order_and_
     texts = {f"doc{i:03d}.txt": f"document {i} " * (i + 1) for i in range(40)}
     for name, text in texts.items():
         (corpus / name).write_text(text)
-    threads, real = set(), plan_module._sha256
+    threads, real = set(), plan_module.file_sha256
 
     def sha256(path):
         threads.add(threading.get_ident())
@@ -76,7 +76,7 @@ def test_files_whose_stamp_moved_are_hashed_in_parallel_in_the_corpus_order_and_
             raise PermissionError(13, "Permission denied", path)
         return real(path)
 
-    monkeypatch.setattr(plan_module, "_sha256", sha256)
+    monkeypatch.setattr(plan_module, "file_sha256", sha256)
     store = ShardStore(tmp_path / "ix")
     store.create_or_open(Manifest(model={"name": "m", "path": "/nowhere"}, dim=DIM))
     store.upsert_units([{"key": name, "size": len(text), "mtime_ns": 1, "sha256": "0" * 64,
@@ -105,7 +105,7 @@ def test_new_files_are_not_read_by_the_plan(tmp_path, monkeypatch):
         (corpus / f"d{i}.txt").write_text(f"text {i}")
     (corpus / "d2.txt").chmod(0)
     read = []
-    monkeypatch.setattr(plan_module, "_sha256", lambda path: read.append(path) or "0" * 64)
+    monkeypatch.setattr(plan_module, "file_sha256", lambda path: read.append(path) or "0" * 64)
     store = ShardStore(tmp_path / "ix")
     store.create_or_open(Manifest(model={"name": "m", "path": "/nowhere"}, dim=DIM))
     report = SkipReport()

@@ -45,10 +45,6 @@ HASH_THREADS = 8  # large files hashed at once while planning
 HASH_APART = 1 << 20  # bytes from which a file is hashed in the thread pool
 
 
-def _sha256(path: Path | str) -> str:
-    return file_sha256(path)
-
-
 @dataclass
 class Plan:
     """What a run does (:func:`plan_units`); :func:`apply_plan` clears the way for it."""
@@ -69,7 +65,7 @@ def file_candidates(root: Path | str, report: SkipReport, out: Path) -> Iterable
         return
     root = Path(root)
     base = root if root.is_dir() else root.parent
-    prefix = os.path.join(str(root) if root.is_dir() else os.path.dirname(str(root)), "")
+    prefix = os.path.join(str(base), "")  # the walk's paths start with it: no pathlib per file
     for name in walk_paths(root, TEXT_EXTENSIONS, on_skip=lambda p, r: report.add(p, r, stage="list"),
                            on_other=report.pass_over, exclude=out):
         try:
@@ -92,7 +88,7 @@ def remote_candidates(url: str, report: SkipReport) -> Iterable[dict]:
                      "path": obj.url}
         if obj.mtime_ns is None:
             try:
-                candidate["sha256"] = _sha256(obj.url)
+                candidate["sha256"] = file_sha256(obj.url)
             except OSError as exc:
                 report.add(obj.url, os_error_reason(exc), stage="hash")
                 continue
@@ -239,7 +235,7 @@ def _hashed(pending: list[tuple[dict, bool, bool]], report: SkipReport) -> Itera
 
 def _sha256_or_error(path: str) -> str | OSError:
     try:
-        return _sha256(path)
+        return file_sha256(path)
     except OSError as exc:
         return exc
 
