@@ -342,22 +342,22 @@ class IndexStore:
         stray vectors of a deleted unit cannot be taken for those of a new one; an existing
         key is updated, not upserted: sqlite's upsert spends a number even when it updates.
         New keys are inserted in the order given (their numbers ascend in it), with one
-        statement for all of them: a plan of a million new files is one ``executemany``.
+        statement for all of them: a plan of a million new files is one ``executemany``. A
+        key given twice is one row, its later fields over its earlier ones.
         """
-        rows = [[row.get(c) for c in _UNIT_COLUMNS] for row in rows]
-        keys = [values[0] for values in rows]
+        merged: dict[str, list] = {}
+        for row in rows:
+            values = [row.get(c) for c in _UNIT_COLUMNS]
+            earlier = merged.setdefault(values[0], values)
+            earlier[:] = [a if b is None else b for a, b in zip(earlier, values)]
+        keys = list(merged)
         update = ("UPDATE units SET " + ", ".join(f"{c}=COALESCE(?, {c})" for c in _UNIT_COLUMNS[1:])
                   + " WHERE key=?")
         insert = f"INSERT INTO units({', '.join(_UNIT_COLUMNS)}) VALUES (?, ?, ?, ?, ?, ?)"
         with self.db as db:
-            if len(set(keys)) < len(keys):  # a key twice: the second row updates the first's
-                for values in rows:
-                    if not db.execute(update, values[1:] + values[:1]).rowcount:
-                        db.execute(insert, values)
-            else:
-                found = self._unit_nos(db, keys)
-                db.executemany(update, (v[1:] + v[:1] for v in rows if v[0] in found))
-                db.executemany(insert, (v for v in rows if v[0] not in found))
+            found = self._unit_nos(db, keys)
+            db.executemany(update, (v[1:] + v[:1] for v in merged.values() if v[0] in found))
+            db.executemany(insert, (v for v in merged.values() if v[0] not in found))
             out = self._unit_nos(db, keys)
             for key in keys:  # inside the transaction: nothing of this call is kept
                 if out[key] > MAX_UNIT_NO:
