@@ -44,15 +44,15 @@ def remove_units(shards_dir: str | Path, unit_nos: Iterable[int], template: fais
     ``shards_dir``; return how many vectors went. ``template``: an empty index of the
     shards' kind (trained), needed only for kinds faiss cannot edit in place (HNSW)."""
     folder = Path(shards_dir)
-    units = np.fromiter({int(u) for u in unit_nos}, dtype=np.int64)
+    gone = {int(u) for u in unit_nos}
+    units = np.fromiter(gone, dtype=np.int64)
     run = "rm" + (run_id or new_run_id())
     removed, part = 0, 0
     for shard in list_shards(folder, generation=generation):
         table = pq.read_table(shard.path("parquet")) if shard.rows else None
         ids = table.column("id").to_numpy() if table is not None else np.empty(0, np.int64)
         drop = np.isin(ids >> CHUNK_BITS, units)
-        marks = [(u, n) for u, n in shard.units if u not in set(units.tolist())]
-        kept_units = {u for u, _ in marks}
+        marks = [(u, n) for u, n in shard.units if u not in gone]
         if not drop.any() and len(marks) == len(shard.units):
             continue
         name = shard_name(run, 0, part)
@@ -68,7 +68,7 @@ def remove_units(shards_dir: str | Path, unit_nos: Iterable[int], template: fais
                   "generation": generation, "row_group_rows": ROW_GROUP_ROWS, "files": files,
                   "units": [[u for u, _ in marks], [n for _, n in marks]],
                   "replaces": [shard.name], "run": run, "created": now(),
-                  **hashes_record((u, h) for u, h in shard.unit_hashes if u in kept_units)}
+                  **hashes_record((u, h) for u, h in shard.unit_hashes if u not in gone)}
         write_commit(folder, record)  # the switch: the old shard is hidden from here on
         delete_shard(shard)
         removed += int(drop.sum())
