@@ -23,12 +23,15 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--trace", help="write each timed job's Chrome trace here (RESIZE is replaced "
+                        "by the row's preprocessing), e.g. trace-RESIZE.json")
     args = parser.parse_args()
     results = {}
     with tempfile.TemporaryDirectory(prefix="embedingest-photo-rows-") as folder:
         for resize in args.resize.split(","):
             cfg = PhotoBenchConfig(photos=args.photos, resize=resize, dtype=args.dtype,
-                                   device=args.device, folder=folder)
+                                   device=args.device, folder=folder,
+                                   trace=args.trace.replace("RESIZE", resize) if args.trace else None)
             print(f"== --resize {resize}", flush=True)
             results[resize] = run(cfg)
             print(table(results[resize]), flush=True)

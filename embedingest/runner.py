@@ -16,7 +16,8 @@ the loader's start-up), ``input_wait_s`` (waiting for later batches: when it is 
 the CPUs that read and prepare the inputs are the bound), ``first_forward_s`` (the first
 forward and its hand-over, with CUDA's lazy set-up), ``forward_submit_s`` (the others),
 ``close_s`` (closing the engine: the consumers' last writes). A job adds its own keys
-in :attr:`BatchSteps.done`.
+in :attr:`BatchSteps.done`. Each wait for a batch is also an engine host span ("loop: wait
+for input"), so a trace shows when in the run the loop starved.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ from .stages.prefetch import prefetch
 
 LOOP_KEYS = ("start_s", "first_batch_s", "input_wait_s", "first_forward_s", "forward_submit_s",
              "close_s")
+
+# Waits for the next batch longer than this go into the trace as spans of their own.
+WAIT_SPAN_MIN = 5e-4
 
 
 @dataclass
@@ -82,6 +86,8 @@ def run_batches(sinks, batches: Iterable, steps: BatchSteps, *, device: str | to
             item, on_device = next(moved_batches, (None, None))
             t_got = time.perf_counter()
             timing["first_batch_s" if batch_no == 0 else "input_wait_s"] += t_got - t_wait
+            if t_got - t_wait > WAIT_SPAN_MIN:
+                engine.host_span("loop: wait for input", t_wait, t_got)
             if item is None:
                 break
             for where, reason in steps.skipped(item):

@@ -80,3 +80,21 @@ def test_an_error_in_forward_is_raised_and_the_loader_closed():
         assert closed == [True]  # by the loop, not by the collection of its frame
     else:
         pytest.fail("the error was not raised")
+
+
+def test_a_wait_for_input_is_a_span_of_the_engine():
+    """The trace shows when the loop waited for its loader: a slow batch's wait is a host
+    span as long as the wait, a ready batch's is none."""
+    import time
+
+    def slow(n):
+        for i, item in enumerate(items(n)):
+            if i == 2:
+                time.sleep(0.2)
+            yield item
+
+    steps = BatchSteps(send=lambda item: item["x"], forward=two_parts, skipped=lambda item: [])
+    engine = run_batches(recording_sink_factory, slow(4), steps, device="cpu", slot_spec=SPEC,
+                         num_consumers=1, num_slots=2, on_skip=print)
+    waits = [b - a for lane, a, b in engine.stats.spans if lane == "loop: wait for input"]
+    assert len(waits) == 1 and 0.2 <= waits[0] < 1.0

@@ -72,3 +72,53 @@ def table(rows: list[dict], unit: str, columns=None) -> str:
 def write_json(path: str | Path, payload: dict) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(payload, indent=2, default=str))
+
+
+def _cpu_ticks() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all CPUs since boot, from /proc/stat (None elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields[:8]) - idle, sum(fields[:8])
+
+
+class HostCpu:
+    """The host's CPUs' busy share while the block runs, overall and every ``every``
+    seconds: whether a run was bound by the CPUs that feed the GPU. A context manager;
+    ``result()`` gives ``{"busy": share, "samples": [share, ...]}`` (None off Linux)."""
+
+    def __init__(self, every: float = 0.5):
+        import threading
+
+        self.every = every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._first = self._last = None
+        self.samples: list[float] = []
+
+    def _sample(self) -> None:
+        prev = self._first
+        while not self._stop.wait(self.every):
+            now = _cpu_ticks()
+            if prev and now and now[1] > prev[1]:
+                self.samples.append(round((now[0] - prev[0]) / (now[1] - prev[1]), 3))
+            prev = now
+
+    def __enter__(self) -> HostCpu:
+        self._first = _cpu_ticks()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._last = _cpu_ticks()
+
+    def result(self) -> dict | None:
+        if not (self._first and self._last) or self._last[1] <= self._first[1]:
+            return None
+        busy = (self._last[0] - self._first[0]) / (self._last[1] - self._first[1])
+        return {"busy": round(busy, 3), "samples": self.samples}

@@ -60,6 +60,7 @@ class PhotoBenchConfig:
     num_consumers: int = 4
     seed: int = 0
     folder: str | None = None  # keep the photographs here (reused when it holds them)
+    trace: str | None = None  # the timed job's Chrome trace (segment's --trace) goes here
 
 
 def photo_specs(cfg: PhotoBenchConfig) -> list[tuple[str, int, int, str, int]]:
@@ -191,6 +192,7 @@ def run(cfg: PhotoBenchConfig, log=print) -> dict:
     from PIL import Image
 
     from ..jobs.segment import SegmentConfig, segment
+    from .report import HostCpu
     from ..stages.device import resolve_device
 
     device = resolve_device(cfg.device)
@@ -209,7 +211,9 @@ def run(cfg: PhotoBenchConfig, log=print) -> dict:
             Image.effect_noise(WARM_SIZE, 64).convert("RGB").save(warm / f"{i}.png")
         segment(SegmentConfig(**{**job.__dict__, "images": str(warm), "out": str(Path(tmp) / "warm-out")}),
                 progress=False)
-        summary = segment(SegmentConfig(**{**job.__dict__, "out": str(Path(tmp) / "masks")}), progress=False)
+        with HostCpu() as cpu:
+            summary = segment(SegmentConfig(**{**job.__dict__, "out": str(Path(tmp) / "masks")}),
+                              progress=False, trace=cfg.trace)
         log(f"  job: {summary['written']} images in {summary['seconds']:.2f} s")
         shapes = summary["batch_shapes"]
         alone = forward_alone(cfg, device, shapes)
@@ -226,7 +230,8 @@ def run(cfg: PhotoBenchConfig, log=print) -> dict:
                 "images_per_s": images / summary["seconds"],
                 "steady_seconds": steady_s, "steady_images_per_s": images / steady_s if steady_s else None,
                 "gpu_idle_fraction": engine.get("gpu_idle_fraction"), "timing": summary["timing"],
-                "phases": summary["phases"], "skipped": summary["skipped"]},
+                "phases": summary["phases"], "skipped": summary["skipped"], "host_cpu": cpu.result(),
+                "decoders": summary.get("decoders")},
         "forward_alone": alone,
         "job_vs_forward": (images / summary["seconds"]) / alone["images_per_s"],
         "steady_vs_forward": (images / steady_s) / alone["images_per_s"] if steady_s else None,
@@ -253,6 +258,7 @@ def table(result: dict) -> str:
     lines.append(f"\n{result['distinct_shapes']} model input shapes, {result['batches']} batches "
                  f"({result['short_batches']} short); first calls at new shapes cost the forward "
                  f"{alone['first_call_cost_s']:.2f} s in all.")
+    cpu = job.get("host_cpu") or {}
     lines.append(f"job timing (s): {json.dumps(job['timing'])}; phases: {json.dumps(job['phases'])}; "
-                 f"GPU idle {job['gpu_idle_fraction']}")
+                 f"GPU idle {job['gpu_idle_fraction']}; host CPUs busy {cpu.get('busy')}")
     return "\n".join(lines)

@@ -44,7 +44,8 @@ def bench() -> None:
 @click.option("--device", default="auto", show_default=True, metavar="DEVICE",
               help="With --photos: auto, cuda, cuda:N or cpu (cpu to try it).")
 @click.option("--trace", type=click.Path(dir_okay=False),
-              help="Chrome trace (JSON) of the segment stage's bf16 full-logits run, every batch.")
+              help="Chrome trace (JSON) of the segment stage's bf16 full-logits run, every batch; "
+              "with --photos, of the timed job.")
 @library_errors
 def bench_segmentation(steps, warmup, batch_size, image_size, consumers, slots, loader_workers,
                        only, json_path, timeline, photos, photo_sides, photo_odd_share, photo_dir,
@@ -61,7 +62,7 @@ def bench_segmentation(steps, warmup, batch_size, image_size, consumers, slots, 
         low, high = (int(v) for v in photo_sides.split(","))
         cfg = PhotoBenchConfig(photos=photos, min_side=low, max_side=high, odd_share=photo_odd_share,
                                arch=arch, size=size, batch_size=batch_size or 16, device=device,
-                               folder=photo_dir)
+                               folder=photo_dir, trace=trace)
         info = machine_info()
         click.echo(f"# {info.get('gpu', 'no GPU')}, torch {info.get('torch')}, {info['date']}")
         result = run(cfg, log=lambda m: click.echo(m, err=True))

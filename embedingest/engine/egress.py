@@ -101,6 +101,7 @@ class EgressEngine:
         self.closed_results: list = [None] * num_consumers
         self._closes: dict[int, tuple[float, float]] = {}  # worker -> when its sink's close ran
         self._shutdown_spans: list[tuple[str, float, float]] = []
+        self._host_spans: list[tuple[str, float, float]] = []  # the caller's, see host_span
         self._ready: set[int] = set()  # consumers that said they started
         self._path = CudaCopyPath(self.device) if self.cuda else HostCopyPath(self.device)
         self._slot_spec = slot_spec
@@ -173,6 +174,11 @@ class EgressEngine:
         the engine draws them as lane ``lane`` beside its own lanes.
         """
         return self._path.span(lane, stream)
+
+    def host_span(self, lane: str, start: float, end: float) -> None:
+        """Record host work (``time.perf_counter()`` times) for the timeline and the trace,
+        e.g. the batch loop waiting for its inputs, beside the GPU's lanes."""
+        self._host_spans.append((lane, start, end))
 
     def submit(self, batch_id, outputs) -> None:
         """Queue ``outputs`` (a tensor, or a dict of tensors / numpy arrays) for the sinks.
@@ -394,7 +400,7 @@ class EgressEngine:
         for w, (a, b) in sorted(self._closes.items()):  # a sink's last writes: a run's tail
             st.spans.append((f"consumer {w} close", a, b))
             st.close_seconds[w] = b - a
-        st.spans += self._shutdown_spans
+        st.spans += self._shutdown_spans + self._host_spans
         return st
 
 

@@ -138,6 +138,7 @@ def test_masks_are_torchvisions_pipeline_for_every_aspect_ratio(tmp_path, weight
         calls.append((tuple(x.shape), once)), logits(self, x, once))[1])
     summary = segment(config(images, out, weights, batch_size=4), progress=False)
     assert summary["written"] == len(sizes) and summary["resize"] == "short"
+    assert 1 <= summary["decoders"] <= 2  # num_workers=2, fewer on a machine of one core
     shapes = summary["batch_shapes"]
     # the shapes of one short batch and no other are run once (no cuDNN set-up on a GPU)
     assert sorted((n, h, w) for (n, _, h, w), once in calls if once) == sorted(

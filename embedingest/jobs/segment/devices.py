@@ -55,7 +55,8 @@ def segment_on_devices(devices: list[str], config, todo: list[tuple[str, str]],
             "dtype": first["dtype"], "resize": first["resize"],
             **({"stats_rows": sum(r["summary"]["stats_rows"] for r in results)} if config.stats else {}),
             "engine": {"per_device": [r["summary"]["engine"] | {"device": d, "timing": r["summary"]["timing"],
-                                                                "batch_shapes": r["summary"]["batch_shapes"]}
+                                                                "batch_shapes": r["summary"]["batch_shapes"],
+                                                                "decoders": r["summary"]["decoders"]}
                                       for d, r in zip(used, results)]}}
 
 

@@ -171,7 +171,7 @@ def segment_on_device(config: SegmentConfig, device: torch.device, todo: list[tu
     summary = {"written": written, "model": loaded.source, "arch": loaded.arch,
                "num_classes": loaded.num_classes, "device": str(device),
                "dtype": str(segmenter.dtype).replace("torch.", ""), "resize": config.resize,
-               "batch_shapes": [[n, h, w, k] for (n, h, w), k in sorted(shapes.items())],
+               "batch_shapes": [[n, h, w, k] for (n, h, w), k in sorted(shapes.items())], "decoders": workers,
                "engine": engine.stats.summary(), "timing": {k: round(v, 3) for k, v in timing.items()}}
     if config.stats:
         summary["stats_rows"] = stats_rows
