@@ -15,9 +15,11 @@ Rows, in order:
   second over the call (end to end: model load, workers, every batch, closing) and over
   the engine's span (steady);
 * ``forward alone``: ``Segmenter.logits`` (normalisation and the model) on uint8 inputs
-  already on the device, the job's batches (every batch size and shape it ran, as many
-  times), in a process of its own: first as the job met them (each shape new, after the
-  same warm-up), then again with every shape seen before.
+  already on the device, the job's batches (every batch size and shape it ran, in the
+  order it ran them), in a process of its own: first as the job met them (each shape
+  new, after the same warm-up), then again with every shape seen before; and, in another
+  fresh process, the same batches by shape (all of one shape together, as the job ran
+  them before its short batches were spread between the full ones).
 
 A warm-up on images of one shape no photograph has runs first in both, so CUDA's start-up
 is in no row, while every shape the job meets costs it and the forward alone the same
@@ -132,23 +134,34 @@ def _sync(device):
 WARM_SIZE = (331, 197)  # (width, height) of the warm-up images: a ratio no photograph here has
 
 
-def forward_alone(cfg: PhotoBenchConfig, device, batch_shapes: list[list[int]]) -> dict:
-    """The job's forward (``Segmenter.logits``) at its batch shapes, inputs on the device,
-    in a process of its own started as the job's was warmed: a fresh CUDA context that has
-    run only the warm-up shape, so each of the job's shapes is new to it as it was to the
-    job (``cold``: every batch once, first calls included, which is what the job paid);
-    then the same batches again (``warm``: every shape seen before). A shape's only,
-    short batch runs as the job runs it (``Segmenter.logits(once=True)``)."""
+def forward_alone(cfg: PhotoBenchConfig, device, calls: list[list]) -> dict:
+    """The job's forward (``Segmenter.logits``) on ``calls`` ([n, h, w, once] each, in
+    order), inputs on the device, in a process of its own started as the job's was
+    warmed: a fresh CUDA context that has run only the warm-up shape, so each of the
+    job's shapes is new to it as it was to the job (``cold``: every call once, first
+    calls included, which is what the job paid); then the same calls again (``warm``:
+    every shape seen before). ``once`` is the job's: a shape's only, short batch runs
+    on PyTorch's own convolutions (``Segmenter.logits(once=True)``)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_forward_alone, cfg, str(device), batch_shapes).result()
+        return pool.submit(_forward_alone, cfg, str(device), calls).result()
 
 
-def _forward_alone(cfg: PhotoBenchConfig, device: str, batch_shapes: list[list[int]]) -> dict:
+def sorted_calls(cfg: PhotoBenchConfig, batch_shapes: list[list[int]]) -> list[list]:
+    """The job's batches ([n, h, w, count] each) as calls sorted by shape, every batch of
+    a shape together, with the job's ``once``."""
     from collections import Counter
 
+    batches_of = Counter()
+    for n, h, w, k in batch_shapes:
+        batches_of[(h, w)] += k
+    return [[n, h, w, batches_of[(h, w)] == 1 and n < cfg.batch_size]
+            for n, h, w, k in batch_shapes for _ in range(k)]
+
+
+def _forward_alone(cfg: PhotoBenchConfig, device: str, calls: list[list]) -> dict:
     import torch
 
     from ..stages.segmentation import Segmenter, load_segmentation_model
@@ -160,31 +173,46 @@ def _forward_alone(cfg: PhotoBenchConfig, device: str, batch_shapes: list[list[i
     def pixels(n, h, w):
         return torch.randint(0, 256, (n, 3, h, w), dtype=torch.uint8, device=segmenter.device)
 
-    batches_of = Counter()
-    for n, h, w, k in batch_shapes:
-        batches_of[(h, w)] += k
-
-    def timed(shapes) -> float:
+    def timed(calls) -> float:
         _sync(segmenter.device)
         t0 = time.perf_counter()
-        for n, h, w, k in shapes:
-            once = batches_of[(h, w)] == 1 and n < cfg.batch_size  # as the job decides
-            for _ in range(k):
-                segmenter.logits(inputs[(n, h, w)], once=once)
+        for n, h, w, once in calls:
+            segmenter.logits(inputs[(n, h, w)], once=once)
         _sync(segmenter.device)
         return time.perf_counter() - t0
 
     warm_w, warm_h = loaded.preprocessing(cfg.resize, cfg.size).model_size(*WARM_SIZE)
-    inputs = {(n, h, w): pixels(n, h, w) for n, h, w, _ in batch_shapes}
+    inputs = {(n, h, w): pixels(n, h, w) for n, h, w, _ in calls}
     inputs[(cfg.batch_size, warm_h, warm_w)] = pixels(cfg.batch_size, warm_h, warm_w)
-    timed([(cfg.batch_size, warm_h, warm_w, 2)])
-    cold = timed(batch_shapes)
-    warm = timed(batch_shapes)
-    images = sum(n * k for n, _, _, k in batch_shapes)
+    timed([(cfg.batch_size, warm_h, warm_w, False)] * 2)
+    cold = timed(calls)
+    warm = timed(calls)
+    images = sum(n for n, *_ in calls)
     return {"images": images, "seconds": cold, "images_per_s": images / cold,
             "warm_seconds": warm, "warm_images_per_s": images / warm,
             "first_call_cost_s": round(cold - warm, 3),
             "dtype": str(segmenter.dtype).replace("torch.", "")}
+
+
+class _Calls:
+    """Records ``Segmenter.logits``'s calls ([n, h, w, once]) while the block runs."""
+
+    def __enter__(self) -> list:
+        from ..stages.segmentation import Segmenter
+
+        self.real, self.calls = Segmenter.logits, []
+
+        def logits(segmenter, pixels, once=False):
+            self.calls.append([pixels.shape[0], pixels.shape[2], pixels.shape[3], bool(once)])
+            return self.real(segmenter, pixels, once)
+
+        Segmenter.logits = logits
+        return self.calls
+
+    def __exit__(self, *exc) -> None:
+        from ..stages.segmentation import Segmenter
+
+        Segmenter.logits = self.real
 
 
 def run(cfg: PhotoBenchConfig, log=print) -> dict:
@@ -211,13 +239,15 @@ def run(cfg: PhotoBenchConfig, log=print) -> dict:
             Image.effect_noise(WARM_SIZE, 64).convert("RGB").save(warm / f"{i}.png")
         segment(SegmentConfig(**{**job.__dict__, "images": str(warm), "out": str(Path(tmp) / "warm-out")}),
                 progress=False)
-        with HostCpu() as cpu:
+        with HostCpu() as cpu, _Calls() as calls:
             summary = segment(SegmentConfig(**{**job.__dict__, "out": str(Path(tmp) / "masks")}),
                               progress=False, trace=cfg.trace)
         log(f"  job: {summary['written']} images in {summary['seconds']:.2f} s")
         shapes = summary["batch_shapes"]
-        alone = forward_alone(cfg, device, shapes)
-        log(f"  forward alone: {alone['images']} images in {alone['seconds']:.2f} s")
+        alone = forward_alone(cfg, device, calls)
+        log(f"  forward alone, the job's order: {alone['images']} images in {alone['seconds']:.2f} s")
+        by_shape = forward_alone(cfg, device, sorted_calls(cfg, shapes))
+        log(f"  forward alone, by shape: {by_shape['images']} images in {by_shape['seconds']:.2f} s")
     engine = summary["engine"]
     steady_s = engine["wall_seconds"]
     images = summary["written"]
@@ -232,21 +262,34 @@ def run(cfg: PhotoBenchConfig, log=print) -> dict:
                 "gpu_idle_fraction": engine.get("gpu_idle_fraction"), "timing": summary["timing"],
                 "phases": summary["phases"], "skipped": summary["skipped"], "host_cpu": cpu.result(),
                 "decoders": summary.get("decoders")},
-        "forward_alone": alone,
+        "forward_alone": alone, "forward_alone_by_shape": by_shape,
+        "short_calls_before_last_full": _shorts_between(calls, cfg.batch_size),
         "job_vs_forward": (images / summary["seconds"]) / alone["images_per_s"],
+        "job_vs_forward_by_shape": (images / summary["seconds"]) / by_shape["images_per_s"],
         "steady_vs_forward": (images / steady_s) / alone["images_per_s"] if steady_s else None,
         "steady_vs_warm_forward": (images / steady_s) / alone["warm_images_per_s"] if steady_s else None,
         "batch_shapes": shapes,
     }
 
 
+def _shorts_between(calls: list[list], batch_size: int) -> int:
+    """How many short batches the job ran before its last full one: spread between the
+    full ones rather than all at the end."""
+    last_full = max((i for i, (n, *_) in enumerate(calls) if n == batch_size), default=-1)
+    return sum(1 for n, *_ in calls[:last_full] if n < batch_size)
+
+
 def table(result: dict) -> str:
     """The rows as a Markdown table."""
     job, alone = result["job"], result["forward_alone"]
+    by_shape = result["forward_alone_by_shape"]
     lines = ["| row | images | seconds | images/s | × forward alone |", "|---|---|---|---|---|",
-             f"| forward alone ({result['dtype']}, inputs on the device, the job's batches, "
-             f"each shape new as it was to the job) | {alone['images']} | {alone['seconds']:.2f} | "
+             f"| forward alone ({result['dtype']}, inputs on the device, the job's batches in the "
+             f"job's order, each shape new as it was to the job) | {alone['images']} | {alone['seconds']:.2f} | "
              f"{alone['images_per_s']:.1f} | 1.00 |",
+             f"| forward alone, the same batches by shape (all of a shape together, each shape new) | "
+             f"{by_shape['images']} | {by_shape['seconds']:.2f} | {by_shape['images_per_s']:.1f} | "
+             f"{by_shape['images_per_s'] / alone['images_per_s']:.2f} |",
              f"| forward alone, the same batches again (every shape seen before) | {alone['images']} | "
              f"{alone['warm_seconds']:.2f} | {alone['warm_images_per_s']:.1f} | "
              f"{alone['warm_images_per_s'] / alone['images_per_s']:.2f} |",
@@ -256,7 +299,8 @@ def table(result: dict) -> str:
         lines.append(f"| segment job, steady (engine span) | {job['images']} | {job['steady_seconds']:.2f} | "
                      f"{job['steady_images_per_s']:.1f} | {result['steady_vs_forward']:.2f} |")
     lines.append(f"\n{result['distinct_shapes']} model input shapes, {result['batches']} batches "
-                 f"({result['short_batches']} short); first calls at new shapes cost the forward "
+                 f"({result['short_batches']} short, {result['short_calls_before_last_full']} of them "
+                 f"before the last full one); first calls at new shapes cost the forward "
                  f"{alone['first_call_cost_s']:.2f} s in all.")
     cpu = job.get("host_cpu") or {}
     lines.append(f"job timing (s): {json.dumps(job['timing'])}; phases: {json.dumps(job['phases'])}; "

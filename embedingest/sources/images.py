@@ -19,6 +19,7 @@ process, which writes them to the skip report.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
@@ -154,59 +155,29 @@ def collate_images(samples: Sequence[LoadedImage | BadImage], resize: str = "sho
                       tuple(s for s in samples if isinstance(s, BadImage)))
 
 
-def regroup(chunks: Iterable[ImageBatch], batch_size: int, max_waiting: int,
-            max_bytes: int = 1 << 30) -> Iterator[ImageBatch]:
-    """Batches of at most ``batch_size`` images of one model input shape each, from
-    decoded chunks.
+def regroup(chunks: Iterable[ImageBatch], ends: Iterable[bool] | deque) -> Iterator[ImageBatch]:
+    """The planned batches from decoded chunks: ``ends`` says, for each chunk in turn,
+    whether it is the last of its batch (``ShapeBatchSampler.batch_ends``, popped as the
+    chunks come). A batch goes the moment its last chunk is decoded, bad images with it.
 
-    A model input is one tensor, so a batch holds one shape. Images of a shape wait until
-    they fill a batch; when more than ``max_waiting`` images, or more than ``max_bytes``
-    of pictures, wait, the shape with the most images goes as a short batch (a folder of
-    many aspect ratios costs short batches, never unbounded memory); the rest go at the
-    end. Bad images travel with the next batch yielded (or alone), so they are reported
-    as they come.
+    A model input is one tensor, so a batch holds one shape; were a header wrong about
+    an image's size (it is taken from the header to plan), that batch goes as one batch
+    per shape.
     """
-    waiting: dict[tuple[int, int], list[Group]] = {}
-    count: dict[tuple[int, int], int] = {}
-    held = [0]  # bytes of the waiting pictures
-
-    def take(shape, n: int) -> ImageBatch:
-        parts, taken = [], 0
-        queue = waiting[shape]
-        while taken < n:
-            pixels, metas, hw = queue.pop(0)
-            k = min(n - taken, len(metas))
-            parts.append((pixels[:k], metas[:k], hw))
-            held[0] -= pixels[:k].nbytes
-            if k < len(metas):
-                queue.insert(0, (pixels[k:], metas[k:], hw))
-            taken += k
-        count[shape] -= n
-        if not count[shape]:
-            del waiting[shape], count[shape]
-        return ImageBatch(parts)
-
+    pop = ends.popleft if isinstance(ends, deque) else iter(ends).__next__
+    parts: list[Group] = []
     bad: tuple[BadImage, ...] = ()
     for chunk in chunks:
+        parts += chunk.groups
         bad += chunk.bad
-        for pixels, metas, hw in chunk.groups:
-            waiting.setdefault(hw, []).append((pixels, metas, hw))
-            count[hw] = count.get(hw, 0) + len(metas)
-            held[0] += pixels.nbytes
-        ready = []
-        for shape in list(waiting):
-            while count.get(shape, 0) >= batch_size:
-                ready.append(take(shape, batch_size))
-        while count and (sum(count.values()) > max_waiting or held[0] > max_bytes):
-            shape = max(count, key=count.get)
-            ready.append(take(shape, min(count[shape], batch_size)))
-        if bad and not ready:
-            ready.append(ImageBatch([]))
-        for batch in ready:
-            batch.bad, bad = bad, ()
-            yield batch
-    for shape in list(waiting):
-        while shape in count:
-            yield take(shape, min(count[shape], batch_size))
-    if bad:
-        yield ImageBatch([], bad)
+        if not pop():
+            continue
+        by_shape: dict[tuple[int, int], list[Group]] = {}
+        for group in parts:
+            by_shape.setdefault(group[2], []).append(group)
+        batches = [ImageBatch(groups) for groups in by_shape.values()] or [ImageBatch([])]
+        batches[0].bad = bad
+        yield from batches
+        parts, bad = [], ()
+    if parts or bad:
+        raise RuntimeError("the chunks ended inside a planned batch: the sampler and the loader disagree")

@@ -8,28 +8,106 @@ GPU's convolution set-up. :class:`ShapeBatchSampler` plans the batches before de
 instead: it reads each file's size from its header (see ``image_decode.header_size``,
 tens of microseconds where decoding takes milliseconds), keeps the waiting images of
 each shape as indices only (so any number may wait, at no memory cost), and hands a
-batch to the workers the moment its shape has ``batch_size`` images; each shape's last,
-short batch comes at the end. Each shape then gets as few batches as it can.
+batch to the workers the moment its shape has ``batch_size`` images. Each shape then
+gets as few batches as it can.
+
+A shape's last, short batch is known only once every header is read. The headers are
+read ahead of the decoding, by processes of their own (:class:`HeaderReaders`), so that
+comes early; from then on the short batches go out spread evenly between the full ones
+still to come, not all at the end. A short batch (often one image of a ratio of its
+own) costs the GPU little but the host a whole forward's launches: between full
+batches, which keep the GPU busy, those launches are hidden; at the end of a run,
+with nothing else to run, the GPU would wait for them.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 from ..engine.worker_loader import frozen_gc
 from .image_decode import Preprocessing, header_size
 
-__all__ = ["ShapeBatchSampler", "HeaderReaders"]
+__all__ = ["ShapeBatchSampler", "HeaderReaders", "SizeStream"]
 
-SizeReader = Callable[[Sequence[str]], Iterable["tuple[int, int] | None"]]
+Size = "tuple[int, int] | None"
 
 
-def read_here(paths: Sequence[str]) -> Iterator[tuple[int, int] | None]:
-    """Each file's size from its header, in this process."""
-    return map(header_size, paths)
+class SizeStream:
+    """Files' sizes from their headers, in order, a chunk at a time: ``ready()`` gives
+    those already read (without waiting), ``next()`` waits for the next chunk (None at
+    the end). This one reads each chunk here, when asked; :class:`HeaderReaders` gives
+    one whose chunks are read ahead, in other processes."""
+
+    def __init__(self, paths: Sequence[str], chunksize: int = 1):
+        self.paths = paths
+        self.chunksize = chunksize
+        self.done = 0  # files whose sizes were handed out
+
+    @property
+    def finished(self) -> bool:
+        """Every size handed out."""
+        return self.done >= len(self.paths)
+
+    def ready(self) -> list:
+        return []
+
+    def next(self) -> list | None:
+        if self.done >= len(self.paths):
+            return None
+        chunk = self.paths[self.done:self.done + self.chunksize]
+        self.done += len(chunk)
+        return [header_size(p) for p in chunk]
+
+
+def read_here(paths: Sequence[str]) -> SizeStream:
+    """Each file's size from its header, in this process, one file at a time."""
+    return SizeStream(paths)
+
+
+SizeReader = Callable[[Sequence[str]], SizeStream]
+
+
+class _PoolSizes(SizeStream):
+    """Chunks read by a pool's processes, all submitted at once (the pool works through
+    them in order); a chunk whose reader died is read here."""
+
+    def __init__(self, paths: Sequence[str], pool: ProcessPoolExecutor, chunksize: int):
+        super().__init__(paths, chunksize)
+        self._futures: deque[Future] = deque()
+        try:
+            for start in range(0, len(paths), chunksize):
+                self._futures.append(pool.submit(_read_chunk, paths[start:start + chunksize]))
+        except BrokenProcessPool:
+            pass  # the chunks not submitted are read here
+
+    def ready(self) -> list:
+        out = []
+        while self._futures and self._futures[0].done():
+            out += self._take()
+        return out
+
+    def next(self) -> list | None:
+        if self._futures:
+            return self._take()
+        return super().next()
+
+    def _take(self) -> list:
+        future = self._futures.popleft()
+        chunk = self.paths[self.done:self.done + self.chunksize]
+        try:
+            sizes = future.result()
+        except BrokenProcessPool:
+            sizes = [header_size(p) for p in chunk]
+        self.done += len(chunk)
+        return sizes
+
+
+def _read_chunk(paths: Sequence[str]) -> list:
+    return [header_size(p) for p in paths]
 
 
 class HeaderReaders:
@@ -38,9 +116,10 @@ class HeaderReaders:
     microseconds of Python).
 
     Call :meth:`start` before any thread is started (the readers are forked); leaving
-    the context stops them. Calling it maps paths to sizes in order, in the background;
-    with no processes, or not started, it reads them here. A reader that dies (a hostile
-    file taking the parser down) costs nothing but speed: the rest are read here.
+    the context stops them. Calling it gives a :class:`SizeStream` of the paths' sizes,
+    read in the background; with no processes, or not started, they are read here. A
+    reader that dies (a hostile file taking the parser down) costs nothing but speed:
+    its chunk and the rest are read here.
     """
 
     def __init__(self, processes: int, mp_context=None, initializer=None, chunksize: int = 64):
@@ -68,16 +147,10 @@ class HeaderReaders:
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
 
-    def __call__(self, paths: Sequence[str]) -> Iterator[tuple[int, int] | None]:
+    def __call__(self, paths: Sequence[str]) -> SizeStream:
         if self._pool is None:
-            yield from read_here(paths)
-            return
-        done = 0
-        with contextlib.suppress(BrokenProcessPool):
-            for size in self._pool.map(header_size, paths, chunksize=self.chunksize):
-                yield size
-                done += 1
-        yield from read_here(paths[done:])
+            return SizeStream(paths, self.chunksize)
+        return _PoolSizes(paths, self._pool, self.chunksize)
 
 
 class ShapeBatchSampler:
@@ -85,14 +158,17 @@ class ShapeBatchSampler:
 
     Yields lists of indices into ``files``; the lists of one batch come one after the
     other, each of at most ``chunk_size`` images (one worker decodes one list), and
-    ``sources.images.regroup`` joins them again. ``chunk_size`` defaults to a whole batch
-    with ``fit`` (small squares) and a quarter batch with ``short`` (whole pictures of up
-    to 16 model inputs each travel, so a worker holds fewer at a time). A file whose
-    header cannot be read goes alone and at once: its decoder reports why. With ``fit``
-    every image has one shape and no header is read.
+    :attr:`batch_ends` says, for each list in turn, whether it ends its batch
+    (``sources.images.regroup`` joins the lists of a batch by it). ``chunk_size``
+    defaults to a whole batch with ``fit`` (small squares) and a quarter batch with
+    ``short`` (whole pictures of up to 16 model inputs each travel, so a worker holds
+    fewer at a time). A file whose header cannot be read goes alone and at once: its
+    decoder reports why. With ``fit`` every image has one shape and no header is read.
 
-    Runs in the process iterating the DataLoader, as it asks for more batches, so the
-    headers are read a batch or so ahead of the decoding, never all before the first.
+    Runs in the process iterating the DataLoader, as it asks for more batches, taking
+    every header already read each time (so the end of the headers, and with it every
+    short batch, is known early) and waiting for more only when no batch is ready.
+    A shape's short batch goes after its full ones.
     """
 
     def __init__(self, files: Sequence[tuple[str, str]], prep: Preprocessing, batch_size: int,
@@ -104,29 +180,115 @@ class ShapeBatchSampler:
         self.batch_size = batch_size
         self.chunk_size = chunk_size or (batch_size if prep.resize == "fit" else max(1, batch_size // 4))
         self.read_sizes = read_sizes
+        # one entry per list yielded, True where it ends its batch; the consumer pops them
+        self.batch_ends: deque[bool] = deque()
 
-    def shapes(self) -> Iterator[tuple[int, int] | None]:
+    def shapes(self) -> SizeStream:
         """The model input (height, width) of each file in turn, None where unknown."""
         if self.prep.resize == "fit":
-            fixed = (self.prep.size, self.prep.size)
-            return (fixed for _ in self.files)
-        return (None if size is None else self.prep.model_size(*size)[::-1]
-                for size in self.read_sizes([str(path) for _, path in self.files]))
+            return _Fixed(len(self.files), (self.prep.size, self.prep.size))
+        return _ModelShapes(self.read_sizes([str(path) for _, path in self.files]), self.prep)
 
     def __iter__(self) -> Iterator[list[int]]:
-        waiting: dict[tuple[int, int], list[int]] = {}
-        for index, shape in enumerate(self.shapes()):
-            if shape is None:
-                yield [index]
-                continue
-            batch = waiting.setdefault(shape, [])
-            batch.append(index)
-            if len(batch) == self.batch_size:
-                yield from self._chunks(waiting.pop(shape))
-        # the short batches, the fullest first
-        for batch in sorted(waiting.values(), key=len, reverse=True):
-            yield from self._chunks(batch)
+        self.batch_ends.clear()
+        for batch in self._batches():
+            for start in range(0, len(batch), self.chunk_size):
+                self.batch_ends.append(start + self.chunk_size >= len(batch))
+                yield batch[start:start + self.chunk_size]
 
-    def _chunks(self, batch: list[int]) -> Iterator[list[int]]:
-        for start in range(0, len(batch), self.chunk_size):
-            yield batch[start:start + self.chunk_size]
+    def _batches(self) -> Iterator[list[int]]:
+        stream = self.shapes()
+        waiting: dict[tuple[int, int], list[int]] = {}
+        full: deque[tuple[list[int], tuple[int, int] | None]] = deque()  # ready, in order
+        ahead: Counter = Counter()  # full batches of each shape still in ``full``
+        seen = 0
+
+        def add(shapes: list) -> None:
+            nonlocal seen
+            for shape in shapes:
+                if shape is None:
+                    full.append(([seen], None))
+                else:
+                    batch = waiting.setdefault(shape, [])
+                    batch.append(seen)
+                    if len(batch) == self.batch_size:
+                        full.append((waiting.pop(shape), shape))
+                        ahead[shape] += 1
+                seen += 1
+
+        while True:  # until the last header: the full batches as they fill
+            add(stream.ready())
+            if stream.finished:
+                break
+            if full:
+                batch, shape = full.popleft()
+                ahead[shape] -= 1
+                yield batch
+                continue
+            shapes = stream.next()
+            if shapes is None:
+                break
+            add(shapes)
+        # the short batches (the fullest first), spread over the full ones still to go
+        shorts = sorted(waiting.items(), key=lambda item: len(item[1]), reverse=True)
+        free = deque(batch for shape, batch in shorts if not ahead[shape])
+        held = {shape: batch for shape, batch in shorts if ahead[shape]}
+        total_full, total_short, sent_full, sent_short = len(full), len(shorts), 0, 0
+        while full or free or held:
+            due = total_short if not full else total_short * sent_full // total_full
+            if free and (sent_short < due or not full):
+                sent_short += 1
+                yield free.popleft()
+                continue
+            if not full:  # only held ones left: their shapes' full batches are all out
+                free.extend(held.values())
+                held.clear()
+                continue
+            batch, shape = full.popleft()
+            sent_full += 1
+            ahead[shape] -= 1
+            yield batch
+            if shape in held and not ahead[shape]:
+                free.append(held.pop(shape))
+
+
+class _Fixed(SizeStream):
+    """``count`` inputs of one known shape: all ready."""
+
+    def __init__(self, count: int, shape: tuple[int, int]):
+        super().__init__([])
+        self._left, self._shape = count, shape
+
+    @property
+    def finished(self) -> bool:
+        return not self._left
+
+    def ready(self) -> list:
+        left, self._left = self._left, 0
+        return [self._shape] * left
+
+    def next(self) -> list | None:
+        return self.ready() or None
+
+
+class _ModelShapes(SizeStream):
+    """A stream of files' sizes as model input (height, width) shapes."""
+
+    def __init__(self, sizes: SizeStream, prep: Preprocessing):
+        super().__init__([])
+        self._sizes, self._prep = sizes, prep
+
+    def _shapes(self, sizes: list | None) -> list | None:
+        if sizes is None:
+            return None
+        return [None if size is None else self._prep.model_size(*size)[::-1] for size in sizes]
+
+    @property
+    def finished(self) -> bool:
+        return self._sizes.finished
+
+    def ready(self) -> list:
+        return self._shapes(self._sizes.ready())
+
+    def next(self) -> list | None:
+        return self._shapes(self._sizes.next())

@@ -46,7 +46,9 @@ def test_the_benchmark_runs_on_cpu_at_a_tiny_size(tmp_path):
     assert result.exit_code == 0, result.output
     assert "| segment job, end to end (the call) | 12 |" in result.output
     out = json.loads((tmp_path / "r.json").read_text())["result"]
-    assert out["job"]["images"] == out["forward_alone"]["images"] == 12
+    assert out["job"]["images"] == out["forward_alone"]["images"] == out["forward_alone_by_shape"]["images"] == 12
+    assert 0 <= out["short_calls_before_last_full"] <= out["short_batches"]
+    assert "| forward alone, the same batches by shape" in result.output
     assert sum(n * k for n, _, _, k in out["batch_shapes"]) == 12
     assert out["distinct_shapes"] == len({(h, w) for _, h, w, _ in out["batch_shapes"]}) > 1
     assert out["job_vs_forward"] == pytest.approx(out["job"]["images_per_s"] / out["forward_alone"]["images_per_s"])

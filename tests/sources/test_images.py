@@ -4,6 +4,7 @@ bad files as reasons, regrouping by shape."""
 from __future__ import annotations
 
 import os
+from collections import deque
 
 import numpy as np
 import pytest
@@ -221,53 +222,51 @@ def _chunk(shapes: list[tuple[int, int]], start: int, bad: int = 0) -> ImageBatc
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.lists(st.sampled_from([(4, 6), (6, 4), (5, 5), (4, 7)]), max_size=6), max_size=8),
-       st.integers(1, 5), st.integers(0, 12), st.lists(st.integers(0, 2), min_size=8, max_size=8))
-def test_regroup_makes_batches_of_one_shape(chunks, batch_size, extra, bads):
-    max_waiting = batch_size + extra
-    made, start = [], 0
-    for shapes, bad in zip(chunks, bads):
-        made.append(_chunk(shapes, start, bad))
-        start += len(shapes)
-    seen, bad_seen, waiting = [], [], []
+@given(st.lists(st.lists(st.lists(st.sampled_from([(4, 6), (6, 4)]), min_size=1, max_size=3),
+                         min_size=1, max_size=3), max_size=6),
+       st.lists(st.integers(0, 2), min_size=18, max_size=18))
+def test_regroup_gives_the_planned_batches_as_their_last_chunk_comes(plan, bads):
+    """``plan``: batches, each a list of chunks, each a list of image shapes; a header may
+    have been wrong, so one planned batch can hold two shapes: it goes as one batch per
+    shape. Bad images go with the batch they were planned in."""
+    made, ends, start, k = [], deque(), 0, 0
+    for batch in plan:
+        for j, shapes in enumerate(batch):
+            made.append(_chunk(shapes, start, bads[k % len(bads)]))
+            ends.append(j == len(batch) - 1)
+            start, k = start + len(shapes), k + 1
+    pulled = []
 
-    def pulled():
-        consumed = 0
+    def chunks():
         for chunk in made:
-            waiting.append(consumed - len(seen))  # images held back when it asks for more
-            consumed += len(chunk)
+            pulled.append(chunk)
             yield chunk
 
-    for batch in regroup(pulled(), batch_size, max_waiting):
-        bad_seen += [b.rel_path for b in batch.bad]
-        if not len(batch):
-            continue
-        assert len({hw for _, _, hw in batch.groups}) == 1, "one shape a batch"
-        assert len(batch) <= batch_size
+    got = []
+    for batch in regroup(chunks(), ends):
+        got.append((len(pulled), batch))
+    assert not ends, "every end marker used"
+    expected, done = [], 0
+    for batch in plan:
+        done += len(batch)
+        images = [i for chunk in made[done - len(batch):done] for i in chunk.items]
+        bad = [b.rel_path for chunk in made[done - len(batch):done] for b in chunk.bad]
+        shapes = list(dict.fromkeys((m.content_height, m.content_width) for m in images))
+        for n, shape in enumerate(shapes or [None]):
+            expected.append((done, [m.rel_path for m in images if (m.content_height, m.content_width) == shape],
+                             bad if n == 0 else []))
+    assert [(pulled_then, [m.rel_path for m in b.items], [x.rel_path for x in b.bad])
+            for pulled_then, b in got] == expected  # each as soon as its last chunk came
+    for _, batch in got:
         for pixels, metas, hw in batch.groups:
             for image, meta in zip(pixels, metas, strict=True):
                 assert int(image[0, 0, 0]) == int(meta.rel_path), "pixels stay with their meta"
                 assert image.shape[:2] == hw == (meta.content_height, meta.content_width)
-        seen += [m.rel_path for m in batch.items]
-    assert sorted(seen, key=int) == [str(i) for i in range(start)], "every image exactly once"
-    assert max(waiting, default=0) <= max_waiting
-    assert sorted(bad_seen) == sorted(b.rel_path for c in made for b in c.bad)
 
 
-def test_regroup_bounds_the_bytes_waiting():
-    chunks = [_chunk([(40, 60)], i) for i in range(5)] + [_chunk([(60, 40)], 5 + i) for i in range(5)]
-    one = 40 * 60 * 3
-    sizes = [len(b) for b in regroup(iter(chunks), 8, 100, max_bytes=3 * one)]
-    assert sum(sizes) == 10 and max(sizes) <= 4  # never more than three pictures held
-
-
-def test_regroup_fills_batches_and_bounds_the_wait():
-    one_shape = [_chunk([(4, 6)] * 3, 3 * i) for i in range(4)]
-    assert [len(b) for b in regroup(iter(one_shape), 4, 8)] == [4, 4, 4]
-    # four shapes in turn, two waiting at most beyond a batch: short batches, never more waiting
-    mixed = [_chunk([s], i) for i, s in enumerate([(4, 6), (6, 4), (5, 5), (4, 7)] * 3)]
-    sizes = [len(b) for b in regroup(iter(mixed), 4, 5)]
-    assert sum(sizes) == 12 and max(sizes) <= 4 and len(sizes) > 3
+def test_regroup_refuses_chunks_that_end_inside_a_batch():
+    with pytest.raises(RuntimeError, match="inside a planned batch"):
+        list(regroup(iter([_chunk([(4, 6)], 0)]), deque([False])))
 
 
 def test_prepare_picture_accepts_arrays_and_pil():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import time
 from collections import Counter
 
 import numpy as np
@@ -17,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from embedingest.sources.image_decode import Preprocessing, header_size, open_rgb
 from embedingest.sources.images import ImageFileDataset, collate_images, regroup
-from embedingest.sources.shape_batches import HeaderReaders, ShapeBatchSampler
+from embedingest.sources.shape_batches import HeaderReaders, ShapeBatchSampler, SizeStream
 
 SHORT = Preprocessing("short", SIZE)
 
@@ -43,18 +44,54 @@ def _orientation(value: int) -> bytes:
     return exif.tobytes()
 
 
+class _Stream(SizeStream):
+    """Shapes given instead of read: ``ready_after[k]`` is how many are read ahead (ready
+    without waiting) once k have been handed out; it counts the ones handed out."""
+
+    def __init__(self, shapes, ready_after=None):
+        super().__init__(list(range(len(shapes))))
+        self.shapes, self.ready_after = shapes, ready_after or {}
+        self.looked = 0
+
+    def ready(self) -> list:
+        upto = min(len(self.shapes), self.ready_after.get(self.looked, self.looked))
+        return self._hand(upto - self.looked)
+
+    def next(self):
+        return self._hand(1) if self.looked < len(self.shapes) else None
+
+    def _hand(self, n: int) -> list:
+        got = self.shapes[self.looked:self.looked + n]
+        self.looked += len(got)
+        self.done = self.looked
+        return list(got)
+
+
 class _Planned(ShapeBatchSampler):
     """The sampler with the shapes given instead of read, and the files it looked at."""
 
-    def __init__(self, shapes, batch_size, chunk_size=None):
+    def __init__(self, shapes, batch_size, chunk_size=None, ready_after=None):
         super().__init__([(str(i), str(i)) for i in range(len(shapes))], SHORT, batch_size, chunk_size)
-        self.planned = shapes
-        self.looked = 0
+        self.stream = _Stream(shapes, ready_after)
+
+    @property
+    def looked(self) -> int:
+        return self.stream.looked
 
     def shapes(self):
-        for shape in self.planned:
-            self.looked += 1
-            yield shape
+        return self.stream
+
+
+def _batches(sampler) -> list[list[int]]:
+    """The sampler's lists joined into batches by its ``batch_ends``."""
+    out, current = [], []
+    for chunk in sampler:
+        current += chunk
+        if sampler.batch_ends.popleft():
+            out.append(current)
+            current = []
+    assert not current and not sampler.batch_ends
+    return out
 
 
 @settings(max_examples=300, deadline=None)
@@ -77,9 +114,42 @@ def test_plan_fills_every_shape_and_hands_batches_over_at_once(shapes, batch_siz
             assert looked == max(batch) + 1
         if shapes[batch[0]] is None:
             assert looked == batch[0] + 1
-    # smaller chunks are the same batches cut in order
+    # smaller chunks are the same batches cut in order, and batch_ends joins them again
     cut = [b[k:k + chunk] for b in batches for k in range(0, len(b), chunk)]
     assert list(_Planned(shapes, batch_size, chunk)) == cut
+    assert _batches(_Planned(shapes, batch_size, chunk)) == batches
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([(4, 6), (6, 4), (5, 5), (4, 7), (7, 4), (3, 9), None]), max_size=80),
+       st.integers(1, 6), st.dictionaries(st.integers(0, 80), st.integers(0, 80), max_size=6))
+def test_short_batches_come_after_their_full_ones_whenever_the_headers_end(shapes, batch_size, ahead):
+    """However far ahead the headers are read, each image goes once, each shape in as few
+    batches as can be, and a shape's short batch after all its full ones."""
+    batches = _batches(_Planned(shapes, batch_size, 2, ready_after=ahead))
+    assert sorted(i for b in batches for i in b) == list(range(len(shapes)))
+    assert all(len({shapes[i] for i in b}) == 1 for b in batches)
+    counts = Counter(s for s in shapes if s is not None)
+    assert Counter(shapes[b[0]] for b in batches if shapes[b[0]] is not None) == {
+        s: math.ceil(n / batch_size) for s, n in counts.items()}
+    for k, batch in enumerate(batches):
+        shape = shapes[batch[0]]
+        if shape is not None and len(batch) < batch_size:
+            assert all(len(b) < batch_size or shapes[b[0]] != shape for b in batches[k + 1:])
+
+
+def test_short_batches_are_spread_between_the_full_ones_once_the_headers_are_read():
+    """Eight full batches of one ratio and four photographs of ratios of their own, every
+    header read ahead: the four go between the full batches, not after the last."""
+    a, odd = (4, 6), [(5, 5), (4, 7), (7, 4), (3, 9)]
+    shapes = [a] * 4 + odd + [a] * 28
+    batches = _batches(_Planned(shapes, 4, ready_after={0: len(shapes)}))
+    order = ["full" if len(b) == 4 else shapes[b[0]] for b in batches]
+    assert order == ["full", "full", odd[0], "full", "full", odd[1], "full", "full", odd[2],
+                     "full", "full", odd[3]]
+    # read one header at a time (nothing ahead), they come only once the last is read
+    batches = _batches(_Planned(shapes, 4))
+    assert [len(b) for b in batches] == [4] * 8 + [1] * 4
 
 
 def test_fit_reads_no_header_and_keeps_the_order(tmp_path):
@@ -99,10 +169,11 @@ def test_loader_batches_are_full_across_the_run(tmp_path):
         Image.fromarray(noise(h, w, seed=i)).save(path)
         files.append((f"{i}.png", str(path)))
         ratio_of[f"{i}.png"] = (w, h)
-    loader = DataLoader(ImageFileDataset(files, SHORT), batch_sampler=ShapeBatchSampler(files, SHORT, 3),
+    sampler = ShapeBatchSampler(files, SHORT, 3)
+    loader = DataLoader(ImageFileDataset(files, SHORT), batch_sampler=sampler,
                         num_workers=2, collate_fn=functools.partial(collate_images, resize="short"))
     sizes = Counter()
-    for batch in regroup(iter(loader), 3, max_waiting=12):
+    for batch in regroup(iter(loader), sampler.batch_ends):
         assert len({hw for _, _, hw in batch.groups}) == 1
         assert len({ratio_of[m.rel_path] for m in batch.items}) == 1
         sizes[len(batch)] += 1
@@ -115,12 +186,29 @@ def test_header_readers_give_the_sizes_in_order_and_survive_a_dead_reader(tmp_pa
     paths = [str(tmp_path / rel) for rel in sizes] * 3 + [str(tmp_path / "missing.png")]
     want = [header_size(p) for p in paths]
     with HeaderReaders(2, chunksize=2) as read:
-        assert list(read(paths)) == want
-        assert list(ShapeBatchSampler([(p, p) for p in paths], SHORT, 4, read_sizes=read)) == \
-            list(ShapeBatchSampler([(p, p) for p in paths], SHORT, 4))
+        assert drain(read(paths)) == want
+        stream = read(paths)
+        got, deadline = stream.next(), time.monotonic() + 30
+        while not stream.finished and time.monotonic() < deadline:
+            got += stream.ready()  # read ahead in the background: no next() needed
+            time.sleep(0.01)
+        assert got == want and stream.next() is None
+        assert sorted(map(sorted, ShapeBatchSampler([(p, p) for p in paths], SHORT, 4, read_sizes=read))) == \
+            sorted(map(sorted, ShapeBatchSampler([(p, p) for p in paths], SHORT, 4)))
     with HeaderReaders(1, chunksize=1, initializer=functools.partial(os._exit, 3)) as read:  # each reader dies
-        assert list(read(paths)) == want
-    assert list(HeaderReaders(1)(paths)) == want  # not started: read here
+        assert drain(read(paths)) == want
+    assert drain(HeaderReaders(1)(paths)) == want  # not started: read here
+
+
+def drain(stream) -> list:
+    out = []
+    while True:
+        out += stream.ready()
+        got = stream.next()
+        if got is None:
+            assert stream.finished
+            return out
+        out += got
 
 
 def test_readers_fork_with_the_parents_objects_frozen():

@@ -94,10 +94,10 @@ def segment_on_device(config: SegmentConfig, device: torch.device, todo: list[tu
     # this process, which drives the GPU, does nothing per image.
     headers = HeaderReaders(max(1, workers // 8) if workers and config.resize != "fit" else 0,
                             loader_context(), functools.partial(exit_with_parent, os.getpid()))
+    # batches of one shape planned from the headers; regroup joins their chunks
+    sampler = ShapeBatchSampler(todo, prep, config.batch_size, read_sizes=headers)
     loader = WorkerLoader(
-        ImageFileDataset(todo, prep, config.max_pixels or None),
-        # batches of one shape planned from the headers; regroup joins their chunks
-        batch_sampler=ShapeBatchSampler(todo, prep, config.batch_size, read_sizes=headers),
+        ImageFileDataset(todo, prep, config.max_pixels or None), batch_sampler=sampler,
         num_workers=workers,
         collate_fn=functools.partial(collate_images, resize=config.resize),
         pin_memory=device.type == "cuda",
@@ -111,7 +111,7 @@ def segment_on_device(config: SegmentConfig, device: torch.device, todo: list[tu
                               stats_commit_seconds=config.stats_commit_seconds)
     # Start the header readers and the decoding workers (fork) before any thread.
     headers.start()
-    batches = regroup(iter(loader), config.batch_size, max_waiting=4 * config.batch_size)
+    batches = regroup(iter(loader), sampler.batch_ends)
     shapes: Counter = Counter()
     seen: set[tuple[int, int]] = set()
 
