@@ -140,8 +140,8 @@ def forward_alone(cfg: PhotoBenchConfig, device, calls: list[list]) -> dict:
     warmed: a fresh CUDA context that has run only the warm-up shape, so each of the
     job's shapes is new to it as it was to the job (``cold``: every call once, first
     calls included, which is what the job paid); then the same calls again (``warm``:
-    every shape seen before). ``once`` is the job's: a shape's only, short batch runs
-    on PyTorch's own convolutions (``Segmenter.logits(once=True)``)."""
+    every shape seen before). ``once`` is the job's: a short batch runs on PyTorch's
+    own convolutions (``Segmenter.logits(once=True)``)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -151,14 +151,8 @@ def forward_alone(cfg: PhotoBenchConfig, device, calls: list[list]) -> dict:
 
 def sorted_calls(cfg: PhotoBenchConfig, batch_shapes: list[list[int]]) -> list[list]:
     """The job's batches ([n, h, w, count] each) as calls sorted by shape, every batch of
-    a shape together, with the job's ``once``."""
-    from collections import Counter
-
-    batches_of = Counter()
-    for n, h, w, k in batch_shapes:
-        batches_of[(h, w)] += k
-    return [[n, h, w, batches_of[(h, w)] == 1 and n < cfg.batch_size]
-            for n, h, w, k in batch_shapes for _ in range(k)]
+    a shape together, with the job's ``once`` (a short batch)."""
+    return [[n, h, w, n < cfg.batch_size] for n, h, w, k in batch_shapes for _ in range(k)]
 
 
 def _forward_alone(cfg: PhotoBenchConfig, device: str, calls: list[list]) -> dict:
@@ -261,6 +255,7 @@ def run(cfg: PhotoBenchConfig, log=print) -> dict:
                 "steady_seconds": steady_s, "steady_images_per_s": images / steady_s if steady_s else None,
                 "gpu_idle_fraction": engine.get("gpu_idle_fraction"), "timing": summary["timing"],
                 "phases": summary["phases"], "skipped": summary["skipped"], "host_cpu": cpu.result(),
+                "engine": engine,
                 "decoders": summary.get("decoders")},
         "forward_alone": alone, "forward_alone_by_shape": by_shape,
         "short_calls_before_last_full": _shorts_between(calls, cfg.batch_size),

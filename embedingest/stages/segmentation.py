@@ -231,10 +231,11 @@ class Segmenter:
     def logits(self, pixels: torch.Tensor, once: bool = False) -> torch.Tensor:
         """Per-class scores [B, C, H, W] at input size, in the model dtype.
 
-        ``once``: this input shape is run only this once (an image of an aspect ratio of
-        its own), so it runs on PyTorch's own convolutions: cuDNN's set-up for a shape it
-        has not seen costs far more host time than the convolutions it would save on one
-        small batch (see benchmarks/new_shape_cost.py)."""
+        ``once``: this batch size at this input shape is run only this once (an image of
+        an aspect ratio of its own, a shape's last, short batch), so it runs on PyTorch's
+        own convolutions: cuDNN's set-up for a shape and batch size it has not seen costs
+        far more host time than the convolutions it would save on one short batch (see
+        benchmarks/new_shape_cost.py)."""
         if once and pixels.is_cuda:
             with torch.backends.cudnn.flags(enabled=False):
                 return self.model(self.preprocess(pixels))["out"]

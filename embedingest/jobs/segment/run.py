@@ -113,7 +113,6 @@ def segment_on_device(config: SegmentConfig, device: torch.device, todo: list[tu
     headers.start()
     batches = regroup(iter(loader), sampler.batch_ends)
     shapes: Counter = Counter()
-    seen: set[tuple[int, int]] = set()
 
     def send(batch: ImageBatch) -> torch.Tensor | None:
         if not batch.groups:
@@ -123,10 +122,9 @@ def segment_on_device(config: SegmentConfig, device: torch.device, todo: list[tu
     def forward(batch_no: int, batch: ImageBatch, pixels: torch.Tensor):
         """The masks (and logits) of a batch, in as few parts as fit a host slot."""
         shapes[tuple(pixels.shape[:1]) + tuple(pixels.shape[2:])] += 1
-        # a shape's short batch comes after its full ones, so a short batch of a shape not
-        # run before is the only batch of that shape
-        once = len(batch) < config.batch_size and tuple(pixels.shape[2:]) not in seen
-        seen.add(tuple(pixels.shape[2:]))
+        # a shape has one short batch, after its full ones: its size at that shape is
+        # run once, so a convolution set-up for it would not pay
+        once = len(batch) < config.batch_size
         with annotate("segment forward", "compute"):
             logits = segmenter.logits(pixels, once=once)
             masks, metas = segmenter.image_masks(logits, batch.items, full_max)
