@@ -78,6 +78,15 @@ def _weights_enum(arch: str):
     return tvmodels.get_model_weights(arch).DEFAULT
 
 
+def preset_preprocessing(arch: str, resize: str = "short", size: int | None = None) -> Preprocessing:
+    """The preprocessing of ``arch``'s weights' preset (what
+    ``load_segmentation_model(arch).preprocessing(resize, size)`` gives), without building
+    the model: the decoders start before it exists."""
+    transforms = _weights_enum(arch).transforms()
+    return Preprocessing(resize, size or int(transforms.resize_size[0]), tuple(transforms.mean),
+                         tuple(transforms.std), transforms.interpolation.value, bool(transforms.antialias))
+
+
 def hub_checkpoint_path(arch: str = "deeplabv3_resnet50") -> Path:
     """Where torchvision keeps the pretrained checkpoint of ``arch`` once downloaded."""
     url = _weights_enum(arch).url

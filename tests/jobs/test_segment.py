@@ -265,6 +265,22 @@ def test_config_errors(tmp_path, weights, monkeypatch):
         segment(SegmentConfig(out=str(tmp_path / "o")))
 
 
+def test_weights_that_fail_stop_the_decoders_started_before_them(tmp_path, monkeypatch, no_leaks):
+    """The decoders start before the model is built (they decode while it loads): weights
+    that are missing or do not fit stop the run with the reason and leave no process and
+    no output behind."""
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path / "hub"))
+    image_tree(tmp_path / "images")
+    torch.save({"classifier.4.weight": torch.zeros(3, 8, 1, 1)}, tmp_path / "wrong.pt")
+    base = dict(images=str(tmp_path / "images"), out=str(tmp_path / "o"), size=SIZE, batch_size=2,
+                num_workers=2, num_consumers=1, device="cpu")
+    with pytest.raises(ConfigError, match="--random-weights"):
+        segment(SegmentConfig(**base), progress=False)
+    with pytest.raises(ConfigError, match="do not fit deeplabv3_resnet50 with 3 classes"):
+        segment(SegmentConfig(**base, weights=str(tmp_path / "wrong.pt")), progress=False)
+    assert not (tmp_path / "o" / "labels.json").exists()
+
+
 def test_preset_holds_the_defaults():
     preset = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "segment.toml")
     assert load_config(SegmentConfig, preset) == SegmentConfig()

@@ -14,6 +14,7 @@ import torch
 from tqdm import tqdm
 
 from ...config import SegmentConfig
+from ...engine import EgressEngine
 from ...engine.consumers import exit_with_parent, loader_context
 from ...engine.worker_loader import WorkerLoader
 from ...engine.markers import annotate
@@ -24,7 +25,8 @@ from ...sinks.masks import MaskSinkFactory, labels_info, write_labels
 from ...sources.image_decode import LONG_SIDE_LIMIT, ImageMeta
 from ...sources.images import ImageBatch, ImageFileDataset, collate_images, regroup
 from ...sources.shape_batches import HeaderReaders, ShapeBatchSampler
-from ...stages.segmentation import Segmenter, load_segmentation_model
+from ...stages.segmentation import (Segmenter, SegmentationModel, load_segmentation_model,
+                                    preset_preprocessing)
 
 
 def slot_spec(config: SegmentConfig, num_classes: int) -> dict:
@@ -62,34 +64,9 @@ def _parts(metas: list[ImageMeta], masks: list[torch.Tensor], logits: list[torch
             used[k] += n
 
 
-def segment_on_device(config: SegmentConfig, device: torch.device, todo: list[tuple[str, str]],
-                  report: SkipReport, progress: bool = False, timeline: str | None = None,
-                  on_images=None, processes: int = 1, trace: str | None = None) -> dict:
-    """Segment ``todo`` ((rel_path, path) pairs) on one device; bad images go to
-    ``report``; ``on_images(n)`` is told of every n images handled; ``processes`` device
-    processes share the host's cores. Returns the summary fields of the run, ``timing``
-    among them: where this process's time went (model load; starting the decoding workers
-    and the engine; waiting for the first batch and for later ones, where the decoders are
-    the bound; the first forward, which includes CUDA's lazy set-up; the others with
-    their hand-over to the engine; closing, the consumers' last masks), and
-    ``batch_shapes``: how many batches of each size and model input shape ran."""
-    t0 = time.perf_counter()
-    timing = {"load_model_s": 0.0}
-    loaded = load_segmentation_model(config.arch, config.weights, config.num_classes,
-                                     config.random_weights)
-    prep = loaded.preprocessing(config.resize, config.size)
-    full_max = config.upsample_max_pixels if config.resize == "short" else 0
-    write_labels(config.out, labels_info(loaded.arch, loaded.source, loaded.categories,
-                                         prep.describe(), full_max, loaded.preset),
-                 replace=config.overwrite)
-    segmenter = Segmenter(loaded, device, config.dtype)
-    # cuDNN's algorithm search (torch.backends.cudnn.benchmark) stays off: on an H200 it
-    # found no faster kernels for DeepLabV3-ResNet50 at batch 16 (fp16 741 against 739
-    # images/s, fp32 392 against 392) and cost 1.6-3.6 s (fp16) and 12 s (fp32) at the
-    # start of every process, and it would search again for every new input shape.
-    t_loaded = time.perf_counter()
-    timing["load_model_s"] = t_loaded - t0
-    workers = min(share_of_cpus(config.num_workers, processes), -(-len(todo) // config.batch_size))
+def _decoders(config: SegmentConfig, device: torch.device, todo: list[tuple[str, str]], prep,
+              workers: int) -> tuple[HeaderReaders, ShapeBatchSampler, WorkerLoader]:
+    """The header readers, the batch plan and the DataLoader that decodes the images."""
     # Headers are read by processes of their own (a few per cent of the decoding's work), so
     # this process, which drives the GPU, does nothing per image.
     headers = HeaderReaders(max(1, workers // 8) if workers and config.resize != "fit" else 0,
@@ -103,15 +80,70 @@ def segment_on_device(config: SegmentConfig, device: torch.device, todo: list[tu
         pin_memory=device.type == "cuda",
         persistent_workers=False, worker_init_fn=functools.partial(exit_with_parent, os.getpid()),
         multiprocessing_context=loader_context() if workers else None)
-    spec = slot_spec(config, loaded.num_classes)
+    return headers, sampler, loader
+
+
+def _model_and_engine(config: SegmentConfig, device: torch.device, prep
+                      ) -> tuple[SegmentationModel, Segmenter, EgressEngine, float]:
+    """The model on ``device``, labels.json written, and the engine started (its consumers
+    start while the weights go to the device); and the seconds the model took."""
+    t0 = time.perf_counter()
+    loaded = load_segmentation_model(config.arch, config.weights, config.num_classes,
+                                     config.random_weights)
+    full_max = config.upsample_max_pixels if config.resize == "short" else 0
+    write_labels(config.out, labels_info(loaded.arch, loaded.source, loaded.categories,
+                                         prep.describe(), full_max, loaded.preset),
+                 replace=config.overwrite)
     factory = MaskSinkFactory(str(config.out), config.save_logits, config.overlay,
                               config.overlay_alpha, config.max_pixels or None,
                               num_classes=loaded.num_classes, stats=config.stats,
                               categories=tuple(loaded.categories),
                               stats_commit_seconds=config.stats_commit_seconds)
-    # Start the header readers and the decoding workers (fork) before any thread.
+    built = time.perf_counter() - t0
+    engine = EgressEngine(factory, num_consumers=config.num_consumers, num_slots=config.num_slots or None,
+                          device=str(device), slot_spec=slot_spec(config, loaded.num_classes)).start()
+    t_moving = time.perf_counter()
+    try:
+        # cuDNN's algorithm search (torch.backends.cudnn.benchmark) stays off: on an H200 it
+        # found no faster kernels for DeepLabV3-ResNet50 at batch 16 (fp16 741 against 739
+        # images/s, fp32 392 against 392) and cost 1.6-3.6 s (fp16) and 12 s (fp32) at the
+        # start of every process, and it would search again for every new input shape.
+        segmenter = Segmenter(loaded, device, config.dtype)
+    except BaseException:
+        engine.stop()
+        raise
+    return loaded, segmenter, engine, built + time.perf_counter() - t_moving
+
+
+def segment_on_device(config: SegmentConfig, device: torch.device, todo: list[tuple[str, str]],
+                  report: SkipReport, progress: bool = False, timeline: str | None = None,
+                  on_images=None, processes: int = 1, trace: str | None = None) -> dict:
+    """Segment ``todo`` ((rel_path, path) pairs) on one device; bad images go to
+    ``report``; ``on_images(n)`` is told of every n images handled; ``processes`` device
+    processes share the host's cores. Returns the summary fields of the run, ``timing``
+    among them: where this process's time went (model load; starting the decoding workers
+    and the engine; waiting for the first batch and for later ones, where the decoders are
+    the bound; the first forward, which includes CUDA's lazy set-up; the others with
+    their hand-over to the engine; closing, the consumers' last masks), and
+    ``batch_shapes``: how many batches of each size and model input shape ran."""
+    t0 = time.perf_counter()
+    # The decoders need only the weights' preprocessing: they start first (forked before
+    # any thread, and before the model exists) and decode the first batches while the
+    # model loads and the engine's consumers start.
+    prep = preset_preprocessing(config.arch, config.resize, config.size)
+    workers = min(share_of_cpus(config.num_workers, processes), -(-len(todo) // config.batch_size))
+    headers, sampler, loader = _decoders(config, device, todo, prep, workers)
     headers.start()
     batches = regroup(iter(loader), sampler.batch_ends)
+    try:
+        loaded, segmenter, engine, loading = _model_and_engine(config, device, prep)
+    except BaseException:
+        batches.close()  # the decoders' iterator goes with it: they are shut down
+        headers.__exit__(None, None, None)
+        raise
+    timing = {"load_model_s": loading}
+    full_max = config.upsample_max_pixels if config.resize == "short" else 0
+    spec = slot_spec(config, loaded.num_classes)
     shapes: Counter = Counter()
 
     def send(batch: ImageBatch) -> torch.Tensor | None:
@@ -145,10 +177,10 @@ def segment_on_device(config: SegmentConfig, device: torch.device, todo: list[tu
 
         steps = BatchSteps(send, forward, skipped=lambda batch: [(b.path, b.reason) for b in batch.bad],
                            done=done)
-        engine = run_batches(factory, batches, steps, device=device, slot_spec=spec,
+        engine = run_batches(engine.sink_factory, batches, steps, device=device, slot_spec=spec,
                              num_consumers=config.num_consumers, num_slots=config.num_slots or None,
                              on_skip=functools.partial(report.add, stage="read"), timing=timing,
-                             started=t_loaded)
+                             started=t0 + loading, engine=engine)
     if timeline and engine.stats.records:
         from ...engine.timeline import render_timeline
 
