@@ -121,20 +121,29 @@ def build_index_command(folder: Path, out: Path, cfg: DocumentsBenchConfig, extr
     return {"name": " ".join(["embedingest build-index", *extra]), "kind": "engine",
             "command": " ".join(cmd[1:]), "seconds": seconds, "chunks": chunks,
             "chunks_per_s": chunks / seconds, "steady_chunks_per_s": chunks / wall if wall else None,
-            "startup": startup(seconds, summary), "peak_pss_mb": peak[0] / 2**20, "summary": summary}
+            "startup": startup(seconds, summary, t0), "peak_pss_mb": peak[0] / 2**20, "summary": summary}
 
 
-def startup(wall: float, summary: dict) -> dict:
+def startup(wall: float, summary: dict, t0: float | None = None) -> dict:
     """Where a cold command's start went: before ``build_index`` was called (interpreter,
     imports, CLI), the phases up to the encode step, the engine's start and the wait for
-    the first batch; their sum is the time from the command's start to the first batch."""
+    the first batch; their sum is the time from the command's start to the first batch.
+
+    ``t0``: the ``time.perf_counter()`` the command was started at. The summary's
+    ``started`` is the call's on the same clock (CLOCK_MONOTONIC, one for the host's
+    processes), so ``before_call_s`` is exactly the time before the call, and the exit
+    after it (``after_return_s``) is not counted; without them it is ``wall`` less the
+    call's seconds, the exit included."""
     phases, timing = summary["phases"], summary.get("timing") or {}
-    out = {"before_call_s": wall - summary["seconds"],
+    exact = t0 is not None and summary.get("started") is not None
+    before = summary["started"] - t0 if exact else wall - summary["seconds"]
+    out = {"before_call_s": before,
            **{k: phases[k] for k in phases if k not in ("encode_s", "finish_s")},
            "engine_start_s": timing.get("start_s", 0.0), "first_batch_s": timing.get("first_batch_s", 0.0)}
     out["to_first_batch_s"] = sum(out.values())
     out["first_forward_s"] = timing.get("first_forward_s", 0.0)
-    return {k: round(v, 3) for k, v in out.items()}
+    out["after_return_s"] = wall - before - summary["seconds"] if exact else None
+    return {k: (round(v, 3) if v is not None else None) for k, v in out.items()}
 
 
 def chunk_windows(folder: Path, tokenizer, chunk_tokens: int, overlap: int) -> tuple[list, list]:

@@ -75,6 +75,7 @@ def test_bench_text_documents_on_the_cpu_writes_its_rows(tmp_path, monkeypatch):
     assert engine["vectors_mb"] == engine["chunks"] * 384 * 4 / 2**20
     assert 50 < engine["peak_pss_mb"] < 8192  # the command's processes were sampled
     assert 0 < engine["startup"]["to_first_batch_s"] < engine["seconds"] <= time.perf_counter() - t0
+    assert engine["startup"]["after_return_s"] > 0  # the command's exit, not counted
     assert data["documents"]["documents"] == len(DOCS) and data["config"]["device"] == "cpu"
     (summary,) = data["build_index_summaries"]
     assert summary["device"] == "cpu" and summary["vectors_total"] == engine["chunks"]
@@ -82,3 +83,16 @@ def test_bench_text_documents_on_the_cpu_writes_its_rows(tmp_path, monkeypatch):
     assert summary["engine"]["num_consumers"] == 1 and "--num-workers 1" in engine["command"]
     trace = json.loads((tmp_path / "trace.json").read_text())
     assert sum(e.get("cat") == "consumer" for e in trace["traceEvents"]) == summary["engine"]["batches"]
+
+
+def test_startup_counts_the_time_before_the_call_on_the_command_s_clock():
+    """With the call's start on the clock the command was started on, the time before
+    the call is exact and the exit after it is left out; without it, the old estimate."""
+    summary = {"seconds": 10.0, "started": 102.5, "phases": {"import_s": 1.0, "plan_s": 0.5,
+                                                              "load_model_s": 1.0, "encode_s": 7.0},
+               "timing": {"start_s": 0.1, "first_batch_s": 0.2, "first_forward_s": 0.3}}
+    exact = documents.startup(13.0, summary, t0=100.0)
+    assert exact["before_call_s"] == 2.5 and exact["after_return_s"] == 0.5
+    assert exact["to_first_batch_s"] == 2.5 + 1.0 + 0.5 + 1.0 + 0.1 + 0.2
+    rough = documents.startup(13.0, summary)
+    assert rough["before_call_s"] == 3.0 and rough["after_return_s"] is None

@@ -250,7 +250,7 @@ def _build_locked(corpus, cfg: IndexConfig, out: Path, model, built: list, where
         "skipped": len(report), "skipped_by_reason": report.by_reason(),
         "passed_over": dict(report.passed_over.most_common()),
         "report": str(out / REPORT_NAME), "report_run": report.run,
-        "skipped_earlier": report.earlier, "seconds": round(seconds, 3),
+        "skipped_earlier": report.earlier, "seconds": round(seconds, 3), "started": t_start,
         "docs_per_s": round(counts["docs"] / seconds, 1) if seconds else 0.0,
         "chunks_per_s": round(counts["chunks"] / seconds, 1) if seconds else 0.0,
         "engine": stats.summary() if stats else None,
