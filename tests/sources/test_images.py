@@ -267,6 +267,8 @@ def test_regroup_gives_the_planned_batches_as_their_last_chunk_comes(plan, bads)
 def test_regroup_refuses_chunks_that_end_inside_a_batch():
     with pytest.raises(RuntimeError, match="inside a planned batch"):
         list(regroup(iter([_chunk([(4, 6)], 0)]), deque([False])))
+    with pytest.raises(RuntimeError, match="inside a planned batch"):  # bad images only
+        list(regroup(iter([_chunk([], 0, bad=1)]), deque([False])))
 
 
 def test_prepare_picture_accepts_arrays_and_pil():

@@ -152,6 +152,15 @@ def test_short_batches_are_spread_between_the_full_ones_once_the_headers_are_rea
     assert [len(b) for b in batches] == [4] * 8 + [1] * 4
 
 
+def test_a_shapes_short_batch_waits_for_all_its_full_ones():
+    """Three full batches of one ratio are still to go when the headers end: its short
+    batch goes after the third, though its turn between the full ones came earlier."""
+    a, b = (4, 6), (6, 4)
+    shapes = [a] * 13 + [b] * 5
+    batches = _batches(_Planned(shapes, 4, ready_after={0: len(shapes)}))
+    assert [(shapes[x[0]], len(x)) for x in batches] == [(a, 4), (a, 4), (a, 4), (a, 1), (b, 4), (b, 1)]
+
+
 def test_fit_reads_no_header_and_keeps_the_order(tmp_path):
     files = [(f"{i}", str(tmp_path / f"missing{i}.jpg")) for i in range(10)]
     sampler = ShapeBatchSampler(files, Preprocessing("fit", SIZE), 4)
