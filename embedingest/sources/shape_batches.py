@@ -143,6 +143,10 @@ class HeaderReaders:
         return self.start()
 
     def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the readers (a chunk being read is left to finish)."""
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)

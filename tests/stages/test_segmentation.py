@@ -19,7 +19,8 @@ from embedingest.errors import ConfigError
 from embedingest.sources.image_decode import ImageMeta
 from embedingest.stages.device import resolve_dtype
 from embedingest.stages.segmentation import (ARCHITECTURES, Segmenter, hub_checkpoint_path,
-                                             load_segmentation_model, upsampled_argmax)
+                                             load_segmentation_model, preset_preprocessing,
+                                             upsampled_argmax)
 
 SMALL = "deeplabv3_mobilenet_v3_large"   # same head and loading path, a quarter of the bytes
 
@@ -370,3 +371,16 @@ def test_cuda_once_runs_without_cudnn_and_agrees(r50_weights, dtype, monkeypatch
     print(dtype, got, ref)
     assert got["agree"] >= ref["agree"] - 0.01, (got, ref)
     check_half_precision(got)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_preset_preprocessing_is_the_loaded_models(arch):
+    """The decoders start with the preset's preprocessing before the model is built: it
+    must be the one the built model gives, and the weights' own transforms()."""
+    loaded = load_segmentation_model(arch, None, None, random_weights=True)
+    for resize, size in (("short", None), ("fit", 320)):
+        assert preset_preprocessing(arch, resize, size) == loaded.preprocessing(resize, size)
+    transforms = get_model_weights(arch).DEFAULT.transforms()
+    prep = preset_preprocessing(arch)
+    assert (prep.size, prep.mean, prep.std) == (transforms.resize_size[0], tuple(transforms.mean),
+                                                tuple(transforms.std))

@@ -83,14 +83,14 @@ def _decoders(config: SegmentConfig, device: torch.device, todo: list[tuple[str,
     return headers, sampler, loader
 
 
-def _model_and_engine(config: SegmentConfig, device: torch.device, prep
-                      ) -> tuple[SegmentationModel, Segmenter, EgressEngine, float]:
+def _model_and_engine(config: SegmentConfig, device: torch.device, prep, full_max: int
+                      ) -> tuple[SegmentationModel, Segmenter, EgressEngine, dict, float]:
     """The model on ``device``, labels.json written, and the engine started (its consumers
-    start while the weights go to the device); and the seconds the model took."""
+    start while the weights go to the device); the engine's slot spec and the seconds the
+    model took."""
     t0 = time.perf_counter()
     loaded = load_segmentation_model(config.arch, config.weights, config.num_classes,
                                      config.random_weights)
-    full_max = config.upsample_max_pixels if config.resize == "short" else 0
     write_labels(config.out, labels_info(loaded.arch, loaded.source, loaded.categories,
                                          prep.describe(), full_max, loaded.preset),
                  replace=config.overwrite)
@@ -99,9 +99,10 @@ def _model_and_engine(config: SegmentConfig, device: torch.device, prep
                               num_classes=loaded.num_classes, stats=config.stats,
                               categories=tuple(loaded.categories),
                               stats_commit_seconds=config.stats_commit_seconds)
+    spec = slot_spec(config, loaded.num_classes)
     built = time.perf_counter() - t0
     engine = EgressEngine(factory, num_consumers=config.num_consumers, num_slots=config.num_slots or None,
-                          device=str(device), slot_spec=slot_spec(config, loaded.num_classes)).start()
+                          device=str(device), slot_spec=spec).start()
     t_moving = time.perf_counter()
     try:
         # cuDNN's algorithm search (torch.backends.cudnn.benchmark) stays off: on an H200 it
@@ -112,7 +113,7 @@ def _model_and_engine(config: SegmentConfig, device: torch.device, prep
     except BaseException:
         engine.stop()
         raise
-    return loaded, segmenter, engine, built + time.perf_counter() - t_moving
+    return loaded, segmenter, engine, spec, built + time.perf_counter() - t_moving
 
 
 def segment_on_device(config: SegmentConfig, device: torch.device, todo: list[tuple[str, str]],
@@ -135,15 +136,14 @@ def segment_on_device(config: SegmentConfig, device: torch.device, todo: list[tu
     headers, sampler, loader = _decoders(config, device, todo, prep, workers)
     headers.start()
     batches = regroup(iter(loader), sampler.batch_ends)
+    full_max = config.upsample_max_pixels if config.resize == "short" else 0
     try:
-        loaded, segmenter, engine, loading = _model_and_engine(config, device, prep)
+        loaded, segmenter, engine, spec, loading = _model_and_engine(config, device, prep, full_max)
     except BaseException:
         batches.close()  # the decoders' iterator goes with it: they are shut down
-        headers.__exit__(None, None, None)
+        headers.close()
         raise
     timing = {"load_model_s": loading}
-    full_max = config.upsample_max_pixels if config.resize == "short" else 0
-    spec = slot_spec(config, loaded.num_classes)
     shapes: Counter = Counter()
 
     def send(batch: ImageBatch) -> torch.Tensor | None:
