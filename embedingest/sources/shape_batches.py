@@ -33,8 +33,6 @@ from .image_decode import Preprocessing, header_size
 
 __all__ = ["ShapeBatchSampler", "HeaderReaders", "SizeStream"]
 
-Size = "tuple[int, int] | None"
-
 
 class SizeStream:
     """Files' sizes from their headers, in order, a chunk at a time: ``ready()`` gives
@@ -60,7 +58,7 @@ class SizeStream:
             return None
         chunk = self.paths[self.done:self.done + self.chunksize]
         self.done += len(chunk)
-        return [header_size(p) for p in chunk]
+        return _read_chunk(chunk)
 
 
 def read_here(paths: Sequence[str]) -> SizeStream:
@@ -101,12 +99,13 @@ class _PoolSizes(SizeStream):
         try:
             sizes = future.result()
         except BrokenProcessPool:
-            sizes = [header_size(p) for p in chunk]
+            sizes = _read_chunk(chunk)
         self.done += len(chunk)
         return sizes
 
 
 def _read_chunk(paths: Sequence[str]) -> list:
+    """Each file's (width, height) from its header, None where it cannot be read."""
     return [header_size(p) for p in paths]
 
 
