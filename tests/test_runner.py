@@ -7,7 +7,7 @@ import pytest
 import torch
 from engine_sinks import recording_sink_factory
 
-from embedingest.runner import LOOP_KEYS, BatchSteps, run_batches
+from embedingest.runner import LOOP_KEYS, WAIT_SPAN_MIN, BatchSteps, run_batches
 
 SPEC = {"y": ((2,), "float32")}
 
@@ -84,7 +84,7 @@ def test_an_error_in_forward_is_raised_and_the_loader_closed():
 
 def test_a_wait_for_input_is_a_span_of_the_engine():
     """The trace shows when the loop waited for its loader: a slow batch's wait is a host
-    span as long as the wait, a ready batch's is none."""
+    span as long as the wait; only waits over WAIT_SPAN_MIN are kept."""
     import time
 
     def slow(n):
@@ -97,4 +97,6 @@ def test_a_wait_for_input_is_a_span_of_the_engine():
     engine = run_batches(recording_sink_factory, slow(4), steps, device="cpu", slot_spec=SPEC,
                          num_consumers=1, num_slots=2, on_skip=print)
     waits = [b - a for lane, a, b in engine.stats.spans if lane == "loop: wait for input"]
-    assert len(waits) == 1 and 0.2 <= waits[0] < 1.0
+    slow_ones = [w for w in waits if w >= 0.2]
+    assert len(slow_ones) == 1 and slow_ones[0] < 1.0
+    assert all(w > WAIT_SPAN_MIN for w in waits) and len(waits) <= 4  # a loaded machine may add some
