@@ -99,4 +99,4 @@ def test_a_wait_for_input_is_a_span_of_the_engine():
     waits = [b - a for lane, a, b in engine.stats.spans if lane == "loop: wait for input"]
     slow_ones = [w for w in waits if w >= 0.2]
     assert len(slow_ones) == 1 and slow_ones[0] < 1.0
-    assert all(w > WAIT_SPAN_MIN for w in waits) and len(waits) <= 4  # a loaded machine may add some
+    assert all(w > WAIT_SPAN_MIN for w in waits) and len(waits) <= 5  # one a next(); a loaded machine may add some
