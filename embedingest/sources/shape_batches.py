@@ -255,11 +255,10 @@ class ShapeBatchSampler:
                 free.append(held.pop(shape))
 
 
-class _Fixed(SizeStream):
-    """``count`` inputs of one known shape: all ready."""
+class _Fixed:
+    """A :class:`SizeStream` of ``count`` inputs of one known shape: all ready."""
 
     def __init__(self, count: int, shape: tuple[int, int]):
-        super().__init__([])
         self._left, self._shape = count, shape
 
     @property
@@ -274,11 +273,10 @@ class _Fixed(SizeStream):
         return self.ready() or None
 
 
-class _ModelShapes(SizeStream):
-    """A stream of files' sizes as model input (height, width) shapes."""
+class _ModelShapes:
+    """A :class:`SizeStream` of files' sizes as model input (height, width) shapes."""
 
     def __init__(self, sizes: SizeStream, prep: Preprocessing):
-        super().__init__([])
         self._sizes, self._prep = sizes, prep
 
     def _shapes(self, sizes: list | None) -> list | None:

@@ -10,6 +10,7 @@ import time
 from collections import Counter
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
@@ -159,6 +160,64 @@ def test_a_shapes_short_batch_waits_for_all_its_full_ones():
     shapes = [a] * 13 + [b] * 5
     batches = _batches(_Planned(shapes, 4, ready_after={0: len(shapes)}))
     assert [(shapes[x[0]], len(x)) for x in batches] == [(a, 4), (a, 4), (a, 4), (a, 1), (b, 4), (b, 1)]
+
+
+def test_short_batches_go_fullest_first_and_a_shape_done_early_is_not_held():
+    """The fullest short batch goes first; a shape whose full batches all went before
+    the last header was read has its short batch spread like the others, not kept to
+    the end."""
+    a, b, x, y, z = (4, 6), (6, 4), (5, 5), (4, 7), (7, 4)
+    shapes = [a] * 8 + [x] + [y] * 3 + [z] * 2
+    batches = _batches(_Planned(shapes, 4, ready_after={0: len(shapes)}))
+    assert [(shapes[i[0]], len(i)) for i in batches] == [(a, 4), (y, 3), (a, 4), (z, 2), (x, 1)]
+    shapes = [a] * 8 + [b] * 16 + [a, x]  # a's two full batches go before the rest is read
+    batches = _batches(_Planned(shapes, 4, ready_after={9: len(shapes)}))
+    assert [(shapes[i[0]], len(i)) for i in batches] == [(a, 4), (a, 4), (b, 4), (b, 4), (a, 1),
+                                                          (b, 4), (b, 4), (x, 1)]
+
+
+def test_default_chunks_and_a_bad_batch_size(tmp_path):
+    files = [(str(i), str(tmp_path / f"{i}.png")) for i in range(12)]
+    assert ShapeBatchSampler(files, SHORT, 16).chunk_size == 4  # a quarter batch of whole pictures
+    assert ShapeBatchSampler(files, Preprocessing("fit", SIZE), 16).chunk_size == 16
+    assert ShapeBatchSampler(files, SHORT, 2).chunk_size == 1
+    fit = ShapeBatchSampler(files, Preprocessing("fit", SIZE), 6)
+    assert list(fit) == [list(range(6)), list(range(6, 12))] and list(fit.batch_ends) == [True, True]
+    odd = _Planned([(4, 6)] * 6, 6)
+    assert [len(c) for c in odd] == [1] * 6 and list(odd.batch_ends) == [False] * 5 + [True]
+    with pytest.raises(ValueError, match="batch_size=0: must be at least 1"):
+        ShapeBatchSampler(files, SHORT, 0)
+
+
+def test_the_shapes_are_the_model_inputs_height_then_width(tmp_path):
+    sizes = image_tree(tmp_path)
+    files = [(rel, str(tmp_path / rel)) for rel in sizes]
+    got = drain(ShapeBatchSampler(files, SHORT, 4).shapes())
+    assert got == [SHORT.model_size(*size)[::-1] for size in sizes.values()]
+    assert any(h != w for h, w in got)
+
+
+def _dies_on_the_killer(parent: int, chunk):
+    """A header reader that dies on a file named killer.png (this process reads it)."""
+    if os.getpid() != parent and any(p.endswith("killer.png") for p in chunk):
+        os._exit(9)
+    return [header_size(p) for p in chunk]
+
+
+def test_a_reader_that_dies_mid_stream_leaves_its_chunks_to_this_process(tmp_path, monkeypatch):
+    """A hostile file can take a header reader down while its chunk is read: that chunk
+    and the ones after are read here, and the sizes are those of a plain read."""
+    from embedingest.sources import shape_batches
+
+    sizes = image_tree(tmp_path)
+    paths = [str(tmp_path / rel) for rel in sizes] * 2
+    paths.insert(len(paths) // 2, str(tmp_path / "killer.png"))
+    want = [header_size(p) for p in paths]
+    monkeypatch.setattr(shape_batches, "_read_chunk", functools.partial(_dies_on_the_killer, os.getpid()))
+    with HeaderReaders(1, chunksize=2) as read:
+        stream = read(paths)
+        assert stream._futures, "submitted to the reader, which then dies"
+        assert drain(stream) == want
 
 
 def test_fit_reads_no_header_and_keeps_the_order(tmp_path):
