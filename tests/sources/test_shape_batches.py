@@ -265,7 +265,19 @@ def test_header_readers_give_the_sizes_in_order_and_survive_a_dead_reader(tmp_pa
             sorted(map(sorted, ShapeBatchSampler([(p, p) for p in paths], SHORT, 4)))
     with HeaderReaders(1, chunksize=1, initializer=functools.partial(os._exit, 3)) as read:  # each reader dies
         assert drain(read(paths)) == want
+        assert read._pool._broken, "the readers ran the initializer, and died of it"
     assert drain(HeaderReaders(1)(paths)) == want  # not started: read here
+    assert HeaderReaders(0).start()._pool is None  # no processes asked: none started
+
+
+def test_header_readers_start_as_many_processes_as_asked_and_stop_them():
+    with HeaderReaders(2) as read:
+        processes = list(read._pool._processes.values())
+        assert len(processes) == 2 and all(p.is_alive() for p in processes)
+    assert read._pool is None
+    for p in processes:
+        p.join(timeout=30)
+    assert not any(p.is_alive() for p in processes)
 
 
 def drain(stream) -> list:
