@@ -275,8 +275,9 @@ def test_header_readers_start_as_many_processes_as_asked_and_stop_them():
         processes = list(read._pool._processes.values())
         assert len(processes) == 2 and all(p.is_alive() for p in processes)
     assert read._pool is None
-    for p in processes:
-        p.join(timeout=30)
+    deadline = time.monotonic() + 30
+    while any(p.is_alive() for p in processes) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not any(p.is_alive() for p in processes)
 
 
