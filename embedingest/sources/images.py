@@ -155,7 +155,7 @@ def collate_images(samples: Sequence[LoadedImage | BadImage], resize: str = "sho
                       tuple(s for s in samples if isinstance(s, BadImage)))
 
 
-def regroup(chunks: Iterable[ImageBatch], ends: Iterable[bool] | deque) -> Iterator[ImageBatch]:
+def regroup(chunks: Iterable[ImageBatch], ends: deque[bool]) -> Iterator[ImageBatch]:
     """The planned batches from decoded chunks: ``ends`` says, for each chunk in turn,
     whether it is the last of its batch (``ShapeBatchSampler.batch_ends``, popped as the
     chunks come). A batch goes the moment its last chunk is decoded, bad images with it.
@@ -164,13 +164,12 @@ def regroup(chunks: Iterable[ImageBatch], ends: Iterable[bool] | deque) -> Itera
     an image's size (it is taken from the header to plan), that batch goes as one batch
     per shape.
     """
-    pop = ends.popleft if isinstance(ends, deque) else iter(ends).__next__
     parts: list[Group] = []
     bad: tuple[BadImage, ...] = ()
     for chunk in chunks:
         parts += chunk.groups
         bad += chunk.bad
-        if not pop():
+        if not ends.popleft():
             continue
         by_shape: dict[tuple[int, int], list[Group]] = {}
         for group in parts:

@@ -264,6 +264,14 @@ def test_regroup_gives_the_planned_batches_as_their_last_chunk_comes(plan, bads)
                 assert image.shape[:2] == hw == (meta.content_height, meta.content_width)
 
 
+def test_regroup_gives_a_batch_of_bad_images_alone_with_its_reasons():
+    chunks = [_chunk([(4, 6)], 0), _chunk([], 1, bad=2), _chunk([], 3, bad=1), _chunk([(4, 6)], 4)]
+    got = list(regroup(iter(chunks), deque([True, False, True, True])))
+    assert [([m.rel_path for m in b.items], [x.rel_path for x in b.bad]) for b in got] == [
+        (["0"], []), ([], ["bad1", "bad2", "bad3"]), (["4"], [])]
+    assert got[1].groups == [] and len(got[1]) == 0
+
+
 def test_regroup_refuses_chunks_that_end_inside_a_batch():
     with pytest.raises(RuntimeError, match="inside a planned batch"):
         list(regroup(iter([_chunk([(4, 6)], 0)]), deque([False])))
