@@ -76,11 +76,12 @@ class _PoolSizes(SizeStream):
     def __init__(self, paths: Sequence[str], pool: ProcessPoolExecutor, chunksize: int):
         super().__init__(paths, chunksize)
         self._futures: deque[Future] = deque()
-        try:
-            for start in range(0, len(paths), chunksize):
-                self._futures.append(pool.submit(_read_chunk, paths[start:start + chunksize]))
-        except BrokenProcessPool:
-            pass  # the chunks not submitted are read here
+        for start in range(0, len(paths), chunksize):
+            try:
+                future = pool.submit(_read_chunk, paths[start:start + chunksize])
+            except BrokenProcessPool:
+                break  # a reader died already: next() reads the chunks not submitted here
+            self._futures.append(future)
 
     def ready(self) -> list:
         out = []
