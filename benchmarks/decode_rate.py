@@ -15,10 +15,11 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from embedingest.sources.image_decode import IMAGE_EXTENSIONS, Preprocessing
+from embedingest.sources.image_decode import IMAGE_EXTENSIONS
 from embedingest.sources.images import prepare_file
+from embedingest.stages.segmentation import preset_preprocessing
 
-PREP = Preprocessing("short", 520, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225), "bilinear", True)
+PREP = preset_preprocessing("deeplabv3_resnet50")  # the job's default: the weights' own
 
 
 def _decode(path: str) -> tuple[str, float, int]:
