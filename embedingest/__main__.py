@@ -5,11 +5,11 @@ exit status EXIT_INTERRUPTED."""
 import sys
 
 try:
-    from .cli import main
+    from .cli import run
 except KeyboardInterrupt:
     from .exit_codes import EXIT_INTERRUPTED
 
     sys.stderr.write("\ninterrupted: nothing was started yet; run the same command again\n")
     sys.exit(EXIT_INTERRUPTED)
 
-main(prog_name="embedingest")
+run()

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import NoReturn
 
 import click
 
 from .. import __version__
 from .bench import bench
+from .common import end_process
 from .index import build_index_cmd, export, reindex
 from .search import search, serve
 from .segment import segment_command
@@ -32,4 +34,16 @@ def main(verbose: bool) -> None:
 for command in (build_index_cmd, reindex, export, search, serve, segment_command, bench):
     main.add_command(command)
 
-__all__ = ["main"]
+
+def run() -> NoReturn:
+    """The program (the ``embedingest`` script, ``python -m embedingest``): the command
+    line, then the process ends at once (:func:`~.common.end_process`). ``main`` is the
+    click group, for callers that stay in their process (click's test runner)."""
+    try:
+        main(prog_name="embedingest")
+    except SystemExit as done:
+        end_process(done.code)
+    end_process(0)
+
+
+__all__ = ["main", "run"]

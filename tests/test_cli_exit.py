@@ -1,0 +1,81 @@
+"""The program's end (:func:`embedingest.cli.common.end_process`): flushed output, the
+``atexit`` callbacks run, the exit status kept, the interpreter's teardown skipped; the
+usual exit where a thread still runs or the code is a message."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+SCRIPT = textwrap.dedent("""
+    import atexit, pathlib, sys, threading, time
+    from embedingest.cli.common import end_process
+
+    out = pathlib.Path(sys.argv[1])
+    mode, code = sys.argv[2], sys.argv[3]
+
+    class Torn:
+        def __del__(self):  # runs only in the interpreter's teardown
+            (out / "teardown").write_text("ran")
+
+    kept = Torn()
+    atexit.register(lambda: (out / "atexit").write_text("ran"))
+    sys.stdout.write("no newline, still buffered")  # a pipe: block-buffered
+    if mode == "thread":
+        def late():
+            time.sleep(0.3)
+            (out / "thread").write_text("done")
+        threading.Thread(target=late).start()
+    end_process(None if code == "none" else int(code) if code.isdigit() else code)
+""")
+
+
+def _end(tmp_path: Path, mode: str, code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), mode, code],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_the_end_flushes_runs_atexit_keeps_the_status_and_skips_the_teardown(tmp_path):
+    run = _end(tmp_path, "plain", "3")
+    assert run.returncode == 3
+    assert run.stdout == "no newline, still buffered"
+    assert (tmp_path / "atexit").read_text() == "ran"
+    assert not (tmp_path / "teardown").exists()
+
+
+def test_no_code_is_success(tmp_path):
+    assert _end(tmp_path, "plain", "none").returncode == 0
+
+
+def test_a_running_thread_gets_the_usual_exit_which_waits_for_it(tmp_path):
+    run = _end(tmp_path, "thread", "4")
+    assert run.returncode == 4
+    assert (tmp_path / "thread").read_text() == "done"
+    assert (tmp_path / "atexit").read_text() == "ran"
+
+
+def test_a_message_for_a_code_is_printed_with_status_1(tmp_path):
+    run = _end(tmp_path, "plain", "the-message")
+    assert run.returncode == 1
+    assert "the-message" in run.stderr
+    assert run.stdout == "no newline, still buffered"
+
+
+def test_the_program_prints_the_whole_summary_and_its_exit_status(tmp_path):
+    """``python -m embedingest`` through :func:`embedingest.cli.run`: a job's JSON summary
+    whole on a pipe, the status the summary gives (3: an input skipped), a usage error's status 2."""
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("One short document about rivers.\n", encoding="utf-8")
+    (tmp_path / "corpus" / "empty.txt").write_bytes(b"")
+    run = subprocess.run([sys.executable, "-m", "embedingest", "build-index", str(tmp_path / "corpus"),
+                          "--out", str(tmp_path / "ix"), "--device", "cpu", "--num-workers", "0", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    summary = json.loads(run.stdout)
+    assert (summary["chunks"], summary["skipped_by_reason"]) == (1, {"empty": 1})
+    assert run.returncode == summary["exit_code"] == 3
+    usage = subprocess.run([sys.executable, "-m", "embedingest", "build-index", str(tmp_path / "missing")],
+                           capture_output=True, text=True, timeout=60)
+    assert usage.returncode == 2 and "does not exist" in usage.stderr
