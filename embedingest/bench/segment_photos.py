@@ -134,19 +134,21 @@ def _sync(device):
 WARM_SIZE = (331, 197)  # (width, height) of the warm-up images: a ratio no photograph here has
 
 
-def forward_alone(cfg: PhotoBenchConfig, device, calls: list[list]) -> dict:
+def forward_alone(cfg: PhotoBenchConfig, device, calls: list[list], masks: bool = False) -> dict:
     """The job's forward (``Segmenter.logits``) on ``calls`` ([n, h, w, once] each, in
     order), inputs on the device, in a process of its own started as the job's was
     warmed: a fresh CUDA context that has run only the warm-up shape, so each of the
     job's shapes is new to it as it was to the job (``cold``: every call once, first
     calls included, which is what the job paid); then the same calls again (``warm``:
     every shape seen before). ``once`` is the job's: a short batch runs on PyTorch's
-    own convolutions (``Segmenter.logits(once=True)``)."""
+    own convolutions (``Segmenter.logits(once=True)``). ``masks``: each call's masks too
+    (``Segmenter.image_masks`` on the sizes :class:`_Calls` recorded), the job's GPU work
+    but for the copies."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_forward_alone, cfg, str(device), calls).result()
+        return pool.submit(_forward_alone, cfg, str(device), calls, masks).result()
 
 
 def sorted_calls(cfg: PhotoBenchConfig, batch_shapes: list[list[int]]) -> list[list]:
@@ -155,10 +157,15 @@ def sorted_calls(cfg: PhotoBenchConfig, batch_shapes: list[list[int]]) -> list[l
     return [[n, h, w, n < cfg.batch_size] for n, h, w, k in batch_shapes for _ in range(k)]
 
 
-def _forward_alone(cfg: PhotoBenchConfig, device: str, calls: list[list]) -> dict:
+def _forward_alone(cfg: PhotoBenchConfig, device: str, calls: list[list], masks: bool = False) -> dict:
     import torch
 
+    from ..sources.image_decode import ImageMeta
     from ..stages.segmentation import Segmenter, load_segmentation_model
+
+    def metas(call):
+        sizes, full_max = call[4]
+        return [ImageMeta("", "", *size) for size in sizes], full_max
 
     torch.manual_seed(cfg.seed)
     loaded = load_segmentation_model(cfg.arch, None, None, random_weights=True)
@@ -170,43 +177,55 @@ def _forward_alone(cfg: PhotoBenchConfig, device: str, calls: list[list]) -> dic
     def timed(calls) -> float:
         _sync(segmenter.device)
         t0 = time.perf_counter()
-        for n, h, w, once in calls:
-            segmenter.logits(inputs[(n, h, w)], once=once)
+        for call, (meta, full_max) in zip(calls, given):
+            n, h, w, once = call[:4]
+            logits = segmenter.logits(inputs[(n, h, w)], once=once)
+            if meta is not None:
+                segmenter.image_masks(logits, meta, full_max)
         _sync(segmenter.device)
         return time.perf_counter() - t0
 
     warm_w, warm_h = loaded.preprocessing(cfg.resize, cfg.size).model_size(*WARM_SIZE)
-    inputs = {(n, h, w): pixels(n, h, w) for n, h, w, _ in calls}
+    inputs = {(n, h, w): pixels(n, h, w) for n, h, w, *_ in calls}
     inputs[(cfg.batch_size, warm_h, warm_w)] = pixels(cfg.batch_size, warm_h, warm_w)
+    given = [(None, None)] * 2
     timed([(cfg.batch_size, warm_h, warm_w, False)] * 2)
+    given = [metas(call) if masks else (None, None) for call in calls]
     cold = timed(calls)
     warm = timed(calls)
     images = sum(n for n, *_ in calls)
     return {"images": images, "seconds": cold, "images_per_s": images / cold,
             "warm_seconds": warm, "warm_images_per_s": images / warm,
             "first_call_cost_s": round(cold - warm, 3),
-            "dtype": str(segmenter.dtype).replace("torch.", "")}
+            "dtype": str(segmenter.dtype).replace("torch.", ""), "masks": masks}
 
 
 class _Calls:
-    """Records ``Segmenter.logits``'s calls ([n, h, w, once]) while the block runs."""
+    """Records ``Segmenter.logits``'s calls ([n, h, w, once] each) while the block runs,
+    and with each the sizes its ``image_masks`` call was given ([width, height,
+    content_width, content_height] per image) and its ``full_max_pixels``."""
 
     def __enter__(self) -> list:
         from ..stages.segmentation import Segmenter
 
-        self.real, self.calls = Segmenter.logits, []
+        self.real, self.real_masks, self.calls = Segmenter.logits, Segmenter.image_masks, []
 
         def logits(segmenter, pixels, once=False):
             self.calls.append([pixels.shape[0], pixels.shape[2], pixels.shape[3], bool(once)])
             return self.real(segmenter, pixels, once)
 
-        Segmenter.logits = logits
+        def image_masks(segmenter, logits, metas, full_max_pixels):
+            self.calls[-1].append(([[m.width, m.height, m.content_width, m.content_height] for m in metas],
+                                   full_max_pixels))
+            return self.real_masks(segmenter, logits, metas, full_max_pixels)
+
+        Segmenter.logits, Segmenter.image_masks = logits, image_masks
         return self.calls
 
     def __exit__(self, *exc) -> None:
         from ..stages.segmentation import Segmenter
 
-        Segmenter.logits = self.real
+        Segmenter.logits, Segmenter.image_masks = self.real, self.real_masks
 
 
 def run(cfg: PhotoBenchConfig, log=print) -> dict:
@@ -242,6 +261,9 @@ def run(cfg: PhotoBenchConfig, log=print) -> dict:
         log(f"  forward alone, the job's order: {alone['images']} images in {alone['seconds']:.2f} s")
         by_shape = forward_alone(cfg, device, sorted_calls(cfg, shapes))
         log(f"  forward alone, by shape: {by_shape['images']} images in {by_shape['seconds']:.2f} s")
+        with_masks = forward_alone(cfg, device, calls, masks=True)
+        log(f"  forward and masks alone, the job's order: {with_masks['images']} images in "
+            f"{with_masks['seconds']:.2f} s")
     engine = summary["engine"]
     steady_s = engine["wall_seconds"]
     images = summary["written"]
@@ -257,11 +279,13 @@ def run(cfg: PhotoBenchConfig, log=print) -> dict:
                 "phases": summary["phases"], "skipped": summary["skipped"], "host_cpu": cpu.result(),
                 "engine": engine,
                 "decoders": summary.get("decoders")},
-        "forward_alone": alone, "forward_alone_by_shape": by_shape,
+        "forward_alone": alone, "forward_alone_by_shape": by_shape, "forward_and_masks_alone": with_masks,
         "short_calls_before_last_full": _shorts_between(calls, cfg.batch_size),
         "job_vs_forward": (images / summary["seconds"]) / alone["images_per_s"],
         "job_vs_forward_by_shape": (images / summary["seconds"]) / by_shape["images_per_s"],
         "steady_vs_forward": (images / steady_s) / alone["images_per_s"] if steady_s else None,
+        "job_vs_forward_and_masks": (images / summary["seconds"]) / with_masks["images_per_s"],
+        "steady_vs_forward_and_masks": (images / steady_s) / with_masks["images_per_s"] if steady_s else None,
         "steady_vs_warm_forward": (images / steady_s) / alone["warm_images_per_s"] if steady_s else None,
         "batch_shapes": shapes,
     }
@@ -288,6 +312,11 @@ def table(result: dict) -> str:
              f"| forward alone, the same batches again (every shape seen before) | {alone['images']} | "
              f"{alone['warm_seconds']:.2f} | {alone['warm_images_per_s']:.1f} | "
              f"{alone['warm_images_per_s'] / alone['images_per_s']:.2f} |",
+             f"| forward and masks alone (the job's batches in its order, each batch's masks as the "
+             f"job computes them: its GPU work but the copies) | {result['forward_and_masks_alone']['images']} | "
+             f"{result['forward_and_masks_alone']['seconds']:.2f} | "
+             f"{result['forward_and_masks_alone']['images_per_s']:.1f} | "
+             f"{result['forward_and_masks_alone']['images_per_s'] / alone['images_per_s']:.2f} |",
              f"| segment job, end to end (the call) | {job['images']} | {job['seconds']:.2f} | "
              f"{job['images_per_s']:.1f} | {result['job_vs_forward']:.2f} |"]
     if job["steady_images_per_s"]:

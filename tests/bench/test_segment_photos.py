@@ -56,3 +56,40 @@ def test_the_benchmark_runs_on_cpu_at_a_tiny_size(tmp_path):
     assert alone["warm_images_per_s"] == pytest.approx(12 / alone["warm_seconds"])
     assert alone["first_call_cost_s"] == pytest.approx(alone["seconds"] - alone["warm_seconds"], abs=2e-3)
     assert "| forward alone, the same batches again" in result.output
+    masked = out["forward_and_masks_alone"]
+    assert masked["images"] == 12 and masked["masks"] is True and alone["masks"] is False
+    assert "| forward and masks alone (the job's batches in its order" in result.output
+    assert out["job_vs_forward_and_masks"] == pytest.approx(out["job"]["images_per_s"] / masked["images_per_s"])
+
+
+def test_the_calls_recorded_replay_the_jobs_masks(monkeypatch):
+    """_Calls keeps each batch's image sizes, and the replay with ``masks`` computes
+    each batch's masks at those sizes, as the job did."""
+    import torch
+
+    from embedingest.bench import segment_photos
+    from embedingest.sources.image_decode import ImageMeta
+    from embedingest.stages.segmentation import Segmenter, load_segmentation_model
+
+    loaded = load_segmentation_model("lraspp_mobilenet_v3_large", None, None, random_weights=True)
+    segmenter = Segmenter(loaded, "cpu", "fp32")
+    metas = [ImageMeta("a", "a", 50, 40, 32, 26), ImageMeta("b", "b", 100, 80, 32, 26)]
+    with segment_photos._Calls() as calls:
+        logits = segmenter.logits(torch.zeros((2, 3, 26, 32), dtype=torch.uint8), once=True)
+        masks, _ = segmenter.image_masks(logits, metas, 4000)
+    assert calls == [[2, 26, 32, True, ([[50, 40, 32, 26], [100, 80, 32, 26]], 4000)]]
+    assert [tuple(m.shape) for m in masks] == [(40, 50), (26, 32)]  # the second is over 4000 pixels
+    seen = []
+    real = Segmenter.image_masks
+
+    def spy(self, logits, metas, full_max):
+        seen.append(([(m.width, m.height, m.content_width, m.content_height) for m in metas], full_max))
+        return real(self, logits, metas, full_max)
+
+    monkeypatch.setattr(Segmenter, "image_masks", spy)
+    cfg = segment_photos.PhotoBenchConfig(arch="lraspp_mobilenet_v3_large", size=32, batch_size=2, dtype="fp32")
+    out = segment_photos._forward_alone(cfg, "cpu", calls, masks=True)
+    assert out["images"] == 2 and out["masks"] is True
+    assert seen == [([(50, 40, 32, 26), (100, 80, 32, 26)], 4000)] * 2  # the timed run and the warm one
+    seen.clear()
+    assert segment_photos._forward_alone(cfg, "cpu", calls)["masks"] is False and seen == []
