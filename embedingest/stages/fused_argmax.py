@@ -1,0 +1,112 @@
+"""The argmax of class scores scaled bilinearly to an image's size, in one pass on the GPU.
+
+torchvision's pipeline scales all C class planes to the image's size
+(``F.interpolate(..., mode="bilinear", align_corners=False)``) and takes their argmax: it
+writes C scaled planes and reads them back to keep one byte per pixel. For a photograph
+that is most of the masks' GPU time. This kernel computes each output pixel's C scaled
+scores in registers, as PyTorch's CUDA kernel does (the source index
+``scale * (dst + 0.5) - 0.5`` clamped at 0, the same four neighbours and weights, in
+float32), rounds each to the scores' dtype as ``F.interpolate``'s output would be, and
+keeps the first greatest (NaN counting as greatest, as ``argmax``); only the uint8 mask
+is written.
+
+It needs Triton (installed with PyTorch's CUDA wheels); :func:`available` says whether it
+can run, and callers fall back to the two-step path otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+BLOCK = 512  # output pixels per program
+
+
+@functools.cache
+def available() -> bool:
+    """Whether Triton can be imported (the kernel is compiled on first use)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # any import failure (missing, broken install): the two-step path
+        return False
+    return True
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def scaled_argmax(x_ptr, out_ptr, h, w, out_h, out_w, s_n, s_c, s_h, s_w, scale_h, scale_w,
+                      C: tl.constexpr, ROUND_F16: tl.constexpr, ROUND_BF16: tl.constexpr,
+                      BLOCK: tl.constexpr):
+        n = tl.program_id(1)
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = offs < out_h * out_w
+        oy = offs // out_w
+        ox = offs % out_w
+        # area_pixel_compute_source_index (align_corners=False, not cubic)
+        sy = tl.maximum(scale_h * (oy.to(tl.float32) + 0.5) - 0.5, 0.0)
+        sx = tl.maximum(scale_w * (ox.to(tl.float32) + 0.5) - 0.5, 0.0)
+        y0 = sy.to(tl.int32)
+        x0 = sx.to(tl.int32)
+        y1 = y0 + tl.where(y0 < h - 1, 1, 0)
+        x1 = x0 + tl.where(x0 < w - 1, 1, 0)
+        ly1 = sy - y0.to(tl.float32)
+        ly0 = 1.0 - ly1
+        lx1 = sx - x0.to(tl.float32)
+        lx0 = 1.0 - lx1
+        base = x_ptr + n.to(tl.int64) * s_n
+        p00 = base + y0 * s_h + x0 * s_w
+        p01 = base + y0 * s_h + x1 * s_w
+        p10 = base + y1 * s_h + x0 * s_w
+        p11 = base + y1 * s_h + x1 * s_w
+        best = tl.full([BLOCK], float("-inf"), tl.float32)
+        best_c = tl.zeros([BLOCK], tl.int32)
+        found_nan = tl.zeros([BLOCK], tl.int1)
+        for c in tl.static_range(C):
+            a = tl.load(p00 + c * s_c, mask=inside, other=0.0).to(tl.float32)
+            b = tl.load(p01 + c * s_c, mask=inside, other=0.0).to(tl.float32)
+            d = tl.load(p10 + c * s_c, mask=inside, other=0.0).to(tl.float32)
+            e = tl.load(p11 + c * s_c, mask=inside, other=0.0).to(tl.float32)
+            v = ly0 * (lx0 * a + lx1 * b) + ly1 * (lx0 * d + lx1 * e)
+            if ROUND_F16:
+                v = v.to(tl.float16).to(tl.float32)
+            if ROUND_BF16:
+                v = v.to(tl.bfloat16).to(tl.float32)
+            is_nan = v != v
+            take = ((v > best) | is_nan) & ~found_nan
+            best = tl.where(take, v, best)
+            best_c = tl.where(take, c, best_c)
+            found_nan = found_nan | is_nan
+        tl.store(out_ptr + n.to(tl.int64) * out_h * out_w + offs, best_c.to(tl.uint8), mask=inside)
+
+    return scaled_argmax
+
+
+def scaled_argmax(logits: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """uint8 [B, H, W]: the argmax over classes of ``logits`` [B, C, h, w] (CUDA, any
+    strides, float32/float16/bfloat16, C <= 256) scaled bilinearly to ``size`` (H, W)."""
+    b, c, h, w = logits.shape
+    if c > 256:
+        raise ValueError(f"{c} classes do not fit a uint8 mask")
+    out_h, out_w = size
+    if (h, w) == (out_h, out_w):  # F.interpolate copies then: no weights, not even 0 x inf
+        return logits.argmax(dim=1).to(torch.uint8)
+    out = torch.empty((b, out_h, out_w), dtype=torch.uint8, device=logits.device)
+    if out.numel() == 0:
+        return out
+    # the scale as PyTorch computes it: float(input) / output, in float32
+    scale_h = float(torch.tensor(h, dtype=torch.float32) / out_h)
+    scale_w = float(torch.tensor(w, dtype=torch.float32) / out_w)
+    grid = (-(-out_h * out_w // BLOCK), b)
+    on = torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext()
+    with on:  # a CPU tensor only under Triton's interpreter (TRITON_INTERPRET=1, the tests)
+        _kernel()[grid](logits, out, h, w, out_h, out_w, *logits.stride(), scale_h, scale_w,
+                        C=c, ROUND_F16=logits.dtype == torch.float16,
+                        ROUND_BF16=logits.dtype == torch.bfloat16, BLOCK=BLOCK)
+    return out

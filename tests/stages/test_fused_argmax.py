@@ -1,0 +1,118 @@
+"""The one-pass scaled argmax (:mod:`embedingest.stages.fused_argmax`) against torchvision's
+two steps, ``F.interpolate(bilinear, align_corners=False)`` then ``argmax``: the same mask,
+pixel for pixel. On the CPU the kernel runs under Triton's interpreter (numpy); on the
+GPU (``needs_cuda``) compiled, against PyTorch's own CUDA kernels."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from embedingest.stages import fused_argmax
+from embedingest.stages.segmentation import upsampled_argmax
+
+pytestmark = pytest.mark.skipif(not fused_argmax.available(), reason="Triton is not installed")
+
+
+def reference(logits: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """torchvision's pipeline: the scaled scores in the logits' dtype, then the argmax."""
+    up = F.interpolate(logits.float(), size=size, mode="bilinear", align_corners=False)
+    return up.to(logits.dtype).argmax(dim=1).to(torch.uint8)
+
+
+# Triton reads TRITON_INTERPRET when it is imported: the interpreted cases run in a child.
+PRELUDE = """
+import torch, torch.nn.functional as F
+from embedingest.stages.fused_argmax import scaled_argmax
+
+def reference(logits, size):
+    up = F.interpolate(logits.float(), size=size, mode="bilinear", align_corners=False)
+    return up.to(logits.dtype).argmax(dim=1).to(torch.uint8)
+
+def same(logits, size):
+    got, want = scaled_argmax(logits, size), reference(logits, size)
+    assert torch.equal(got, want), (logits.shape, logits.stride(), size, (got != want).sum().item())
+"""
+
+
+def interpreted(body: str) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(body) + "\nprint('checked')"],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0 and run.stdout.strip().endswith("checked"), run.stderr[-3000:]
+
+
+def test_the_same_mask_as_scaling_then_argmax():
+    """Random sizes (up and down, 1 pixel included), classes and seeds, float32 and float16."""
+    interpreted("""
+        import random
+        rng = random.Random(7)
+        for case in range(16):
+            h, w, oh, ow = (rng.randint(1, 12) for _ in range(4))
+            oh, ow = oh * rng.choice((1, 2)), ow * rng.choice((1, 2))
+            classes, dtype = rng.randint(1, 5), rng.choice((torch.float32, torch.float16))
+            g = torch.Generator().manual_seed(case)
+            same((torch.randn((2, classes, h, w), generator=g) * 4).to(dtype), (oh, ow))
+    """)
+
+
+def test_any_strides_up_and_down():
+    """A channels-last tensor (the model's output on the GPU), a crop of one (the image part
+    of a padded input), up- and down-scaling, 21 classes."""
+    interpreted("""
+        g = torch.Generator().manual_seed(1)
+        logits = (torch.randn((2, 21, 14, 18), generator=g) * 3).to(torch.float16)
+        last = logits.contiguous(memory_format=torch.channels_last)
+        for view in (logits, last, last[:, :, 1:12, :15], logits[1:, :, ::2, 3:]):
+            for size in ((31, 40), (9, 7), (14, 18)):
+                same(view, size)
+    """)
+
+
+def test_ties_go_to_the_first_class_and_nan_counts_as_greatest():
+    interpreted("""
+        assert scaled_argmax(torch.zeros((1, 4, 3, 3)), (5, 6)).tolist() == [[[0] * 6] * 5]
+        x = torch.zeros((1, 4, 3, 3))
+        x[0, 2] = 1.0
+        x[0, 3] = 1.0  # a tie above the rest: the lower class
+        x[0, 1, 0, 0] = float("nan")  # every output pixel that touches it
+        same(x, (5, 6))
+        assert {int(v) for v in reference(x, (5, 6)).unique()} == {1, 2}
+        assert scaled_argmax(torch.full((1, 3, 2, 2), float("-inf")), (3, 3)).tolist() == [[[0] * 3] * 3]
+        # float16: 1 + 2**-12 rounds to 1, a tie with class 0 (which unrounded it would beat)
+        x = torch.tensor([[[[1.0, 1.0]], [[1.0, 1.0 + 2**-10]]]], dtype=torch.float16)
+        same(x, (1, 4))
+        assert scaled_argmax(x, (1, 4)).tolist() == [[[0, 0, 1, 1]]]
+    """)
+
+
+def test_more_classes_than_a_mask_holds_are_refused():
+    with pytest.raises(ValueError, match="257 classes"):
+        fused_argmax.scaled_argmax(torch.zeros((1, 257, 2, 2)), (4, 4))
+
+
+def test_off_the_gpu_the_two_steps_run(monkeypatch):
+    """``upsampled_argmax`` uses the kernel on CUDA only: a CPU tensor never reaches it."""
+    monkeypatch.setattr(fused_argmax, "scaled_argmax", lambda *a: pytest.fail("the kernel ran on the CPU"))
+    logits = torch.randn((1, 3, 4, 5))
+    assert torch.equal(upsampled_argmax(logits, (9, 11)), reference(logits, (9, 11)))
+
+
+@pytest.mark.needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_on_the_gpu_the_same_masks_as_pytorchs_kernels(dtype):
+    """Photo-sized masks from model-sized scores, as the job makes them (channels-last
+    scores, cropped), against PyTorch's CUDA interpolate and argmax: every pixel equal."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    scores = (torch.randn((4, 21, 520, 693), generator=g, device="cuda") * 4).to(dtype)
+    scores = scores.contiguous(memory_format=torch.channels_last)
+    for view, size in ((scores, (1200, 1600)), (scores[:, :, :, :690], (1199, 1594)),
+                       (scores[1:3], (333, 250)), (scores[:1], (520, 693))):
+        want = F.interpolate(view, size=size, mode="bilinear", align_corners=False).argmax(dim=1).to(torch.uint8)
+        assert torch.equal(fused_argmax.scaled_argmax(view, size), want), (dtype, view.shape, size)
