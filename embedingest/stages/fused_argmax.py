@@ -11,7 +11,9 @@ keeps the first greatest (NaN counting as greatest, as ``argmax``); only the uin
 is written.
 
 It needs Triton (installed with PyTorch's CUDA wheels); :func:`available` says whether it
-can run, and callers fall back to the two-step path otherwise.
+can run, and callers fall back to the two-step path otherwise. Triton compiles it on first
+use (under a second, once per scores' dtype) and keeps it in its own cache
+(``~/.triton/cache``, or ``TRITON_CACHE_DIR``), as it does for PyTorch's compiled code.
 """
 
 from __future__ import annotations
@@ -40,7 +42,11 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # One compiled kernel for every size: Triton would otherwise compile a variant for each
+    # mix of sizes and strides divisible by 16 (or equal to 1) and of aligned crops, and a
+    # run over photographs of many sizes spent most of its time compiling.
+    @triton.jit(do_not_specialize=["h", "w", "out_h", "out_w", "s_n", "s_c", "s_h", "s_w"],
+                do_not_specialize_on_alignment=["x_ptr"])
     def scaled_argmax(x_ptr, out_ptr, h, w, out_h, out_w, s_n, s_c, s_h, s_w, scale_h, scale_w,
                       C: tl.constexpr, ROUND_F16: tl.constexpr, ROUND_BF16: tl.constexpr,
                       BLOCK: tl.constexpr):

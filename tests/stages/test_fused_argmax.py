@@ -116,3 +116,19 @@ def test_on_the_gpu_the_same_masks_as_pytorchs_kernels(dtype):
                        (scores[1:3], (333, 250)), (scores[:1], (520, 693))):
         want = F.interpolate(view, size=size, mode="bilinear", align_corners=False).argmax(dim=1).to(torch.uint8)
         assert torch.equal(fused_argmax.scaled_argmax(view, size), want), (dtype, view.shape, size)
+
+
+@pytest.mark.needs_cuda
+def test_one_compiled_kernel_serves_every_size_and_crop():
+    """Sizes divisible by 16 or not, of 1, crops at odd offsets: Triton compiles the kernel
+    once (a variant per size would cost a run over photographs most of its time)."""
+    kernel = fused_argmax._kernel()
+    caches = getattr(kernel, "device_caches", None)
+    if caches is None:
+        pytest.skip("this Triton does not expose its kernel cache")
+    scores = torch.randn((3, 21, 48, 65), device="cuda").half().contiguous(memory_format=torch.channels_last)
+    for view in (scores, scores[1:], scores[:, :, 1:, 3:], scores[2:, :, :47, :64]):
+        for size in ((1, 1), (16, 32), (17, 33), (480, 641), (1, 700)):
+            want = F.interpolate(view, size=size, mode="bilinear", align_corners=False).argmax(dim=1).to(torch.uint8)
+            assert torch.equal(fused_argmax.scaled_argmax(view, size), want)
+    assert sum(len(cache[0]) for cache in caches.values()) == 1
