@@ -127,8 +127,9 @@ def test_one_compiled_kernel_serves_every_size_and_crop():
     if caches is None:
         pytest.skip("this Triton does not expose its kernel cache")
     scores = torch.randn((3, 21, 48, 65), device="cuda").half().contiguous(memory_format=torch.channels_last)
+    before = sum(len(cache[0]) for cache in caches.values())  # the float16 variant may exist already
     for view in (scores, scores[1:], scores[:, :, 1:, 3:], scores[2:, :, :47, :64]):
         for size in ((1, 1), (16, 32), (17, 33), (480, 641), (1, 700)):
             want = F.interpolate(view, size=size, mode="bilinear", align_corners=False).argmax(dim=1).to(torch.uint8)
             assert torch.equal(fused_argmax.scaled_argmax(view, size), want)
-    assert sum(len(cache[0]) for cache in caches.values()) == 1
+    assert sum(len(cache[0]) for cache in caches.values()) - before <= 1
