@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 
 import torch
 
@@ -35,8 +36,7 @@ BLOCK = 512  # output pixels per program
 def available() -> bool:
     """Whether Triton can be imported (the kernel is compiled on first use)."""
     try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
+        importlib.import_module("triton.language")
     except Exception:  # any import failure (missing, broken install): the two-step path
         return False
     return True
