@@ -100,14 +100,16 @@ def end_process(code) -> NoReturn:
 
     gc.freeze()
     others = [t for t in threading.enumerate() if t is not threading.main_thread()]
-    if not (code is None or isinstance(code, int)) or any(t.is_alive() and not t.daemon for t in others):
+    run_exitfuncs = getattr(atexit, "_run_exitfuncs", None)  # CPython's; elsewhere the usual exit
+    if (not (code is None or isinstance(code, int)) or run_exitfuncs is None
+            or any(t.is_alive() and not t.daemon for t in others)):
         sys.exit(code)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):  # a closed or broken pipe: nothing more can reach it
             pass
-    atexit._run_exitfuncs()
+    run_exitfuncs()
     os._exit(code or 0)
 
 

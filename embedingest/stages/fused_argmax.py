@@ -13,12 +13,13 @@ is written.
 Only float16 and bfloat16 scores (the GPU's default precisions): rounded to them, the
 scores give the masks PyTorch's kernels give, pixel for pixel (float16 checked on an H200
 over 98 million pixels of 300 photo-sized calls, none apart; bfloat16 on the tests'
-cases); in float32 the unrounded sums expose the last bit of the
-multiply-adds' order, which differs there, and the two steps run instead
-(:func:`handles`). It needs Triton (installed with PyTorch's CUDA wheels); :func:`available`
-says whether it can run, and callers fall back to the two-step path otherwise. Triton compiles it on first
-use (about 3 s on the H200, once per scores' dtype) and keeps it in its own cache
-(``~/.triton/cache``, or ``TRITON_CACHE_DIR``), as it does for PyTorch's compiled code.
+cases); in float32 the unrounded sums expose the last bit of the multiply-adds' order,
+which differs there, and the two steps run instead (:func:`handles`).
+
+It needs Triton (installed with PyTorch's CUDA wheels; :func:`available`); without it the
+two steps run. Triton compiles the kernel on first use (about 3 s on the H200, once per
+scores' dtype) and keeps it in its own cache (``~/.triton/cache``, or
+``TRITON_CACHE_DIR``), as it does for PyTorch's compiled code.
 """
 
 from __future__ import annotations
