@@ -510,3 +510,22 @@ def test_the_loaders_hashes_are_recorded_with_the_units_they_finish(tmp_path):
         path.write_text(json.dumps(dict(record, unit_sha256=bad)))
         with pytest.raises(ConfigError, match="unit_sha256"):
             read_commit(path)
+
+
+def test_a_records_bad_unit_hashes_are_named_word_for_word(tmp_path):
+    """The refusal of a record's ``unit_sha256`` names the entry and says what it should be."""
+    from embedingest.sinks.shard_writer import commit_finished
+
+    folder = tmp_path / "ix"
+    record = commit_finished(ShardWriterFactory(str(folder), DIM, run_id="m"), [(3, 5)],
+                             unit_hashes=[(3, "a" * 64)])
+    path = folder / "shards" / "shard-m-w9999-00000.commit.json"
+    redo = ("delete that shard's files (every file named shard-m-w9999-00000.*) and run the same "
+            "build-index command again: the units it held are redone")
+    for bad, why in ((["3"], "unit_sha256 ['3'] is not a mapping of unit numbers to hashes"),
+                     ({"4": "a" * 64}, f"unit_sha256 entry '4': '{'a' * 64}' is not the sha256 of a "
+                                       "unit the shard finishes")):
+        path.write_text(json.dumps(dict(record, unit_sha256=bad)))
+        with pytest.raises(ConfigError) as err:
+            read_commit(path)
+        assert str(err.value) == f"cannot read the commit record {str(path)!r} (ValueError: {why}); {redo}"
