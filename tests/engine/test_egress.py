@@ -421,3 +421,140 @@ def test_an_engine_started_and_not_used_is_stopped(tmp_path, no_leaks):
 def test_start_needs_the_slot_sizes():
     with pytest.raises(ConfigError, match="give slot_spec"):
         EgressEngine(HashSinkFactory(), num_consumers=1, device="cpu").start()
+
+
+# -- the stop paths, with copies that end late (the mutation run's tests) --------------
+
+def _copies_end_when(engine, gated, until=None, error=None):
+    """Make the copies of the batches ``gated`` end only once ``until()`` is true, or
+    fail with ``error``: on the GPU a copy may still run on its stream when the run
+    stops, so the monitor thread meets it after the stop; on the CPU the copy is over
+    when ``submit`` returns, and this puts the GPU's case back."""
+    def wait(pending):
+        if pending.batch_id in gated:
+            if error is not None:
+                raise error
+            wait_for(until, 120, what="the gate of the copies")
+    engine._path.wait = wait
+
+
+def test_batches_whose_copy_ends_after_the_caller_s_error_are_dropped(no_leaks):
+    """Batch 0 reaches its sink; the copies of 1-4 end only once the run is stopping (the
+    caller's error): they are dropped, never handed to a consumer, and their slots are
+    given back (docs/RELIABILITY.md: on an error the slots not yet in a sink are dropped)."""
+    got, first = [], threading.Event()
+
+    def on_result(batch_id, value):
+        got.append(batch_id)
+        first.set()
+
+    e = EgressEngine(HashSinkFactory(), num_consumers=1, num_slots=5, device="cpu", on_result=on_result)
+    _copies_end_when(e, {1, 2, 3, 4}, until=lambda: e._consumers.aborting)
+    with pytest.raises(KeyError, match="stop"):
+        with e:
+            for i in range(5):
+                e.submit(i, {"x": np.full((4,), i, np.float32)})
+            assert first.wait(120)
+            raise KeyError("stop")
+    assert got == [0]
+    assert e.closed_results == [{"worker": 0, "count": 1}]
+    recs = e.stats.records
+    assert [r.seq for r in recs] == [0, 1, 2, 3, 4] and e.stats.batches == 5
+    assert recs[0].worker == 0 and recs[0].dispatch_t >= recs[0].ready_t > 0
+    for r in recs[1:]:
+        assert r.worker == -1 and r.dispatch_t == 0.0, r  # never handed to a consumer
+        assert r.freed_t >= r.ready_t >= r.slot_t > 0, r  # its slot given back
+
+
+def test_a_batch_whose_copy_ends_after_a_failure_is_dropped(no_leaks):
+    """``on_result`` fails on batch 0; the copy of batch 1 ends after that failure but
+    before the run is stopped: batch 1 is dropped, not run by the sink, and the failure
+    is what the block's end raises."""
+    def on_result(batch_id, value):
+        raise ValueError(f"no room for the result of batch {batch_id}")
+
+    e = EgressEngine(HashSinkFactory(), num_consumers=1, num_slots=2, device="cpu", on_result=on_result)
+    _copies_end_when(e, {1}, until=lambda: e._failed.is_set())
+    with pytest.raises(ValueError, match=r"^no room for the result of batch 0$"):
+        with e:
+            e.submit(0, {"x": np.zeros(4, np.float32)})
+            e.submit(1, {"x": np.ones(4, np.float32)})
+            with e._lock:  # batch 1 went through the monitor: dropped, or (wrongly) run by the sink
+                assert e._lock.wait_for(lambda: e._done == 2, timeout=120)
+    assert e.closed_results == [{"worker": 0, "count": 1}]
+    r0, r1 = e.stats.records
+    assert r0.worker == 0 and r1.worker == -1 and r1.dispatch_t == 0.0 and r1.freed_t > 0
+
+
+def test_an_error_of_a_copy_reaches_the_caller_and_the_closes_are_cut(tmp_path, no_leaks):
+    """The monitor thread's error (here the copy of batch 1 failing) is raised at the
+    block's end, and the run stops as on any error: the sink's close (60 s here) is cut
+    at ``shutdown_timeout``, not waited for as at a normal end."""
+    e = EgressEngine(SlowCloseSinkFactory(60.0, str(tmp_path / "c")), num_consumers=1,
+                     num_slots=2, device="cpu", shutdown_timeout=1.0)
+    _copies_end_when(e, {1}, error=RuntimeError("the copy of batch 1 failed"))
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"^the copy of batch 1 failed$"):
+        with e:
+            e.submit(0, {"x": np.zeros(4, np.float32)})
+            e.submit(1, {"x": np.ones(4, np.float32)})
+    assert time.monotonic() - t0 < 45  # not the 60-s close
+    assert e.closed_results == [None]  # the close was stopped by SIGTERM
+
+
+def test_stop_cuts_a_slow_close_at_the_shutdown_timeout(tmp_path, no_leaks):
+    """stop() is a run stopped early: each sink's close (60 s here) gets
+    ``shutdown_timeout``, then SIGTERM; the consumers exit cleanly (status 0) with their
+    closes reported as not done."""
+    e = EgressEngine(SlowCloseSinkFactory(60.0, str(tmp_path / "c")), num_consumers=2, device="cpu",
+                     slot_spec={"x": ((4,), "float32")}, shutdown_timeout=1.0).start()
+    wait_for(lambda: e._ready == {0, 1}, 120, what="the consumers to start")
+    procs = list(e._consumers.procs)
+    t0 = time.monotonic()
+    e.stop()
+    assert time.monotonic() - t0 < 45  # not the 60-s closes
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert e.closed_results == [None, None]
+    assert (tmp_path / "c0.closing").exists() and (tmp_path / "c1.closing").exists()
+
+
+class _Dead:
+    pid = 4242
+
+
+def _died(ready, w, seq, code, inflight=None):
+    """``EgressEngine._consumer_died`` on a stand-in engine: the error it reports."""
+    failures = []
+    stub = type("Stub", (), {})()
+    stub._lock, stub._inflight, stub._ready = threading.Condition(), inflight or {}, set(ready)
+    stub._fail = failures.append
+    EgressEngine._consumer_died(stub, w, _Dead(), seq, code)
+    (err,) = failures
+    assert isinstance(err, ConsumerDied)
+    return err
+
+
+def test_a_consumer_that_ends_before_it_started_points_at_the_main_module_guard(monkeypatch):
+    """A consumer that exits with an error status before its Ready (the spawned process
+    failed importing the main script) is named with the likely cause, word for word."""
+    end = "; the run was stopped. Outputs written before are kept; re-run to redo the rest"
+    guard = ("; it ended before it started (its error is printed above). A spawned process "
+             "imports the main module first: if {} starts the run outside "
+             "`if __name__ == \"__main__\":`, put it under that guard")
+    main = type(sys)("__main__")
+    main.__file__ = "/jobs/run.py"
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    err = _died({0}, 1, -1, 1)
+    assert str(err) == "consumer 1 (pid 4242) exited with code 1 while idle" + guard.format("/jobs/run.py") + end
+    assert (err.worker, err.exitcode, err.batch_id) == (1, 1, None)
+    del main.__file__  # an interactive session: no file
+    assert str(_died((), 0, -1, 2)) == ("consumer 0 (pid 4242) exited with code 2 while idle"
+                                        + guard.format("the main module") + end)
+    # started (its Ready came), killed, or a clean exit: no such cause
+    assert str(_died({1}, 1, -1, 1)) == "consumer 1 (pid 4242) exited with code 1 while idle" + end
+    assert str(_died((), 1, -1, -9)) == "consumer 1 (pid 4242) was killed by SIGKILL while idle" + end
+    assert str(_died((), 1, -1, 0)) == "consumer 1 (pid 4242) exited with code 0 while idle" + end
+    assert str(_died((), 1, -1, None)) == "consumer 1 (pid 4242) exited with code None while idle" + end
+    err = _died({0}, 0, 0, 0, inflight={0: "batch-a"})
+    assert str(err) == "consumer 0 (pid 4242) exited with code 0 while holding batch 'batch-a' (seq 0)" + end
+    assert (err.worker, err.exitcode, err.batch_id) == (0, 0, "batch-a")
