@@ -233,3 +233,18 @@ class PicklesOnce:
             raise TypeError("cannot pickle this factory twice")
         PicklesOnce.allowed -= 1
         return (HashSinkFactory, ())
+
+
+class TwoPartError(Exception):
+    """An error that pickles but does not unpickle (its ``args`` hold one message, its
+    ``__init__`` wants two), like many libraries' own."""
+
+    def __init__(self, what: str, where: str):
+        super().__init__(f"{what} at {where}")
+
+
+def two_part_error_sink_factory(worker: int):
+    def sink(batch_id, arrays):
+        raise TwoPartError("disk gone", f"batch {batch_id}")
+
+    return sink

@@ -18,7 +18,8 @@ import torch
 from conftest import child_pids
 from fault_helpers import wait_for
 from engine_sinks import (FailingSinkFactory, HashSinkFactory, SlowCloseSinkFactory, SuicideSinkFactory,
-                          broken_factory, digest, slow_sink_factory, whoami_sink_factory)
+                          broken_factory, digest, slow_sink_factory, two_part_error_sink_factory,
+                          whoami_sink_factory)
 
 from embedingest import EgressEngine
 from embedingest.engine import consumer_group
@@ -141,7 +142,21 @@ def test_sink_exception_reaches_caller_with_traceback(no_leaks):
     assert info.value.errno == errno.ENOSPC
     cause = info.value.__cause__
     assert isinstance(cause, RemoteTraceback)
+    assert re.match(r"in consumer [01], batch 3:\nTraceback ", cause.tb), cause.tb[:80]
     assert "engine_sinks.py" in cause.tb and "batch 3" in cause.tb
+
+
+def test_a_sink_error_that_does_not_unpickle_is_raised_as_an_engine_error(no_leaks):
+    """The sink's exception pickles but cannot be re-made here: an EngineError says which
+    consumer failed on which batch with what, the consumer's traceback as its cause."""
+    with pytest.raises(EngineError) as info:
+        with EgressEngine(two_part_error_sink_factory, num_consumers=1, device="cpu") as e:
+            e.submit("b0", {"x": np.zeros(3, np.float32)})
+    assert type(info.value) is EngineError
+    assert str(info.value) == "consumer 0 failed on batch 'b0': TwoPartError: disk gone at batch b0"
+    cause = info.value.__cause__
+    assert isinstance(cause, RemoteTraceback)
+    assert cause.tb.startswith("in consumer 0, batch 'b0':\nTraceback ") and "TwoPartError" in cause.tb
 
 
 def test_error_in_sink_factory_is_raised(no_leaks):
@@ -180,6 +195,8 @@ def test_consumers_are_named_daemon_processes(no_leaks):
             e.submit(i, {"x": np.zeros(2, np.float32)})
         collectors = [t for t in threading.enumerate() if t.name == "embedingest-collector"]
         assert len(collectors) == 1 and collectors[0].daemon
+        monitors = [t for t in threading.enumerate() if t.name == "embedingest-monitor"]
+        assert len(monitors) == 1 and monitors[0].daemon
     assert set(seen) == {("embedingest-consumer-0", True), ("embedingest-consumer-1", True)}
 
 
@@ -327,6 +344,7 @@ def test_caller_exception_drops_the_batches_not_yet_in_a_sink(no_leaks):
     (closed,) = e.closed_results
     assert closed is not None and closed["count"] <= 1, closed
     assert e.stats.batches == 8  # all eight were taken into slots, and their slots freed
+    assert all(r.freed_t >= r.slot_t > 0 for r in e.stats.records), e.stats.records
 
 
 def test_empty_run_starts_nothing(no_leaks):
@@ -558,3 +576,44 @@ def test_a_consumer_that_ends_before_it_started_points_at_the_main_module_guard(
     err = _died({0}, 0, 0, 0, inflight={0: "batch-a"})
     assert str(err) == "consumer 0 (pid 4242) exited with code 0 while holding batch 'batch-a' (seq 0)" + end
     assert (err.worker, err.exitcode, err.batch_id) == (0, 0, "batch-a")
+
+
+def test_the_stats_during_and_after_a_run_hold_its_own_figures(no_leaks):
+    """A snapshot in the block counts every batch a sink finished, whichever consumer ran
+    it; the wall time runs from the first submit to the last slot freed; the summary after
+    the block is final (made once); the stage spans, the host spans and the closes are in
+    its spans."""
+    from embedingest.engine.layout import SlotLayout
+
+    e = EgressEngine(HashSinkFactory(delays=(0.0, 0.01)), num_consumers=2, num_slots=3, device="cpu")
+    with e:
+        for i in range(6):
+            with e.span("h2d"):
+                batch = {"x": np.full((4,), i, np.float32)}
+            e.submit(i, batch)
+        e.flush()
+        st = e.stats
+        assert st.batches == 6 and [r.seq for r in st.records] == list(range(6))
+        assert set(st.batches_per_worker) == {0, 1} and sum(st.batches_per_worker.values()) == 6
+        assert st.wall_seconds == max(r.freed_t for r in st.records) - st.records[0].submit_t > 0
+        e.host_span("wait for input", 1.5, 2.25)
+    final = e.stats
+    assert final is e.stats
+    assert final.wall_seconds == st.wall_seconds  # no batch since the snapshot
+    assert (final.device, final.pinned, final.num_slots, final.num_consumers) == ("cpu", False, 3, 2)
+    assert final.slot_bytes == SlotLayout.from_spec({"x": ((4,), np.float32)}).slot_bytes > 0
+    lanes = [lane for lane, _, _ in final.spans]
+    assert lanes == ["h2d"] * 6 + ["consumer 0 close", "consumer 1 close", "engine: consumers end",
+                                   "wait for input"]
+    assert final.spans[-1] == ("wait for input", 1.5, 2.25)
+    t_stop, t_end = final.spans[-2][1:]
+    assert max(r.freed_t for r in final.records) <= t_stop <= t_end
+
+
+def test_the_stats_of_an_engine_given_no_batch():
+    e = EgressEngine(HashSinkFactory(), num_consumers=2, device="cpu")
+    with e:
+        pass
+    st = e.stats
+    assert (st.batches, st.wall_seconds, st.slot_bytes, st.num_slots, st.num_consumers) == (0, 0.0, 0, 4, 2)
+    assert st.spans == [] and st.records == []
