@@ -596,6 +596,7 @@ def test_the_stats_during_and_after_a_run_hold_its_own_figures(no_leaks):
         assert st.batches == 6 and [r.seq for r in st.records] == list(range(6))
         assert set(st.batches_per_worker) == {0, 1} and sum(st.batches_per_worker.values()) == 6
         assert st.wall_seconds == max(r.freed_t for r in st.records) - st.records[0].submit_t > 0
+        assert e._inflight == {}  # no batch id kept once its slot is back
         e.host_span("wait for input", 1.5, 2.25)
     final = e.stats
     assert final is e.stats
@@ -617,3 +618,83 @@ def test_the_stats_of_an_engine_given_no_batch():
     st = e.stats
     assert (st.batches, st.wall_seconds, st.slot_bytes, st.num_slots, st.num_consumers) == (0, 0.0, 0, 4, 2)
     assert st.spans == [] and st.records == []
+
+
+def test_the_engine_s_defaults_and_the_settings_it_refuses():
+    """Nothing is started by the constructor, so these need no processes."""
+    e = EgressEngine(HashSinkFactory(), device="cpu")
+    c = e.config
+    assert (c.num_consumers, c.num_slots, c.shutdown_timeout, c.pin_memory) == (4, 0, 5.0, True)
+    assert c.slots() == 8 and e.closed_results == [None] * 4
+    e = EgressEngine(HashSinkFactory(), num_consumers=1, num_slots=1, device="cpu", shutdown_timeout=0.5,
+                     pin_memory=False)
+    c = e.config
+    assert (c.num_consumers, c.num_slots, c.shutdown_timeout, c.pin_memory, c.slots()) == (1, 1, 0.5, False, 1)
+    assert EgressEngine(HashSinkFactory(), num_consumers=2, num_slots=3, device="cpu").config.slots() == 3
+    with pytest.raises(ConfigError, match=r"^num_consumers=0: need at least 1 consumer process$"):
+        EgressEngine(HashSinkFactory(), num_consumers=0, device="cpu")
+    with pytest.raises(ConfigError, match=r"^num_slots=-1: need at least 1 slot$"):
+        EgressEngine(HashSinkFactory(), num_consumers=1, num_slots=-1, device="cpu")
+
+
+def test_the_device_by_name(monkeypatch):
+    """The library default is CUDA where torch sees a GPU; names are checked, not guessed.
+    (CUDA is made to look available: the constructor touches no GPU.)"""
+    from embedingest.engine.copy_paths import CudaCopyPath, HostCopyPath
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    e = EgressEngine(HashSinkFactory(), device=None)
+    assert (e.device, e.cuda, type(e._path), e._path.device) == ("cpu", False, HostCopyPath, "cpu")
+    with pytest.raises(ConfigError, match=r"^device 'cuda:1' asked for, but torch sees no CUDA GPU; "
+                                          r"use device='cpu'$"):
+        EgressEngine(HashSinkFactory(), device="cuda:1")
+    with pytest.raises(ConfigError, match=r"^device 'tpu' is not supported; use 'cuda', 'cuda:N' or 'cpu'$"):
+        EgressEngine(HashSinkFactory(), device="tpu")
+    assert EgressEngine(HashSinkFactory(), device=torch.device("cpu")).device == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    e = EgressEngine(HashSinkFactory(), device=None)
+    assert (e.device, e.cuda, type(e._path), e._path.device) == ("cuda", True, CudaCopyPath, "cuda")
+    e = EgressEngine(HashSinkFactory(), device="cuda:1")
+    assert (e.device, e.cuda, type(e._path), e._path.device) == ("cuda:1", True, CudaCopyPath, "cuda:1")
+    e = EgressEngine(HashSinkFactory(), device="cpu")  # asked for, though a GPU is there
+    assert (e.device, e.cuda, type(e._path), e._path.device) == ("cpu", False, HostCopyPath, "cpu")
+
+
+def test_an_engine_made_while_a_spawned_process_imports_the_main_module_is_refused(monkeypatch):
+    """A script without the ``__main__`` guard would start its run again in every consumer
+    it spawns: the engine made during that import says what to do, word for word."""
+    import multiprocessing
+
+    said = ("EgressEngine() was called while a process it started was importing {}: put the code "
+            "that calls it under `if __name__ == \"__main__\":` (consumer processes are spawned, "
+            "and a spawned process imports the main module first)")
+    main = type(sys)("__mp_main__")
+    main.__file__ = "/jobs/run.py"
+    monkeypatch.setitem(sys.modules, "__mp_main__", main)
+    monkeypatch.setattr(multiprocessing.current_process(), "_inheriting", True, raising=False)
+    with pytest.raises(ConfigError) as info:
+        EgressEngine(HashSinkFactory(), device="cpu")
+    assert str(info.value) == said.format("/jobs/run.py")
+    monkeypatch.delitem(sys.modules, "__mp_main__")
+    with pytest.raises(ConfigError) as info:
+        EgressEngine(HashSinkFactory(), device="cpu")
+    assert str(info.value) == said.format("the main module")
+    monkeypatch.setattr(multiprocessing.current_process(), "_inheriting", False)
+    assert EgressEngine(HashSinkFactory(), device="cpu").device == "cpu"
+    monkeypatch.delattr(multiprocessing.current_process(), "_inheriting")
+    assert EgressEngine(HashSinkFactory(), device="cpu").device == "cpu"
+
+
+def test_flush_returns_once_every_batch_went_through_a_sink(no_leaks):
+    """Each batch takes its sink 0.2 s: flush() returns only once all of them were
+    answered, at every call."""
+    got = []
+    with EgressEngine(HashSinkFactory(delays=(0.2,)), num_consumers=1, num_slots=4, device="cpu",
+                      on_result=lambda b, r: got.append(b)) as e:
+        for i in range(3):
+            e.submit(i, {"x": np.full((4,), i, np.float32)})
+        e.flush()
+        assert got == [0, 1, 2]
+        e.submit(3, {"x": np.full((4,), 3, np.float32)})
+        e.flush()
+        assert got == [0, 1, 2, 3]
