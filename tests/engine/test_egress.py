@@ -437,7 +437,7 @@ def test_an_engine_started_and_not_used_is_stopped(tmp_path, no_leaks):
 
 
 def test_start_needs_the_slot_sizes():
-    with pytest.raises(ConfigError, match="give slot_spec"):
+    with pytest.raises(ConfigError, match=r"^start\(\) needs the slots' sizes up front: give slot_spec$"):
         EgressEngine(HashSinkFactory(), num_consumers=1, device="cpu").start()
 
 
