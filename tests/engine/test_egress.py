@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import child_pids
 from fault_helpers import wait_for
-from engine_sinks import (FailingSinkFactory, HashSinkFactory, SlowCloseSinkFactory, SuicideSinkFactory,
+from engine_sinks import (FailingSinkFactory, GateSinkFactory, HashSinkFactory, SlowCloseSinkFactory, SuicideSinkFactory,
                           broken_factory, digest, slow_sink_factory, two_part_error_sink_factory,
                           whoami_sink_factory)
 
@@ -698,3 +698,31 @@ def test_flush_returns_once_every_batch_went_through_a_sink(no_leaks):
         e.submit(3, {"x": np.full((4,), 3, np.float32)})
         e.flush()
         assert got == [0, 1, 2, 3]
+
+
+def test_batches_a_consumer_holds_when_the_run_stops_are_handed_back_unrun(tmp_path, no_leaks):
+    """Batches 1-3 wait in the consumer's queue behind batch 0 when the caller fails: the
+    consumer finishes batch 0, then hands the other three back without running the sink;
+    their slots are freed and the consumer closes its sink normally."""
+    marker = str(tmp_path / "g")
+    got = []
+    with pytest.raises(KeyError, match="stop"):
+        with EgressEngine(GateSinkFactory(marker), num_consumers=1, num_slots=4, device="cpu",
+                          on_result=lambda b, r: got.append(r)) as e:
+            for i in range(4):
+                e.submit(i, {"x": np.full((4,), i, np.float32)})
+            wait_for(lambda: os.path.exists(marker + ".holding") and len(e._inflight) == 4, 120,
+                     what="batch 0 in the sink and 1-3 handed to the consumer")
+
+            def open_the_gate_once_stopping():
+                wait_for(lambda: e._consumers.aborting, 120, what="the stop")
+                open(marker + ".go", "w").close()
+
+            threading.Thread(target=open_the_gate_once_stopping, daemon=True).start()
+            raise KeyError("stop")
+    assert got == [0]
+    assert e.closed_results == [{"worker": 0, "count": 1}]
+    recs = e.stats.records
+    assert [r.worker for r in recs] == [0, -1, -1, -1]
+    for r in recs:
+        assert r.dispatch_t > 0 and r.freed_t >= r.dispatch_t, r  # handed over, then given back
