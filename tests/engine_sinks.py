@@ -233,3 +233,46 @@ class PicklesOnce:
             raise TypeError("cannot pickle this factory twice")
         PicklesOnce.allowed -= 1
         return (HashSinkFactory, ())
+
+
+class TwoPartError(Exception):
+    """An error that pickles but does not unpickle (its ``args`` hold one message, its
+    ``__init__`` wants two), like many libraries' own."""
+
+    def __init__(self, what: str, where: str):
+        super().__init__(f"{what} at {where}")
+
+
+def two_part_error_sink_factory(worker: int):
+    def sink(batch_id, arrays):
+        raise TwoPartError("disk gone", f"batch {batch_id}")
+
+    return sink
+
+
+class GateSink:
+    """Batch 0 waits in the sink until ``<marker>.go`` exists (its pid in
+    ``<marker>.holding`` meanwhile); returns each batch id; ``close`` counts them."""
+
+    def __init__(self, worker: int, marker: str):
+        self.worker, self.marker, self.count = worker, marker, 0
+
+    def __call__(self, batch_id, arrays):
+        if batch_id == 0:
+            _say(f"{self.marker}.holding")
+            deadline = time.monotonic() + 120
+            while not os.path.exists(f"{self.marker}.go") and time.monotonic() < deadline:
+                time.sleep(0.01)
+        self.count += 1
+        return batch_id
+
+    def close(self):
+        return {"worker": self.worker, "count": self.count}
+
+
+class GateSinkFactory:
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __call__(self, worker: int):
+        return GateSink(worker, self.marker)

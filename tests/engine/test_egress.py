@@ -17,8 +17,9 @@ import pytest
 import torch
 from conftest import child_pids
 from fault_helpers import wait_for
-from engine_sinks import (FailingSinkFactory, HashSinkFactory, SlowCloseSinkFactory, SuicideSinkFactory,
-                          broken_factory, digest, slow_sink_factory, whoami_sink_factory)
+from engine_sinks import (FailingSinkFactory, GateSinkFactory, HashSinkFactory, SlowCloseSinkFactory, SuicideSinkFactory,
+                          broken_factory, digest, slow_sink_factory, two_part_error_sink_factory,
+                          whoami_sink_factory)
 
 from embedingest import EgressEngine
 from embedingest.engine import consumer_group
@@ -141,7 +142,21 @@ def test_sink_exception_reaches_caller_with_traceback(no_leaks):
     assert info.value.errno == errno.ENOSPC
     cause = info.value.__cause__
     assert isinstance(cause, RemoteTraceback)
+    assert re.match(r"in consumer [01], batch 3:\nTraceback ", cause.tb), cause.tb[:80]
     assert "engine_sinks.py" in cause.tb and "batch 3" in cause.tb
+
+
+def test_a_sink_error_that_does_not_unpickle_is_raised_as_an_engine_error(no_leaks):
+    """The sink's exception pickles but cannot be re-made here: an EngineError says which
+    consumer failed on which batch with what, the consumer's traceback as its cause."""
+    with pytest.raises(EngineError) as info:
+        with EgressEngine(two_part_error_sink_factory, num_consumers=1, device="cpu") as e:
+            e.submit("b0", {"x": np.zeros(3, np.float32)})
+    assert type(info.value) is EngineError
+    assert str(info.value) == "consumer 0 failed on batch 'b0': TwoPartError: disk gone at batch b0"
+    cause = info.value.__cause__
+    assert isinstance(cause, RemoteTraceback)
+    assert cause.tb.startswith("in consumer 0, batch 'b0':\nTraceback ") and "TwoPartError" in cause.tb
 
 
 def test_error_in_sink_factory_is_raised(no_leaks):
@@ -180,6 +195,8 @@ def test_consumers_are_named_daemon_processes(no_leaks):
             e.submit(i, {"x": np.zeros(2, np.float32)})
         collectors = [t for t in threading.enumerate() if t.name == "embedingest-collector"]
         assert len(collectors) == 1 and collectors[0].daemon
+        monitors = [t for t in threading.enumerate() if t.name == "embedingest-monitor"]
+        assert len(monitors) == 1 and monitors[0].daemon
     assert set(seen) == {("embedingest-consumer-0", True), ("embedingest-consumer-1", True)}
 
 
@@ -327,6 +344,7 @@ def test_caller_exception_drops_the_batches_not_yet_in_a_sink(no_leaks):
     (closed,) = e.closed_results
     assert closed is not None and closed["count"] <= 1, closed
     assert e.stats.batches == 8  # all eight were taken into slots, and their slots freed
+    assert all(r.freed_t >= r.slot_t > 0 for r in e.stats.records), e.stats.records
 
 
 def test_empty_run_starts_nothing(no_leaks):
@@ -419,5 +437,292 @@ def test_an_engine_started_and_not_used_is_stopped(tmp_path, no_leaks):
 
 
 def test_start_needs_the_slot_sizes():
-    with pytest.raises(ConfigError, match="give slot_spec"):
+    with pytest.raises(ConfigError, match=r"^start\(\) needs the slots' sizes up front: give slot_spec$"):
         EgressEngine(HashSinkFactory(), num_consumers=1, device="cpu").start()
+
+
+# -- the stop paths, with copies that end late (the mutation run's tests) --------------
+
+def _copies_end_when(engine, gated, until=None, error=None):
+    """Make the copies of the batches ``gated`` end only once ``until()`` is true, or
+    fail with ``error``: on the GPU a copy may still run on its stream when the run
+    stops, so the monitor thread meets it after the stop; on the CPU the copy is over
+    when ``submit`` returns, and this puts the GPU's case back."""
+    def wait(pending):
+        if pending.batch_id in gated:
+            if error is not None:
+                raise error
+            wait_for(until, 120, what="the gate of the copies")
+    engine._path.wait = wait
+
+
+def test_batches_whose_copy_ends_after_the_caller_s_error_are_dropped(no_leaks):
+    """Batch 0 reaches its sink; the copies of 1-4 end only once the run is stopping (the
+    caller's error): they are dropped, never handed to a consumer, and their slots are
+    given back (docs/RELIABILITY.md: on an error the slots not yet in a sink are dropped)."""
+    got, first = [], threading.Event()
+
+    def on_result(batch_id, value):
+        got.append(batch_id)
+        first.set()
+
+    e = EgressEngine(HashSinkFactory(), num_consumers=1, num_slots=5, device="cpu", on_result=on_result)
+    _copies_end_when(e, {1, 2, 3, 4}, until=lambda: e._consumers.aborting)
+    with pytest.raises(KeyError, match="stop"):
+        with e:
+            for i in range(5):
+                e.submit(i, {"x": np.full((4,), i, np.float32)})
+            assert first.wait(120)
+            raise KeyError("stop")
+    assert got == [0]
+    assert e.closed_results == [{"worker": 0, "count": 1}]
+    recs = e.stats.records
+    assert [r.seq for r in recs] == [0, 1, 2, 3, 4] and e.stats.batches == 5
+    assert recs[0].worker == 0 and recs[0].dispatch_t >= recs[0].ready_t > 0
+    for r in recs[1:]:
+        assert r.worker == -1 and r.dispatch_t == 0.0, r  # never handed to a consumer
+        assert r.freed_t >= r.ready_t >= r.slot_t > 0, r  # its slot given back
+
+
+def test_a_batch_whose_copy_ends_after_a_failure_is_dropped(no_leaks):
+    """``on_result`` fails on batch 0; the copy of batch 1 ends after that failure but
+    before the run is stopped: batch 1 is dropped, not run by the sink, and the failure
+    is what the block's end raises."""
+    def on_result(batch_id, value):
+        raise ValueError(f"no room for the result of batch {batch_id}")
+
+    e = EgressEngine(HashSinkFactory(), num_consumers=1, num_slots=2, device="cpu", on_result=on_result)
+    _copies_end_when(e, {1}, until=lambda: e._failed.is_set())
+    with pytest.raises(ValueError, match=r"^no room for the result of batch 0$"):
+        with e:
+            e.submit(0, {"x": np.zeros(4, np.float32)})
+            e.submit(1, {"x": np.ones(4, np.float32)})
+            with e._lock:  # batch 1 went through the monitor: dropped, or (wrongly) run by the sink
+                assert e._lock.wait_for(lambda: e._done == 2, timeout=120)
+    assert e.closed_results == [{"worker": 0, "count": 1}]
+    r0, r1 = e.stats.records
+    assert r0.worker == 0 and r1.worker == -1 and r1.dispatch_t == 0.0 and r1.freed_t > 0
+
+
+def test_an_error_of_a_copy_reaches_the_caller_and_the_closes_are_cut(tmp_path, no_leaks):
+    """The monitor thread's error (here the copy of batch 1 failing) is raised at the
+    block's end, and the run stops as on any error: the sink's close (60 s here) is cut
+    at ``shutdown_timeout``, not waited for as at a normal end."""
+    e = EgressEngine(SlowCloseSinkFactory(60.0, str(tmp_path / "c")), num_consumers=1,
+                     num_slots=2, device="cpu", shutdown_timeout=1.0)
+    _copies_end_when(e, {1}, error=RuntimeError("the copy of batch 1 failed"))
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"^the copy of batch 1 failed$"):
+        with e:
+            e.submit(0, {"x": np.zeros(4, np.float32)})
+            e.submit(1, {"x": np.ones(4, np.float32)})
+    assert time.monotonic() - t0 < 45  # not the 60-s close
+    assert e.closed_results == [None]  # the close was stopped by SIGTERM
+
+
+def test_stop_cuts_a_slow_close_at_the_shutdown_timeout(tmp_path, no_leaks):
+    """stop() is a run stopped early: each sink's close (60 s here) gets
+    ``shutdown_timeout``, then SIGTERM; the consumers exit cleanly (status 0) with their
+    closes reported as not done."""
+    e = EgressEngine(SlowCloseSinkFactory(60.0, str(tmp_path / "c")), num_consumers=2, device="cpu",
+                     slot_spec={"x": ((4,), "float32")}, shutdown_timeout=1.0).start()
+    wait_for(lambda: e._ready == {0, 1}, 120, what="the consumers to start")
+    procs = list(e._consumers.procs)
+    t0 = time.monotonic()
+    e.stop()
+    assert time.monotonic() - t0 < 45  # not the 60-s closes
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert e.closed_results == [None, None]
+    assert (tmp_path / "c0.closing").exists() and (tmp_path / "c1.closing").exists()
+
+
+class _Dead:
+    pid = 4242
+
+
+def _died(ready, w, seq, code, inflight=None):
+    """``EgressEngine._consumer_died`` on a stand-in engine: the error it reports."""
+    failures = []
+    stub = type("Stub", (), {})()
+    stub._lock, stub._inflight, stub._ready = threading.Condition(), inflight or {}, set(ready)
+    stub._fail = failures.append
+    EgressEngine._consumer_died(stub, w, _Dead(), seq, code)
+    (err,) = failures
+    assert isinstance(err, ConsumerDied)
+    return err
+
+
+def test_a_consumer_that_ends_before_it_started_points_at_the_main_module_guard(monkeypatch):
+    """A consumer that exits with an error status before its Ready (the spawned process
+    failed importing the main script) is named with the likely cause, word for word."""
+    end = "; the run was stopped. Outputs written before are kept; re-run to redo the rest"
+    guard = ("; it ended before it started (its error is printed above). A spawned process "
+             "imports the main module first: if {} starts the run outside "
+             "`if __name__ == \"__main__\":`, put it under that guard")
+    main = type(sys)("__main__")
+    main.__file__ = "/jobs/run.py"
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    err = _died({0}, 1, -1, 1)
+    assert str(err) == "consumer 1 (pid 4242) exited with code 1 while idle" + guard.format("/jobs/run.py") + end
+    assert (err.worker, err.exitcode, err.batch_id) == (1, 1, None)
+    del main.__file__  # an interactive session: no file
+    assert str(_died((), 0, -1, 2)) == ("consumer 0 (pid 4242) exited with code 2 while idle"
+                                        + guard.format("the main module") + end)
+    # started (its Ready came), killed, or a clean exit: no such cause
+    assert str(_died({1}, 1, -1, 1)) == "consumer 1 (pid 4242) exited with code 1 while idle" + end
+    assert str(_died((), 1, -1, -9)) == "consumer 1 (pid 4242) was killed by SIGKILL while idle" + end
+    assert str(_died((), 1, -1, 0)) == "consumer 1 (pid 4242) exited with code 0 while idle" + end
+    assert str(_died((), 1, -1, None)) == "consumer 1 (pid 4242) exited with code None while idle" + end
+    err = _died({0}, 0, 0, 0, inflight={0: "batch-a"})
+    assert str(err) == "consumer 0 (pid 4242) exited with code 0 while holding batch 'batch-a' (seq 0)" + end
+    assert (err.worker, err.exitcode, err.batch_id) == (0, 0, "batch-a")
+
+
+def test_the_stats_during_and_after_a_run_hold_its_own_figures(no_leaks):
+    """A snapshot in the block counts every batch a sink finished, whichever consumer ran
+    it; the wall time runs from the first submit to the last slot freed; the summary after
+    the block is final (made once); the stage spans, the host spans and the closes are in
+    its spans."""
+    from embedingest.engine.layout import SlotLayout
+
+    e = EgressEngine(HashSinkFactory(delays=(0.0, 0.01)), num_consumers=2, num_slots=3, device="cpu")
+    with e:
+        for i in range(6):
+            with e.span("h2d"):
+                batch = {"x": np.full((4,), i, np.float32)}
+            e.submit(i, batch)
+        e.flush()
+        st = e.stats
+        assert st.batches == 6 and [r.seq for r in st.records] == list(range(6))
+        assert set(st.batches_per_worker) == {0, 1} and sum(st.batches_per_worker.values()) == 6
+        assert st.wall_seconds == max(r.freed_t for r in st.records) - st.records[0].submit_t > 0
+        assert e._inflight == {}  # no batch id kept once its slot is back
+        e.host_span("wait for input", 1.5, 2.25)
+    final = e.stats
+    assert final is e.stats
+    assert final.wall_seconds == st.wall_seconds  # no batch since the snapshot
+    assert (final.device, final.pinned, final.num_slots, final.num_consumers) == ("cpu", False, 3, 2)
+    assert final.slot_bytes == SlotLayout.from_spec({"x": ((4,), np.float32)}).slot_bytes > 0
+    lanes = [lane for lane, _, _ in final.spans]
+    assert lanes == ["h2d"] * 6 + ["consumer 0 close", "consumer 1 close", "engine: consumers end",
+                                   "wait for input"]
+    assert final.spans[-1] == ("wait for input", 1.5, 2.25)
+    t_stop, t_end = final.spans[-2][1:]
+    assert max(r.freed_t for r in final.records) <= t_stop <= t_end
+
+
+def test_the_stats_of_an_engine_given_no_batch():
+    e = EgressEngine(HashSinkFactory(), num_consumers=2, device="cpu")
+    with e:
+        pass
+    st = e.stats
+    assert (st.batches, st.wall_seconds, st.slot_bytes, st.num_slots, st.num_consumers) == (0, 0.0, 0, 4, 2)
+    assert st.spans == [] and st.records == []
+
+
+def test_the_engine_s_defaults_and_the_settings_it_refuses():
+    """Nothing is started by the constructor, so these need no processes."""
+    e = EgressEngine(HashSinkFactory(), device="cpu")
+    c = e.config
+    assert (c.num_consumers, c.num_slots, c.shutdown_timeout, c.pin_memory) == (4, 0, 5.0, True)
+    assert c.slots() == 8 and e.closed_results == [None] * 4
+    e = EgressEngine(HashSinkFactory(), num_consumers=1, num_slots=1, device="cpu", shutdown_timeout=0.5,
+                     pin_memory=False)
+    c = e.config
+    assert (c.num_consumers, c.num_slots, c.shutdown_timeout, c.pin_memory, c.slots()) == (1, 1, 0.5, False, 1)
+    assert EgressEngine(HashSinkFactory(), num_consumers=2, num_slots=3, device="cpu").config.slots() == 3
+    with pytest.raises(ConfigError, match=r"^num_consumers=0: need at least 1 consumer process$"):
+        EgressEngine(HashSinkFactory(), num_consumers=0, device="cpu")
+    with pytest.raises(ConfigError, match=r"^num_slots=-1: need at least 1 slot$"):
+        EgressEngine(HashSinkFactory(), num_consumers=1, num_slots=-1, device="cpu")
+
+
+def test_the_device_by_name(monkeypatch):
+    """The library default is CUDA where torch sees a GPU; names are checked, not guessed.
+    (CUDA is made to look available: the constructor touches no GPU.)"""
+    from embedingest.engine.copy_paths import CudaCopyPath, HostCopyPath
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    e = EgressEngine(HashSinkFactory(), device=None)
+    assert (e.device, e.cuda, type(e._path), e._path.device) == ("cpu", False, HostCopyPath, "cpu")
+    with pytest.raises(ConfigError, match=r"^device 'cuda:1' asked for, but torch sees no CUDA GPU; "
+                                          r"use device='cpu'$"):
+        EgressEngine(HashSinkFactory(), device="cuda:1")
+    with pytest.raises(ConfigError, match=r"^device 'tpu' is not supported; use 'cuda', 'cuda:N' or 'cpu'$"):
+        EgressEngine(HashSinkFactory(), device="tpu")
+    assert EgressEngine(HashSinkFactory(), device=torch.device("cpu")).device == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    e = EgressEngine(HashSinkFactory(), device=None)
+    assert (e.device, e.cuda, type(e._path), e._path.device) == ("cuda", True, CudaCopyPath, "cuda")
+    e = EgressEngine(HashSinkFactory(), device="cuda:1")
+    assert (e.device, e.cuda, type(e._path), e._path.device) == ("cuda:1", True, CudaCopyPath, "cuda:1")
+    e = EgressEngine(HashSinkFactory(), device="cpu")  # asked for, though a GPU is there
+    assert (e.device, e.cuda, type(e._path), e._path.device) == ("cpu", False, HostCopyPath, "cpu")
+
+
+def test_an_engine_made_while_a_spawned_process_imports_the_main_module_is_refused(monkeypatch):
+    """A script without the ``__main__`` guard would start its run again in every consumer
+    it spawns: the engine made during that import says what to do, word for word."""
+    import multiprocessing
+
+    said = ("EgressEngine() was called while a process it started was importing {}: put the code "
+            "that calls it under `if __name__ == \"__main__\":` (consumer processes are spawned, "
+            "and a spawned process imports the main module first)")
+    main = type(sys)("__mp_main__")
+    main.__file__ = "/jobs/run.py"
+    monkeypatch.setitem(sys.modules, "__mp_main__", main)
+    monkeypatch.setattr(multiprocessing.current_process(), "_inheriting", True, raising=False)
+    with pytest.raises(ConfigError) as info:
+        EgressEngine(HashSinkFactory(), device="cpu")
+    assert str(info.value) == said.format("/jobs/run.py")
+    monkeypatch.delitem(sys.modules, "__mp_main__")
+    with pytest.raises(ConfigError) as info:
+        EgressEngine(HashSinkFactory(), device="cpu")
+    assert str(info.value) == said.format("the main module")
+    monkeypatch.setattr(multiprocessing.current_process(), "_inheriting", False)
+    assert EgressEngine(HashSinkFactory(), device="cpu").device == "cpu"
+    monkeypatch.delattr(multiprocessing.current_process(), "_inheriting")
+    assert EgressEngine(HashSinkFactory(), device="cpu").device == "cpu"
+
+
+def test_flush_returns_once_every_batch_went_through_a_sink(no_leaks):
+    """Each batch takes its sink 0.2 s: flush() returns only once all of them were
+    answered, at every call."""
+    got = []
+    with EgressEngine(HashSinkFactory(delays=(0.2,)), num_consumers=1, num_slots=4, device="cpu",
+                      on_result=lambda b, r: got.append(b)) as e:
+        for i in range(3):
+            e.submit(i, {"x": np.full((4,), i, np.float32)})
+        e.flush()
+        assert got == [0, 1, 2]
+        e.submit(3, {"x": np.full((4,), 3, np.float32)})
+        e.flush()
+        assert got == [0, 1, 2, 3]
+
+
+def test_batches_a_consumer_holds_when_the_run_stops_are_handed_back_unrun(tmp_path, no_leaks):
+    """Batches 1-3 wait in the consumer's queue behind batch 0 when the caller fails: the
+    consumer finishes batch 0, then hands the other three back without running the sink;
+    their slots are freed and the consumer closes its sink normally."""
+    marker = str(tmp_path / "g")
+    got = []
+    with pytest.raises(KeyError, match="stop"):
+        with EgressEngine(GateSinkFactory(marker), num_consumers=1, num_slots=4, device="cpu",
+                          on_result=lambda b, r: got.append(r)) as e:
+            for i in range(4):
+                e.submit(i, {"x": np.full((4,), i, np.float32)})
+            wait_for(lambda: os.path.exists(marker + ".holding") and len(e._inflight) == 4, 120,
+                     what="batch 0 in the sink and 1-3 handed to the consumer")
+
+            def open_the_gate_once_stopping():
+                wait_for(lambda: e._consumers.aborting, 120, what="the stop")
+                open(marker + ".go", "w").close()
+
+            threading.Thread(target=open_the_gate_once_stopping, daemon=True).start()
+            raise KeyError("stop")
+    assert got == [0]
+    assert e.closed_results == [{"worker": 0, "count": 1}]
+    recs = e.stats.records
+    assert [r.worker for r in recs] == [0, -1, -1, -1]
+    for r in recs:
+        assert r.dispatch_t > 0 and r.freed_t >= r.dispatch_t, r  # handed over, then given back
