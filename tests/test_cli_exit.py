@@ -5,23 +5,35 @@ usual exit where a thread still runs or the code is a message."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 SCRIPT = textwrap.dedent("""
-    import atexit, pathlib, sys, threading, time
+    import atexit, os, pathlib, sys, threading, time
     from embedingest.cli.common import end_process
 
     out = pathlib.Path(sys.argv[1])
     mode, code = sys.argv[2], sys.argv[3]
 
     class Torn:
-        def __del__(self):  # runs only in the interpreter's teardown
-            (out / "teardown").write_text("ran")
+        def __init__(self, path):
+            self.path = path
 
-    kept = Torn()
+        def __del__(self, _open=open):  # runs only in the interpreter's teardown
+            with _open(self.path, "w") as fh:
+                fh.write("ran")
+
+    kept = Torn(str(out / "teardown"))
+    real_exit = os._exit
+
+    def spied_exit(status):
+        (out / "os_exit").write_text(str(status))
+        real_exit(status)
+
+    os._exit = spied_exit
     atexit.register(lambda: (out / "atexit").write_text("ran"))
     sys.stdout.write("no newline, still buffered")  # a pipe: block-buffered
     if mode == "thread":
@@ -29,13 +41,16 @@ SCRIPT = textwrap.dedent("""
             time.sleep(0.3)
             (out / "thread").write_text("done")
         threading.Thread(target=late).start()
+    if mode == "usual":
+        sys.exit(int(code))
     end_process(None if code == "none" else int(code) if code.isdigit() else code)
 """)
 
 
 def _end(tmp_path: Path, mode: str, code: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # the pipe stays buffered
     return subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), mode, code],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60, env=env)
 
 
 def test_the_end_flushes_runs_atexit_keeps_the_status_and_skips_the_teardown(tmp_path):
@@ -44,16 +59,25 @@ def test_the_end_flushes_runs_atexit_keeps_the_status_and_skips_the_teardown(tmp
     assert run.stdout == "no newline, still buffered"
     assert (tmp_path / "atexit").read_text() == "ran"
     assert not (tmp_path / "teardown").exists()
+    assert (tmp_path / "os_exit").read_text() == "3"
+
+
+def test_the_usual_exit_would_have_torn_down(tmp_path):
+    """The control of the test above: the teardown it looks for does run on the usual exit."""
+    run = _end(tmp_path, "usual", "3")
+    assert run.returncode == 3 and (tmp_path / "teardown").read_text() == "ran"
 
 
 def test_no_code_is_success(tmp_path):
     assert _end(tmp_path, "plain", "none").returncode == 0
+    assert (tmp_path / "os_exit").read_text() == "0"
 
 
 def test_a_running_thread_gets_the_usual_exit_which_waits_for_it(tmp_path):
     run = _end(tmp_path, "thread", "4")
     assert run.returncode == 4
     assert (tmp_path / "thread").read_text() == "done"
+    assert not (tmp_path / "os_exit").exists()
     assert (tmp_path / "atexit").read_text() == "ran"
 
 
