@@ -1,6 +1,8 @@
 """The one-pass masks kernel (stages/fused_argmax.py) with a fresh Triton cache: how many
 variants the job's varied sizes compile, and what they cost; and which order of the
-multiply-adds matches PyTorch's CUDA kernel, pixel for pixel."""
+multiply-adds matches PyTorch's CUDA kernel, pixel for pixel. ``variant`` is the module's
+kernel with that one expression chosen by ``MODE`` (and without the NaN rule): an
+experiment's copy, so the module's own kernel carries no modes."""
 import os, tempfile, time
 os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="tcache-")
 import torch, torch.nn.functional as F

@@ -174,25 +174,24 @@ def _forward_alone(cfg: PhotoBenchConfig, device: str, calls: list[list], masks:
     def pixels(n, h, w):
         return torch.randint(0, 256, (n, 3, h, w), dtype=torch.uint8, device=segmenter.device)
 
-    def timed(calls) -> float:
+    def timed(calls, masks_of=None) -> float:
+        """``masks_of``: each call's (metas, full_max_pixels), its masks computed too."""
         _sync(segmenter.device)
         t0 = time.perf_counter()
-        for call, (meta, full_max) in zip(calls, given):
-            n, h, w, once = call[:4]
+        for i, (n, h, w, once, *_) in enumerate(calls):
             logits = segmenter.logits(inputs[(n, h, w)], once=once)
-            if meta is not None:
-                segmenter.image_masks(logits, meta, full_max)
+            if masks_of:
+                segmenter.image_masks(logits, *masks_of[i])
         _sync(segmenter.device)
         return time.perf_counter() - t0
 
     warm_w, warm_h = loaded.preprocessing(cfg.resize, cfg.size).model_size(*WARM_SIZE)
     inputs = {(n, h, w): pixels(n, h, w) for n, h, w, *_ in calls}
     inputs[(cfg.batch_size, warm_h, warm_w)] = pixels(cfg.batch_size, warm_h, warm_w)
-    given = [(None, None)] * 2
     timed([(cfg.batch_size, warm_h, warm_w, False)] * 2)
-    given = [metas(call) if masks else (None, None) for call in calls]
-    cold = timed(calls)
-    warm = timed(calls)
+    masks_of = [metas(call) for call in calls] if masks else None
+    cold = timed(calls, masks_of)
+    warm = timed(calls, masks_of)
     images = sum(n for n, *_ in calls)
     return {"images": images, "seconds": cold, "images_per_s": images / cold,
             "warm_seconds": warm, "warm_images_per_s": images / warm,
@@ -301,7 +300,7 @@ def _shorts_between(calls: list[list], batch_size: int) -> int:
 def table(result: dict) -> str:
     """The rows as a Markdown table."""
     job, alone = result["job"], result["forward_alone"]
-    by_shape = result["forward_alone_by_shape"]
+    by_shape, masked = result["forward_alone_by_shape"], result["forward_and_masks_alone"]
     lines = ["| row | images | seconds | images/s | × forward alone |", "|---|---|---|---|---|",
              f"| forward alone ({result['dtype']}, inputs on the device, the job's batches in the "
              f"job's order, each shape new as it was to the job) | {alone['images']} | {alone['seconds']:.2f} | "
@@ -313,10 +312,9 @@ def table(result: dict) -> str:
              f"{alone['warm_seconds']:.2f} | {alone['warm_images_per_s']:.1f} | "
              f"{alone['warm_images_per_s'] / alone['images_per_s']:.2f} |",
              f"| forward and masks alone (the job's batches in its order, each batch's masks as the "
-             f"job computes them: its GPU work but the copies) | {result['forward_and_masks_alone']['images']} | "
-             f"{result['forward_and_masks_alone']['seconds']:.2f} | "
-             f"{result['forward_and_masks_alone']['images_per_s']:.1f} | "
-             f"{result['forward_and_masks_alone']['images_per_s'] / alone['images_per_s']:.2f} |",
+             f"job computes them: its GPU work but the copies) | {masked['images']} | "
+             f"{masked['seconds']:.2f} | {masked['images_per_s']:.1f} | "
+             f"{masked['images_per_s'] / alone['images_per_s']:.2f} |",
              f"| segment job, end to end (the call) | {job['images']} | {job['seconds']:.2f} | "
              f"{job['images_per_s']:.1f} | {result['job_vs_forward']:.2f} |"]
     if job["steady_images_per_s"]:

@@ -75,26 +75,17 @@ class IndexPath(click.ParamType):
         return click.Path(exists=True, file_okay=False, path_type=str).convert(local_path(value), param, ctx)
 
 
-def exit_quickly(code: int) -> NoReturn:
-    """Exit with ``code`` once the run is over (its files written, its processes gone),
-    without the interpreter's last garbage collection over torch, transformers and the
-    model: seconds on a loaded machine, which pushed an interrupted run past the 5 s it
-    promises. Objects are still finalized as modules are torn down."""
-    import gc
-
-    gc.freeze()
-    sys.exit(code)
-
-
 def end_process(code) -> NoReturn:
     """End the program with ``code`` (a :class:`SystemExit`'s) once its command is over,
     without the interpreter's teardown of torch, CUDA and the model: most of a second after
-    every run on the lent GPU machine, more on a loaded one.
+    every run on the lent GPU machine, seconds on a loaded one, which also pushed an
+    interrupted run past the 5 s it promises.
 
     Standard output and error are flushed and the ``atexit`` callbacks run (logging's
     handlers flushed, multiprocessing's children joined, temporary folders removed), then
     :func:`os._exit`. A code that is not a number (a message), or a thread that is not a
-    daemon still running, gets the usual exit, which prints the message or waits."""
+    daemon still running, gets the usual exit, which prints the message or waits, without
+    the last garbage collection (``gc.freeze``)."""
     import atexit
     import gc
 
@@ -166,7 +157,7 @@ def run_job(module: str, call, *, as_json: bool, paragraph, interrupted: str) ->
         summary = call(job)
     except KeyboardInterrupt:
         click.echo(f"\ninterrupted: {interrupted}", err=True)
-        exit_quickly(EXIT_INTERRUPTED)
+        sys.exit(EXIT_INTERRUPTED)  # the program then ends at once (end_process)
     finally:
         sys.unraisablehook = previous
         threading.excepthook = threads_hook
