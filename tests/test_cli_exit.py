@@ -11,6 +11,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 SCRIPT = textwrap.dedent("""
     import atexit, os, pathlib, sys, threading, time
     from embedingest.cli.common import end_process
@@ -79,6 +81,19 @@ def test_a_running_thread_gets_the_usual_exit_which_waits_for_it(tmp_path):
     assert (tmp_path / "thread").read_text() == "done"
     assert not (tmp_path / "os_exit").exists()
     assert (tmp_path / "atexit").read_text() == "ran"
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_output_lost_to_a_full_disk_is_reported_not_dropped(tmp_path):
+    """Standard output on a full device: the flush fails, and the usual exit reports it
+    with Python's status 120 instead of a silent 0."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    with open("/dev/full", "w") as full:
+        run = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), "plain", "0"], stdout=full,
+                             stderr=subprocess.PIPE, text=True, timeout=60, env=env)
+    assert run.returncode == 120
+    assert "No space left on device" in run.stderr
+    assert not (tmp_path / "os_exit").exists()
 
 
 def test_a_message_for_a_code_is_printed_with_status_1(tmp_path):

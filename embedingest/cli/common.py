@@ -83,9 +83,10 @@ def end_process(code) -> NoReturn:
 
     Standard output and error are flushed and the ``atexit`` callbacks run (logging's
     handlers flushed, multiprocessing's children joined, temporary folders removed), then
-    :func:`os._exit`. A code that is not a number (a message), or a thread that is not a
-    daemon still running, gets the usual exit, which prints the message or waits, without
-    the last garbage collection (``gc.freeze``)."""
+    :func:`os._exit`. A code that is not a number (a message), a thread that is not a
+    daemon still running, or output that cannot be flushed (a full disk) gets the usual
+    exit, which prints the message, waits, or reports the lost output with status 120,
+    without the last garbage collection (``gc.freeze``)."""
     import atexit
     import gc
 
@@ -98,8 +99,8 @@ def end_process(code) -> NoReturn:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except (OSError, ValueError):  # a closed or broken pipe: nothing more can reach it
-            pass
+        except (OSError, ValueError):  # a full disk, a broken pipe: the usual exit says so (120)
+            sys.exit(code)
     run_exitfuncs()
     os._exit(code or 0)
 
