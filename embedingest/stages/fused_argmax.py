@@ -104,10 +104,14 @@ def _kernel():
 HALF = (torch.float16, torch.bfloat16)
 
 
-def handles(logits: torch.Tensor) -> bool:
-    """Whether :func:`scaled_argmax` takes ``logits``: on CUDA, float16 or bfloat16, at most
-    256 classes, with Triton there."""
-    return logits.is_cuda and logits.dtype in HALF and logits.shape[1] <= 256 and available()
+MAX_PIXELS = 2**31 - BLOCK  # the kernel indexes an image's pixels, its last block's too, in int32
+
+
+def handles(logits: torch.Tensor, size: tuple[int, int]) -> bool:
+    """Whether :func:`scaled_argmax` takes ``logits`` to ``size``: on CUDA, float16 or
+    bfloat16, at most 256 classes, at most :data:`MAX_PIXELS` pixels, with Triton there."""
+    return (logits.is_cuda and logits.dtype in HALF and logits.shape[1] <= 256
+            and size[0] * size[1] <= MAX_PIXELS and available())
 
 
 def scaled_argmax(logits: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
@@ -120,6 +124,8 @@ def scaled_argmax(logits: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         raise ValueError(f"scores of {logits.dtype}: the one-pass argmax takes float16 or bfloat16 "
                          "(upsampled_argmax runs the two steps for others)")
     out_h, out_w = size
+    if out_h * out_w > MAX_PIXELS:
+        raise ValueError(f"a mask of {out_h}x{out_w} pixels is over the kernel's {MAX_PIXELS}")
     if (h, w) == (out_h, out_w):  # F.interpolate copies then: no weights, not even 0 x inf
         return logits.argmax(dim=1).to(torch.uint8)
     out = torch.empty((b, out_h, out_w), dtype=torch.uint8, device=logits.device)

@@ -314,7 +314,7 @@ def upsampled_argmax(logits: torch.Tensor, size: tuple[int, int],
     a time and the best kept: each plane is scaled on its own either way, and a later
     class replaces the best only when strictly greater, so ties go to the lowest class as
     in ``argmax``: the same mask."""
-    if fused_argmax.handles(logits):
+    if fused_argmax.handles(logits, size):
         return fused_argmax.scaled_argmax(logits, size)
     b, c = logits.shape[:2]
     step = max(1, budget // max(1, b * size[0] * size[1] * logits.element_size()))

@@ -98,6 +98,8 @@ def test_more_classes_than_a_mask_holds_or_float32_are_refused():
         fused_argmax.scaled_argmax(torch.zeros((1, 257, 2, 2)).half(), (4, 4))
     with pytest.raises(ValueError, match="torch.float32: the one-pass argmax takes float16 or bfloat16"):
         fused_argmax.scaled_argmax(torch.zeros((1, 3, 2, 2)), (4, 4))
+    with pytest.raises(ValueError, match="a mask of 65536x32768 pixels is over the kernel's 2147483136"):
+        fused_argmax.scaled_argmax(torch.zeros((1, 3, 2, 2)).half(), (65536, 32768))
 
 
 class _Scores:
@@ -107,11 +109,14 @@ class _Scores:
         self.is_cuda, self.dtype, self.shape = cuda, dtype, (1, classes, 8, 8)
 
 
-def test_the_kernel_takes_half_precision_cuda_scores_only():
-    assert fused_argmax.handles(_Scores(torch.float16)) and fused_argmax.handles(_Scores(torch.bfloat16))
-    assert not fused_argmax.handles(_Scores(torch.float32))
-    assert not fused_argmax.handles(_Scores(torch.float16, cuda=False))
-    assert not fused_argmax.handles(_Scores(torch.float16, classes=300))
+def test_the_kernel_takes_half_precision_cuda_scores_of_int32_sized_masks_only():
+    size = (1200, 1600)
+    assert fused_argmax.handles(_Scores(torch.float16), size) and fused_argmax.handles(_Scores(torch.bfloat16), size)
+    assert not fused_argmax.handles(_Scores(torch.float32), size)
+    assert not fused_argmax.handles(_Scores(torch.float16, cuda=False), size)
+    assert not fused_argmax.handles(_Scores(torch.float16, classes=300), size)
+    assert fused_argmax.handles(_Scores(torch.float16), (1, 2**31 - 512))
+    assert not fused_argmax.handles(_Scores(torch.float16), (1, 2**31 - 511))  # its last block past int32
 
 
 def test_off_the_gpu_the_two_steps_run(monkeypatch):
