@@ -18,8 +18,12 @@ which differs there, and the two steps run instead (:func:`handles`).
 
 It needs Triton (installed with PyTorch's CUDA wheels; :func:`available`); without it the
 two steps run. Triton compiles the kernel on first use (about 3 s on the H200, once per
-scores' dtype) and keeps it in its own cache (``~/.triton/cache``, or
-``TRITON_CACHE_DIR``), as it does for PyTorch's compiled code.
+scores' dtype and class count; it needs a C compiler for its launcher) and keeps it in its
+own cache (``~/.triton/cache``, or ``TRITON_CACHE_DIR``), as it does for PyTorch's
+compiled code. A job starts the compile in a thread (:func:`compile_ahead`) and makes its
+first masks in two steps until it is done, so a machine with an empty cache never waits
+for it; a kernel that does not compile (no C compiler, say) is reported once and the two
+steps run (:func:`usable`).
 """
 
 from __future__ import annotations
@@ -27,8 +31,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import logging
+import threading
 
 import torch
+
+log = logging.getLogger(__name__)
 
 BLOCK = 512  # output pixels per program
 
@@ -112,6 +120,89 @@ def handles(logits: torch.Tensor, size: tuple[int, int]) -> bool:
     bfloat16, at most 256 classes, at most :data:`MAX_PIXELS` pixels, with Triton there."""
     return (logits.is_cuda and logits.dtype in HALF and logits.shape[1] <= 256
             and size[0] * size[1] <= MAX_PIXELS and available())
+
+
+class _Compile:
+    """One kernel's compile for (device, dtype, classes): done, and whether it worked."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.ok = False
+
+
+_compiles: dict[tuple, _Compile] = {}
+_compiles_lock = threading.Lock()
+
+
+def _key(device: torch.device, dtype: torch.dtype, classes: int) -> tuple:
+    if device.type == "cuda" and device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device())
+    return device, dtype, classes
+
+
+def _first_run(device: torch.device, dtype: torch.dtype, classes: int) -> None:
+    """The kernel once on a tiny input, on a stream of its own: Triton compiles it then (or
+    loads it from its cache)."""
+    with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
+        scaled_argmax(torch.zeros((1, classes, 2, 2), dtype=dtype, device=device), (3, 3))
+        torch.cuda.current_stream().synchronize()
+
+
+def _compile(device: torch.device, dtype: torch.dtype, classes: int, state: _Compile) -> None:
+    """:func:`_first_run`; a failure is logged and leaves ``state.ok`` False, so the two
+    steps run."""
+    try:
+        _first_run(device, dtype, classes)
+        state.ok = True
+    except Exception as exc:  # noqa: BLE001 - any compile failure: the two steps make the same masks
+        log.warning("the one-pass masks kernel did not compile for %s scores of %d classes on %s "
+                    "(%s: %s); masks are made in two steps (scaled scores, then the argmax): the "
+                    "same masks, more GPU time", str(dtype).removeprefix("torch."), classes,
+                    device, type(exc).__name__, exc)
+    finally:
+        state.done.set()
+
+
+def _start(device: torch.device, dtype: torch.dtype, classes: int, background: bool) -> _Compile:
+    """The compile for these scores: the one under way or done, or one started now (here,
+    or in a thread)."""
+    device = torch.device(device)
+    key = _key(device, dtype, classes)
+    with _compiles_lock:
+        state = _compiles.get(key)
+        if state is not None:
+            return state
+        state = _compiles[key] = _Compile()
+    if background:
+        threading.Thread(target=_compile, args=(device, dtype, classes, state), daemon=True,
+                         name="embedingest-masks-kernel").start()
+    else:
+        _compile(device, dtype, classes, state)
+    return state
+
+
+def compile_ahead(device: str | torch.device, dtype: torch.dtype, classes: int) -> bool:
+    """Compile the kernel for ``classes`` scores of ``dtype`` on ``device`` in a background
+    thread (most of a compile runs in LLVM and ``ptxas``, outside the GIL); until it is
+    done :func:`usable` says no and the masks take the two steps. False (nothing started)
+    where the kernel would not be used."""
+    device = torch.device(device)
+    if (device.type != "cuda" or dtype not in HALF or not 1 <= classes <= 256
+            or not available()):
+        return False
+    _start(device, dtype, classes, background=True)
+    return True
+
+
+def usable(logits: torch.Tensor, size: tuple[int, int]) -> bool:
+    """Whether to take ``logits`` to ``size`` in one pass now: :func:`handles` them and the
+    kernel is compiled for them. The first call compiles it here unless
+    :func:`compile_ahead` is at it (False meanwhile); False for good where it did not
+    compile (reported once)."""
+    if not handles(logits, size):
+        return False
+    state = _start(logits.device, logits.dtype, logits.shape[1], background=False)
+    return state.done.is_set() and state.ok
 
 
 def scaled_argmax(logits: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:

@@ -307,14 +307,14 @@ def upsampled_argmax(logits: torch.Tensor, size: tuple[int, int],
                      budget: int = UPSAMPLE_BUDGET) -> torch.Tensor:
     """uint8 [B, H, W]: the argmax of ``logits`` [B, C, h, w] scaled bilinearly to ``size``
     (H, W), ``align_corners=False`` as torchvision's models scale their output. Half-precision
-    scores on CUDA (with Triton) go in one pass that never writes the scaled planes
-    (:mod:`.fused_argmax`).
+    scores on CUDA (with Triton, once its kernel is compiled) go in one pass that never
+    writes the scaled planes (:mod:`.fused_argmax`).
 
     When all C scaled planes would exceed ``budget`` bytes, the classes are scaled a few at
     a time and the best kept: each plane is scaled on its own either way, and a later
     class replaces the best only when strictly greater, so ties go to the lowest class as
     in ``argmax``: the same mask."""
-    if fused_argmax.handles(logits, size):
+    if fused_argmax.usable(logits, size):
         return fused_argmax.scaled_argmax(logits, size)
     b, c = logits.shape[:2]
     step = max(1, budget // max(1, b * size[0] * size[1] * logits.element_size()))

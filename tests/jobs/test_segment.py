@@ -328,6 +328,10 @@ def test_segment_on_cuda_matches_cpu(tree, tmp_path, weights, no_leaks):
         assert a.shape == (h, w) and (a == b).mean() > 0.99, rel
     fp16 = segment(config(images, tmp_path / "fp16", weights, device="cuda"), progress=False)
     assert fp16["dtype"] == "float16" and fp16["written"] == len(sizes)
+    from embedingest.stages import fused_argmax
+
+    compiled = fused_argmax._compiles[(torch.device("cuda", torch.cuda.current_device()), torch.float16, 21)]
+    assert compiled.done.wait(120) and compiled.ok, "the masks' kernel, compiled in the job's thread"
 
 
 def test_list_inputs_reads_each_output_folder_once(tmp_path, monkeypatch):
@@ -480,3 +484,20 @@ def test_num_classes_and_timeline_through_the_cli(tmp_path, small):
     assert random.exit_code == 0, random.output
     assert json.loads(random.output)["num_classes"] == 3
     assert json.loads((tmp_path / "r" / "labels.json").read_text())["categories"] == ["class_0", "class_1", "class_2"]
+
+
+@pytest.mark.parametrize("resize", ["short", "fit"])
+def test_the_masks_kernel_compiles_while_the_model_loads_where_masks_are_scaled(tmp_path, small, monkeypatch, resize):
+    """Scaled masks (``--resize short``) have their one-pass kernel compiled in a thread
+    from the start (for the scores' dtype and the weights' classes); letterboxed ones
+    (``fit``) take the argmax at model size and start no compile."""
+    from embedingest.jobs.segment import run as segment_run
+
+    asked = []
+    monkeypatch.setattr(segment_run.fused_argmax, "compile_ahead", lambda *a: asked.append(a) or False)
+    images = tmp_path / "images"
+    images.mkdir()
+    Image.fromarray(noise(20, 30)).save(images / "a.png")
+    summary = segment(config(images, tmp_path / "out", small, resize=resize), progress=False)
+    assert summary["written"] == 1
+    assert asked == ([(torch.device("cpu"), torch.float32, NUM_CLASSES)] if resize == "short" else [])

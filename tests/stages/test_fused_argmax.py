@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -155,3 +156,88 @@ def test_one_compiled_kernel_serves_every_size_and_crop():
             want = F.interpolate(view, size=size, mode="bilinear", align_corners=False).argmax(dim=1).to(torch.uint8)
             assert torch.equal(fused_argmax.scaled_argmax(view, size), want)
     assert sum(len(cache[0]) for cache in caches.values()) - before <= 1
+
+
+@pytest.fixture
+def no_compiles(monkeypatch):
+    """No kernel compiled yet, as in a fresh process."""
+    monkeypatch.setattr(fused_argmax, "_compiles", {})
+
+
+def test_a_kernel_that_does_not_compile_is_reported_once_and_the_two_steps_run(monkeypatch, caplog, no_compiles):
+    """Triton builds its launcher with the system's C compiler: where there is none (a slim
+    image), the masks are still made, in two steps, and the user is told why, once."""
+    tried = []
+
+    def first_run(device, dtype, classes):
+        tried.append((device, dtype, classes))
+        raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
+
+    monkeypatch.setattr(fused_argmax, "_first_run", first_run)
+    monkeypatch.setattr(fused_argmax, "handles", lambda logits, size: True)  # CPU scores stand in for CUDA ones
+    monkeypatch.setattr(fused_argmax, "scaled_argmax", lambda *a: pytest.fail("the kernel ran though it did not compile"))
+    logits = torch.randn((2, 5, 4, 6))
+    with caplog.at_level("WARNING", logger=fused_argmax.__name__):
+        for _ in range(3):
+            assert torch.equal(upsampled_argmax(logits, (9, 13)), reference(logits, (9, 13)))
+    assert tried == [(torch.device("cpu"), torch.float32, 5)]
+    [record] = caplog.records
+    assert "did not compile for float32 scores of 5 classes on cpu (RuntimeError: Failed to find C compiler" \
+        in record.getMessage()
+
+
+def test_while_the_kernel_compiles_in_the_background_the_two_steps_run(monkeypatch, no_compiles):
+    """``compile_ahead``: the first masks do not wait for the compile, and once it is done
+    the kernel takes over; a second call starts nothing."""
+    started, release, runs, kernel_sizes = threading.Event(), threading.Event(), [], []
+
+    def first_run(device, dtype, classes):
+        runs.append((device, dtype, classes))
+        started.set()
+        assert release.wait(30)
+
+    def kernel(logits, size):
+        kernel_sizes.append(size)
+        return reference(logits, size)
+
+    monkeypatch.setattr(fused_argmax, "_first_run", first_run)
+    monkeypatch.setattr(fused_argmax, "available", lambda: True)
+    monkeypatch.setattr(fused_argmax, "handles", lambda logits, size: True)
+    # CPU scores in float32 stand in for the GPU's float16 ones
+    monkeypatch.setattr(fused_argmax, "_key", lambda device, dtype, classes: ("gpu", classes))
+    monkeypatch.setattr(fused_argmax, "scaled_argmax", kernel)
+    logits = torch.randn((1, 7, 5, 5))
+    assert fused_argmax.compile_ahead("cuda:0", torch.float16, 7)
+    assert started.wait(30)
+    assert not fused_argmax.usable(logits, (8, 8))
+    assert torch.equal(upsampled_argmax(logits, (8, 8)), reference(logits, (8, 8)))
+    assert kernel_sizes == []
+    release.set()
+    assert fused_argmax._compiles[("gpu", 7)].done.wait(30)
+    assert fused_argmax.usable(logits, (8, 8))
+    assert torch.equal(upsampled_argmax(logits, (8, 8)), reference(logits, (8, 8)))
+    assert kernel_sizes == [(8, 8)]
+    assert fused_argmax.compile_ahead("cuda:0", torch.float16, 7)
+    assert runs == [(torch.device("cuda", 0), torch.float16, 7)]
+
+
+def test_compile_ahead_starts_nothing_where_the_kernel_would_not_run(monkeypatch, no_compiles):
+    monkeypatch.setattr(fused_argmax, "available", lambda: True)
+    monkeypatch.setattr(fused_argmax, "_first_run", lambda *a: pytest.fail("compiled"))
+    assert not fused_argmax.compile_ahead("cpu", torch.float16, 21)
+    assert not fused_argmax.compile_ahead("cuda:0", torch.float32, 21)
+    assert not fused_argmax.compile_ahead("cuda:0", torch.float16, 257)
+    monkeypatch.setattr(fused_argmax, "available", lambda: False)
+    assert not fused_argmax.compile_ahead("cuda:0", torch.float16, 21)
+    assert fused_argmax._compiles == {}
+
+
+@pytest.mark.needs_cuda
+def test_compiled_ahead_on_the_gpu_the_kernel_is_used(no_compiles):
+    fused_argmax.compile_ahead("cuda", torch.bfloat16, 9)
+    state = fused_argmax._compiles[(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16, 9)]
+    assert state.done.wait(120) and state.ok
+    scores = torch.randn((2, 9, 30, 41), device="cuda").bfloat16()
+    assert fused_argmax.usable(scores, (61, 80))
+    want = F.interpolate(scores, size=(61, 80), mode="bilinear", align_corners=False).argmax(dim=1).to(torch.uint8)
+    assert torch.equal(upsampled_argmax(scores, (61, 80)), want)

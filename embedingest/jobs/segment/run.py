@@ -25,6 +25,8 @@ from ...sinks.masks import MaskSinkFactory, labels_info, write_labels
 from ...sources.image_decode import LONG_SIDE_LIMIT, ImageMeta
 from ...sources.images import ImageBatch, ImageFileDataset, collate_images, regroup
 from ...sources.shape_batches import HeaderReaders, ShapeBatchSampler
+from ...stages import fused_argmax
+from ...stages.device import resolve_dtype
 from ...stages.segmentation import (Segmenter, SegmentationModel, load_segmentation_model,
                                     preset_preprocessing)
 
@@ -86,11 +88,14 @@ def _decoders(config: SegmentConfig, device: torch.device, todo: list[tuple[str,
 def _model_and_engine(config: SegmentConfig, device: torch.device, prep, full_max: int
                       ) -> tuple[SegmentationModel, Segmenter, EgressEngine, dict, float]:
     """The model on ``device``, labels.json written, and the engine started (its consumers
-    start while the weights go to the device); the engine's slot spec and the seconds the
-    model took."""
+    start while the weights go to the device, and the masks' kernel compiles in a thread
+    where masks are scaled to the images' sizes: ``full_max``); the engine's slot spec and
+    the seconds the model took."""
     t0 = time.perf_counter()
     loaded = load_segmentation_model(config.arch, config.weights, config.num_classes,
                                      config.random_weights)
+    if full_max:  # masks scaled to the images' sizes: their kernel compiles meanwhile
+        fused_argmax.compile_ahead(device, resolve_dtype(config.dtype, device), loaded.num_classes)
     write_labels(config.out, labels_info(loaded.arch, loaded.source, loaded.categories,
                                          prep.describe(), full_max, loaded.preset),
                  replace=config.overwrite)
