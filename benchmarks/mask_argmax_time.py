@@ -34,7 +34,7 @@ if __name__ == "__main__":
     results = {}
     import types
     import embedingest.stages.segmentation as seg
-    off = types.SimpleNamespace(available=lambda: False)
+    off = types.SimpleNamespace(usable=lambda *a: False)
     for name in ["fused", "two-step", "fused", "two-step"]:
         seg.fused_argmax = fused_argmax if name == "fused" else off
         gpu_ms, wall, res = timed(data)
