@@ -430,3 +430,63 @@ def test_a_consumer_process_ends_at_once_with_its_status(monkeypatch, capsys, en
     assert got == [(1, "factory", "handle", "conn", "abort", 42)] and exits == [code]
     err = capsys.readouterr().err
     assert (printed in err and "Traceback" in err) if printed else err == ""
+
+
+def test_a_consumer_whose_sink_has_no_close_says_so_with_no_close_times():
+    """A sink without ``close`` (or none at all: its factory failed) ends with a
+    ``Closed`` of no result whose times are both 0.0, as ``Closed`` says."""
+    from engine_sinks import ListSinkFactory
+
+    from embedingest.engine.messages import Closed, Done, Failed, Ready
+
+    msgs = run_consumer(lambda worker: (lambda batch_id, arrays: f"w{worker}:{batch_id}"),
+                        [(0, 0, "a", [1.0])], timed=True)
+    assert [type(m) for m in msgs] == [Ready, Done, Closed]
+    assert msgs[1].result == "w3:a" and msgs[2] == Closed(3, None, 0.0, 0.0)
+
+    msgs = run_consumer(ListSinkFactory(factory_fails=True), [(0, 0, "a", [1.0])], timed=True)
+    assert [type(m) for m in msgs] == [Failed, Closed] and msgs[1] == Closed(3, None, 0.0, 0.0)
+
+    msgs = run_consumer(ListSinkFactory(close_fails=True), [(0, 0, "a", [1.0])], timed=True)
+    assert [type(m) for m in msgs] == [Ready, Done, Failed, Closed]  # a close that failed:
+    assert msgs[3].close_start > 0.0 and msgs[3].close_end == 0.0  # its start, no end
+
+
+@pytest.mark.parametrize("broken", ["stdout", "stderr"])
+def test_a_consumer_process_whose_output_cannot_be_flushed_still_ends_with_its_status(
+        monkeypatch, broken):
+    """A stream whose flush fails (a closed pipe, a full disk) neither keeps
+    ``consumer_process`` from ``os._exit`` with its status nor the other stream from its
+    flush."""
+    import sys
+
+    from embedingest.engine import consumers
+
+    flushed, exits = [], []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def flush(self):
+            if self.name == broken:
+                raise OSError(28, "No space left on device")
+            flushed.append(self.name)
+
+    class Exited(Exception):
+        pass
+
+    def _exit(status):
+        exits.append(status)
+        raise Exited
+
+    def main(*args):
+        raise SystemExit(143)
+
+    monkeypatch.setattr(consumers, "consumer_main", main)
+    monkeypatch.setattr(consumers.os, "_exit", _exit)
+    monkeypatch.setattr(sys, "stdout", Stream("stdout"))
+    monkeypatch.setattr(sys, "stderr", Stream("stderr"))
+    with pytest.raises(Exited):
+        consumers.consumer_process(1, "factory", "handle", "conn", "abort", 42)
+    assert exits == [143] and flushed == [{"stdout": "stderr", "stderr": "stdout"}[broken]]
