@@ -330,7 +330,7 @@ def test_segment_on_cuda_matches_cpu(tree, tmp_path, weights, no_leaks):
     assert fp16["dtype"] == "float16" and fp16["written"] == len(sizes)
     from embedingest.stages import fused_argmax
 
-    compiled = fused_argmax._compiles[(torch.device("cuda", torch.cuda.current_device()), torch.float16, 21)]
+    compiled = fused_argmax._compiles[(torch.device("cuda", torch.cuda.current_device()), torch.float16, NUM_CLASSES)]
     assert compiled.done.wait(120) and compiled.ok, "the masks' kernel, compiled in the job's thread"
 
 
