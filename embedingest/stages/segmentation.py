@@ -3,7 +3,8 @@ the forward pass, and the masks.
 
 Every model of ``torchvision.models.segmentation`` (FCN, DeepLabV3, LR-ASPP) is built
 through ``torchvision.models.get_model`` empty (``weights=None, weights_backbone=None``),
-so nothing is fetched, not even a backbone, then filled from, in order: a ``weights``
+so nothing is fetched, not even a backbone (on the meta device when weights will fill
+it: no time goes into random ones), then filled from, in order: a ``weights``
 file; the architecture's COCO_WITH_VOC_LABELS_V1 checkpoint if it is already in the
 torch hub cache; random weights when asked for (to test a pipeline). Otherwise the error
 says where to put the file. The auxiliary classifier is only a training aid: its keys
@@ -133,6 +134,29 @@ def _head_classes(state: Mapping[str, torch.Tensor]) -> int | None:
     return None
 
 
+def _built(arch: str, num_classes: int) -> nn.Module:
+    return tvmodels.get_model(arch, weights=None, weights_backbone=None, num_classes=num_classes,
+                              aux_loss=False)
+
+
+def _filled(arch: str, num_classes: int, state: Mapping[str, torch.Tensor], source: str) -> nn.Module:
+    """``arch`` holding ``state``'s tensors. It is built on the meta device, so no time goes
+    into random weights about to be replaced (most of building one), then given the
+    state's tensors; should a tensor of the model be missing from a state that loads
+    (none of torchvision's models has one), it is built again the usual way."""
+    with torch.device("meta"):
+        model = _built(arch, num_classes)
+    try:
+        model.load_state_dict(state, assign=True)
+    except RuntimeError as exc:
+        raise ConfigError(f"weights from {source} do not fit {arch} with {num_classes} "
+                          f"classes (is --arch right?): {exc}") from exc
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        model = _built(arch, num_classes)
+        model.load_state_dict(state)
+    return model
+
+
 def load_segmentation_model(arch: str = "deeplabv3_resnet50", weights: str | None = None,
                             num_classes: int | None = None,
                             random_weights: bool = False) -> SegmentationModel:
@@ -170,15 +194,10 @@ def load_segmentation_model(arch: str = "deeplabv3_resnet50", weights: str | Non
     if num_classes > MAX_CLASSES:
         raise ConfigError(f"the weights from {source} have {num_classes} classes; masks are "
                           f"uint8, so at most {MAX_CLASSES}")
-    model = tvmodels.get_model(arch, weights=None, weights_backbone=None, num_classes=num_classes,
-                               aux_loss=False)
     if state is not None:
-        try:
-            model.load_state_dict(state)
-        except RuntimeError as exc:
-            raise ConfigError(f"weights from {source} do not fit {arch} with {num_classes} "
-                              f"classes (is --arch right?): {exc}") from exc
+        model = _filled(arch, num_classes, state, source)
     else:
+        model = _built(arch, num_classes)
         log.warning("using random weights for %s: masks are meaningless", arch)
     if num_classes != len(categories):
         categories = [f"class_{i}" for i in range(num_classes)]

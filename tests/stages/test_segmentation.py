@@ -84,6 +84,42 @@ def test_state_dict_file_with_aux_head(r50_weights):
     assert loaded.default_size == 520 and loaded.mean == (0.485, 0.456, 0.406)
 
 
+def test_weights_from_a_file_are_not_preceded_by_random_ones(r50_weights, monkeypatch):
+    """The model is built on the meta device and given the file's tensors: no random
+    initialisation runs on real memory (it was most of loading a model), and every
+    tensor is the file's."""
+    from torch import nn
+
+    inits = []
+    real_init = nn.init.kaiming_normal_
+    monkeypatch.setattr(nn.init, "kaiming_normal_", lambda t, *a, **k: inits.append(t.is_meta) or real_init(t, *a, **k))
+    loaded = load_segmentation_model(weights=str(r50_weights))
+    assert inits and all(inits), "random weights were drawn for a model filled from a file"
+    saved = {k: v for k, v in torch.load(r50_weights).items() if not k.startswith("aux_classifier.")}
+    state = loaded.model.state_dict()
+    assert state.keys() == saved.keys() and all(torch.equal(state[k], saved[k]) for k in saved)
+    assert not any(t.is_meta for t in (*loaded.model.parameters(), *loaded.model.buffers()))
+
+
+def test_a_tensor_the_weights_do_not_hold_is_built_the_usual_way(r50_weights, monkeypatch):
+    """A buffer outside the state dict (none of torchvision's models has one) would stay
+    on the meta device: the model is then built with its own initialisation and loaded."""
+    from embedingest.stages import segmentation
+
+    real_built = segmentation._built
+
+    def with_extra(arch, num_classes):
+        model = real_built(arch, num_classes)
+        model.register_buffer("extra", torch.arange(3.0), persistent=False)
+        return model
+
+    monkeypatch.setattr(segmentation, "_built", with_extra)
+    loaded = load_segmentation_model(weights=str(r50_weights))
+    assert torch.equal(loaded.model.extra, torch.arange(3.0))
+    saved = torch.load(r50_weights)
+    assert torch.equal(loaded.model.classifier[4].weight, saved["classifier.4.weight"])
+
+
 @pytest.fixture(scope="module")
 def small_state(tmp_path_factory):
     plain = random_weights_file(tmp_path_factory.mktemp("w") / "plain.pth", arch=SMALL, num_classes=3)
