@@ -6,7 +6,8 @@ public domain and CC0, see the README there) cropped to common camera and screen
 ratios (4:3, 3:2, 16:9, 1:1 and their portrait forms) at common long sides from 240 to
 1600 px, and a share of odd crops (any ratio from 1:2.2 to 2.2:1, any size in the range);
 saved as JPEG (quality 90) and PNG. Real photographs decode and compress as an archive
-does; the weights are random (speed does not depend on them).
+does; the weights are random (speed does not depend on them), saved to a file that the
+job loads as it loads a user's.
 
 Rows, in order:
 
@@ -227,6 +228,18 @@ class _Calls:
         Segmenter.logits, Segmenter.image_masks = self.real, self.real_masks
 
 
+def random_weights_file(cfg: PhotoBenchConfig, path: Path) -> Path:
+    """Random weights of ``cfg.arch`` saved as a state dict: the job loads them from a
+    file, as it loads a user's weights (random ones would be drawn at every start)."""
+    import torch
+
+    from ..stages.segmentation import load_segmentation_model
+
+    torch.manual_seed(cfg.seed)
+    torch.save(load_segmentation_model(cfg.arch, random_weights=True).model.state_dict(), path)
+    return path
+
+
 def run(cfg: PhotoBenchConfig, log=print) -> dict:
     """Make (or reuse) the photographs, run the warm-up job, the timed job, the forward alone."""
     from PIL import Image
@@ -242,7 +255,8 @@ def run(cfg: PhotoBenchConfig, log=print) -> dict:
         made = make_photos(cfg, folder)
         log(f"  {made['images']} photographs ({made['jpeg']} JPEG, {made['png']} PNG, "
             f"{made['bytes'] / 1e6:.0f} MB) in {time.perf_counter() - t0:.1f} s")
-        job = SegmentConfig(images=str(folder), random_weights=True, arch=cfg.arch, size=cfg.size,
+        weights = random_weights_file(cfg, Path(tmp) / "weights.pth")
+        job = SegmentConfig(images=str(folder), weights=str(weights), arch=cfg.arch, size=cfg.size,
                             resize=cfg.resize, batch_size=cfg.batch_size, dtype=cfg.dtype, device=str(device),
                             num_workers=cfg.num_workers, num_consumers=cfg.num_consumers)
         warm = Path(tmp) / "warm-up"

@@ -93,3 +93,21 @@ def test_the_calls_recorded_replay_the_jobs_masks(monkeypatch):
     assert seen == [([(50, 40, 32, 26), (100, 80, 32, 26)], 4000)] * 2  # the timed run and the warm one
     seen.clear()
     assert segment_photos._forward_alone(cfg, "cpu", calls)["masks"] is False and seen == []
+
+
+def test_the_jobs_weights_are_a_file_of_random_ones_drawn_from_the_seed(tmp_path):
+    """The job loads its weights from a file, as a user's: the same tensors, the same for
+    the same seed, other ones for another."""
+    import torch
+
+    from embedingest.bench.segment_photos import random_weights_file
+    from embedingest.stages.segmentation import load_segmentation_model
+
+    cfg = PhotoBenchConfig(arch="lraspp_mobilenet_v3_large")
+    a = torch.load(random_weights_file(cfg, tmp_path / "a.pth"))
+    b = torch.load(random_weights_file(cfg, tmp_path / "b.pth"))
+    c = torch.load(random_weights_file(PhotoBenchConfig(arch=cfg.arch, seed=1), tmp_path / "c.pth"))
+    loaded = load_segmentation_model(cfg.arch, str(tmp_path / "a.pth")).model.state_dict()
+    assert loaded.keys() == a.keys() and all(torch.equal(loaded[k], a[k]) for k in a)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["classifier.high_classifier.weight"], c["classifier.high_classifier.weight"])
