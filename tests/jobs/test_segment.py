@@ -489,8 +489,9 @@ def test_num_classes_and_timeline_through_the_cli(tmp_path, small):
 @pytest.mark.parametrize("resize", ["short", "fit"])
 def test_the_masks_kernel_compiles_while_the_model_loads_where_masks_are_scaled(tmp_path, small, monkeypatch, resize):
     """Scaled masks (``--resize short``) have their one-pass kernel compiled in a thread
-    from the start (for the scores' dtype and the weights' classes); letterboxed ones
-    (``fit``) take the argmax at model size and start no compile."""
+    from the start (for the scores' dtype and the weights' classes), in the job and in
+    ``segment_images``; letterboxed ones (``fit``) take the argmax at model size and start
+    no compile."""
     from embedingest.jobs.segment import run as segment_run
 
     asked = []
@@ -500,4 +501,8 @@ def test_the_masks_kernel_compiles_while_the_model_loads_where_masks_are_scaled(
     Image.fromarray(noise(20, 30)).save(images / "a.png")
     summary = segment(config(images, tmp_path / "out", small, resize=resize), progress=False)
     assert summary["written"] == 1
-    assert asked == ([(torch.device("cpu"), torch.float32, NUM_CLASSES)] if resize == "short" else [])
+    want = [(torch.device("cpu"), torch.float32, NUM_CLASSES)] if resize == "short" else []
+    assert asked == want
+    asked.clear()
+    [mask] = segment_images([noise(20, 30)], config(images, tmp_path / "out", small, resize=resize))
+    assert mask.shape == (20, 30) and asked == want, "segment_images() too"

@@ -40,6 +40,7 @@ from ...sources.files import refuse_output_as_input
 from ...sources.image_decode import ImageRejected
 from ...sources.images import input_shape, prepare_picture
 from ...sources.remote import check_remote, is_remote, local_path
+from ...stages import fused_argmax
 from ...stages.device import resolve_device
 from ...stages.segmentation import Segmenter, SegmentationModel, load_segmentation_model
 from .devices import segment_on_devices
@@ -146,6 +147,8 @@ def segment_images(images: Iterable, config: SegmentConfig | None = None, *,
                                         config.random_weights)
     prep = model.preprocessing(config.resize, config.size)
     segmenter = Segmenter(model, device, config.dtype)
+    if config.resize == "short":  # masks at the pictures' sizes: their kernel compiles meanwhile
+        fused_argmax.compile_ahead(segmenter.device, segmenter.dtype, model.num_classes)
     masks: list[np.ndarray] = []
     pictures = iter(images)
     while chunk := list(itertools.islice(pictures, config.batch_size)):
