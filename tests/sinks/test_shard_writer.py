@@ -224,6 +224,26 @@ def test_the_commit_record_holds_every_field_and_the_id_range_of_all_batches(tmp
         "replaces": [], "run": "k"}
 
 
+
+def test_a_batch_s_unit_hashes_go_to_the_shard_that_finishes_its_units(tmp_path):
+    """The loader's hashes of the units a batch finishes travel in its ``BatchMeta``; a
+    batch that ``commit_every`` cuts in two gives them, with its finished units, to the
+    part that holds its end (the first part finishes none, so it may hold none)."""
+    from embedingest.index.shards import BatchMeta
+
+    (rows, done), = batches([3, 4], 6, batch=12)  # one batch, units 3 and 4 end in it
+    hashes = ((3, "a" * 64), (4, "b" * 64))
+    meta = meta_of(0, rows, done)
+    sink = ShardWriterFactory(str(tmp_path), DIM, run_id="h", commit_every=8)(0)
+    sink(BatchMeta(meta.no, meta.chunks, meta.units_done, hashes),
+         {"emb": unit_vectors(12), "ids": np.array([r["id"] for r in rows], dtype=np.int64)})
+    assert sink.close() == [{"name": "shard-h-w0-00000", "count": 8}, {"name": "shard-h-w0-00001", "count": 4}]
+    first, last = list_shards(tmp_path / "shards")
+    assert (first.rows, first.units, first.unit_hashes) == (8, (), ())
+    assert "unit_sha256" not in first.record
+    assert (last.rows, last.units, last.unit_hashes) == (4, ((3, 6), (4, 6)), hashes)
+    assert last.record["unit_sha256"] == {"3": "a" * 64, "4": "b" * 64}
+
 def test_a_writer_holds_less_than_a_row_group_of_rows(tmp_path, monkeypatch):
     """Rows go to the temporary Parquet file a row group at a time as they come, not at
     the commit: a writer's memory is one row group of text, whatever the shard's size."""
