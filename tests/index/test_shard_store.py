@@ -89,6 +89,36 @@ def test_unit_numbers_are_never_given_twice(tmp_path):
     assert store.highest_unit_no() == 41
 
 
+
+def test_a_fresh_index_counts_on_from_the_highest_number_its_shards_hold(tmp_path):
+    """Before any unit row, AUTOINCREMENT has no counter: spend_unit_nos makes one at the
+    highest number a shard holds (here 1, a killed writer's), so the next unit is 2, not
+    1 again, nor 3."""
+    store = ShardStore(tmp_path / "ix")
+    store.create_or_open(manifest())
+    write_units(store, tmp_path / "ix", [1], 2, "w")  # vectors of a unit no row names
+    assert store.highest_unit_no() == 1
+    store.spend_unit_nos(store.highest_unit_no())
+    assert store.upsert_units([{"key": "a"}]) == {"a": 2}
+
+
+def test_the_shards_hashes_fill_only_the_unit_rows_that_have_none(tmp_path):
+    """A unit's sha256 comes from the shard that finished it (the loader hashed the file)
+    only where its row has none, in units() and in what sync_status writes: a row's own
+    hash is kept."""
+    from embedingest.sinks.shard_writer import commit_finished
+
+    store = ShardStore(tmp_path / "ix")
+    store.create_or_open(manifest())
+    nos = store.upsert_units([{"key": "a", "sha256": "a" * 64}, {"key": "b"}, {"key": "c"}])
+    commit_finished(ShardWriterFactory(str(tmp_path / "ix"), DIM, run_id="m"), [(nos["a"], 0), (nos["b"], 0)],
+                    unit_hashes=[(nos["a"], "f" * 64), (nos["b"], "b" * 64)])
+    expected = {"a": "a" * 64, "b": "b" * 64, "c": None}
+    assert {k: u.sha256 for k, u in store.units().items()} == expected
+    store.sync_status()
+    assert dict(store.db.execute("SELECT key, sha256 FROM units")) == expected
+    assert dict(store.db.execute("SELECT key, status FROM units")) == {"a": "done", "b": "done", "c": "pending"}
+
 def test_a_format_1_folder_is_refused_and_overwritten_only_when_asked(tmp_path):
     folder = tmp_path / "ix"
     build_v1(folder).store.close()
