@@ -489,3 +489,38 @@ def test_an_interrupted_wait_keeps_the_batch_and_the_commit_still_has_it(tmp_pat
     monkeypatch.undo()
     gate.set()
     assert w.commit()["rows"] == 12
+
+
+def test_after_the_thread_s_error_the_commit_waits_for_the_store_already_running(tmp_path, monkeypatch):
+    """When a batch's store fails, the next one may already be running in the writer's
+    thread (a running store cannot be cancelled): the commit that raises the error waits
+    for it to end, so no thread of the writer still adds to its index or writes its files
+    once the error is out. The batches behind it are dropped unstored."""
+    import errno
+    import threading
+
+    from embedingest.sinks import shard_writer
+
+    calls, running, release, ended = [], threading.Event(), threading.Event(), threading.Event()
+
+    def store(self, *args):
+        calls.append(len(calls))
+        if len(calls) == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        running.set()
+        release.wait(5)
+        ended.set()
+
+    monkeypatch.setattr(shard_writer.ShardWriter, "_store", store)
+    w = _writer(tmp_path)
+    for batch in _batches(3):
+        w.add(*batch)
+    assert running.wait(5)  # batch 0's store failed, batch 1's runs, batch 2's waits
+    timer = threading.Timer(0.3, release.set)
+    timer.start()
+    with pytest.raises(OSError, match="No space left on device"):
+        w.commit()
+    assert ended.is_set()  # batch 1's store was over before the error came out
+    assert calls == [0, 1]  # batch 2's never ran
+    assert not [t for t in threading.enumerate() if t.name.startswith("embedingest-shard-t")]
+    timer.join()
