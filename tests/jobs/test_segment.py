@@ -334,6 +334,32 @@ def test_segment_on_cuda_matches_cpu(tree, tmp_path, weights, no_leaks):
     assert compiled.done.wait(120) and compiled.ok, "the masks' kernel, compiled in the job's thread"
 
 
+@pytest.mark.needs_cuda
+def test_without_a_c_compiler_for_triton_the_masks_take_the_two_steps(tree, tmp_path, weights):
+    """Triton builds its launcher with the system's C compiler; on a machine without one
+    (``CC`` pointing nowhere, an empty Triton cache) the command still ends 0, says once
+    why, and writes the masks a machine with the kernel writes."""
+    import subprocess
+    import sys
+
+    images, sizes, bad = tree
+    args = [sys.executable, "-m", "embedingest", "segment", str(images), "--weights", str(weights),
+            "--size", str(SIZE), "--batch-size", "3", "--device", "cuda", "--json"]
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton-cache"), "CC": str(tmp_path / "no-cc")}
+    run = subprocess.run([*args, "--out", str(tmp_path / "two-steps")], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 3, run.stderr[-3000:]  # the tree's bad files are reported
+    assert json.loads(run.stdout)["written"] == len(sizes)
+    assert run.stderr.count("the one-pass masks kernel did not compile") == 1, run.stderr[-3000:]
+    kernel = subprocess.run([*args, "--out", str(tmp_path / "kernel")], capture_output=True, text=True,
+                            timeout=600)
+    assert kernel.returncode == 3 and "did not compile" not in kernel.stderr, kernel.stderr[-3000:]
+    for rel in sizes:
+        a = np.asarray(Image.open(output_paths(tmp_path / "two-steps", rel)["mask"]))
+        b = np.asarray(Image.open(output_paths(tmp_path / "kernel", rel)["mask"]))
+        assert np.array_equal(a, b), rel
+
+
 def test_list_inputs_reads_each_output_folder_once(tmp_path, monkeypatch):
     """Done images come from the output folders' listings, whatever form the input path takes."""
     images, out = tmp_path / "images", tmp_path / "out"
