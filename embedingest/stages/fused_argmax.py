@@ -32,6 +32,7 @@ import contextlib
 import functools
 import importlib
 import logging
+import os
 import threading
 
 import torch
@@ -128,6 +129,7 @@ class _Compile:
     def __init__(self) -> None:
         self.done = threading.Event()
         self.ok = False
+        self.thread: threading.Thread | None = None  # the background compile, if any
 
 
 _compiles: dict[tuple, _Compile] = {}
@@ -174,11 +176,27 @@ def _start(device: torch.device, dtype: torch.dtype, classes: int, background: b
             return state
         state = _compiles[key] = _Compile()
     if background:
-        threading.Thread(target=_compile, args=(device, dtype, classes, state), daemon=True,
-                         name="embedingest-masks-kernel").start()
+        state.thread = threading.Thread(target=_compile, args=(device, dtype, classes, state),
+                                        daemon=True, name="embedingest-masks-kernel")
+        state.thread.start()
     else:
         _compile(device, dtype, classes, state)
     return state
+
+
+def _join_before_fork() -> None:
+    """A process forked while a compile runs would hold, forever, whatever lock the compile
+    held (in LLVM, in Triton) in its copy of memory: a job forking its decoders right after
+    another job's short run waits for that compile first (a few seconds, once)."""
+    threads = [state.thread for state in list(_compiles.values()) if state.thread is not None]
+    if threading.current_thread() in threads:  # a compile that forks (none does) waits for none
+        return
+    for thread in threads:
+        thread.join()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_join_before_fork)
 
 
 def compile_ahead(device: str | torch.device, dtype: torch.dtype, classes: int) -> bool:

@@ -241,3 +241,19 @@ def test_compiled_ahead_on_the_gpu_the_kernel_is_used(no_compiles):
     assert fused_argmax.usable(scores, (61, 80))
     want = F.interpolate(scores, size=(61, 80), mode="bilinear", align_corners=False).argmax(dim=1).to(torch.uint8)
     assert torch.equal(upsampled_argmax(scores, (61, 80)), want)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_fork_waits_for_a_compile_in_the_background(monkeypatch, no_compiles):
+    """A forked child gets no half-held locks of a compile: the fork happens after it."""
+    release = threading.Event()
+    monkeypatch.setattr(fused_argmax, "_first_run", lambda *a: release.wait(30))
+    monkeypatch.setattr(fused_argmax, "available", lambda: True)
+    assert fused_argmax.compile_ahead("cuda:0", torch.float16, 3)
+    [state] = fused_argmax._compiles.values()
+    threading.Timer(0.3, release.set).start()
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    assert release.is_set() and state.done.is_set() and not state.thread.is_alive()
+    assert os.waitpid(pid, 0)[1] == 0
