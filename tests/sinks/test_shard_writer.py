@@ -385,16 +385,19 @@ def _batches(n_batches, size=4):
 
 def test_add_returns_before_the_batch_is_stored_and_the_commit_waits_for_it(tmp_path, monkeypatch):
     """A slow store (a faiss index doubling its storage, a slow disk) holds up the writer's
-    thread, not add(): the engine's slot is free at once. The commit has every row."""
+    thread, not add(): the engine's slot is free at once. The commit has every row. The
+    thread is named for the shard (a stack dump, or a test, tells the writers' threads
+    apart)."""
     import threading
     import time
 
     from embedingest.sinks import shard_writer
 
-    real, threads = shard_writer.ShardWriter._store, set()
+    real, threads, names = shard_writer.ShardWriter._store, set(), set()
 
     def slow(self, *args):
         threads.add(threading.get_ident())
+        names.add(threading.current_thread().name)
         time.sleep(0.2)
         return real(self, *args)
 
@@ -408,6 +411,7 @@ def test_add_returns_before_the_batch_is_stored_and_the_commit_waits_for_it(tmp_
     record = w.commit()
     assert time.perf_counter() - t0 >= 0.6 and record["rows"] == 12
     assert threads and threading.get_ident() not in threads
+    assert names == {"embedingest-shard-t-w0-00000_0"}  # one thread, named for its shard
     got = faiss.read_index(str(tmp_path / "shards" / record["files"]["faiss"]["name"]))
     np.testing.assert_array_equal(faiss.vector_to_array(got.id_map),
                                   np.concatenate([ids for _, ids, _, _ in sent]))
@@ -524,3 +528,32 @@ def test_after_the_thread_s_error_the_commit_waits_for_the_store_already_running
     assert calls == [0, 1]  # batch 2's never ran
     assert not [t for t in threading.enumerate() if t.name.startswith("embedingest-shard-t")]
     timer.join()
+
+
+def test_the_add_that_waits_for_the_oldest_store_raises_its_error(tmp_path, monkeypatch):
+    """An add that finds STORE_BEHIND batches unstored waits for the oldest: that batch's
+    error is raised there (and by the commit), even though the batches after it were
+    stored: never a shard short of the failed batch."""
+    import errno
+
+    from embedingest.sinks import shard_writer
+
+    monkeypatch.setattr(shard_writer, "STORE_BEHIND", 2)
+    real, calls = shard_writer.ShardWriter._store, []
+
+    def store(self, *args):
+        calls.append(len(calls))
+        if len(calls) == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, *args)
+
+    monkeypatch.setattr(shard_writer.ShardWriter, "_store", store)
+    w = _writer(tmp_path)
+    sent = list(_batches(4))
+    w.add(*sent[0])
+    w.add(*sent[1])
+    with pytest.raises(OSError, match="No space left on device"):
+        w.add(*sent[2])  # waits for batch 0's store
+    with pytest.raises(OSError, match="No space left on device"):
+        w.commit()
+    assert not list((tmp_path / "shards").glob("*.commit.json"))
