@@ -34,12 +34,14 @@ import importlib
 import logging
 import os
 import threading
+import time
 
 import torch
 
 log = logging.getLogger(__name__)
 
 BLOCK = 512  # output pixels per program
+FORK_WAIT_S = 120.0  # the longest a fork waits for a compile under way
 
 
 @functools.cache
@@ -187,12 +189,14 @@ def _start(device: torch.device, dtype: torch.dtype, classes: int, background: b
 def _join_before_fork() -> None:
     """A process forked while a compile runs would hold, forever, whatever lock the compile
     held (in LLVM, in Triton) in its copy of memory: a job forking its decoders right after
-    another job's short run waits for that compile first (a few seconds, once)."""
+    another job's short run waits for that compile first (a few seconds, once; at most
+    :data:`FORK_WAIT_S`, so a compile that hangs cannot hang every fork)."""
     threads = [state.thread for state in list(_compiles.values()) if state.thread is not None]
     if threading.current_thread() in threads:  # a compile that forks (none does) waits for none
         return
+    deadline = time.monotonic() + FORK_WAIT_S
     for thread in threads:
-        thread.join()
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 if hasattr(os, "register_at_fork"):

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 import torch
@@ -257,3 +258,24 @@ def test_a_fork_waits_for_a_compile_in_the_background(monkeypatch, no_compiles):
         os._exit(0)
     assert release.is_set() and state.done.is_set() and not state.thread.is_alive()
     assert os.waitpid(pid, 0)[1] == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_compile_that_hangs_holds_a_fork_up_only_so_long(monkeypatch, no_compiles):
+    release = threading.Event()
+    monkeypatch.setattr(fused_argmax, "_first_run", lambda *a: release.wait(60))
+    monkeypatch.setattr(fused_argmax, "available", lambda: True)
+    monkeypatch.setattr(fused_argmax, "FORK_WAIT_S", 0.5)
+    assert fused_argmax.compile_ahead("cuda:0", torch.float16, 3)
+    [state] = fused_argmax._compiles.values()
+    try:
+        t0 = time.monotonic()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        waited = time.monotonic() - t0
+        assert 0.4 < waited < 30 and state.thread.is_alive()
+        assert os.waitpid(pid, 0)[1] == 0
+    finally:
+        release.set()
+        state.thread.join(30)
