@@ -4,7 +4,9 @@ the per-image statistics."""
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import re
 import subprocess
 import sys
 
@@ -227,3 +229,215 @@ def test_sink_writes_stats_after_each_mask(tmp_path):
                              "y": 0.25, "z": 0.25}
     assert rows["b.png"]["x"] == 1.0
     assert stats_columns(["source"]) == ["class_0"]
+
+
+# What mutation testing found missing (docs/TESTING.md, "masks.py and mask_stats.py with mutmut").
+
+VOC_21 = [(0, 0, 0), (128, 0, 0), (0, 128, 0), (128, 128, 0), (0, 0, 128), (128, 0, 128), (0, 128, 128),
+          (128, 128, 128), (64, 0, 0), (192, 0, 0), (64, 128, 0), (192, 128, 0), (64, 0, 128), (192, 0, 128),
+          (64, 128, 128), (192, 128, 128), (0, 64, 0), (128, 64, 0), (0, 192, 0), (128, 192, 0), (0, 64, 128)]
+
+
+def test_the_palette_is_the_pascal_voc_colour_map():
+    """The 21 VOC classes' colours as the VOC devkit gives them, and the last entry (255,
+    the VOC 'void' border) whose every bit is set."""
+    assert voc_palette(21) == [v for rgb in VOC_21 for v in rgb]
+    full = voc_palette()
+    assert full[-3:] == [224, 224, 192] and full == VOC_PALETTE
+
+
+def test_a_mask_of_any_integer_type_becomes_a_palette_image_of_its_classes():
+    from embedingest.sinks.masks import mask_image
+
+    mask = np.arange(12).reshape(3, 4) % 5  # int64, as an argmax gives it
+    im = mask_image(mask)
+    assert im.mode == "P" and np.array_equal(np.asarray(im), mask)
+
+
+def test_split_flat_gives_planes_from_two_classes_on_and_says_how_short_a_batch_is():
+    metas = [ImageMeta("a.png", "", 6, 4, 3, 2), ImageMeta("b.png", "", 10, 6, 4, 2, True)]
+    flat = np.arange(2 * 2 * 3 + 2 * 2 * 4, dtype=np.float16)
+    a, b = split_flat(flat, metas, per_pixel=2, full=False)
+    assert a.shape == (2, 2, 3) and b.shape == (2, 2, 4)
+    assert a[1, 0, 0] == 6 and b[0, 0, 0] == 12
+    with pytest.raises(ValueError, match=r"^a batch of 28 values is short of its 2 images' 66 or more$"):
+        split_flat(flat, metas)  # as masks: b's full-size one needs 60 values after a's 6
+
+
+def test_labels_info_says_exactly_how_the_masks_were_made():
+    fmt = "PNG, mode P: the class index of each pixel, at the image's own size, with the palette below"
+    full = labels_info("a", "w", ["bg", "x"], {"size": 1}, 40_000_000, "P")
+    assert full == {"arch": "a", "weights": "w", "weights_preset": "P", "num_classes": 2,
+                    "categories": ["bg", "x"], "palette": [[0, 0, 0], [128, 0, 0]],
+                    "preprocessing": {"size": 1},
+                    "masks": {"format": fmt,
+                              "resize": "the logits scaled bilinearly to the image's size, then the argmax "
+                                        "(images over 40000000 pixels: the argmax at model size scaled "
+                                        "nearest-neighbour)"}}
+    model = labels_info("a", "w", ["bg", "x"], {"size": 1}, None)
+    assert model == {**full, "weights_preset": "",
+                     "masks": {"format": fmt,
+                               "resize": "the argmax at model size, the pad cropped, scaled nearest-neighbour"}}
+
+
+def test_labels_json_is_indented_rewritten_for_a_new_weights_file_and_refused_with_the_differences(tmp_path):
+    info = labels_info("fcn_resnet50", "random", ["bg", "x"], {"size": 8}, None)
+    path = write_labels(tmp_path, info)
+    assert path.read_text() == json.dumps(info, indent=2) + "\n"
+    os.utime(path, ns=(0, 0))
+    assert write_labels(tmp_path, info) == path and path.stat().st_mtime_ns == 0, "the same labels: not rewritten"
+    write_labels(tmp_path, {**info, "weights": "file other.pth"})
+    assert json.loads(path.read_text())["weights"] == "file other.pth", "masks of the same kind: the new weights noted"
+    other = {**info, "arch": "deeplabv3_resnet50", "num_classes": 3, "categories": ["bg", "x", "y"]}
+    msg = (f"{tmp_path} holds masks made with other settings (arch, num_classes, categories differ: "
+           "arch='fcn_resnet50', num_classes=2); use another --out, or --overwrite to redo every image")
+    with pytest.raises(ConfigError) as err:
+        write_labels(tmp_path, other)
+    assert str(err.value) == msg
+    path.write_text("{not json")
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(path))} is unreadable .*; remove it or pass --overwrite$"):
+        write_labels(tmp_path, info)
+    path.unlink()
+    path.mkdir()  # there, but not readable as a file
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(path))} is unreadable .*; remove it or pass --overwrite$"):
+        write_labels(tmp_path, info)
+
+
+def test_labels_json_at_a_url_is_one_put_and_guards_the_prefix(tmp_path, monkeypatch):
+    """An fsspec URL (``local://``: any URL goes the same way) takes the remote branch."""
+    monkeypatch.chdir(tmp_path)  # where a path made relative would land
+    out = f"local://{tmp_path}/bucket/masks/"
+    url = f"local://{tmp_path}/bucket/masks"
+    info = labels_info("fcn_resnet50", "random", ["bg", "x"], {"size": 8}, None)
+    (tmp_path / "bucket" / "masks").mkdir(parents=True)
+    file = tmp_path / "bucket" / "masks" / "labels.json"
+    assert write_labels(out.rstrip("/"), info) == f"{url}/labels.json"
+    assert json.loads(file.read_text()) == info
+    os.utime(file, ns=(0, 0))
+    assert write_labels(url, info) == f"{url}/labels.json" and file.stat().st_mtime_ns == 0
+    write_labels(url, {**info, "weights": "file other.pth"})
+    assert json.loads(file.read_text())["weights"] == "file other.pth"
+    other = {**info, "arch": "lraspp"}
+    with pytest.raises(ConfigError, match=f"^{re.escape(url)} holds masks made with other settings "
+                                          r"\(arch differ: arch='fcn_resnet50'\)"):
+        write_labels(url, other)
+    write_labels(url, other, replace=True)
+    assert json.loads(file.read_text())["arch"] == "lraspp"
+    file.write_text("{not json")
+    with pytest.raises(ConfigError, match=f"^{re.escape(url)}/labels.json is unreadable "):
+        write_labels(url, info)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bucket"], "nothing written outside the URL's folder"
+
+
+def test_masks_to_a_url_are_staged_uploaded_mask_last_and_the_stage_removed(tmp_path, monkeypatch):
+    import tempfile
+
+    import fsspec
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    src = tmp_path / "in.png"
+    Image.fromarray(np.full((8, 16, 3), 200, np.uint8)).save(src)
+    metas = [ImageMeta("d/in.png", str(src), 16, 8, 8, 4), ImageMeta("e.png", str(src), 8, 4, 8, 4)]
+    logits = np.zeros((2, 3, 4, 8), np.float16)
+    logits[:, 1] = 1.0
+    puts = []
+    local = type(fsspec.filesystem("local"))
+    real_put = local.put_file
+    monkeypatch.setattr(local, "put_file", lambda fs, lpath, rpath, **kw: (puts.append(rpath),
+                                                                          real_put(fs, lpath, rpath, **kw)))
+    out = tmp_path / "bucket" / "masks"
+    (out / "d").mkdir(parents=True)  # an object store needs none; the local filesystem does
+    sink = MaskSinkFactory(f"local://{out}", save_logits=True, overlay=True, num_classes=3)(0)
+    [stage] = (tmp_path / "tmp").iterdir()
+    assert stage.name.startswith("embedingest-masks-")
+    sink(tuple(metas), {"mask": np.concatenate([content(), np.ones(32, np.uint8)]), "logits": logits.ravel()})
+    assert [p for p in stage.rglob("*") if p.is_file()] == [], "each file deleted once uploaded"
+    assert sink.close() == {"written": 2, "failed": [(str(src), "overlay source changed: now 16x8, was 8x4")],
+                            "stats_rows": 0}
+    assert not stage.exists()
+    assert puts == [f"{out}/d/in.png.logits.npy", f"{out}/d/in.png.overlay.jpg", f"{out}/d/in.png.png",
+                    f"{out}/e.png.logits.npy", f"{out}/e.png.png"]
+    expect = np.kron(np.array([[0, 1, 2, 3], [3, 2, 1, 0]], np.uint8), np.ones((4, 4), np.uint8))
+    assert np.array_equal(np.asarray(Image.open(out / "d" / "in.png.png")), expect)
+    assert np.array_equal(np.asarray(Image.open(out / "e.png.png")), np.ones((4, 8), np.uint8))
+    assert np.load(out / "e.png.logits.npy").shape == (3, 4, 8)
+    assert Image.open(out / "d" / "in.png.overlay.jpg").size == (16, 8)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bucket", "in.png", "tmp"]
+
+
+def test_closing_a_url_sink_whose_stage_is_already_gone(tmp_path, monkeypatch):
+    import shutil
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    sink = MaskSinkFactory(f"local://{tmp_path}/out")(0)
+    shutil.rmtree(sink._stage)  # a tmp cleaner, say
+    assert sink.close() == {"written": 0, "failed": [], "stats_rows": 0}
+
+
+def test_the_logits_of_an_image_with_a_full_size_mask_stay_at_model_size_as_float16(tmp_path):
+    metas = [ImageMeta("f.png", "", 10, 6, 4, 2, True), ImageMeta("m.png", "", 8, 4, 8, 4)]
+    logits = np.arange(3 * 2 * 4 + 3 * 4 * 8, dtype=np.float32) / 64  # float32 in: float16 on disk
+    full = (noise(6, 10, seed=3) % 3)[..., 0]
+    run_sink(MaskSinkFactory(str(tmp_path), save_logits=True, num_classes=3), metas,
+             {"mask": np.concatenate([full.ravel(), np.zeros(32, np.uint8)]), "logits": logits})
+    f = np.load(tmp_path / "f.png.logits.npy")
+    assert f.dtype == np.float16 and f.shape == (3, 2, 4)
+    np.testing.assert_array_equal(f, logits[:24].reshape(3, 2, 4).astype(np.float16))
+    assert np.load(tmp_path / "m.png.logits.npy").shape == (3, 4, 8)
+    assert np.array_equal(np.asarray(Image.open(tmp_path / "f.png.png")), full)
+
+
+def test_logits_alone_give_the_stats_rows_of_their_argmax(tmp_path):
+    logits = np.zeros((3, 4, 8), np.float16)
+    logits[2, :, 6:] = 1.0
+    result = run_sink(MaskSinkFactory(str(tmp_path), num_classes=3, stats=True, categories=("bg", "x", "y")),
+                      [ImageMeta("l.png", "", 8, 4, 8, 4)], {"logits": logits.ravel()})
+    assert result["stats_rows"] == 1
+    [row] = ds.dataset(tmp_path / "stats").to_table().to_pylist()
+    assert row == {"source": "l.png", "width": 8, "height": 4, "bg": 0.75, "x": 0.0, "y": 0.25}
+
+
+def test_the_png_compress_level_is_the_factory_s(tmp_path):
+    mask = np.kron(np.arange(16, dtype=np.uint8).reshape(4, 4), np.ones((16, 16), np.uint8))  # 64x64, flat regions
+    meta = ImageMeta("p.png", "", 64, 64, 64, 64)
+    sizes = {}
+    for level in (0, 9):
+        run_sink(MaskSinkFactory(str(tmp_path / str(level)), png_compress_level=level), [meta], {"mask": mask.ravel()})
+        path = tmp_path / str(level) / "p.png.png"
+        assert np.array_equal(np.asarray(Image.open(path)), mask)
+        sizes[level] = path.stat().st_size
+    assert sizes[0] > 64 * 64 > 4 * sizes[9], sizes  # level 0 stores the pixels as they are (and a 768-byte palette)
+
+
+def test_the_overlay_source_is_read_under_the_factory_s_pixel_limit(tmp_path):
+    src = tmp_path / "in.png"
+    Image.fromarray(np.full((8, 16, 3), 200, np.uint8)).save(src)
+    meta = ImageMeta("in.png", str(src), 16, 8, 8, 4)
+    result = run_sink(MaskSinkFactory(str(tmp_path / "out"), overlay=True, max_pixels=100), [meta],
+                      {"mask": content()})
+    assert result["written"] == 1 and (tmp_path / "out" / "in.png.png").exists()
+    assert not (tmp_path / "out" / "in.png.overlay.jpg").exists()
+    [(path, reason)] = result["failed"]
+    assert path == str(src) and reason.startswith("overlay source unreadable: too large: 16x8 = 128 pixels"), reason
+
+
+def test_the_sink_commits_stats_as_often_as_the_factory_says(tmp_path):
+    metas = [ImageMeta("a.png", "", 8, 4, 8, 4), ImageMeta("b.png", "", 8, 4, 8, 4)]
+    sink = MaskSinkFactory(str(tmp_path), stats=True, categories=("bg", "x"), stats_commit_seconds=0.0)(0)
+    sink(tuple(metas), {"mask": np.zeros(64, np.uint8)})
+    assert len(part_files(tmp_path)) == 2 and sink.stats.committed == 2, "a part per row at 0 seconds"
+    assert sink.close()["stats_rows"] == 2
+
+
+def test_a_url_s_last_folder_is_kept_whole_but_for_a_trailing_slash(tmp_path, monkeypatch):
+    """Only "/" comes off the end of an output URL: a prefix may end in an "X" or a space."""
+    monkeypatch.chdir(tmp_path)
+    info = labels_info("fcn_resnet50", "random", ["bg"], {}, None)
+    for name, end in (("masksX", "/"), ("masks ", "")):
+        (tmp_path / name).mkdir()
+        write_labels(f"local://{tmp_path}/{name}{end}", info)
+        assert json.loads((tmp_path / name / "labels.json").read_text()) == info
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["masks ", "masksX"]

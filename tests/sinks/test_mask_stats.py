@@ -1,0 +1,77 @@
+"""The per-image statistics' Parquet parts, beyond ``test_masks.py``'s round trip: the
+folder's other files, the part names, the column types, the rows kept by a drop. What
+mutation testing found missing (docs/TESTING.md, "masks.py and mask_stats.py with mutmut")."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+
+from embedingest.sinks import mask_stats
+from embedingest.sinks.mask_stats import StatsWriter, drop_stats_rows, part_files, stats_sources
+
+
+def rows(out) -> dict[str, dict]:
+    return {r["source"]: r for r in ds.dataset(out / "stats").to_table().to_pylist()}
+
+
+def test_only_visible_parquet_files_are_parts(tmp_path):
+    writer = StatsWriter(str(tmp_path), ["bg"])
+    writer.add("a.png", np.zeros((1, 2), np.uint8))
+    writer.close()
+    [part] = part_files(tmp_path)
+    (tmp_path / "stats" / "notes.txt").write_text("not a part")
+    (tmp_path / "stats" / ".old.parquet").write_bytes(b"hidden, not a part")
+    (tmp_path / "stats" / f".{part.name}.tmp-1").write_bytes(b"a commit killed halfway")
+    assert part_files(tmp_path) == [part] and stats_sources(tmp_path) == {"a.png"}
+
+
+def test_parts_are_numbered_per_process_so_one_clock_tick_never_overwrites_a_part(tmp_path, monkeypatch):
+    monkeypatch.setattr(mask_stats.time, "time_ns", lambda: 5)  # a coarse clock: every commit at once
+    writer = StatsWriter(str(tmp_path), ["bg"], rows_per_part=1)
+    for name in ("a", "b", "c"):
+        writer.add(name, np.zeros((1, 1), np.uint8))
+    assert [p.name for p in part_files(tmp_path)] == [f"part-5-{os.getpid()}-{n}.parquet" for n in range(3)]
+    assert stats_sources(tmp_path) == {"a", "b", "c"} and writer.committed == 3
+
+
+def test_the_columns_are_int32_sizes_and_float32_shares_and_a_pixel_counts_whole(tmp_path):
+    writer = StatsWriter(str(tmp_path), ["bg", "x"])
+    writer.add("one.png", np.ones((1, 1), np.uint8))
+    writer.close()
+    [part] = part_files(tmp_path)
+    schema = pq.read_schema(part)
+    assert [(f.name, f.type) for f in schema] == [("source", pa.string()), ("width", pa.int32()),
+                                                  ("height", pa.int32()), ("bg", pa.float32()),
+                                                  ("x", pa.float32())]
+    assert rows(tmp_path)["one.png"] == {"source": "one.png", "width": 1, "height": 1, "bg": 0.0, "x": 1.0}
+
+
+def test_a_drop_goes_through_every_part_and_of_nothing_drops_nothing(tmp_path):
+    writer = StatsWriter(str(tmp_path), ["bg"], rows_per_part=2)
+    for name in ("a", "b", "c", "d"):
+        writer.add(name, np.zeros((1, 1), np.uint8))
+    first, second = part_files(tmp_path)  # a, b; then c, d
+    drop_stats_rows(tmp_path, set())
+    assert part_files(tmp_path) == [first, second]
+    drop_stats_rows(tmp_path, {"c"})  # the first part has none of them: the second is still read
+    assert stats_sources(tmp_path) == {"a", "b", "d"} and first in part_files(tmp_path)
+
+
+def test_a_part_that_does_not_read_back_whole_is_not_written(tmp_path, monkeypatch):
+    writer = StatsWriter(str(tmp_path), ["bg"])
+    writer.add("a", np.zeros((1, 1), np.uint8))
+
+    class Short:
+        num_rows = 0
+
+    monkeypatch.setattr(pq, "read_metadata", lambda source: Short())
+    with pytest.raises(OSError, match=r"^stats part .*/stats/part-\d+-\d+-0\.parquet did not read back "
+                                      r"with its 1 rows$"):
+        writer.close()
+    assert part_files(tmp_path) == [] and writer.committed == 0
