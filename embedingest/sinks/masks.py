@@ -164,10 +164,11 @@ def write_labels(out: str | os.PathLike, info: dict, replace: bool = False) -> P
             old = fs.cat_file(path)
         except FileNotFoundError:
             old = None
-        if old is not None and not replace and _same_labels(old, info, out, f"{out}/{LABELS_FILE}"):
-            return f"{out}/{LABELS_FILE}"
+        url = f"{str(out).rstrip('/')}/{LABELS_FILE}"
+        if old is not None and not replace and _same_labels(old, info, out, url):
+            return url
         fs.pipe_file(path, data)
-        return f"{out}/{LABELS_FILE}"
+        return url
     path = Path(out) / LABELS_FILE
     if path.exists() and not replace:
         try:

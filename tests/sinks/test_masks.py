@@ -313,6 +313,7 @@ def test_labels_json_at_a_url_is_one_put_and_guards_the_prefix(tmp_path, monkeyp
     file = tmp_path / "bucket" / "masks" / "labels.json"
     assert write_labels(out.rstrip("/"), info) == f"{url}/labels.json"
     assert json.loads(file.read_text()) == info
+    assert write_labels(out, info) == f"{url}/labels.json", "a trailing slash makes no '//'"
     os.utime(file, ns=(0, 0))
     assert write_labels(url, info) == f"{url}/labels.json" and file.stat().st_mtime_ns == 0
     write_labels(url, {**info, "weights": "file other.pth"})
