@@ -205,9 +205,9 @@ if hasattr(os, "register_at_fork"):
 
 def compile_ahead(device: str | torch.device, dtype: torch.dtype, classes: int) -> bool:
     """Compile the kernel for ``classes`` scores of ``dtype`` on ``device`` in a background
-    thread (most of a compile runs in LLVM and ``ptxas``, outside the GIL); until it is
-    done :func:`usable` says no and the masks take the two steps. False (nothing started)
-    where the kernel would not be used."""
+    thread (a job's main thread mostly waits meanwhile, for the GPU and the decoders);
+    until it is done :func:`usable` says no and the masks take the two steps. False
+    (nothing started) where the kernel would not be used."""
     device = torch.device(device)
     if (device.type != "cuda" or dtype not in HALF or not 1 <= classes <= 256
             or not available()):
