@@ -115,3 +115,120 @@ def test_manifest_from_dict_names_what_is_wrong():
         Manifest.from_dict({"model": {}, "dim": 4, "format": 3})
     m = Manifest.from_dict({"model": {"name": "m"}, "dim": 4, "unknown_later_field": 1})
     assert (m.model, m.dim, m.format) == ({"name": "m"}, 4, 1)
+
+
+# -- survivors of the store.py mutation run of 2026-12-02 (docs/TESTING.md) -------------
+
+def test_manifest_field_of_the_wrong_type_names_the_fix():
+    with pytest.raises(ConfigError) as err:
+        Manifest.from_dict({"model": {}, "dim": "4"}, where="m.json")
+    assert str(err.value) == ("m.json: dim is '4', not a positive integer; the manifest was changed "
+                              "or damaged: put back the value it was built with, or rebuild the "
+                              "index with --overwrite")
+
+
+def test_unreadable_manifest_names_the_file_and_the_fix(tmp_path):
+    store = IndexStore(tmp_path)
+    store.manifest_path.write_text("{", encoding="utf-8")
+    with pytest.raises(ConfigError) as err:
+        store.read_manifest()
+    message = str(err.value)
+    assert message.startswith(f"cannot read {str(store.manifest_path)!r}: Expecting property name")
+    assert message.endswith("; rebuild the index with --overwrite")
+
+
+def test_manifest_bytes_are_indented_utf8_json_with_a_utc_timestamp(tmp_path, monkeypatch):
+    import calendar
+    import json
+    import time
+    from dataclasses import asdict
+
+    monkeypatch.setenv("TZ", "Asia/Tokyo")  # local time 9 h off UTC: _now must not use it
+    time.tzset()
+    try:
+        store = IndexStore(tmp_path)
+        manifest = Manifest(model={"name": "modèle-ß"}, dim=4)
+        store.write_manifest(manifest)
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    raw = store.manifest_path.read_bytes()
+    assert raw == (json.dumps(asdict(manifest), indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+    assert '"name": "modèle-ß"'.encode() in raw and b'\n  "dim": 4,\n' in raw
+    updated = store.read_manifest().updated
+    assert abs(calendar.timegm(time.strptime(updated, "%Y-%m-%dT%H:%M:%SZ")) - time.time()) < 120
+
+
+def test_package_version_and_its_fallback(monkeypatch):
+    from importlib import metadata
+
+    from embedingest.index import store as store_module
+
+    assert store_module.package_version() == metadata.version("embedingest") != "0+unknown"
+
+    def not_installed(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(store_module.importlib_metadata, "version", not_installed)
+    assert store_module.package_version() == "0+unknown"
+
+
+def test_vector_ids_take_the_largest_unit_number_and_unsigned_chunks():
+    from embedingest.index.store import MAX_UNIT_NO
+
+    assert vector_ids(MAX_UNIT_NO, [0, 1]).tolist() == [MAX_UNIT_NO << 32, (MAX_UNIT_NO << 32) | 1]
+    ids = vector_ids(2, np.array([1, 2], dtype=np.uint64))
+    assert ids.dtype == np.int64 and ids.tolist() == [(2 << 32) | 1, (2 << 32) | 2]
+
+
+def test_train_index_makes_missing_parents_and_names_the_faiss_error(tmp_path):
+    rng = np.random.default_rng(0)
+    store = IndexStore(tmp_path / "a" / "b")
+    path = store.train_index("IVF4,Flat", 8, "l2", rng.standard_normal((64, 8)))
+    assert path == store.trained_path and path.is_file()
+    with pytest.raises(ConfigError) as err:
+        IndexStore(tmp_path / "c").train_index("IVF16,Flat", 8, "l2", rng.standard_normal((4, 8)))
+    message = str(err.value)
+    assert message.startswith("cannot train 'IVF16,Flat' on 4 vectors: ")
+    assert "None" not in message and "Number of training points" in message
+    assert message.endswith("; use a larger sample or fewer lists")
+
+
+def test_damaged_trained_index_says_how_to_redo_it(tmp_path):
+    store = IndexStore(tmp_path)
+    manifest = Manifest(model={"name": "m"}, dim=8, factory="IVF4,Flat", metric="l2")
+    store.write_manifest(manifest)
+    store.trained_path.write_bytes(b"not a faiss index")
+    with pytest.raises(ConfigError) as err:
+        store.empty_index(manifest)
+    message = str(err.value)
+    assert message.startswith(f"cannot read {str(store.trained_path)!r} (")
+    assert message.endswith("): the file is damaged; delete it and run build-index again "
+                            "(it is trained again)")
+
+
+def test_wipe_removes_tmp_files_and_leaves_side_files_of_other_names(tmp_path):
+    store = IndexStore(tmp_path)
+    store.write_manifest(Manifest(model={"name": "m"}, dim=4))
+    (tmp_path / ".manifest.json.tmp-123").write_text("x")
+    (tmp_path / "manifest.json-wal").write_text("not ours")
+    store.wipe()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json-wal"]
+    IndexStore(tmp_path / "missing").wipe()  # a folder that is not there: nothing to do
+    assert not (tmp_path / "missing").exists()
+
+
+def test_close_twice_and_use_again(tmp_path):
+    store = IndexStore(tmp_path)
+    store.db.execute("select 1")
+    store.close()
+    store.close()
+    assert store.db.execute("select 1").fetchone() == (1,)
+    store.close()
+
+
+def test_batches_split_without_overlap():
+    from embedingest.index.store import _batches
+
+    assert list(_batches(list(range(5)), 2)) == [[0, 1], [2, 3], [4]]
+    assert list(_batches([])) == []
