@@ -89,9 +89,44 @@ def encode_chunks(ids: Sequence[int], sources: Sequence[str | None], record_ids:
                   span_ends: Sequence[int | None], texts: Sequence[str | None]) -> bytes:
     """The rows of one batch as one Arrow IPC record batch (bytes): made in a tokenizing
     worker, so the process that feeds the device only passes one bytes object along."""
-    arrays = [pa.array(col, type=f.type) for col, f in zip(
+    arrays = [arrow_column(col, f.type) for col, f in zip(
         (ids, sources, record_ids, chunk_nos, span_starts, span_ends, texts), CHUNK_SCHEMA)]
-    return pa.record_batch(arrays, schema=CHUNK_SCHEMA).serialize().to_pybytes()
+    return pa.RecordBatch.from_arrays(arrays, schema=CHUNK_SCHEMA).serialize().to_pybytes()
+
+
+_INT_TYPES = {pa.int64(): np.int64, pa.int32(): np.int32}
+
+
+def arrow_column(values: Sequence, type_: pa.DataType) -> pa.Array:
+    """``pa.array(values, type=type_)`` for the integer and string columns of
+    :data:`CHUNK_SCHEMA`, built from its buffers. pyarrow's first ``pa.array`` in a process
+    imports pandas (a third of a second or more), and each tokenizing worker would pay
+    it on its first batch, while the device waits for that batch. Values of another kind
+    (floats, text too long for 32-bit offsets, strings that are not valid UTF-8) go to
+    ``pa.array`` itself, which converts or refuses them as it always did."""
+    n = len(values)
+    valid = [v is not None for v in values]
+    nulls = n - sum(valid)
+    bitmap = pa.py_buffer(np.packbits(np.array(valid, dtype=bool), bitorder="little")) if nulls else None
+    if pa.types.is_string(type_):
+        try:
+            data = [v.encode("utf-8") if v is not None else b"" for v in values]
+        except (AttributeError, UnicodeEncodeError):
+            return pa.array(values, type=type_)
+        offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum([len(b) for b in data], out=offsets[1:])
+        if offsets[-1] > np.iinfo(np.int32).max:
+            return pa.array(values, type=type_)
+        return pa.StringArray.from_buffers(n, pa.py_buffer(offsets.astype(np.int32)),
+                                           pa.py_buffer(b"".join(data)), bitmap, nulls)
+    dtype = _INT_TYPES.get(type_)
+    raw = np.asarray([0 if v is None else v for v in values] if nulls else values)
+    if dtype is None or (n and raw.dtype.kind not in "iu"):
+        return pa.array(values, type=type_)
+    if n and (raw.max() > np.iinfo(dtype).max or raw.min() < np.iinfo(dtype).min):
+        return pa.array(values, type=type_)
+    column = raw.astype(dtype)
+    return pa.Array.from_buffers(type_, n, [bitmap, pa.py_buffer(np.ascontiguousarray(column))], nulls)
 
 
 def decode_chunks(data: bytes | pa.RecordBatch) -> pa.RecordBatch:

@@ -3,9 +3,12 @@
 import json
 import logging
 import os
+import subprocess
+import sys
 
 import faiss
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -16,6 +19,7 @@ from embedingest.errors import ConfigError
 from embedingest.index.shards import (
     CHUNK_COLUMNS,
     BatchMeta,
+    arrow_column,
     clean_shards,
     decode_chunks,
     delete_shard,
@@ -181,6 +185,53 @@ def test_chunk_rows_round_trip_as_arrow_bytes_and_garbage_is_refused():
     with pytest.raises(ConfigError, match="chunk metadata of 5 bytes is not a record batch"):
         decode_chunks(b"12345")
     assert repr(BatchMeta(7, data, ((1, 3),))) == "batch 7"
+
+
+def _as_pyarrow_makes_it(values, type_):
+    """What ``pa.array`` makes of ``values``, or the type of error it raises."""
+    try:
+        return pa.array(values, type=type_)
+    except Exception as exc:  # noqa: BLE001 - compared with arrow_column's
+        return type(exc)
+
+
+_MAYBE_INT = st.one_of(st.none(), st.integers(-(1 << 64), 1 << 64))
+_MAYBE_TEXT = st.one_of(st.none(), st.text(max_size=12))  # surrogates included: not UTF-8
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.tuples(st.just(pa.int64()), st.lists(_MAYBE_INT, max_size=8)),
+                 st.tuples(st.just(pa.int32()), st.lists(_MAYBE_INT, max_size=8)),
+                 st.tuples(st.just(pa.int64()), st.lists(st.floats(allow_nan=False), max_size=3)),
+                 st.tuples(st.just(pa.string()), st.lists(_MAYBE_TEXT, max_size=8))))
+def test_arrow_column_is_what_pa_array_makes(case):
+    """The columns built from buffers (no pandas import) equal pyarrow's own, nulls
+    included, and values pyarrow refuses are refused with its error."""
+    type_, values = case
+    expected = _as_pyarrow_makes_it(values, type_)
+    if isinstance(expected, type):
+        with pytest.raises(expected):
+            arrow_column(values, type_)
+        return
+    column = arrow_column(values, type_)
+    assert column.type == type_ and column.null_count == expected.null_count
+    assert column.equals(expected) and column.to_pylist() == expected.to_pylist()
+    column.validate(full=True)
+
+
+def test_arrow_column_takes_numpy_columns():
+    assert arrow_column(np.array([1, 2], dtype=np.uint32), pa.int64()).to_pylist() == [1, 2]
+    assert arrow_column(np.array([1 << 62], dtype=np.uint64), pa.int64()).to_pylist() == [1 << 62]
+    assert arrow_column(np.array([7], dtype=np.int64), pa.int32()).type == pa.int32()
+
+
+def test_encoding_a_batch_does_not_import_pandas():
+    """Each tokenizing worker encodes its batches' rows; importing pandas there (what
+    ``pa.array`` does) delayed every worker's first batch."""
+    code = ("import sys; from embedingest.index.shards import encode_chunks; "
+            "encode_chunks([1], ['a'], [None], [0], [0], [1], ['x']); print('pandas' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 def test_the_sink_refuses_batches_without_metadata_or_with_other_ids(tmp_path):
