@@ -144,19 +144,61 @@ def write_streamed(path: str | os.PathLike, produce: Callable[[Callable[[bytes],
     :func:`atomic_file`. ``write`` never raises into ``produce`` (a C++ library calling
     it could not pass the error on cleanly): the first write error is raised here
     once ``produce`` returns, and the file is not committed."""
-    with atomic_file(path, sync_dir=sync_dir) as fh:
+    with atomic_file(path, sync_dir=sync_dir) as fh, _SyncAhead(fh) as ahead:
         failed: list[BaseException] = []
 
         def write(chunk: bytes) -> None:
             if not failed:
                 try:
                     fh.write(chunk)
+                    ahead.wrote(len(chunk))
                 except BaseException as exc:
                     failed.append(exc)
 
         produce(write)
         if failed:
             raise failed[0]
+
+
+SYNC_AHEAD_BYTES = 64 << 20
+"""A streamed file is handed to the disk every this many bytes while it is written."""
+
+
+class _SyncAhead:
+    """Background ``fdatasync`` of a file being written, one at a time, each after another
+    :data:`SYNC_AHEAD_BYTES`: the disk writes the file while the rest is produced, so the
+    final fsync of :func:`atomic_file` waits for the last part only (a large file's
+    writeback otherwise starts at that fsync). A failed sync is raised by the next write
+    or on leaving; the kernel reports a write-back error once per open file, so it
+    must not be dropped here."""
+
+    def __init__(self, fh: BinaryIO):
+        self.fh, self.since = fh, 0
+        self.running = None
+        self.pool = None
+
+    def __enter__(self) -> _SyncAhead:
+        return self
+
+    def wrote(self, n: int) -> None:
+        self.since += n
+        if self.since < SYNC_AHEAD_BYTES or (self.running is not None and not self.running.done()):
+            return
+        if self.running is not None:
+            self.running.result()
+        if self.pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedingest-sync")
+        self.fh.flush()
+        self.since = 0
+        self.running = self.pool.submit(os.fdatasync, self.fh.fileno())
+
+    def __exit__(self, *exc) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+        if self.running is not None and exc[0] is None:
+            self.running.result()
 
 
 def write_faiss_index(index, path: str | os.PathLike, *, sync_dir: bool = True) -> None:

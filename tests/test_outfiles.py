@@ -14,11 +14,13 @@ import pytest
 from fault_helpers import small_tmpfs
 
 from embedingest.errors import ConfigError
+from embedingest import outfiles
 from embedingest.outfiles import (
     atomic_write_bytes,
     ensure_folder,
     through_link,
     write_faiss_index,
+    write_streamed,
 )
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -80,6 +82,71 @@ def test_faiss_index_written_whole_equals_faiss_own_bytes(tmp_path):
     assert (tmp_path / "a.faiss").read_bytes() == _faiss_bytes(index)
     assert faiss.read_index(str(tmp_path / "a.faiss")).ntotal == 50
     assert os.listdir(tmp_path) == ["a.faiss"]
+
+
+def test_a_streamed_file_goes_to_the_disk_while_it_is_written(tmp_path, monkeypatch):
+    """Every SYNC_AHEAD_BYTES written, a background fdatasync of the temporary file starts,
+    so the final fsync waits for the last part only; the bytes are those produced."""
+    synced = []
+    real = os.fdatasync
+
+    def fdatasync(fd):
+        synced.append(os.fstat(fd).st_size)
+        real(fd)
+
+    monkeypatch.setattr(outfiles, "SYNC_AHEAD_BYTES", 1000)
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    chunks = [bytes([i]) * 400 for i in range(10)]
+    write_streamed(tmp_path / "big.bin", lambda write: [write(chunk) for chunk in chunks])
+    assert (tmp_path / "big.bin").read_bytes() == b"".join(chunks)
+    assert synced and synced[0] == 1200 and all(size % 400 == 0 for size in synced)
+    assert os.listdir(tmp_path) == ["big.bin"]
+
+
+def test_sync_ahead_starts_one_sync_per_step_and_never_two_at_once(tmp_path, monkeypatch):
+    """One sync after each SYNC_AHEAD_BYTES (counted from the last start); while one runs,
+    none other starts, and the bytes written meanwhile count towards the next."""
+    import threading
+
+    started, release = threading.Event(), threading.Event()
+    synced = []
+
+    def fdatasync(fd):
+        synced.append(os.fstat(fd).st_size)
+        started.set()
+        release.wait(10)
+
+    monkeypatch.setattr(outfiles, "SYNC_AHEAD_BYTES", 1000)
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    with open(tmp_path / "f", "wb") as fh, outfiles._SyncAhead(fh) as ahead:
+        for _ in range(3):
+            fh.write(b"a" * 500)
+            ahead.wrote(500)
+        first = ahead.running
+        assert started.wait(10)
+        for _ in range(4):  # 2,000 more bytes while the first sync is held
+            fh.write(b"b" * 500)
+            ahead.wrote(500)
+        assert ahead.running is first and synced == [1000]
+        release.set()
+        first.result()
+        fh.write(b"c" * 10)
+        ahead.wrote(10)  # 2,510 since the first start: the second starts now
+        ahead.running.result()
+    assert synced == [1000, 3510]
+
+
+def test_a_failed_sync_ahead_fails_the_write_and_commits_nothing(tmp_path, monkeypatch):
+    """The kernel reports a write-back error to one fsync only: the background one's must
+    fail the file (no file at the final name, no temporary left)."""
+    def fdatasync(fd):
+        raise OSError(errno.EIO, "write-back failed")
+
+    monkeypatch.setattr(outfiles, "SYNC_AHEAD_BYTES", 100)
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    with pytest.raises(OSError, match="write-back failed"):
+        write_streamed(tmp_path / "x.bin", lambda write: [write(b"y" * 60) for _ in range(5)])
+    assert os.listdir(tmp_path) == []
 
 
 PEAK = textwrap.dedent("""

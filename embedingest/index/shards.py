@@ -36,6 +36,7 @@ import re
 import stat
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -163,16 +164,48 @@ class BatchMeta:
 
 # -- commit records ------------------------------------------------------------------------
 
+HASH_BESIDE_BYTES = 1 << 18
+"""A write of at least this many bytes is hashed in a thread while it is written."""
+_hasher: ThreadPoolExecutor | None = None
+
+
+def _hash_thread() -> ThreadPoolExecutor:
+    """The process's hashing thread, started on first use."""
+    global _hasher
+    if _hasher is None:
+        _hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedingest-hash")
+    return _hasher
+
+
+def _forget_hash_thread() -> None:
+    """In a forked child the parent's thread does not exist: start another when needed."""
+    global _hasher
+    _hasher = None
+
+
+os.register_at_fork(after_in_child=_forget_hash_thread)
+
+
 class HashingFile:
-    """A write-only file object that hashes and counts what passes to ``fh``."""
+    """A write-only file object that hashes and counts what passes to ``fh``. A large
+    write is hashed in another thread while ``fh`` writes it (both let go of the GIL), so
+    the sha256 of a shard's vectors costs little more than writing them; ``write``
+    returns when both are done, so the caller may reuse its buffer."""
 
     def __init__(self, fh):
         self.fh, self.hash, self.size, self.closed = fh, hashlib.sha256(), 0, False
 
     def write(self, data) -> int:
         data = memoryview(data).cast("B")
-        self.fh.write(data)
-        self.hash.update(data)
+        if len(data) >= HASH_BESIDE_BYTES:
+            hashed = _hash_thread().submit(self.hash.update, data)
+            try:
+                self.fh.write(data)
+            finally:
+                hashed.result()
+        else:
+            self.fh.write(data)
+            self.hash.update(data)
         self.size += len(data)
         return len(data)
 

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import hashlib
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import faiss
 import numpy as np
@@ -277,19 +277,16 @@ class ShardWriter:
 
 def write_faiss_hashed(index: faiss.Index, path: Path) -> dict:
     """Write a faiss index like :func:`~embedingest.outfiles.write_faiss_index`, hashing
-    the bytes on their way; return {name, size, sha256}."""
-    h, size = hashlib.sha256(), 0
+    the bytes on their way (:class:`~embedingest.index.shards.HashingFile`: beside the
+    write); return {name, size, sha256}."""
+    hashing: list[HashingFile] = []
 
     def produce(write) -> None:
-        def hashed(chunk: bytes) -> None:
-            nonlocal size
-            h.update(chunk)
-            size += len(chunk)
-            write(chunk)
-        faiss.write_index(index, faiss.PyCallbackIOWriter(hashed, _FAISS_CHUNK))
+        hashing.append(HashingFile(SimpleNamespace(write=write)))
+        faiss.write_index(index, faiss.PyCallbackIOWriter(hashing[0].write, _FAISS_CHUNK))
 
     write_streamed(path, produce)
-    return {"name": path.name, "size": size, "sha256": h.hexdigest()}
+    return hashing[0].summary(path.name)
 
 
 class ShardSink:

@@ -310,6 +310,53 @@ def test_hashing_file_is_a_write_only_stream_that_leaves_the_real_file_open():
     assert out.summary("x") == {"name": "x", "size": 5, "sha256": hashlib.sha256(b"abcde").hexdigest()}
 
 
+def test_hashing_file_hashes_large_writes_beside_them_and_returns_after_both():
+    """A write of HASH_BESIDE_BYTES or more is hashed in the hashing thread; the digest is
+    the whole stream's, in order, and a buffer the caller changes after ``write`` returned
+    does not change it (the hash of that write was done by then)."""
+    import hashlib
+    import io
+
+    from embedingest.index import shards
+    from embedingest.index.shards import HASH_BESIDE_BYTES, HashingFile
+
+    rng = np.random.default_rng(3)
+    parts = [rng.bytes(HASH_BESIDE_BYTES + 17), b"small", rng.bytes(3 * HASH_BESIDE_BYTES)]
+    real = io.BytesIO()
+    out = HashingFile(real)
+    buffer = bytearray(parts[0])
+    out.write(buffer)
+    buffer[:] = b"\0" * len(buffer)  # reused by the caller: already hashed and written
+    out.write(parts[1])
+    out.write(memoryview(parts[2]))
+    whole = b"".join(parts)
+    assert real.getvalue() == whole
+    assert out.summary("f") == {"name": "f", "size": len(whole), "sha256": hashlib.sha256(whole).hexdigest()}
+    assert shards._hasher is not None and shards._hasher._threads  # the large writes went there
+
+
+FORKED_HASH = """
+import hashlib, io, os, sys
+from embedingest.index.shards import HASH_BESIDE_BYTES, HashingFile
+data = b"x" * (2 * HASH_BESIDE_BYTES)
+HashingFile(io.BytesIO()).write(data)  # the parent's hashing thread exists
+pid = os.fork()
+if pid == 0:
+    out = HashingFile(io.BytesIO())
+    out.write(data)
+    os._exit(0 if out.summary("f")["sha256"] == hashlib.sha256(data).hexdigest() else 3)
+print(os.waitpid(pid, 0)[1])
+"""
+
+
+def test_a_forked_child_hashes_in_a_thread_of_its_own():
+    """The parent's hashing thread does not exist in a forked child (a tokenizing worker,
+    a device process): its first large write must start another, not wait forever."""
+    proc = subprocess.run([sys.executable, "-c", FORKED_HASH], capture_output=True, text=True,
+                          timeout=60, check=True)
+    assert proc.stdout.strip() == "0", proc.stderr
+
+
 def test_clean_names_everything_it_deletes_warns_and_keeps_finished_marks(tmp_path, caplog):
     """Unreadable records, replaced shards, damaged shards and a removal's empty record
     are all deleted and all named (several of each kind); a shard of finished-marks
