@@ -192,6 +192,8 @@ class EgressEngine:
         arrays = dict(outputs) if isinstance(outputs, Mapping) else {"out": outputs}
         if self._pool is None:
             self._open(SlotLayout.from_spec({k: (tuple(v.shape), v.dtype) for k, v in arrays.items()}))
+        if self._seq == 0:
+            self._pool.ready()  # made while the caller went on (see HostPool); its error here
         lengths = self._pool.layout.lengths(arrays)
         with annotate(f"submit {batch_id!r}"[:64], "submit"):
             t_submit = time.perf_counter()
@@ -238,7 +240,7 @@ class EgressEngine:
         was made is released and the engine stays unopened (its exit then has nothing to stop)."""
         cfg = self.config
         with contextlib.ExitStack() as undo:
-            pool = HostPool(layout, cfg.slots(), pin=self._path.pins and cfg.pin_memory)
+            pool = HostPool(layout, cfg.slots(), pin=self._path.pins and cfg.pin_memory, ahead=True)
             undo.callback(pool.close)
             self._path.open(pool)
             undo.callback(self._path.release)

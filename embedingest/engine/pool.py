@@ -15,6 +15,7 @@ import ctypes
 import mmap
 import os
 import tempfile
+import threading
 from multiprocessing import reduction
 
 import numpy as np
@@ -62,9 +63,13 @@ def _anonymous_fd(size: int) -> int:
 
 
 class HostPool:
-    """``num_slots`` slots of one :class:`SlotLayout` in one shared mapping."""
+    """``num_slots`` slots of one :class:`SlotLayout` in one shared mapping.
 
-    def __init__(self, layout: SlotLayout, num_slots: int, *, pin: bool = False):
+    With ``ahead``, the pages are faulted in and registered with CUDA in a thread (both
+    let go of the GIL), so a caller that goes on meanwhile (moving a model to the device)
+    does not wait for them; :meth:`ready` waits, and raises what failed there."""
+
+    def __init__(self, layout: SlotLayout, num_slots: int, *, pin: bool = False, ahead: bool = False):
         self.layout = layout
         self.num_slots = num_slots
         self.size = layout.slot_bytes * num_slots
@@ -73,9 +78,33 @@ class HostPool:
         self._registered_ptr: int | None = None
         self._views = [layout.views(memoryview(self._mm)[i * layout.slot_bytes:(i + 1) * layout.slot_bytes])
                        for i in range(num_slots)]
-        self._touch()
-        if pin:
-            self._register()
+        self._preparing: threading.Thread | None = None
+        self._prepare_error: BaseException | None = None
+        if ahead:
+            self._preparing = threading.Thread(target=self._prepare, args=(pin,), daemon=True,
+                                               name="embedingest-pool")
+            self._preparing.start()
+        else:
+            self._prepare(pin)
+            self.ready()
+
+    def _prepare(self, pin: bool) -> None:
+        try:
+            self._touch()
+            if pin:
+                self._register()
+        except BaseException as exc:
+            self._prepare_error = exc
+
+    def ready(self) -> None:
+        """Wait until the pages are in (and registered); raise the error if that failed.
+        Copies into the slots must wait for this: a copy into pages being registered
+        would run at pageable speed, or race the registration."""
+        if self._preparing is not None:
+            self._preparing.join()
+            self._preparing = None
+        if self._prepare_error is not None:
+            raise self._prepare_error
 
     def _touch(self) -> None:
         """Fault every page in now, so the first copies do not pay for it."""
@@ -97,6 +126,8 @@ class HostPool:
 
     @property
     def pinned(self) -> bool:
+        if self._preparing is not None:
+            self._preparing.join()
         return self._registered_ptr is not None
 
     def views(self, slot: int) -> dict[str, np.ndarray]:
@@ -106,7 +137,11 @@ class HostPool:
         return PoolHandle(self.fd, self.layout, self.num_slots)
 
     def close(self) -> None:
-        """Unregister (before unmapping, or CUDA reports the range as mapped later) and free."""
+        """Unregister (before unmapping, or CUDA reports the range as mapped later) and free;
+        a preparation still under way is waited for first."""
+        if self._preparing is not None:
+            self._preparing.join()
+            self._preparing = None
         if self._registered_ptr is not None:
             import torch
 

@@ -436,6 +436,59 @@ def test_an_engine_started_and_not_used_is_stopped(tmp_path, no_leaks):
         e.submit(0, {"x": np.zeros(4, np.float32)})
 
 
+def test_start_returns_while_the_pool_is_prepared_and_the_first_batch_waits_for_it(no_leaks, monkeypatch):
+    """The pool's pages are faulted in (and registered with CUDA) in a thread: start()
+    returns before that is done, so the caller's own start-up (a model to the device)
+    runs meanwhile; the first submit waits for it, and the batch arrives whole."""
+    from embedingest.engine.pool import HostPool
+
+    gate, touching = threading.Event(), threading.Event()
+    real_touch = HostPool._touch
+
+    def held_touch(pool):
+        touching.set()
+        assert gate.wait(60)
+        real_touch(pool)
+
+    monkeypatch.setattr(HostPool, "_touch", held_touch)
+    results = []
+    e = EgressEngine(HashSinkFactory(), num_consumers=1, device="cpu", slot_spec={"x": ((8,), "float32")},
+                     on_result=lambda b, r: results.append(r)).start()
+    assert touching.wait(60) and not gate.is_set()  # start() is back, the pool not ready
+    submitted = threading.Event()
+
+    def first_batch():
+        e.submit(0, {"x": np.arange(8, dtype=np.float32)})
+        submitted.set()
+
+    with e:
+        worker = threading.Thread(target=first_batch, daemon=True)
+        worker.start()
+        assert not submitted.wait(0.2)  # waits for the pool, not for a slot
+        gate.set()
+        worker.join(60)
+        assert submitted.is_set()
+    assert [d for _, d in results] == [digest({"x": np.arange(8, dtype=np.float32)})]
+
+
+def test_a_pool_that_cannot_be_prepared_fails_the_first_submit_and_stops_cleanly(no_leaks, monkeypatch):
+    """What failed in the preparing thread (here the page faults; on a GPU the
+    registration, past the locked-memory limit) is raised by the first submit, as itself,
+    and the engine's exit stops its consumers."""
+    from embedingest.engine.pool import HostPool
+
+    def failing_touch(pool):
+        raise EngineError("cudaHostRegister of 0.00 GB failed with CUDA error 2")
+
+    monkeypatch.setattr(HostPool, "_touch", failing_touch)
+    engine = EgressEngine(HashSinkFactory(), num_consumers=2, device="cpu", slot_spec={"x": ((4,), "float32")})
+    with pytest.raises(EngineError, match="cudaHostRegister of 0.00 GB failed with CUDA error 2"):
+        with engine:
+            engine.submit(0, {"x": np.zeros(4, np.float32)})
+    assert all(not p.is_alive() for p in engine._consumers.procs)
+    assert engine.stats.batches == 0
+
+
 def test_start_needs_the_slot_sizes():
     with pytest.raises(ConfigError, match=r"^start\(\) needs the slots' sizes up front: give slot_spec$"):
         EgressEngine(HashSinkFactory(), num_consumers=1, device="cpu").start()

@@ -173,3 +173,37 @@ def test_a_pool_the_kernel_will_not_size_is_refused_with_what_to_do(monkeypatch)
     assert str(err.value) == (f"cannot allocate a host pool of {size / 1e9:.2f} GB: [Errno 28] No space "
                               "left on device; use fewer slots or smaller batches")
     assert set(os.listdir("/proc/self/fd")) <= before  # its descriptor closed
+
+
+def test_a_pool_made_ahead_is_the_same_pool_once_ready_and_closes_while_preparing(monkeypatch):
+    """``ahead``: the pages are faulted in by a thread; ready() waits for it, and then the
+    slots are the same zeroed, separate memory. close() while it still runs waits for it
+    (no unmapping under the thread)."""
+    import threading
+
+    pool = HostPool(LAYOUT, 3, ahead=True)
+    try:
+        pool.ready()
+        assert (pool.num_slots, pool.pinned) == (3, False)
+        for i in range(3):
+            pool.views(i)["n"][:] = i
+        assert [pool.views(i)["n"].tolist() for i in range(3)] == [[0] * 4, [1] * 4, [2] * 4]
+    finally:
+        pool.close()
+    gate, touched = threading.Event(), []
+    real = HostPool._touch
+
+    def held(p):
+        assert gate.wait(60)
+        real(p)
+        touched.append(p)
+
+    monkeypatch.setattr(HostPool, "_touch", held)
+    pool = HostPool(LAYOUT, 2, ahead=True)
+    closing = threading.Thread(target=pool.close)
+    closing.start()
+    closing.join(0.2)
+    assert closing.is_alive() and not touched  # close waits for the thread
+    gate.set()
+    closing.join(60)
+    assert touched == [pool] and pool.fd == -1
