@@ -6,7 +6,7 @@ printed as JSON lines with the job's own timing.
 """
 import time, sys, json, functools
 from embedingest.jobs.segment import run as R, SegmentConfig, segment
-from embedingest.engine import worker_loader, egress
+from embedingest.engine import worker_loader, egress, pool
 from embedingest.sources import shape_batches
 from embedingest.stages import segmentation
 spans = []
@@ -30,6 +30,9 @@ wrap(R, "Segmenter", "Segmenter (to device)")
 wrap(R, "preset_preprocessing", "preset prep")
 wrap(R, "_decoders", "decoders made")
 wrap(R, "run_batches", "run_batches")
+if hasattr(pool.HostPool, "ready"):  # the pool made in a thread (since 7badefc): the first batch's wait
+    wrap(pool.HostPool, "ready", "pool ready (wait)")
+wrap(pool.HostPool, "_register", "pool register (CUDA)")
 if __name__ == "__main__":
     images, out, weights = sys.argv[1:4]
     for rep in range(2):
