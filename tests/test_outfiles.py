@@ -133,6 +133,9 @@ def test_sync_ahead_starts_one_sync_per_step_and_never_two_at_once(tmp_path, mon
         fh.write(b"c" * 10)
         ahead.wrote(10)  # 2,510 since the first start: the second starts now
         ahead.running.result()
+        fh.write(b"d" * 500)
+        ahead.wrote(500)  # counted from the second start: no third yet
+        assert ahead.running.done()
     assert synced == [1000, 3510]
 
 
@@ -146,6 +149,10 @@ def test_a_failed_sync_ahead_fails_the_write_and_commits_nothing(tmp_path, monke
     monkeypatch.setattr(os, "fdatasync", fdatasync)
     with pytest.raises(OSError, match="write-back failed"):
         write_streamed(tmp_path / "x.bin", lambda write: [write(b"y" * 60) for _ in range(5)])
+    assert os.listdir(tmp_path) == []
+    # the last write starts the sync that fails: raised on leaving, not by a later write
+    with pytest.raises(OSError, match="write-back failed"):
+        write_streamed(tmp_path / "z.bin", lambda write: [write(b"y" * 60) for _ in range(2)])
     assert os.listdir(tmp_path) == []
 
 

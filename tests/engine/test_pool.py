@@ -207,3 +207,40 @@ def test_a_pool_made_ahead_is_the_same_pool_once_ready_and_closes_while_preparin
     gate.set()
     closing.join(60)
     assert touched == [pool] and pool.fd == -1
+
+
+def test_a_pool_made_in_place_raises_what_failed_at_once(monkeypatch):
+    """Without ``ahead`` the pages are prepared in the constructor, and its failure is the
+    constructor's (an engine's pool is made ahead; other callers get the error where they
+    asked)."""
+    def failing(pool):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(HostPool, "_touch", failing)
+    with pytest.raises(OSError, match="Cannot allocate memory"):
+        HostPool(LAYOUT, 2)
+
+
+def test_pinned_waits_for_the_registration_under_way(monkeypatch):
+    """A pool registered in a thread is reported pinned once that is done, not as unpinned
+    while it runs (the engine's summary reads it)."""
+    import threading
+
+    gate = threading.Event()
+
+    def held_register(pool):
+        assert gate.wait(60)
+        pool._registered_ptr = 1  # as a registration would (no GPU here)
+
+    monkeypatch.setattr(HostPool, "_register", held_register)
+    pool = HostPool(LAYOUT, 2, pin=True, ahead=True)
+    answers = []
+    asking = threading.Thread(target=lambda: answers.append(pool.pinned))
+    asking.start()
+    asking.join(0.2)
+    assert asking.is_alive() and not answers
+    gate.set()
+    asking.join(60)
+    assert answers == [True]
+    pool._registered_ptr = None  # nothing to unregister without a GPU
+    pool.close()
