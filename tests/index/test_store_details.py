@@ -3,12 +3,15 @@ from other index kinds: cases that mutation testing found untested (docs/TESTING
 
 from __future__ import annotations
 
+import errno
+import sqlite3
+
 import faiss
 import numpy as np
 import pytest
 from index_fixtures import DIM, build_index, unit_vectors
 
-from embedingest.errors import ConfigError
+from embedingest.errors import ConfigError, EmbedingestError
 from embedingest.index.search import open_index
 from embedingest.index.shard_store import ShardStore
 from embedingest.index.store import IndexStore, Manifest, model_identity, vector_ids
@@ -232,3 +235,67 @@ def test_batches_split_without_overlap():
 
     assert list(_batches(list(range(5)), 2)) == [[0, 1], [2, 3], [4]]
     assert list(_batches([])) == []
+
+
+# -- _sqlite_error: what each sqlite error becomes (mutation testing, docs/TESTING.md) ----
+
+
+def _sqlite_exc(message: str, name: str, code: int) -> sqlite3.Error:
+    """An error as sqlite3 raises it from the library: its result code's name and number."""
+    exc = sqlite3.OperationalError(message)
+    exc.sqlite_errorname = name
+    exc.sqlite_errorcode = code
+    return exc
+
+
+@pytest.mark.parametrize("name", ["SQLITE_FULL", "SQLITE_IOERR_WRITE", "SQLITE_IOERR"])
+def test_a_full_disk_or_an_io_error_of_sqlite_is_an_os_error_naming_the_database(tmp_path, name):
+    from embedingest.index.store import _sqlite_error
+
+    path = tmp_path / "units.sqlite"
+    if name == "SQLITE_FULL":
+        exc = _sqlite_exc("database or disk is full", name, 13)
+        errno_, text = errno.ENOSPC, "No space left on device (sqlite: database or disk is full)"
+    else:
+        exc = _sqlite_exc("disk I/O error", name, 778 if name != "SQLITE_IOERR" else 10)
+        errno_, text = errno.EIO, "I/O error (sqlite: disk I/O error)"
+    out = _sqlite_error(exc, path)
+    assert type(out) is OSError
+    assert (out.errno, out.strerror, out.filename) == (errno_, text, str(path))
+    assert str(out) == f"[Errno {errno_}] {text}: {str(path)!r}"
+
+
+@pytest.mark.parametrize("name", ["SQLITE_CORRUPT", "SQLITE_CORRUPT_INDEX", "SQLITE_NOTADB"])
+def test_a_damaged_database_is_a_config_error_naming_it_and_the_fix(tmp_path, name):
+    from embedingest.index.store import _sqlite_error
+
+    path = tmp_path / "units.sqlite"
+    out = _sqlite_error(_sqlite_exc("database disk image is malformed", name, 11), path)
+    assert type(out) is ConfigError
+    assert str(out) == (f"cannot read {str(path)!r} (database disk image is malformed): the index's "
+                        "metadata is damaged; rebuild the index with --overwrite")
+
+
+def test_a_database_without_the_units_table_is_damaged_and_other_errors_name_the_database(tmp_path):
+    from embedingest.index.store import _sqlite_error
+
+    path = tmp_path / "units.sqlite"
+    db = sqlite3.connect(":memory:")
+    with pytest.raises(sqlite3.Error) as no_table:  # sqlite's own: SQLITE_ERROR
+        db.execute("SELECT * FROM units")
+    with pytest.raises(sqlite3.Error) as syntax:
+        db.execute("SELEC 1")
+    db.close()
+    with pytest.raises(sqlite3.Error) as closed:  # raised by Python's module: no sqlite_errorname
+        db.execute("SELECT 1")
+    assert no_table.value.sqlite_errorname == "SQLITE_ERROR"
+    assert not hasattr(closed.value, "sqlite_errorname")
+
+    out = _sqlite_error(no_table.value, path)
+    assert type(out) is ConfigError
+    assert str(out) == (f"cannot read {str(path)!r} (no such table: units): the index's metadata is "
+                        "damaged; rebuild the index with --overwrite")
+    for exc in (syntax.value, closed.value, _sqlite_exc("database is locked", "SQLITE_BUSY", 5)):
+        out = _sqlite_error(exc, path)
+        assert type(out) is EmbedingestError
+        assert str(out) == f"metadata database {str(path)!r}: {exc}"
