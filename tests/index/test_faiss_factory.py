@@ -79,3 +79,43 @@ def test_as_float32_of_each_dtype():
     assert as_float32(x[:, ::2]).flags.c_contiguous
     with pytest.raises(ConfigError, match="^embeddings of dtype int8 cannot be indexed; send float32"):
         as_float32(np.zeros((2, 3), np.int8))
+
+
+# -- what mutation testing found unchecked (docs/TESTING.md) ---------------------------
+
+
+def test_faiss_s_own_words_are_in_the_messages_of_a_bad_factory_and_a_damaged_file(tmp_path):
+    with pytest.raises(RuntimeError) as faiss_err:  # faiss's words vary with its version
+        faiss.index_factory(DIM, "Nonsense")
+    said = faiss_message(faiss_err.value)
+    assert "Nonsense" in said  # e.g. "could not parse index string Nonsense"
+    with pytest.raises(ConfigError) as err:
+        parse_factory(DIM, "Nonsense", "ip")
+    assert str(err.value) == (f"faiss cannot build index factory 'Nonsense' for dim 16: {said}; see "
+                              "faiss's index_factory strings (e.g. Flat, IVF1024,Flat, HNSW32)")
+    path = tmp_path / "x.faiss"
+    path.write_bytes(b"garbage" * 10)
+    with pytest.raises(RuntimeError) as faiss_err:
+        faiss.read_index(str(path))
+    said = faiss_message(faiss_err.value)
+    assert said and said != "None" and "index_read" not in said  # e.g. 'Index type 0x62726167 ("garb") not recognized'
+    with pytest.raises(ConfigError) as err:
+        read_index_file(path, redo="redo it")
+    assert str(err.value) == f"cannot read {str(path)!r} ({said}): the file is damaged; redo it"
+
+
+def test_an_untrained_factory_s_refusal_says_how_to_train_it():
+    with pytest.raises(ConfigError) as err:
+        empty_index(DIM, "IVF4,Flat", "ip")
+    assert str(err.value) == ("index factory 'IVF4,Flat' needs training: train it on a sample with "
+                              "IndexStore.train_index and pass the trained index path")
+
+
+def test_as_float32_always_gives_float32():
+    x = unit_vectors(4)
+    half = as_float32(x.astype(np.float16))
+    assert half.dtype == np.float32 and half.flags.c_contiguous
+    bits = (x.view(np.uint32) >> 16).astype(np.uint16)
+    bf16 = as_float32(bits)
+    assert bf16.dtype == np.float32
+    np.testing.assert_allclose(bf16, x, rtol=2 ** -7)  # bfloat16 keeps 8 bits of mantissa
