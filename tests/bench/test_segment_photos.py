@@ -36,14 +36,20 @@ def test_made_photographs_have_their_sizes(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_benchmark_runs_on_cpu_at_a_tiny_size(tmp_path):
+def test_the_benchmark_runs_on_cpu_at_a_tiny_size(tmp_path, monkeypatch):
     from embedingest.cli import main
+    from embedingest.stages import fused_argmax
 
+    compiles = []
+    monkeypatch.setattr(fused_argmax, "compile_ahead", lambda *args: compiles.append(args) or False)
     result = CliRunner().invoke(main, ["bench", "segmentation", "--photos", "12", "--photo-sides", "48,96",
                                        "--size", "32", "--arch", "lraspp_mobilenet_v3_large",
                                        "--device", "cpu", "--batch-size", "4",
                                        "--json", str(tmp_path / "r.json")])
     assert result.exit_code == 0, result.output
+    # only the timed job starts the masks kernel's compile: one the warm-up started could
+    # still run when the timed job forks its decoders, which then wait for it
+    assert len(compiles) == 1
     assert "| segment job, end to end (the call) | 12 |" in result.output
     out = json.loads((tmp_path / "r.json").read_text())["result"]
     assert out["job"]["images"] == out["forward_alone"]["images"] == out["forward_alone_by_shape"]["images"] == 12
@@ -60,6 +66,19 @@ def test_the_benchmark_runs_on_cpu_at_a_tiny_size(tmp_path):
     assert masked["images"] == 12 and masked["masks"] is True and alone["masks"] is False
     assert "| forward and masks alone (the job's batches in its order" in result.output
     assert out["job_vs_forward_and_masks"] == pytest.approx(out["job"]["images_per_s"] / masked["images_per_s"])
+
+
+def test_the_warm_up_is_the_timed_job_with_masks_at_the_model_s_size(tmp_path):
+    from embedingest.bench.segment_photos import warm_up_config
+    from embedingest.jobs.segment import SegmentConfig
+
+    job = SegmentConfig(images=str(tmp_path / "photos"), out=str(tmp_path / "masks"), batch_size=8,
+                        num_consumers=3, dtype="fp16", resize="short", size=400)
+    warm = warm_up_config(job, tmp_path / "warm", tmp_path / "warm-out")
+    assert warm.upsample_max_pixels == 0 and job.upsample_max_pixels == 40_000_000
+    assert (warm.images, warm.out) == (str(tmp_path / "warm"), str(tmp_path / "warm-out"))
+    rest = {k: v for k, v in vars(job).items() if k not in ("images", "out", "upsample_max_pixels")}
+    assert rest == {k: v for k, v in vars(warm).items() if k in rest}
 
 
 def test_the_calls_recorded_replay_the_jobs_masks(monkeypatch):
