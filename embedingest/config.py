@@ -199,6 +199,11 @@ class SegmentConfig:
     num_workers: int = setting(
         -1, "DataLoader worker processes decoding images (0: decode in the main process; -1: the "
             "usable cores but two, shared between device processes, and no more than the batches).")
+    decode_ahead: int = setting(
+        4, "Chunks of images each decoding worker decodes ahead of the GPU (a chunk is a quarter "
+           "batch with --resize short, a batch with fit). Batches go to the GPU in order, so "
+           "one slow chunk (large PNGs) would idle the other workers if they could not go on; "
+           "each chunk ahead holds its decoded images in memory.")
     num_consumers: int = setting(
         4, "Engine consumer processes writing masks (PNG encoding is their main cost).")
     num_slots: int = setting(0, "Engine host slots; 0 is twice the consumers.")
@@ -227,6 +232,7 @@ class SegmentConfig:
              f"upsample_max_pixels={self.upsample_max_pixels}: must be 0 (never) or more"),
             (self.batch_size >= 1, f"batch_size={self.batch_size}: must be at least 1"),
             (self.num_workers >= -1, f"num_workers={self.num_workers}: must be -1 (auto), 0 or more"),
+            (self.decode_ahead >= 1, f"decode_ahead={self.decode_ahead}: must be at least 1"),
             (self.num_consumers >= 1, f"num_consumers={self.num_consumers}: must be at least 1"),
             (self.num_slots >= 0, f"num_slots={self.num_slots}: must be 0 (auto) or more"),
             (self.max_pixels >= 0, f"max_pixels={self.max_pixels}: must be 0 (no limit) or more"),

@@ -258,6 +258,8 @@ def test_config_errors(tmp_path, weights, monkeypatch):
         segment(config(tmp_path, tmp_path / "o", weights, dtype="half"))
     with pytest.raises(ConfigError, match="num_workers=-2"):
         segment(config(tmp_path, tmp_path / "o", weights, num_workers=-2))
+    with pytest.raises(ConfigError, match="decode_ahead=0: must be at least 1"):
+        segment(config(tmp_path, tmp_path / "o", weights, decode_ahead=0))
     with pytest.raises(ConfigError, match="is the input folder"):
         segment(config(tmp_path, tmp_path, weights))
     assert not (tmp_path / "skipped.jsonl").exists()
@@ -279,6 +281,21 @@ def test_weights_that_fail_stop_the_decoders_started_before_them(tmp_path, monke
     with pytest.raises(ConfigError, match="do not fit deeplabv3_resnet50 with 3 classes"):
         segment(SegmentConfig(**base, weights=str(tmp_path / "wrong.pt")), progress=False)
     assert not (tmp_path / "o" / "labels.json").exists()
+
+
+@pytest.mark.parametrize("workers, ahead, expected", [(2, 7, 7), (1, 4, 4), (0, 7, None)])
+def test_each_decoder_decodes_decode_ahead_chunks_ahead(tmp_path, workers, ahead, expected):
+    """Batches reach the GPU in order: a worker that may hold only DataLoader's default two
+    chunks waits, idle, behind a slow one; ``decode_ahead`` is what it may hold (none
+    without workers: DataLoader refuses a prefetch in the main process)."""
+    from embedingest.jobs.segment.run import _decoders
+    from embedingest.sources.image_decode import Preprocessing
+
+    cfg = SegmentConfig(images=str(tmp_path), out=str(tmp_path / "o"), decode_ahead=ahead)
+    headers, _, loader = _decoders(cfg, torch.device("cpu"), [("a.png", str(tmp_path / "a.png"))],
+                                   Preprocessing(), workers)
+    assert loader.prefetch_factor == expected and loader.num_workers == workers
+    assert SegmentConfig().decode_ahead == 4
 
 
 def test_preset_holds_the_defaults():

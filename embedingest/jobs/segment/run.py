@@ -77,7 +77,7 @@ def _decoders(config: SegmentConfig, device: torch.device, todo: list[tuple[str,
     sampler = ShapeBatchSampler(todo, prep, config.batch_size, read_sizes=headers)
     loader = WorkerLoader(
         ImageFileDataset(todo, prep, config.max_pixels or None), batch_sampler=sampler,
-        num_workers=workers,
+        num_workers=workers, prefetch_factor=config.decode_ahead if workers else None,
         collate_fn=functools.partial(collate_images, resize=config.resize),
         pin_memory=device.type == "cuda",
         persistent_workers=False, worker_init_fn=functools.partial(exit_with_parent, os.getpid()),
