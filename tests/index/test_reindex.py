@@ -1,18 +1,21 @@
 """reindex: another faiss factory from the saved embeddings, switched by the manifest."""
 
 import json
+import logging
 import os
+import shutil
 
 import faiss
 import numpy as np
 import pytest
 from s3_fixtures import s3, s3_endpoint  # noqa: F401 (fixtures)
-from shard_fixtures import build_shards, unit_vectors
+from shard_fixtures import DIM, build_shards, unit_vectors
 
 import embedingest.index.reindex as reindex_mod
 from embedingest.errors import ConfigError
 from embedingest.index.reindex import reindex
-from embedingest.index.shards import clean_shards, list_shards
+from embedingest.index.shards import EMB_SUFFIX, clean_shards, list_shards
+from embedingest.outfiles import write_faiss_index
 
 
 def search_all(folder, generation, queries, k, params=None):
@@ -75,9 +78,12 @@ def test_an_index_without_embeddings_is_refused_with_the_rebuild_command(tmp_pat
     build_shards(folder, n_units=2, chunks=3, workers=1, save_embeddings=False)
     with pytest.raises(ConfigError) as err:
         reindex(folder, "HNSW16")
-    assert "built without --save-embeddings" in str(err.value)
-    assert str(err.value).endswith(f"embedingest build-index /data/corpus --out {folder} --model test-model "
-                                   "--index HNSW16 --save-embeddings --overwrite")
+    shards = [s for s in list_shards(folder / "shards") if s.rows]
+    assert str(err.value) == (
+        f"the index at {str(folder)!r} kept no embeddings for {len(shards)} of its {len(shards)} shards "
+        f"(e.g. {shards[0].name}): it was built without --save-embeddings, so it cannot be reindexed "
+        f"without the model; rebuild it with:\n  embedingest build-index /data/corpus --out {folder} "
+        "--model test-model --index HNSW16 --save-embeddings --overwrite")
 
 
 def test_bad_factories_and_parameters_are_config_errors(tmp_path):
@@ -85,9 +91,28 @@ def test_bad_factories_and_parameters_are_config_errors(tmp_path):
     build_shards(folder, n_units=2, chunks=3, workers=1)
     with pytest.raises(ConfigError, match="faiss cannot build index factory 'Nope'"):
         reindex(folder, "Nope")
-    with pytest.raises(ConfigError, match="search parameters 'nprobe=3' do not apply to the new factory"):
+    with pytest.raises(ConfigError) as err:
         reindex(folder, "HNSW8", search_params="nprobe=3")
+    assert str(err.value) == (f"search parameters 'nprobe=3' do not apply to the new factory: "
+                              f"{faiss_refusal('HNSW8', 'nprobe=3')}; nprobe is for IVF factories, efSearch "
+                              "for HNSW")
+    with pytest.raises(ConfigError) as err:  # 6 vectors for 16 lists
+        reindex(folder, "IVF16,Flat")
+    assert str(err.value) == (f"cannot train 'IVF16,Flat' on 6 vectors: {faiss_refusal('IVF16,Flat', n=6)}; "
+                              "use fewer lists, or a larger index")
     assert json.loads((folder / "manifest.json").read_text())["generation"] == 0
+
+
+def faiss_refusal(factory, params=None, n=None):
+    """The first line of faiss's own error (its words vary with its version): setting
+    ``params`` on an empty ``factory`` index, or training one on ``n`` vectors."""
+    index = faiss.index_factory(DIM, factory, faiss.METRIC_INNER_PRODUCT)
+    with pytest.raises(RuntimeError) as err:
+        if params:
+            faiss.ParameterSpace().set_index_parameters(faiss.IndexIDMap(index), params)
+        else:
+            index.train(unit_vectors(n))
+    return str(err.value).splitlines()[0]
 
 
 def test_training_samples_spread_over_every_shard():
@@ -98,11 +123,92 @@ def test_training_samples_spread_over_every_shard():
     assert reindex_mod._sample(embs, 1000, 0).shape == (100, 2)
 
 
+def test_training_samples_are_distinct_vectors_drawn_with_the_seed():
+    """Without replacement (a sample as large as the index is every vector, in order), and
+    seeded (the same seed draws the same vectors, another seed others)."""
+    embs = [np.arange(60, dtype=np.float16).reshape(30, 2), np.arange(60, 200, dtype=np.float16).reshape(70, 2)]
+    assert np.array_equal(reindex_mod._sample(embs, 100, seed=5), np.concatenate(embs))
+    one = reindex_mod._sample(embs, 40, seed=1)
+    assert len(np.unique(one[:, 0])) == 40
+    assert np.array_equal(reindex_mod._sample(embs, 40, seed=1), one)
+    assert not np.array_equal(reindex_mod._sample(embs, 40, seed=2), one)
+
+
+def test_an_index_without_vectors_has_nothing_to_train_on():
+    with pytest.raises(ConfigError) as err:
+        reindex_mod._sample([np.zeros((0, 2), np.float16)], 10, 0)
+    assert str(err.value) == "the index holds no vectors to train on"
+    assert np.array_equal(reindex_mod._sample([np.ones((1, 2), np.float16)], 10, 0), [[1, 1]])
+
+
+def test_stored_search_parameters_stay_where_they_apply_and_go_with_a_warning_elsewhere(tmp_path, caplog):
+    """``search_params=None`` keeps the stored ones for another IVF factory and drops them,
+    saying so, for HNSW; each reindex logs what it did."""
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=4, chunks=25, commit_every=60, workers=1)
+    first = reindex(folder, "IVF4,Flat", train_size=100, search_params="nprobe=2")
+    caplog.set_level(logging.INFO, logger="embedingest")
+    caplog.clear()
+    again = reindex(folder, "IVF8,Flat", train_size=100)
+    assert again["search_params"] == "nprobe=2"
+    assert json.loads((folder / "manifest.json").read_text())["search"] == {"params": "nprobe=2"}
+    assert caplog.messages == [f"reindexed {folder}: IVF4,Flat (generation 1) -> IVF8,Flat (generation 2); "
+                               f"{first['shards']} old files deleted"]  # each shard's .g1 vectors
+    caplog.clear()
+    last = reindex(folder, "HNSW8")
+    assert last["search_params"] is None
+    assert "params" not in json.loads((folder / "manifest.json").read_text())["search"]
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.WARNING, "the stored search parameters 'nprobe=2' do not apply to the new factory: dropped"),
+        (logging.INFO, f"reindexed {folder}: IVF8,Flat (generation 2) -> HNSW8 (generation 3); "
+                       f"{last['shards']} old files deleted")]
+
+
+def test_the_old_trained_file_goes_and_the_new_one_is_the_shards_own(tmp_path):
+    """A build's ``trained.faiss`` (generation 0) is deleted by the reindex that replaces
+    it; the new ``trained.g1.faiss`` is the empty index the shards were cloned from (a later
+    build adds to it), and the same index reindexed twice is trained alike (seeded)."""
+    folder = tmp_path / "ix"
+    folder.mkdir()
+    template = faiss.index_factory(DIM, "IVF4,Flat", faiss.METRIC_INNER_PRODUCT)
+    template.train(unit_vectors(300, seed=5))
+    write_faiss_index(template, folder / "trained.faiss")  # where a build keeps it
+    build_shards(folder, n_units=4, chunks=25, commit_every=60, workers=1, factory="IVF4,Flat",
+                 trained=str(folder / "trained.faiss"))
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    summary = reindex(folder, "IVF2,Flat", train_size=60)
+    assert summary["trained"] and not (folder / "trained.faiss").exists()
+    trained = faiss.read_index(str(folder / "trained.g1.faiss"))
+    assert (type(faiss.downcast_index(trained)).__name__, trained.is_trained, trained.ntotal) == ("IndexIVFFlat",
+                                                                                                 True, 0)
+    centroids = faiss.extract_index_ivf(trained).quantizer.reconstruct_n()
+    indexes = [faiss.read_index(str(s.faiss_path(1))) for s in list_shards(folder / "shards", generation=1)]
+    assert indexes and all(np.array_equal(faiss.extract_index_ivf(index).quantizer.reconstruct_n(), centroids)
+                           for index in indexes)
+    reindex(copy, "IVF2,Flat", train_size=60)
+    assert (copy / "trained.g1.faiss").read_bytes() == (folder / "trained.g1.faiss").read_bytes()
+
+
+def test_the_saved_embeddings_are_mapped_not_read_whole(tmp_path, monkeypatch):
+    """An index's embeddings may not fit in memory: each shard's file is memory-mapped."""
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=2, chunks=25, commit_every=60, workers=1)
+    loads = []
+    real = np.load
+
+    def spy(path, *args, **kwargs):
+        loads.append((os.path.basename(path), kwargs.get("mmap_mode")))
+        return real(path, *args, **kwargs)
+    monkeypatch.setattr(np, "load", spy)
+    reindex(folder, "HNSW8")
+    shards = [s.name for s in list_shards(folder / "shards", generation=1) if s.rows]
+    assert sorted(loads) == sorted((f"{name}{EMB_SUFFIX}", "r") for name in shards)
+
+
 def test_an_index_in_object_storage_is_reindexed_as_the_same_index_on_disk(s3, tmp_path):
     """reindex s3://... (twice: the second reads the first's .g1 vectors) and export
     s3://... give what they give on disk; the bucket keeps no old vectors and no lease."""
-    import shutil
-
     import pyarrow.parquet as pq
 
     from embedingest.index.export import export_index
@@ -124,9 +230,11 @@ def test_an_index_in_object_storage_is_reindexed_as_the_same_index_on_disk(s3, t
             return [[(h.id, round(h.score, 5), h.text) for h in row] for row in index.search_vectors(q, k=7)]
 
     for factory, params in (("IVF4,Flat", "nprobe=4"), ("Flat", "")):
-        want = reindex(local, factory, train_size=150, search_params=params)
-        got = reindex(url, factory, train_size=150, search_params=params)
+        want = reindex(local, factory, train_size=150, search_params=params, seed=3)
+        got = reindex(url, factory, train_size=150, search_params=params, seed=3)
         assert got == want | {"index": url}
+        if want["trained"]:  # the same 150 of the 200 vectors (train_size and seed passed on)
+            assert s3.fs.cat(f"{s3.name}/idx/ix/trained.g1.faiss") == (local / "trained.g1.faiss").read_bytes()
         assert hits(url) == hits(local)
     names = set(s3.fs.ls(f"{s3.name}/idx/ix/shards", refresh=True))
     vectors = sorted(n.rsplit("/", 1)[-1] for n in names if n.endswith(".faiss"))
