@@ -221,6 +221,10 @@ def test_a_lock_file_that_is_a_link_or_no_file_is_refused_never_written(tmp_path
         with RunLock(folder):
             pass
     else:
-        with pytest.raises(ConfigError, match=rf"{name}' is .*not a lock file embedingest made"):
+        with pytest.raises(ConfigError) as err:
             RunLock(folder).__enter__()
+        what = {"symlink": "a symbolic link", "hardlink": "a file with other hard links",
+                "fifo": "not a regular file"}[kind]  # the message says which, so the user knows why
+        assert str(err.value) == (f"{str(folder / name)!r} is {what}, not a lock file embedingest made; "
+                                  "it is not opened for writing: delete it and run again")
     assert victim.read_text() == "not yours"
