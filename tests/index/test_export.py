@@ -57,3 +57,12 @@ def test_export_after_a_reindex(tmp_path):
     build_shards(tmp_path / "ix", n_units=2, chunks=3, workers=1)
     reindex(tmp_path / "ix", "HNSW8")
     assert export_index(tmp_path / "ix", tmp_path / "out")["rows"] == 6
+
+
+def test_export_to_a_url_is_refused_with_how_to_copy_it(tmp_path):
+    """export writes a local folder only; the refusal says how to get it into the bucket
+    (checked before the index is read: no bucket is needed)."""
+    with pytest.raises(ConfigError) as err:
+        export_index(tmp_path / "ix", "s3://bucket/out")
+    assert str(err.value) == ("export writes a local folder, not 's3://bucket/out': export to a folder, "
+                              "then copy it (e.g. aws s3 sync FOLDER URL)")
