@@ -66,3 +66,17 @@ def test_export_to_a_url_is_refused_with_how_to_copy_it(tmp_path):
         export_index(tmp_path / "ix", "s3://bucket/out")
     assert str(err.value) == ("export writes a local folder, not 's3://bucket/out': export to a folder, "
                               "then copy it (e.g. aws s3 sync FOLDER URL)")
+
+
+def test_export_names_a_folder_without_an_index_and_an_export_folder_inside_it(tmp_path):
+    """Both refusals name the folders (checked before any shard is read)."""
+    with pytest.raises(ConfigError) as err:
+        export_index(tmp_path / "nothing", tmp_path / "out")
+    assert str(err.value) == f"{str(tmp_path / 'nothing')!r} is not an embedingest index (no manifest.json)"
+    (tmp_path / "ix").mkdir()
+    (tmp_path / "ix" / "manifest.json").write_text('{"format": 2}')
+    for to in (tmp_path / "ix", tmp_path / "ix" / "x" / "y"):
+        with pytest.raises(ConfigError) as err:
+            export_index(tmp_path / "ix", to)
+        assert str(err.value) == (f"export folder {str(to)!r} is inside the index {str(tmp_path / 'ix')!r}: "
+                                  "choose a folder outside it")
