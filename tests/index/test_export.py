@@ -8,6 +8,7 @@ from shard_fixtures import DIM, build_shards
 
 from embedingest.errors import ConfigError
 from embedingest.index.export import export_index
+from embedingest.index.shards import list_shards
 
 
 def test_export_writes_every_row_with_its_embedding(tmp_path):
@@ -35,8 +36,21 @@ def test_export_without_saved_embeddings(tmp_path):
     build_shards(tmp_path / "ix", n_units=2, chunks=3, workers=1, save_embeddings=False)
     assert export_index(tmp_path / "ix", tmp_path / "out")["embeddings"] is False
     assert "embedding" not in pd.read_parquet(tmp_path / "out").columns
-    with pytest.raises(ConfigError, match="kept no embeddings .* built without --save-embeddings"):
+    with pytest.raises(ConfigError) as err:
         export_index(tmp_path / "ix", tmp_path / "out2", embeddings=True)
+    assert str(err.value) == (f"the index at {str(tmp_path / 'ix')!r} kept no embeddings (it was built "
+                              "without --save-embeddings): export without them, or rebuild the index "
+                              "with --save-embeddings")
+    assert export_index(tmp_path / "ix", tmp_path / "out3", embeddings=False)["embeddings"] is False
+
+
+def test_export_with_or_without_the_embeddings_an_index_kept(tmp_path):
+    """embeddings=True or False is what the caller asked for, when the index kept them."""
+    build_shards(tmp_path / "ix", n_units=2, chunks=3, workers=1)
+    assert export_index(tmp_path / "ix", tmp_path / "with", embeddings=True)["embeddings"] is True
+    assert "embedding" in pd.read_parquet(tmp_path / "with").columns
+    assert export_index(tmp_path / "ix", tmp_path / "without", embeddings=False)["embeddings"] is False
+    assert "embedding" not in pd.read_parquet(tmp_path / "without").columns
 
 
 def test_export_refuses_a_full_folder_and_one_inside_the_index(tmp_path):
@@ -45,8 +59,14 @@ def test_export_refuses_a_full_folder_and_one_inside_the_index(tmp_path):
     (tmp_path / "out" / "mine.txt").write_text("keep")
     with pytest.raises(ConfigError, match="is not empty: choose a new folder or pass --overwrite"):
         export_index(tmp_path / "ix", tmp_path / "out")
-    export_index(tmp_path / "ix", tmp_path / "out", overwrite=True)
+    (tmp_path / "out" / "shard-of-an-older-export.parquet").write_bytes(b"old")
+    (tmp_path / "out" / "_SUCCESS").write_bytes(b"old")
+    summary = export_index(tmp_path / "ix", tmp_path / "out", overwrite=True)
+    # the older export's Parquet files go (a dataset reader would read them too); others stay
     assert (tmp_path / "out" / "mine.txt").read_text() == "keep"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
+        ["mine.txt", "_SUCCESS"] + [f"{s.name}.parquet" for s in list_shards(tmp_path / "ix" / "shards") if s.rows])
+    assert summary["files"] == 1 and (tmp_path / "out" / "_SUCCESS").read_bytes() == b""
     with pytest.raises(ConfigError, match="is inside the index"):
         export_index(tmp_path / "ix", tmp_path / "ix" / "x")
 
