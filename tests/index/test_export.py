@@ -8,7 +8,7 @@ from shard_fixtures import DIM, build_shards
 
 from embedingest.errors import ConfigError
 from embedingest.index.export import export_index
-from embedingest.index.shards import list_shards
+from embedingest.index.shards import EMB_SUFFIX, list_shards
 
 
 def test_export_writes_every_row_with_its_embedding(tmp_path):
@@ -57,8 +57,10 @@ def test_export_refuses_a_full_folder_and_one_inside_the_index(tmp_path):
     build_shards(tmp_path / "ix", n_units=1, chunks=3, workers=1)
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "mine.txt").write_text("keep")
-    with pytest.raises(ConfigError, match="is not empty: choose a new folder or pass --overwrite"):
+    with pytest.raises(ConfigError) as err:
         export_index(tmp_path / "ix", tmp_path / "out")
+    assert str(err.value) == (f"export folder {str(tmp_path / 'out')!r} is not empty: choose a new folder or "
+                              "pass --overwrite")
     (tmp_path / "out" / "shard-of-an-older-export.parquet").write_bytes(b"old")
     (tmp_path / "out" / "_SUCCESS").write_bytes(b"old")
     summary = export_index(tmp_path / "ix", tmp_path / "out", overwrite=True)
@@ -100,3 +102,52 @@ def test_export_names_a_folder_without_an_index_and_an_export_folder_inside_it(t
             export_index(tmp_path / "ix", to)
         assert str(err.value) == (f"export folder {str(to)!r} is inside the index {str(tmp_path / 'ix')!r}: "
                                   "choose a folder outside it")
+
+
+def test_export_files_are_zstd_in_row_groups_of_row_group_rows_and_made_durable(tmp_path, monkeypatch):
+    """Large zstd row groups (for scans), and ``_SUCCESS`` renamed last with the folder
+    fsynced after it: a reader that sees ``_SUCCESS`` after a power cut sees every file."""
+    import embedingest.index.export as export
+    import embedingest.outfiles as outfiles
+
+    build_shards(tmp_path / "ix", n_units=2, chunks=5, workers=1)
+    monkeypatch.setattr(export, "ROW_GROUP_ROWS", 4)
+    synced = []
+    real = outfiles.fsync_dir
+    monkeypatch.setattr(outfiles, "fsync_dir", lambda folder: (synced.append(
+        (folder, sorted(p.name for p in folder.iterdir()))), real(folder)))
+    export_index(tmp_path / "ix", tmp_path / "out")
+    (path,) = (tmp_path / "out").glob("*.parquet")
+    meta = pq.ParquetFile(path).metadata
+    assert [meta.row_group(i).num_rows for i in range(meta.num_row_groups)] == [4, 4, 2]
+    assert {meta.row_group(0).column(c).compression for c in range(meta.num_columns)} == {"ZSTD"}
+    assert synced[-1] == (tmp_path / "out", sorted(["_SUCCESS", path.name]))
+
+
+def test_export_of_a_shard_with_other_vectors_than_rows_names_it(tmp_path):
+    """A vectors file of the committed size but another shape (6 half-width vectors for
+    3 rows) is refused by name, not exported beside the wrong rows."""
+    build_shards(tmp_path / "ix", n_units=1, chunks=3, workers=1)
+    (shard,) = [s for s in list_shards(tmp_path / "ix" / "shards") if s.rows]
+    emb = shard.folder / f"{shard.name}{EMB_SUFFIX}"
+    size = emb.stat().st_size
+    with open(emb, "wb") as fh:
+        np.save(fh, np.zeros((6, DIM // 2), np.float16))
+    assert emb.stat().st_size == size
+    with pytest.raises(ConfigError) as err:
+        export_index(tmp_path / "ix", tmp_path / "out")
+    assert str(err.value) == (f"{shard.name}{EMB_SUFFIX} holds 6 vectors for 3 rows: the shard is damaged; "
+                              "rebuild the index")
+
+
+def test_export_overwrite_never_removes_through_a_link(tmp_path):
+    """An older export's file that is a symbolic link is refused, not deleted (nor its target)."""
+    build_shards(tmp_path / "ix", n_units=1, chunks=3, workers=1)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "elsewhere.parquet").write_bytes(b"theirs")
+    (tmp_path / "out" / "a.parquet").symlink_to(tmp_path / "elsewhere.parquet")
+    with pytest.raises(ConfigError) as err:
+        export_index(tmp_path / "ix", tmp_path / "out", overwrite=True)
+    assert str(err.value) == (f"{str(tmp_path / 'out' / 'a.parquet')!r} is a symbolic link; embedingest never "
+                              "writes through links in its folders: remove the link (or use another folder)")
+    assert (tmp_path / "out" / "a.parquet").is_symlink() and (tmp_path / "elsewhere.parquet").read_bytes() == b"theirs"
