@@ -3,6 +3,7 @@ hits as the same index on disk, the vectors downloaded once into the cache and c
 against their commit records, the rows read by range, and damaged or missing objects
 named."""
 
+import hashlib
 import json
 
 import pytest
@@ -72,9 +73,13 @@ def test_a_tampered_vector_file_is_named(s3, tmp_path):
     data[-20] ^= 0xFF  # same size, other bytes
     url = s3.upload(tmp_path / "ix", "ix")
     s3.put(f"ix/shards/{path.name}", bytes(data))
-    with pytest.raises(ConfigError, match=f"shard {shard.name} of {url} is damaged: its faiss object "
-                                          f"'{path.name}' does not hold the bytes that were committed"):
+    with pytest.raises(ConfigError) as err:
         open_index(url, cache_dir=tmp_path / "cache")
+    assert str(err.value) == (
+        f"shard {shard.name} of {url} is damaged: its faiss object '{path.name}' does not hold the bytes "
+        f"that were committed (sha256 {hashlib.sha256(data).hexdigest()}, not {shard.files['faiss']['sha256']}); "
+        f"delete that shard's objects ({url}/shards/{shard.name}.*) and run the same build-index command "
+        "again: the units it held are redone")
     assert not list((tmp_path / "cache" / OBJECTS_DIR).glob(f"{shard.files['faiss']['sha256']}*"))
 
 
@@ -236,3 +241,43 @@ def test_eviction_passes_over_the_files_another_open_index_uses(s3, tmp_path):
     with open_index(url_b, cache_dir=cache, cache_size=1e-9):
         pass
     assert cached(cache) == {}  # none in use: all went
+
+
+def test_unlink_unused_deletes_only_a_cached_file_no_index_holds(tmp_path):
+    """True only when it deleted the file: a missing file, a link (never followed), a file
+    an open index holds (its shared flock) and one it cannot delete are all left as they are."""
+    import fcntl
+    import os
+
+    from embedingest.index.cache import _unlink_unused
+
+    free, held, target = tmp_path / "a.faiss", tmp_path / "b.faiss", tmp_path / "target"
+    for path in (free, held, target):
+        path.write_bytes(b"v")
+    (tmp_path / "link.faiss").symlink_to(target)
+    (tmp_path / "dir.faiss").mkdir()
+    fd = os.open(held, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    try:
+        assert _unlink_unused(tmp_path / "missing.faiss") is False
+        assert _unlink_unused(tmp_path / "link.faiss") is False
+        assert _unlink_unused(held) is False
+        assert _unlink_unused(tmp_path / "dir.faiss") is False  # unlink fails: not deleted
+        assert _unlink_unused(free) is True
+    finally:
+        os.close(fd)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.faiss", "dir.faiss", "link.faiss", "target"]
+    assert target.read_bytes() == b"v" and (tmp_path / "link.faiss").is_symlink()
+
+
+def test_a_parquet_object_of_the_committed_size_that_is_not_parquet_is_named_by_its_url(s3, tmp_path):
+    local_index(tmp_path / "ix")
+    shard = [s for s in list_shards(tmp_path / "ix" / "shards") if s.rows][0]
+    name = shard.files["parquet"]["name"]
+    url = s3.upload(tmp_path / "ix", "ix")
+    s3.put(f"ix/shards/{name}", b"x" * shard.files["parquet"]["size"])
+    with pytest.raises(ConfigError) as err:
+        open_index(url, cache_dir=tmp_path / "cache")
+    assert str(err.value).startswith(f"cannot read '{url}/shards/{name}' (")
+    assert str(err.value).endswith(f"): the shard is damaged; delete its files ({shard.name}.*) and run "
+                                   "build-index again to redo the units it held")
