@@ -281,3 +281,54 @@ def test_a_parquet_object_of_the_committed_size_that_is_not_parquet_is_named_by_
     assert str(err.value).startswith(f"cannot read '{url}/shards/{name}' (")
     assert str(err.value).endswith(f"): the shard is damaged; delete its files ({shard.name}.*) and run "
                                    "build-index again to redo the units it held")
+
+
+def test_a_cached_vectors_file_is_used_again_only_when_whole_and_a_reindexed_one_too(s3, tmp_path):
+    """A cached file cut short (a full disk, a copy stopped) is downloaded again, not
+    handed to faiss; the vectors of a reindexed index (in no commit record, so no sha256)
+    are kept too and not downloaded at every open."""
+    from embedingest.index.reindex import reindex
+
+    for name, again in (("ix", False), ("re", True)):
+        local_index(tmp_path / name)
+        if again:
+            reindex(tmp_path / name, "HNSW8")  # generation 1: vectors files of other sizes
+        url = s3.upload(tmp_path / name, name)
+        cache = tmp_path / f"cache-{name}"
+        q = unit_vectors(3, seed=2)
+        with open_index(tmp_path / name) as local:
+            want = hits_of(local, q)
+        with open_index(url, cache_dir=cache) as index:
+            assert hits_of(index, q) == want
+        before = {p.name: (p.stat().st_ino, p.stat().st_size) for p in (cache / OBJECTS_DIR).iterdir()}
+        with open_index(url, cache_dir=cache) as index:  # nothing downloaded again
+            assert hits_of(index, q) == want
+        assert {p.name: (p.stat().st_ino, p.stat().st_size) for p in (cache / OBJECTS_DIR).iterdir()} == before
+        if not again:
+            cut = sorted(before)[0]
+            with open(cache / OBJECTS_DIR / cut, "r+b") as fh:
+                fh.truncate(before[cut][1] - 7)
+            with open_index(url, cache_dir=cache) as index:
+                assert hits_of(index, q) == want
+            assert (cache / OBJECTS_DIR / cut).stat().st_size == before[cut][1]  # downloaded whole again
+
+
+def test_a_parquet_object_is_read_by_the_ranges_asked_not_in_blocks(s3, tmp_path, monkeypatch):
+    """Rows are read by range: a read of a few bytes fetches those bytes, not a block
+    (s3fs's default read-ahead fetches 50 MiB, the whole object of any shard but a huge one)."""
+    import s3fs
+
+    from embedingest.index.cache import RemoteShards
+
+    local_index(tmp_path / "ix")
+    url = s3.upload(tmp_path / "ix", "ix")
+    fetched = []
+    real = s3fs.core.S3File._fetch_range
+    monkeypatch.setattr(s3fs.core.S3File, "_fetch_range",
+                        lambda self, start, end: fetched.append((start, end)) or real(self, start, end))
+    remote = RemoteShards(url, cache_dir=tmp_path / "cache")
+    with remote.open_parquet(remote.shards[0]) as fh:
+        assert fh.read(10) == b"PAR1" + (tmp_path / "ix" / "shards" / remote.shards[0].files["parquet"]["name"]
+                                         ).read_bytes()[4:10]
+    remote.close()
+    assert fetched == [(0, 10)]
