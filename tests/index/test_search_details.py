@@ -12,6 +12,7 @@ from index_fixtures import build_index
 import embedingest.index.search as search_mod
 from embedingest.errors import ConfigError
 from embedingest.index.shard_store import ShardStore
+from embedingest.index.lookup import ShardRows
 from embedingest.index.search import Index, open_index, read_shard
 from embedingest.index.store import IndexStore, Manifest
 
@@ -105,3 +106,21 @@ def test_fewer_hits_than_k(tmp_path):
     assert all(len(h) < 40 for h in hits) and all(len(h) > 0 for h in hits)
     assert all(h.source is not None for row in hits for h in row)
 
+
+
+def test_a_vector_found_without_its_row_is_refused_with_what_to_do(tmp_path, monkeypatch):
+    """A shard commits its vectors and rows together, so only a damaged file could do this:
+    one row is hidden from the lookup, and a search that finds its vector says what to do."""
+    built = build_index(tmp_path, n_units=2, chunks=10)
+    victim = int(built.ids[3])
+    real = ShardRows.chunks
+    monkeypatch.setattr(ShardRows, "chunks",
+                        lambda self, ids: {i: c for i, c in real(self, ids).items() if i != victim})
+    with open_index(tmp_path) as index:
+        assert index.search_vectors(built.emb[4], k=1)[0][0].id == built.ids[4]
+        with pytest.raises(ConfigError) as err:
+            index.search_vectors(built.emb[3], k=2)
+    assert str(err.value) == (
+        f"1 of the vectors found have no metadata row in its shard's Parquet file (e.g. id {victim}): "
+        "the last build of this index was stopped before it finished (or one is running now); run the "
+        "same build-index command again to finish it, then search")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -33,3 +35,22 @@ def test_hits_from_many_threads_at_once(tmp_path):
         with ThreadPoolExecutor(6) as pool:  # each thread reads the metadata on its own connection
             together = list(pool.map(lambda q: index.search_vectors(q, k=3)[0], queries))
     assert together == alone and all(h.text for hits in together for h in hits)
+
+
+def test_shards_are_scanned_side_by_side_only_when_there_is_enough_to_scan(tmp_path, monkeypatch):
+    """Threads for two shards or more holding ``PARALLEL_FROM`` vectors between them, at most
+    one a shard and one a core, named for what they do; one shard, or fewer vectors, are
+    scanned on the caller's thread (no pool is made)."""
+    two = build_index(tmp_path / "two", n_units=2, chunks=20, commit_every=1000, workers=2)
+    one = build_index(tmp_path / "one", n_units=2, chunks=20, commit_every=1000, workers=1)
+    queries = unit_vectors(2, seed=1)
+
+    def pooled(folder, parallel_from):
+        monkeypatch.setattr(search, "PARALLEL_FROM", parallel_from)
+        with open_index(folder) as index:
+            index.search_raw(queries, 5)
+            named = [t.name for t in threading.enumerate() if t.name.startswith("embedingest-search_")]
+            return len(index.shards), index.ntotal, index._pool and index._pool._max_workers, bool(named)
+    assert pooled(two.store.folder, 40) == (2, 40, min(2, os.cpu_count()), True)
+    assert pooled(two.store.folder, 41) == (2, 40, None, False)
+    assert pooled(one.store.folder, 0) == (1, 40, None, False)
