@@ -54,7 +54,8 @@ def test_defaults_device_and_close(tmp_path):
     assert index.device == "cuda:1"
     index.close()
     assert index.ntotal == 0 and len(index) == 0
-    assert Index(IndexStore(tmp_path), built.store.read_manifest(), []).device == "cpu"
+    bare = Index(IndexStore(tmp_path), built.store.read_manifest(), [])
+    assert (bare.device, bare.query_runtime) == ("cpu", "torch")
 
 
 def test_k_defaults_to_ten_and_is_passed_on(tmp_path):
@@ -80,6 +81,10 @@ def test_messages_name_the_bad_value(tmp_path):
         with pytest.raises(ConfigError) as err:
             index.search_raw(np.zeros((1, DIM), np.float32), k=0)
         assert str(err.value) == "k must be a positive integer, got 0"
+        for k in (True, 2.5):  # a bool is an int to Python, not a count here
+            with pytest.raises(ConfigError) as err:
+                index.search_raw(np.zeros((1, DIM), np.float32), k=k)
+            assert str(err.value) == f"k must be a positive integer, got {k!r}"
     with pytest.raises(ConfigError) as err:
         open_index(tmp_path, params="nprobe=4")
     message = str(err.value)
@@ -124,3 +129,20 @@ def test_a_vector_found_without_its_row_is_refused_with_what_to_do(tmp_path, mon
         f"1 of the vectors found have no metadata row in its shard's Parquet file (e.g. id {victim}): "
         "the last build of this index was stopped before it finished (or one is running now); run the "
         "same build-index command again to finish it, then search")
+
+
+def test_the_manifest_s_query_prompt_goes_before_each_query_unless_the_caller_gives_one(tmp_path):
+    built = build_index(tmp_path, n_units=1, chunks=4)
+    manifest = built.store.read_manifest()
+    manifest.prompts = {"query": "query: ", "document": "passage: "}
+    built.store.write_manifest(manifest)
+    seen = []
+
+    class Recorder(FakeEncoder):
+        def encode(self, texts):
+            seen.append(list(texts))
+            return np.stack([built.emb[0] for _ in texts])
+    for prompt, want in ((None, "query: 1"), ("", "1"), ("find: ", "find: 1")):
+        with open_index(tmp_path, encoder=Recorder(None), query_prompt=prompt) as index:
+            index.search(["1"], k=1)
+        assert seen.pop() == [want]

@@ -58,3 +58,23 @@ def test_an_empty_index_of_format_2_opens_and_finds_nothing(tmp_path):
     with open_index(tmp_path / "ix") as index:
         assert index.ntotal == 0
         assert index.search_vectors(np.ones((1, DIM), np.float32), k=3) == [[]]
+
+
+def test_vectors_whose_highest_id_is_not_the_shard_s_are_a_damaged_shard(tmp_path):
+    """The lowest and the highest id must both be the record's (one alone is not enough)."""
+    import faiss
+
+    build_shards(tmp_path / "ix", n_units=2, chunks=10, commit_every=100, workers=1)
+    (shard,) = list_shards(tmp_path / "ix" / "shards")
+    path = shard.path("faiss")
+    index = faiss.read_index(str(path))
+    ids = faiss.vector_to_array(index.id_map)
+    ids[ids.argmax()] += 1  # the lowest id still matches
+    faiss.copy_array_to_vector(ids, index.id_map)
+    faiss.write_index(index, str(path))
+    with pytest.raises(ConfigError) as err:
+        open_index(tmp_path / "ix")
+    assert str(err.value) == (
+        f"{str(path)!r} holds 20 vectors of dim {DIM}, but its shard has 20 rows (or other ids) and the "
+        f"manifest says dim {DIM}: the shard is damaged; delete its files ({shard.name}.*) and run "
+        "build-index again to redo the units it held")
