@@ -3,6 +3,8 @@ cases that mutation testing found untested (docs/TESTING.md)."""
 
 from __future__ import annotations
 
+import os
+
 import faiss
 import numpy as np
 import pytest
@@ -146,3 +148,17 @@ def test_the_manifest_s_query_prompt_goes_before_each_query_unless_the_caller_gi
         with open_index(tmp_path, encoder=Recorder(None), query_prompt=prompt) as index:
             index.search(["1"], k=1)
         assert seen.pop() == [want]
+
+
+def test_closing_an_index_closes_its_shards_parquet_files(tmp_path):
+    build_index(tmp_path, n_units=2, chunks=10)
+
+    def open_parquet():
+        fds = os.listdir("/proc/self/fd")
+        return sorted(p for p in (os.path.realpath(f"/proc/self/fd/{fd}") for fd in fds) if p.endswith(".parquet"))
+    before = open_parquet()
+    index = open_index(tmp_path)
+    index.search_vectors(unit_vectors(2), k=3)
+    assert len(open_parquet()) > len(before)  # the rows were read from them
+    index.close()
+    assert open_parquet() == before

@@ -7,7 +7,7 @@ from shard_fixtures import DIM, build_shards, unit_vectors
 from embedingest.errors import ConfigError
 from embedingest.index.reindex import reindex
 from embedingest.index.search import open_index
-from embedingest.index.shards import list_shards
+from embedingest.index.shards import list_shards, read_ids
 
 
 def test_search_equals_brute_force_and_hits_carry_their_rows(tmp_path):
@@ -76,5 +76,34 @@ def test_vectors_whose_highest_id_is_not_the_shard_s_are_a_damaged_shard(tmp_pat
         open_index(tmp_path / "ix")
     assert str(err.value) == (
         f"{str(path)!r} holds 20 vectors of dim {DIM}, but its shard has 20 rows (or other ids) and the "
+        f"manifest says dim {DIM}: the shard is damaged; delete its files ({shard.name}.*) and run "
+        "build-index again to redo the units it held")
+
+
+@pytest.mark.parametrize("kind", ["no id map", "other dim"])
+def test_a_vectors_file_without_ids_or_of_another_dim_is_a_damaged_shard(tmp_path, kind):
+    """The file read for a shard (here given beside it, past the size check of its record):
+    its count, its dim and its ids are each checked."""
+    import faiss
+
+    import embedingest.index.search as search_mod
+    from embedingest.index.store import IndexStore
+
+    build_shards(tmp_path / "ix", n_units=2, chunks=10, commit_every=100, workers=1)
+    (shard,) = list_shards(tmp_path / "ix" / "shards")
+    dim = DIM if kind == "no id map" else 8
+    index = faiss.IndexFlatIP(dim)
+    if kind == "other dim":
+        index = faiss.IndexIDMap(index)
+        index.add_with_ids(unit_vectors(20, dim=dim), read_ids(shard))
+    else:
+        index.add(unit_vectors(20))
+    path = tmp_path / "other.faiss"
+    faiss.write_index(index, str(path))
+    manifest = IndexStore(tmp_path / "ix").read_manifest()
+    with pytest.raises(ConfigError) as err:
+        search_mod._load_shards([shard], lambda s: path, manifest, None)
+    assert str(err.value) == (
+        f"{str(path)!r} holds 20 vectors of dim {dim}, but its shard has 20 rows (or other ids) and the "
         f"manifest says dim {DIM}: the shard is damaged; delete its files ({shard.name}.*) and run "
         "build-index again to redo the units it held")

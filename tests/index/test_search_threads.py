@@ -50,7 +50,9 @@ def test_shards_are_scanned_side_by_side_only_when_there_is_enough_to_scan(tmp_p
         with open_index(folder) as index:
             index.search_raw(queries, 5)
             named = [t.name for t in threading.enumerate() if t.name.startswith("embedingest-search_")]
-            return len(index.shards), index.ntotal, index._pool and index._pool._max_workers, bool(named)
+            found = len(index.shards), index.ntotal, index._pool and index._pool._max_workers, bool(named)
+            index.close()  # and again on leaving the block: closing twice is harmless
+        return found
     assert pooled(two.store.folder, 40) == (2, 40, min(2, os.cpu_count()), True)
     assert pooled(two.store.folder, 41) == (2, 40, None, False)
     assert pooled(one.store.folder, 0) == (1, 40, None, False)
