@@ -313,7 +313,7 @@ def test_a_cached_vectors_file_is_used_again_only_when_whole_and_a_reindexed_one
             assert (cache / OBJECTS_DIR / cut).stat().st_size == before[cut][1]  # downloaded whole again
 
 
-def test_a_parquet_object_is_read_by_the_ranges_asked_not_in_blocks(s3, tmp_path, monkeypatch):
+def test_a_parquet_object_is_read_by_the_ranges_asked_and_vectors_downloaded_in_blocks(s3, tmp_path, monkeypatch):
     """Rows are read by range: a read of a few bytes fetches those bytes, not a block
     (s3fs's default read-ahead fetches 50 MiB, the whole object of any shard but a huge one)."""
     import s3fs
@@ -330,5 +330,14 @@ def test_a_parquet_object_is_read_by_the_ranges_asked_not_in_blocks(s3, tmp_path
     with remote.open_parquet(remote.shards[0]) as fh:
         assert fh.read(10) == b"PAR1" + (tmp_path / "ix" / "shards" / remote.shards[0].files["parquet"]["name"]
                                          ).read_bytes()[4:10]
-    remote.close()
     assert fetched == [(0, 10)]
+    import embedingest.index.cache as cache_mod
+
+    # the vectors are downloaded in blocks of _BLOCK, never read whole into memory
+    monkeypatch.setattr(cache_mod, "_BLOCK", 512)
+    asked = []
+    real_read = s3fs.core.S3File.read
+    monkeypatch.setattr(s3fs.core.S3File, "read", lambda self, length=-1: asked.append(length) or real_read(self, length))
+    path = remote.faiss_path(remote.shards[0])
+    remote.close()
+    assert path.stat().st_size > 512 and set(asked) == {512}
