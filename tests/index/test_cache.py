@@ -341,3 +341,29 @@ def test_a_parquet_object_is_read_by_the_ranges_asked_and_vectors_downloaded_in_
     path = remote.faiss_path(remote.shards[0])
     remote.close()
     assert path.stat().st_size > 512 and set(asked) == {512}
+
+
+def test_a_link_in_the_cache_is_never_followed_and_a_file_evicted_while_opening_is_named(s3, tmp_path,
+                                                                                      monkeypatch):
+    import re
+
+    from embedingest.index.cache import RemoteShards
+
+    local_index(tmp_path / "ix")
+    url = s3.upload(tmp_path / "ix", "ix")
+    shard = [s for s in list_shards(tmp_path / "ix" / "shards") if s.rows][0]
+    (tmp_path / "elsewhere.faiss").write_bytes(shard.path("faiss").read_bytes())  # the right bytes, even
+    link = tmp_path / "cache" / OBJECTS_DIR / f"{shard.files['faiss']['sha256']}.faiss"
+    link.parent.mkdir(parents=True)
+    link.symlink_to(tmp_path / "elsewhere.faiss")
+    with open_index(url, cache_dir=tmp_path / "cache"):
+        pass
+    assert not link.is_symlink() and link.read_bytes() == shard.path("faiss").read_bytes()  # downloaded
+    assert (tmp_path / "elsewhere.faiss").read_bytes() == shard.path("faiss").read_bytes()
+
+    monkeypatch.setattr(RemoteShards, "_hold", lambda self, path, size: False)  # evicted at once, always
+    with pytest.raises(ConfigError) as err:
+        open_index(url, cache_dir=tmp_path / "c2")
+    assert re.fullmatch(re.escape(f"'{tmp_path / 'c2' / OBJECTS_DIR}/") + "[0-9a-f]{64}" + re.escape(
+        ".faiss' went while this index was opening (another process evicted it): open the index again"),
+        str(err.value)), str(err.value)
