@@ -367,3 +367,24 @@ def test_a_link_in_the_cache_is_never_followed_and_a_file_evicted_while_opening_
     assert re.fullmatch(re.escape(f"'{tmp_path / 'c2' / OBJECTS_DIR}/") + "[0-9a-f]{64}" + re.escape(
         ".faiss' went while this index was opening (another process evicted it): open the index again"),
         str(err.value)), str(err.value)
+
+
+def test_eviction_deletes_only_whole_vector_files_least_recently_used_first(tmp_path, caplog):
+    """Only ``*.faiss`` files are evicted: a download under way in another process (its
+    temporary name) and anything else in the folder stay; the oldest go first."""
+    import logging
+    import os
+
+    from embedingest.index.cache import RemoteShards
+
+    objects = tmp_path / OBJECTS_DIR
+    objects.mkdir()
+    for i, name in enumerate(["old.faiss", "new.faiss", ".new2.faiss.tmp-99", "notes.txt"]):
+        (objects / name).write_bytes(b"v" * 100)
+        os.utime(objects / name, ns=(10**18 + i * 10**9,) * 2)
+    shards = RemoteShards.__new__(RemoteShards)  # no bucket: evict reads only the cache
+    shards.cache, shards.bound, shards.held = tmp_path, 150, {}
+    caplog.set_level(logging.WARNING, logger="embedingest")
+    assert shards.evict() == [objects / "old.faiss"]
+    assert sorted(p.name for p in objects.iterdir()) == [".new2.faiss.tmp-99", "new.faiss", "notes.txt"]
+    assert caplog.text == ""
