@@ -382,9 +382,13 @@ def test_eviction_deletes_only_whole_vector_files_least_recently_used_first(tmp_
     for i, name in enumerate(["old.faiss", "new.faiss", ".new2.faiss.tmp-99", "notes.txt"]):
         (objects / name).write_bytes(b"v" * 100)
         os.utime(objects / name, ns=(10**18 + i * 10**9,) * 2)
+    (tmp_path / "target.faiss").write_bytes(b"t" * 100)
+    (objects / "link.faiss").symlink_to(tmp_path / "target.faiss")  # not a cached file: not counted
+    os.utime(objects / "link.faiss", ns=(2 * 10**18,) * 2, follow_symlinks=False)
     shards = RemoteShards.__new__(RemoteShards)  # no bucket: evict reads only the cache
     shards.cache, shards.bound, shards.held = tmp_path, 150, {}
     caplog.set_level(logging.WARNING, logger="embedingest")
     assert shards.evict() == [objects / "old.faiss"]
-    assert sorted(p.name for p in objects.iterdir()) == [".new2.faiss.tmp-99", "new.faiss", "notes.txt"]
+    assert sorted(p.name for p in objects.iterdir()) == [".new2.faiss.tmp-99", "link.faiss", "new.faiss",
+                                                         "notes.txt"]
     assert caplog.text == ""
