@@ -386,9 +386,15 @@ def test_eviction_deletes_only_whole_vector_files_least_recently_used_first(tmp_
     (objects / "link.faiss").symlink_to(tmp_path / "target.faiss")  # not a cached file: not counted
     os.utime(objects / "link.faiss", ns=(2 * 10**18,) * 2, follow_symlinks=False)
     shards = RemoteShards.__new__(RemoteShards)  # no bucket: evict reads only the cache
-    shards.cache, shards.bound, shards.held = tmp_path, 150, {}
+    shards.cache, shards.bound, shards.held = tmp_path, 100, {}
     caplog.set_level(logging.WARNING, logger="embedingest")
-    assert shards.evict() == [objects / "old.faiss"]
+    assert shards.evict() == [objects / "old.faiss"]  # then 100 bytes: at the bound, kept
     assert sorted(p.name for p in objects.iterdir()) == [".new2.faiss.tmp-99", "link.faiss", "new.faiss",
                                                          "notes.txt"]
-    assert caplog.text == ""
+    assert caplog.records == []
+    # a file an open index holds is passed over, and the cache above its bound said
+    shards.held, shards.bound = {objects / "new.faiss": -1}, 50
+    assert shards.evict() == [] and (objects / "new.faiss").exists()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the cache {objects} holds 0.0 MiB of vectors, above its bound of 0.0 MiB: open indexes use them "
+        "(raise --cache-size to keep them all)"]
