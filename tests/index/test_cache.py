@@ -393,8 +393,10 @@ def test_eviction_deletes_only_whole_vector_files_least_recently_used_first(tmp_
                                                          "notes.txt"]
     assert caplog.records == []
     # a file an open index holds is passed over, and the cache above its bound said
-    shards.held, shards.bound = {objects / "new.faiss": -1}, 50
-    assert shards.evict() == [] and (objects / "new.faiss").exists()
+    with open(objects / "big.faiss", "wb") as fh:
+        fh.truncate(3 * 2**20 - 100)  # sparse: 3 MiB with new.faiss
+    shards.held, shards.bound = {objects / "new.faiss": -1, objects / "big.faiss": -1}, 2**20
+    assert shards.evict() == [] and (objects / "new.faiss").exists() and (objects / "big.faiss").exists()
     assert [r.getMessage() for r in caplog.records] == [
-        f"the cache {objects} holds 0.0 MiB of vectors, above its bound of 0.0 MiB: open indexes use them "
+        f"the cache {objects} holds 3.0 MiB of vectors, above its bound of 1.0 MiB: open indexes use them "
         "(raise --cache-size to keep them all)"]
