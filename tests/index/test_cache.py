@@ -95,6 +95,14 @@ def test_a_truncated_or_missing_parquet_object_is_named(s3, tmp_path):
     s3.fs.rm(f"{s3.name}/ix/shards/{name}")
     with pytest.raises(ConfigError, match=f"its parquet object '{name}' is missing"):
         open_index(url, cache_dir=tmp_path / "cache")
+    # the vectors' object is checked by its size too, before anything is downloaded
+    s3.put(f"ix/shards/{name}", shard.path("parquet").read_bytes())
+    vectors = shard.files["faiss"]["name"]
+    s3.put(f"ix/shards/{vectors}", shard.path("faiss").read_bytes()[:-3])
+    with pytest.raises(ConfigError, match=f"shard {shard.name} of {url} is damaged: its faiss object "
+                                          f"'{vectors}' holds {shard.files['faiss']['size'] - 3} bytes, not "
+                                          f"{shard.files['faiss']['size']}; delete"):
+        open_index(url, cache_dir=tmp_path / "cache")
 
 
 def test_no_index_or_no_bucket_is_a_clear_error(s3, tmp_path):
