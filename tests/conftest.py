@@ -7,6 +7,14 @@ import signal
 
 import pytest
 
+# Under pytest-xdist, each worker (and every process its tests start) computes on its share
+# of the cores: with OpenMP's default of one thread per core, two workers on two cores run
+# four spinning threads, and a loaded CPU run then took twice its CPU time and more than
+# twice its wall time (docs/TESTING.md). Set before torch is imported: OpenMP reads it once.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(
+        1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+
 try:
     import torch
 

@@ -41,10 +41,17 @@ def config(images, out, weights, **kw) -> SegmentConfig:
                          size=SIZE, batch_size=3, num_workers=0, num_consumers=1, **kw)
 
 
-def test_two_processes_write_the_same_masks_as_one(tmp_path, weights):
-    images = tmp_path / "images"
-    sizes = make_images(images)
-    one = segment(config(images, tmp_path / "one", weights, device="cpu"), progress=False)
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, weights):
+    """The images, and one CPU process's masks of them: the reference the tests compare with."""
+    root = tmp_path_factory.mktemp("one_process")
+    sizes = make_images(root / "images")
+    summary = segment(config(root / "images", root / "one", weights, device="cpu"), progress=False)
+    return root / "images", sizes, root / "one", summary
+
+
+def test_two_processes_write_the_same_masks_as_one(tmp_path, weights, one_process):
+    images, sizes, one_out, one = one_process
     two = segment(config(images, tmp_path / "two", weights, devices="cpu,cpu", stats=True), progress=False)
     assert one["written"] == two["written"] == len(sizes)
     assert two["skipped"] == one["skipped"] == 2 and two["device"] == "cpu,cpu"
@@ -57,7 +64,7 @@ def test_two_processes_write_the_same_masks_as_one(tmp_path, weights):
         assert part["timing"]["start_method"] == "spawn"  # CPU device processes never fork
         assert part["timing"]["first_forward_s"] > 0 and part["timing"]["load_model_s"] > 0
     for rel, (w, h) in sizes.items():
-        a = np.asarray(Image.open(output_paths(tmp_path / "one", rel)["mask"]))
+        a = np.asarray(Image.open(output_paths(one_out, rel)["mask"]))
         b = np.asarray(Image.open(output_paths(tmp_path / "two", rel)["mask"]))
         assert a.shape == (h, w) and np.array_equal(a, b), rel
     report = [json.loads(line) for line in (tmp_path / "two" / "skipped.jsonl").read_text().splitlines()]
@@ -106,14 +113,12 @@ def _forked_segment(images, out, weights, devices) -> list[str]:
     return json.loads(run.stdout.splitlines()[-1])
 
 
-def test_forked_device_processes_write_the_same_masks(tmp_path, weights):
+def test_forked_device_processes_write_the_same_masks(tmp_path, weights, one_process):
     """The fork path GPUs take, on two CPU processes from a fresh interpreter."""
-    images = tmp_path / "images"
-    sizes = make_images(images)
-    segment(config(images, tmp_path / "one", weights, device="cpu"), progress=False)
+    images, sizes, one_out, _ = one_process
     assert _forked_segment(images, tmp_path / "two", weights, "cpu,cpu") == ["fork", "fork"]
     for rel in sizes:
-        a = np.asarray(Image.open(output_paths(tmp_path / "one", rel)["mask"]))
+        a = np.asarray(Image.open(output_paths(one_out, rel)["mask"]))
         b = np.asarray(Image.open(output_paths(tmp_path / "two", rel)["mask"]))
         assert np.array_equal(a, b), rel
 
