@@ -201,9 +201,10 @@ class SegmentConfig:
             "usable cores but two, shared between device processes, and no more than the batches).")
     decode_ahead: int = setting(
         4, "Chunks of images each decoding worker decodes ahead of the GPU (a chunk is a quarter "
-           "batch with --resize short, a batch with fit). Batches go to the GPU in order, so "
-           "one slow chunk (large PNGs) would idle the other workers if they could not go on; "
-           "each chunk ahead holds its decoded images in memory.")
+           "batch with --resize short, a batch with fit). Chunks are taken as they finish and a "
+           "batch goes when its last chunk does, so one slow chunk (large PNGs) holds back its "
+           "own batch only and the other workers go on; each chunk ahead, and each decoded chunk "
+           "of a batch still waiting for another, holds its images in memory.")
     num_consumers: int = setting(
         4, "Engine consumer processes writing masks (PNG encoding is their main cost).")
     num_slots: int = setting(0, "Engine host slots; 0 is twice the consumers.")

@@ -19,8 +19,7 @@ process, which writes them to the skip report.
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -33,19 +32,21 @@ from torchvision.transforms import functional as TF
 from .image_decode import (DEFAULT_MAX_PIXELS, IMAGE_EXTENSIONS, ImageMeta, ImageRejected,
                            Preprocessing, letterbox, open_rgb, picture_rgb)
 
-__all__ = ["IMAGE_EXTENSIONS", "BadImage", "ImageBatch", "ImageFileDataset", "LoadedImage",
-           "collate_images", "model_input", "prepare_file", "prepare_picture", "regroup"]
+__all__ = ["IMAGE_EXTENSIONS", "BadImage", "BatchJoiner", "ChunkPlace", "ImageBatch", "ImageFileDataset",
+           "LoadedImage", "collate_images", "model_input", "prepare_file", "prepare_picture", "regroup"]
 
 
 class LoadedImage(NamedTuple):
     pixels: torch.Tensor   # uint8 [H, W, 3]: the decoded image (short) or the square (fit)
     meta: ImageMeta        # content_width x content_height: the model input (short)
+    index: int = -1        # the dataset's index: names the chunk it came in (see BatchJoiner)
 
 
 class BadImage(NamedTuple):
     rel_path: str
     path: str
     reason: str
+    index: int = -1
 
 
 def model_input(im: Image.Image, original: tuple[int, int], prep: Preprocessing
@@ -99,10 +100,12 @@ def input_shape(meta: ImageMeta, pixels: torch.Tensor, prep_resize: str) -> tupl
 class ImageBatch:
     """Good images grouped by model input shape, and the bad ones with their reasons."""
 
-    def __init__(self, groups: Sequence[Group], bad: tuple[BadImage, ...] = ()):
+    def __init__(self, groups: Sequence[Group], bad: tuple[BadImage, ...] = (), first: int | None = None):
         # (uint8 [n, H, W, 3] pictures of one size, their metas, the model input (h, w))
         self.groups = list(groups)
         self.bad = bad
+        # a decoded chunk's first dataset index, by which the batch plan knows it
+        self.first = first
 
     @property
     def items(self) -> tuple[ImageMeta, ...]:
@@ -138,8 +141,8 @@ class ImageFileDataset(Dataset):
         try:
             pixels, meta = prepare_file(rel_path, str(path), self.prep, self.max_pixels)
         except ImageRejected as exc:
-            return BadImage(rel_path, str(path), exc.reason)
-        return LoadedImage(pixels, meta)
+            return BadImage(rel_path, str(path), exc.reason, index)
+        return LoadedImage(pixels, meta, index)
 
 
 def collate_images(samples: Sequence[LoadedImage | BadImage], resize: str = "short") -> ImageBatch:
@@ -152,31 +155,69 @@ def collate_images(samples: Sequence[LoadedImage | BadImage], resize: str = "sho
             groups.setdefault(key, []).append(s)
     return ImageBatch([(torch.stack([s.pixels for s in group]), tuple(s.meta for s in group), key[1])
                        for key, group in groups.items()],
-                      tuple(s for s in samples if isinstance(s, BadImage)))
+                      tuple(s for s in samples if isinstance(s, BadImage)),
+                      samples[0].index if samples else None)
 
 
-def regroup(chunks: Iterable[ImageBatch], ends: deque[bool]) -> Iterator[ImageBatch]:
-    """The planned batches from decoded chunks: ``ends`` says, for each chunk in turn,
-    whether it is the last of its batch (``ShapeBatchSampler.batch_ends``, popped as the
-    chunks come). A batch goes the moment its last chunk is decoded, bad images with it.
+class ChunkPlace(NamedTuple):
+    """Where a decoded chunk goes in the batch plan."""
+    batch: int   # the batch's number
+    part: int    # the chunk's place in its batch
+    parts: int   # how many chunks the batch was cut into
+
+
+class BatchJoiner:
+    """The planned batches from decoded chunks that come in any order: a DataLoader with
+    ``in_order=False`` hands each chunk over as its worker finishes it, so one slow chunk
+    (a large PNG) holds back its own batch only, not the batches behind it. ``place``
+    says where the chunk whose first dataset index is ``first`` goes
+    (``ShapeBatchSampler.chunk_batch``). A batch goes, its chunks in planned order and
+    its bad images with it, the moment its last chunk comes.
+
+    A chunk waits in :attr:`waiting` until its batch is whole, so what waits is the
+    chunks of incomplete batches only. That is bounded: the loader has at most ``k``
+    chunks in flight (workers x prefetch_factor) and the plan hands a batch's chunks out
+    one after the other, so at most ``k + 1`` batches are incomplete (each with a chunk
+    in flight, or the one being handed out), each with at most ``P - 1`` of its ``P``
+    chunks here: ``(k + 1)(P - 1)`` chunks, and with those in flight no more than
+    ``k + 1`` batches of decoded images (in order, the loader held at most ``k`` chunks).
 
     A model input is one tensor, so a batch holds one shape; were a header wrong about
     an image's size (it is taken from the header to plan), that batch goes as one batch
     per shape.
     """
-    parts: list[Group] = []
-    bad: tuple[BadImage, ...] = ()
-    for chunk in chunks:
-        parts += chunk.groups
-        bad += chunk.bad
-        if not ends.popleft():
-            continue
+
+    def __init__(self, place: Callable[[int], ChunkPlace]):
+        self.place = place
+        self.waiting: dict[int, list[ImageBatch | None]] = {}  # batch number -> its chunks
+
+    @property
+    def held(self) -> int:
+        """The decoded chunks waiting for the rest of their batch."""
+        return sum(chunk is not None for parts in self.waiting.values() for chunk in parts)
+
+    def add(self, chunk: ImageBatch) -> list[ImageBatch]:
+        """The batches ``chunk`` completes (none, or one per shape of its batch)."""
+        place = self.place(chunk.first)
+        parts = self.waiting.setdefault(place.batch, [None] * place.parts)
+        parts[place.part] = chunk
+        if any(part is None for part in parts):
+            return []
+        del self.waiting[place.batch]
         by_shape: dict[tuple[int, int], list[Group]] = {}
-        for group in parts:
-            by_shape.setdefault(group[2], []).append(group)
+        for part in parts:
+            for group in part.groups:
+                by_shape.setdefault(group[2], []).append(group)
         batches = [ImageBatch(groups) for groups in by_shape.values()] or [ImageBatch([])]
-        batches[0].bad = bad
-        yield from batches
-        parts, bad = [], ()
-    if parts or bad:
+        batches[0].bad = tuple(bad for part in parts for bad in part.bad)
+        return batches
+
+
+def regroup(chunks: Iterable[ImageBatch], place: Callable[[int], ChunkPlace]) -> Iterator[ImageBatch]:
+    """The planned batches from ``chunks`` in whatever order they come (see
+    :class:`BatchJoiner`), each as soon as its last chunk comes."""
+    joiner = BatchJoiner(place)
+    for chunk in chunks:
+        yield from joiner.add(chunk)
+    if joiner.waiting:
         raise RuntimeError("the chunks ended inside a planned batch: the sampler and the loader disagree")

@@ -30,6 +30,7 @@ from concurrent.futures.process import BrokenProcessPool
 
 from ..engine.worker_loader import frozen_gc
 from .image_decode import Preprocessing, header_size
+from .images import ChunkPlace
 
 __all__ = ["ShapeBatchSampler", "HeaderReaders", "SizeStream"]
 
@@ -162,8 +163,9 @@ class ShapeBatchSampler:
 
     Yields lists of indices into ``files``; the lists of one batch come one after the
     other, each of at most ``chunk_size`` images (one worker decodes one list), and
-    :attr:`batch_ends` says, for each list in turn, whether it ends its batch
-    (``sources.images.regroup`` joins the lists of a batch by it). ``chunk_size``
+    :meth:`chunk_batch` says which batch a list belongs to, from its first index, so
+    that ``sources.images.regroup`` can join the decoded lists in whatever order the
+    workers finish them. ``chunk_size``
     defaults to a whole batch with ``fit`` (small squares) and a quarter batch with
     ``short`` (whole pictures of up to 16 model inputs each travel, so a worker holds
     fewer at a time). A file whose header cannot be read goes alone and at once: its
@@ -184,8 +186,8 @@ class ShapeBatchSampler:
         self.batch_size = batch_size
         self.chunk_size = chunk_size or (batch_size if prep.resize == "fit" else max(1, batch_size // 4))
         self.read_sizes = read_sizes
-        # one entry per list yielded, True where it ends its batch; the consumer pops them
-        self.batch_ends: deque[bool] = deque()
+        # each list yielded and not yet asked about, by its first index
+        self._places: dict[int, ChunkPlace] = {}
 
     def shapes(self) -> SizeStream:
         """The model input (height, width) of each file in turn, None where unknown."""
@@ -193,12 +195,19 @@ class ShapeBatchSampler:
             return _Fixed(len(self.files), (self.prep.size, self.prep.size))
         return _ModelShapes(self.read_sizes([str(path) for _, path in self.files]), self.prep)
 
+    def chunk_batch(self, first: int) -> ChunkPlace:
+        """Where the list yielded whose first index is ``first`` goes (asked once a list:
+        the answer is forgotten, so the plan's memory stays that of the lists in flight)."""
+        return self._places.pop(first)
+
     def __iter__(self) -> Iterator[list[int]]:
-        self.batch_ends.clear()
-        for batch in self._batches():
-            for start in range(0, len(batch), self.chunk_size):
-                self.batch_ends.append(start + self.chunk_size >= len(batch))
-                yield batch[start:start + self.chunk_size]
+        self._places.clear()
+        for number, batch in enumerate(self._batches()):
+            parts = -(-len(batch) // self.chunk_size)
+            for part in range(parts):
+                chunk = batch[part * self.chunk_size:(part + 1) * self.chunk_size]
+                self._places[chunk[0]] = ChunkPlace(number, part, parts)
+                yield chunk
 
     def _batches(self) -> Iterator[list[int]]:
         stream = self.shapes()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 
 import numpy as np
 import pyarrow.dataset as pads
@@ -285,9 +286,10 @@ def test_weights_that_fail_stop_the_decoders_started_before_them(tmp_path, monke
 
 @pytest.mark.parametrize("workers, ahead, expected", [(2, 7, 7), (1, 4, 4), (0, 7, None)])
 def test_each_decoder_decodes_decode_ahead_chunks_ahead(tmp_path, workers, ahead, expected):
-    """Batches reach the GPU in order: a worker that may hold only DataLoader's default two
-    chunks waits, idle, behind a slow one; ``decode_ahead`` is what it may hold (none
-    without workers: DataLoader refuses a prefetch in the main process)."""
+    """A worker that may hold only DataLoader's default two chunks waits, idle, while a
+    slow chunk holds back its batch; ``decode_ahead`` is what it may hold (none without
+    workers: DataLoader refuses a prefetch in the main process). With workers, chunks
+    are taken as they finish."""
     from embedingest.jobs.segment.run import _decoders
     from embedingest.sources.image_decode import Preprocessing
 
@@ -295,7 +297,57 @@ def test_each_decoder_decodes_decode_ahead_chunks_ahead(tmp_path, workers, ahead
     headers, _, loader = _decoders(cfg, torch.device("cpu"), [("a.png", str(tmp_path / "a.png"))],
                                    Preprocessing(), workers)
     assert loader.prefetch_factor == expected and loader.num_workers == workers
+    assert loader.in_order == (workers == 0)
     assert SegmentConfig().decode_ahead == 4
+
+
+def test_chunks_taken_as_they_finish_make_the_masks_of_decoding_in_order(tmp_path, small, monkeypatch, no_leaks):
+    """With workers, a slow image holds back only its own batch: later chunks are joined
+    first, and every mask is the one decoding in this process, in order, makes; bad images
+    are reported as ever, and a resumed run makes the missing masks the same again."""
+    from embedingest.sources import images as images_module
+    from embedingest.sources.shape_batches import ShapeBatchSampler
+
+    images = tmp_path / "images"
+    (images / "bad").mkdir(parents=True)
+    for i in range(18):
+        w, h = [(60, 40), (40, 60), (50, 50)][i % 3]
+        Image.fromarray(noise(h, w, seed=i)).save(images / f"{i:02}.{'png' if i % 2 else 'jpg'}")
+    bad = bad_files(images / "bad")
+    plain = segment(config(images, tmp_path / "plain", small, num_workers=0), progress=False)
+    places, prepare_file, place_of = [], images_module.prepare_file, ShapeBatchSampler.chunk_batch
+
+    def slow_first(rel_path, path, *args):
+        if rel_path == "00.jpg":
+            time.sleep(1.5)
+        return prepare_file(rel_path, path, *args)
+
+    def chunk_batch(self, first):
+        place = place_of(self, first)
+        places.append((place.batch, place.part))
+        return place
+
+    monkeypatch.setattr(images_module, "prepare_file", slow_first)
+    monkeypatch.setattr(ShapeBatchSampler, "chunk_batch", chunk_batch)
+    out = tmp_path / "workers"
+    ran = segment(config(images, out, small, num_workers=2), progress=False)
+    assert ran["decoders"] == 2 and places != sorted(places), "a later chunk was joined first"
+    assert (ran["written"], ran["skipped"]) == (plain["written"], plain["skipped"]) == (18, len(bad))
+    rels = sorted(str(p.relative_to(images)) for p in images.rglob("*") if p.is_file() and "bad" not in p.parts)
+    for rel in rels:
+        assert np.array_equal(mask_of(out, rel), mask_of(tmp_path / "plain", rel)), rel
+
+    def reported(folder):
+        return sorted((os.path.relpath(e["path"], images), e["reason"])
+                      for e in map(json.loads, (folder / "skipped.jsonl").read_text().splitlines()))
+
+    assert reported(out) == reported(tmp_path / "plain") and len(reported(out)) == len(bad)
+    for rel in rels[::3]:
+        output_paths(out, rel)["mask"].unlink()
+    again = segment(config(images, out, small, num_workers=2), progress=False)
+    assert again["written"] == len(rels[::3]) and again["already_done"] == 18 - len(rels[::3])
+    for rel in rels:
+        assert np.array_equal(mask_of(out, rel), mask_of(tmp_path / "plain", rel)), rel
 
 
 def test_preset_holds_the_defaults():

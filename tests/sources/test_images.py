@@ -4,7 +4,6 @@ bad files as reasons, regrouping by shape."""
 from __future__ import annotations
 
 import os
-from collections import deque
 
 import numpy as np
 import pytest
@@ -20,9 +19,9 @@ from torchvision.transforms.functional import _compute_resized_output_size
 from embedingest.sources.image_decode import (LONG_SIDE_LIMIT, PAD_RGB, ImageMeta, ImageRejected,
                                               Preprocessing, content_size, open_rgb,
                                               short_side_size, to_rgb)
-from embedingest.sources.images import (IMAGE_EXTENSIONS, BadImage, ImageBatch, ImageFileDataset,
-                                        LoadedImage, collate_images, prepare_file, prepare_picture,
-                                        regroup)
+from embedingest.sources.images import (IMAGE_EXTENSIONS, BadImage, BatchJoiner, ChunkPlace, ImageBatch,
+                                        ImageFileDataset, LoadedImage, collate_images, prepare_file,
+                                        prepare_picture, regroup)
 
 FIT = Preprocessing("fit", SIZE)
 SHORT = Preprocessing("short", SIZE)
@@ -215,48 +214,78 @@ def test_loader_drops_bad_files_and_carries_them(tmp_path):
 
 
 def _chunk(shapes: list[tuple[int, int]], start: int, bad: int = 0) -> ImageBatch:
+    """A decoded chunk of dataset indices ``start``, ``start + 1``...: the images of
+    ``shapes`` (each filled with its index), then ``bad`` bad ones."""
     samples = [LoadedImage(torch.full((h, w, 3), start + i, dtype=torch.uint8),
-                           ImageMeta(f"{start + i}", "", w, h, w, h)) for i, (h, w) in enumerate(shapes)]
-    samples += [BadImage(f"bad{start + i}", "", "empty file: 0 bytes") for i in range(bad)]
+                           ImageMeta(f"{start + i}", "", w, h, w, h), start + i) for i, (h, w) in enumerate(shapes)]
+    samples += [BadImage(f"bad{start + i}", "", "empty file: 0 bytes", start + i)
+                for i in range(len(shapes), len(shapes) + bad)]
     return collate_images(samples)
 
 
+def _planned(plan, bads) -> tuple[list[ImageBatch], dict[int, ChunkPlace]]:
+    """``plan``: batches, each a list of chunks, each a list of image shapes; each chunk
+    gets ``bads[k]`` bad images too (at least one where it has no shapes: the sampler
+    never makes an empty chunk). The chunks in planned order and where each goes."""
+    made, places, start = [], {}, 0
+    for number, batch in enumerate(plan):
+        for part, shapes in enumerate(batch):
+            chunk = _chunk(shapes, start, max(bads[len(made) % len(bads)], 0 if shapes else 1))
+            places[chunk.first] = ChunkPlace(number, part, len(batch))
+            made.append(chunk)
+            start += len(chunk) + len(chunk.bad)
+    return made, places
+
+
+def _described(batches) -> list[tuple[list[str], list[str]]]:
+    return [([m.rel_path for m in b.items], [x.rel_path for x in b.bad]) for b in batches]
+
+
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.lists(st.lists(st.sampled_from([(4, 6), (6, 4)]), min_size=1, max_size=3),
+@given(st.lists(st.lists(st.lists(st.sampled_from([(4, 6), (6, 4)]), max_size=3),
                          min_size=1, max_size=3), max_size=6),
-       st.lists(st.integers(0, 2), min_size=18, max_size=18))
-def test_regroup_gives_the_planned_batches_as_their_last_chunk_comes(plan, bads):
-    """``plan``: batches, each a list of chunks, each a list of image shapes; a header may
-    have been wrong, so one planned batch can hold two shapes: it goes as one batch per
-    shape. Bad images go with the batch they were planned in."""
-    made, ends, start, k = [], deque(), 0, 0
-    for batch in plan:
-        for j, shapes in enumerate(batch):
-            made.append(_chunk(shapes, start, bads[k % len(bads)]))
-            ends.append(j == len(batch) - 1)
-            start, k = start + len(shapes), k + 1
-    pulled = []
+       st.lists(st.integers(0, 2), min_size=18, max_size=18), st.randoms(use_true_random=False))
+def test_regroup_gives_the_planned_batches_as_their_last_chunk_comes(plan, bads, rng):
+    """The chunks come in any order (as the workers finish them): each batch goes as
+    planned the moment its last chunk comes, the same batches as in order, and only the
+    chunks of incomplete batches wait. A header may have been wrong, so one planned
+    batch can hold two shapes: it goes as one batch per shape. Bad images go with the
+    batch they were planned in."""
+    made, places = _planned(plan, bads)
+    batch_of = [places[chunk.first].batch for chunk in made]
+    order = list(range(len(made)))
+    rng.shuffle(order)
+    asked = []
 
-    def chunks():
-        for chunk in made:
-            pulled.append(chunk)
-            yield chunk
+    def place(first):
+        asked.append(first)
+        return places[first]
 
-    got = []
-    for batch in regroup(chunks(), ends):
-        got.append((len(pulled), batch))
-    assert not ends, "every end marker used"
-    expected, done = [], 0
-    for batch in plan:
-        done += len(batch)
-        images = [i for chunk in made[done - len(batch):done] for i in chunk.items]
-        bad = [b.rel_path for chunk in made[done - len(batch):done] for b in chunk.bad]
+    joiner = BatchJoiner(place)
+    got, arrived = [], set()
+    for step, k in enumerate(order):
+        got += [(step, batch) for batch in joiner.add(made[k])]
+        arrived.add(k)
+        incomplete = {batch_of[j] for j in arrived
+                      if any(batch_of[i] == batch_of[j] and i not in arrived for i in range(len(made)))}
+        assert set(joiner.waiting) == incomplete
+        assert joiner.held == sum(batch_of[j] in incomplete for j in arrived)
+    assert not joiner.waiting and joiner.held == 0, "the buffer empties"
+    assert sorted(asked) == sorted(places), "each chunk placed once"
+    planned = []
+    for number, batch in enumerate(plan):
+        ks = [k for k in range(len(made)) if batch_of[k] == number]
+        last = max(order.index(k) for k in ks)
+        images = [i for k in ks for i in made[k].items]
+        bad = [b.rel_path for k in ks for b in made[k].bad]
         shapes = list(dict.fromkeys((m.content_height, m.content_width) for m in images))
         for n, shape in enumerate(shapes or [None]):
-            expected.append((done, [m.rel_path for m in images if (m.content_height, m.content_width) == shape],
-                             bad if n == 0 else []))
-    assert [(pulled_then, [m.rel_path for m in b.items], [x.rel_path for x in b.bad])
-            for pulled_then, b in got] == expected  # each as soon as its last chunk came
+            planned.append((last, [m.rel_path for m in images if (m.content_height, m.content_width) == shape],
+                            bad if n == 0 else []))
+    in_order = list(regroup(iter(made), places.__getitem__))
+    assert _described(in_order) == [(images, bad) for _, images, bad in planned]
+    # each as soon as its last chunk came (sorted stably: one batch's shapes keep their order)
+    assert [(step, *_described([batch])[0]) for step, batch in got] == sorted(planned, key=lambda p: p[0])
     for _, batch in got:
         for pixels, metas, hw in batch.groups:
             for image, meta in zip(pixels, metas, strict=True):
@@ -265,18 +294,20 @@ def test_regroup_gives_the_planned_batches_as_their_last_chunk_comes(plan, bads)
 
 
 def test_regroup_gives_a_batch_of_bad_images_alone_with_its_reasons():
-    chunks = [_chunk([(4, 6)], 0), _chunk([], 1, bad=2), _chunk([], 3, bad=1), _chunk([(4, 6)], 4)]
-    got = list(regroup(iter(chunks), deque([True, False, True, True])))
-    assert [([m.rel_path for m in b.items], [x.rel_path for x in b.bad]) for b in got] == [
-        (["0"], []), ([], ["bad1", "bad2", "bad3"]), (["4"], [])]
-    assert got[1].groups == [] and len(got[1]) == 0
+    made, places = _planned([[[(4, 6)]], [[], []], [[(4, 6)]]], [0, 2, 1, 0])
+    assert _described(made[1:3]) == [([], ["bad1", "bad2"]), ([], ["bad3"])]
+    want = [(["0"], []), ([], ["bad1", "bad2", "bad3"]), (["4"], [])]
+    got = list(regroup(iter(made), places.__getitem__))
+    assert _described(got) == want and got[1].groups == [] and len(got[1]) == 0
+    shuffled = list(regroup(iter([made[2], made[3], made[1], made[0]]), places.__getitem__))
+    assert _described(shuffled) == [want[2], want[1], want[0]]
 
 
 def test_regroup_refuses_chunks_that_end_inside_a_batch():
     with pytest.raises(RuntimeError, match="inside a planned batch"):
-        list(regroup(iter([_chunk([(4, 6)], 0)]), deque([False])))
+        list(regroup(iter([_chunk([(4, 6)], 0)]), lambda first: ChunkPlace(0, 0, 2)))
     with pytest.raises(RuntimeError, match="inside a planned batch"):  # bad images only
-        list(regroup(iter([_chunk([], 0, bad=1)]), deque([False])))
+        list(regroup(iter([_chunk([], 0, bad=1)]), lambda first: ChunkPlace(0, 1, 2)))
 
 
 def test_prepare_picture_accepts_arrays_and_pil():

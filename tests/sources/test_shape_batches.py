@@ -18,7 +18,7 @@ from segment_fixtures import SIZE, bad_files, exif_rotated_jpeg, image_tree, noi
 from torch.utils.data import DataLoader
 
 from embedingest.sources.image_decode import Preprocessing, header_size, open_rgb
-from embedingest.sources.images import ImageFileDataset, collate_images, regroup
+from embedingest.sources.images import BadImage, BatchJoiner, ImageBatch, ImageFileDataset, collate_images, regroup
 from embedingest.sources.shape_batches import HeaderReaders, ShapeBatchSampler, SizeStream
 
 SHORT = Preprocessing("short", SIZE)
@@ -84,15 +84,14 @@ class _Planned(ShapeBatchSampler):
 
 
 def _batches(sampler) -> list[list[int]]:
-    """The sampler's lists joined into batches by its ``batch_ends``."""
-    out, current = [], []
+    """The sampler's lists joined into batches by its ``chunk_batch``."""
+    parts: dict[int, list] = {}
     for chunk in sampler:
-        current += chunk
-        if sampler.batch_ends.popleft():
-            out.append(current)
-            current = []
-    assert not current and not sampler.batch_ends
-    return out
+        place = sampler.chunk_batch(chunk[0])
+        parts.setdefault(place.batch, [None] * place.parts)[place.part] = chunk
+    assert not sampler._places, "every list asked about once"
+    assert sorted(parts) == list(range(len(parts)))
+    return [[i for chunk in parts[n] for i in chunk] for n in range(len(parts))]
 
 
 @settings(max_examples=300, deadline=None)
@@ -115,7 +114,7 @@ def test_plan_fills_every_shape_and_hands_batches_over_at_once(shapes, batch_siz
             assert looked == max(batch) + 1
         if shapes[batch[0]] is None:
             assert looked == batch[0] + 1
-    # smaller chunks are the same batches cut in order, and batch_ends joins them again
+    # smaller chunks are the same batches cut in order, and chunk_batch joins them again
     cut = [b[k:k + chunk] for b in batches for k in range(0, len(b), chunk)]
     assert list(_Planned(shapes, batch_size, chunk)) == cut
     assert _batches(_Planned(shapes, batch_size, chunk)) == batches
@@ -176,15 +175,46 @@ def test_short_batches_go_fullest_first_and_a_shape_done_early_is_not_held():
                                                           (b, 4), (b, 4), (x, 1)]
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from([(4, 6), (6, 4), (5, 5), None]), max_size=60), st.integers(1, 8),
+       st.integers(1, 4), st.integers(1, 6), st.randoms(use_true_random=False))
+def test_chunks_taken_as_they_finish_wait_within_the_bound(shapes, batch_size, chunk, in_flight, rng):
+    """A loader that keeps ``in_flight`` (k) lists out and hands each over the moment it
+    is done, in any order (``in_order=False``; it sends the next list before handing one
+    over): the batches are the plan's, and regroup holds at most (k + 1)(P - 1) decoded
+    chunks of a batch's P, with those in flight at most k + 1 batches' worth, and none
+    at the end."""
+    sampler = _Planned(shapes, batch_size, chunk)
+    parts = -(-batch_size // sampler.chunk_size)
+    lists, out, got = iter(sampler), [], []
+    joiner = BatchJoiner(sampler.chunk_batch)
+
+    def send() -> None:
+        while len(out) < in_flight and (nxt := next(lists, None)) is not None:
+            out.append(nxt)
+
+    send()
+    while out:
+        done = out.pop(rng.randrange(len(out)))
+        send()
+        decoded = ImageBatch([], tuple(BadImage(str(i), str(i), "x", i) for i in done), first=done[0])
+        got += joiner.add(decoded)
+        assert joiner.held <= (in_flight + 1) * (parts - 1)
+        assert joiner.held + len(out) <= (in_flight + 1) * parts
+    assert not joiner.waiting and joiner.held == 0
+    want = _batches(_Planned(shapes, batch_size, chunk))
+    assert sorted([b.index for b in batch.bad] for batch in got) == sorted(want)
+
+
 def test_default_chunks_and_a_bad_batch_size(tmp_path):
     files = [(str(i), str(tmp_path / f"{i}.png")) for i in range(12)]
     assert ShapeBatchSampler(files, SHORT, 16).chunk_size == 4  # a quarter batch of whole pictures
     assert ShapeBatchSampler(files, Preprocessing("fit", SIZE), 16).chunk_size == 16
     assert ShapeBatchSampler(files, SHORT, 2).chunk_size == 1
     fit = ShapeBatchSampler(files, Preprocessing("fit", SIZE), 6)
-    assert list(fit) == [list(range(6)), list(range(6, 12))] and list(fit.batch_ends) == [True, True]
+    assert [(c, fit.chunk_batch(c[0])) for c in fit] == [(list(range(6)), (0, 0, 1)), (list(range(6, 12)), (1, 0, 1))]
     odd = _Planned([(4, 6)] * 6, 6)
-    assert [len(c) for c in odd] == [1] * 6 and list(odd.batch_ends) == [False] * 5 + [True]
+    assert [(len(c), odd.chunk_batch(c[0])) for c in odd] == [(1, (0, part, 6)) for part in range(6)]
     with pytest.raises(ValueError, match="batch_size=0: must be at least 1"):
         ShapeBatchSampler(files, SHORT, 0)
 
@@ -238,10 +268,10 @@ def test_loader_batches_are_full_across_the_run(tmp_path):
         files.append((f"{i}.png", str(path)))
         ratio_of[f"{i}.png"] = (w, h)
     sampler = ShapeBatchSampler(files, SHORT, 3)
-    loader = DataLoader(ImageFileDataset(files, SHORT), batch_sampler=sampler,
-                        num_workers=2, collate_fn=functools.partial(collate_images, resize="short"))
+    loader = DataLoader(ImageFileDataset(files, SHORT), batch_sampler=sampler, num_workers=2, in_order=False,
+                        collate_fn=functools.partial(collate_images, resize="short"))
     sizes = Counter()
-    for batch in regroup(iter(loader), sampler.batch_ends):
+    for batch in regroup(iter(loader), sampler.chunk_batch):
         assert len({hw for _, _, hw in batch.groups}) == 1
         assert len({ratio_of[m.rel_path] for m in batch.items}) == 1
         sizes[len(batch)] += 1

@@ -4,7 +4,8 @@ per image on disk.
 Pipeline: list the images (resuming: those with a mask already are left out), decode
 and resize them in DataLoader workers (by default exactly as the weights' own
 ``transforms()``: the short side to 520, so aspect ratios give different shapes), regroup
-them into pinned uint8 batches of one shape each (``sources.images.regroup``), copy each
+them, in the order the workers finish them, into pinned uint8 batches of one shape each
+as planned (``sources.images.regroup``), copy each
 batch to the GPU on a side stream one batch ahead (``stages.prefetch``), normalise and
 run the model there, scale the logits to each image's size and take the argmax there,
 and hand only the uint8 masks (a 42nd of the fp16 logits' bytes with 21 classes) to the

@@ -73,11 +73,14 @@ def _decoders(config: SegmentConfig, device: torch.device, todo: list[tuple[str,
     # this process, which drives the GPU, does nothing per image.
     headers = HeaderReaders(max(1, workers // 8) if workers and config.resize != "fit" else 0,
                             loader_context(), functools.partial(exit_with_parent, os.getpid()))
-    # batches of one shape planned from the headers; regroup joins their chunks
+    # batches of one shape planned from the headers; regroup joins their chunks, taken as
+    # the workers finish them (in order, one slow chunk would hold back every batch behind
+    # it while the other workers sat finished)
     sampler = ShapeBatchSampler(todo, prep, config.batch_size, read_sizes=headers)
     loader = WorkerLoader(
         ImageFileDataset(todo, prep, config.max_pixels or None), batch_sampler=sampler,
         num_workers=workers, prefetch_factor=config.decode_ahead if workers else None,
+        in_order=not workers,
         collate_fn=functools.partial(collate_images, resize=config.resize),
         pin_memory=device.type == "cuda",
         persistent_workers=False, worker_init_fn=functools.partial(exit_with_parent, os.getpid()),
@@ -140,7 +143,7 @@ def segment_on_device(config: SegmentConfig, device: torch.device, todo: list[tu
     workers = min(share_of_cpus(config.num_workers, processes), -(-len(todo) // config.batch_size))
     headers, sampler, loader = _decoders(config, device, todo, prep, workers)
     headers.start()
-    batches = regroup(iter(loader), sampler.batch_ends)
+    batches = regroup(iter(loader), sampler.chunk_batch)
     full_max = config.upsample_max_pixels if config.resize == "short" else 0
     try:
         loaded, segmenter, engine, spec, loading = _model_and_engine(config, device, prep, full_max)
