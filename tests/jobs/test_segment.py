@@ -301,7 +301,8 @@ def test_each_decoder_decodes_decode_ahead_chunks_ahead(tmp_path, workers, ahead
     assert SegmentConfig().decode_ahead == 4
 
 
-def test_chunks_taken_as_they_finish_make_the_masks_of_decoding_in_order(tmp_path, small, monkeypatch, no_leaks):
+def test_chunks_taken_as_they_finish_make_the_masks_of_decoding_in_order(tmp_path, small, monkeypatch,
+                                                                          no_leaks):
     """With workers, a slow image holds back only its own batch: later chunks are joined
     first, and every mask is the one decoding in this process, in order, makes; bad images
     are reported as ever, and a resumed run makes the missing masks the same again."""
@@ -333,7 +334,7 @@ def test_chunks_taken_as_they_finish_make_the_masks_of_decoding_in_order(tmp_pat
     ran = segment(config(images, out, small, num_workers=2), progress=False)
     assert ran["decoders"] == 2 and places != sorted(places), "a later chunk was joined first"
     assert (ran["written"], ran["skipped"]) == (plain["written"], plain["skipped"]) == (18, len(bad))
-    rels = sorted(str(p.relative_to(images)) for p in images.rglob("*") if p.is_file() and "bad" not in p.parts)
+    rels = sorted(p.name for p in images.glob("*.*"))
     for rel in rels:
         assert np.array_equal(mask_of(out, rel), mask_of(tmp_path / "plain", rel)), rel
 

@@ -217,7 +217,8 @@ def _chunk(shapes: list[tuple[int, int]], start: int, bad: int = 0) -> ImageBatc
     """A decoded chunk of dataset indices ``start``, ``start + 1``...: the images of
     ``shapes`` (each filled with its index), then ``bad`` bad ones."""
     samples = [LoadedImage(torch.full((h, w, 3), start + i, dtype=torch.uint8),
-                           ImageMeta(f"{start + i}", "", w, h, w, h), start + i) for i, (h, w) in enumerate(shapes)]
+                           ImageMeta(f"{start + i}", "", w, h, w, h), start + i)
+               for i, (h, w) in enumerate(shapes)]
     samples += [BadImage(f"bad{start + i}", "", "empty file: 0 bytes", start + i)
                 for i in range(len(shapes), len(shapes) + bad)]
     return collate_images(samples)
@@ -280,8 +281,8 @@ def test_regroup_gives_the_planned_batches_as_their_last_chunk_comes(plan, bads,
         bad = [b.rel_path for k in ks for b in made[k].bad]
         shapes = list(dict.fromkeys((m.content_height, m.content_width) for m in images))
         for n, shape in enumerate(shapes or [None]):
-            planned.append((last, [m.rel_path for m in images if (m.content_height, m.content_width) == shape],
-                            bad if n == 0 else []))
+            of_shape = [m.rel_path for m in images if (m.content_height, m.content_width) == shape]
+            planned.append((last, of_shape, bad if n == 0 else []))
     in_order = list(regroup(iter(made), places.__getitem__))
     assert _described(in_order) == [(images, bad) for _, images, bad in planned]
     # each as soon as its last chunk came (sorted stably: one batch's shapes keep their order)

@@ -18,7 +18,8 @@ from segment_fixtures import SIZE, bad_files, exif_rotated_jpeg, image_tree, noi
 from torch.utils.data import DataLoader
 
 from embedingest.sources.image_decode import Preprocessing, header_size, open_rgb
-from embedingest.sources.images import BadImage, BatchJoiner, ImageBatch, ImageFileDataset, collate_images, regroup
+from embedingest.sources.images import (BadImage, BatchJoiner, ImageBatch, ImageFileDataset, collate_images,
+                                        regroup)
 from embedingest.sources.shape_batches import HeaderReaders, ShapeBatchSampler, SizeStream
 
 SHORT = Preprocessing("short", SIZE)
@@ -212,7 +213,8 @@ def test_default_chunks_and_a_bad_batch_size(tmp_path):
     assert ShapeBatchSampler(files, Preprocessing("fit", SIZE), 16).chunk_size == 16
     assert ShapeBatchSampler(files, SHORT, 2).chunk_size == 1
     fit = ShapeBatchSampler(files, Preprocessing("fit", SIZE), 6)
-    assert [(c, fit.chunk_batch(c[0])) for c in fit] == [(list(range(6)), (0, 0, 1)), (list(range(6, 12)), (1, 0, 1))]
+    assert [(c, fit.chunk_batch(c[0])) for c in fit] == [(list(range(6)), (0, 0, 1)),
+                                                         (list(range(6, 12)), (1, 0, 1))]
     odd = _Planned([(4, 6)] * 6, 6)
     assert [(len(c), odd.chunk_batch(c[0])) for c in odd] == [(1, (0, part, 6)) for part in range(6)]
     with pytest.raises(ValueError, match="batch_size=0: must be at least 1"):
