@@ -4,6 +4,7 @@ cases that mutation testing found untested (docs/TESTING.md)."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import faiss
 import numpy as np
@@ -165,3 +166,125 @@ def test_closing_an_index_closes_its_shards_parquet_files(tmp_path):
     assert len(open_parquet()) > len(before)  # the rows were read from them
     index.close()
     assert open_parquet() == before
+
+
+class _Loaded:
+    """What ``TextEncoder.load`` gives, as ``_load_encoder`` reads it: a name and a dim."""
+
+    def __init__(self, name, dim):
+        self.name, self.dim = name, dim
+
+    def info(self):
+        return {"name": self.name, "dim": self.dim}
+
+
+@pytest.fixture
+def loads(monkeypatch):
+    """``TextEncoder.load``, ``resolve_model`` and ``use_query_runtime`` replaced by
+    recorders: ``loads.calls`` says what each was given; ``loads.answer`` is the
+    (name, dim) the next load gives; names in ``loads.unresolved`` are not found."""
+    from embedingest.stages import encoder as encoder_mod, model_folder, query_runtime
+
+    class Loads:
+        calls = []
+        answer = ("org/m", DIM)
+        unresolved = set()
+
+    def load(model, device, dtype):
+        Loads.calls.append(("load", model, device, dtype))
+        return _Loaded(*Loads.answer)
+
+    def resolve(name):
+        Loads.calls.append(("resolve", name))
+        if name in Loads.unresolved:
+            raise ConfigError(f"{name} is not in the cache")
+        return Path(f"/resolved/{name}"), name
+
+    def use(encoder, runtime, cache_dir, threads):
+        Loads.calls.append(("runtime", encoder, runtime, cache_dir, threads))
+        return runtime
+
+    monkeypatch.setattr(encoder_mod.TextEncoder, "load", staticmethod(load))
+    monkeypatch.setattr(model_folder, "resolve_model", resolve)
+    monkeypatch.setattr(query_runtime, "use_query_runtime", use)
+    return Loads
+
+
+def _empty_index(folder, model, dtype="fp32", **kw):
+    store = ShardStore(folder)
+    store.create_or_open(Manifest(model=model, dim=DIM, dtype=dtype))
+    store.close()
+    return open_index(folder, **kw)
+
+
+def test_the_manifest_s_model_is_loaded_from_its_folder_on_the_device_in_its_dtype(tmp_path, loads, monkeypatch):
+    """fp16 becomes fp32 on the CPU only; the encoder gets the runtime asked for, with the
+    cache folder given, else the default one, and torch's thread count."""
+    import torch
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    folder = tmp_path / "model"
+    folder.mkdir()
+    model = {"name": "org/m", "path": str(folder)}
+    threads = torch.get_num_threads()
+    cases = [("cpu", "fp16", {"query_runtime": "onnx", "cache_dir": str(tmp_path / "c")}, "fp32", "onnx",
+              str(tmp_path / "c")),
+             ("cuda:1", "fp16", {}, "fp16", "torch", tmp_path / "xdg" / "embedingest"),
+             ("cpu", "bf16", {"query_runtime": "auto"}, "bf16", "auto", tmp_path / "xdg" / "embedingest")]
+    for n, (device, dtype, kw, loaded_dtype, runtime, cache) in enumerate(cases):
+        with _empty_index(tmp_path / f"index{n}", model, dtype, device=device, **kw) as index:
+            encoder = index.encoder
+            assert index.encoder is encoder and isinstance(encoder, _Loaded)
+        assert loads.calls == [("load", str(folder), device, loaded_dtype),
+                               ("runtime", encoder, runtime, cache, threads)]
+        loads.calls.clear()
+
+
+def test_a_model_folder_not_on_this_machine_is_found_by_its_name(tmp_path, loads):
+    """The bundled model's name or a Hugging Face id (a path missing, or none): the
+    folder ``resolve_model`` gives is loaded."""
+    from embedingest.stages.model_folder import BUNDLED_NAME
+
+    for n, model in enumerate(({"name": BUNDLED_NAME, "path": str(tmp_path / "gone")},
+                               {"name": "org/m"}, {"name": "org/m", "path": ""})):
+        loads.answer = (model["name"], DIM)
+        with _empty_index(tmp_path / f"index{n}", model) as index:
+            assert isinstance(index.encoder, _Loaded)
+        assert loads.calls[:2] == [("resolve", model["name"]),
+                                   ("load", f"/resolved/{model['name']}", "cpu", "fp32")]
+        loads.calls.clear()
+
+
+def test_a_model_neither_on_this_machine_nor_found_by_its_name_is_refused_with_what_to_do(tmp_path, loads):
+    loads.unresolved = {"org/other"}
+    for n, model in enumerate(({"name": "../m", "path": "/nowhere"}, {"path": "/nowhere"},
+                               {"name": "org/other"})):
+        folder = tmp_path / f"index{n}"
+        with _empty_index(folder, model) as index, pytest.raises(ConfigError) as err:
+            index.search("hello")
+        name, path = model.get("name"), model.get("path")
+        if name == "org/other":
+            assert loads.calls == [("resolve", name)]
+            assert str(err.value) == (f"the model of {str(folder)!r} ('org/other') is not on this machine "
+                                      "(path None) and not found by its name: org/other is not in the cache")
+            assert isinstance(err.value.__cause__, ConfigError)
+        else:
+            assert loads.calls == []
+            assert str(err.value) == (f"the model of {str(folder)!r} ({name!r}) is not on this machine "
+                                      f"(path {path!r}): pass encoder= or query vectors")
+        loads.calls.clear()
+
+
+def test_a_model_of_another_name_or_dim_than_the_index_s_is_refused(tmp_path, loads):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for n, answer in enumerate((("org/other", DIM), ("org/m", DIM + 1))):
+        loads.answer = answer
+        with _empty_index(tmp_path / f"index{n}", {"name": "org/m", "path": str(folder)}) as index:
+            with pytest.raises(ConfigError) as err:
+                index.search("hello")
+        assert str(err.value) == (f"model at {str(folder)!r} is {answer[0]!r} (dim {answer[1]}), but the "
+                                  f"index was built with 'org/m' (dim {DIM}): rebuild with --overwrite or "
+                                  "pass encoder=")
+        assert [c[0] for c in loads.calls] == ["load"]
+        loads.calls.clear()
