@@ -408,3 +408,52 @@ def test_eviction_deletes_only_whole_vector_files_least_recently_used_first(tmp_
     assert [r.getMessage() for r in caplog.records] == [
         f"the cache {objects} holds 3.0 MiB of vectors, above its bound of 1.0 MiB: open indexes use them "
         "(raise --cache-size to keep them all)"]
+
+
+def test_a_manifest_not_json_of_another_format_or_with_a_bad_field_is_named_by_its_url(s3, tmp_path):
+    from embedingest.index.formats import CURRENT
+
+    local_index(tmp_path / "ix")
+    url = s3.upload(tmp_path / "ix", "ix")
+    manifest = json.loads((tmp_path / "ix" / "manifest.json").read_text())
+    with pytest.raises(ValueError) as bad_json:
+        json.loads(b"{not json")
+    other_format = (f"{url}/manifest.json is not an index of format {CURRENT}; rebuild it with build-index "
+                    f"--out {url} --overwrite")
+    for data, want in ((b"{not json", f"cannot read {url}/manifest.json: {bad_json.value}; rebuild the index "
+                                      "with --overwrite"),
+                       (b"[2]", other_format),
+                       (json.dumps({**manifest, "format": 1}).encode(), other_format),
+                       (json.dumps({**manifest, "dim": "x"}).encode(),
+                        f"{url}/manifest.json: dim is 'x', not a positive integer; the manifest was changed or "
+                        "damaged: put back the value it was built with, or rebuild the index with --overwrite")):
+        s3.put("ix/manifest.json", data)
+        with pytest.raises(ConfigError) as err:
+            open_index(url, cache_dir=tmp_path / "cache")
+        assert str(err.value) == want
+
+
+def test_a_missing_shard_object_is_named_with_what_to_do(s3, tmp_path):
+    local_index(tmp_path / "ix")
+    shard = [s for s in list_shards(tmp_path / "ix" / "shards") if s.rows][0]
+    name = shard.files["parquet"]["name"]
+    url = s3.upload(tmp_path / "ix", "ix")
+    s3.fs.rm(f"{s3.name}/ix/shards/{name}")
+    with pytest.raises(ConfigError) as err:
+        open_index(url, cache_dir=tmp_path / "cache")
+    assert str(err.value) == (
+        f"shard {shard.name} of {url} is damaged: its parquet object '{name}' is missing; delete that shard's "
+        f"objects ({url}/shards/{shard.name}.*) and run the same build-index command again: the units it "
+        "held are redone")
+
+
+def test_the_cache_bound_is_the_default_unless_given(s3, tmp_path):
+    from embedingest.index.cache import DEFAULT_CACHE_GIB, RemoteShards
+
+    local_index(tmp_path / "ix")
+    url = s3.upload(tmp_path / "ix", "ix")
+    for size, bound in ((None, int(DEFAULT_CACHE_GIB * 2**30)), (0.5, 2**29), (0, None)):
+        shards = RemoteShards(url, tmp_path / "cache", size)
+        assert shards.bound == bound
+        shards.close()
+    assert DEFAULT_CACHE_GIB == 20
