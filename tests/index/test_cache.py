@@ -457,3 +457,19 @@ def test_the_cache_bound_is_the_default_unless_given(s3, tmp_path):
         assert shards.bound == bound
         shards.close()
     assert DEFAULT_CACHE_GIB == 20
+
+
+def test_an_index_in_object_storage_is_searched_with_its_stored_parameters_unless_given(s3, tmp_path):
+    import faiss
+    from index_fixtures import build_index
+
+    built = build_index(tmp_path / "ix", n_units=4, chunks=10, factory="IVF4,Flat")
+    manifest = built.store.read_manifest()
+    manifest.search = {"params": "nprobe=3"}
+    built.store.write_manifest(manifest)
+    built.store.close()
+    url = s3.upload(tmp_path / "ix", "ix")
+    for given, params, nprobe in ((None, "nprobe=3", 3), ("nprobe=2", "nprobe=2", 2), ("", None, 1)):
+        with open_index(url, cache_dir=tmp_path / "cache", params=given) as index:
+            assert index.params == params
+            assert [faiss.extract_index_ivf(s).nprobe for s in index.shards] == [nprobe] * len(index.shards)
