@@ -473,3 +473,38 @@ def test_an_index_in_object_storage_is_searched_with_its_stored_parameters_unles
         with open_index(url, cache_dir=tmp_path / "cache", params=given) as index:
             assert index.params == params
             assert [faiss.extract_index_ivf(s).nprobe for s in index.shards] == [nprobe] * len(index.shards)
+
+
+def test_an_index_in_object_storage_keeps_the_device_prompt_encoder_runtime_and_cache_given(s3, tmp_path, monkeypatch):
+    """What the caller gives reaches the index: its model is loaded on the device given, and
+    its query runtime kept in the cache folder given (the loader and runtime recorded)."""
+    from pathlib import Path
+
+    from shard_fixtures import DIM
+
+    from embedingest.stages import encoder as encoder_mod, model_folder, query_runtime
+
+    local_index(tmp_path / "ix")
+    url = s3.upload(tmp_path / "ix", "ix")
+    calls = []
+
+    class Loaded:
+        dim = DIM
+
+        def info(self):
+            return {"name": "test-model"}
+
+    monkeypatch.setattr(encoder_mod.TextEncoder, "load", staticmethod(
+        lambda path, device, dtype: calls.append(("load", path, device, dtype)) or Loaded()))
+    monkeypatch.setattr(model_folder, "resolve_model", lambda name: (Path(f"/resolved/{name}"), name))
+    monkeypatch.setattr(query_runtime, "use_query_runtime",
+                        lambda encoder, runtime, cache, threads: calls.append(("runtime", runtime, cache)))
+    cache = tmp_path / "cache"
+    with open_index(url, cache_dir=cache, device="cuda:1", query_prompt="find: ", query_runtime="onnx") as index:
+        assert (index.device, index.query_prompt, index.query_runtime) == ("cuda:1", "find: ", "onnx")
+        assert isinstance(index.encoder, Loaded)
+    assert calls == [("load", "/resolved/test-model", "cuda:1", "fp32"), ("runtime", "onnx", cache)]
+    given = object()
+    with open_index(url, cache_dir=cache, encoder=given) as index:
+        assert index.encoder is given
+        assert (index.device, index.query_prompt, index.query_runtime) == ("cpu", "", "torch")
