@@ -177,6 +177,7 @@ def test_consumer_runs_each_task_on_its_slot_and_says_so():
                         timed=True)
     import os
     assert msgs[0] == Ready(3, os.getpid())
+    assert (msgs[0].worker, msgs[0].pid) == (3, os.getpid())  # the engine reads them by name
     assert [type(m) for m in msgs] == [Ready, Done, Done, Closed]
     d0, d1 = msgs[1], msgs[2]
     assert (d0.worker, d0.seq, d0.slot, d0.result) == (3, 0, 1, "w3:a")
