@@ -288,3 +288,21 @@ def test_a_model_of_another_name_or_dim_than_the_index_s_is_refused(tmp_path, lo
                                   "pass encoder=")
         assert [c[0] for c in loads.calls] == ["load"]
         loads.calls.clear()
+
+
+def test_the_store_of_an_open_index_is_a_reader_that_creates_nothing(tmp_path):
+    """``Index.store`` is opened read-only: its units database, when missing, is refused by
+    name, never created."""
+    from embedingest.index.store import UNITS_NAME
+
+    build_index(tmp_path, n_units=1, chunks=4)
+    (tmp_path / UNITS_NAME).unlink()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with open_index(tmp_path) as index:
+        assert index.store.read_only is True
+        with pytest.raises(ConfigError) as err:
+            index.store.units()
+    assert str(err.value) == (
+        f"{str(tmp_path / UNITS_NAME)!r} does not exist: the build of this index was stopped before it "
+        "wrote any metadata, or the file was deleted; run the same build-index command again to finish it")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
