@@ -602,3 +602,19 @@ def test_the_masks_kernel_compiles_while_the_model_loads_where_masks_are_scaled(
     asked.clear()
     [mask] = segment_images([noise(20, 30)], config(images, tmp_path / "out", small, resize=resize))
     assert mask.shape == (20, 30) and asked == want, "segment_images() too"
+
+
+def test_each_forward_is_marked_for_the_profiler(tmp_path, small, monkeypatch):
+    """Each batch's forward is an NVTX range "segment forward" of the "compute" kind."""
+    import contextlib
+
+    from embedingest.jobs.segment import run
+
+    marks = []
+    monkeypatch.setattr(run, "annotate", lambda name, kind: marks.append((name, kind)) or contextlib.nullcontext())
+    images = tmp_path / "images"
+    images.mkdir()
+    for i in range(4):  # one shape: a batch of 3, then one of 1
+        Image.fromarray(noise(20, 30, seed=i)).save(images / f"{i}.png")
+    assert segment(config(images, tmp_path / "out", small), progress=False)["written"] == 4
+    assert marks == [("segment forward", "compute")] * 2
