@@ -316,9 +316,15 @@ class RemoteBuild:
             if not (name.endswith(COMMIT_SUFFIX) and SHARD_NAME.fullmatch(name[: -len(COMMIT_SUFFIX)])) \
                     or f"{SHARDS_DIR}/{name}" in self.found or (local / name).is_file():
                 continue
-            record = json.loads(self.remote.read(f"{SHARDS_DIR}/{name}"))
-            files = record.get("files", {}).values()
-            if any(listed.get(info.get("name")) != info.get("size") for info in files):
+            rel = f"{SHARDS_DIR}/{name}"
+            try:
+                files = read_commit(local / name, self.remote.read(rel)).files.values()
+            except ConfigError as exc:  # a tampered record: never one of this build's writers
+                log.warning("cannot read the commit record %s (%s: %s): that shard is left out and "
+                            "its units are redone", self.remote.where(rel),
+                            type(exc.__cause__).__name__, exc.__cause__)
+                continue
+            if any(listed.get(info["name"]) != info["size"] for info in files):
                 log.warning("shard %s in %s lacks whole objects: its units are redone", name, self.url)
                 continue
             for info in files:
