@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import logging
 
+import pytest
 from s3_fixtures import s3, s3_endpoint  # noqa: F401 (fixtures)
 from shard_fixtures import build_shards
 
-from embedingest.index.remote_store import RemoteBuild
+from embedingest.errors import ConfigError
+from embedingest.index.remote_store import Remote, RemoteBuild, precondition_failed
 
 
 def objects(s3, prefix) -> dict[str, bytes]:
@@ -54,3 +56,64 @@ def test_pull_brings_the_whole_shards_committed_since_the_mirror_and_names_those
             f"shard shard-two-w1-00000.commit.json in {url} lacks whole objects: its units are redone"]
         build.pull_shards()  # what it pulled is not downloaded again
         assert files(build.folder / "shards") == {**files(tmp_path / "first" / "shards"), **pulled}
+
+
+def _s3_error(code: str) -> OSError:
+    exc = OSError(code)
+    exc.response = {"Error": {"Code": code}}
+    return exc
+
+
+def test_only_a_failed_condition_is_a_precondition_failure_on_the_error_or_its_cause():
+    assert precondition_failed(_s3_error("PreconditionFailed"))
+    assert precondition_failed(_s3_error("ConditionalRequestConflict"))
+    assert not precondition_failed(_s3_error("NoSuchKey"))
+    assert not precondition_failed(OSError("no response"))
+    wrapped = OSError("wrapped")
+    wrapped.__cause__ = _s3_error("PreconditionFailed")
+    assert precondition_failed(wrapped)
+    wrapped.__cause__ = _s3_error("AccessDenied")
+    assert not precondition_failed(wrapped)
+    odd = OSError("odd")
+    odd.response = "PreconditionFailed"  # not a mapping: not boto's response
+    assert not precondition_failed(odd)
+
+
+def test_a_remote_is_the_url_s_bucket_and_prefix_and_names_its_objects_by_url():
+    remote = Remote("s3://bucket/some/ix//")
+    assert (remote.url, remote.root, remote.bucket, remote.prefix) == (
+        "s3://bucket/some/ix", "bucket/some/ix", "bucket", "some/ix")
+    assert remote.where("shards/a.faiss") == "s3://bucket/some/ix/shards/a.faiss"
+    assert remote.fresh("shards/a.faiss") == "bucket/some/ix/shards/a.faiss"
+
+
+@pytest.mark.parametrize("url", ["memory://somewhere/ix", "gs://bucket/ix", "s3://bucket/ix::memory://x",
+                                 "/local/ix"])
+def test_urls_other_than_s3_are_refused_with_what_to_give(url):
+    with pytest.raises(ConfigError) as info:
+        Remote(url)
+    assert str(info.value) == (
+        f"cannot keep an index at {url!r}: an index in object storage lives at an s3:// URL (S3 or an "
+        "S3-compatible server, AWS_ENDPOINT_URL_S3), whose conditional writes make its commits safe; "
+        "give an s3://bucket/prefix or a local folder")
+
+
+def test_a_whole_bucket_is_refused_with_a_prefix_to_give():
+    for url in ("s3://bucket", "s3://bucket/"):
+        with pytest.raises(ConfigError) as info:
+            Remote(url)
+        assert str(info.value) == ("'s3://bucket' is a whole bucket: give the index a prefix of its own, "
+                                   "e.g. s3://bucket/my-index")
+
+
+def test_a_missing_backend_names_the_url_and_the_extra_to_install(monkeypatch):
+    import fsspec.core
+
+    def missing(url):
+        raise ImportError("Install s3fs to access S3")
+
+    monkeypatch.setattr(fsspec.core, "url_to_fs", missing)
+    with pytest.raises(ConfigError) as info:
+        Remote("s3://bucket/ix")
+    assert str(info.value) == ("cannot use 's3://bucket/ix': Install s3fs to access S3 "
+                               "(pip install 'embedingest[remote]')")
