@@ -73,7 +73,7 @@ class Remote:
 
     def __init__(self, url: str):
         url = url.rstrip("/")
-        if not is_remote(url) or "::" in url or not url.lower().startswith("s3://"):
+        if not is_remote(url) or "::" in url or not url.startswith("s3://"):
             raise ConfigError(
                 f"cannot keep an index at {url!r}: an index in object storage lives at an s3:// "
                 "URL (S3 or an S3-compatible server, AWS_ENDPOINT_URL_S3), whose conditional "

@@ -88,7 +88,7 @@ def test_a_remote_is_the_url_s_bucket_and_prefix_and_names_its_objects_by_url():
 
 
 @pytest.mark.parametrize("url", ["memory://somewhere/ix", "gs://bucket/ix", "s3://bucket/ix::memory://x",
-                                 "/local/ix"])
+                                 "S3://bucket/ix", "/local/ix"])
 def test_urls_other_than_s3_are_refused_with_what_to_give(url):
     with pytest.raises(ConfigError) as info:
         Remote(url)
