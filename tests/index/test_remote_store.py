@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
+import time
 
 import pytest
 from s3_fixtures import s3, s3_endpoint  # noqa: F401 (fixtures)
 from shard_fixtures import build_shards
 
 from embedingest.errors import ConfigError
-from embedingest.index.remote_store import Remote, RemoteBuild, precondition_failed
+from embedingest.index.lock import IndexBusy
+from embedingest.index.remote_store import LEASE_NAME, Lease, Remote, RemoteBuild, precondition_failed
 
 
 def objects(s3, prefix) -> dict[str, bytes]:
@@ -117,3 +121,140 @@ def test_a_missing_backend_names_the_url_and_the_extra_to_install(monkeypatch):
         Remote("s3://bucket/ix")
     assert str(info.value) == ("cannot use 's3://bucket/ix': Install s3fs to access S3 "
                                "(pip install 'embedingest[remote]')")
+
+
+def test_puts_are_conditional_when_asked_and_reads_see_the_store_afresh(s3):
+    remote = Remote(s3.url("ix"))
+    assert remote.etag("a.json") is None
+    etag = remote.put("a.json", b"one", if_none_match=True)
+    assert remote.etag("a.json") == etag and remote.read("a.json") == b"one"
+    with pytest.raises(OSError) as info:
+        remote.put("a.json", b"two", if_none_match=True)
+    assert precondition_failed(info.value)
+    with pytest.raises(OSError) as info:
+        remote.put("a.json", b"two", if_match='"not-its-etag"')
+    assert precondition_failed(info.value)
+    assert remote.read("a.json") == b"one"
+    second = remote.put("a.json", b"two", if_match=etag)
+    assert second != etag and remote.read("a.json") == b"two"
+    remote.put("a.json", b"three")
+    s3.put("ix/shards/b.bin", b"12345")
+    assert remote.listing() == {"a.json": 5}
+    assert remote.listing("shards") == remote.listing("shards/") == {"b.bin": 5}
+    assert remote.listing("none") == {}
+    s3.put("ix/shards/b.bin", b"123")  # behind the remote's back: seen at once
+    assert remote.listing("shards") == {"b.bin": 3}
+    assert remote.read_many(["a.json", "shards/b.bin"]) == {"a.json": b"three", "shards/b.bin": b"123"}
+    assert remote.read_many([]) == {}
+
+
+def test_downloads_are_whole_and_deletes_keep_to_their_condition(s3, tmp_path):
+    remote = Remote(s3.url("ix"))
+    body = bytes(range(256)) * 40000  # more than one block of the copy
+    etag = remote.put("big.bin", body)
+    remote.download("big.bin", tmp_path / "big.bin")
+    assert (tmp_path / "big.bin").read_bytes() == body and os.listdir(tmp_path) == ["big.bin"]
+    with pytest.raises(OSError) as info:
+        remote.delete("big.bin", if_match='"not-its-etag"')
+    assert precondition_failed(info.value) and remote.etag("big.bin") == etag
+    remote.delete("big.bin", if_match=etag)
+    assert remote.etag("big.bin") is None
+    remote.put("small.bin", b"x")
+    remote.delete("small.bin")
+    assert remote.listing() == {}
+    (tmp_path / "up.bin").write_bytes(b"uploaded")
+    remote.upload(tmp_path / "up.bin", "shards/up.bin")
+    assert s3.fs.cat_file(f"{s3.name}/ix/shards/up.bin") == b"uploaded"
+
+
+def test_a_lease_holds_who_builds_until_when_and_is_renewed_then_deleted(s3):
+    remote = Remote(s3.url("ix"))
+    with Lease(remote, run="r1", seconds=1.2) as lease:
+        first = json.loads(s3.fs.cat_file(f"{s3.name}/ix/{LEASE_NAME}"))
+        assert {k: first[k] for k in ("run", "host", "pid")} == {
+            "run": "r1", "host": socket.gethostname(), "pid": os.getpid()}
+        assert time.time() + 0.9 < first["expires"] <= time.time() + 1.2
+        assert lease.etag == remote.etag(LEASE_NAME)
+        time.sleep(0.5)  # a renewal every 0.3 s
+        renewed = json.loads(s3.fs.cat_file(f"{s3.name}/ix/{LEASE_NAME}"))
+        assert renewed["expires"] > first["expires"] and lease.etag == remote.etag(LEASE_NAME)
+        lease.check()
+    assert remote.etag(LEASE_NAME) is None and lease.lost is None
+
+
+def test_a_lease_another_build_holds_is_refused_naming_it_and_an_expired_or_garbled_one_taken(s3, caplog):
+    url = s3.url("ix")
+    expires = time.time() + 100
+    held = json.dumps({"run": "other", "host": "h", "pid": 7, "expires": expires}).encode()
+    s3.put(f"ix/{LEASE_NAME}", held)
+    with pytest.raises(IndexBusy) as info:
+        with Lease(Remote(url), run="mine"):
+            pass
+    assert str(info.value) == (
+        f"another build (run 'other', pid 7 on host 'h') holds {url}/.run.lock until "
+        f"{time.strftime('%H:%M:%S UTC', time.gmtime(expires))}; wait for it to end, or if it was "
+        "stopped run again after that time (the index resumes)")
+    assert s3.fs.cat_file(f"{s3.name}/ix/{LEASE_NAME}") == held
+    for old in (json.dumps({"run": "dead", "expires": time.time() - 1}).encode(), b"{garbled",
+                json.dumps({"run": "no-time"}).encode(), json.dumps([1]).encode()):
+        s3.put(f"ix/{LEASE_NAME}", old)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="embedingest"), Lease(Remote(url), run="mine") as lease:
+            assert json.loads(s3.fs.cat_file(f"{s3.name}/ix/{LEASE_NAME}"))["run"] == "mine"
+        assert lease.lost is None and Remote(url).etag(LEASE_NAME) is None
+        run = "'dead'" if b"dead" in old else "None"  # an unreadable lease names no run
+        assert [r.getMessage() for r in caplog.records] == [
+            f"took over the expired lease of {url} (run {run})"]
+
+
+def test_a_lease_taken_by_another_build_first_is_refused(s3, monkeypatch):
+    url = s3.url("ix")
+    s3.put(f"ix/{LEASE_NAME}", json.dumps({"run": "dead", "expires": 0}).encode())
+    remote = Remote(url)
+    real = remote.put
+
+    def put(rel, data, **kw):
+        if "if_match" in kw:  # the take-over: another build's write got there first
+            s3.put(f"ix/{LEASE_NAME}", b"theirs")
+        return real(rel, data, **kw)
+
+    monkeypatch.setattr(remote, "put", put)
+    with pytest.raises(IndexBusy) as info:
+        with Lease(remote, run="mine"):
+            pass
+    assert str(info.value) == (f"another build took {url}/.run.lock just now; wait for it to end and "
+                               "run again")
+    assert info.value.__cause__ is None and s3.fs.cat_file(f"{s3.name}/ix/{LEASE_NAME}") == b"theirs"
+
+
+def test_a_lost_lease_says_so_whole_and_is_left_to_its_new_holder(s3):
+    url = s3.url("ix")
+    lease = Lease(Remote(url), seconds=1.6)
+    with lease:
+        s3.put(f"ix/{LEASE_NAME}", b"theirs")
+        time.sleep(0.8)
+        with pytest.raises(IndexBusy) as info:
+            lease.check()
+    assert str(info.value) == (
+        f"this build lost its lease on {url} (it was not renewed in 2 s and another build took it); "
+        "nothing it uploaded is lost: run the same command again to commit it")
+    assert precondition_failed(lease.lost) and s3.fs.cat_file(f"{s3.name}/ix/{LEASE_NAME}") == b"theirs"
+
+
+def test_a_failed_renewal_is_logged_and_tried_again(s3, monkeypatch, caplog):
+    url = s3.url("ix")
+    remote = Remote(url)
+    real, calls = remote.put, []
+
+    def put(rel, data, **kw):
+        calls.append(kw)
+        if len(calls) == 2:
+            raise OSError("the network is down")
+        return real(rel, data, **kw)
+
+    monkeypatch.setattr(remote, "put", put)
+    with caplog.at_level(logging.WARNING, logger="embedingest"), Lease(remote, seconds=0.4) as lease:
+        time.sleep(0.45)
+    assert len(calls) >= 3 and lease.lost is None and remote.etag(LEASE_NAME) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        f"could not renew the lease of {url} (the network is down); trying again"]
