@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import socket
+import sqlite3
 import time
 
 import pytest
@@ -258,3 +260,36 @@ def test_a_failed_renewal_is_logged_and_tried_again(s3, monkeypatch, caplog):
     assert len(calls) >= 3 and lease.lost is None and remote.etag(LEASE_NAME) is None
     assert [r.getMessage() for r in caplog.records] == [
         f"could not renew the lease of {url} (the network is down); trying again"]
+
+
+def test_a_checkpoint_uploads_the_build_s_own_shards_trained_file_and_a_whole_units_snapshot(
+        s3, tmp_path, monkeypatch):
+    build_shards(tmp_path / "local", n_units=2, chunks=5, workers=1, run_id="own")
+    s3.put("ix/manifest.json", (tmp_path / "local" / "manifest.json").read_bytes())
+    url = s3.url("ix")
+    with RemoteBuild(url) as build:
+        shutil.copytree(tmp_path / "local" / "shards", build.folder / "shards", dirs_exist_ok=True)
+        (build.folder / "trained.faiss").write_bytes(b"trained")
+        (build.folder / "skipped.jsonl").write_text("{}\n")
+        db = sqlite3.connect(build.folder / "units.sqlite")
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("CREATE TABLE units (no INTEGER)")
+        db.executemany("INSERT INTO units VALUES (?)", [(1,), (2,)])
+        db.commit()  # in the WAL, not yet in the database file
+        assert (build.folder / "units.sqlite-wal").stat().st_size > 0
+        build.checkpoint()
+        db.close()
+        bucket = objects(s3, "ix")
+        assert sorted(bucket) == sorted([".run.lock", "manifest.json", "trained.faiss", "units.sqlite"]
+                                        + [f"shards/{n}" for n in files(tmp_path / "local" / "shards")])
+        assert {n: bucket[f"shards/{n}"] for n in files(tmp_path / "local" / "shards")} == \
+            files(tmp_path / "local" / "shards")
+        assert bucket["trained.faiss"] == b"trained"
+        (tmp_path / "copy.sqlite").write_bytes(bucket["units.sqlite"])
+        with sqlite3.connect(tmp_path / "copy.sqlite") as copy:
+            assert copy.execute("SELECT no FROM units").fetchall() == [(1,), (2,)]
+        assert not (build.folder / ".units-snapshot.sqlite").exists()
+        uploads = []
+        monkeypatch.setattr(build.remote, "upload", lambda local, rel: uploads.append(rel))
+        build.checkpoint()  # the shards are in the bucket already
+        assert uploads == ["trained.faiss", "units.sqlite"]
