@@ -32,7 +32,7 @@ def files(folder) -> dict[str, bytes]:
 
 
 def test_pull_brings_the_whole_shards_committed_since_the_mirror_and_names_those_it_leaves_out(
-        s3, tmp_path, caplog):
+        s3, tmp_path, caplog, monkeypatch):
     first = build_shards(tmp_path / "first", n_units=2, chunks=5, workers=1, run_id="one")
     url = s3.upload(tmp_path / "first", "ix")
     with RemoteBuild(url) as build:
@@ -40,11 +40,11 @@ def test_pull_brings_the_whole_shards_committed_since_the_mirror_and_names_those
         later = build_shards(tmp_path / "later", n_units=2, chunks=20, workers=2, run_id="two")
         assert [w["name"] for w in first.written + later.written] == [
             "shard-one-w0-00000", "shard-two-w0-00000", "shard-two-w1-00000"]
-        pulled = {n: b for n, b in files(tmp_path / "later" / "shards").items() if "-w0-" in n}
+        pulled = {n: b for n, b in files(tmp_path / "later" / "shards").items() if "-w1-" in n}
         for name, body in pulled.items():
             s3.put(f"ix/shards/{name}", body)
-        record = (tmp_path / "later" / "shards" / "shard-two-w1-00000.commit.json").read_bytes()
-        s3.put("ix/shards/shard-two-w1-00000.commit.json", record)  # its files not uploaded
+        record = (tmp_path / "later" / "shards" / "shard-two-w0-00000.commit.json").read_bytes()
+        s3.put("ix/shards/shard-two-w0-00000.commit.json", record)  # its files not uploaded
         s3.put("ix/shards/shard-bad-w0-00000.commit.json", b'{"format": 2, "na')
         s3.put("ix/shards/shard-bad-w0-00001.commit.json", json.dumps([1, 2]).encode())
         s3.put("ix/shards/notes.commit.json", b"not a shard's")
@@ -59,9 +59,14 @@ def test_pull_brings_the_whole_shards_committed_since_the_mirror_and_names_those
             f"cannot read the commit record {url}/shards/shard-bad-w0-00001.commit.json (TypeError: "
             "list indices must be integers or slices, not str): that shard is left out and its units "
             "are redone",
-            f"shard shard-two-w1-00000.commit.json in {url} lacks whole objects: its units are redone"]
+            f"shard shard-two-w0-00000.commit.json in {url} lacks whole objects: its units are redone"]
+        downloads = []
+        monkeypatch.setattr(build.remote, "download", lambda rel, local: downloads.append(rel))
         build.pull_shards()  # what it pulled is not downloaded again
-        assert files(build.folder / "shards") == {**files(tmp_path / "first" / "shards"), **pulled}
+        assert downloads == []
+    with RemoteBuild(url, overwrite=True) as build:  # the shards it found are gone, never pulled
+        build.pull_shards()
+        assert files(build.folder / "shards") == {}
 
 
 def _s3_error(code: str) -> OSError:
@@ -80,6 +85,9 @@ def test_only_a_failed_condition_is_a_precondition_failure_on_the_error_or_its_c
     assert precondition_failed(wrapped)
     wrapped.__cause__ = _s3_error("AccessDenied")
     assert not precondition_failed(wrapped)
+    other = OSError("no error code")
+    other.response = {"ResponseMetadata": {"HTTPStatusCode": 500}}
+    assert not precondition_failed(other)
     odd = OSError("odd")
     odd.response = "PreconditionFailed"  # not a mapping: not boto's response
     assert not precondition_failed(odd)
@@ -293,3 +301,50 @@ def test_a_checkpoint_uploads_the_build_s_own_shards_trained_file_and_a_whole_un
         monkeypatch.setattr(build.remote, "upload", lambda local, rel: uploads.append(rel))
         build.checkpoint()  # the shards are in the bucket already
         assert uploads == ["trained.faiss", "units.sqlite"]
+
+
+def test_a_reindexed_index_is_mirrored_with_its_generation_s_vectors_and_a_checkpoint_uploads_none(
+        s3, tmp_path, monkeypatch):
+    local = tmp_path / "local"
+    name = build_shards(local, n_units=2, chunks=5, workers=1, run_id="old").written[0]["name"]
+    (local / "shards" / f"{name}.faiss").rename(local / "shards" / f"{name}.g1.faiss")  # reindexed
+    manifest = json.loads((local / "manifest.json").read_text()) | {"generation": 1}
+    (local / "manifest.json").write_text(json.dumps(manifest))
+    with RemoteBuild(s3.upload(local, "ix")) as build:
+        assert files(build.folder / "shards") == files(local / "shards")
+        sqlite3.connect(build.folder / "units.sqlite").close()
+        uploads = []
+        monkeypatch.setattr(build.remote, "upload", lambda path, rel: uploads.append(rel))
+        build.checkpoint()
+        assert uploads == ["units.sqlite"]
+
+
+def test_a_lease_its_holder_deleted_meanwhile_is_created_anew_unless_another_build_is_first(s3, monkeypatch):
+    url = s3.url("ix")
+    for rival in (False, True):
+        s3.put(f"ix/{LEASE_NAME}", json.dumps({"run": "ending", "expires": time.time() + 100}).encode())
+        remote = Remote(url)
+        etag, read = remote.etag, remote.read
+
+        def gone(rel):  # the holder ends: its lease is deleted just before the take-over looks
+            s3.fs.rm_file(f"{s3.name}/ix/{rel}")
+            return etag(rel)
+
+        def raced(rel):  # and another build creates one before this build does
+            if rival:
+                s3.put(f"ix/{rel}", b"theirs")
+            return read(rel)
+
+        monkeypatch.setattr(remote, "etag", gone)
+        monkeypatch.setattr(remote, "read", raced)
+        if rival:
+            with pytest.raises(IndexBusy) as info:
+                with Lease(remote, run="mine"):
+                    pass
+            assert str(info.value) == (f"another build took {url}/.run.lock just now; wait for it to end "
+                                       "and run again")
+            assert s3.fs.cat_file(f"{s3.name}/ix/{LEASE_NAME}") == b"theirs"
+        else:
+            with Lease(remote, run="mine"):
+                assert json.loads(s3.fs.cat_file(f"{s3.name}/ix/{LEASE_NAME}"))["run"] == "mine"
+            assert sorted(objects(s3, "ix")) == []
