@@ -296,8 +296,8 @@ class RemoteBuild:
             self.remote.download(f"{SHARDS_DIR}/{name}", shards / name)
             try:
                 files = read_commit(shards / name).files.values()
-            except ConfigError as exc:
-                log.warning("%s", exc)  # the local build deletes it, and so does the commit
+            except ConfigError as exc:  # the local build deletes it, and so does the commit
+                self._unreadable(f"{SHARDS_DIR}/{name}", exc)
                 continue
             names = [info["name"] for info in files]
             if generation:  # a reindexed index: its vectors are in files no record names
@@ -305,6 +305,12 @@ class RemoteBuild:
             for file in names:
                 if file in listed:  # one missing: the build finds the shard damaged
                     self.remote.download(f"{SHARDS_DIR}/{file}", shards / file)
+
+    def _unreadable(self, rel: str, exc: ConfigError) -> None:
+        """Warn of the commit record ``rel`` that read_commit refused, naming it in the bucket
+        (not its copy in the working folder, which the build deletes)."""
+        log.warning("cannot read the commit record %s (%s: %s): that shard is left out and its units "
+                    "are redone", self.remote.where(rel), type(exc.__cause__).__name__, exc.__cause__)
 
     def pull_shards(self) -> None:
         """Download into the working folder the shards that writers elsewhere (a Ray run's
@@ -320,9 +326,7 @@ class RemoteBuild:
             try:
                 files = read_commit(local / name, self.remote.read(rel)).files.values()
             except ConfigError as exc:  # a tampered record: never one of this build's writers
-                log.warning("cannot read the commit record %s (%s: %s): that shard is left out and "
-                            "its units are redone", self.remote.where(rel),
-                            type(exc.__cause__).__name__, exc.__cause__)
+                self._unreadable(rel, exc)
                 continue
             if any(listed.get(info["name"]) != info["size"] for info in files):
                 log.warning("shard %s in %s lacks whole objects: its units are redone", name, self.url)
@@ -431,7 +435,7 @@ class RemoteBuild:
             try:
                 shards.append(read_commit(local / n))
             except ConfigError as exc:
-                log.warning("%s", exc)
+                self._unreadable(f"{SHARDS_DIR}/{n}", exc)
         replaced = {r for s in shards for r in s.replaces}
         live = []
         for shard in shards:

@@ -348,3 +348,74 @@ def test_a_lease_its_holder_deleted_meanwhile_is_created_anew_unless_another_bui
             with Lease(remote, run="mine"):
                 assert json.loads(s3.fs.cat_file(f"{s3.name}/ix/{LEASE_NAME}"))["run"] == "mine"
             assert sorted(objects(s3, "ix")) == []
+
+
+def _bad_record_warning(url, name, error):
+    return (f"cannot read the commit record {url}/shards/{name}.commit.json ({error}): that shard is "
+            "left out and its units are redone")
+
+
+def test_a_build_mirrors_the_index_and_its_commit_keeps_only_the_live_shards(s3, tmp_path, caplog, monkeypatch):
+    local = tmp_path / "local"
+    old = [w["name"] for w in build_shards(local, n_units=2, chunks=20, workers=2, run_id="old").written]
+    assert old == ["shard-old-w0-00000", "shard-old-w1-00000"]
+    (local / "skipped.jsonl").write_text('{"source": "x"}\n')
+    (local / "trained.faiss").write_bytes(b"trained")
+    url = s3.upload(local, "ix")
+    s3.put("ix/notes.txt", b"not the index's")
+    s3.put("ix/shards/shard-bad-w0-00000.commit.json", b"{")
+    s3.put("ix/shards/shard-bad-w0-00000.parquet", b"p")
+    s3.put("ix/shards/stray.bin", b"s")
+    caplog.set_level(logging.WARNING, logger="embedingest")
+    with RemoteBuild(url) as build:
+        mirrored = {n: b for n, b in files(local).items() if n != ".writers.lock"}
+        assert files(build.folder) == mirrored | {"shards/shard-bad-w0-00000.commit.json": b"{"}
+        assert build.found == set(objects(s3, "ix"))
+        assert build.manifest_etag == Remote(url).etag("manifest.json")
+        bad = _bad_record_warning(url, "shard-bad-w0-00000", "JSONDecodeError: Expecting property name "
+                                  "enclosed in double quotes: line 1 column 2 (char 1)")
+        assert [r.getMessage() for r in caplog.records] == [bad]
+        (build.folder / "shards" / "shard-bad-w0-00000.commit.json").unlink()  # as the local build does
+        # the build's own work: shard w0 replaced by one of its own, w1 and the skip report dropped
+        new = build_shards(tmp_path / "new", n_units=2, chunks=5, workers=1, run_id="new").written[0]["name"]
+        record = json.loads((tmp_path / "new" / "shards" / f"{new}.commit.json").read_text())
+        (tmp_path / "new" / "shards" / f"{new}.commit.json").write_text(json.dumps(record | {"replaces": [old[0]]}))
+        shutil.copytree(tmp_path / "new" / "shards", build.folder / "shards", dirs_exist_ok=True)
+        for path in (build.folder / "shards").glob(f"{old[1]}.*"):
+            path.unlink()
+        (build.folder / "skipped.jsonl").unlink()
+        # another machine's writers: one shard whole, one without its vectors
+        other = build_shards(tmp_path / "other", n_units=2, chunks=20, workers=2, run_id="two").written
+        for name, body in files(tmp_path / "other" / "shards").items():
+            if name != f"{other[1]['name']}.faiss":
+                s3.put(f"ix/shards/{name}", body)
+        deletes, real = [], build.remote.delete
+
+        def delete(rel, if_match=None):
+            deletes.append((rel, if_match is not None))
+            real(rel, if_match)
+            if rel in ("shards/stray.bin", "skipped.jsonl"):  # a store that says it was gone already
+                raise FileNotFoundError(rel)
+
+        monkeypatch.setattr(build.remote, "delete", delete)
+        commits, commit = [], build.commit
+        monkeypatch.setattr(build, "commit", lambda: commits.append(commit()))
+        caplog.clear()
+    assert commits == [json.loads((local / "manifest.json").read_text()) | {
+        "segments": [{"name": new, "count": 10}, {"name": other[0]["name"], "count": 23}]}]
+    assert json.loads(s3.fs.cat_file(f"{s3.name}/ix/manifest.json")) == commits[0]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"shard {other[1]['name']} in {url} lacks whole objects ({other[1]['name']}.faiss): it is left "
+        "out and its units are redone by the next build"]
+    gone = [f"shards/{n}" for n in ("shard-bad-w0-00000.commit.json", f"{old[0]}.commit.json",
+                                     f"{old[1]}.commit.json", f"{other[1]['name']}.commit.json",
+                                     "shard-bad-w0-00000.parquet", f"{old[0]}.emb.npy", f"{old[0]}.faiss",
+                                     f"{old[0]}.parquet", f"{old[1]}.emb.npy", f"{old[1]}.faiss",
+                                     f"{old[1]}.parquet", f"{other[1]['name']}.emb.npy",
+                                     f"{other[1]['name']}.parquet", "stray.bin")]
+    assert deletes == [(rel, False) for rel in gone + ["skipped.jsonl"]] + [(".run.lock", True)]
+    assert sorted(objects(s3, "ix")) == sorted(
+        [".writers.lock", "manifest.json", "notes.txt", "trained.faiss"]
+        + [f"shards/{n}" for n in files(tmp_path / "new" / "shards")]
+        + [f"shards/{other[0]['name']}{s}" for s in (".commit.json", ".emb.npy", ".faiss", ".parquet")])
+
