@@ -17,6 +17,7 @@ from s3_fixtures import s3, s3_endpoint  # noqa: F401 (fixtures)
 from shard_fixtures import build_shards
 
 from embedingest.errors import ConfigError
+from embedingest.index import remote_store
 from embedingest.index.lock import IndexBusy
 from embedingest.index.remote_store import LEASE_NAME, Lease, Remote, RemoteBuild, precondition_failed
 
@@ -297,10 +298,17 @@ def test_a_checkpoint_uploads_the_build_s_own_shards_trained_file_and_a_whole_un
         with sqlite3.connect(tmp_path / "copy.sqlite") as copy:
             assert copy.execute("SELECT no FROM units").fetchall() == [(1,), (2,)]
         assert not (build.folder / ".units-snapshot.sqlite").exists()
-        uploads = []
+        uploads, shards = [], []
         monkeypatch.setattr(build.remote, "upload", lambda local, rel: uploads.append(rel))
+        real = remote_store.upload_shard
+        monkeypatch.setattr(remote_store, "upload_shard", lambda url, folder, record: (
+            shards.append(record["name"]), real(url, folder, record)))
         build.checkpoint()  # the shards are in the bucket already
-        assert uploads == ["trained.faiss", "units.sqlite"]
+        assert (uploads, shards) == (["trained.faiss", "units.sqlite"], [])
+        s3.fs.rm_file(f"{s3.name}/ix/shards/shard-own-w0-00000.faiss")  # lost: the shard goes again
+        build.checkpoint()
+        assert shards == ["shard-own-w0-00000"]
+        assert objects(s3, "ix")["shards/shard-own-w0-00000.faiss"] == bucket["shards/shard-own-w0-00000.faiss"]
 
 
 def test_a_reindexed_index_is_mirrored_with_its_generation_s_vectors_and_a_checkpoint_uploads_none(
