@@ -369,6 +369,8 @@ def test_a_build_mirrors_the_index_and_its_commit_keeps_only_the_live_shards(s3,
     assert old == ["shard-old-w0-00000", "shard-old-w1-00000"]
     (local / "skipped.jsonl").write_text('{"source": "x"}\n')
     (local / "trained.faiss").write_bytes(b"trained")
+    manifest = json.loads((local / "manifest.json").read_text()) | {"corpus_path": "/data/córpus"}
+    (local / "manifest.json").write_text(json.dumps(manifest))
     url = s3.upload(local, "ix")
     s3.put("ix/notes.txt", b"not the index's")
     s3.put("ix/shards/shard-bad-w0-00000.commit.json", b"{")
@@ -411,7 +413,8 @@ def test_a_build_mirrors_the_index_and_its_commit_keeps_only_the_live_shards(s3,
         caplog.clear()
     assert commits == [json.loads((local / "manifest.json").read_text()) | {
         "segments": [{"name": new, "count": 10}, {"name": other[0]["name"], "count": 23}]}]
-    assert json.loads(s3.fs.cat_file(f"{s3.name}/ix/manifest.json")) == commits[0]
+    assert s3.fs.cat_file(f"{s3.name}/ix/manifest.json") == (
+        json.dumps(commits[0], indent=2, ensure_ascii=False) + "\n").encode()
     assert [r.getMessage() for r in caplog.records] == [
         f"shard {other[1]['name']} in {url} lacks whole objects ({other[1]['name']}.faiss): it is left "
         "out and its units are redone by the next build"]
@@ -427,3 +430,23 @@ def test_a_build_mirrors_the_index_and_its_commit_keeps_only_the_live_shards(s3,
         + [f"shards/{n}" for n in files(tmp_path / "new" / "shards")]
         + [f"shards/{other[0]['name']}{s}" for s in (".commit.json", ".emb.npy", ".faiss", ".parquet")])
 
+
+def test_the_first_commit_creates_the_manifest_unless_another_build_created_one_meanwhile(s3, tmp_path):
+    build_shards(tmp_path / "local", n_units=2, chunks=5, workers=1, run_id="one")
+    manifest = json.loads((tmp_path / "local" / "manifest.json").read_text())
+    url = s3.url("ix")
+    with RemoteBuild(url) as build:
+        assert build.manifest_etag is None and files(build.folder) == {}
+        shutil.copytree(tmp_path / "local", build.folder, dirs_exist_ok=True)
+    assert json.loads(s3.fs.cat_file(f"{s3.name}/ix/manifest.json")) == manifest | {
+        "segments": [{"name": "shard-one-w0-00000", "count": 10}]}
+    s3.fs.rm_file(f"{s3.name}/ix/manifest.json")
+    with pytest.raises(IndexBusy) as info:
+        with RemoteBuild(url) as build:
+            assert build.manifest_etag is None
+            shutil.copy(tmp_path / "local" / "manifest.json", build.folder / "manifest.json")
+            s3.put("ix/manifest.json", b"theirs")
+    assert str(info.value) == (
+        f"another build changed {url}/manifest.json while this one ran, so it was not overwritten; "
+        "nothing is lost (this run's shards are uploaded): run the same command again to commit them")
+    assert info.value.__cause__ is None and s3.fs.cat_file(f"{s3.name}/ix/manifest.json") == b"theirs"
