@@ -307,7 +307,7 @@ def test_a_checkpoint_uploads_the_build_s_own_shards_trained_file_and_a_whole_un
         assert (uploads, shards) == (["trained.faiss", "units.sqlite"], [])
         s3.fs.rm_file(f"{s3.name}/ix/shards/shard-own-w0-00000.faiss")  # lost: the shard goes again
         build.checkpoint()
-        assert shards == ["shard-own-w0-00000"]
+        assert shards == ["shard-own-w0-00000"] and uploads == ["trained.faiss", "units.sqlite"] * 2
         assert objects(s3, "ix")["shards/shard-own-w0-00000.faiss"] == bucket["shards/shard-own-w0-00000.faiss"]
 
 
