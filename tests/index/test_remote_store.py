@@ -186,6 +186,7 @@ def test_a_lease_holds_who_builds_until_when_and_is_renewed_then_deleted(s3):
             "run": "r1", "host": socket.gethostname(), "pid": os.getpid()}
         assert time.time() + 0.9 < first["expires"] <= time.time() + 1.2
         assert lease.etag == remote.etag(LEASE_NAME)
+        assert (lease._thread.name, lease._thread.daemon) == ("embedingest-lease", True)
         time.sleep(0.5)  # a renewal every 0.3 s
         renewed = json.loads(s3.fs.cat_file(f"{s3.name}/ix/{LEASE_NAME}"))
         assert renewed["expires"] > first["expires"] and lease.etag == remote.etag(LEASE_NAME)
@@ -394,11 +395,10 @@ def test_a_build_mirrors_the_index_and_its_commit_keeps_only_the_live_shards(s3,
         for path in (build.folder / "shards").glob(f"{old[1]}.*"):
             path.unlink()
         (build.folder / "skipped.jsonl").unlink()
-        # another machine's writers: one shard whole, one without its vectors
+        # another machine's writers: one shard whole, one with its vectors cut short
         other = build_shards(tmp_path / "other", n_units=2, chunks=20, workers=2, run_id="two").written
         for name, body in files(tmp_path / "other" / "shards").items():
-            if name != f"{other[1]['name']}.faiss":
-                s3.put(f"ix/shards/{name}", body)
+            s3.put(f"ix/shards/{name}", body[:-1] if name == f"{other[1]['name']}.faiss" else body)
         deletes, real = [], build.remote.delete
 
         def delete(rel, if_match=None):
@@ -423,6 +423,7 @@ def test_a_build_mirrors_the_index_and_its_commit_keeps_only_the_live_shards(s3,
                                      "shard-bad-w0-00000.parquet", f"{old[0]}.emb.npy", f"{old[0]}.faiss",
                                      f"{old[0]}.parquet", f"{old[1]}.emb.npy", f"{old[1]}.faiss",
                                      f"{old[1]}.parquet", f"{other[1]['name']}.emb.npy",
+                                     f"{other[1]['name']}.faiss",
                                      f"{other[1]['name']}.parquet", "stray.bin")]
     assert deletes == [(rel, False) for rel in gone + ["skipped.jsonl"]] + [(".run.lock", True)]
     assert sorted(objects(s3, "ix")) == sorted(
@@ -450,3 +451,12 @@ def test_the_first_commit_creates_the_manifest_unless_another_build_created_one_
         f"another build changed {url}/manifest.json while this one ran, so it was not overwritten; "
         "nothing is lost (this run's shards are uploaded): run the same command again to commit them")
     assert info.value.__cause__ is None and s3.fs.cat_file(f"{s3.name}/ix/manifest.json") == b"theirs"
+
+
+def test_a_lease_in_a_bucket_that_cannot_be_written_names_the_url(s3):
+    with pytest.raises(ConfigError) as info:
+        with Lease(Remote("s3://no-such-bucket-here/ix")):
+            pass
+    assert str(info.value).startswith("cannot list 's3://no-such-bucket-here/ix': no such bucket, object "
+                                      "or prefix (")
+    assert isinstance(info.value.__cause__, FileNotFoundError)
