@@ -460,3 +460,35 @@ def test_a_lease_in_a_bucket_that_cannot_be_written_names_the_url(s3):
     assert str(info.value).startswith("cannot list 's3://no-such-bucket-here/ix': no such bucket, object "
                                       "or prefix (")
     assert isinstance(info.value.__cause__, FileNotFoundError)
+
+
+def test_the_end_of_a_lease_waits_for_a_renewal_under_way_then_deletes_the_lease(s3, monkeypatch):
+    remote = Remote(s3.url("ix"))
+    real = remote.put
+
+    def put(rel, data, **kw):
+        if kw.get("if_match"):  # a slow renewal
+            time.sleep(0.3)
+        return real(rel, data, **kw)
+
+    monkeypatch.setattr(remote, "put", put)
+    with Lease(remote, seconds=0.4) as lease:
+        time.sleep(0.15)  # the first renewal (at 0.1 s) under way
+    assert not lease._thread.is_alive() and lease.lost is None and remote.etag(LEASE_NAME) is None
+
+
+def test_the_end_of_a_lease_deletes_only_its_own_and_never_raises(s3, monkeypatch):
+    url = s3.url("ix")
+    with Lease(Remote(url)):
+        s3.put(f"ix/{LEASE_NAME}", b"theirs")  # taken before a renewal noticed
+    assert s3.fs.cat_file(f"{s3.name}/ix/{LEASE_NAME}") == b"theirs"
+    s3.fs.rm_file(f"{s3.name}/ix/{LEASE_NAME}")
+    remote = Remote(url)
+
+    def delete(rel, if_match=None):
+        raise OSError("the network is down")
+
+    monkeypatch.setattr(remote, "delete", delete)
+    with Lease(remote):
+        pass
+    assert json.loads(s3.fs.cat_file(f"{s3.name}/ix/{LEASE_NAME}"))["pid"] == os.getpid()
