@@ -491,4 +491,5 @@ def test_the_end_of_a_lease_deletes_only_its_own_and_never_raises(s3, monkeypatc
     monkeypatch.setattr(remote, "delete", delete)
     with Lease(remote):
         pass
-    assert json.loads(s3.fs.cat_file(f"{s3.name}/ix/{LEASE_NAME}"))["pid"] == os.getpid()
+    held = json.loads(s3.fs.cat_file(f"{s3.name}/ix/{LEASE_NAME}"))
+    assert (held["run"], held["pid"]) == ("", os.getpid())
