@@ -377,6 +377,7 @@ def test_a_build_mirrors_the_index_and_its_commit_keeps_only_the_live_shards(s3,
     s3.put("ix/shards/shard-bad-w0-00000.commit.json", b"{")
     s3.put("ix/shards/shard-bad-w0-00000.parquet", b"p")
     s3.put("ix/shards/stray.bin", b"s")
+    s3.put("ix/shards/notes.commit.json", b"not a shard's")
     caplog.set_level(logging.WARNING, logger="embedingest")
     with RemoteBuild(url) as build:
         mirrored = {n: b for n, b in files(local).items() if n != ".writers.lock"}
@@ -418,7 +419,7 @@ def test_a_build_mirrors_the_index_and_its_commit_keeps_only_the_live_shards(s3,
     assert [r.getMessage() for r in caplog.records] == [
         f"shard {other[1]['name']} in {url} lacks whole objects ({other[1]['name']}.faiss): it is left "
         "out and its units are redone by the next build"]
-    gone = [f"shards/{n}" for n in ("shard-bad-w0-00000.commit.json", f"{old[0]}.commit.json",
+    gone = [f"shards/{n}" for n in ("notes.commit.json", "shard-bad-w0-00000.commit.json", f"{old[0]}.commit.json",
                                      f"{old[1]}.commit.json", f"{other[1]['name']}.commit.json",
                                      "shard-bad-w0-00000.parquet", f"{old[0]}.emb.npy", f"{old[0]}.faiss",
                                      f"{old[0]}.parquet", f"{old[1]}.emb.npy", f"{old[1]}.faiss",
@@ -436,8 +437,10 @@ def test_the_first_commit_creates_the_manifest_unless_another_build_created_one_
     build_shards(tmp_path / "local", n_units=2, chunks=5, workers=1, run_id="one")
     manifest = json.loads((tmp_path / "local" / "manifest.json").read_text())
     url = s3.url("ix")
-    with RemoteBuild(url) as build:
+    with RemoteBuild(url, run="r7") as build:
         assert build.manifest_etag is None and files(build.folder) == {}
+        assert build.folder.name.startswith("embedingest-index-")
+        assert json.loads(s3.fs.cat_file(f"{s3.name}/ix/{LEASE_NAME}"))["run"] == "r7"
         shutil.copytree(tmp_path / "local", build.folder, dirs_exist_ok=True)
     assert json.loads(s3.fs.cat_file(f"{s3.name}/ix/manifest.json")) == manifest | {
         "segments": [{"name": "shard-one-w0-00000", "count": 10}]}
@@ -493,3 +496,17 @@ def test_the_end_of_a_lease_deletes_only_its_own_and_never_raises(s3, monkeypatc
         pass
     held = json.loads(s3.fs.cat_file(f"{s3.name}/ix/{LEASE_NAME}"))
     assert (held["run"], held["pid"]) == ("", os.getpid())
+
+
+def test_a_build_that_failed_raises_its_own_error_and_logs_a_commit_that_failed_too(s3, tmp_path, caplog):
+    build_shards(tmp_path / "local", n_units=2, chunks=5, workers=1, run_id="one")
+    url = s3.upload(tmp_path / "local", "ix")
+    with pytest.raises(RuntimeError) as info:
+        with RemoteBuild(url):
+            s3.put("ix/manifest.json", b"theirs")
+            raise RuntimeError("the build's own")
+    assert str(info.value) == "the build's own"
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR] == [
+        f"could not commit {url} after the build failed: another build changed {url}/manifest.json while "
+        "this one ran, so it was not overwritten; nothing is lost (this run's shards are uploaded): run the "
+        "same command again to commit them"]
