@@ -510,3 +510,11 @@ def test_a_build_that_failed_raises_its_own_error_and_logs_a_commit_that_failed_
         f"could not commit {url} after the build failed: another build changed {url}/manifest.json while "
         "this one ran, so it was not overwritten; nothing is lost (this run's shards are uploaded): run the "
         "same command again to commit them"]
+
+
+def test_a_checkpoint_before_the_first_manifest_uploads_the_shards_as_generation_0(s3, tmp_path):
+    build_shards(tmp_path / "local", n_units=2, chunks=5, workers=1, run_id="own")
+    with RemoteBuild(s3.url("ix")) as build:
+        shutil.copytree(tmp_path / "local" / "shards", build.folder / "shards", dirs_exist_ok=True)
+        build.checkpoint()
+    assert objects(s3, "ix") == {f"shards/{n}": b for n, b in files(tmp_path / "local" / "shards").items()}
