@@ -100,6 +100,7 @@ def test_a_remote_is_the_url_s_bucket_and_prefix_and_names_its_objects_by_url():
         "s3://bucket/some/ix", "bucket/some/ix", "bucket", "some/ix")
     assert remote.where("shards/a.faiss") == "s3://bucket/some/ix/shards/a.faiss"
     assert remote.fresh("shards/a.faiss") == "bucket/some/ix/shards/a.faiss"
+    assert Remote("s3://bucket/ixX/").url == "s3://bucket/ixX"
 
 
 @pytest.mark.parametrize("url", ["memory://somewhere/ix", "gs://bucket/ix", "s3://bucket/ix::memory://x",
