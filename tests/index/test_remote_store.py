@@ -100,7 +100,8 @@ def test_a_remote_is_the_url_s_bucket_and_prefix_and_names_its_objects_by_url():
         "s3://bucket/some/ix", "bucket/some/ix", "bucket", "some/ix")
     assert remote.where("shards/a.faiss") == "s3://bucket/some/ix/shards/a.faiss"
     assert remote.fresh("shards/a.faiss") == "bucket/some/ix/shards/a.faiss"
-    assert Remote("s3://bucket/ixX/").url == "s3://bucket/ixX"
+    remote = Remote("s3://bucket/ixX/")
+    assert (remote.url, remote.root, remote.prefix) == ("s3://bucket/ixX", "bucket/ixX", "ixX")
 
 
 @pytest.mark.parametrize("url", ["memory://somewhere/ix", "gs://bucket/ix", "s3://bucket/ix::memory://x",
@@ -397,10 +398,11 @@ def test_a_build_mirrors_the_index_and_its_commit_keeps_only_the_live_shards(s3,
         for path in (build.folder / "shards").glob(f"{old[1]}.*"):
             path.unlink()
         (build.folder / "skipped.jsonl").unlink()
-        # another machine's writers: one shard whole, one with its vectors cut short
+        # another machine's writers: one shard with its vectors cut short, one whole
         other = build_shards(tmp_path / "other", n_units=2, chunks=20, workers=2, run_id="two").written
+        cut = [f"{other[0]['name']}.emb.npy", f"{other[0]['name']}.faiss"]
         for name, body in files(tmp_path / "other" / "shards").items():
-            s3.put(f"ix/shards/{name}", body[:-1] if name == f"{other[1]['name']}.faiss" else body)
+            s3.put(f"ix/shards/{name}", body[:-1] if name in cut else body)
         deletes, real = [], build.remote.delete
 
         def delete(rel, if_match=None):
@@ -414,24 +416,24 @@ def test_a_build_mirrors_the_index_and_its_commit_keeps_only_the_live_shards(s3,
         monkeypatch.setattr(build, "commit", lambda: commits.append(commit()))
         caplog.clear()
     assert commits == [json.loads((local / "manifest.json").read_text()) | {
-        "segments": [{"name": new, "count": 10}, {"name": other[0]["name"], "count": 23}]}]
+        "segments": [{"name": new, "count": 10}, {"name": other[1]["name"], "count": 17}]}]
     assert s3.fs.cat_file(f"{s3.name}/ix/manifest.json") == (
         json.dumps(commits[0], indent=2, ensure_ascii=False) + "\n").encode()
     assert [r.getMessage() for r in caplog.records] == [
-        f"shard {other[1]['name']} in {url} lacks whole objects ({other[1]['name']}.faiss): it is left "
+        f"shard {other[0]['name']} in {url} lacks whole objects ({', '.join(cut)}): it is left "
         "out and its units are redone by the next build"]
     gone = [f"shards/{n}" for n in ("notes.commit.json", "shard-bad-w0-00000.commit.json", f"{old[0]}.commit.json",
-                                     f"{old[1]}.commit.json", f"{other[1]['name']}.commit.json",
+                                     f"{old[1]}.commit.json", f"{other[0]['name']}.commit.json",
                                      "shard-bad-w0-00000.parquet", f"{old[0]}.emb.npy", f"{old[0]}.faiss",
                                      f"{old[0]}.parquet", f"{old[1]}.emb.npy", f"{old[1]}.faiss",
-                                     f"{old[1]}.parquet", f"{other[1]['name']}.emb.npy",
-                                     f"{other[1]['name']}.faiss",
-                                     f"{other[1]['name']}.parquet", "stray.bin")]
+                                     f"{old[1]}.parquet", f"{other[0]['name']}.emb.npy",
+                                     f"{other[0]['name']}.faiss",
+                                     f"{other[0]['name']}.parquet", "stray.bin")]
     assert deletes == [(rel, False) for rel in gone + ["skipped.jsonl"]] + [(".run.lock", True)]
     assert sorted(objects(s3, "ix")) == sorted(
         [".writers.lock", "manifest.json", "notes.txt", "trained.faiss"]
         + [f"shards/{n}" for n in files(tmp_path / "new" / "shards")]
-        + [f"shards/{other[0]['name']}{s}" for s in (".commit.json", ".emb.npy", ".faiss", ".parquet")])
+        + [f"shards/{other[1]['name']}{s}" for s in (".commit.json", ".emb.npy", ".faiss", ".parquet")])
 
 
 def test_the_first_commit_creates_the_manifest_unless_another_build_created_one_meanwhile(s3, tmp_path):
