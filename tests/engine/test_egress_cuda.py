@@ -154,3 +154,38 @@ def test_an_engine_started_early_counts_the_gpu_idle_from_its_first_batch(no_lea
             e.submit(i, {"x": torch.full((1024,), float(i), device="cuda")})
     assert sorted(results) == list(range(10))
     assert e.stats.gpu_idle_source == "nvml" and e.stats.gpu_idle_fraction < 0.5
+
+
+def test_submit_does_not_wait_for_the_gpu_and_times_are_the_gpu_s_on_the_host_clock(no_leaks):
+    """Each batch's kernel runs about 0.1 s. ``submit`` only enqueues the copy on the
+    egress stream, so it returns long before the kernel ends (a blocking copy would wait
+    for it); the record's compute span, from CUDA events put on the host clock, is the
+    kernel's own length and ends after ``submit`` returned."""
+    import time
+
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    torch.cuda._sleep(200_000_000)
+    b.record()
+    b.synchronize()
+    kernel_s = a.elapsed_time(b) / 1e3
+    assert kernel_s > 0.02, kernel_s
+    returned = []
+    with EgressEngine(HashSinkFactory(), num_consumers=1, num_slots=4, device="cuda") as e:
+        for i in range(3):
+            e.mark_compute_start()
+            torch.cuda._sleep(200_000_000)
+            out = {"x": torch.ones(1024, device="cuda")}
+            t0 = time.perf_counter()
+            e.submit(i, out)
+            returned.append((t0, time.perf_counter()))
+            torch.cuda.synchronize()
+    records = e.stats.records
+    assert len(records) == 3
+    for r in records:
+        assert 0.7 * kernel_s < r.compute_end - r.compute_start < 1.5 * kernel_s, (r, kernel_s)
+        assert r.copy_end >= r.copy_start >= r.compute_end - 1e-3
+    # the first submit may wait for the pool made ahead; the later ones find it ready
+    for r, (t0, t1) in zip(records[1:], returned[1:], strict=True):
+        assert t1 - t0 < 0.3 * kernel_s, (t1 - t0, kernel_s)
+        assert r.compute_end > t1, (r, t1)
