@@ -105,6 +105,7 @@ def test_the_host_path_copies_only_the_batch_s_rows(pool):
     v = pool.views(0)
     assert v["x"].tolist() == [[5.0] * 3] + [[0.0] * 3] * 3
     assert v["ids"].tolist() == [1, 2, 0, 0]
+    assert (p.record.compute_start, p.record.compute_end) == (None, 0.0)  # no marks on a new path
 
 
 def test_the_host_path_refuses_another_dtype_rather_than_casting_it(pool):
@@ -125,6 +126,17 @@ def test_a_device_tensor_is_refused_on_the_cpu_path_naming_it_and_the_fix():
     views = {"x": np.zeros(3, dtype=np.int64)}
     assert path._copy_host(views, {"y": dev, "x": np.array([4, 5])}, {"y": 1, "x": 2}, skip_device=True) == 16
     assert views["x"].tolist() == [4, 5, 0]
+
+
+def test_copy_refuses_a_device_tensor_before_anything_is_copied(pool):
+    path = HostCopyPath("cpu")
+    dev = fake_tensor("torch.fake", is_cuda=True, device="cuda:0")
+    p = Pending(record(0.0), 0, {"x": 1, "ids": 1, "h": 1})
+    with pytest.raises(ConfigError) as e:
+        path.copy(pool, 0, {"x": dev, "ids": np.array([3]), "h": np.zeros((1, 2), dtype=np.uint16)}, p)
+    assert str(e.value) == ("array 'x' is on cuda:0 but the engine runs on cpu; "
+                            "build the engine with device='cuda'")
+    assert pool.views(0)["ids"].tolist() == [0, 0, 0, 0]
 
 
 def test_the_host_path_times_compute_and_copy_in_order_and_forgets_the_marks(pool):
