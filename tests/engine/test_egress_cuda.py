@@ -189,3 +189,35 @@ def test_submit_does_not_wait_for_the_gpu_and_times_are_the_gpu_s_on_the_host_cl
     for r, (t0, t1) in zip(records[1:], returned[1:], strict=True):
         assert t1 - t0 < 0.3 * kernel_s, (t1 - t0, kernel_s)
         assert r.compute_end > t1, (r, t1)
+
+
+def test_a_batch_s_copy_runs_beside_the_next_batch_s_work(no_leaks):
+    """The copies run on a stream of their own: the next batch's work starts while a
+    256 MiB output is still on its way to the host (on the compute stream it would queue
+    behind the copy, and the GPU would compute nothing while it lasts). Each later
+    batch's compute start, a CUDA event on the compute stream, comes before the middle of
+    the previous batch's copy."""
+    src = torch.randn(256 * 1024 * 1024 // 4, device="cuda")
+    with EgressEngine(HashSinkFactory(), num_consumers=2, num_slots=3, device="cuda") as e:
+        for i in range(4):
+            e.mark_compute_start()
+            torch.cuda._sleep(1_000_000)
+            e.submit(i, {"x": src})
+    records = sorted(e.stats.records, key=lambda r: r.seq)
+    for before, after in zip(records, records[1:]):
+        assert before.copy_end - before.copy_start > 1e-3, before
+        assert after.compute_start < (before.copy_start + before.copy_end) / 2, (before, after)
+
+
+def test_release_lets_go_of_the_tensors_over_the_pool(no_leaks):
+    """After a run the pinned pool is unregistered and unmapped; no tensor the engine
+    made over it may outlive that (a read through one would touch freed memory)."""
+    import gc
+    import weakref
+
+    with EgressEngine(HashSinkFactory(), num_consumers=1, num_slots=2, device="cuda") as e:
+        e.submit(0, {"x": torch.ones(1024, device="cuda")})
+        views = [weakref.ref(t) for slot in e._path._host_tensors for t in slot.values()]
+    gc.collect()
+    assert len(views) == 2
+    assert [v() for v in views] == [None, None]
