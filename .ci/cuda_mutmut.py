@@ -70,7 +70,7 @@ class Failures:
         self.failed = []
     def pytest_runtest_logreport(self, report):
         if report.failed:
-            self.failed.append(report.nodeid)
+            self.failed.append(report.nodeid + ": " + report.longreprtext[-400:])
 
 name = sys.stdin.readline().strip()
 os.environ["MUTANT_UNDER_TEST"] = name
@@ -125,7 +125,7 @@ def main() -> int:
                         help="stop starting mutants after this many seconds")
     parser.add_argument("--marker", default="needs_cuda", help="pytest -m (empty: every test)")
     parser.add_argument("tests", nargs="*", default=TESTS)
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
     if args.marker:
         args.tests = ["-m", args.marker, *args.tests]
     text = args.mutated.read_text()

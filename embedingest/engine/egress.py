@@ -189,6 +189,7 @@ class EgressEngine:
         if not self._entered or self._closed:
             raise EngineError("submit() outside the engine's 'with' block")
         self._raise_failure()
+        self._path.mark_compute_end()  # before the first batch's wait for the pool
         arrays = dict(outputs) if isinstance(outputs, Mapping) else {"out": outputs}
         if self._pool is None:
             self._open(SlotLayout.from_spec({k: (tuple(v.shape), v.dtype) for k, v in arrays.items()}))
@@ -199,7 +200,6 @@ class EgressEngine:
             t_submit = time.perf_counter()
             if self._t_first is None:
                 self._t_first = t_submit
-            self._path.mark_compute_end()
             slot = self._acquire_slot()
             seq = self._seq
             self._seq += 1

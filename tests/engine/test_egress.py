@@ -471,6 +471,30 @@ def test_start_returns_while_the_pool_is_prepared_and_the_first_batch_waits_for_
     assert [d for _, d in results] == [digest({"x": np.arange(8, dtype=np.float32)})]
 
 
+def test_the_first_batch_s_wait_for_the_pool_is_not_counted_as_its_compute(no_leaks, monkeypatch):
+    """The first submit waits for the pool made ahead; the batch's compute ended when
+    submit was called, so its compute end is marked before that wait (after it, the
+    wait would count as compute, and a GPU run's first span would include the pinning)."""
+    from embedingest.engine.pool import HostPool
+
+    gate = threading.Event()
+    real_touch = HostPool._touch
+
+    def held_touch(pool):
+        assert gate.wait(60)
+        real_touch(pool)
+
+    monkeypatch.setattr(HostPool, "_touch", held_touch)
+    with EgressEngine(HashSinkFactory(), num_consumers=1, device="cpu") as e:
+        e.mark_compute_start()
+        threading.Timer(0.5, gate.set).start()
+        called = time.perf_counter()
+        e.submit(0, {"x": np.arange(8, dtype=np.float32)})
+    rec = e.stats.records[0]
+    assert called <= rec.compute_end < rec.submit_t
+    assert rec.submit_t - rec.compute_end > 0.3, rec
+
+
 def test_a_pool_that_cannot_be_prepared_fails_the_first_submit_and_stops_cleanly(no_leaks, monkeypatch):
     """What failed in the preparing thread (here the page faults; on a GPU the
     registration, past the locked-memory limit) is raised by the first submit, as itself,
