@@ -33,8 +33,9 @@ EDITS = [
      'if f.source_dtype == "float16":'),
     ("event times in wrong units", "self._ref_event.elapsed_time(ev) / 1e3",
      "self._ref_event.elapsed_time(ev) / 1e6"),
-    ("compute end taken at the copy", "        end = self._compute_end\n",
-     "        end = None\n"),
+    ("compute end taken at the copy", "        end = self._compute_end  # the engine's submit marks it before every copy\n",
+     "        end = torch.cuda.Event(enable_timing=True)\n"
+     "        end.record(torch.cuda.current_stream(self.device))\n"),
     ("compute end recorded as compute start", "rec.compute_end = self._host_time(compute_end)",
      "rec.compute_end = self._host_time(compute_start)"),
     ("device index check inverted", "if t.device.index != self._device_index:",

@@ -198,10 +198,7 @@ class CudaCopyPath(HostCopyPath):
             if t.device.index != self._device_index:
                 raise ConfigError(f"array {name!r} is on {t.device}, the engine on "
                                   f"cuda:{self._device_index}; one engine serves one GPU")
-        end = self._compute_end
-        if end is None:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record(torch.cuda.current_stream(self.device))
+        end = self._compute_end  # the engine's submit marks it before every copy
         start_copy = torch.cuda.Event(enable_timing=True)
         done = torch.cuda.Event(enable_timing=True, blocking=True)
         self._stream.wait_event(end)

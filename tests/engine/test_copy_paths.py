@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from embedingest.engine.copy_paths import HostCopyPath, Pending, _host_array, _is_torch
+from embedingest.engine.copy_paths import CudaCopyPath, HostCopyPath, Pending, _host_array, _is_torch
 from embedingest.engine.layout import SlotLayout
 from embedingest.engine.pool import HostPool
 from embedingest.engine.telemetry import BatchRecord
@@ -179,3 +179,28 @@ def test_spans_are_timed_in_order_on_the_host_clock_and_returned_as_a_copy():
     assert t0 <= a0 and b0 - a0 >= 0.002 and b0 <= a1 <= b1 <= t1
     got.clear()
     assert path.spans(True) == [("decode", a0, b0), ("encode", a1, b1)]
+
+
+def test_a_cuda_path_not_yet_opened_has_no_idle_share_and_no_spans():
+    """A CUDA engine's stats are read before its first batch (during a run, or when no
+    batch came): the path has no sampler yet and says so with None, not an error."""
+    path = CudaCopyPath("cuda:0")
+    assert path.idle_fraction() is None
+    assert path.idle_fraction(1.0, 2.0) is None
+    assert path.spans(pool_open=False) == []
+    assert path.sampler is None
+
+
+def test_a_batch_of_host_arrays_on_the_cuda_path_is_copied_and_forgets_the_marks(pool):
+    """Host arrays are copied in submit as on the CPU; the batch's compute marks are
+    forgotten, so a later batch not marked does not carry this one's."""
+    path = CudaCopyPath("cuda:0")
+    path._compute_start, path._compute_end = "start mark", "end mark"
+    p = Pending(record(0.0), 0, {"x": 1, "ids": 2, "h": 0})
+    n = path.copy(pool, 0, {"x": np.full((1, 3), 2.0, dtype=np.float32), "ids": np.array([7, 8]),
+                            "h": torch.zeros(0, 2, dtype=torch.bfloat16)}, p)
+    assert n == 12 + 16
+    assert pool.views(0)["ids"].tolist() == [7, 8, 0, 0]
+    assert (path._compute_start, path._compute_end) == (None, None)
+    assert p.done_event is None
+    path.wait(p)  # nothing on the GPU to wait for

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 import torch
 from engine_sinks import HashSinkFactory, SleepySinkFactory, digest
 
 from embedingest import EgressEngine
+from embedingest.errors import ConfigError
 
 pytestmark = pytest.mark.needs_cuda
 
@@ -221,3 +225,140 @@ def test_release_lets_go_of_the_tensors_over_the_pool(no_leaks):
     gc.collect()
     assert len(views) == 2
     assert [v() for v in views] == [None, None]
+
+
+def cycles_per_second(device: int = 0) -> float:
+    """How many cycles of ``torch.cuda._sleep`` one second of this GPU is, measured now."""
+    with torch.cuda.device(device):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        torch.cuda._sleep(50_000_000)
+        b.record()
+        b.synchronize()
+        return 50_000_000 / (a.elapsed_time(b) / 1e3)
+
+
+def test_each_batch_counts_the_bytes_of_all_its_outputs(no_leaks):
+    """Two device outputs and a host one: a batch's bytes are the three's, exactly."""
+    with EgressEngine(HashSinkFactory(), num_consumers=1, num_slots=2, device="cuda") as e:
+        for i in range(3):
+            e.submit(i, {"x": torch.ones(1024, device="cuda"),
+                         "y": torch.ones(16, 8, dtype=torch.float16, device="cuda"),
+                         "ids": np.arange(4, dtype=np.int64)})
+    assert [r.nbytes for r in e.stats.records] == [4096 + 256 + 32] * 3
+
+
+def test_the_nvml_sampler_stops_with_the_engine(no_leaks):
+    with EgressEngine(HashSinkFactory(), num_consumers=1, device="cuda") as e:
+        e.submit(0, {"x": torch.ones(1024, device="cuda")})
+        sampler = e._path.sampler
+        assert sampler.running, sampler.error
+    assert not sampler.running
+    assert [t for t in threading.enumerate() if t.name == "embedingest-nvml"] == []
+
+
+def test_gpu_spans_are_the_kernels_on_the_host_clock_and_none_before_the_pool(no_leaks):
+    """A lane marked with ``span`` is timed by CUDA events and reported on the host
+    clock. Before the first batch opens the pool there is no reference event to convert
+    with, so a snapshot of the stats then holds no GPU lane (and raises nothing)."""
+    cycles = cycles_per_second()
+    with EgressEngine(HashSinkFactory(), num_consumers=1, device="cuda") as e:
+        t0 = time.perf_counter()
+        with e.span("forward"):
+            torch.cuda._sleep(int(0.1 * cycles))
+        torch.cuda.synchronize()
+        assert [s for s in e.stats.spans if s[0] == "forward"] == []
+        e.submit(0, {"x": torch.ones(1024, device="cuda")})
+        with e.span("forward"):
+            torch.cuda._sleep(int(0.1 * cycles))
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+    spans = [s for s in e.stats.spans if s[0] == "forward"]
+    assert len(spans) == 2, spans
+    for _, a, b in spans:
+        assert t0 - 1e-3 <= a < b <= t1 + 1e-3, (t0, a, b, t1)
+        assert 0.07 < b - a < 0.15, (a, b)
+    assert spans[0][2] <= spans[1][1] + 1e-3
+
+
+def test_the_idle_share_of_a_window_counts_only_that_window(no_leaks):
+    """Two seconds of one long kernel, then two seconds of nothing, read through the
+    engine: each window's share comes from its own samples (NVML averages over up to a
+    second, so the first second of each phase is left out)."""
+    cycles = cycles_per_second()
+    with EgressEngine(HashSinkFactory(), num_consumers=1, device="cuda") as e:
+        e.submit(0, {"x": torch.ones(1024, device="cuda")})  # opens the pool and the sampler
+        e.flush()
+        t0 = time.perf_counter()
+        torch.cuda._sleep(int(2.0 * cycles))
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        time.sleep(2.0)
+        t2 = time.perf_counter()
+        busy, idle = e.gpu_idle_fraction(t0 + 1.0, t1), e.gpu_idle_fraction(t1 + 1.0, t2)
+    assert busy is not None and idle is not None
+    assert busy < 0.2 and idle > 0.8, (busy, idle)
+
+
+def test_waiting_for_a_copy_leaves_the_cpu_free(no_leaks):
+    """The monitor thread waits for each copy's event, which is a blocking one: the wait
+    sleeps in the driver instead of spinning a core for as long as the GPU computes (the
+    tokenizer workers and the sinks need those cores)."""
+    cycles = cycles_per_second()
+    with EgressEngine(HashSinkFactory(), num_consumers=1, device="cuda") as e:
+        e.submit(0, {"x": torch.ones(1024, device="cuda")})
+        e.flush()
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        e.mark_compute_start()
+        torch.cuda._sleep(int(1.0 * cycles))
+        e.submit(1, {"x": torch.ones(1024, device="cuda")})
+        e.flush()
+        cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
+    assert wall > 0.8, wall
+    assert cpu < 0.3 * wall, (cpu, wall)
+
+
+def test_event_times_stay_on_the_host_clock_seconds_after_the_pool_opened(no_leaks):
+    """Event times are put on the host clock through one reference event recorded when
+    the pool opened. A compute start marked four seconds later still lands between the
+    host's times around it (a conversion off by a thousandth would be 4 ms early)."""
+    cycles = cycles_per_second()
+    with EgressEngine(HashSinkFactory(), num_consumers=1, device="cuda") as e:
+        e.submit(0, {"x": torch.ones(1024, device="cuda")})
+        torch.cuda._sleep(int(4.0 * cycles))
+        torch.cuda.synchronize()
+        before = time.perf_counter()
+        e.mark_compute_start()
+        torch.cuda.synchronize()
+        after = time.perf_counter()
+        e.submit(1, {"x": torch.ones(1024, device="cuda")})
+    rec = sorted(e.stats.records, key=lambda r: r.seq)[1]
+    assert before - 1e-3 <= rec.compute_start <= after + 1e-3, (before, rec.compute_start, after)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_an_engine_on_a_gpu_that_is_not_the_current_one(no_leaks):
+    """A library user's engine on cuda:1 while cuda:0 is current: its stream, events,
+    NVML samples and device check are all cuda:1's (one made for the current device
+    instead would mix two GPUs' events, or read the idle GPU). A tensor on cuda:0 is
+    refused naming both devices."""
+    assert torch.cuda.current_device() == 0
+    cycles = cycles_per_second(1)
+    results = {}
+    with EgressEngine(HashSinkFactory(), num_consumers=1, device="cuda:1",
+                      on_result=lambda b, r: results.__setitem__(b, r[1])) as e:
+        for i in range(6):
+            e.mark_compute_start()
+            with torch.cuda.device(1):
+                torch.cuda._sleep(int(0.4 * cycles))
+            e.submit(i, {"x": torch.full((1024,), float(i), device="cuda:1")})
+    assert results == {i: digest({"x": np.full(1024, float(i), np.float32)}) for i in range(6)}
+    for r in e.stats.records:
+        assert 0.28 < r.compute_end - r.compute_start < 0.6, r
+        assert r.copy_end >= r.copy_start >= r.compute_end - 1e-3, r
+    assert e.stats.gpu_idle_source == "nvml" and e.stats.gpu_idle_fraction < 0.5
+    with pytest.raises(ConfigError) as err:
+        with EgressEngine(HashSinkFactory(), num_consumers=1, device="cuda:1") as e2:
+            e2.submit(0, {"x": torch.ones(1024, device="cuda:1")})
+            e2.submit(1, {"x": torch.ones(1024, device="cuda:0")})
+    assert str(err.value) == "array 'x' is on cuda:0, the engine on cuda:1; one engine serves one GPU"
