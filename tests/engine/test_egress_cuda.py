@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
 import torch
+from cuda_helpers import busy_then_idle, cycles_per_second
 from engine_sinks import HashSinkFactory, SleepySinkFactory, digest
 
 from embedingest import EgressEngine
@@ -143,8 +146,6 @@ def test_an_engine_started_early_counts_the_gpu_idle_from_its_first_batch(no_lea
     """start() opens the pool and the consumers before the batches (build-index does, to
     overlap their start with the model's load); the second of idle GPU before the first
     batch is not counted against the run, and the batches reach the sinks as usual."""
-    import time
-
     results = {}
     e = EgressEngine(HashSinkFactory(), num_consumers=2, device="cuda",
                      slot_spec={"x": ((1024,), "float32")},
@@ -165,8 +166,6 @@ def test_submit_does_not_wait_for_the_gpu_and_times_are_the_gpu_s_on_the_host_cl
     egress stream, so it returns long before the kernel ends (a blocking copy would wait
     for it); the record's compute span, from CUDA events put on the host clock, is the
     kernel's own length and ends after ``submit`` returned."""
-    import time
-
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     torch.cuda._sleep(200_000_000)
@@ -216,26 +215,12 @@ def test_a_batch_s_copy_runs_beside_the_next_batch_s_work(no_leaks):
 def test_release_lets_go_of_the_tensors_over_the_pool(no_leaks):
     """After a run the pinned pool is unregistered and unmapped; no tensor the engine
     made over it may outlive that (a read through one would touch freed memory)."""
-    import gc
-    import weakref
-
     with EgressEngine(HashSinkFactory(), num_consumers=1, num_slots=2, device="cuda") as e:
         e.submit(0, {"x": torch.ones(1024, device="cuda")})
         views = [weakref.ref(t) for slot in e._path._host_tensors for t in slot.values()]
     gc.collect()
     assert len(views) == 2
     assert [v() for v in views] == [None, None]
-
-
-def cycles_per_second(device: int = 0) -> float:
-    """How many cycles of ``torch.cuda._sleep`` one second of this GPU is, measured now."""
-    with torch.cuda.device(device):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        torch.cuda._sleep(50_000_000)
-        b.record()
-        b.synchronize()
-        return 50_000_000 / (a.elapsed_time(b) / 1e3)
 
 
 def test_each_batch_counts_the_bytes_of_all_its_outputs(no_leaks):
@@ -285,16 +270,10 @@ def test_the_idle_share_of_a_window_counts_only_that_window(no_leaks):
     """Two seconds of one long kernel, then two seconds of nothing, read through the
     engine: each window's share comes from its own samples (NVML averages over up to a
     second, so the first second of each phase is left out)."""
-    cycles = cycles_per_second()
     with EgressEngine(HashSinkFactory(), num_consumers=1, device="cuda") as e:
         e.submit(0, {"x": torch.ones(1024, device="cuda")})  # opens the pool and the sampler
         e.flush()
-        t0 = time.perf_counter()
-        torch.cuda._sleep(int(2.0 * cycles))
-        torch.cuda.synchronize()
-        t1 = time.perf_counter()
-        time.sleep(2.0)
-        t2 = time.perf_counter()
+        t0, t1, t2 = busy_then_idle(2.0)
         busy, idle = e.gpu_idle_fraction(t0 + 1.0, t1), e.gpu_idle_fraction(t1 + 1.0, t2)
     assert busy is not None and idle is not None
     assert busy < 0.2 and idle > 0.8, (busy, idle)

@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+from cuda_helpers import busy_then_idle
 
 from embedingest.engine.gpu_monitor import UtilizationSampler, gpu_idle
 
@@ -85,18 +86,7 @@ def test_nvml_sees_a_busy_gpu_busy_and_an_idle_one_idle():
     dev = torch.device("cuda")
     s = UtilizationSampler(dev, period=0.05).start()
     assert s.running, s.error
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    torch.cuda._sleep(50_000_000)
-    b.record()
-    b.synchronize()
-    cycles_per_s = 50_000_000 / (a.elapsed_time(b) / 1e3)
-    t0 = time.perf_counter()
-    torch.cuda._sleep(int(2.0 * cycles_per_s))
-    torch.cuda.synchronize()
-    t1 = time.perf_counter()
-    time.sleep(2.0)
-    t2 = time.perf_counter()
+    t0, t1, t2 = busy_then_idle(2.0)
     s.stop()
     busy, idle = s.idle_fraction(t0 + 1.0, t1), s.idle_fraction(t1 + 1.0, t2)
     assert busy is not None and idle is not None, s.samples
