@@ -108,22 +108,25 @@ def refuse_output_as_input(out: str | os.PathLike, inputs: str | os.PathLike, fo
 
 def walk_files(root: str | os.PathLike, extensions: set[str] | None = None,
                on_skip: OnSkip = _noop, on_other: Callable[[str], None] | None = None,
-               exclude: str | os.PathLike | None = None) -> Iterator[Path]:
+               exclude: str | os.PathLike | None = None, outside_links: bool = False) -> Iterator[Path]:
     """:func:`walk_paths`, each path as a :class:`~pathlib.Path`."""
-    for path in walk_paths(root, extensions, on_skip, on_other, exclude):
+    for path in walk_paths(root, extensions, on_skip, on_other, exclude, outside_links):
         yield Path(path)
 
 
 def walk_paths(root: str | os.PathLike, extensions: set[str] | None = None,
                on_skip: OnSkip = _noop, on_other: Callable[[str], None] | None = None,
-               exclude: str | os.PathLike | None = None) -> Iterator[str]:
+               exclude: str | os.PathLike | None = None, outside_links: bool = False) -> Iterator[str]:
     """Yield the files under ``root`` whose suffix (lower case, with the dot; see
     :func:`has_extension`) is in ``extensions``; ``root`` itself when it is a file
     (whatever its suffix). Paths are strings (``root`` joined with the names below it):
     a corpus of millions of files pays no object per file beyond that.
 
     Hidden files and folders (name starting with '.') are passed over. Symbolic links
-    are followed, but a folder is entered once only, so a link loop ends. Folders that
+    are followed, but a folder is entered once only, so a link loop ends; a link to a file
+    or folder outside ``root`` is skipped (``on_skip``) unless ``outside_links``: a link
+    planted in a corpus must not pull other files of the machine into an index that is
+    then searched or served. Folders that
     cannot be listed, broken links, and pipes, sockets or devices (or links to them)
     with a wanted suffix go to ``on_skip(path, reason)``; other files with another suffix to ``on_other(path)``.
     The folder ``exclude`` (a job's output inside its input) is not entered, under
@@ -136,6 +139,7 @@ def walk_paths(root: str | os.PathLike, extensions: set[str] | None = None,
     if not os.path.isdir(root):
         raise FileNotFoundError(f"input path {root!r} does not exist or is not a file or folder")
     seen: set[tuple[int, int]] = set()
+    inside = None if outside_links else os.path.realpath(root)
     try:
         st = os.stat(exclude) if exclude is not None else None
         excluded = (st.st_dev, st.st_ino) if st else None
@@ -165,6 +169,11 @@ def walk_paths(root: str | os.PathLike, extensions: set[str] | None = None,
         for entry in entries:
             if entry.name.startswith("."):
                 continue
+            if inside is not None and entry.is_symlink():
+                reason = _link_out_of(entry, inside, extensions)
+                if reason is not None:
+                    on_skip(entry.path, reason)
+                    continue
             try:
                 if entry.is_dir():
                     subdirs.append(entry.path)
@@ -184,6 +193,18 @@ def walk_paths(root: str | os.PathLike, extensions: set[str] | None = None,
             elif on_other is not None:
                 on_other(entry.path)
         stack.extend(reversed(subdirs))
+
+
+def _link_out_of(entry: os.DirEntry, inside: str, extensions: set[str] | None) -> str | None:
+    """Why a symbolic link is not followed: it resolves outside the folder ``inside`` (a
+    real path) and names a folder or a file with a wanted suffix; None otherwise."""
+    target = os.path.realpath(entry.path)
+    if target == inside or target.startswith(os.path.join(inside, "")):
+        return None
+    if not os.path.isdir(target) and extensions is not None and not has_extension(entry.name, extensions):
+        return None
+    return (f"symbolic link out of the input folder, to {target}: not read (pass "
+            "--follow-outside-links to read it)")
 
 
 def _not_a_file(entry: os.DirEntry) -> str | None:

@@ -321,3 +321,31 @@ def test_a_rerun_keeps_the_skip_report_of_earlier_runs(tmp_path):
     (entry,) = [json.loads(line) for line in (out / "skipped.jsonl").read_text().splitlines()]
     assert entry["path"].startswith(str(corpus / "bad.jsonl")) and entry["reason"].startswith("field")
     assert entry["run"] == first["report_run"]
+
+
+def test_a_link_out_of_the_corpus_is_not_indexed_unless_asked(tmp_path):
+    """A link planted in a corpus to a file of the machine is skipped and reported (exit
+    3), and its text cannot be found; ``--follow-outside-links`` indexes it."""
+    corpus = make_corpus(tmp_path / "corpus")
+    secret = tmp_path / "elsewhere" / "secret.txt"
+    secret.parent.mkdir()
+    text = "The keeper's ledger lists every ship that rounded the northern cape in 1887."
+    secret.write_text(text)
+    (corpus / "sub" / "planted.txt").symlink_to(secret)
+    out = tmp_path / "idx"
+    r = CliRunner().invoke(main, ["build-index", str(corpus), "--out", str(out), "--num-workers", "0",
+                                  "--batch-size", "8", "--json"])
+    assert r.exit_code == 3, r.output
+    summary = json.loads(r.output)
+    assert (summary["units_indexed"], summary["chunks"], summary["skipped"]) == (4, 12, 1)
+    (entry,) = [json.loads(line) for line in (out / "skipped.jsonl").read_text().splitlines()]
+    assert entry["path"] == str(corpus / "sub" / "planted.txt")
+    assert entry["reason"] == (f"symbolic link out of the input folder, to {os.path.realpath(secret)}: "
+                               "not read (pass --follow-outside-links to read it)")
+    with open_index(out) as index:
+        assert text not in [h.text for h in index.search([text], k=12)[0]]
+    s = build_index(corpus, out=str(tmp_path / "idx2"), follow_outside_links=True, **FAST)
+    assert (s["units_indexed"], s["chunks"], s["skipped"]) == (5, 13, 0)
+    with open_index(tmp_path / "idx2") as index:
+        hit = index.search([text], k=1)[0][0]
+    assert (hit.text, hit.source) == (text, "sub/planted.txt")

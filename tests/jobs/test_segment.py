@@ -453,6 +453,25 @@ def test_list_inputs_reads_each_output_folder_once(tmp_path, monkeypatch):
     assert len(outputs) == 8 * 3  # out, out/sub, out/sub/deeper: once per call
 
 
+def test_an_image_linked_from_outside_the_input_folder_is_listed_only_when_asked(tmp_path):
+    images, elsewhere = tmp_path / "images", tmp_path / "elsewhere"
+    images.mkdir()
+    elsewhere.mkdir()
+    Image.fromarray(noise(8, 8, seed=0)).save(images / "own.png")
+    Image.fromarray(noise(8, 8, seed=1)).save(elsewhere / "private.png")
+    (images / "planted.png").symlink_to(elsewhere / "private.png")
+    report = SkipReport()
+    todo, done = list_inputs(SegmentConfig(images=str(images), out=str(tmp_path / "out")), report)
+    assert [rel for rel, _ in todo] == ["own.png"] and done == 0
+    assert [(e["path"], e["reason"]) for e in report.entries] == [(
+        str(images / "planted.png"),
+        f"symbolic link out of the input folder, to {os.path.realpath(elsewhere / 'private.png')}: "
+        "not read (pass --follow-outside-links to read it)")]
+    todo, _ = list_inputs(SegmentConfig(images=str(images), out=str(tmp_path / "out"),
+                                        follow_outside_links=True), SkipReport())
+    assert [rel for rel, _ in todo] == ["own.png", "planted.png"]
+
+
 def stats_rows(out) -> list[dict]:
     return pads.dataset(out / "stats").to_table().to_pylist()
 

@@ -7,9 +7,10 @@ from embedingest.sources.files import NotRegularFile, open_regular, walk_files
 from fault_helpers import unblock_later
 
 
-def walk(root, extensions=None):
+def walk(root, extensions=None, outside_links=False):
     skipped = []
-    found = list(walk_files(root, extensions, on_skip=lambda p, r: skipped.append((os.path.basename(p), r))))
+    found = list(walk_files(root, extensions, on_skip=lambda p, r: skipped.append((os.path.basename(p), r)),
+                            outside_links=outside_links))
     return [p.relative_to(root).as_posix() for p in found], skipped
 
 
@@ -49,15 +50,55 @@ def test_links_to_pipes_and_devices_say_so(tmp_path):
     (tmp_path / "to-self.txt").symlink_to(tmp_path / "to-self.txt")
     (tmp_path / "to-file.txt").symlink_to(tmp_path / "pipe.txt.real")
     (tmp_path / "pipe.txt.real").write_text("x")
-    found, skipped = walk(tmp_path, {".txt"})
+    found, skipped = walk(tmp_path, {".txt"}, outside_links=True)
     assert found == ["to-file.txt"]
     assert sorted(skipped) == [
         ("to-pipe.txt", "not a regular file: a symbolic link to a named pipe (FIFO)"),
         ("to-self.txt", "cannot stat: Too many levels of symbolic links"),
         ("to-zero.txt", "not a regular file: a symbolic link to a character device")]
+    # by default a link out of the folder is not followed at all
+    assert sorted(walk(tmp_path, {".txt"})[1])[-1] == (
+        "to-zero.txt", "symbolic link out of the input folder, to /dev/zero: not read "
+                       "(pass --follow-outside-links to read it)")
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")
+def test_links_out_of_the_folder_are_reported_not_followed(tmp_path):
+    """A link planted in a corpus must not pull other files of the machine (/etc/passwd,
+    a key) into an index that is then searched or served: links to files or folders
+    outside the input folder are skipped and reported, links within it followed;
+    ``outside_links`` follows them all."""
+    corpus, outside = tmp_path / "corpus", tmp_path / "outside"
+    (corpus / "sub").mkdir(parents=True)
+    (outside / "deep").mkdir(parents=True)
+    (corpus / "own.txt").write_text("x")
+    (corpus / "sub" / "inner.txt").write_text("x")
+    (outside / "secret.txt").write_text("x")
+    (outside / "deep" / "more.txt").write_text("x")
+    (corpus / "to-secret.txt").symlink_to(outside / "secret.txt")
+    (corpus / "sub" / "relative.txt").symlink_to("../../outside/secret.txt")
+    (corpus / "to-outside").symlink_to(outside)
+    (corpus / "to-outside.bin").symlink_to(outside / "secret.txt")  # not an input anyway
+    (corpus / "to-inner.txt").symlink_to(corpus / "sub" / "inner.txt")
+    (corpus / "to-sub").symlink_to("sub")
+    found, skipped = walk(corpus, {".txt"})
+    assert found == ["own.txt", "to-inner.txt", "sub/inner.txt"]
+    real = os.path.realpath(outside)
+    out_of = "symbolic link out of the input folder, to {}: not read (pass --follow-outside-links to read it)"
+    expected = sorted([("relative.txt", out_of.format(f"{real}/secret.txt")),
+                       ("to-outside", out_of.format(real)),
+                       ("to-secret.txt", out_of.format(f"{real}/secret.txt")),
+                       ("to-sub", "symlink loop: folder already visited")])
+    assert sorted(skipped) == expected
+    # a root given through a link is judged by where it really is
+    (tmp_path / "corpus-link").symlink_to(corpus)
+    assert walk(tmp_path / "corpus-link", {".txt"}) == (found, skipped)
+    found, skipped = walk(corpus, {".txt"}, outside_links=True)
+    assert found == ["own.txt", "to-inner.txt", "to-secret.txt", "sub/inner.txt", "sub/relative.txt",
+                     "to-outside/secret.txt", "to-outside/deep/more.txt"]
+    assert skipped == [("to-sub", "symlink loop: folder already visited")]
+
+
 def test_open_regular_never_blocks(tmp_path):
     fifo = tmp_path / "a.txt"
     os.mkfifo(fifo)

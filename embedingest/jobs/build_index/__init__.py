@@ -193,7 +193,8 @@ def _build_locked(corpus, cfg: IndexConfig, out: Path, model, built: list, where
                     "corpus_path": corpus_path(corpus, in_memory)}
         cfg = dataclasses.replace(cfg, doc_prompt=settings["prompts"]["document"])
         store.clean_garbage()
-        candidates = corpus if in_memory else file_candidates(corpus, report, out)
+        candidates = (corpus if in_memory
+                      else file_candidates(corpus, report, out, cfg.follow_outside_links))
         plan = plan_units(store, candidates, report)
         log.info("%s: %d units to index, %d unchanged, %d deleted", out, len(plan.todo),
                  plan.unchanged, len(plan.deleted))

@@ -57,9 +57,11 @@ class Plan:
     renumbered: list[int] = dataclasses.field(default_factory=list)  # of replaced: changed content
 
 
-def file_candidates(root: Path | str, report: SkipReport, out: Path) -> Iterable[dict]:
+def file_candidates(root: Path | str, report: SkipReport, out: Path,
+                    outside_links: bool = False) -> Iterable[dict]:
     """The text files under ``root`` (``out`` left out) as candidate units, not yet hashed;
-    ``root`` may be a URL (see :func:`remote_candidates`)."""
+    ``root`` may be a URL (see :func:`remote_candidates`). Links out of ``root`` are
+    skipped unless ``outside_links`` (:func:`~...sources.files.walk_paths`)."""
     if is_remote(root):
         yield from remote_candidates(root, report)
         return
@@ -67,7 +69,7 @@ def file_candidates(root: Path | str, report: SkipReport, out: Path) -> Iterable
     base = root if root.is_dir() else root.parent
     prefix = os.path.join(str(base), "")  # the walk's paths start with it: no pathlib per file
     for name in walk_paths(root, TEXT_EXTENSIONS, on_skip=lambda p, r: report.add(p, r, stage="list"),
-                           on_other=report.pass_over, exclude=out):
+                           on_other=report.pass_over, exclude=out, outside_links=outside_links):
         try:
             st = os.stat(name)
         except OSError as exc:

@@ -31,7 +31,7 @@ def list_inputs(config: SegmentConfig, report: SkipReport) -> tuple[list[tuple[s
     present = _RemoteNames(config.out) if is_remote(config.out) else _FolderNames(str(out))
     with_row = stats_sources(out) if config.stats and not config.overwrite else set()
     todo, done = [], 0
-    for rel, full in _images(config.images, report, out):
+    for rel, full in _images(config.images, report, out, config.follow_outside_links):
         folder, name = posixpath.split(rel)
         if (not config.overwrite and all(present.has(folder, name + s) for s in suffixes)
                 and (not config.stats or rel in with_row)):
@@ -41,7 +41,8 @@ def list_inputs(config: SegmentConfig, report: SkipReport) -> tuple[list[tuple[s
     return todo, done
 
 
-def _images(images: str, report: SkipReport, out: Path) -> Iterator[tuple[str, str]]:
+def _images(images: str, report: SkipReport, out: Path,
+            outside_links: bool = False) -> Iterator[tuple[str, str]]:
     """``(rel_path, path)`` of every image under ``images``: a folder, a file, or a URL
     (an object, or a prefix listed as a folder is walked)."""
     if is_remote(images):
@@ -55,7 +56,7 @@ def _images(images: str, report: SkipReport, out: Path) -> Iterator[tuple[str, s
     # An output folder inside the input is not listed: masks are PNGs and would be
     # segmented on the next run.
     for path in walk_files(root, set(IMAGE_EXTENSIONS), on_skip=report.add,
-                           on_other=report.pass_over, exclude=out):
+                           on_other=report.pass_over, exclude=out, outside_links=outside_links):
         full = str(path)
         if single:
             rel = path.name
