@@ -203,8 +203,7 @@ def _link_out_of(entry: os.DirEntry, inside: str, extensions: set[str] | None) -
         return None
     if not os.path.isdir(target) and extensions is not None and not has_extension(entry.name, extensions):
         return None
-    return (f"symbolic link out of the input folder, to {target}: not read (pass "
-            "--follow-outside-links to read it)")
+    return f"symbolic link out of the input folder: to {target}, not read (--follow-outside-links reads it)"
 
 
 def _not_a_file(entry: os.DirEntry) -> str | None:

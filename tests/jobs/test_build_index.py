@@ -340,8 +340,9 @@ def test_a_link_out_of_the_corpus_is_not_indexed_unless_asked(tmp_path):
     assert (summary["units_indexed"], summary["chunks"], summary["skipped"]) == (4, 12, 1)
     (entry,) = [json.loads(line) for line in (out / "skipped.jsonl").read_text().splitlines()]
     assert entry["path"] == str(corpus / "sub" / "planted.txt")
-    assert entry["reason"] == (f"symbolic link out of the input folder, to {os.path.realpath(secret)}: "
-                               "not read (pass --follow-outside-links to read it)")
+    assert entry["reason"] == (f"symbolic link out of the input folder: to {os.path.realpath(secret)}, "
+                               "not read (--follow-outside-links reads it)")
+    assert summary["skipped_by_reason"] == {"symbolic link out of the input folder": 1}
     with open_index(out) as index:
         assert text not in [h.text for h in index.search([text], k=12)[0]]
     s = build_index(corpus, out=str(tmp_path / "idx2"), follow_outside_links=True, **FAST)

@@ -465,8 +465,8 @@ def test_an_image_linked_from_outside_the_input_folder_is_listed_only_when_asked
     assert [rel for rel, _ in todo] == ["own.png"] and done == 0
     assert [(e["path"], e["reason"]) for e in report.entries] == [(
         str(images / "planted.png"),
-        f"symbolic link out of the input folder, to {os.path.realpath(elsewhere / 'private.png')}: "
-        "not read (pass --follow-outside-links to read it)")]
+        f"symbolic link out of the input folder: to {os.path.realpath(elsewhere / 'private.png')}, "
+        "not read (--follow-outside-links reads it)")]
     todo, _ = list_inputs(SegmentConfig(images=str(images), out=str(tmp_path / "out"),
                                         follow_outside_links=True), SkipReport())
     assert [rel for rel, _ in todo] == ["own.png", "planted.png"]

@@ -58,8 +58,8 @@ def test_links_to_pipes_and_devices_say_so(tmp_path):
         ("to-zero.txt", "not a regular file: a symbolic link to a character device")]
     # by default a link out of the folder is not followed at all
     assert sorted(walk(tmp_path, {".txt"})[1])[-1] == (
-        "to-zero.txt", "symbolic link out of the input folder, to /dev/zero: not read "
-                       "(pass --follow-outside-links to read it)")
+        "to-zero.txt", "symbolic link out of the input folder: to /dev/zero, not read "
+                       "(--follow-outside-links reads it)")
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")
@@ -84,7 +84,7 @@ def test_links_out_of_the_folder_are_reported_not_followed(tmp_path):
     found, skipped = walk(corpus, {".txt"})
     assert found == ["own.txt", "to-inner.txt", "sub/inner.txt"]
     real = os.path.realpath(outside)
-    out_of = "symbolic link out of the input folder, to {}: not read (pass --follow-outside-links to read it)"
+    out_of = "symbolic link out of the input folder: to {}, not read (--follow-outside-links reads it)"
     expected = sorted([("relative.txt", out_of.format(f"{real}/secret.txt")),
                        ("to-outside", out_of.format(real)),
                        ("to-secret.txt", out_of.format(f"{real}/secret.txt")),
