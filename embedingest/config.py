@@ -34,6 +34,12 @@ RESIZE_MODES = ("short", "fit")
 DEFAULT_MAX_PIXELS = 150_000_000
 
 
+FOLLOW_OUTSIDE_LINKS = (
+    "Read what symbolic links in the input folder point to outside it; off: such links are "
+    "skipped and reported, so a link planted in a corpus cannot pull other files of this "
+    "machine into the output.")
+
+
 def setting(default: Any, doc: str, **cli: Any) -> Any:
     """A config field and its documentation: ``doc`` is the help of the CLI option generated
     from the field (:func:`embedingest.cli.common.config_options`), so what a field means is
@@ -118,10 +124,7 @@ class IndexConfig:
         False, "Keep every vector as float16 beside its shard, for reindex and export (2 bytes "
                "a dimension per chunk).")
     overwrite: bool = setting(False, "Delete whatever index is in the output folder first.")
-    follow_outside_links: bool = setting(
-        False, "Read what symbolic links in the input folder point to outside it; off: such links "
-               "are skipped and reported, so a link planted in a corpus cannot pull other files "
-               "of this machine into the output.")
+    follow_outside_links: bool = setting(False, FOLLOW_OUTSIDE_LINKS)
     doc_prompt: str | None = setting(
         None, "Text put before each chunk for the encoder; '' for none. The stored text stays the "
               "source's.", metavar="TEXT",
@@ -226,10 +229,7 @@ class SegmentConfig:
               "the rows of this long; their images are redone on resume). Fewer seconds, more "
               "part files.")
     overwrite: bool = setting(False, "Redo images whose mask exists (otherwise they are skipped: resume).")
-    follow_outside_links: bool = setting(
-        False, "Read what symbolic links in the input folder point to outside it; off: such links "
-               "are skipped and reported, so a link planted in a corpus cannot pull other files "
-               "of this machine into the output.")
+    follow_outside_links: bool = setting(False, FOLLOW_OUTSIDE_LINKS)
     max_pixels: int = setting(
         DEFAULT_MAX_PIXELS, "Images with more pixels are skipped with a reason (0: no limit).")
 
