@@ -69,8 +69,8 @@ class HostCopyPath:
         self._compute_start = time.perf_counter()
 
     def mark_compute_end(self) -> None:
-        """Mark where the batch's compute ends, before ``submit`` may wait for a slot (a
-        mark after the wait would count the wait as compute)."""
+        """Mark where the batch's compute ends, before ``submit`` may wait for the pool or a
+        slot (a mark after the wait would count the wait as compute)."""
         self._compute_end = time.perf_counter()
 
     @contextlib.contextmanager
