@@ -45,7 +45,6 @@ from .device import precision, resolve_device, resolve_dtype
 from .model_folder import ModelLayout, read_layout, resolve_model
 from .prompts import Prompts
 from .light_tokenizer import LightTokenizer
-from .row_padding import RowPadding
 from .tokenizer import open_tokenizer
 
 # Tokenizers that set no limit report this huge number as their model_max_length.
@@ -99,7 +98,6 @@ class TextEncoder:
         self._max_seq_length = max_seq_length
         self._prepared_mask = False
         self._graphs = None
-        self._padding: RowPadding | None = None  # on a GPU, once the probe below has run
         self._runtime = None
         self._prompts = Prompts.read(model_dir)
         probe = self.tokenize(["dim", "a longer text, so the batch has padding"])
@@ -110,7 +108,6 @@ class TextEncoder:
             from .cuda_graphs import GraphedFunction
 
             self._graphs = GraphedFunction(self._embed, device)
-        self._padding = RowPadding() if device.type == "cuda" else None
 
     @classmethod
     def load(cls, model: str | Path | None = None, device: str | torch.device = "cpu",
@@ -209,36 +206,21 @@ class TextEncoder:
         """Sentence embeddings, float32 [B, dim], on the encoder's device.
 
         On CUDA the call only enqueues work: it never waits for the GPU, and with
-        ``cuda_graphs`` each batch shape is replayed from a captured graph. A short batch
-        may run padded to a row count already run (:mod:`~.row_padding`).
+        ``cuda_graphs`` each batch shape is replayed from a captured graph.
         """
         if self._runtime is not None:
             return self._runtime(input_ids, attention_mask)
         with torch.inference_mode():
             input_ids = input_ids.to(self._device, non_blocking=True)
             attention_mask = attention_mask.to(self._device, non_blocking=True)
-            if self._padding is None or not len(input_ids):
-                return self._embed(input_ids, attention_mask)
-            n, width = input_ids.shape
-            rows = self._padding.rows(n, width)
-            if rows > n:  # empty rows (one token seen, so nothing divides by zero), cut off after
-                filler = attention_mask.new_zeros(rows - n, width)
-                filler[:, 0] = 1
-                input_ids = torch.cat([input_ids, input_ids.new_zeros(rows - n, width)])
-                attention_mask = torch.cat([attention_mask, filler])
-            with self._padding.timed(rows, width):
-                out = self._gpu_forward(input_ids, attention_mask)
-            return out[:n] if rows > n else out
-
-    def _gpu_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        if self._graphs is None:
+            if self._graphs is not None and len(input_ids):
+                if not self._graphs.captured and self._graphs.disabled_reason is None:
+                    # the widest batch first, so the memory of all shapes stays bounded
+                    widest = torch.ones(len(input_ids), self._max_seq_length, dtype=input_ids.dtype,
+                                        device=self._device)
+                    self._graphs.prime(widest, widest)
+                return self._graphs(input_ids, attention_mask)
             return self._embed(input_ids, attention_mask)
-        if not self._graphs.captured and self._graphs.disabled_reason is None:
-            # the widest batch first, so the memory of all shapes stays bounded
-            widest = torch.ones(len(input_ids), self._max_seq_length, dtype=input_ids.dtype,
-                                device=self._device)
-            self._graphs.prime(widest, widest)
-        return self._graphs(input_ids, attention_mask)
 
     def use_runtime(self, runtime) -> None:
         """Run :meth:`forward` through ``runtime(input_ids, attention_mask)`` (CPU tensors in,
