@@ -191,6 +191,17 @@ def test_a_cuda_path_not_yet_opened_has_no_idle_share_and_no_spans():
     assert path.sampler is None
 
 
+def test_a_tensor_on_another_gpu_is_refused_naming_both_devices():
+    """The device check runs before anything touches CUDA, so it is checked here with a
+    tensor that says it is on cuda:1 (a GPU test does it with two real GPUs)."""
+    path = CudaCopyPath("cuda:0")
+    path._device_index = 0
+    elsewhere = fake_tensor("torch", device=torch.device("cuda:1"))
+    with pytest.raises(ConfigError) as err:
+        path._copy_device(0, [("x", elsewhere)], Pending(record(0.0), 0, {"x": 1}))
+    assert str(err.value) == "array 'x' is on cuda:1, the engine on cuda:0; one engine serves one GPU"
+
+
 def test_a_batch_of_host_arrays_on_the_cuda_path_is_copied_and_forgets_the_marks(pool):
     """Host arrays are copied in submit as on the CPU; the batch's compute marks are
     forgotten, so a later batch not marked does not carry this one's."""

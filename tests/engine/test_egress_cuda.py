@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 import time
 import weakref
@@ -313,6 +314,71 @@ def test_event_times_stay_on_the_host_clock_seconds_after_the_pool_opened(no_lea
         e.submit(1, {"x": torch.ones(1024, device="cuda")})
     rec = sorted(e.stats.records, key=lambda r: r.seq)[1]
     assert before - 1e-3 <= rec.compute_start <= after + 1e-3, (before, rec.compute_start, after)
+
+
+def test_every_cuda_call_of_the_copy_path_that_picks_a_gpu_names_the_engine_s(no_leaks, monkeypatch):
+    """On one GPU the engine's device is the current one, so a copy path that took the
+    current device's stream, the current stream for its events, the current GPU's NVML
+    handle or index would pass every other test of one GPU, and mix two GPUs on a host
+    with more (``test_an_engine_on_a_gpu_that_is_not_the_current_one`` runs that where
+    there are two). Here each call the copy path itself makes that picks a GPU is
+    watched: every one names the engine's, and none asks which GPU is current."""
+    from embedingest.engine import copy_paths
+
+    calls = []
+
+    def by_the_path(depth: int = 2) -> bool:
+        return sys._getframe(depth).f_code.co_filename == copy_paths.__file__
+
+    def watch(owner, name):
+        real = getattr(owner, name)
+
+        def spy(*args, **kwargs):
+            if by_the_path():
+                calls.append((name, args, kwargs))
+            return real(*args, **kwargs)
+        monkeypatch.setattr(owner, name, spy)
+
+    for name in ("current_stream", "current_device", "synchronize"):
+        watch(torch.cuda, name)
+    watch(torch.cuda.Event, "record")
+    real_stream, real_sampler = torch.cuda.Stream, copy_paths.UtilizationSampler
+
+    class Stream(real_stream):
+        def __new__(cls, device=None, priority=0, **kwargs):
+            if by_the_path():
+                calls.append(("Stream", (device,), {}))
+            return super().__new__(cls, device=device, priority=priority, **kwargs)
+
+    class Sampler(real_sampler):
+        def __init__(self, device=None, *args, **kwargs):
+            if by_the_path():
+                calls.append(("UtilizationSampler", (device,), {}))
+            super().__init__(device, *args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(copy_paths, "UtilizationSampler", Sampler)
+    results = {}
+    with EgressEngine(HashSinkFactory(), num_consumers=1, device="cuda:0",
+                      on_result=lambda b, r: results.__setitem__(b, r[1])) as e:
+        for i in range(3):
+            e.mark_compute_start()
+            x = torch.full((1024,), float(i), device="cuda:0")
+            with e.span("forward"):
+                x = x + 0
+            e.submit(i, {"x": x})
+    assert results == {i: digest({"x": np.full(1024, float(i), np.float32)}) for i in range(3)}
+    names = [name for name, _, _ in calls]
+    assert "current_device" not in names, "an engine given cuda:0 asked which GPU is current"
+    assert names.count("Stream") == 1 and names.count("UtilizationSampler") == 1, names
+    assert names.count("current_stream") >= 7 and names.count("record") >= 13, names
+    for name, args, kwargs in calls:
+        if name == "record":  # event.record(stream): the event is args[0]
+            stream = args[1] if len(args) > 1 else kwargs.get("stream")
+            assert stream is not None and stream.device == torch.device("cuda:0"), (args, kwargs)
+        else:
+            picked = args[0] if args else next(iter(kwargs.values()), None)
+            assert picked is not None and torch.device(picked) == torch.device("cuda:0"), (name, args, kwargs)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
