@@ -45,6 +45,7 @@ from PIL import Image
 
 from ..errors import ConfigError
 from ..outfiles import atomic_write_bytes, ensure_folder
+from ..sources.files import reads_within
 from ..sources.image_decode import ImageMeta, ImageRejected, open_rgb
 from ..sources.remote import is_remote
 
@@ -224,6 +225,9 @@ class MaskSinkFactory:
     stats: bool = False
     categories: tuple[str, ...] = field(default_factory=tuple)
     stats_commit_seconds: float = 10.0
+    # The folder an original re-read for its overlay must lie in (a real path; None: no
+    # check): the reader's own rule (sources.files.reads_within).
+    within: str | None = None
 
     def __call__(self, worker_index: int) -> MaskSink:
         return MaskSink(self)
@@ -298,7 +302,8 @@ class MaskSink:
 
     def _write_overlay(self, meta: ImageMeta, mask: np.ndarray, path: Path) -> None:
         try:
-            original, size = open_rgb(meta.path, self.cfg.max_pixels)
+            with reads_within(self.cfg.within):
+                original, size = open_rgb(meta.path, self.cfg.max_pixels)
         except ImageRejected as exc:
             self.failed.append((meta.path, f"overlay source unreadable: {exc.reason}"))
             return

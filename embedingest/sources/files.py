@@ -7,11 +7,13 @@ loops, and every folder or file that cannot be read is reported instead of crash
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
 import stat
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -32,6 +34,56 @@ class NotRegularFile(OSError):
         return f"not a regular file: {self.strerror}"
 
 
+class OutsideInput(OSError):
+    """A listed file that was, when opened, outside the input folder: replaced by a link
+    out of it after the walk (which skips such links) listed it. ``str()`` is the skip
+    reason, the walk's own for a link out of the folder."""
+
+    def __str__(self) -> str:
+        return (f"symbolic link out of the input folder: to {self.filename}, not read "
+                "(--follow-outside-links reads it)")
+
+
+# The folder (a real path) every file opened by open_regular must lie in, or None.
+_WITHIN: ContextVar[str | None] = ContextVar("embedingest_reads_within", default=None)
+
+
+@contextlib.contextmanager
+def reads_within(folder: str | None):
+    """In the block, :func:`open_regular` refuses (:class:`OutsideInput`) a file that is
+    outside ``folder`` (a real path) once opened, judged by what was opened, not by the
+    path: the walk skips links out of the input folder, but a file it listed may be swapped
+    for one before a worker reads it. None: no check (``--follow-outside-links``)."""
+    token = _WITHIN.set(folder)
+    try:
+        yield
+    finally:
+        _WITHIN.reset(token)
+
+
+def input_folder(root: str | os.PathLike | None, outside_links: bool = False) -> str | None:
+    """The folder the files of a walk of ``root`` must lie in (its real path), for
+    :func:`reads_within`; None for one file named as the input, an object store's URL,
+    or with ``outside_links``."""
+    if root is None or outside_links or not os.path.isdir(root):
+        return None
+    return os.path.realpath(root)
+
+
+def is_within(real_path: str, folder: str) -> bool:
+    """Whether ``real_path`` is ``folder`` or below it (both real paths)."""
+    return real_path == folder or real_path.startswith(os.path.join(folder, ""))
+
+
+def _opened_path(fd: int, path) -> str:
+    """The real path of what ``fd`` opened (Linux names it in /proc; elsewhere the
+    path resolved now, a moment after the open)."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return os.path.realpath(path)
+
+
 _KINDS = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
@@ -49,7 +101,8 @@ def open_regular(path: str | os.PathLike):
     A file listed as regular may be replaced by a named pipe before it is read, and
     opening a pipe waits for a writer, for ever; ``O_NONBLOCK`` makes the open return at
     once, ``fstat`` on what was opened says what it is, and the flag is cleared again
-    for a regular file.
+    for a regular file. Inside :func:`reads_within`, a file outside its folder once opened
+    raises :class:`OutsideInput`.
     """
     try:
         fh = open(path, "rb", opener=_open_nonblocking)
@@ -61,6 +114,11 @@ def open_regular(path: str | os.PathLike):
         mode = os.fstat(fh.fileno()).st_mode
         if not stat.S_ISREG(mode):
             raise NotRegularFile(errno.EINVAL, file_kind(mode), str(path))
+        within = _WITHIN.get()
+        if within is not None:
+            real = _opened_path(fh.fileno(), path)
+            if not is_within(real, within):
+                raise OutsideInput(errno.EXDEV, "outside the input folder", real)
         os.set_blocking(fh.fileno(), True)
         return fh
     except BaseException:
@@ -92,7 +150,7 @@ def _open_nonblocking(path, flags: int) -> int:
 
 def os_error_reason(exc: OSError) -> str:
     """The skip reason of a file that could not be opened or read."""
-    if isinstance(exc, NotRegularFile):
+    if isinstance(exc, (NotRegularFile, OutsideInput)):
         return str(exc)
     return f"unreadable: {exc.strerror or exc}"
 
@@ -139,7 +197,7 @@ def walk_paths(root: str | os.PathLike, extensions: set[str] | None = None,
     if not os.path.isdir(root):
         raise FileNotFoundError(f"input path {root!r} does not exist or is not a file or folder")
     seen: set[tuple[int, int]] = set()
-    inside = None if outside_links else os.path.realpath(root)
+    inside = input_folder(root, outside_links)
     try:
         st = os.stat(exclude) if exclude is not None else None
         excluded = (st.st_dev, st.st_ino) if st else None
@@ -199,7 +257,7 @@ def _link_out_of(entry: os.DirEntry, inside: str, extensions: set[str] | None) -
     """Why a symbolic link is not followed: it resolves outside the folder ``inside`` (a
     real path) and names a folder or a file with a wanted suffix; None otherwise."""
     target = os.path.realpath(entry.path)
-    if target == inside or target.startswith(os.path.join(inside, "")):
+    if is_within(target, inside):
         return None
     if not os.path.isdir(target) and extensions is not None and not has_extension(entry.name, extensions):
         return None

@@ -27,6 +27,7 @@ import numpy as np
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 from ..config import DEFAULT_MAX_PIXELS
+from .files import NotRegularFile, OutsideInput, open_regular
 from .remote import is_remote, open_remote, remote_size
 
 # An animated GIF (or a multi-page TIFF) is read as its first frame. AVIF needs a Pillow
@@ -210,6 +211,8 @@ def open_rgb(path: str | os.PathLike, max_pixels: int | None = DEFAULT_MAX_PIXEL
                 return to_rgb(ImageOps.exif_transpose(im)), (width, height)
     except ImageRejected:
         raise
+    except (NotRegularFile, OutsideInput) as exc:
+        raise ImageRejected(str(exc)) from exc
     except UnidentifiedImageError as exc:
         raise ImageRejected(f"not an image: {exc}") from exc
     except OSError as exc:
@@ -224,11 +227,14 @@ def open_rgb(path: str | os.PathLike, max_pixels: int | None = DEFAULT_MAX_PIXEL
 
 @contextlib.contextmanager
 def _opened(path: str | os.PathLike):
-    """``(what Image.open takes, size in bytes)``: a local path as it is; an object
-    in storage (an fsspec URL) opened for reading, which Pillow reads from in ranges,
-    so a header costs one request. Failing to open it is ``unreadable``."""
-    if not is_remote(path):
-        yield path, os.path.getsize(path)
+    """``(what Image.open takes, size in bytes)``: a local file opened with
+    :func:`~.files.open_regular` (a pipe cannot hang the decoder; inside
+    ``reads_within`` a file swapped for a link out of the input folder is refused); an
+    object in storage (an fsspec URL) opened for reading, which Pillow reads from in
+    ranges, so a header costs one request. Failing to open it is ``unreadable``."""
+    if not is_remote(path):  # opened here, not by Pillow: never blocks, checked (open_regular)
+        with open_regular(path) as fh:
+            yield fh, os.fstat(fh.fileno()).st_size
         return
     try:
         fh = open_remote(path)

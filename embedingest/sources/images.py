@@ -29,6 +29,7 @@ from torch.utils.data import Dataset
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import functional as TF
 
+from .files import reads_within
 from .image_decode import (DEFAULT_MAX_PIXELS, IMAGE_EXTENSIONS, ImageMeta, ImageRejected,
                            Preprocessing, letterbox, open_rgb, picture_rgb)
 
@@ -128,10 +129,11 @@ class ImageFileDataset(Dataset):
     """Images from ``files``, a sequence of (rel_path, path) pairs."""
 
     def __init__(self, files: Sequence[tuple[str, str]], prep: Preprocessing,
-                 max_pixels: int | None = DEFAULT_MAX_PIXELS):
+                 max_pixels: int | None = DEFAULT_MAX_PIXELS, within: str | None = None):
         self.files = files
         self.prep = prep
         self.max_pixels = max_pixels
+        self.within = within  # the folder each file must still lie in when read (reads_within)
 
     def __len__(self) -> int:
         return len(self.files)
@@ -139,7 +141,8 @@ class ImageFileDataset(Dataset):
     def __getitem__(self, index: int) -> LoadedImage | BadImage:
         rel_path, path = self.files[index]
         try:
-            pixels, meta = prepare_file(rel_path, str(path), self.prep, self.max_pixels)
+            with reads_within(self.within):
+                pixels, meta = prepare_file(rel_path, str(path), self.prep, self.max_pixels)
         except ImageRejected as exc:
             return BadImage(rel_path, str(path), exc.reason, index)
         return LoadedImage(pixels, meta, index)

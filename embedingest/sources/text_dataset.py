@@ -60,7 +60,7 @@ from ..index.shards import decode_chunks, encode_chunks
 from ..stages.chunker import DEFAULT_PIECE_CHARS, Chunk, Chunker
 from ..stages.fast_chunker import FastChunker
 from ..stages.tokenizer import load_tokenizer
-from .files import file_sha256, os_error_reason
+from .files import file_sha256, os_error_reason, reads_within
 from .text import iter_records, lone_surrogate
 
 log = logging.getLogger("embedingest")
@@ -84,6 +84,9 @@ class Unit:
     text: str | None = None
     record_id: str | None = None
     sha256: str | None = None  # of the file's bytes; None: the worker that reads it hashes it
+    # the folder the file must still lie in when it is read (a real path; None: no check),
+    # see sources.files.reads_within
+    within: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.unit_no, int) or not 0 <= self.unit_no <= MAX_UNIT_NO:
@@ -143,6 +146,19 @@ class Chunks:
 
     def __iter__(self):
         return iter(self.rows())
+
+
+def _stepped_within(items: Iterator, within: str | None) -> Iterator:
+    """``items`` (a reader's generator), each step run inside ``reads_within(within)``:
+    the check holds while the reader opens and reads, and is off again at each yield, so
+    generators left open (a loader stopped early) cannot leave it set or unset for others."""
+    while True:
+        with reads_within(within):
+            try:
+                item = next(items)
+            except StopIteration:
+                return
+        yield item
 
 
 class TextChunkDataset(IterableDataset):
@@ -275,13 +291,14 @@ class _WorkerBatches:
         else:
             if unit.sha256 is None:
                 try:  # before the read: the page cache then serves the read
-                    self.hashes[unit.unit_no] = file_sha256(unit.path)
+                    with reads_within(unit.within):
+                        self.hashes[unit.unit_no] = file_sha256(unit.path)
                 except OSError as exc:
                     self._skip(where, os_error_reason(exc))
                     return
-            records = iter_records(unit.path, text_field=self.ds.text_field,
-                                   id_field=self.ds.id_field, on_skip=self._skip,
-                                   stream_above=STREAM_ABOVE)
+            records = _stepped_within(iter_records(unit.path, text_field=self.ds.text_field,
+                                                   id_field=self.ds.id_field, on_skip=self._skip,
+                                                   stream_above=STREAM_ABOVE), unit.within)
         chunk_no = 0
         try:
             for record_id, chunks in self._record_chunks(records):

@@ -323,6 +323,43 @@ def test_a_rerun_keeps_the_skip_report_of_earlier_runs(tmp_path):
     assert entry["run"] == first["report_run"]
 
 
+def test_a_file_swapped_for_a_link_out_of_the_corpus_after_the_plan_is_not_indexed(tmp_path, monkeypatch):
+    """The race the walk cannot see: a file listed by the plan and swapped for a link to
+    a file of the machine before its worker reads it (forked workers, as by default) is
+    skipped with the walk's reason, and its text cannot be found."""
+    import embedingest.jobs.build_index as job
+
+    corpus = make_corpus(tmp_path / "corpus")
+    secret = tmp_path / "elsewhere" / "secret.txt"
+    secret.parent.mkdir()
+    text = "The keeper's ledger lists every ship that rounded the northern cape in 1887."
+    secret.write_text(text)
+    victim = sorted((corpus / "sub").glob("*.txt"))[0]
+    listing = job.file_candidates
+
+    def then_swapped(*args, **kwargs):
+        listed = list(listing(*args, **kwargs))
+        victim.unlink()
+        victim.symlink_to(secret)
+        return listed
+
+    monkeypatch.setattr(job, "file_candidates", then_swapped)
+    out = tmp_path / "idx"
+    s = build_index(corpus, out=str(out), num_workers=2, batch_size=8)
+    assert s["skipped_by_reason"] == {"symbolic link out of the input folder": 1}
+    (entry,) = [json.loads(line) for line in (out / "skipped.jsonl").read_text().splitlines()]
+    assert entry["path"] == str(victim)
+    assert entry["reason"] == (f"symbolic link out of the input folder: to {os.path.realpath(secret)}, "
+                               "not read (--follow-outside-links reads it)")
+    with open_index(out) as index:
+        assert text not in [h.text for h in index.search([text], k=12)[0]]
+    monkeypatch.setattr(job, "file_candidates", listing)
+    s = build_index(corpus, out=str(tmp_path / "idx2"), follow_outside_links=True, batch_size=8)
+    assert s["skipped"] == 0
+    with open_index(tmp_path / "idx2") as index:
+        assert index.search([text], k=1)[0][0].text == text
+
+
 def test_a_link_out_of_the_corpus_is_not_indexed_unless_asked(tmp_path):
     """A link planted in a corpus to a file of the machine is skipped and reported (exit
     3), and its text cannot be found; ``--follow-outside-links`` indexes it."""

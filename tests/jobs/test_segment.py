@@ -472,6 +472,35 @@ def test_an_image_linked_from_outside_the_input_folder_is_listed_only_when_asked
     assert [rel for rel, _ in todo] == ["own.png", "planted.png"]
 
 
+def test_an_image_swapped_for_a_link_out_of_the_folder_after_the_listing_is_not_read(tmp_path, small,
+                                                                                        monkeypatch):
+    """The race the listing cannot see: a picture listed, then swapped for a link to one
+    outside the input folder before its decoder reads it, is skipped with the listing's
+    reason; no mask or overlay of it is written."""
+    import embedingest.jobs.segment as job
+
+    images, elsewhere, out = tmp_path / "images", tmp_path / "elsewhere", tmp_path / "out"
+    images.mkdir()
+    elsewhere.mkdir()
+    Image.fromarray(noise(20, 30, seed=0)).save(images / "own.png")
+    Image.fromarray(noise(20, 30, seed=1)).save(images / "victim.png")
+    Image.fromarray(noise(20, 30, seed=2)).save(elsewhere / "private.png")
+    listing = job.list_inputs
+
+    def then_swapped(*args, **kwargs):
+        listed = listing(*args, **kwargs)
+        (images / "victim.png").unlink()
+        (images / "victim.png").symlink_to(elsewhere / "private.png")
+        return listed
+
+    monkeypatch.setattr(job, "list_inputs", then_swapped)
+    summary = segment(config(images, out, small, overlay=True, num_workers=2), progress=False)
+    assert (summary["written"], summary["skipped"]) == (1, 1)
+    assert summary["skipped_by_reason"] == {"symbolic link out of the input folder": 1}
+    assert output_paths(out, "own.png")["overlay"].exists()
+    assert not any(p.exists() for p in output_paths(out, "victim.png").values())
+
+
 def stats_rows(out) -> list[dict]:
     return pads.dataset(out / "stats").to_table().to_pylist()
 

@@ -135,6 +135,28 @@ def test_overlay_source_gone_is_reported_and_the_mask_still_written(tmp_path):
     assert path == meta.path and reason.startswith("overlay source unreadable")
 
 
+def test_an_original_swapped_for_a_link_out_of_the_input_folder_gets_no_overlay(tmp_path):
+    """An overlay re-reads the original: one swapped for a link to a picture outside the
+    input folder after it was decoded (of the same size, so the size check passes) must
+    not be drawn into the output; the mask is still written, the overlay reported."""
+    images, elsewhere = tmp_path / "images", tmp_path / "elsewhere"
+    images.mkdir()
+    elsewhere.mkdir()
+    Image.fromarray(np.full((8, 16, 3), 10, np.uint8)).save(elsewhere / "private.png")
+    (images / "in.png").symlink_to(elsewhere / "private.png")
+    meta = ImageMeta("in.png", str(images / "in.png"), 16, 8, 8, 4)
+    out = tmp_path / "out"
+    factory = MaskSinkFactory(str(out), overlay=True, within=os.path.realpath(images))
+    result = run_sink(factory, [meta], {"mask": content()})
+    assert result["written"] == 1 and (out / "in.png.png").exists()
+    assert not (out / "in.png.overlay.jpg").exists()
+    assert result["failed"] == [(meta.path, "overlay source unreadable: symbolic link out of the input "
+                                 f"folder: to {os.path.realpath(elsewhere / 'private.png')}, not read "
+                                 "(--follow-outside-links reads it)")]
+    run_sink(MaskSinkFactory(str(out), overlay=True), [meta], {"mask": content()})  # no folder: read
+    assert (out / "in.png.overlay.jpg").exists()
+
+
 def test_write_failure_raises(tmp_path):
     (tmp_path / "blocked").write_text("a file where the folder should be")
     with pytest.raises(OSError):

@@ -3,7 +3,8 @@ import time
 
 import pytest
 
-from embedingest.sources.files import NotRegularFile, open_regular, walk_files
+from embedingest.sources.files import (NotRegularFile, OutsideInput, input_folder, open_regular,
+                                      os_error_reason, reads_within, walk_files)
 from fault_helpers import unblock_later
 
 
@@ -132,3 +133,71 @@ def test_an_excluded_folder_is_not_entered_by_any_path(tmp_path):
     found = list(walk_files(tmp_path, {".json"}, exclude=tmp_path / "out"))
     assert [p.name for p in found] == ["a.json"]
     assert len(list(walk_files(tmp_path, {".json"}, exclude=tmp_path / "not-made-yet"))) == 2
+
+
+def swapped_corpus(tmp_path):
+    """A corpus whose files were listed, then one file swapped for a link to a file
+    outside and one folder for a link to a folder outside (as a writer racing the run
+    would); the outside files' real paths."""
+    corpus, outside = tmp_path / "corpus", tmp_path / "outside"
+    (corpus / "sub").mkdir(parents=True)
+    (outside / "dir").mkdir(parents=True)
+    for path in (corpus / "a.txt", corpus / "sub" / "b.txt", corpus / "own.txt",
+                 outside / "secret.txt", outside / "dir" / "b.txt"):
+        path.write_text(path.name)
+    listed = [str(p) for p in walk_files(corpus, {".txt"})]
+    (corpus / "a.txt").unlink()
+    (corpus / "a.txt").symlink_to(outside / "secret.txt")
+    (corpus / "sub" / "b.txt").unlink()
+    (corpus / "sub").rmdir()
+    (corpus / "sub").symlink_to(outside / "dir")
+    return corpus, listed, os.path.realpath(outside)
+
+
+def test_a_listed_file_swapped_for_a_link_out_of_the_folder_is_refused_when_opened(tmp_path):
+    """The walk skips links out of the input folder, but a file it listed may be swapped
+    for one (the file itself, or a folder above it) before a worker reads it: inside
+    ``reads_within`` what was opened is judged, and refused with the walk's own reason."""
+    corpus, listed, real = swapped_corpus(tmp_path)
+    within = input_folder(corpus)
+    assert within == os.path.realpath(corpus)
+    opened, refused = {}, {}
+    with reads_within(within):
+        for path in listed:
+            try:
+                with open_regular(path) as fh:
+                    opened[os.path.relpath(path, corpus)] = fh.read()
+            except OSError as exc:
+                refused[os.path.relpath(path, corpus)] = os_error_reason(exc)
+                assert isinstance(exc, OutsideInput)
+    assert opened == {"own.txt": b"own.txt"}
+    out_of = "symbolic link out of the input folder: to {}, not read (--follow-outside-links reads it)"
+    assert refused == {"a.txt": out_of.format(f"{real}/secret.txt"),
+                       os.path.join("sub", "b.txt"): out_of.format(f"{real}/dir/b.txt")}
+    # outside the block, or with --follow-outside-links (no folder), they are read
+    with open_regular(corpus / "a.txt") as fh:
+        assert fh.read() == b"secret.txt"
+    with reads_within(input_folder(corpus, outside_links=True)), open_regular(corpus / "a.txt") as fh:
+        assert fh.read() == b"secret.txt"
+
+
+def test_links_within_the_folder_and_a_root_reached_through_a_link_are_read(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "real.txt").write_text("r")
+    (corpus / "alias.txt").symlink_to("real.txt")
+    (tmp_path / "via").symlink_to(corpus)
+    with reads_within(input_folder(tmp_path / "via")):
+        for name in ("real.txt", "alias.txt"):
+            with open_regular(tmp_path / "via" / name) as fh:
+                assert fh.read() == b"r"
+
+
+def test_the_input_folder_of_a_file_an_option_or_nothing_is_none(tmp_path):
+    (tmp_path / "one.txt").write_text("x")
+    assert input_folder(tmp_path / "one.txt") is None
+    assert input_folder(tmp_path, outside_links=True) is None
+    assert input_folder(None) is None
+    assert input_folder(tmp_path / "missing") is None
+    with reads_within(None), open_regular(tmp_path / "one.txt") as fh:  # no check
+        assert fh.read() == b"x"

@@ -320,3 +320,22 @@ def test_prepare_picture_accepts_arrays_and_pil():
     assert (meta.width, meta.height) == (5, 9)
     with pytest.raises(ImageRejected, match="float64"):
         prepare_picture(np.zeros((4, 4, 3)), SHORT)
+
+
+def test_an_image_swapped_for_a_link_out_of_the_input_folder_is_not_decoded(tmp_path):
+    """A listed picture swapped for a link to one outside the input folder before its
+    decoder reads it is a bad image with the walk's reason, not pixels."""
+    images, elsewhere = tmp_path / "images", tmp_path / "elsewhere"
+    images.mkdir()
+    elsewhere.mkdir()
+    Image.fromarray(noise(20, 30)).save(images / "own.png")
+    Image.fromarray(noise(20, 30, seed=1)).save(elsewhere / "private.png")
+    (images / "swapped.png").symlink_to(elsewhere / "private.png")
+    files = [("own.png", str(images / "own.png")), ("swapped.png", str(images / "swapped.png"))]
+    ds = ImageFileDataset(files, SHORT, within=os.path.realpath(images))
+    assert isinstance(ds[0], LoadedImage)
+    bad = ds[1]
+    assert isinstance(bad, BadImage)
+    assert bad.reason == ("symbolic link out of the input folder: to "
+                          f"{os.path.realpath(elsewhere / 'private.png')}, not read (--follow-outside-links reads it)")
+    assert isinstance(ImageFileDataset(files, SHORT)[1], LoadedImage)  # no folder: read

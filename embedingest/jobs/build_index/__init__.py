@@ -38,7 +38,7 @@ from ...index.store import Manifest
 from ...report import REPORT_NAME, SkipReport
 from ...scaleout.devices import devices_of
 from ...index.faiss_factory import parse_factory
-from ...sources.files import refuse_output_as_input
+from ...sources.files import input_folder, refuse_output_as_input
 from ...sources.remote import check_remote, is_remote, local_path
 from ...sources.text_dataset import Unit
 from ...stages.device import precision, resolve_device
@@ -199,8 +199,10 @@ def _build_locked(corpus, cfg: IndexConfig, out: Path, model, built: list, where
         log.info("%s: %d units to index, %d unchanged, %d deleted", out, len(plan.todo),
                  plan.unchanged, len(plan.deleted))
         removed, unit_nos = apply_plan(store, plan)
+        within = None if in_memory else input_folder(corpus, cfg.follow_outside_links)
         units = [Unit(unit_nos[c["key"]], c["key"], path=c.get("path"), text=c.get("text"),
-                      record_id=c.get("record_id"), sha256=c.get("sha256")) for c in plan.todo]
+                      record_id=c.get("record_id"), sha256=c.get("sha256"), within=within)
+                 for c in plan.todo]
         if checkpoint:
             checkpoint()
         early = (isinstance(model, ModelFacts) and bool(units)

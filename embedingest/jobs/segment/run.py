@@ -22,6 +22,7 @@ from ...report import SkipReport
 from ...runner import BatchSteps, run_batches
 from ...scaleout.devices import share_of_cpus
 from ...sinks.masks import MaskSinkFactory, labels_info, write_labels
+from ...sources.files import input_folder
 from ...sources.image_decode import LONG_SIDE_LIMIT, ImageMeta
 from ...sources.images import ImageBatch, ImageFileDataset, collate_images, regroup
 from ...sources.shape_batches import HeaderReaders, ShapeBatchSampler
@@ -78,7 +79,9 @@ def _decoders(config: SegmentConfig, device: torch.device, todo: list[tuple[str,
     # it while the other workers sat finished)
     sampler = ShapeBatchSampler(todo, prep, config.batch_size, read_sizes=headers)
     loader = WorkerLoader(
-        ImageFileDataset(todo, prep, config.max_pixels or None), batch_sampler=sampler,
+        ImageFileDataset(todo, prep, config.max_pixels or None,
+                         input_folder(config.images, config.follow_outside_links)),
+        batch_sampler=sampler,
         num_workers=workers, prefetch_factor=config.decode_ahead if workers else None,
         in_order=not workers,
         collate_fn=functools.partial(collate_images, resize=config.resize),
@@ -106,7 +109,8 @@ def _model_and_engine(config: SegmentConfig, device: torch.device, prep, full_ma
                               config.overlay_alpha, config.max_pixels or None,
                               num_classes=loaded.num_classes, stats=config.stats,
                               categories=tuple(loaded.categories),
-                              stats_commit_seconds=config.stats_commit_seconds)
+                              stats_commit_seconds=config.stats_commit_seconds,
+                              within=input_folder(config.images, config.follow_outside_links))
     spec = slot_spec(config, loaded.num_classes)
     built = time.perf_counter() - t0
     engine = EgressEngine(factory, num_consumers=config.num_consumers, num_slots=config.num_slots or None,
