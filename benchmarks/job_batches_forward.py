@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from embedingest.bench.documents import chunk_windows, write_documents
+from embedingest.bench.documents import chunk_windows, sorted_batches, write_documents
 from embedingest.config import IndexConfig
 from embedingest.jobs.build_index.encode import loader_workers, make_loader
 from embedingest.sources.text_dataset import Unit
@@ -42,22 +42,6 @@ def job_batches(folder: Path, facts: ModelFacts, cfg: IndexConfig, chunk_tokens:
         if len(item["ids"]):
             out.append((item["input_ids"].clone(), item["attention_mask"].clone()))
     return out
-
-
-def sorted_batches(windows: list, batch_size: int) -> list:
-    """The forward alone's batches: every window length-sorted, widths padded to 16."""
-    ordered = sorted(windows, key=len)
-    batches = []
-    for i in range(0, len(ordered), batch_size):
-        part = ordered[i:i + batch_size]
-        width = -(-len(part[-1]) // 16) * 16
-        ids = torch.zeros((len(part), width), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, w in enumerate(part):
-            ids[row, :len(w)] = torch.tensor(w)
-            mask[row, :len(w)] = 1
-        batches.append((ids, mask))
-    return batches
 
 
 def shapes(batches: list) -> dict:

@@ -167,26 +167,33 @@ def chunk_windows(folder: Path, tokenizer, chunk_tokens: int, overlap: int) -> t
     return windows, texts
 
 
-def forward_alone(windows: list, cfg: DocumentsBenchConfig, dtype: str) -> dict:
-    """The bound: the encoder on the windows, length-sorted, on the device before the
-    clock, each batch shape run once first."""
+def sorted_batches(windows: list, batch_size: int) -> list:
+    """The forward alone's batches (token ids and masks on the CPU): every window
+    length-sorted at once, each batch's width padded to a multiple of 16."""
     import torch
 
-    from ..stages.encoder import TextEncoder
-    from .text import timed_forward
-
-    enc = TextEncoder.load(cfg.model, device=cfg.device, dtype=dtype)
     ordered = sorted(windows, key=len)
     batches = []
-    for i in range(0, len(ordered), cfg.batch_size):
-        part = ordered[i:i + cfg.batch_size]
+    for i in range(0, len(ordered), batch_size):
+        part = ordered[i:i + batch_size]
         width = -(-len(part[-1]) // 16) * 16
         ids = torch.zeros((len(part), width), dtype=torch.long)
         mask = torch.zeros_like(ids)
         for row, w in enumerate(part):
             ids[row, :len(w)] = torch.tensor(w)
             mask[row, :len(w)] = 1
-        batches.append((ids.to(cfg.device), mask.to(cfg.device)))
+        batches.append((ids, mask))
+    return batches
+
+
+def forward_alone(windows: list, cfg: DocumentsBenchConfig, dtype: str) -> dict:
+    """The bound: the encoder on the windows, length-sorted, on the device before the
+    clock, each batch shape run once first."""
+    from ..stages.encoder import TextEncoder
+    from .text import timed_forward
+
+    enc = TextEncoder.load(cfg.model, device=cfg.device, dtype=dtype)
+    batches = [(ids.to(cfg.device), mask.to(cfg.device)) for ids, mask in sorted_batches(windows, cfg.batch_size)]
     seconds = timed_forward(enc, batches, cfg.device)
     return {"name": f"encoder forward alone (pre-tokenized), {dtype}", "kind": "bound",
             "chunks": len(windows), "seconds": seconds, "chunks_per_s": len(windows) / seconds,
