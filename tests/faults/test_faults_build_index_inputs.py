@@ -72,13 +72,13 @@ from embedingest.jobs import build_index as job
 
 plan_units = job.plan_units
 
-def plan_then_swap(store, candidates, report):
+def plan_then_swap(store, candidates, report, *within):
     def swapped():
         for cand in candidates:
             if cand["key"] == "pipe.jsonl":  # listed as a file, a pipe before anything reads it
                 os.unlink(cand["path"]); os.mkfifo(cand["path"])
             yield cand
-    plan = plan_units(store, swapped(), report)
+    plan = plan_units(store, swapped(), report, *within)
     later = {str(corpus / "later.txt")!r}
     os.unlink(later); os.mkfifo(later)  # planned, then a pipe before it is read
     return plan

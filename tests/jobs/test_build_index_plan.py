@@ -172,3 +172,35 @@ def test_a_finished_unit_takes_its_hash_from_the_shard_that_finished_it(tmp_path
     store.sync_status()
     rows = store.db.execute("SELECT key, sha256 FROM units ORDER BY key").fetchall()
     assert rows == [("a.txt", sha["a.txt"]), ("b.txt", sha["b.txt"])]
+
+
+def test_a_known_file_swapped_for_a_link_out_of_the_corpus_is_reported_not_hashed(tmp_path):
+    """A file whose stamp moved is hashed by the plan to compare with its row: one swapped
+    for a link out of the corpus after the listing (a writer racing the run) is reported
+    with the listing's reason, and no hash of the outside file goes into the index."""
+    import os
+
+    from embedingest.jobs.build_index import plan as plan_module
+    from embedingest.sources.files import input_folder
+
+    corpus, elsewhere = tmp_path / "corpus", tmp_path / "elsewhere"
+    corpus.mkdir()
+    elsewhere.mkdir()
+    (corpus / "a.txt").write_text("own text")
+    (corpus / "b.txt").write_text("listed, then swapped")
+    (elsewhere / "secret.txt").write_text("a secret of the machine")
+    store = ShardStore(tmp_path / "ix")
+    store.create_or_open(Manifest(model={"name": "m", "path": "/nowhere"}, dim=DIM))
+    store.upsert_units([{"key": name, "size": 1, "mtime_ns": 1, "sha256": "0" * 64,
+                         "status": "pending", "n_chunks": 0} for name in ("a.txt", "b.txt")])
+    report = SkipReport()
+    listed = list(plan_module.file_candidates(corpus, report, tmp_path / "ix"))
+    (corpus / "b.txt").unlink()
+    (corpus / "b.txt").symlink_to(elsewhere / "secret.txt")
+    plan = plan_units(store, listed, report, input_folder(corpus))
+    assert [(c["key"], c["sha256"]) for c in plan.todo] == [
+        ("a.txt", hashlib.sha256(b"own text").hexdigest())]
+    assert [(e["path"], e["stage"], e["reason"]) for e in report.entries] == [(
+        str(corpus / "b.txt"), "hash",
+        f"symbolic link out of the input folder: to {os.path.realpath(elsewhere / 'secret.txt')}, "
+        "not read (--follow-outside-links reads it)")]

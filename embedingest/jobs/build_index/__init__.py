@@ -195,11 +195,11 @@ def _build_locked(corpus, cfg: IndexConfig, out: Path, model, built: list, where
         store.clean_garbage()
         candidates = (corpus if in_memory
                       else file_candidates(corpus, report, out, cfg.follow_outside_links))
-        plan = plan_units(store, candidates, report)
+        within = None if in_memory else input_folder(corpus, cfg.follow_outside_links)
+        plan = plan_units(store, candidates, report, within)
         log.info("%s: %d units to index, %d unchanged, %d deleted", out, len(plan.todo),
                  plan.unchanged, len(plan.deleted))
         removed, unit_nos = apply_plan(store, plan)
-        within = None if in_memory else input_folder(corpus, cfg.follow_outside_links)
         units = [Unit(unit_nos[c["key"]], c["key"], path=c.get("path"), text=c.get("text"),
                       record_id=c.get("record_id"), sha256=c.get("sha256"), within=within)
                  for c in plan.todo]

@@ -25,7 +25,7 @@ from ...index.shard_store import ShardStore
 from ...index.store import Manifest
 from ...report import SkipReport
 from ...index.faiss_factory import parse_factory
-from ...sources.files import file_sha256, os_error_reason, walk_paths
+from ...sources.files import file_sha256, os_error_reason, reads_within, walk_paths
 from ...sources.names import has_extension
 from ...sources.remote import input_name, is_remote, walk_remote
 from ...sources.text import TEXT_EXTENSIONS, lone_surrogate
@@ -146,7 +146,8 @@ def record_candidates(records: Iterable, cfg: IndexConfig, report: SkipReport) -
     return out
 
 
-def plan_units(store: ShardStore, candidates: Iterable[dict], report: SkipReport) -> Plan:
+def plan_units(store: ShardStore, candidates: Iterable[dict], report: SkipReport,
+               within: str | None = None) -> Plan:
     """Split the corpus into unchanged units and units to (re)index; find deleted ones.
 
     A unit is unchanged when it was finished before, its committed vectors are exactly its
@@ -155,7 +156,9 @@ def plan_units(store: ShardStore, candidates: Iterable[dict], report: SkipReport
     that stopped, resumed: the ids a clean run gives); a changed content gets a fresh
     number (``renumbered``), so no id ever names two texts.
 
-    Only a file whose stamp moved is hashed here, to compare with the hash its row holds.
+    Only a file whose stamp moved is hashed here, to compare with the hash its row holds
+    (a file outside ``within``, the input folder's real path, once opened is reported,
+    not hashed: see ``sources.files.reads_within``).
     A new file (or one whose row has no hash yet) goes to the todo list unhashed
     (``sha256`` None): the loader worker that reads it hashes it, and the shard that
     finishes the unit records the hash (:func:`~embedingest.index.shards.finished_hashes`).
@@ -186,7 +189,7 @@ def plan_units(store: ShardStore, candidates: Iterable[dict], report: SkipReport
                 continue
             cand["sha256"] = old.sha256  # the same file, half done: its row's hash (or None)
         pending.append((cand, ok, old is not None and old.sha256 is not None))
-    for cand, ok in _hashed(pending, report):
+    for cand, ok in _hashed(pending, report, within):
         key = cand["key"]
         old = known.get(key)
         if ok and cand["sha256"] == old.sha256:
@@ -208,7 +211,8 @@ def plan_units(store: ShardStore, candidates: Iterable[dict], report: SkipReport
     return Plan(todo, unchanged, replaced + stray, deleted, len(seen), renumbered)
 
 
-def _hashed(pending: list[tuple[dict, bool, bool]], report: SkipReport) -> Iterator[tuple[dict, bool]]:
+def _hashed(pending: list[tuple[dict, bool, bool]], report: SkipReport,
+            within: str | None = None) -> Iterator[tuple[dict, bool]]:
     """``pending`` (candidate, whether its old unit counts, whether to hash it) in order,
     as (candidate, counts) pairs; each candidate to hash gets its ``sha256``. Files of
     :data:`HASH_APART` bytes or more are hashed by a thread pool while this thread hashes
@@ -219,10 +223,10 @@ def _hashed(pending: list[tuple[dict, bool, bool]], report: SkipReport) -> Itera
     large = [cand["path"] for cand in to_hash if (cand.get("size") or 0) >= HASH_APART]
     digests: dict[str, str | OSError] = {}
     with ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, len(large)))) as pool:
-        futures = {path: pool.submit(_sha256_or_error, path) for path in large}
+        futures = {path: pool.submit(_sha256_or_error, path, within) for path in large}
         for cand in to_hash:
             if cand["path"] not in futures:
-                digests[cand["path"]] = _sha256_or_error(cand["path"])
+                digests[cand["path"]] = _sha256_or_error(cand["path"], within)
         digests.update((path, f.result()) for path, f in futures.items())
     for cand, ok, hash_it in pending:
         if hash_it and cand.get("sha256") is None:
@@ -235,9 +239,12 @@ def _hashed(pending: list[tuple[dict, bool, bool]], report: SkipReport) -> Itera
         yield cand, ok
 
 
-def _sha256_or_error(path: str) -> str | OSError:
+def _sha256_or_error(path: str, within: str | None = None) -> str | OSError:
+    """The file's sha256, or why it could not be read; inside ``within`` (a folder's real
+    path) only, as the workers read (``sources.files.reads_within``)."""
     try:
-        return file_sha256(path)
+        with reads_within(within):
+            return file_sha256(path)
     except OSError as exc:
         return exc
 
