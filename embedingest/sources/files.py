@@ -40,8 +40,12 @@ class OutsideInput(OSError):
     reason, the walk's own for a link out of the folder."""
 
     def __str__(self) -> str:
-        return (f"symbolic link out of the input folder: to {self.filename}, not read "
-                "(--follow-outside-links reads it)")
+        return outside_reason(self.filename)
+
+
+def outside_reason(target: str) -> str:
+    """The skip reason of an input that leads out of the input folder, to ``target``."""
+    return f"symbolic link out of the input folder: to {target}, not read (--follow-outside-links reads it)"
 
 
 # The folder (a real path) every file opened by open_regular must lie in, or None.
@@ -261,7 +265,7 @@ def _link_out_of(entry: os.DirEntry, inside: str, extensions: set[str] | None) -
         return None
     if not os.path.isdir(target) and extensions is not None and not has_extension(entry.name, extensions):
         return None
-    return f"symbolic link out of the input folder: to {target}, not read (--follow-outside-links reads it)"
+    return outside_reason(target)
 
 
 def _not_a_file(entry: os.DirEntry) -> str | None:
