@@ -31,6 +31,7 @@ Decisions:
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Sequence
@@ -38,6 +39,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..errors import ConfigError
 from . import bert
@@ -49,6 +51,8 @@ from .tokenizer import open_tokenizer
 
 # Tokenizers that set no limit report this huge number as their model_max_length.
 _NO_LIMIT = 10**6
+# What attention_kernels allows for a new shape on a GPU, in torch's order of preference.
+_ATTENTION_ON_GPU = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def pool(hidden: torch.Tensor, mask: torch.Tensor, modes: Sequence[str]) -> torch.Tensor:
@@ -82,6 +86,24 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, modes: Sequence[str]) -> torc
     return out[0] if len(out) == 1 else torch.cat(out, dim=-1)
 
 
+def attention_kernels(device: torch.device, new_shape: bool):
+    """The attention kernels a forward may use: for a batch shape the encoder meets for
+    the first time on a GPU, every kernel of ``scaled_dot_product_attention`` but
+    cuDNN's; otherwise torch's own choice.
+
+    cuDNN's attention, torch's first choice on recent GPUs and the fastest there once
+    running, first builds an execution plan for each input shape, on the host, while the
+    GPU waits. A run meets many shapes only once (in build-index the last, short batch of
+    each loader worker; in a search service most numbers of queries), and for those the
+    plan costs more than the batch. The memory-efficient kernel takes the same mask and
+    needs no plan, so a shape's first batch runs with it and only a shape that comes back
+    pays for cuDNN's plan (and, with CUDA graphs, is captured).
+    """
+    if device.type != "cuda" or not new_shape:
+        return contextlib.nullcontext()
+    return sdpa_kernel(_ATTENTION_ON_GPU)
+
+
 class TextEncoder:
     """A transformer, its tokenizer and its pooling, loaded from one local folder."""
 
@@ -99,6 +121,7 @@ class TextEncoder:
         self._prepared_mask = False
         self._graphs = None
         self._runtime = None
+        self._shapes_seen: set[tuple[int, ...]] = set()  # batch shapes run before (attention_kernels)
         self._prompts = Prompts.read(model_dir)
         probe = self.tokenize(["dim", "a longer text, so the batch has padding"])
         reference = self.forward(probe["input_ids"], probe["attention_mask"])
@@ -205,15 +228,19 @@ class TextEncoder:
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Sentence embeddings, float32 [B, dim], on the encoder's device.
 
-        On CUDA the call only enqueues work: it never waits for the GPU, and with
-        ``cuda_graphs`` each batch shape is replayed from a captured graph.
+        On CUDA the call only enqueues work: it never waits for the GPU. A batch shape's
+        first batch runs eagerly without cuDNN's attention (:func:`attention_kernels`);
+        from its second on, with ``cuda_graphs``, the shape is replayed from a captured graph.
         """
         if self._runtime is not None:
             return self._runtime(input_ids, attention_mask)
-        with torch.inference_mode():
+        shape = tuple(input_ids.shape)
+        new_shape = shape not in self._shapes_seen
+        self._shapes_seen.add(shape)
+        with torch.inference_mode(), attention_kernels(self._device, new_shape):
             input_ids = input_ids.to(self._device, non_blocking=True)
             attention_mask = attention_mask.to(self._device, non_blocking=True)
-            if self._graphs is not None and len(input_ids):
+            if self._graphs is not None and len(input_ids) and not new_shape:
                 if not self._graphs.captured and self._graphs.disabled_reason is None:
                     # the widest batch first, so the memory of all shapes stays bounded
                     widest = torch.ones(len(input_ids), self._max_seq_length, dtype=input_ids.dtype,

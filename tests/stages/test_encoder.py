@@ -367,3 +367,50 @@ def test_model_facts_say_what_the_loaded_encoder_will(max_seq_length):
     assert facts.info() == encoder.info() and facts.dim == encoder.dim == 384
     assert facts.max_seq_length == encoder.max_seq_length == (max_seq_length or 256)
     assert facts.tokenizer is encoder.tokenizer and facts.prompts == encoder.prompts
+
+
+def test_a_new_batch_shape_on_a_gpu_leaves_out_cudnn_attention_and_the_flags_come_back():
+    """cuDNN's attention plans each new input shape on the host: a shape's first batch on
+    a GPU runs with every other kernel allowed, a shape seen before (and the CPU) with
+    torch's own choice, and torch's flags are as before afterwards. The flags are global
+    booleans, so this runs without a GPU."""
+    from embedingest.stages.encoder import attention_kernels
+
+    def flags():
+        return (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(),
+                torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled())
+
+    before = flags()
+    with attention_kernels(torch.device("cuda", 0), new_shape=True):
+        assert flags() == (False, True, True, True)
+    for device, new_shape in ((torch.device("cuda", 0), False), (torch.device("cpu"), True)):
+        with attention_kernels(device, new_shape=new_shape):
+            assert flags() == before
+    assert flags() == before
+
+
+@pytest.mark.needs_cuda
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_a_batch_shape_s_first_gpu_forward_runs_no_cudnn_attention(cuda_graphs):
+    """Every op of a shape's first forward on the GPU, as torch's profiler lists them: its
+    attention is not cuDNN's (whose per-shape plan the GPU would wait for); the shape's
+    second batch is the one captured as a CUDA graph. Both give the CPU encoder's vectors
+    within half precision."""
+    enc = TextEncoder.load(None, device="cuda", dtype="fp16", cuda_graphs=cuda_graphs)
+    cpu = TextEncoder.load(None, device="cpu", dtype="fp32")
+    batch = enc.tokenize(["a first text of some length", "a second", "and a third, longer than both"])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        first = enc.forward(batch["input_ids"], batch["attention_mask"])
+        torch.cuda.synchronize()
+    names = {e.key for e in prof.key_averages()}
+    attention = sorted(n for n in names if "attention" in n)
+    assert "aten::scaled_dot_product_attention" in names
+    assert not any("cudnn" in n for n in attention), attention
+    assert any("efficient_attention" in n or "flash_attention" in n for n in attention), attention
+    captured = enc._graphs.captured if cuda_graphs else 0
+    second = enc.forward(batch["input_ids"], batch["attention_mask"])
+    if cuda_graphs:
+        assert captured == 0 and enc._graphs.captured >= 1 and enc.uses_cuda_graphs
+    reference = cpu.forward(batch["input_ids"], batch["attention_mask"])
+    torch.testing.assert_close(first.cpu(), reference, atol=2e-3, rtol=0)
+    torch.testing.assert_close(second.cpu(), reference, atol=2e-3, rtol=0)
