@@ -32,6 +32,7 @@ Decisions:
 from __future__ import annotations
 
 import contextlib
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Sequence
@@ -39,7 +40,6 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..errors import ConfigError
 from . import bert
@@ -51,8 +51,10 @@ from .tokenizer import open_tokenizer
 
 # Tokenizers that set no limit report this huge number as their model_max_length.
 _NO_LIMIT = 10**6
-# What attention_kernels allows for a new shape on a GPU, in torch's order of preference.
-_ATTENTION_ON_GPU = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# _without_cudnn_attention's count of threads inside it, and the flag it found.
+_cudnn_off_lock = threading.Lock()
+_cudnn_off_depth = 0
+_cudnn_was_on = True
 
 
 def pool(hidden: torch.Tensor, mask: torch.Tensor, modes: Sequence[str]) -> torch.Tensor:
@@ -88,8 +90,7 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, modes: Sequence[str]) -> torc
 
 def attention_kernels(device: torch.device, new_shape: bool):
     """The attention kernels a forward may use: for a batch shape the encoder meets for
-    the first time on a GPU, every kernel of ``scaled_dot_product_attention`` but
-    cuDNN's; otherwise torch's own choice.
+    the first time on a GPU, those allowed now but cuDNN's; otherwise torch's own choice.
 
     cuDNN's attention, torch's first choice on recent GPUs and the fastest there once
     running, first builds an execution plan for each input shape, on the host, while the
@@ -101,7 +102,28 @@ def attention_kernels(device: torch.device, new_shape: bool):
     """
     if device.type != "cuda" or not new_shape:
         return contextlib.nullcontext()
-    return sdpa_kernel(_ATTENTION_ON_GPU)
+    return _without_cudnn_attention()
+
+
+@contextlib.contextmanager
+def _without_cudnn_attention():
+    """torch's cuDNN-attention flag off while any thread is inside, as it was once the last
+    one leaves. The flag is process-wide: ``sdpa_kernel`` saves and restores it per
+    context, so two threads whose contexts overlap could leave it off for good, and it
+    sets the other kernels' flags too, overriding a caller's own choice."""
+    global _cudnn_off_depth, _cudnn_was_on
+    with _cudnn_off_lock:
+        if _cudnn_off_depth == 0:
+            _cudnn_was_on = torch.backends.cuda.cudnn_sdp_enabled()
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        _cudnn_off_depth += 1
+    try:
+        yield
+    finally:
+        with _cudnn_off_lock:
+            _cudnn_off_depth -= 1
+            if _cudnn_off_depth == 0:
+                torch.backends.cuda.enable_cudnn_sdp(_cudnn_was_on)
 
 
 class TextEncoder:

@@ -371,9 +371,9 @@ def test_model_facts_say_what_the_loaded_encoder_will(max_seq_length):
 
 def test_a_new_batch_shape_on_a_gpu_leaves_out_cudnn_attention_and_the_flags_come_back():
     """cuDNN's attention plans each new input shape on the host: a shape's first batch on
-    a GPU runs with every other kernel allowed, a shape seen before (and the CPU) with
-    torch's own choice, and torch's flags are as before afterwards. The flags are global
-    booleans, so this runs without a GPU."""
+    a GPU runs with cuDNN's attention off and the other kernels as they were, a shape seen
+    before (and the CPU) with torch's own choice, and the flag is as before afterwards. The
+    flags are global booleans, so this runs without a GPU."""
     from embedingest.stages.encoder import attention_kernels
 
     def flags():
@@ -381,12 +381,55 @@ def test_a_new_batch_shape_on_a_gpu_leaves_out_cudnn_attention_and_the_flags_com
                 torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled())
 
     before = flags()
-    with attention_kernels(torch.device("cuda", 0), new_shape=True):
-        assert flags() == (False, True, True, True)
-    for device, new_shape in ((torch.device("cuda", 0), False), (torch.device("cpu"), True)):
+    gpu = torch.device("cuda", 0)
+    with attention_kernels(gpu, new_shape=True):
+        assert flags() == (False, *before[1:])
+    for device, new_shape in ((gpu, False), (torch.device("cpu"), True)):
         with attention_kernels(device, new_shape=new_shape):
             assert flags() == before
     assert flags() == before
+    torch.backends.cuda.enable_math_sdp(False)  # a caller's own choice stays
+    try:
+        with attention_kernels(gpu, new_shape=True):
+            assert flags() == (False, before[1], before[2], False)
+    finally:
+        torch.backends.cuda.enable_math_sdp(before[3])
+    assert flags() == before
+
+
+def test_overlapping_new_shape_forwards_in_threads_leave_cudnn_attention_as_it_was():
+    """Two threads' new-shape forwards overlapping, the first to start leaving first: the
+    flag stays off until the second leaves, then is on again (saving and restoring it per
+    context would leave it off for good)."""
+    import threading
+
+    from embedingest.stages.encoder import attention_kernels
+
+    gpu = torch.device("cuda", 0)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def first():
+        with attention_kernels(gpu, new_shape=True):
+            first_in.set()
+            second_in.wait(10)
+        first_out.set()
+
+    def second():
+        first_in.wait(10)
+        with attention_kernels(gpu, new_shape=True):
+            second_in.set()
+            first_out.wait(10)
+            seen["after the first left"] = torch.backends.cuda.cudnn_sdp_enabled()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert seen == {"after the first left": False}
+    assert torch.backends.cuda.cudnn_sdp_enabled()
 
 
 @pytest.mark.needs_cuda
