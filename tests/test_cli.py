@@ -110,6 +110,24 @@ def test_search_prints_rank_score_source_and_text(flat_index):
     assert lines[3].startswith("     ") and lines[3][5:] in TEXTS[1:]
 
 
+def test_search_shows_what_the_corpus_controls_escaped_one_line_each(tmp_path):
+    """A record id and a text holding a newline, terminal escape sequences and a
+    bidirectional override: each hit is still two lines, with those characters written
+    as escapes; the JSON output keeps them as they are."""
+    out = tmp_path / "idx"
+    rid = "r\x1b[2J\nWARNING forged"
+    text = "Whales breathe air \x1b]0;pwned\x07 through blowholes \u202eon top of their heads."
+    build_index([{"id": rid, "text": text}], out=str(out), **FAST)
+    r = CliRunner().invoke(main, ["search", str(out), "whales", "-k", "1"])
+    assert r.exit_code == 0, r.output
+    first, preview = r.output.splitlines()
+    assert re.fullmatch(r"  1  \d\.\d{4}  (.*)", first).group(1) == (
+        "record:r\\x1b[2J\\x0aWARNING forged [r\\x1b[2J\\x0aWARNING forged] #0")
+    assert preview == "     Whales breathe air \\x1b]0;pwned\\x07 through blowholes \\u202eon top of their heads."
+    hits = json.loads(CliRunner().invoke(main, ["search", str(out), "whales", "--json"]).stdout)
+    assert (hits[0]["record_id"], hits[0]["text"]) == (rid, text)
+
+
 def test_search_of_an_empty_index_says_so(tmp_path):
     out = tmp_path / "idx"
     build_index([], out=str(out), **FAST)

@@ -118,3 +118,21 @@ def test_the_program_prints_the_whole_summary_and_its_exit_status(tmp_path):
     usage = subprocess.run([sys.executable, "-m", "embedingest", "build-index", str(tmp_path / "missing")],
                            capture_output=True, text=True, timeout=60)
     assert usage.returncode == 2 and "does not exist" in usage.stderr
+
+
+def test_a_skipped_file_s_name_is_logged_on_one_line_with_its_controls_escaped(tmp_path):
+    """A corpus file named with a newline and an escape sequence (a forged log line, a
+    terminal command) is skipped as empty, and the program's warning names it on one
+    line, escaped."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("One short document about rivers.\n", encoding="utf-8")
+    (corpus / "x\x1b[2J\nWARNING forged.txt").write_bytes(b"")
+    run = subprocess.run([sys.executable, "-m", "embedingest", "build-index", str(corpus),
+                          "--out", str(tmp_path / "ix"), "--device", "cpu", "--num-workers", "0", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 3, run.stderr
+    assert "\x1b" not in run.stderr
+    warnings = [line for line in run.stderr.splitlines() if line.startswith("WARNING")]
+    assert warnings == [f"WARNING embedingest: skipped {corpus}/x\\x1b[2J\\x0aWARNING forged.txt: "
+                        "empty: the file has no bytes"], run.stderr

@@ -9,12 +9,12 @@ group; :mod:`.common` holds what they share.
 from __future__ import annotations
 
 import logging
-import sys
 from typing import NoReturn
 
 import click
 
 from .. import __version__
+from ..terminal import log_to_stderr
 from .bench import bench
 from .common import end_process
 from .index import build_index_cmd, export, reindex
@@ -27,8 +27,7 @@ from .segment import segment_command
 @click.option("-v", "--verbose", is_flag=True, help="Log progress details to stderr.")
 def main(verbose: bool) -> None:
     """Run models on a GPU over large batches and get their outputs off the GPU fast."""
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
-                        format="%(levelname)s %(name)s: %(message)s")
+    log_to_stderr(logging.INFO if verbose else logging.WARNING)
 
 
 for command in (build_index_cmd, reindex, export, search, serve, segment_command, bench):

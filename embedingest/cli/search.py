@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from ..config import SearchConfig, ServeConfig, load_config
+from ..terminal import printable
 from .common import IndexPath, config_options, emit_json, library_errors
 
 
@@ -36,8 +37,8 @@ def search(index_dir, query, as_json, **options) -> None:
         click.echo("no results (the index is empty)")
     for h in hits:
         where = f"{h.source}" + (f" [{h.record_id}]" if h.record_id else "") + f" #{h.chunk_no}"
-        click.echo(f"{h.rank:>3}  {h.score:.4f}  {where}")
-        click.echo("     " + (h.text or "").replace("\n", " ")[:300])
+        click.echo(f"{h.rank:>3}  {h.score:.4f}  {printable(where)}")
+        click.echo("     " + printable(" ".join((h.text or "").split())[:300]))
 
 
 @click.command()

@@ -27,6 +27,7 @@ from multiprocessing.connection import wait
 from ..engine.consumers import _die_with_parent
 from ..errors import EngineError, error_payload, rebuild_error
 from ..interrupts import children_ignore_sigint, redeliver_swallowed_interrupts
+from ..terminal import log_to_stderr
 
 log = logging.getLogger("embedingest")
 
@@ -307,8 +308,7 @@ def _child_main(prepare, prepare_args, conn, parent_pid: int, level: int, siblin
     sys.unraisablehook = _stop_from_finalizer
     for other in siblings:
         other.close()
-    logging.basicConfig(level=level, stream=sys.stderr,
-                        format="%(levelname)s %(name)s: %(message)s")
+    log_to_stderr(level)
 
     def report(*values) -> None:
         conn.send(("progress", values))

@@ -1,0 +1,41 @@
+"""Text from a corpus shown on a terminal, with its control characters as escapes.
+
+File names, record ids and chunk texts come from the data, which anyone may have
+written. Printed as they are, a control character could move the cursor, retitle or
+clear the terminal, or forge a line of the log (a file name holding a newline and
+``WARNING ...``), and Unicode's bidirectional controls could show a name or a text in
+another order than it has. JSON output needs none of this: it escapes them itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+# C0 and C1 controls and DEL as \xNN; the bidirectional embeddings, overrides and
+# isolates as \uNNNN.
+_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
+_ESCAPES.update({c: f"\\u{c:04x}" for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A))})
+
+LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
+
+
+def printable(text: str) -> str:
+    """``text`` with every control character written as its escape (a newline as ``\\x0a``)."""
+    return text.translate(_ESCAPES)
+
+
+class PrintableFormatter(logging.Formatter):
+    """Log lines whose message is :func:`printable`: one record is one line, whatever
+    names it holds. A traceback after it keeps its own lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return printable(super().formatMessage(record))
+
+
+def log_to_stderr(level: int) -> None:
+    """The program's logging: ``level`` and up to standard error, one escaped line per
+    record (as :func:`logging.basicConfig`, nothing changes if logging is set up already)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(PrintableFormatter(LOG_FORMAT))
+    logging.basicConfig(level=level, handlers=[handler])

@@ -1,0 +1,43 @@
+"""embedingest.terminal: what the corpus controls is escaped before a terminal shows it."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from embedingest.terminal import PrintableFormatter, printable
+
+CONTROLS = {*range(0x20), *range(0x7F, 0xA0), *range(0x202A, 0x202F), *range(0x2066, 0x206A)}
+
+
+def test_controls_and_bidirectional_marks_become_escapes_and_the_rest_stays():
+    text = "a\x1b[31mred\nWARNING forged\x07\x7f\x9b é ✓ 日本 \u202ereversed\u2066x\u2069\t"
+    assert printable(text) == ("a\\x1b[31mred\\x0aWARNING forged\\x07\\x7f\\x9b é ✓ 日本 "
+                               "\\u202ereversed\\u2066x\\u2069\\x09")
+
+
+@given(st.text())
+def test_nothing_the_terminal_acts_on_is_left_and_other_text_is_unchanged(text):
+    shown = printable(text)
+    assert not any(ord(c) in CONTROLS for c in shown)
+    if not any(ord(c) in CONTROLS for c in text):
+        assert shown == text
+    assert len(shown) >= len(text)
+
+
+def test_a_log_record_is_one_line_and_its_traceback_keeps_its_lines():
+    formatter = PrintableFormatter("%(levelname)s %(name)s: %(message)s")
+    record = logging.LogRecord("embedingest", logging.WARNING, __file__, 1,
+                               "skipped %s: %s", ("a\nWARNING forged.txt", "empty"), None)
+    assert formatter.format(record) == "WARNING embedingest: skipped a\\x0aWARNING forged.txt: empty"
+    try:
+        raise ValueError("line one\nline two")
+    except ValueError:
+        record = logging.LogRecord("embedingest", logging.ERROR, __file__, 1, "failed\x1b[2J", (),
+                                   sys.exc_info())
+    lines = formatter.format(record).splitlines()
+    assert lines[0] == "ERROR embedingest: failed\\x1b[2J"
+    assert lines[1] == "Traceback (most recent call last):" and lines[-2:] == ["ValueError: line one", "line two"]
