@@ -63,6 +63,7 @@ import functools
 import gzip
 import io
 import json
+import logging
 import lzma
 import os
 import re
@@ -164,8 +165,11 @@ STREAM_BLOCK = 2**16  # bytes read at a time when streaming
 
 BINARY_PROBE_BYTES = 8192
 PARQUET_BATCH_ROWS = 1024
+# Records of one file whose ids are kept to find an id given again (_FirstIds).
+MAX_IDS_CHECKED = 1_000_000
 
 _ERRORS = "embedingest.utf8-cp1252"
+log = logging.getLogger("embedingest")
 _UTF16_BOMS = (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
 _HTML_DROP = ("script", "style", "noscript", "template")
 _HTML_BLOCKS = ("p", "div", "br", "li", "tr", "h1", "h2", "h3", "h4", "h5", "h6", "pre",
@@ -446,6 +450,36 @@ def _record_id(value, default: str) -> str:
     return str(value)
 
 
+class _FirstIds:
+    """The ids the good records of one file gave so far. A later record with one of them
+    is skipped and reported: a search hit names its record by id and its span is in that
+    record's text, so two texts under one id would leave the hit pointing into either.
+    The ids of the first :data:`MAX_IDS_CHECKED` records are kept, while the file is read
+    (about 100 bytes each); a file with more records has its later ids checked against
+    those only, and says so once in the log."""
+
+    def __init__(self, path):
+        self._seen: set[str] = set()
+        self._path = path
+        self._full = False
+
+    def repeated(self, record_id: str, loc: str) -> str | None:
+        """The skip reason if ``record_id`` was given before in this file, else None
+        (and it is given now)."""
+        if record_id in self._seen:
+            shown = record_id if len(record_id) <= 200 else record_id[:200] + "..."
+            return (f"duplicate: {loc}: the id {shown!r} is that of an earlier record of "
+                    f"this file; only the first is indexed")
+        if len(self._seen) < MAX_IDS_CHECKED:
+            self._seen.add(record_id)
+        elif not self._full:
+            self._full = True
+            log.warning("%s: more than %d records; the ids of later records are checked "
+                        "against those of the first %d only", self._path, MAX_IDS_CHECKED,
+                        MAX_IDS_CHECKED)
+        return None
+
+
 def _fields(keys) -> str:
     names = list(keys)
     if not names:
@@ -473,6 +507,7 @@ def _text_of(obj, text_field: str, loc: str) -> str:
 def _objects(objs, text_field: str, id_field: str, kind: str, path: str,
              on_skip: OnSkip) -> Iterator[tuple[str, str]]:
     """Turn ``(number, object_or_skip)`` pairs into records, reporting the bad ones."""
+    ids = _FirstIds(path)
     for n, obj in objs:
         loc = f"{kind} {n}"
         try:
@@ -484,6 +519,9 @@ def _objects(objs, text_field: str, id_field: str, kind: str, path: str,
                 problem = lone_surrogate(value)
                 if problem:
                     raise _Skip(f"unicode: {loc}: {what} holds {problem}")
+            repeated = ids.repeated(record_id, loc)
+            if repeated:
+                raise _Skip(repeated)
         except _Skip as skip:
             on_skip(f"{path}:{loc}", str(skip))
             continue
@@ -637,6 +675,7 @@ def _read_csv(path: Path, text_field, id_field, on_skip):
             if text_field not in columns:
                 raise _Skip(f"field: no {text_field!r} column (columns: {_fields(columns)}); "
                             f"choose the text column with text_field=")
+            ids = _FirstIds(path)
             for n, row in enumerate(reader, 1):
                 text = row.get(text_field)
                 loc = f"row {n}"
@@ -647,7 +686,12 @@ def _read_csv(path: Path, text_field, id_field, on_skip):
                     on_skip(f"{path}:{loc}", f"empty: {loc} (line {reader.line_num}): "
                                              f"{text_field!r} is empty")
                 else:
-                    yield _record_id(row.get(id_field) or None, f"row-{n}"), text
+                    record_id = _record_id(row.get(id_field) or None, f"row-{n}")
+                    repeated = ids.repeated(record_id, f"{loc} (line {reader.line_num})")
+                    if repeated:
+                        on_skip(f"{path}:{loc}", repeated)
+                    else:
+                        yield record_id, text
         except csv.Error as exc:
             raise _Skip(f"csv: line {reader.line_num}: {exc}; the rest of the file "
                         f"is skipped") from None
@@ -705,6 +749,7 @@ def _read_parquet(path: Path, text_field, id_field, on_skip):
         columns = [text_field] + ([id_field] if id_field in schema.names and id_field != text_field
                                   else [])
         n = 0
+        first_ids = _FirstIds(path)
         try:
             for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
                 texts = batch.column(text_field).to_pylist()
@@ -721,7 +766,12 @@ def _read_parquet(path: Path, text_field, id_field, on_skip):
                         on_skip(f"{path}:{loc}", f"too-large: {loc}: {text_field!r} holds more "
                                                  f"than {MAX_LINE_CHARS} characters")
                     else:
-                        yield _record_id(rid, f"row-{n}"), text
+                        record_id = _record_id(rid, f"row-{n}")
+                        repeated = first_ids.repeated(record_id, loc)
+                        if repeated:
+                            on_skip(f"{path}:{loc}", repeated)
+                        else:
+                            yield record_id, text
         except (OSError, pa.ArrowException) as exc:
             raise _Skip(f"parquet: row {n + 1}: {exc}; the rest of the file is skipped") from None
 

@@ -1,5 +1,5 @@
 """build-index end to end on the inputs that were once lost or merged without a word:
-duplicate record ids, file names that differ only as bytes vs escapes, NUL characters."""
+duplicate record ids (in memory and in a file), file names that differ only as bytes vs escapes, NUL characters."""
 
 from __future__ import annotations
 
@@ -44,6 +44,24 @@ def test_records_without_ids_are_numbered_by_position_and_all_kept(tmp_path):
     hits = open_index(out).search(TEXTS, k=1)
     assert [(h[0].record_id, h[0].text) for h in hits] == [("0", TEXTS[0]), ("1", TEXTS[1]),
                                                            ("2", TEXTS[2])]
+
+
+def test_a_record_id_given_again_in_a_file_is_reported_and_its_first_record_kept(tmp_path):
+    """A JSON lines file whose third record repeats the first one's id: the first is
+    indexed and found under that id, the repeat is in the report with its line (before,
+    both were indexed under one id, each hit's span pointing into either text)."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    lines = [{"id": "a", "text": TEXTS[0]}, {"id": "b", "text": TEXTS[1]}, {"id": "a", "text": TEXTS[2]}]
+    (corpus / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines), encoding="utf-8")
+    s = build_index(str(corpus), out=str(tmp_path / "ix"), **FAST)
+    assert (s["exit_code"], s["chunks"], s["skipped_by_reason"]) == (3, 2, {"duplicate": 1})
+    report = [json.loads(line) for line in (tmp_path / "ix" / "skipped.jsonl").read_text().splitlines()]
+    assert [(r["path"], r["reason"]) for r in report] == [
+        (f"{corpus / 'r.jsonl'}:line 3", "duplicate: line 3: the id 'a' is that of an earlier record "
+                                         "of this file; only the first is indexed")]
+    hits = open_index(tmp_path / "ix").search(TEXTS, k=3)
+    assert {(h.record_id, h.text) for h in hits[2]} == {("a", TEXTS[0]), ("b", TEXTS[1])}
 
 
 @pytest.mark.parametrize("name, key", [

@@ -170,7 +170,7 @@ def test_any_file_is_read_or_reported_record_by_record(tmp_path_factory, fmt, da
             assert where == path or where.startswith(path + ":"), where
             assert reason.split(":")[0] in {"unreadable", "binary", "empty", "decode", "json",
                                             "field", "unicode", "csv", "parquet", "format",
-                                            "decompress", "too-large"}, reason
+                                            "decompress", "too-large", "duplicate"}, reason
         whole_file = [r for w, r in skipped if w == path]
         if count is not None and not whole_file:
             per_record = [w for w, _ in skipped if w != path]

@@ -476,10 +476,10 @@ def test_parquet_dictionary_text_and_ids_of_any_type(tmp_path):
     for kind, ids in [
         (pa.timestamp("ns"), ["2024-01-02 03:04:05.000000000", "2024-01-02 03:04:06.000000000"]),
         (pa.timestamp("us", tz="UTC"), ["2024-01-02 03:04:05.000000Z", "2024-01-02 03:04:06.000000Z"]),
-        (pa.date32(), ["2024-01-02", "2024-01-02"]),
+        (pa.date32(), ["2024-01-02", "2024-01-03"]),
     ]:
         stamped = tmp_path / "t.parquet"
-        values = [w.date() for w in when] if kind == pa.date32() else when
+        values = [(w + datetime.timedelta(days=i)).date() for i, w in enumerate(when)] if kind == pa.date32() else when
         pq.write_table(pa.table({"id": pa.array(values, kind), "text": ["one", "two"]}), stamped)
         assert read(stamped) == (list(zip(ids, ["one", "two"])), []), kind
     nested = tmp_path / "n.parquet"
@@ -516,3 +516,62 @@ def test_a_large_text_file_streams_and_is_skipped_whole_when_it_does_not_decode(
     assert "".join(TextStream(bad, lambda w, r: ended.append((w, r)))) == text
     assert ended == [(str(bad), f"decode: bytes 81 are neither UTF-8 nor cp1252 after character "
                                 f"{len(text)}; the rest of the file is skipped")]
+
+
+def test_a_record_id_given_again_in_a_file_is_skipped_and_reported_where(tmp_path):
+    """A hit names its record by id and its span is in that record's text: a later record
+    of the same file with an id given before (explicitly, or an id that is another
+    record's default) is skipped with its place, in every format with ids; other files
+    may reuse the id."""
+    dup = "the id {!r} is that of an earlier record of this file; only the first is indexed"
+    jsonl = tmp_path / "a.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in [
+        {"id": "r1", "text": "one"}, {"id": "r2", "text": "two"}, {"id": "r1", "text": "again"},
+        {"id": "r3", "text": ""}, {"id": "r3", "text": "three"}, {"text": "no id"},
+        {"id": "line-6", "text": "another's default"}]) + "\n", encoding="utf-8")
+    assert read(jsonl) == ([("r1", "one"), ("r2", "two"), ("r3", "three"), ("line-6", "no id")], [
+        (f"{jsonl}:line 3", "duplicate: line 3: " + dup.format("r1")),
+        (f"{jsonl}:line 4", "empty: line 4: 'text' is empty"),
+        (f"{jsonl}:line 7", "duplicate: line 7: " + dup.format("line-6"))])
+    items = tmp_path / "b.json"
+    items.write_text(json.dumps([{"id": 7, "text": "a"}, {"id": "7", "text": "b"}]), encoding="utf-8")
+    assert read(items) == ([("7", "a")], [(f"{items}:item 2", "duplicate: item 2: " + dup.format("7"))])
+    rows = tmp_path / "c.csv"
+    rows.write_text("id,text\nk,one\nk,two\n", encoding="utf-8")
+    assert read(rows) == ([("k", "one")], [(f"{rows}:row 2", "duplicate: row 2 (line 3): " + dup.format("k"))])
+    table = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"id": [5, 6, 5], "text": ["x", "y", "z"]}), table)
+    assert read(table) == ([("5", "x"), ("6", "y")], [(f"{table}:row 3", "duplicate: row 3: " + dup.format("5"))])
+    other = tmp_path / "e.jsonl"
+    other.write_text(json.dumps({"id": "r1", "text": "one elsewhere"}) + "\n", encoding="utf-8")
+    assert read(other) == ([("r1", "one elsewhere")], [])
+    long_id = "x" * 300
+    again = tmp_path / "f.jsonl"
+    again.write_text(json.dumps({"id": long_id, "text": "a"}) + "\n" + json.dumps({"id": long_id, "text": "b"}) + "\n",
+                     encoding="utf-8")
+    assert read(again)[1] == [(f"{again}:line 2", "duplicate: line 2: " + dup.format("x" * 200 + "..."))]
+
+
+def test_past_the_ids_kept_a_file_s_later_ids_are_checked_against_the_first_ones_and_the_log_says_so(
+        tmp_path, monkeypatch, caplog):
+    """The ids of a file's first MAX_IDS_CHECKED records are kept (memory stays bounded
+    whatever the file's size): a later repeat of one of them is still skipped, a repeat of
+    a later id is not found, and the log says once which file that is."""
+    from embedingest.sources import text as text_module
+
+    monkeypatch.setattr(text_module, "MAX_IDS_CHECKED", 3)
+    path = tmp_path / "big.jsonl"
+    exactly = tmp_path / "three.jsonl"
+    exactly.write_text("".join(json.dumps({"id": i, "text": "t"}) + "\n" for i in "abc"), encoding="utf-8")
+    with caplog.at_level("WARNING", logger="embedingest"):
+        assert len(read(exactly)[0]) == 3
+    assert not caplog.records
+    ids = ["a", "b", "c", "d", "a", "d", "e"]
+    path.write_text("".join(json.dumps({"id": i, "text": f"text {n}"}) + "\n" for n, i in enumerate(ids)),
+                    encoding="utf-8")
+    with caplog.at_level("WARNING", logger="embedingest"):
+        records, skipped = read(path)
+    assert [rid for rid, _ in records] == ["a", "b", "c", "d", "d", "e"]
+    assert [w for w, _ in skipped] == [f"{path}:line 5"]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{path}: more than 3 records; the ids of later records are checked against those of the first 3 only"]
