@@ -447,6 +447,30 @@ def shm_in_use() -> set[str]:
     return used
 
 
+def half_made_semaphores(names: set[str]) -> set[str]:
+    """The names among ``names`` that are semaphores a process was killed while making.
+    glibc's ``sem_open`` makes the file under a temporary name (``sem.XXXXXX``), links it
+    to the semaphore's name, then unlinks the temporary one; a SIGKILL between the two
+    leaves both names of one file, and nobody can remove them: Python's resource tracker
+    learns the name only once ``sem_open`` returns. A test that kills a process at an
+    arbitrary moment (as its DataLoader makes its queues) may leave such a pair; only
+    exact pairs are returned (two names of one inode, the temporary one and a
+    ``sem.mp-*``), so any other file still counts as leaked."""
+    by_inode: dict[int, set[str]] = {}
+    for name in names:
+        try:
+            by_inode.setdefault(os.stat(os.path.join("/dev/shm", name)).st_ino, set()).add(name)
+        except OSError:
+            continue
+    half_made = set()
+    for group in by_inode.values():
+        temporary = {n for n in group if re.fullmatch(r"sem\.[A-Za-z0-9]{6}", n)}
+        named = group - temporary
+        if len(temporary) == 1 and len(named) == 1 and next(iter(named)).startswith("sem.mp-"):
+            half_made |= group
+    return half_made
+
+
 def shm_wait() -> float:
     """How long a /dev/shm file nobody uses may stay before it counts as leaked. Alone, 5 s.
     Beside another pytest-xdist worker, 120 s: /dev/shm is the machine's, and a run the
