@@ -148,11 +148,13 @@ class DeviceProcesses:
                 siblings = list(self.conns) if start_method == "fork" else []
                 proc = ctx.Process(target=_child_main, name=f"embedingest-{job.name}",
                                    args=(prepare, job.args, theirs, os.getpid(), level, siblings))
+                # Kept before SIGINT is let through again: a Ctrl-C during the start is
+                # delivered as the block ends, and close() must then know this child.
                 with _environ(job.env), children_ignore_sigint():
                     proc.start()
-                theirs.close()
-                self.procs.append(proc)
-                self.conns.append(mine)
+                    theirs.close()
+                    self.procs.append(proc)
+                    self.conns.append(mine)
         except BaseException:
             self.close()
             raise

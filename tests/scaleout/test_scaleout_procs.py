@@ -175,6 +175,35 @@ def test_leaving_without_work_stops_children_still_preparing(tmp_path, no_leaks)
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_ctrl_c_while_a_child_starts_stops_that_child_too(tmp_path, monkeypatch, method, no_leaks):
+    """A Ctrl-C during a child's start waits (SIGINT blocked) and arrives as the start
+    ends: here raised right there, after the second child started. Both children are
+    stopped before the interrupt reaches the caller; before, the one just started was not
+    yet known, ran on waiting for work, and the program's exit waited for it for good."""
+    import contextlib
+
+    from embedingest.scaleout import procs as procs_module
+
+    starts = []
+
+    @contextlib.contextmanager
+    def interrupted_after_the_second_start():
+        yield
+        starts.append(1)
+        if len(starts) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(procs_module, "children_ignore_sigint", interrupted_after_the_second_start)
+    markers = [tmp_path / "m0", tmp_path / "m1"]
+    jobs = [DeviceJob(f"cpu{i}", (str(m),)) for i, m in enumerate(markers)]
+    with pytest.raises(KeyboardInterrupt):
+        procs_module.DeviceProcesses(prepare_forever, jobs, start_method=method, stop_timeout=30)
+    assert len(starts) == 2
+    assert [p.name for p in __import__("multiprocessing").active_children()
+            if p.name.startswith("embedingest-")] == []
+
+
 def test_children_report_ready_and_serve_several_calls(no_leaks):
     from embedingest.scaleout.procs import DeviceProcesses
 
