@@ -450,9 +450,8 @@ def shm_in_use() -> set[str]:
 def half_made_semaphores(names: set[str]) -> set[str]:
     """The names among ``names`` that are semaphores a process was killed while making.
     glibc's ``sem_open`` makes the file under a temporary name (``sem.`` and six random
-    letters or digits), links it
-    to the semaphore's name, then unlinks the temporary one; a SIGKILL between the two
-    leaves both names of one file, and nobody can remove them: Python's resource tracker
+    letters or digits), links it to the semaphore's name, then unlinks the temporary one;
+    a SIGKILL between the two leaves both names of one file, and nobody can remove them: Python's resource tracker
     learns the name only once ``sem_open`` returns. A test that kills a process at an
     arbitrary moment (as its DataLoader makes its queues) may leave such a pair; only
     exact pairs are returned (two names of one inode, the temporary one and a
