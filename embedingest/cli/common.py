@@ -142,22 +142,16 @@ def run_options(preset: str, timeline: str, trace: str):
     return decorate
 
 
-def run_job(module: str, call, *, as_json: bool, paragraph, interrupted: str,
-            device: str | None = None) -> NoReturn:
+def run_job(module: str, call, *, as_json: bool, paragraph, interrupted: str) -> NoReturn:
     """Import the job's ``module`` (Ctrl-C-safe), run ``call(module)`` and print the summary
     it returns (as JSON, or as ``paragraph(summary)``), then exit with its ``exit_code``;
     on Ctrl-C say ``interrupted: <interrupted>`` and exit with :data:`EXIT_INTERRUPTED`,
     also when the Ctrl-C landed where Python swallows it (a finalizer, an import lock's
-    callback): it is delivered again. ``device``: the one device this process will run
-    on (None when it starts device processes); a GPU's CUDA start runs during the import
-    (:mod:`embedingest.cuda_ahead`)."""
-    from ..cuda_ahead import CudaAhead, ordinal_of
-
+    callback): it is delivered again."""
     previous, sys.unraisablehook = sys.unraisablehook, redeliver_swallowed_interrupts(signal.SIGINT)
     threads_hook = threading.excepthook
     try:
-        with CudaAhead(ordinal_of(device)):
-            job = import_interruptibly(module)
+        job = import_interruptibly(module)
         from ..engine.consumers import quiet_resource_sharer  # imported with the job, no cost
 
         threading.excepthook = quiet_resource_sharer

@@ -31,7 +31,7 @@ def build_index_cmd(corpus, config_path, as_json, timeline, trace, **options) ->
     run_job("embedingest.jobs.build_index",
             lambda job: job.build_index(corpus, cfg, progress=not as_json and sys.stderr.isatty(),
                                         timeline=timeline, trace=trace),
-            as_json=as_json, paragraph=_index_paragraph, device=None if cfg.devices else cfg.device,
+            as_json=as_json, paragraph=_index_paragraph,
             interrupted="every file finished so far is saved in the index; run the same command "
                         "again to resume (only unfinished files are redone)")
 

@@ -35,7 +35,7 @@ def segment_command(images, config_path, as_json, timeline, trace, **options) ->
     config = load_config(SegmentConfig, config_path, images=images, **options)
     run_job("embedingest.jobs.segment",
             lambda job: job.segment(config, progress=not as_json, timeline=timeline, trace=trace),
-            as_json=as_json, paragraph=_paragraph, device=None if config.devices else config.device,
+            as_json=as_json, paragraph=_paragraph,
             interrupted="every mask written so far is kept; run the same command again to resume")
 
 
