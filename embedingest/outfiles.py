@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import re
 import secrets
@@ -39,9 +40,39 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + "_" + secrets.token_hex(3)
 
 
+# Bytes of one file name, and of a whole path, on Linux's file systems (ext4, XFS, btrfs,
+# tmpfs): a name made from an input's name (segment's masks) can pass them.
+NAME_MAX = 255
+PATH_MAX = 4096
+
+
 def tmp_path(path: Path) -> Path:
-    """The temporary name used while writing ``path``; one garbage rule covers them all."""
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    """The temporary name used while writing ``path``; one garbage rule covers them all.
+    Where the prefix and suffix would take the name past :data:`NAME_MAX`, it keeps the
+    name's start and a digest of the whole, so any name that fits can be written."""
+    suffix = f".tmp-{os.getpid()}"
+    name = f".{path.name}{suffix}"
+    if len(os.fsencode(name)) > NAME_MAX:
+        digest = hashlib.sha256(os.fsencode(path.name)).hexdigest()[:16]
+        head = path.name
+        while len(os.fsencode(f".{head}~{digest}{suffix}")) > NAME_MAX:
+            head = head[:-1]
+        name = f".{head}~{digest}{suffix}"
+    return path.with_name(name)
+
+
+def too_long(path: str | os.PathLike) -> str | None:
+    """Why no file can be made at ``path``: its name over :data:`NAME_MAX` bytes or the
+    whole path over :data:`PATH_MAX`, as a skip reason; None where it fits."""
+    whole = os.fsencode(path)
+    name = os.path.basename(whole)
+    if len(name) > NAME_MAX:
+        return (f"name too long: its output {os.fsdecode(name)!r} would be {len(name)} bytes, over the "
+                f"{NAME_MAX} a file name may have; rename the input")
+    if len(whole) >= PATH_MAX:
+        return (f"name too long: its output path would be {len(whole)} bytes, over the {PATH_MAX - 1} a "
+                f"path may have; give a shorter --out or a shallower input folder")
+    return None
 
 
 def is_tmp_name(name: str) -> bool:

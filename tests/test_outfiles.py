@@ -16,9 +16,13 @@ from fault_helpers import small_tmpfs
 from embedingest.errors import ConfigError
 from embedingest import outfiles
 from embedingest.outfiles import (
+    NAME_MAX,
+    PATH_MAX,
     atomic_write_bytes,
     ensure_folder,
+    is_tmp_name,
     through_link,
+    too_long,
     write_faiss_index,
     write_streamed,
 )
@@ -235,3 +239,35 @@ def test_output_folders_never_go_through_a_link(tmp_path):
     assert list(outside.iterdir()) == []
     assert through_link(out, out / "a" / "link" / "c") and not through_link(out, out / "a" / "b")
     assert through_link(out, out / ".." / "x")
+
+
+@pytest.mark.parametrize("name", ["a" * 255, "b" * 200 + ".png", "é" * 127, "x" * 230 + ".overlay.jpg"])
+def test_a_name_that_fits_can_be_written_however_long(tmp_path, name):
+    """The temporary name (``.<name>.tmp-<pid>``) of a name near the limit would pass it:
+    it keeps the name's start and a digest, stays a temporary name, and the write goes
+    through."""
+    target = tmp_path / name
+    tmp = outfiles.tmp_path(target)
+    assert len(os.fsencode(tmp.name)) <= NAME_MAX and is_tmp_name(tmp.name) and tmp.parent == tmp_path
+    atomic_write_bytes(target, b"data")
+    assert target.read_bytes() == b"data" and os.listdir(tmp_path) == [name]
+
+
+def test_long_names_get_distinct_temporary_names_and_short_ones_keep_theirs(tmp_path):
+    a, b = tmp_path / ("n" * 250 + "1"), tmp_path / ("n" * 250 + "2")
+    assert outfiles.tmp_path(a) != outfiles.tmp_path(b)
+    assert outfiles.tmp_path(tmp_path / "x.png").name == f".x.png.tmp-{os.getpid()}"
+
+
+def test_too_long_names_the_limit_a_name_or_path_passes():
+    assert too_long("/out/" + "a" * NAME_MAX) is None
+    assert too_long("/out/" + "a" * (NAME_MAX + 1)) == (
+        f"name too long: its output {'a' * 256!r} would be 256 bytes, over the 255 a file name may have; "
+        "rename the input")
+    assert too_long("/out/" + "é" * 128).startswith("name too long: ") and too_long("/out/" + "é" * 127) is None
+    deep = "/out" + "/" + "/".join(["d" * 200] * 20)
+    assert len(deep) < PATH_MAX and too_long(deep) is None
+    deeper = deep + "/" + "e" * (PATH_MAX - len(deep) - 1)
+    assert len(os.fsencode(deeper)) == PATH_MAX and too_long(deeper) == (
+        "name too long: its output path would be 4096 bytes, over the 4095 a path may have; give a shorter "
+        "--out or a shallower input folder")

@@ -356,6 +356,36 @@ def test_preset_holds_the_defaults():
     assert load_config(SegmentConfig, preset) == SegmentConfig()
 
 
+def test_an_image_whose_outputs_names_are_too_long_is_skipped_and_the_rest_written(tmp_path, small):
+    """Linux allows 255 bytes a name: an image named with 251 (legal) made a mask name of
+    259 and a temporary name longer still, and the whole run stopped with ENAMETOOLONG,
+    for good (every re-run met it again). Now that image is reported and the others go on;
+    a 245-byte name's mask fits (its temporary name is shortened), its overlay does not."""
+    images = tmp_path / "in"
+    images.mkdir()
+    longest, long_ = "a" * 251 + ".png", "b" * 241 + ".jpg"
+    for name in ("ok.png", longest, long_):
+        Image.fromarray(noise(24, 40)).save(images / name)
+    args = [str(images), "--weights", str(small), "--arch", SMALL, "--size", str(SIZE), "--device", "cpu",
+            "--num-workers", "0", "--num-consumers", "1", "--json"]
+    plain = CliRunner().invoke(segment_command, [*args, "--out", str(tmp_path / "plain")])
+    assert plain.exit_code == 3, plain.output
+    summary = json.loads(plain.output)
+    assert summary["written"] == 2 and summary["skipped_by_reason"] == {"name too long": 1}
+    assert sorted(os.listdir(tmp_path / "plain")) == sorted(["labels.json", "skipped.jsonl", "ok.png.png",
+                                                             long_ + ".png"])
+    assert Image.open(tmp_path / "plain" / (long_ + ".png")).size == (40, 24)
+    entry = json.loads((tmp_path / "plain" / "skipped.jsonl").read_text())
+    assert entry["path"] == str(images / longest) and entry["stage"] == "write"
+    assert entry["reason"] == (f"name too long: its output {longest + '.png'!r} would be 259 bytes, over the 255 a "
+                               "file name may have; rename the input")
+    overlays = CliRunner().invoke(segment_command, [*args, "--out", str(tmp_path / "overlays"), "--overlay"])
+    assert overlays.exit_code == 3, overlays.output
+    assert json.loads(overlays.output)["written"] == 1  # the 245-byte name's overlay would take 257
+    again = CliRunner().invoke(segment_command, [*args, "--out", str(tmp_path / "plain")])
+    assert again.exit_code == 3 and json.loads(again.output)["written"] == 0, again.output
+
+
 def test_cli(tmp_path, small):
     images = tmp_path / "in"
     images.mkdir()

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ...config import SegmentConfig
-from ...outfiles import is_tmp_name, through_link
+from ...outfiles import is_tmp_name, through_link, too_long
 from ...report import SkipReport
 from ...sinks.mask_stats import STATS_DIR, stats_sources
 from ...sinks.masks import LOGITS_SUFFIX, MASK_SUFFIX, OVERLAY_SUFFIX
@@ -30,8 +30,13 @@ def list_inputs(config: SegmentConfig, report: SkipReport) -> tuple[list[tuple[s
                 + [OVERLAY_SUFFIX] * config.overlay)
     present = _RemoteNames(config.out) if is_remote(config.out) else _FolderNames(str(out))
     with_row = stats_sources(out) if config.stats and not config.overwrite else set()
+    local = not is_remote(config.out)
     todo, done = [], 0
     for rel, full in _images(config.images, report, out, config.follow_outside_links):
+        reason = local and next(filter(None, (too_long(os.path.join(out, rel + s)) for s in suffixes)), None)
+        if reason:  # its outputs could not be written: reported, the others go on
+            report.add(full, reason, stage="write")
+            continue
         folder, name = posixpath.split(rel)
         if (not config.overwrite and all(present.has(folder, name + s) for s in suffixes)
                 and (not config.stats or rel in with_row)):
