@@ -62,15 +62,17 @@ def tmp_path(path: Path) -> Path:
 
 
 def too_long(path: str | os.PathLike) -> str | None:
-    """Why no file can be made at ``path``: its name over :data:`NAME_MAX` bytes or the
-    whole path over :data:`PATH_MAX`, as a skip reason; None where it fits."""
+    """Why no file can be made at ``path``: its name over :data:`NAME_MAX` bytes, or the
+    whole path (or that of its temporary name, written first) over :data:`PATH_MAX`, as a
+    skip reason; None where it fits."""
     whole = os.fsencode(path)
     name = os.path.basename(whole)
     if len(name) > NAME_MAX:
         return (f"name too long: its output {os.fsdecode(name)!r} would be {len(name)} bytes, over the "
                 f"{NAME_MAX} a file name may have; rename the input")
-    if len(whole) >= PATH_MAX:
-        return (f"name too long: its output path would be {len(whole)} bytes, over the {PATH_MAX - 1} a "
+    longest = max(len(whole), len(os.fsencode(tmp_path(Path(os.fsdecode(whole))))))
+    if longest >= PATH_MAX:
+        return (f"name too long: its output path would be {longest} bytes, over the {PATH_MAX - 1} a "
                 f"path may have; give a shorter --out or a shallower input folder")
     return None
 

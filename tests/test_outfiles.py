@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -268,6 +269,10 @@ def test_too_long_names_the_limit_a_name_or_path_passes():
     deep = "/out" + "/" + "/".join(["d" * 200] * 20)
     assert len(deep) < PATH_MAX and too_long(deep) is None
     deeper = deep + "/" + "e" * (PATH_MAX - len(deep) - 1)
-    assert len(os.fsencode(deeper)) == PATH_MAX and too_long(deeper) == (
-        "name too long: its output path would be 4096 bytes, over the 4095 a path may have; give a shorter "
-        "--out or a shallower input folder")
+    longest = len(os.fsencode(outfiles.tmp_path(pathlib.Path(deeper))))
+    assert len(os.fsencode(deeper)) == PATH_MAX and longest > PATH_MAX and too_long(deeper) == (
+        f"name too long: its output path would be {longest} bytes, over the 4095 a path may have; give a "
+        "shorter --out or a shallower input folder")
+    # the path fits, its temporary name (written first) would not
+    tight = deep + "/" + "f" * (PATH_MAX - len(deep) - 5)
+    assert len(tight) < PATH_MAX and too_long(tight).startswith("name too long: its output path would be ")
