@@ -44,6 +44,8 @@ def new_run_id() -> str:
 # tmpfs): a name made from an input's name (segment's masks) can pass them.
 NAME_MAX = 255
 PATH_MAX = 4096
+# The most bytes a temporary name adds to its file's (".", ".tmp-" and a pid of 7 digits).
+_TMP_EXTRA = 13
 
 
 def tmp_path(path: Path) -> Path:
@@ -66,6 +68,9 @@ def too_long(path: str | os.PathLike) -> str | None:
     whole path (or that of its temporary name, written first) over :data:`PATH_MAX`, as a
     skip reason; None where it fits."""
     whole = os.fsencode(path)
+    name_length = len(whole) - whole.rfind(b"/") - 1
+    if name_length <= NAME_MAX and len(whole) + _TMP_EXTRA < PATH_MAX:
+        return None  # the usual case, decided without building the temporary name
     name = os.path.basename(whole)
     if len(name) > NAME_MAX:
         return (f"name too long: its output {os.fsdecode(name)!r} would be {len(name)} bytes, over the "
