@@ -291,4 +291,6 @@ def picture_rgb(picture) -> Image.Image:
                 f"unsupported array: dtype {a.dtype}, shape {a.shape}; "
                 "pass uint8 or uint16 shaped HxW, HxWx3 or HxWx4")
         picture = Image.fromarray(a)
+    if not picture.width or not picture.height:
+        raise ImageRejected(f"empty picture: {picture.width}x{picture.height} pixels; pass one of at least 1x1")
     return to_rgb(picture)

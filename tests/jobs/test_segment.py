@@ -247,6 +247,17 @@ def test_segment_images_in_memory(tmp_path, weights, reference):
         segment_images([np.zeros((4, 4, 3))], weights=str(weights), size=SIZE, device="cpu")
 
 
+@pytest.mark.parametrize("picture, size", [(np.zeros((0, 40, 3), np.uint8), "40x0"),
+                                           (np.zeros((30, 0), np.uint16), "0x30"),
+                                           (Image.new("RGB", (0, 7)), "0x7")])
+def test_an_empty_picture_in_memory_is_named_not_a_crash(weights, picture, size):
+    """A picture of no pixels (an array with a 0 side) stopped the call with a bare
+    ZeroDivisionError from the resize."""
+    good = noise(20, 30)
+    with pytest.raises(ConfigError, match=rf"^image 1: empty picture: {size} pixels; pass one of at least 1x1$"):
+        segment_images([good, picture], weights=str(weights), size=SIZE, device="cpu")
+
+
 def test_config_errors(tmp_path, weights, monkeypatch):
     monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path / "hub"))
     Image.fromarray(noise(8, 8)).save(tmp_path / "a.png")
