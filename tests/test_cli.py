@@ -110,6 +110,20 @@ def test_search_prints_rank_score_source_and_text(flat_index):
     assert lines[3].startswith("     ") and lines[3][5:] in TEXTS[1:]
 
 
+def test_a_query_with_a_byte_that_is_not_utf8_is_one_error_line(flat_index):
+    """A query typed in a Latin-1 terminal (``caf\\xe9``) reaches Python as a lone
+    surrogate; it stopped search with the tokenizer's TypeError and a traceback."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "embedingest", "search", str(flat_index), b"caf\xe9"],
+                         capture_output=True, timeout=120)
+    assert run.returncode == 1 and run.stdout == b"", run.stderr
+    assert run.stderr.decode() == ("Error: texts[0] holds a lone surrogate (U+DCE9 at character 3), not Unicode "
+                                   "text (a byte that is not UTF-8, decoded with 'surrogateescape', becomes "
+                                   "one); pass UTF-8 text\n")
+
+
 def test_search_shows_what_the_corpus_controls_escaped_one_line_each(tmp_path):
     """A record id and a text holding a newline, terminal escape sequences and a
     bidirectional override: each hit is still two lines, with those characters written

@@ -528,14 +528,15 @@ def _objects(objs, text_field: str, id_field: str, kind: str, path: str,
         yield record_id, text
 
 
-def lone_surrogate(value: str) -> str | None:
-    """What is wrong with ``value`` if it holds a lone surrogate, else None. Only JSON
-    escapes (or Python callers) make them; one fails a tokenizer's whole batch call."""
+def lone_surrogate(value: str, fix: str = "a broken escape; fix the record") -> str | None:
+    """What is wrong with ``value`` if it holds a lone surrogate, else None (``fix`` says
+    what to do). Only JSON escapes, bytes that are not UTF-8 decoded with
+    ``surrogateescape`` (a command line's arguments) or Python callers make them; one
+    fails a tokenizer's whole batch call."""
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
-        return (f"a lone surrogate (U+{ord(value[exc.start]):04X} at character {exc.start}), "
-                "a broken escape; fix the record")
+        return f"a lone surrogate (U+{ord(value[exc.start]):04X} at character {exc.start}), {fix}"
     return None
 
 

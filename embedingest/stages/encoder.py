@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
+from ..sources.text import lone_surrogate
 from . import bert
 from .device import precision, resolve_device, resolve_dtype
 from .model_folder import ModelLayout, read_layout, resolve_model
@@ -333,6 +334,13 @@ class TextEncoder:
         if batch_size < 1:
             raise ConfigError(f"batch_size must be at least 1, got {batch_size}")
         self.check_prompt(prompt)
+        for i, text in enumerate(texts):
+            if not isinstance(text, str):
+                raise TypeError(f"texts[{i}] is a {type(text).__name__}, not a str; encode() takes a list of strings")
+            problem = lone_surrogate(text, "not Unicode text (a byte that is not UTF-8, decoded with "
+                                           "'surrogateescape', becomes one); pass UTF-8 text")
+            if problem:
+                raise ConfigError(f"texts[{i}] holds {problem}")
         texts = [prompt + text for text in texts]
         out = np.empty((len(texts), self._dim), dtype=np.float32)
         order = np.argsort([-len(text) for text in texts], kind="stable")

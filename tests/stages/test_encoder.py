@@ -107,6 +107,22 @@ def test_encode_batch_size_and_order_do_not_matter(bundled, bundled_embeddings):
         bundled.encode("one string")
 
 
+@pytest.mark.parametrize("bad, error, message", [
+    (None, TypeError, "texts[1] is a NoneType, not a str; encode() takes a list of strings"),
+    (b"bytes", TypeError, "texts[1] is a bytes, not a str; encode() takes a list of strings"),
+    (7, TypeError, "texts[1] is a int, not a str; encode() takes a list of strings"),
+    ("caf\udce9", ConfigError, "texts[1] holds a lone surrogate (U+DCE9 at character 3), not Unicode text "
+                               "(a byte that is not UTF-8, decoded with 'surrogateescape', becomes one); "
+                               "pass UTF-8 text"),
+])
+def test_encode_names_a_text_it_cannot_take(bundled, bad, error, message):
+    """Before: a bare TypeError from string concatenation or the tokenizer's own
+    'TextEncodeInput must be Union[...]'."""
+    with pytest.raises(error) as raised:
+        bundled.encode(["fine", bad])
+    assert str(raised.value) == message
+
+
 def test_bf16_on_cpu_is_close(bundled_embeddings):
     encoder = TextEncoder.load(dtype="bf16")
     got = encoder.encode(TEXTS[:8])
