@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import json
 import os
 import re
 import secrets
@@ -80,6 +81,41 @@ def too_long(path: str | os.PathLike) -> str | None:
         return (f"name too long: its output path would be {longest} bytes, over the {PATH_MAX - 1} a "
                 f"path may have; give a shorter --out or a shallower input folder")
     return None
+
+
+@contextlib.contextmanager
+def native_path(path: str | os.PathLike) -> Iterator[str]:
+    """``path`` as a name faiss and Arrow can open, for the block: itself where it is
+    valid text. Their Python bindings take a path as UTF-8 text, which a folder named
+    in another encoding has no form in (Python holds its bytes as surrogates); then, on
+    Linux, the file is opened here and named by ``/proc/self/fd/N`` (what they open or
+    map there is that file, and stays theirs after the block)."""
+    name = os.fspath(path)
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        if not os.path.isdir("/proc/self/fd"):
+            raise
+    else:
+        yield name
+        return
+    fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)
+
+
+def json_bytes(obj, indent: int | None = 2) -> bytes:
+    """``obj`` as JSON in UTF-8, with a final newline. A string holding a lone surrogate
+    (a path whose name is not UTF-8, as Python holds it) has no UTF-8 form: then every
+    character past ASCII is written as a ``\\u`` escape, which JSON readers read back
+    as the same string."""
+    text = json.dumps(obj, indent=indent, ensure_ascii=False) + "\n"
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return (json.dumps(obj, indent=indent, ensure_ascii=True) + "\n").encode("ascii")
 
 
 def is_tmp_name(name: str) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import re
 import tomllib
 from pathlib import Path
@@ -122,6 +123,39 @@ def test_a_query_with_a_byte_that_is_not_utf8_is_one_error_line(flat_index):
     assert run.stderr.decode() == ("Error: texts[0] holds a lone surrogate (U+DCE9 at character 3), not Unicode "
                                    "text (a byte that is not UTF-8, decoded with 'surrogateescape', becomes "
                                    "one); pass UTF-8 text\n")
+
+
+def test_an_index_in_a_folder_named_in_another_encoding_builds_searches_and_updates(tmp_path):
+    """A corpus folder named in Latin-1 (``caf\\xe9``: Python holds the byte as a
+    surrogate) gave an index named so by default: its manifest could not be written
+    (UnicodeEncodeError), and faiss's and Arrow's bindings, which take UTF-8 text, could
+    not open its files (search, the next build's removals, export)."""
+    import subprocess
+    import sys
+
+    root = os.fsencode(tmp_path)
+    corpus, out = root + b"/caf\xe9", root + b"/index-caf\xe9"
+    os.mkdir(corpus)
+    for i, text in enumerate(TEXTS[:3]):
+        with open(corpus + b"/doc\xe9%d.txt" % i, "w") as f:
+            f.write(text)
+
+    def run(*args):
+        done = subprocess.run([sys.executable, "-m", "embedingest", *args], capture_output=True, timeout=300)
+        assert done.returncode == 0, done.stderr.decode(errors="replace")
+        return done.stdout
+
+    build = [b"build-index", corpus, b"--out", out, b"--num-workers", b"0", b"--num-consumers", b"1", b"--json"]
+    assert json.loads(run(*build))["chunks"] == 3
+    manifest = json.loads(open(out + b"/manifest.json", "rb").read())
+    assert os.fsencode(manifest["corpus_path"]) == os.path.realpath(corpus)
+    hits = json.loads(run(b"search", out, b"whales", b"-k", b"1", b"--json"))
+    assert hits[0]["source"] == "doc\\xe92.txt" and hits[0]["text"] == TEXTS[2]
+    os.unlink(corpus + b"/doc\xe92.txt")
+    assert json.loads(run(*build))["units_removed"] == 1
+    hits = json.loads(run(b"search", out, b"whales", b"-k", b"3", b"--json"))
+    assert sorted(h["source"] for h in hits) == ["doc\\xe90.txt", "doc\\xe91.txt"]
+    run(b"export", out, b"--to", root + b"/exported\xe9")
 
 
 def test_search_shows_what_the_corpus_controls_escaped_one_line_each(tmp_path):

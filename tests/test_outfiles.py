@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import pathlib
 import subprocess
@@ -22,6 +23,8 @@ from embedingest.outfiles import (
     atomic_write_bytes,
     ensure_folder,
     is_tmp_name,
+    json_bytes,
+    native_path,
     through_link,
     too_long,
     write_faiss_index,
@@ -276,3 +279,29 @@ def test_too_long_names_the_limit_a_name_or_path_passes():
     # the path fits, its temporary name (written first) would not
     tight = deep + "/" + "f" * (PATH_MAX - len(deep) - 5)
     assert len(tight) < PATH_MAX and too_long(tight).startswith("name too long: its output path would be ")
+
+
+def test_native_path_names_a_file_faiss_and_arrow_can_open(tmp_path):
+    """A folder named in Latin-1 has no UTF-8 text, which faiss's and Arrow's bindings
+    take: the file is opened and named by /proc/self/fd for the block."""
+    plain = tmp_path / "plain.faiss"
+    faiss.write_index(flat_index(3, 8), str(plain))
+    with native_path(plain) as name:
+        assert name == str(plain)
+    folder = os.fsdecode(os.fsencode(tmp_path) + b"/caf\xe9")
+    os.mkdir(folder)
+    odd = os.path.join(folder, "shard.faiss")
+    with open(plain, "rb") as src, open(odd, "wb") as dst:
+        dst.write(src.read())
+    with native_path(odd) as name:
+        assert name.startswith("/proc/self/fd/") and faiss.read_index(name).ntotal == 3
+        fd = int(name.rsplit("/", 1)[1])
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed after the block
+
+
+def test_json_bytes_keeps_text_readable_and_round_trips_what_utf8_cannot_hold():
+    assert json_bytes({"a": "café"}) == '{\n  "a": "café"\n}\n'.encode()
+    odd = {"corpus_path": os.fsdecode(b"/data/caf\xe9")}
+    data = json_bytes(odd)
+    assert data.isascii() and json.loads(data) == odd

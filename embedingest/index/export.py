@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import ConfigError
-from ..outfiles import atomic_file, atomic_write_bytes, ensure_folder, refuse_link
+from ..outfiles import atomic_file, atomic_write_bytes, ensure_folder, native_path, refuse_link
 from ..sources.remote import is_remote
 from .formats import require_current
 from .shards import EMB_SUFFIX, SHARDS_DIR, list_shards
@@ -71,7 +71,8 @@ def export_index(index: str | os.PathLike, to: str | os.PathLike, *, embeddings:
         with_rows = [s for s in list_shards(index / SHARDS_DIR, generation=generation) if s.rows]
 
         def rows_of(shard):
-            return pq.read_table(shard.path("parquet"))
+            with native_path(shard.path("parquet")) as name:
+                return pq.read_table(name)
 
         def embeddings_of(shard):
             return np.load(shard.folder / f"{shard.name}{EMB_SUFFIX}", mmap_mode="r")

@@ -13,6 +13,7 @@ import faiss
 import numpy as np
 
 from ..errors import ConfigError
+from ..outfiles import native_path
 
 METRICS = {"ip": faiss.METRIC_INNER_PRODUCT, "l2": faiss.METRIC_L2}
 
@@ -72,7 +73,8 @@ def read_index_file(path: Path, flags: int = 0, redo: str = REDO_SHARD) -> faiss
     """``faiss.read_index``; a damaged file is a ConfigError naming it and saying how to
     redo it (``redo``), never a traceback of faiss."""
     try:
-        return faiss.read_index(str(path), flags)
+        with native_path(path) as name:
+            return faiss.read_index(name, flags)
     except RuntimeError as exc:
         raise ConfigError(f"cannot read {str(path)!r} ({faiss_message(exc)}): the file is damaged; "
                           f"{redo}") from exc

@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import ConfigError
+from ..outfiles import native_path
 from .shards import CHUNK_BITS, CHUNK_COLUMNS, Shard
 from .store import Chunk
 
@@ -102,7 +103,8 @@ class ShardRows:
         try:
             if self._opener is not None:
                 return pq.ParquetFile(self._opener(shard))
-            return pq.ParquetFile(shard.path("parquet"), memory_map=True)
+            with native_path(shard.path("parquet")) as name:
+                return pq.ParquetFile(name, memory_map=True)
         except (pa.ArrowException, OSError) as exc:
             raise ConfigError(f"cannot read {self._where(shard)!r} ({exc}): the shard is "
                               f"damaged; delete its files ({shard.name}.*) and run build-index "

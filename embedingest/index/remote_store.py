@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..outfiles import atomic_file
+from ..outfiles import atomic_file, json_bytes
 from ..sources.remote import access_error, is_remote
 from .formats import MANIFEST_NAME
 from .lock import IndexBusy
@@ -401,7 +401,7 @@ class RemoteBuild:
         self._push_top({n for n in os.listdir(self.folder) if _TOP_FILES.fullmatch(n)} - {MANIFEST_NAME})
         live = self._live_shards(generation)
         data["segments"] = [{"name": s.name, "count": s.rows} for s in live if s.rows]
-        body = (json.dumps(data, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+        body = json_bytes(data)
         self._lease.check()
         try:
             if self.manifest_etag:

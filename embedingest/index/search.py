@@ -21,7 +21,7 @@ import faiss
 import numpy as np
 
 from ..errors import ConfigError
-from ..outfiles import refuse_link
+from ..outfiles import native_path, refuse_link
 from .faiss_factory import read_index_file
 from .lookup import ShardRows
 from ..sources.remote import is_remote
@@ -56,7 +56,8 @@ def read_shard(path: Path) -> faiss.Index:
     a damaged file is a ConfigError naming it."""
     for flags in _MMAP_FLAGS:
         try:
-            return faiss.read_index(str(path), flags)
+            with native_path(path) as name:
+                return faiss.read_index(name, flags)
         except RuntimeError:
             continue
     return read_index_file(path)

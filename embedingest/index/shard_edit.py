@@ -17,7 +17,7 @@ import faiss
 import numpy as np
 import pyarrow.parquet as pq
 
-from ..outfiles import new_run_id
+from ..outfiles import native_path, new_run_id
 from ..sinks.shard_writer import PARQUET_OPTIONS, ROW_GROUP_ROWS, write_faiss_hashed
 from .faiss_edit import removes_in_place, without
 from .faiss_factory import read_index_file
@@ -49,7 +49,10 @@ def remove_units(shards_dir: str | Path, unit_nos: Iterable[int], template: fais
     run = "rm" + (run_id or new_run_id())
     removed, part = 0, 0
     for shard in list_shards(folder, generation=generation):
-        table = pq.read_table(shard.path("parquet")) if shard.rows else None
+        table = None
+        if shard.rows:
+            with native_path(shard.path("parquet")) as name:
+                table = pq.read_table(name)
         ids = table.column("id").to_numpy() if table is not None else np.empty(0, np.int64)
         drop = np.isin(ids >> CHUNK_BITS, units)
         marks = [(u, n) for u, n in shard.units if u not in gone]

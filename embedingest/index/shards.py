@@ -44,7 +44,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import ConfigError
-from ..outfiles import atomic_file, atomic_write_bytes, ensure_folder, fsync_dir, is_tmp_name
+from ..outfiles import atomic_file, atomic_write_bytes, ensure_folder, fsync_dir, is_tmp_name, native_path
 
 log = logging.getLogger("embedingest")
 
@@ -460,7 +460,7 @@ def read_ids(shard: Shard) -> np.ndarray:
     if not shard.rows:
         return np.empty(0, np.int64)
 
-    with pq.ParquetFile(shard.path("parquet")) as pf:
+    with native_path(shard.path("parquet")) as name, pq.ParquetFile(name) as pf:
         column = pf.read(columns=["id"], use_threads=False).column(0)
     return column.to_numpy().astype(np.int64, copy=False)
 

@@ -30,7 +30,7 @@ import faiss
 import numpy as np
 
 from ..errors import ConfigError, EmbedingestError
-from ..outfiles import atomic_write_bytes, is_tmp_name, refuse_link, write_faiss_index
+from ..outfiles import atomic_write_bytes, is_tmp_name, json_bytes, refuse_link, write_faiss_index
 from ..report import REPORT_NAME
 from .faiss_factory import METRICS, empty_index, metric_code, parse_factory, read_index_file
 from .formats import CURRENT as FORMAT
@@ -249,8 +249,7 @@ class IndexStore:
     def write_manifest(self, manifest: Manifest) -> None:
         manifest.updated = _now()
         manifest.version = package_version()
-        data = json.dumps(asdict(manifest), indent=2, ensure_ascii=False) + "\n"
-        atomic_write_bytes(self.manifest_path, data.encode("utf-8"))
+        atomic_write_bytes(self.manifest_path, json_bytes(asdict(manifest)))
 
     def wipe(self) -> None:
         """Delete the files of the folder this class keeps, and those of a format-1 index

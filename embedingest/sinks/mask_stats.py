@@ -1,7 +1,9 @@
 """Per-image class statistics as Parquet: one row per image, written by the mask writers.
 
 Each consumer process collects rows (source, width, height, then the share of the
-image's pixels of each class, one float32 column per class) and commits them as a part
+image's pixels of each class, one float32 column per class; ``source`` is the image's
+input-relative path as ``sources.names.name_as_text`` writes it: the same unless the
+name is not UTF-8 or holds a backslash) and commits them as a part
 file ``stats/part-<time>-<pid>-<n>.parquet``: serialised in memory, read back, written
 under a temporary name, fsynced and renamed. A row is added only after its image's mask
 is written, so a committed row always has its mask; a killed run loses the rows not yet
@@ -21,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..outfiles import atomic_write_bytes
+from ..outfiles import atomic_write_bytes, native_path
+from ..sources.names import name_as_text
 
 STATS_DIR = "stats"
 FIXED_COLUMNS = ("source", "width", "height")
@@ -47,17 +50,20 @@ def part_files(out: str | os.PathLike) -> list[Path]:
 
 
 def stats_sources(out: str | os.PathLike) -> set[str]:
-    """The sources (input-relative paths) that have a committed row."""
+    """The sources that have a committed row (input-relative paths as ``name_as_text``
+    writes them)."""
     import pyarrow.parquet as pq
 
     sources: set[str] = set()
     for part in part_files(out):
-        sources.update(pq.read_table(part, columns=["source"]).column("source").to_pylist())
+        with native_path(part) as name:
+            sources.update(pq.read_table(name, columns=["source"]).column("source").to_pylist())
     return sources
 
 
 def drop_stats_rows(out: str | os.PathLike, sources: set[str]) -> None:
-    """Remove the rows of ``sources`` (images about to be redone), part by part.
+    """Remove the rows of ``sources`` (input-relative paths of images about to be redone),
+    part by part.
 
     The old part is removed before its other rows are committed again under a new name:
     a crash in between loses rows, never duplicates them, and an image without a row is
@@ -65,8 +71,10 @@ def drop_stats_rows(out: str | os.PathLike, sources: set[str]) -> None:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
+    sources = {name_as_text(source) for source in sources}
     for n, part in enumerate(part_files(out)):
-        table = pq.read_table(part)
+        with native_path(part) as name:
+            table = pq.read_table(name)
         keep = pc.invert(pc.is_in(table.column("source"), value_set=_string_array(sources)))
         kept = table.filter(keep)
         if kept.num_rows == table.num_rows:
@@ -112,7 +120,7 @@ class StatsWriter:
     def add(self, source: str, mask: np.ndarray) -> None:
         """The row of one image whose mask (uint8 [height, width], class per pixel) is written."""
         counts = np.bincount(mask.ravel(), minlength=len(self.columns))[:len(self.columns)]
-        self.sources.append(source)
+        self.sources.append(name_as_text(source))
         self.sizes.append((mask.shape[1], mask.shape[0]))
         self.shares.append((counts / max(1, mask.size)).astype(np.float32))
         if len(self.sources) >= self.rows_per_part or time.monotonic() - self._since >= self.seconds:

@@ -53,7 +53,7 @@ from ..index.shards import (
     write_commit,
     write_hashed,
 )
-from ..outfiles import RUN_ID, atomic_file, new_run_id, write_streamed
+from ..outfiles import RUN_ID, atomic_file, native_path, new_run_id, write_streamed
 
 ROW_GROUP_ROWS = 32
 """Rows per Parquet row group: a lookup reads (and decompresses) one group per hit, so
@@ -104,7 +104,8 @@ class ShardWriterFactory:
     def load_trained(self) -> faiss.Index | None:
         if self.trained is None:
             return None
-        trained = faiss.read_index(self.trained)
+        with native_path(self.trained) as name:
+            trained = faiss.read_index(name)
         if trained.d != self.dim:
             raise ConfigError(f"trained index {self.trained!r} has dim {trained.d}, not {self.dim}")
         return trained

@@ -1,4 +1,5 @@
-"""What a file's name says about it, for local files and objects in storage alike."""
+"""What a file's name says about it, for local files and objects in storage alike, and
+its form as text."""
 
 from __future__ import annotations
 
@@ -15,3 +16,13 @@ def has_extension(name: str, extensions: set[str]) -> bool:
     if len(parts) < 2:
         return False
     return "." + parts[-1] in extensions or (len(parts) > 2 and f".{parts[-2]}.{parts[-1]}" in extensions)
+
+
+def name_as_text(name: str) -> str:
+    """``name`` as valid text, one to one: the bytes of a name that is not UTF-8 (which
+    Python holds as surrogates) as ``\\xNN`` escapes, a backslash twice (so a name holding
+    a literal ``\\xe9`` keeps a text of its own). Every other name (valid UTF-8, no
+    backslash) is its own text. For the stores that take only valid text: the index's
+    keys, Parquet columns."""
+    escaped = name.replace("\\", "\\\\")
+    return escaped.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")

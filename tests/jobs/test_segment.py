@@ -26,6 +26,7 @@ from embedingest.errors import ConfigError
 from embedingest.jobs.segment import SegmentConfig, list_inputs, segment, segment_images
 from embedingest.cli.segment import segment_command
 from embedingest.report import SkipReport
+from embedingest.sinks.mask_stats import part_files, stats_sources
 from embedingest.sinks.masks import output_paths
 from embedingest.sources.image_decode import open_rgb
 from embedingest.stages.segmentation import ARCHITECTURES, Segmenter
@@ -395,6 +396,35 @@ def test_an_image_whose_outputs_names_are_too_long_is_skipped_and_the_rest_writt
     assert json.loads(overlays.output)["written"] == 1  # the 245-byte name's overlay would take 257
     again = CliRunner().invoke(segment_command, [*args, "--out", str(tmp_path / "plain")])
     assert again.exit_code == 3 and json.loads(again.output)["written"] == 0, again.output
+
+
+def test_folders_and_images_named_in_another_encoding_get_masks_stats_and_resume(tmp_path, small):
+    """Names in Latin-1 (``\\xe9``; Python holds the byte as a surrogate): the stats
+    table's ``source`` could not be written (Arrow takes only UTF-8 text), and a folder so
+    named could not be read back by Arrow for the resume. ``source`` is the name as
+    ``name_as_text`` writes it (``p\\xe9.png``), each image has one row, and the
+    re-run finds every image done."""
+    def named(raw: bytes) -> str:
+        return os.fsdecode(os.fsencode(tmp_path) + raw)
+
+    images, out = named(b"/in\xe9"), named(b"/out\xe9")
+    os.mkdir(images)
+    for raw in (b"p\xe9.png", b"q.png", b"back\\slash.png"):
+        Image.fromarray(noise(24, 40)).save(os.path.join(images, os.fsdecode(raw)))
+    cfg = config(images, out, small, stats=True)
+    first = segment(cfg, progress=False)
+    assert first["written"] == 3 and first["skipped"] == 0 and first["stats_rows"] == 3
+    assert os.path.exists(os.path.join(out, os.fsdecode(b"p\xe9.png.png")))
+
+    def rows() -> int:
+        return sum(pq.read_metadata(open(part, "rb")).num_rows for part in part_files(out))
+
+    names = {"p\\xe9.png", "q.png", "back\\\\slash.png"}
+    assert stats_sources(out) == names and rows() == 3
+    again = segment(cfg, progress=False)
+    assert again["written"] == 0 and again["already_done"] == 3, again
+    redo = segment(dataclasses.replace(cfg, overwrite=True), progress=False)
+    assert redo["written"] == 3 and stats_sources(out) == names and rows() == 3
 
 
 def test_cli(tmp_path, small):

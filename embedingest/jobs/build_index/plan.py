@@ -26,7 +26,7 @@ from ...index.store import Manifest
 from ...report import SkipReport
 from ...index.faiss_factory import parse_factory
 from ...sources.files import file_sha256, os_error_reason, reads_within, walk_paths
-from ...sources.names import has_extension
+from ...sources.names import has_extension, name_as_text
 from ...sources.remote import input_name, is_remote, walk_remote
 from ...sources.text import TEXT_EXTENSIONS, lone_surrogate
 
@@ -98,15 +98,9 @@ def remote_candidates(url: str, report: SkipReport) -> Iterable[dict]:
 
 
 def unit_key(relative_path: str) -> str:
-    """A file's key in the index: its path below the corpus folder.
-
-    The metadata store and JSON take only valid text, so the bytes of a name that is not
-    UTF-8 (which Python holds as surrogates) are written as ``\\xNN`` escapes; a
-    backslash is written twice, so that a name holding a literal ``\\xe9`` keeps a key
-    of its own. Every other name (valid UTF-8, no backslash) is its own key.
-    """
-    escaped = relative_path.replace("\\", "\\\\")
-    return escaped.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    """A file's key in the index: its path below the corpus folder, as valid text (the
+    metadata store and JSON take no other), one to one: see ``name_as_text``."""
+    return name_as_text(relative_path)
 
 
 def record_candidates(records: Iterable, cfg: IndexConfig, report: SkipReport) -> list[dict]:

@@ -15,6 +15,7 @@ from ...report import SkipReport
 from ...sinks.mask_stats import STATS_DIR, stats_sources
 from ...sinks.masks import LOGITS_SUFFIX, MASK_SUFFIX, OVERLAY_SUFFIX
 from ...sources.files import walk_files
+from ...sources.names import name_as_text
 from ...sources.remote import is_remote, walk_remote
 from ...sources.image_decode import IMAGE_EXTENSIONS
 
@@ -39,7 +40,7 @@ def list_inputs(config: SegmentConfig, report: SkipReport) -> tuple[list[tuple[s
             continue
         folder, name = posixpath.split(rel)
         if (not config.overwrite and all(present.has(folder, name + s) for s in suffixes)
-                and (not config.stats or rel in with_row)):
+                and (not config.stats or name_as_text(rel) in with_row)):
             done += 1
         else:
             todo.append((rel, full))
