@@ -8,7 +8,11 @@ fields from a file, with options given on the command line winning.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+import os
 import tomllib
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -38,6 +42,40 @@ FOLLOW_OUTSIDE_LINKS = (
     "Read what symbolic links in the input folder point to outside it; off: such links are "
     "skipped and reported, so a link planted in a corpus cannot pull other files of this "
     "machine into the output.")
+
+
+_KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "text"}
+
+
+def check_types(config: Any) -> None:
+    """Refuse a field whose value is not of its declared type (int, float, bool or str,
+    or None where the type allows it). A TOML preset or a library call can give any
+    value: ``overwrite = "false"`` is a true string, ``batch_size = "big"`` failed deep in
+    the run, ``chunk_tokens = 1e400`` (infinity) passed."""
+    hints = typing.get_type_hints(type(config))
+    for field in dataclasses.fields(config):
+        hint = hints.get(field.name)
+        allowed = typing.get_args(hint) or (hint,)
+        kinds = [kind for kind in allowed if kind is not type(None)]
+        optional = len(kinds) < len(allowed)
+        value = getattr(config, field.name)
+        if not all(kind in _KINDS for kind in kinds) or (value is None and optional):
+            continue  # a type not checked here (Any), or None where it may be
+        if not any(_is(value, kind) for kind in kinds):
+            raise ConfigError(f"{field.name}={value!r}: must be {' or '.join(_KINDS[k] for k in kinds)}"
+                              f"{' or none' if optional else ''}")
+
+
+def _is(value: Any, kind: type) -> bool:
+    if isinstance(value, bool):  # a bool is an int to Python, not to a setting
+        return kind is bool
+    if kind is int:
+        return isinstance(value, numbers.Integral)  # numpy's integers too
+    if kind is float:
+        return isinstance(value, numbers.Real) and math.isfinite(value)
+    if kind is str:
+        return isinstance(value, (str, os.PathLike))  # a path given as a Path
+    return isinstance(value, kind)
 
 
 def setting(default: Any, doc: str, **cli: Any) -> Any:
@@ -146,6 +184,7 @@ class IndexConfig:
         return dataclasses.replace(self, batch_size=1024 if cuda else 256)
 
     def validate(self) -> None:
+        check_types(self)
         if self.batch_size < 0:
             raise ConfigError(f"batch-size={self.batch_size}: must be at least 1, or 0 (auto)")
         for name in ("chunk_tokens", "num_consumers", "sort_window", "commit_every",
@@ -234,6 +273,7 @@ class SegmentConfig:
         DEFAULT_MAX_PIXELS, "Images with more pixels are skipped with a reason (0: no limit).")
 
     def validate(self) -> None:
+        check_types(self)
         checks = [
             (self.size >= 32, f"size={self.size}: must be at least 32 (the models downsample 8x or more)"),
             (self.resize in RESIZE_MODES, f"resize={self.resize!r}: choose {' or '.join(RESIZE_MODES)}"),
@@ -328,4 +368,6 @@ def load_config(cls: type[T], path: str | Path | None = None, **overrides: Any) 
         raise ConfigError(
             f"unknown setting(s) {', '.join(unknown)} for {cls.__name__}; "
             f"known settings are: {', '.join(sorted(names))}")
-    return cls(**values)
+    config = cls(**values)
+    check_types(config)
+    return config

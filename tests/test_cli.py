@@ -17,6 +17,7 @@ from click.testing import CliRunner
 
 from embedingest import __version__, build_index
 from embedingest.cli import main
+from embedingest.errors import ConfigError
 from embedingest.config import IndexConfig, SearchConfig, SegmentConfig, ServeConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,6 +75,45 @@ def test_unknown_preset_key_is_an_error_naming_it(tmp_path):
     preset.write_text("batch_sise = 64\n")
     r = CliRunner().invoke(main, ["build-index", str(tmp_path), "--config", str(preset)])
     assert r.exit_code == 1 and "unknown setting(s) batch_sise" in r.output
+
+
+@pytest.mark.parametrize("line, message", [
+    ('batch_size = "big"', "batch_size='big': must be an integer"),
+    ("chunk_tokens = 2.5", "chunk_tokens=2.5: must be an integer"),
+    ("chunk_tokens = 1e400", "chunk_tokens=inf: must be an integer"),
+    ("num_workers = true", "num_workers=True: must be an integer"),
+    ('search_k = "3"', "search_k='3': must be an integer or none"),
+    ("index = 5", "index=5: must be text"),
+])
+def test_a_preset_value_of_the_wrong_type_is_an_error_naming_it(tmp_path, line, message):
+    """Before: a TypeError deep in the run (``"big" < 0``), or the value used as it was."""
+    preset = tmp_path / "preset.toml"
+    preset.write_text(line + "\n")
+    r = CliRunner().invoke(main, ["build-index", str(tmp_path), "--config", str(preset)])
+    assert r.exit_code == 1 and r.output == f"Error: {message}\n", r.output
+
+
+def test_overwrite_given_as_the_text_false_wipes_nothing(tmp_path, flat_index):
+    """``overwrite = "false"`` is a true string: it deleted the index it meant to keep."""
+    before = sorted(p.name for p in flat_index.rglob("*"))
+    preset = tmp_path / "preset.toml"
+    preset.write_text(f'overwrite = "false"\nout = "{flat_index}"\n')
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text(TEXTS[0])
+    r = CliRunner().invoke(main, ["build-index", str(tmp_path / "corpus"), "--config", str(preset)])
+    assert r.exit_code == 1 and r.output == "Error: overwrite='false': must be true or false\n"
+    assert sorted(p.name for p in flat_index.rglob("*")) == before
+
+
+def test_library_settings_take_numpy_integers_and_paths(tmp_path):
+    import numpy as np
+
+    from embedingest.config import SegmentConfig, check_types
+
+    check_types(IndexConfig(batch_size=np.int64(8), out=tmp_path / "x", overlap=np.int32(4)))
+    check_types(SegmentConfig(overlay_alpha=1, images=tmp_path))
+    with pytest.raises(ConfigError, match=r"^overlay_alpha=nan: must be a number$"):
+        SegmentConfig(overlay_alpha=float("nan")).validate()
 
 
 def test_version_is_the_package_version():
