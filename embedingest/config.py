@@ -221,6 +221,10 @@ class SegmentConfig:
         None, "Classes of the weights; read from the weights file, so only a check when given.")
     random_weights: bool = setting(
         False, "Run with random weights when no weights are found (pipeline tests, benchmarks).")
+    trust_weights_file: bool = setting(
+        False, "Read a --weights file that only full unpickling reads (a whole pickled model): "
+               "that runs code from the file, so only for a file you trust; off: such a file is "
+               "refused (a state dict or a checkpoint holding one is read safely either way).")
     resize: str = setting(
         "short", "short: the weights' own preprocessing (short side to --size, aspect kept, no "
                  "pad; images batched by shape); fit: each image fitted into a --size square and "

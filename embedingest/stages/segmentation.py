@@ -95,12 +95,13 @@ def hub_checkpoint_path(arch: str = "deeplabv3_resnet50") -> Path:
     return Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(urlparse(url).path)
 
 
-def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+def read_state_dict(path: str | os.PathLike, trust: bool = False) -> dict[str, torch.Tensor]:
     """Read a state dict from a file holding one, a training checkpoint with a "model"
-    or "state_dict" entry, or a whole pickled module.
+    or "state_dict" entry, or (``trust``) a whole pickled module.
 
-    The file is read with ``weights_only=True`` first; only a pickled module needs full
-    unpickling, which runs code from the file, so that is logged.
+    The file is read with ``weights_only=True``, which runs no code from it. A pickled
+    module needs full unpickling, which runs whatever code the file holds: it is read
+    only when the caller says the file is trusted, and refused otherwise.
     """
     path = Path(path)
     if not path.is_file():
@@ -109,8 +110,15 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as safe_exc:
+        if not trust:
+            raise ConfigError(
+                f"weights file {str(path)!r} is not a plain state dict or checkpoint "
+                f"({str(safe_exc).splitlines()[0] if str(safe_exc) else type(safe_exc).__name__}); "
+                "reading it means unpickling, which runs code from the file: save its "
+                "state_dict() instead, or pass --trust-weights-file (trust_weights_file=True) "
+                "for a file you trust") from safe_exc
         log.warning("weights file %s is not a plain state dict (%s); loading it with full "
-                    "unpickling: only do this with files you trust", path, safe_exc)
+                    "unpickling, as asked: only do this with files you trust", path, safe_exc)
         try:
             obj = torch.load(path, map_location="cpu", weights_only=False)
         except Exception as exc:
@@ -159,8 +167,10 @@ def _filled(arch: str, num_classes: int, state: Mapping[str, torch.Tensor], sour
 
 def load_segmentation_model(arch: str = "deeplabv3_resnet50", weights: str | None = None,
                             num_classes: int | None = None,
-                            random_weights: bool = False) -> SegmentationModel:
-    """Build ``arch`` and fill it as described in the module docstring; returns it in eval mode."""
+                            random_weights: bool = False, trust_weights_file: bool = False) -> SegmentationModel:
+    """Build ``arch`` and fill it as described in the module docstring; returns it in eval
+    mode. ``trust_weights_file``: a ``weights`` file only full unpickling reads (a pickled
+    module) is read (see :func:`read_state_dict`)."""
     preset = _weights_enum(arch)
     if num_classes is not None and not 1 <= num_classes <= MAX_CLASSES:
         raise ConfigError(f"num_classes={num_classes} is out of range; masks are uint8, so "
@@ -168,7 +178,7 @@ def load_segmentation_model(arch: str = "deeplabv3_resnet50", weights: str | Non
     categories = list(preset.meta["categories"])
     cached = hub_checkpoint_path(arch)
     if weights is not None:
-        state, source = read_state_dict(weights), f"file {weights}"
+        state, source = read_state_dict(weights, trust_weights_file), f"file {weights}"
     elif cached.is_file():
         state, source = read_state_dict(cached), f"hub cache {cached}"
     elif random_weights:

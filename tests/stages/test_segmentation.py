@@ -129,11 +129,37 @@ def small_state(tmp_path_factory):
 @pytest.mark.parametrize("wrap", ["model", "state_dict", "module"])
 def test_checkpoint_formats(tmp_path, wrap, small_state):
     path = random_weights_file(tmp_path / "w.pth", arch=SMALL, num_classes=3, wrap=wrap)
-    loaded = load_segmentation_model(SMALL, weights=str(path))
+    if wrap == "module":  # only full unpickling reads it: refused unless the file is trusted
+        with pytest.raises(ConfigError, match=r"runs code from the file: save its state_dict\(\) instead, "
+                                              r"or pass --trust-weights-file"):
+            load_segmentation_model(SMALL, weights=str(path))
+    loaded = load_segmentation_model(SMALL, weights=str(path), trust_weights_file=wrap == "module")
     assert loaded.num_classes == 3
     expect = small_state
     got = loaded.model.state_dict()
     assert got.keys() == expect.keys() and all(torch.equal(got[k], expect[k]) for k in got)
+
+
+class _Planted:
+    """What a hostile weights file holds: unpickling it runs ``Path.touch`` on a marker."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import pathlib
+
+        return pathlib.Path.touch, (pathlib.Path(self.marker),)
+
+
+def test_a_weights_file_that_would_run_code_is_refused_and_runs_none(tmp_path):
+    """Before, a file torch's safe loader refused was unpickled anyway after a warning:
+    ``--weights downloaded.pth`` ran whatever the file held."""
+    marker, path = tmp_path / "ran", tmp_path / "hostile.pth"
+    torch.save({"model": _Planted(str(marker))}, path)
+    with pytest.raises(ConfigError, match="is not a plain state dict or checkpoint"):
+        load_segmentation_model(SMALL, weights=str(path))
+    assert not marker.exists()
 
 
 def test_num_classes_is_checked_against_the_file(r50_weights):

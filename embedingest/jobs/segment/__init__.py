@@ -145,7 +145,7 @@ def segment_images(images: Iterable, config: SegmentConfig | None = None, *,
     device = resolve_device(config.device)
     if model is None:
         model = load_segmentation_model(config.arch, config.weights, config.num_classes,
-                                        config.random_weights)
+                                        config.random_weights, config.trust_weights_file)
     prep = model.preprocessing(config.resize, config.size)
     segmenter = Segmenter(model, device, config.dtype)
     if config.resize == "short":  # masks at the pictures' sizes: their kernel compiles meanwhile

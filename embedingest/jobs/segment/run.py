@@ -99,7 +99,7 @@ def _model_and_engine(config: SegmentConfig, device: torch.device, prep, full_ma
     the seconds the model took."""
     t0 = time.perf_counter()
     loaded = load_segmentation_model(config.arch, config.weights, config.num_classes,
-                                     config.random_weights)
+                                     config.random_weights, config.trust_weights_file)
     if full_max:  # masks scaled to the images' sizes: their kernel compiles meanwhile
         fused_argmax.compile_ahead(device, resolve_dtype(config.dtype, device), loaded.num_classes)
     write_labels(config.out, labels_info(loaded.arch, loaded.source, loaded.categories,
