@@ -149,19 +149,19 @@ def run_job(module: str, call, *, as_json: bool, paragraph, interrupted: str) ->
     also when the Ctrl-C landed where Python swallows it (a finalizer, an import lock's
     callback): it is delivered again."""
     previous, sys.unraisablehook = sys.unraisablehook, redeliver_swallowed_interrupts(signal.SIGINT)
-    threads_hook = threading.excepthook
+    threads_hook, process_hook = threading.excepthook, sys.excepthook
     try:
         job = import_interruptibly(module)
-        from ..engine.consumers import quiet_resource_sharer  # imported with the job, no cost
+        from ..engine.consumers import quiet_resource_sharer, quiet_resource_sharer_sys  # imported with the job
 
-        threading.excepthook = quiet_resource_sharer
+        threading.excepthook, sys.excepthook = quiet_resource_sharer, quiet_resource_sharer_sys
         summary = call(job)
     except KeyboardInterrupt:
         click.echo(f"\ninterrupted: {interrupted}", err=True)
         sys.exit(EXIT_INTERRUPTED)  # the program then ends at once (end_process)
     finally:
         sys.unraisablehook = previous
-        threading.excepthook = threads_hook
+        threading.excepthook, sys.excepthook = threads_hook, process_hook
     if as_json:
         emit_json(summary)
     else:

@@ -81,23 +81,38 @@ def exit_with_parent(parent_pid: int, worker_id: int = 0) -> None:
     parent. Such an error is dropped (:func:`quiet_resource_sharer`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.excepthook = quiet_resource_sharer
+    sys.excepthook = quiet_resource_sharer_sys
     _parent_death_signal(signal.SIGKILL)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
 
 
+def _broken_handover(exc_type, tb) -> bool:
+    """Whether an error is a broken connection in multiprocessing's resource sharer (the
+    process at the other end went away, or its handshake broke off: the run is stopping)."""
+    if not issubclass(exc_type, (OSError, EOFError, multiprocessing.AuthenticationError)):
+        return False
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.endswith("resource_sharer.py"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def quiet_resource_sharer(args) -> None:
     """``threading.excepthook`` of a loader worker (and of the CLI's process, which hands
-    the pool's descriptor to the consumers the same way): a broken connection in the
-    resource sharer's thread (the process at the other end went away, or its handshake
-    broke off: the run is stopping) is no error; anything else is reported as Python does."""
-    if issubclass(args.exc_type, (OSError, EOFError, multiprocessing.AuthenticationError)):
-        tb = args.exc_traceback
-        while tb is not None:
-            if tb.tb_frame.f_code.co_filename.endswith("resource_sharer.py"):
-                return
-            tb = tb.tb_next
-    threading.__excepthook__(args)
+    the pool's descriptor to the consumers the same way): a broken hand-over in the
+    resource sharer's thread is no error; anything else is reported as Python does."""
+    if not _broken_handover(args.exc_type, args.exc_traceback):
+        threading.__excepthook__(args)
+
+
+def quiet_resource_sharer_sys(exc_type, exc, tb) -> None:
+    """The same as ``sys.excepthook``, which the resource sharer's thread calls itself on
+    an error of its loop (so ``threading.excepthook`` never sees it); anything else is
+    reported as Python does."""
+    if not _broken_handover(exc_type, tb):
+        sys.__excepthook__(exc_type, exc, tb)
 
 
 def _error_message(worker: int, seq, batch_id, exc: BaseException) -> Failed:
