@@ -57,12 +57,35 @@ def open_lock_file(path: Path, sole: bool = False) -> int:
     return fd
 
 
-class RunLock:
-    """Context manager: exclusive use of ``folder`` for one build (see the module doc)."""
+# The run locks this process holds. A forked child (a loader worker, a header reader)
+# would share each lock's open file, and with it the lock, until it exits: one that
+# outlived its run kept the next run of the same folder out. Children close them.
+_HELD: set[int] = set()
 
-    def __init__(self, folder: str | os.PathLike, writers_timeout: float = 120.0):
+
+def _close_inherited() -> None:
+    for fd in _HELD:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_inherited)
+
+
+class RunLock:
+    """Context manager: exclusive use of ``folder`` for one build (see the module doc), or
+    for another ``job`` writing an output folder (segment's masks): ``writers`` False
+    leaves out the wait for a killed run's writers, which only a build's consumers announce."""
+
+    def __init__(self, folder: str | os.PathLike, writers_timeout: float = 120.0, *, job: str = "build",
+                 resumes: str = "the index resumes", writers: bool = True):
         self.folder = Path(folder)
         self.writers_timeout = writers_timeout
+        self.job, self.resumes, self.writers = job, resumes, writers
         self._fd: int | None = None
 
     def __enter__(self) -> RunLock:
@@ -73,11 +96,14 @@ class RunLock:
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
             os.close(fd)
-            raise IndexBusy(f"another build (pid {holder}) is writing {self.folder}; wait for it "
-                            "to end, or stop it and run again (the index resumes)") from None
+            raise IndexBusy(f"another {self.job} (pid {holder}) is writing {self.folder}; wait for it "
+                            f"to end, or stop it and run again ({self.resumes})") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
+        _HELD.add(fd)
+        if not self.writers:
+            return self
         try:
             self._wait_for_writers()
         except BaseException:
@@ -90,6 +116,7 @@ class RunLock:
 
     def release(self) -> None:
         if self._fd is not None:
+            _HELD.discard(self._fd)
             os.close(self._fd)  # closing the only descriptor drops the flock
             self._fd = None
 

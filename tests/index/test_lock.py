@@ -228,3 +228,28 @@ def test_a_lock_file_that_is_a_link_or_no_file_is_refused_never_written(tmp_path
         assert str(err.value) == (f"{str(folder / name)!r} is {what}, not a lock file embedingest made; "
                                   "it is not opened for writing: delete it and run again")
     assert victim.read_text() == "not yours"
+
+
+def test_a_forked_child_does_not_keep_the_run_lock(tmp_path):
+    """A loader worker forked while the run lock is held shared its open file, and with it
+    the lock: a worker that outlived its run kept the next run of the folder out (a
+    segment call right after one whose weights failed was refused). Children close it."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    started = ctx.Event()
+
+    def work():  # runs after the fork's hooks, as a worker's code does
+        started.set()
+        time.sleep(30)
+
+    with RunLock(tmp_path, job="segment run", writers=False):
+        child = ctx.Process(target=work)
+        child.start()
+        assert started.wait(30)
+    try:
+        with RunLock(tmp_path, job="segment run", writers=False):
+            pass
+    finally:
+        child.kill()
+        child.join()

@@ -14,6 +14,7 @@ from segment_fixtures import bad_files, image_tree, noise, small_config
 
 from embedingest import segment
 from embedingest.errors import ConfigError
+from embedingest.index.lock import RUN_LOCK
 
 
 segment_config = functools.partial(small_config, num_workers=0, num_consumers=2)
@@ -21,7 +22,7 @@ segment_config = functools.partial(small_config, num_workers=0, num_consumers=2)
 
 def local_files(folder) -> dict[str, bytes]:
     return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.name != "skipped.jsonl"}
+            if p.is_file() and p.name not in ("skipped.jsonl", RUN_LOCK)}  # the lock: a local run's only
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from torchvision.transforms.functional import pil_to_tensor
 
 from embedingest.config import load_config
 from embedingest.errors import ConfigError
+from embedingest.index.lock import RUN_LOCK
 from embedingest.jobs.segment import SegmentConfig, list_inputs, segment, segment_images
 from embedingest.cli.segment import segment_command
 from embedingest.report import SkipReport
@@ -87,7 +88,8 @@ def config(images, out, weights, **kw) -> SegmentConfig:
 
 
 def hidden_files(folder) -> list[str]:
-    return [str(p) for p in folder.rglob(".*")]
+    """Hidden files but the run lock (``.run.lock``, kept: see ``index.lock``)."""
+    return [str(p) for p in folder.rglob(".*") if p.name != RUN_LOCK]
 
 
 def test_segment_folder_end_to_end(tree, tmp_path, weights, reference, no_leaks):
@@ -224,7 +226,7 @@ def test_output_inside_the_input_is_not_read_back(tmp_path, small):
     segment(config(images, out, small), progress=False)
     second = segment(config(images, out, small, overwrite=True), progress=False)
     assert second["images"] == 1 and second["written"] == 1
-    assert sorted(p.name for p in out.iterdir()) == ["a.png.png", "labels.json", "skipped.jsonl"]
+    assert sorted(p.name for p in out.iterdir()) == [RUN_LOCK, "a.png.png", "labels.json", "skipped.jsonl"]
     assert second["passed_over"] == {".heic": 1}  # the run's own skipped.jsonl is not counted
 
 
@@ -384,7 +386,7 @@ def test_an_image_whose_outputs_names_are_too_long_is_skipped_and_the_rest_writt
     assert plain.exit_code == 3, plain.output
     summary = json.loads(plain.output)
     assert summary["written"] == 2 and summary["skipped_by_reason"] == {"name too long": 1}
-    assert sorted(os.listdir(tmp_path / "plain")) == sorted(["labels.json", "skipped.jsonl", "ok.png.png",
+    assert sorted(os.listdir(tmp_path / "plain")) == sorted([RUN_LOCK, "labels.json", "skipped.jsonl", "ok.png.png",
                                                              long_ + ".png"])
     assert Image.open(tmp_path / "plain" / (long_ + ".png")).size == (40, 24)
     entry = json.loads((tmp_path / "plain" / "skipped.jsonl").read_text())
@@ -425,6 +427,38 @@ def test_folders_and_images_named_in_another_encoding_get_masks_stats_and_resume
     assert again["written"] == 0 and again["already_done"] == 3, again
     redo = segment(dataclasses.replace(cfg, overwrite=True), progress=False)
     assert redo["written"] == 3 and stats_sources(out) == names and rows() == 3
+
+
+def test_a_second_run_into_the_same_folder_is_refused_while_the_first_runs(tmp_path, small):
+    """Two runs at once into one --out did every image twice, and --stats gave each image
+    two rows (the README says one). The second now stops at once, naming the first."""
+    import subprocess
+    import sys
+
+    images = tmp_path / "in"
+    images.mkdir()
+    Image.fromarray(noise(24, 40)).save(images / "a.png")
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\n"
+        "from embedingest.index.lock import RunLock\n"
+        "with RunLock(sys.argv[1], job='segment run', writers=False):\n"
+        "    print('held', flush=True); time.sleep(60)\n"), str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        args = [str(images), "--out", str(out), "--weights", str(small), "--arch", SMALL, "--size", str(SIZE),
+                "--device", "cpu", "--num-workers", "0", "--num-consumers", "1", "--stats"]
+        busy = CliRunner().invoke(segment_command, args)
+        assert busy.exit_code == 1 and busy.output == (
+            f"Error: another segment run (pid {holder.pid}) is writing {out}; wait for it to end, or stop it "
+            "and run again (every mask written so far is kept)\n"), busy.output
+        assert sorted(os.listdir(out)) == [RUN_LOCK]
+    finally:
+        holder.kill()
+        holder.wait()
+    done = CliRunner().invoke(segment_command, [*args, "--json"])
+    assert done.exit_code == 0 and json.loads(done.output)["stats_rows"] == 1, done.output
 
 
 def test_cli(tmp_path, small):

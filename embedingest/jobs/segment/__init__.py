@@ -21,6 +21,7 @@ and writes the summary, and :func:`segment_images` serves in-memory pictures.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -33,6 +34,7 @@ import numpy as np
 from ...config import SegmentConfig, load_config
 from ...errors import ConfigError
 from ...exit_codes import exit_code
+from ...index.lock import RunLock
 from ...report import REPORT_NAME, SkipReport
 from ...scaleout.devices import devices_of
 from ...sinks.mask_stats import drop_stats_rows
@@ -84,21 +86,25 @@ def segment(config: SegmentConfig, progress: bool = True, timeline: str | None =
     report = SkipReport()
     t0 = time.perf_counter()
     phases = {}  # seconds of each step, for the summary: where a run's time goes
-    try:
-        todo, already = list_inputs(config, report)
-        if not remote_out:  # an object is whole or absent: nothing half-written to delete
-            remove_stale_tmp_files(out, todo)
-        if config.stats and config.overwrite and todo:
-            drop_stats_rows(out, {rel for rel, _ in todo})
-        phases["list_s"] = time.perf_counter() - t0
-        summary = {"images": len(todo) + already, "already_done": already, "written": 0}
-        if todo and several:
-            summary.update(segment_on_devices(devices, config, todo, report, progress))
-        elif todo:
-            summary.update(segment_on_device(config, device, todo, report, progress, timeline, trace=trace))
-        phases["segment_s"] = time.perf_counter() - t0 - phases["list_s"]
-    finally:
-        report_path = _write_report(report, config.out) if remote_out else report.write(out)
+    # One run at a time per local output folder: two at once did every image twice and
+    # gave each two rows of statistics.
+    with (contextlib.nullcontext() if remote_out else
+          RunLock(out, job="segment run", resumes="every mask written so far is kept", writers=False)):
+        try:
+            todo, already = list_inputs(config, report)
+            if not remote_out:  # an object is whole or absent: nothing half-written to delete
+                remove_stale_tmp_files(out, todo)
+            if config.stats and config.overwrite and todo:
+                drop_stats_rows(out, {rel for rel, _ in todo})
+            phases["list_s"] = time.perf_counter() - t0
+            summary = {"images": len(todo) + already, "already_done": already, "written": 0}
+            if todo and several:
+                summary.update(segment_on_devices(devices, config, todo, report, progress))
+            elif todo:
+                summary.update(segment_on_device(config, device, todo, report, progress, timeline, trace=trace))
+            phases["segment_s"] = time.perf_counter() - t0 - phases["list_s"]
+        finally:
+            report_path = _write_report(report, config.out) if remote_out else report.write(out)
     seconds = time.perf_counter() - t0
     phases["finish_s"] = seconds - sum(phases.values())
     summary.update({
