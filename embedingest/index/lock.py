@@ -1,4 +1,5 @@
-"""One run at a time per index folder, and none before the last run's writers are gone.
+"""One run at a time per index folder (and per segment output folder), and none before
+the last run's writers are gone.
 
 Two ``flock`` files in the index folder:
 
