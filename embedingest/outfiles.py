@@ -107,15 +107,11 @@ def native_path(path: str | os.PathLike) -> Iterator[str]:
 
 
 def json_bytes(obj, indent: int | None = 2) -> bytes:
-    """``obj`` as JSON in UTF-8, with a final newline. A string holding a lone surrogate
-    (a path whose name is not UTF-8, as Python holds it) has no UTF-8 form: then every
-    character past ASCII is written as a ``\\u`` escape, which JSON readers read back
-    as the same string."""
-    text = json.dumps(obj, indent=indent, ensure_ascii=False) + "\n"
-    try:
-        return text.encode("utf-8")
-    except UnicodeEncodeError:
-        return (json.dumps(obj, indent=indent, ensure_ascii=True) + "\n").encode("ascii")
+    """``obj`` as JSON in UTF-8, with a final newline. A lone surrogate (in a path whose
+    name is not UTF-8, as Python holds it) has no UTF-8 form: it is written as its
+    ``\\u`` escape, which JSON readers read back as the same character; all other text
+    stays as it is (the skip report writes its lines the same way)."""
+    return (json.dumps(obj, indent=indent, ensure_ascii=False) + "\n").encode("utf-8", "backslashreplace")
 
 
 def is_tmp_name(name: str) -> bool:
