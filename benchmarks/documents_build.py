@@ -4,6 +4,7 @@ docs/BENCHMARKS.md name, now a front for ``embedingest bench text --corpus docum
 (:mod:`embedingest.bench.documents`), with ``--also`` for more build-index rows.
 
     python benchmarks/documents_build.py --mb 80 --dtype fp16 --also=--no-fast-tokenizer --json out.json
+    python benchmarks/documents_build.py --mb 100 --copies 4 --jsonl --also=--no-split-files  # one large file
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def main() -> None:
                         help="write each document this many times (for machines with few)")
     parser.add_argument("--join-mb", type=float, default=0,
                         help="join the documents into files of about this many MB (0: one file each)")
+    parser.add_argument("--jsonl", action="store_true",
+                        help="the documents as records of one JSON lines file (--join-mb: files of that size)")
     parser.add_argument("--folder", help="keep the documents here")
     parser.add_argument("--also", action="append", default=[],
                         help="options of another build-index row over the same documents "
@@ -37,7 +40,7 @@ def main() -> None:
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args()
     device = str(resolve_device(args.device))
-    cfg = DocumentsBenchConfig(mb=args.mb, copies=args.copies, join_mb=args.join_mb, device=device,
+    cfg = DocumentsBenchConfig(mb=args.mb, copies=args.copies, join_mb=args.join_mb, jsonl=args.jsonl, device=device,
                                dtype=precision(args.dtype, device.startswith("cuda")), model=args.model,
                                batch_size=args.batch_size, st_sample=args.st_sample, folder=args.folder,
                                extra=args.also)

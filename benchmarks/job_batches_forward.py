@@ -36,7 +36,7 @@ def job_batches(folder: Path, facts: ModelFacts, cfg: IndexConfig, chunk_tokens:
     """build-index's batches of ``folder``'s documents, as its loader gives them."""
     paths = sorted(folder.rglob("*.txt"))
     units = [Unit(i, str(p.relative_to(folder)), path=str(p)) for i, p in enumerate(paths)]
-    workers = loader_workers(cfg, len(units), False)
+    workers = loader_workers(cfg, units)
     out = []
     for item in make_loader(units, facts, cfg, workers, chunk_tokens, pin=False):
         if len(item["ids"]):

@@ -145,6 +145,11 @@ class IndexConfig:
         True, "Take the chunks' token ids from nanotoken wherever it gives exactly the model's own "
               "tokenizer's (the same chunks, spans and vectors, for far less tokenizer time); off: "
               "the model's own tokenizer for every text.")
+    split_files: bool = setting(
+        True, "Read a large uncompressed JSON lines or Parquet file in parts, one per tokenizer "
+              "worker (byte ranges cut at line starts; row groups), so one big file does not hold "
+              "the GPU to one core's pace; off: one worker a file (its chunk numbers then follow "
+              "the file's order, and an id repeated anywhere in it is caught, not only within a part).")
     text_field: str = setting(
         "text", "Field holding the text in .jsonl, .json, .csv and .parquet records.", metavar="NAME")
     id_field: str = setting(

@@ -5,7 +5,9 @@ bound), and sentence-transformers ``encode()`` on the same chunks' texts.
 The documents are what the machine holds that nobody on the project wrote
 (:mod:`~embedingest.bench.documents_corpus`), one ``.txt`` file each, from a few KB to MB;
 ``copies`` writes each several times under other names (a machine with few documents
-still gives the corpus size asked for), ``join_mb`` joins them into large files. The
+still gives the corpus size asked for), ``join_mb`` joins them into large files, and
+``jsonl`` writes them as the records of JSON lines files instead (one file, or files of
+about ``join_mb``), as corpora exported from a database or a crawl come. The
 command's processes are sampled for their summed proportional set size (PSS), so runs of
 two corpus sizes show whether memory grows with the corpus.
 """
@@ -31,6 +33,7 @@ class DocumentsBenchConfig:
     mb: float = 80  # megabytes of documents
     copies: int = 1  # each document written this many times
     join_mb: float = 0  # join documents into files of about this many MB (0: one file each)
+    jsonl: bool = False  # documents as records of JSON lines files (join_mb MB each; 0: one file)
     device: str = "cuda"
     dtype: str = "fp16"
     model: str | None = None
@@ -42,9 +45,13 @@ class DocumentsBenchConfig:
     trace: str | None = None  # a Chrome trace of the first build-index row, written here
 
 
-def write_documents(folder: Path, mb: float, copies: int = 1, join_mb: float = 0) -> dict:
-    """The documents under ``folder`` (500 a subfolder); their count and sizes."""
+def write_documents(folder: Path, mb: float, copies: int = 1, join_mb: float = 0,
+                    jsonl: bool = False) -> dict:
+    """The documents under ``folder`` (500 a subfolder, or records of JSON lines files);
+    their count and sizes."""
     docs = build_corpus(int(mb * 1e6 / copies)) * copies
+    if jsonl:
+        return _write_records(folder, docs, join_mb)
     if join_mb:
         joined, part, size = [], [], 0
         for text in docs:
@@ -62,6 +69,39 @@ def write_documents(folder: Path, mb: float, copies: int = 1, join_mb: float = 0
     sizes = sorted(len(t.encode("utf-8", "surrogatepass")) for t in docs)
     return {"documents": len(docs), "copies": copies, "bytes": sum(sizes),
             "median_bytes": sizes[len(sizes) // 2], "max_bytes": sizes[-1]}
+
+
+def _write_records(folder: Path, docs: list[str], file_mb: float) -> dict:
+    """``docs`` as ``{"id", "text"}`` records of ``docs-NNN.jsonl`` files of about
+    ``file_mb`` MB each (0: one file)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    n_files, size, fh = 0, 0, None
+    for i, text in enumerate(docs):
+        if fh is None or (file_mb and size >= file_mb * 1e6):
+            if fh is not None:
+                fh.close()
+            fh = open(folder / f"docs-{n_files:03d}.jsonl", "w", encoding="utf-8")
+            n_files, size = n_files + 1, 0
+        line = json.dumps({"id": f"doc{i:06d}", "text": text}) + "\n"
+        fh.write(line)
+        size += len(line)
+    if fh is not None:
+        fh.close()
+    sizes = sorted(len(t.encode("utf-8", "surrogatepass")) for t in docs)
+    return {"documents": len(docs), "copies": 1, "files": n_files, "bytes": sum(sizes),
+            "median_bytes": sizes[len(sizes) // 2], "max_bytes": sizes[-1]}
+
+
+def document_texts(folder: Path) -> list[str]:
+    """The documents :func:`write_documents` wrote under ``folder``, in order."""
+    texts = []
+    for path in sorted(folder.rglob("*")):
+        if path.suffix == ".txt":
+            texts.append(path.read_text(encoding="utf-8", errors="surrogatepass"))
+        elif path.suffix == ".jsonl":
+            with open(path, encoding="utf-8") as fh:
+                texts += [json.loads(line)["text"] for line in fh]
+    return texts
 
 
 def _tree_pss(root: int) -> int:
@@ -152,8 +192,7 @@ def chunk_windows(folder: Path, tokenizer, chunk_tokens: int, overlap: int) -> t
     cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
     inner, step = chunk_tokens - 2, chunk_tokens - 2 - overlap
     windows, texts, seen = [], [], {}
-    for path in sorted(folder.rglob("*.txt")):
-        text = path.read_text(encoding="utf-8", errors="surrogatepass")
+    for text in document_texts(folder):
         if text not in seen:
             tokens = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
             ids, offsets, mine = tokens["input_ids"], tokens["offset_mapping"], []
@@ -232,7 +271,7 @@ def run_documents(cfg: DocumentsBenchConfig, log=print) -> tuple[dict, list[dict
 
     with tempfile.TemporaryDirectory(prefix="embedingest-docs-") as tmp:
         folder = Path(cfg.folder or Path(tmp) / "docs")
-        made = write_documents(folder, cfg.mb, cfg.copies, cfg.join_mb)
+        made = write_documents(folder, cfg.mb, cfg.copies, cfg.join_mb, cfg.jsonl)
         log(f"{made['documents']} documents, {made['bytes'] / 1e6:.1f} MB (median "
             f"{made['median_bytes'] / 1e3:.0f} KB, largest {made['max_bytes'] / 1e6:.1f} MB)")
         if made["bytes"] < 0.9 * cfg.mb * 1e6:
@@ -241,8 +280,8 @@ def run_documents(cfg: DocumentsBenchConfig, log=print) -> tuple[dict, list[dict
                 f"to about {cfg.mb * 1e6 * cfg.copies / made['bytes']:.0f} for that size")
         warm = Path(tmp) / "warm-up"  # no row pays for a cold page cache or first compile
         warm.mkdir()
-        for path in sorted(folder.rglob("*.txt"))[:20]:
-            (warm / path.name).write_bytes(path.read_bytes())
+        for i, text in enumerate(document_texts(folder)[:20]):
+            (warm / f"doc{i:02d}.txt").write_text(text, encoding="utf-8", errors="surrogatepass")
         build_index_command(warm, Path(tmp) / "warm-index", cfg)
         rows = [build_index_command(folder, Path(tmp) / "index", cfg, trace=cfg.trace)]
         for n, extra in enumerate(cfg.extra):

@@ -177,7 +177,7 @@ def loader_only(cfg: TextBenchConfig, corpus: Path, model_dir: str | None) -> di
     enc = TextEncoder.load(model_dir, device="cpu")
     icfg = IndexConfig(batch_size=cfg.batch_size, num_workers=cfg.num_workers)
     units = [Unit(i, p.name, path=str(p)) for i, p in enumerate(sorted(corpus.glob("*.jsonl")))]
-    workers = loader_workers(icfg, len(units), False)
+    workers = loader_workers(icfg, units)
     loader = make_loader(units, enc, icfg, workers, min(icfg.chunk_tokens, enc.max_seq_length),
                      pin=cfg.device.startswith("cuda"))
     t0 = time.perf_counter()

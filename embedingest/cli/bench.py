@@ -114,6 +114,9 @@ def bench_segmentation(steps, warmup, batch_size, image_size, consumers, slots, 
               help="With --corpus documents: write each document this many times (a machine with few).")
 @click.option("--join-mb", default=0.0, show_default=True,
               help="With --corpus documents: join documents into files of about this many MB (0: one each).")
+@click.option("--jsonl", is_flag=True,
+              help="With --corpus documents: write the documents as records of one JSON lines file "
+                   "(with --join-mb, files of about that many MB).")
 @click.option("--st-sample", default=20_000, show_default=True,
               help="With --corpus documents: chunks sentence-transformers encodes (0: no such row).")
 @click.option("--batch-size", type=int, default=None,
@@ -137,7 +140,7 @@ def bench_segmentation(steps, warmup, batch_size, image_size, consumers, slots, 
 @click.option("--trace", type=click.Path(dir_okay=False),
               help="Chrome trace (JSON) of the build-index row: its phases and every batch.")
 @library_errors
-def bench_text(corpus, docs, mb, copies, join_mb, st_sample, batch_size, device, dtype, model, num_workers,
+def bench_text(corpus, docs, mb, copies, join_mb, jsonl, st_sample, batch_size, device, dtype, model, num_workers,
                num_consumers, st_fp32, compare_eager, json_path, trace) -> None:
     """sentence-transformers against build-index end to end, with the encoder's forward
     alone as the bound, on one corpus (runs on CPU too)."""
@@ -152,7 +155,7 @@ def bench_text(corpus, docs, mb, copies, join_mb, st_sample, batch_size, device,
     if corpus == "documents":
         build_options = ["--num-workers", str(num_workers), "--num-consumers", str(num_consumers)]
         _bench_documents(mb, copies, join_mb, st_sample, batch_size or 1024, device, dtype, model, json_path,
-                         build_options, trace)
+                         build_options, trace, jsonl)
         return
     cfg = TextBenchConfig(docs=docs, batch_size=batch_size or 256, device=device, dtype=dtype, model=model,
                           num_workers=num_workers, num_consumers=num_consumers, st_fp32=st_fp32,
@@ -168,11 +171,12 @@ def bench_text(corpus, docs, mb, copies, join_mb, st_sample, batch_size, device,
 
 
 def _bench_documents(mb, copies, join_mb, st_sample, batch_size, device, dtype, model, json_path,
-                     build_options, trace) -> None:
+                     build_options, trace, jsonl=False) -> None:
     from ..bench.documents import DocumentsBenchConfig, run_documents
     from ..bench.report import DOCUMENTS_COLUMNS, machine_info, table, write_json
 
-    cfg = DocumentsBenchConfig(mb=mb, copies=copies, join_mb=join_mb, device=device, dtype=dtype, model=model,
+    cfg = DocumentsBenchConfig(mb=mb, copies=copies, join_mb=join_mb, jsonl=jsonl, device=device, dtype=dtype,
+                               model=model,
                                batch_size=batch_size, st_sample=st_sample, build_options=build_options,
                                trace=trace)
     info = machine_info()

@@ -71,6 +71,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from .file_parts import ByteRange, line_ends_before, part_bounds, splittable
 from .files import open_input, os_error_reason
 from .remote import is_remote, remote_size
 
@@ -314,11 +315,13 @@ def _stream_codec(head: bytes) -> tuple[str, str, int]:
     return "utf-8", _ERRORS, len(codecs.BOM_UTF8) if head.startswith(codecs.BOM_UTF8) else 0
 
 
-def _decoded(raw, head: bytes) -> Iterator[str]:
+def _decoded(raw, head: bytes, mid_file: bool = False) -> Iterator[str]:
     """The text of ``raw`` (whose first bytes, ``head``, were read already) a block at a
     time. Bytes that do not decode raise :class:`_BadBytes`, after everything before them
-    was yielded (a text decoder would drop the whole block they are in)."""
-    codec, errors, bom = _stream_codec(head)
+    was yielded (a text decoder would drop the whole block they are in). ``mid_file``:
+    ``raw`` starts inside a UTF-8 file (a part, see :mod:`.file_parts`), so ``head`` is
+    not the file's start and says nothing of its encoding."""
+    codec, errors, bom = ("utf-8", _ERRORS, 0) if mid_file else _stream_codec(head)
     decoder = codecs.getincrementaldecoder(codec)(errors)
     block = head[bom:]
     while True:
@@ -358,19 +361,69 @@ def _opened(path: Path):
 _EOL = re.compile(r"\r\n|\r|\n")
 
 
-def _lines(path: Path, translate: bool) -> Iterator[str | _Skip]:
+def _opened_part(path: Path, part: tuple[int, int, int]):
+    """``(raw, head, lines before, the part's last byte)`` of part ``(p, parts, size)``
+    of the file at ``path`` (see :mod:`.file_parts`), or None when that part has nothing
+    to read: an empty range, or a file that only part 0 reads, whole (empty, binary, or
+    UTF-16). Only part 0 raises :class:`_Skip` for the file as a whole."""
+    p, parts, size = part
+    try:
+        fh = open_input(path)
+    except OSError as exc:
+        if p == 0:
+            raise _Skip(os_error_reason(exc)) from None
+        return None
+    try:
+        fd = fh.fileno()
+        size = min(size, os.fstat(fd).st_size)
+        file_head = os.pread(fd, BINARY_PROBE_BYTES, 0)
+        try:
+            _encoding(file_head)
+            whole = not file_head or file_head.startswith(_UTF16_BOMS)
+        except _Skip:  # binary
+            whole = True
+        if whole:
+            fh.close()
+            return (*_opened(path), 0, None) if p == 0 else None
+        start, stop = part_bounds(fd, p, parts, size)
+        if start >= stop:
+            fh.close()
+            return None
+        before = line_ends_before(fd, start)
+    except OSError as exc:
+        fh.close()
+        if p == 0:
+            raise _Skip(os_error_reason(exc)) from None
+        return None
+    raw = ByteRange(fh, start, stop)
+    return raw, raw.read(BINARY_PROBE_BYTES), before, stop
+
+
+def _lines(path: Path, translate: bool, part: tuple[int, int, int] | None = None,
+           numbered: list | None = None) -> Iterator[str | _Skip]:
     """The lines of the file at ``path``, each with its line end (``\\n`` for every kind
     when ``translate``, else as written, as csv wants it). A line of more than
     :data:`MAX_LINE_CHARS` characters comes as a ``too-large`` :class:`_Skip` instead,
     never held whole. Bytes that do not decode end the file with a ``decode`` skip that
-    names their line; every line before it is yielded."""
-    raw, head = _opened(path)
+    names their line; every line before it is yielded. With ``part`` (``(p, parts,
+    size)``) only that part's lines, and ``numbered[0]`` is set to the number of lines
+    before them, before the first is yielded."""
+    stop = None
+    if part is None:
+        (raw, head), n = _opened(path), 0
+    else:
+        opened = _opened_part(path, part)
+        if opened is None:
+            return
+        raw, head, n, stop = opened
+    if numbered is not None:
+        numbered[0] = n
     parts: list[str] = []
-    size = n = 0
+    size = 0
     long = carry = False
     with raw:
         try:
-            for text in _decoded(raw, head):
+            for text in _decoded(raw, head, mid_file=stop is not None and part[0] > 0):
                 if carry:  # a \r at the end of the block before: is it a \r\n?
                     text, carry = "\r" + text, False
                 if text.endswith("\r"):
@@ -393,7 +446,8 @@ def _lines(path: Path, translate: bool) -> Iterator[str | _Skip]:
                     if size > MAX_LINE_CHARS:
                         parts, size, long = [], 0, True
         except _BadBytes as exc:
-            raise _Skip(f"decode: line {n + 1}: {exc}; the rest of the file is skipped") from None
+            rest = "the rest of the file" if stop is None else f"its part's lines up to byte {stop}"
+            raise _Skip(f"decode: line {n + 1}: {exc}; {rest} is skipped") from None
     if carry:
         parts.append("\n" if translate else "\r")
     if long:
@@ -551,10 +605,17 @@ def _parse_line(line: str, n: int):
         return _Skip(f"json: line {n}: nested too deeply")
 
 
-def _json_lines(lines, text_field, id_field, path, on_skip):
-    numbered = ((n, line if isinstance(line, _Skip) else _parse_line(line, n))
-                for n, line in enumerate(lines, 1) if isinstance(line, _Skip) or line.strip())
-    return _objects(numbered, text_field, id_field, "line", path, on_skip)
+def _json_lines(lines, text_field, id_field, path, on_skip, first: list | None = None):
+    """The records of ``lines``; ``first[0]``, read when the first line comes, is the
+    number of lines before them (a part of a file, see :func:`_lines`)."""
+    def numbered():
+        n = None
+        for line in lines:
+            n = (first[0] if first else 0) + 1 if n is None else n + 1
+            if isinstance(line, _Skip) or line.strip():
+                yield n, line if isinstance(line, _Skip) else _parse_line(line, n)
+
+    return _objects(numbered(), text_field, id_field, "line", path, on_skip)
 
 
 def _read_whole_text(path: Path, text_field, id_field, on_skip, stream_above=None):
@@ -653,8 +714,10 @@ def _read_json(path: Path, text_field, id_field, on_skip):
                     f"expected an object or an array of objects")
 
 
-def _read_jsonl(path: Path, text_field, id_field, on_skip):
-    yield from _json_lines(_lines(path, translate=True), text_field, id_field, path, on_skip)
+def _read_jsonl(path: Path, text_field, id_field, on_skip, part=None):
+    before = [0]
+    yield from _json_lines(_lines(path, translate=True, part=part, numbered=before),
+                           text_field, id_field, path, on_skip, first=before)
 
 
 def _csv_lines(path: Path) -> Iterator[str]:
@@ -723,7 +786,18 @@ def _id_values(column) -> list:
     return column.to_pylist()
 
 
-def _read_parquet(path: Path, text_field, id_field, on_skip):
+def _read_parquet(path: Path, text_field, id_field, on_skip, part=None):
+    """The rows of a Parquet file; with ``part`` (``(p, parts, size)``) those of its row
+    groups ``p``, ``p + parts``, ... only, numbered as in the whole file. Only part 0
+    reports what is wrong with the file as a whole."""
+    try:
+        yield from _parquet_rows(path, text_field, id_field, on_skip, part)
+    except _Skip:
+        if part is None or part[0] == 0:
+            raise
+
+
+def _parquet_rows(path: Path, text_field, id_field, on_skip, part):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -752,7 +826,7 @@ def _read_parquet(path: Path, text_field, id_field, on_skip):
         n = 0
         first_ids = _FirstIds(path)
         try:
-            for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
+            for n, batch in _parquet_batches(pf, columns, part):
                 texts = batch.column(text_field).to_pylist()
                 ids = (_id_values(batch.column(id_field)) if id_field in batch.schema.names
                        else [None] * len(texts))
@@ -774,7 +848,30 @@ def _read_parquet(path: Path, text_field, id_field, on_skip):
                         else:
                             yield record_id, text
         except (OSError, pa.ArrowException) as exc:
-            raise _Skip(f"parquet: row {n + 1}: {exc}; the rest of the file is skipped") from None
+            if part is None:
+                raise _Skip(f"parquet: row {n + 1}: {exc}; the rest of the file is skipped") from None
+            # a part's own problem: reported by every part (the wrapper hears only part 0's)
+            on_skip(str(path), f"parquet: row {n + 1}: {exc}; the rest of its part's row groups "
+                               f"is skipped")
+
+
+def _parquet_batches(pf, columns, part):
+    """``(rows before it, record batch)`` of the file's row groups (those of ``part``)."""
+    before = 0
+    if part is None:
+        for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
+            yield before, batch
+            before += batch.num_rows
+        return
+    p, parts, _ = part
+    for g in range(pf.metadata.num_row_groups):
+        rows = pf.metadata.row_group(g).num_rows
+        if g % parts == p:
+            at = before
+            for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=[g], columns=columns):
+                yield at, batch
+                at += batch.num_rows
+        before += rows
 
 
 _READERS = {
@@ -788,7 +885,8 @@ _READERS = {
 
 
 def iter_records(path: str | Path, *, text_field: str = "text", id_field: str = "id",
-                 on_skip: OnSkip = _noop, stream_above: int | None = None
+                 on_skip: OnSkip = _noop, stream_above: int | None = None,
+                 part: tuple[int, int, int] | None = None
                  ) -> Iterator[tuple[str, str | TextStream]]:
     """Yield ``(record_id, text)`` for every good record of the file at ``path``.
 
@@ -800,10 +898,20 @@ def iter_records(path: str | Path, *, text_field: str = "text", id_field: str = 
     and their id from ``id_field``; a record without an id gets ``line-N`` (JSON lines),
     ``row-N`` (CSV, Parquet; N counts data rows from 1) or ``item-N`` (JSON array).
     Problems go to ``on_skip`` (see the module docstring) instead of being raised.
+
+    ``part``: ``(p, parts, size)``, only the records of part ``p`` of ``parts`` of the
+    file, planned at ``size`` bytes (see :mod:`.file_parts`; a file that cannot be read
+    in parts is part 0's, whole). The file is then not said to be empty: its parts'
+    reader adds up what they saw.
     """
     path = path if is_remote(path) else Path(path)
     fmt, compression = text_format(path)
     reader = _READERS.get(fmt) if compression is None or fmt in _PLAIN_EXTENSIONS else None
+    if part is not None and part[1] > 1:
+        if reader in (_read_jsonl, _read_parquet) and splittable(str(path)):
+            reader = functools.partial(reader, part=part)
+        elif part[0] > 0:
+            return
     if reader is None:
         suffix = fmt + (compression or "")
         on_skip(str(path), f"format: suffix {suffix!r} is not a text format; known: "
@@ -838,6 +946,6 @@ def iter_records(path: str | Path, *, text_field: str = "text", id_field: str = 
     except OSError as exc:
         on_skip(str(path), os_error_reason(exc))
         return
-    if produced == 0 and skipped == 0:
+    if produced == 0 and skipped == 0 and part is None:
         on_skip(str(path), "empty: no records")
 

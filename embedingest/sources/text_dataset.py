@@ -47,6 +47,7 @@ large in-memory corpora are better given as files.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -60,6 +61,7 @@ from ..index.shards import decode_chunks, encode_chunks
 from ..stages.chunker import DEFAULT_PIECE_CHARS, Chunk, Chunker
 from ..stages.fast_chunker import FastChunker
 from ..stages.tokenizer import load_tokenizer
+from .file_parts import part_count, splittable
 from .files import file_sha256, os_error_reason, reads_within
 from .text import iter_records, lone_surrogate
 
@@ -161,6 +163,78 @@ def _stepped_within(items: Iterator, within: str | None) -> Iterator:
         yield item
 
 
+def plan_parts(units: Sequence[Unit], max_parts: int) -> dict[int, tuple[int, int]]:
+    """``{unit_no: (parts, size)}`` for the files of ``units`` that ``max_parts`` workers
+    read in parts (:func:`~embedingest.sources.file_parts.part_count`, at the size they
+    have now); the others are read whole, each by one worker."""
+    if max_parts < 2:
+        return {}
+    sizes: dict[int, int] = {}
+    for unit in units:
+        if unit.path is not None and splittable(unit.path):
+            try:
+                sizes[unit.unit_no] = os.stat(unit.path).st_size
+            except OSError:
+                continue  # its worker reports it
+    share = sum(sizes.values()) // max_parts
+    counts = {u: (part_count(size, max_parts, share), size) for u, size in sizes.items()}
+    return {u: c for u, c in counts.items() if c[0] > 1}
+
+
+def merge_parts(items: Iterable[dict]) -> Iterator[dict]:
+    """The loader's ``items`` with the parts of each file read in parts joined: the
+    file's ``(unit_no, n_chunks)`` (and the hash its part 0 made) join ``units_done``
+    (``unit_hashes``) of the item that brings the last of its parts' ends, so it finishes
+    once, after all its chunks, as any unit does; a file none of whose parts met a
+    record or a problem is reported ``empty: no records``, as one read whole is."""
+    pending: dict[int, list] = {}
+    for item in items:
+        for unit_no, _, parts, n, seen, path, sha in item.pop("parts_done", ()):
+            got = pending.setdefault(int(unit_no), [0, 0, 0, ""])
+            got[0], got[1], got[2] = got[0] + 1, got[1] + int(n), got[2] + int(seen)
+            got[3] = str(sha) or got[3]
+            if got[0] < int(parts):
+                continue
+            del pending[int(unit_no)]
+            item["units_done"] = [*item["units_done"], (int(unit_no), got[1])]
+            if got[3]:
+                item["unit_hashes"] = [*item["unit_hashes"], (int(unit_no), got[3])]
+            if not got[2]:
+                item["skipped"] = [*item["skipped"], (str(path), "empty: no records")]
+        yield item
+
+
+class JoinedParts:
+    """A loader (any iterable of the dataset's items) iterated through :func:`merge_parts`."""
+
+    def __init__(self, loader: Iterable[dict]):
+        self.loader = loader
+
+    def __iter__(self) -> JoinedIterator:
+        return JoinedIterator(iter(self.loader))
+
+
+class JoinedIterator:
+    """An iteration of :class:`JoinedParts`: ``inner`` is the loader's own iterator (its
+    worker processes already started when it was made)."""
+
+    def __init__(self, inner: Iterator[dict]):
+        self.inner = inner
+        self._items = merge_parts(inner)
+
+    def __iter__(self) -> JoinedIterator:
+        return self
+
+    def __next__(self) -> dict:
+        return next(self._items)
+
+    def close(self) -> None:
+        """Stop the loader's worker processes now, not when it is collected."""
+        shutdown = getattr(self.inner, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+
+
 class TextChunkDataset(IterableDataset):
     """Batches of token chunks from ``units`` (see the module docstring)."""
 
@@ -170,14 +244,17 @@ class TextChunkDataset(IterableDataset):
                  text_field: str = "text", id_field: str = "id",
                  piece_chars: int = DEFAULT_PIECE_CHARS,
                  tokenizer_loader: Callable[[str], object] = load_tokenizer,
-                 pad_multiple: int = 16, fast_chunker: bool = True):
+                 pad_multiple: int = 16, fast_chunker: bool = True,
+                 parts: Mapping[int, tuple[int, int]] | None = None):
         """``tokenizer_loader(model_dir)`` runs in each worker (a module-level function:
         it is pickled); the default loads the tokenizer exactly as the encoder uses it.
         Batches are padded to a multiple of ``pad_multiple`` tokens: a few shapes instead
         of one per length, so the GPU libraries pick their kernels once, not per batch.
         ``fast_chunker`` takes token ids from nanotoken where it gives exactly the model's
         tokens (:class:`~embedingest.stages.fast_chunker.FastChunker`); False forces the
-        model's own tokenizer for every text (the same chunks, slower)."""
+        model's own tokenizer for every text (the same chunks, slower). ``parts``:
+        ``{unit_no: (parts, size)}`` for the files to read in parts (:func:`plan_parts`),
+        each part by another worker; iterate :func:`merge_parts` over the loader then."""
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size={batch_size!r} must be a positive integer")
         window = 16 * batch_size if window is None else window
@@ -207,6 +284,20 @@ class TextChunkDataset(IterableDataset):
         self.tokenizer_loader = tokenizer_loader
         self.pad_multiple = max(1, int(pad_multiple))
         self.fast_chunker = bool(fast_chunker)
+        # unit_no -> (parts, planned size, its chunk counter's slot)
+        self.parts = {u: (n, size, slot) for slot, (u, (n, size))
+                      in enumerate((u, v) for u, v in (parts or {}).items() if v[0] > 1)}
+        # The next chunk number of each file read in parts, shared by its parts' workers
+        # (made before they fork), so its chunks are numbered 0..n-1 as any unit's are.
+        self.counters = multiprocessing.RawArray("q", len(self.parts)) if self.parts else None
+        self.counters_lock = multiprocessing.Lock() if self.parts else None
+
+    def work(self) -> list[tuple[Unit, int, int]]:
+        """``(unit, part, parts)`` of every piece of work, in order: a file read in parts
+        gives one piece per part, next to each other, so no worker gets two parts of one
+        file (parts never outnumber the workers, :func:`plan_parts`)."""
+        return [(unit, p, n) for unit in self.units
+                for n in (self.parts.get(unit.unit_no, (1,))[0],) for p in range(n)]
 
     def __iter__(self) -> Iterator[dict]:
         info = get_worker_info()
@@ -228,8 +319,7 @@ class TextChunkDataset(IterableDataset):
             log.warning("the fast chunker is off (%s): the model's own tokenizer cuts every "
                         "text, the same chunks several times slower; `pip install nanotoken` "
                         "(a dependency of embedingest) to turn it on", chunker.fallback_reason)
-        return _WorkerBatches(self, chunker, pad_id).run(
-            self.units[worker::workers])
+        return _WorkerBatches(self, chunker, pad_id).run(self.work()[worker::workers])
 
 
 class _WorkerBatches:
@@ -248,17 +338,23 @@ class _WorkerBatches:
         self.hashed: list[tuple[int, str]] = []
         self.skipped: list[tuple[str, str]] = []
         self.sources: dict[int, str] = {}  # unit_no -> key, of this worker's units
+        self.part_of: dict[int, tuple[int, int]] = {}  # unit_no -> (part, parts) read here
+        self.seen: dict[int, int] = {}  # unit_no -> records and skips met, of parts
+        self.parts_done: list[tuple] = []
+        self.paths: dict[int, str] = {}
         # The window starts at one batch and doubles up to its full size, so the first
         # batch leaves after one batch's worth of chunks, not a whole window's (with a
         # dozen workers each filling 16 batches first, the GPU would wait seconds).
         self.limit = min(ds.window, ds.batch_size)
 
-    def run(self, units: list[Unit]) -> Iterator[dict]:
-        self.sources = {unit.unit_no: unit.key for unit in units}
-        for unit in units:
+    def run(self, work: list[tuple[Unit, int, int]]) -> Iterator[dict]:
+        self.sources = {unit.unit_no: unit.key for unit, _, _ in work}
+        for unit, part, parts in work:
             u = self.reading = unit.unit_no
             self.in_window[u] = self.total[u] = 0
-            for input_ids, chunk in self._unit_chunks(unit):
+            if parts > 1:
+                self.part_of[u], self.seen[u], self.paths[u] = (part, parts), 0, unit.path
+            for input_ids, chunk in self._unit_chunks(unit, part, parts):
                 if len(self.window) >= self.limit:
                     yield from self._flush(final=False)
                     self.limit = min(self.ds.window, 2 * self.limit)
@@ -269,18 +365,37 @@ class _WorkerBatches:
             if self.in_window[u] == 0:
                 self._finish(u)
         yield from self._flush(final=True)
-        if self.done or self.skipped:
+        if self.done or self.skipped or self.parts_done:
             yield self._item([])
 
     def _finish(self, unit_no: int) -> None:
         del self.in_window[unit_no]
-        self.done.append((unit_no, self.total.pop(unit_no)))
+        n = self.total.pop(unit_no)
+        if unit_no in self.part_of:
+            part, parts = self.part_of.pop(unit_no)
+            self.parts_done.append((unit_no, part, parts, n, self.seen.pop(unit_no),
+                                    self.paths.pop(unit_no), self.hashes.pop(unit_no, "")))
+            return
+        self.done.append((unit_no, n))
         if unit_no in self.hashes:
             self.hashed.append((unit_no, self.hashes.pop(unit_no)))
 
-    def _unit_chunks(self, unit: Unit) -> Iterator[tuple[Sequence[int], tuple]]:
+    def _chunk_no(self, unit_no: int, local: int) -> int:
+        """The number of a unit's next chunk, ``local`` its number in what this worker
+        read of it: for a file read in parts, the next of the parts' shared counter."""
+        if unit_no not in self.part_of:
+            return local
+        slot = self.ds.parts[unit_no][2]
+        with self.ds.counters_lock:
+            n = self.ds.counters[slot]
+            self.ds.counters[slot] = n + 1
+        return n
+
+    def _unit_chunks(self, unit: Unit, part: int = 0, parts: int = 1
+                     ) -> Iterator[tuple[Sequence[int], tuple]]:
         """``(input_ids, chunk row)`` for every chunk of ``unit`` (a row as :class:`Chunks`
-        takes it); bad input is reported."""
+        takes it), of its part ``part`` of ``parts``; bad input is reported. Part 0 hashes
+        the file."""
         where = unit.path if unit.path is not None else unit.key
         if unit.text is not None:
             problem = lone_surrogate(unit.text) or lone_surrogate(unit.record_id or "")
@@ -289,21 +404,25 @@ class _WorkerBatches:
                 return
             records = iter([(unit.record_id or "", unit.text)])
         else:
-            if unit.sha256 is None:
+            if unit.sha256 is None and part == 0:
                 try:  # before the read: the page cache then serves the read
                     with reads_within(unit.within):
                         self.hashes[unit.unit_no] = file_sha256(unit.path)
                 except OSError as exc:
                     self._skip(where, os_error_reason(exc))
                     return
-            records = _stepped_within(iter_records(unit.path, text_field=self.ds.text_field,
-                                                   id_field=self.ds.id_field, on_skip=self._skip,
-                                                   stream_above=STREAM_ABOVE), unit.within)
-        chunk_no = 0
+            records = _stepped_within(iter_records(
+                unit.path, text_field=self.ds.text_field, id_field=self.ds.id_field,
+                on_skip=self._skip, stream_above=STREAM_ABOVE,
+                part=(part, parts, self.ds.parts[unit.unit_no][1]) if parts > 1 else None), unit.within)
+        local = 0
         try:
             for record_id, chunks in self._record_chunks(records):
+                if unit.unit_no in self.seen:
+                    self.seen[unit.unit_no] += 1
                 first = True
                 for chunk, text in chunks:
+                    chunk_no = self._chunk_no(unit.unit_no, local)
                     if chunk_no >= MAX_CHUNKS_PER_UNIT:
                         self._skip(where, f"limit: more than {MAX_CHUNKS_PER_UNIT} chunks "
                                           f"in one unit; the rest of it is skipped")
@@ -311,7 +430,7 @@ class _WorkerBatches:
                     yield chunk.input_ids, (
                         unit.unit_no << 32 | chunk_no, unit.unit_no, record_id, chunk_no,
                         chunk.char_start, chunk.char_end, text, first)
-                    chunk_no += 1
+                    local += 1
                     first = False
                 if first:
                     label = f"{where}:{record_id}" if record_id else where
@@ -351,6 +470,8 @@ class _WorkerBatches:
 
     def _skip(self, where: str, reason: str) -> None:
         self.skipped.append((str(where), reason))
+        if self.reading in self.seen:
+            self.seen[self.reading] += 1
 
     def _flush(self, final: bool) -> Iterator[dict]:
         """Yield the window as length-sorted batches; unless ``final``, keep back the
@@ -404,6 +525,7 @@ class _WorkerBatches:
             "units_done": self.done,
             "unit_hashes": self.hashed,
             "skipped": self.skipped,
+            "parts_done": self.parts_done,
         }
-        self.done, self.hashed, self.skipped = [], [], []
+        self.done, self.hashed, self.skipped, self.parts_done = [], [], [], []
         return item

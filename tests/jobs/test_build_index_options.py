@@ -306,7 +306,7 @@ def test_workers_tokenize_while_the_weights_load_and_an_unchanged_run_loads_none
 
     def started(*args, **kwargs):
         batches = start(*args, **kwargs)
-        loads.append(("workers", [w.pid for w in batches._workers if w.is_alive()]))
+        loads.append(("workers", [w.pid for w in batches.inner._workers if w.is_alive()]))
         return batches
 
     def consumers(engine):

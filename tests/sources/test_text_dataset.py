@@ -352,3 +352,86 @@ def test_a_file_given_without_its_hash_is_hashed_by_its_worker(tmp_path):
     skipped = [s for item in items for s in item["skipped"]]
     assert [(where.rsplit("/", 1)[1], reason) for where, reason in skipped] == [
         ("c.txt", "unreadable: No such file or directory")]
+
+
+def run_in_parts(units, num_workers, monkeypatch, part_bytes=None, **kw):
+    """The items of :func:`run` with the files ``plan_parts`` picks read in parts (parts
+    of at least ``part_bytes``), joined as build-index joins them."""
+    from embedingest.sources import file_parts
+
+    if part_bytes is not None:
+        monkeypatch.setattr(file_parts, "PART_BYTES", part_bytes)
+    parts = text_dataset.plan_parts(units, num_workers)
+    kw = {"batch_size": 4, "max_tokens": MAX_TOKENS, "overlap": OVERLAP, "window": 8, **kw}
+    ds = TextChunkDataset(units, MODEL, parts=parts, **kw)
+    return parts, list(text_dataset.merge_parts(DataLoader(ds, batch_size=None, num_workers=num_workers)))
+
+
+def test_a_large_file_read_in_parts_gives_the_same_chunks_numbered_once(tmp_path, monkeypatch, chunker):
+    """A JSON lines file read by three workers in parts: the same chunks (record, span,
+    text, tokens) as read whole, numbered 0..n-1 once each; the file finishes once, after
+    its last chunk, with its hash; a small file beside it is read whole."""
+    import hashlib
+
+    lines = [json.dumps({"id": f"r{i}", "text": f"Record {i} says the river rose {'high ' * (i % 9)}"})
+             if i % 5 else json.dumps({"text": f"No id, line {i}."}) for i in range(300)]
+    big = tmp_path / "big.jsonl"
+    big.write_text("\r\n".join(lines[:100]) + "\n" + "\n".join(lines[100:]) + "\n{broken\n")
+    (tmp_path / "small.txt").write_text("A small file about dams.")
+    units = [Unit(0, "big.jsonl", path=str(big)), Unit(1, "small.txt", path=str(tmp_path / "small.txt"))]
+    parts, items = run_in_parts(units, 3, monkeypatch, part_bytes=1024)
+    assert parts == {0: (3, big.stat().st_size)}
+    whole = run(units)
+
+    def rows(its):
+        return sorted((c["unit_no"], c["record_id"], c["char_start"], c["char_end"], c["text"])
+                      for item in its for c in item["chunks"])
+
+    assert rows(items) == rows(whole)
+    done = [tuple(d) for item in items for d in item["units_done"]]
+    assert sorted(done) == sorted(tuple(d) for item in whole for d in item["units_done"])
+    n = dict(done)[0]
+    seen_ids: set[int] = set()
+    for item in items:
+        seen_ids.update(c["id"] for c in item["chunks"])
+        if any(u == 0 for u, _ in item["units_done"]):
+            assert len([i for i in seen_ids if i >> 32 == 0]) == n  # finished after its last chunk
+        assert "parts_done" not in item
+    assert sorted(i & 0xFFFFFFFF for i in seen_ids if i >> 32 == 0) == list(range(n))
+    tokens = {int(i): ids[m.bool()].tolist() for item in items
+              for i, ids, m in zip(item["ids"], item["input_ids"], item["attention_mask"])}
+    by_span = {(c["record_id"], c["char_start"]): c["id"] for item in items for c in item["chunks"]}
+    for record_id, text in [(f"r{i}" if i % 5 else f"line-{i + 1}", json.loads(line)["text"])
+                            for i, line in enumerate(lines)]:
+        for ch in chunker.chunk(text):
+            assert tokens[by_span[(record_id, ch.char_start)]] == ch.input_ids
+    hashes = [tuple(h) for item in items for h in item["unit_hashes"]]
+    assert sorted(hashes) == [(0, hashlib.sha256(big.read_bytes()).hexdigest()),
+                              (1, hashlib.sha256(b"A small file about dams.").hexdigest())]
+    skipped = [(w.rsplit("/", 1)[1], r.split(":")[0]) for item in items for w, r in item["skipped"]]
+    assert skipped == [("big.jsonl:line 301", "json")]
+
+
+def test_a_file_in_parts_with_no_records_is_told_empty_once(tmp_path, monkeypatch):
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n   \n" * 800)
+    parts, items = run_in_parts([Unit(0, "blank.jsonl", path=str(blank))], 2, monkeypatch, part_bytes=1024)
+    assert parts == {0: (2, blank.stat().st_size)}
+    assert [tuple(d) for item in items for d in item["units_done"]] == [(0, 0)]
+    assert [(w, r) for item in items for w, r in item["skipped"]] == [(str(blank), "empty: no records")]
+
+
+def test_only_large_files_are_read_in_parts(tmp_path, monkeypatch):
+    from embedingest.sources import file_parts
+
+    monkeypatch.setattr(file_parts, "PART_BYTES", 1000)
+    files = {"a.jsonl": 8000, "b.jsonl.gz": 8000, "c.txt": 8000, "d.jsonl": 900, "e.parquet": 4000}
+    units = []
+    for i, (name, size) in enumerate(files.items()):
+        (tmp_path / name).write_bytes(b"x" * size)
+        units.append(Unit(i, name, path=str(tmp_path / name)))
+    units.append(Unit(9, "mem", text="text"))
+    # the splittable files' bytes (12,900) over 4 workers: parts of at least 3,225 bytes
+    assert text_dataset.plan_parts(units, 4) == {0: (2, 8000)}
+    assert text_dataset.plan_parts(units[:1], 4) == {0: (4, 8000)}
+    assert text_dataset.plan_parts(units, 1) == {}

@@ -31,7 +31,7 @@ from ...index.faiss_factory import parse_factory
 from ...outfiles import new_run_id
 from ...sinks.shard_writer import ShardWriterFactory, commit_finished
 from ...sources.remote import is_remote
-from ...sources.text_dataset import TextChunkDataset, Unit
+from ...sources.text_dataset import JoinedParts, TextChunkDataset, Unit, plan_parts
 from ...stages.encoder import ModelFacts, TextEncoder
 from ...stages.prompts import chunk_prompt, with_prompt
 from ...stages.tokenizer import load_tokenizer
@@ -44,9 +44,10 @@ def needs_training(store: ShardStore, cfg: IndexConfig, dim: int) -> bool:
 
 
 def chunk_batches(units: list[Unit], encoder: TextEncoder, cfg: IndexConfig, chunk_tokens: int,
-                  tokenizer_loader=load_tokenizer) -> IterableDataset:
+                  tokenizer_loader=load_tokenizer, parts=None) -> IterableDataset:
     """Batches of tokenized chunks of ``units``, the document prompt's tokens in each
-    chunk (an iterable dataset; :func:`make_loader` runs it in DataLoader workers)."""
+    chunk (an iterable dataset; :func:`make_loader` runs it in DataLoader workers, with
+    ``parts``, the files its workers read in parts)."""
     doc_prompt = encoder.prompts.for_role("document", cfg.doc_prompt)
     encoder.check_prompt(doc_prompt)
     prompt = chunk_prompt(encoder.tokenizer, doc_prompt, chunk_tokens, cfg.overlap)
@@ -55,18 +56,20 @@ def chunk_batches(units: list[Unit], encoder: TextEncoder, cfg: IndexConfig, chu
                           window=cfg.sort_window * cfg.batch_size, text_field=cfg.text_field,
                           id_field=cfg.id_field, tokenizer_loader=tokenizer_loader,
                           pad_multiple=16 if encoder.device.type == "cuda" else 1,
-                          fast_chunker=cfg.fast_tokenizer)
+                          fast_chunker=cfg.fast_tokenizer, parts=parts)
     return with_prompt(ds, prompt)
 
 
 def make_loader(units: list[Unit], encoder: TextEncoder, cfg: IndexConfig, workers: int,
-                chunk_tokens: int, pin: bool) -> DataLoader:
-    """:func:`chunk_batches` from ``workers`` DataLoader worker processes."""
-    return WorkerLoader(chunk_batches(units, encoder, cfg, chunk_tokens), batch_size=None,
-                      num_workers=workers, pin_memory=pin,
-                      prefetch_factor=4 if workers else None, persistent_workers=False,
-                      worker_init_fn=functools.partial(exit_with_parent, os.getpid()),
-                      multiprocessing_context=loader_context() if workers else None)
+                chunk_tokens: int, pin: bool) -> JoinedParts:
+    """:func:`chunk_batches` from ``workers`` DataLoader worker processes, a large JSON
+    lines or Parquet file read by several of them in parts (their items joined again)."""
+    parts = plan_parts(units, workers) if cfg.split_files else {}
+    return JoinedParts(WorkerLoader(chunk_batches(units, encoder, cfg, chunk_tokens, parts=parts),
+                                    batch_size=None, num_workers=workers, pin_memory=pin,
+                                    prefetch_factor=4 if workers else None, persistent_workers=False,
+                                    worker_init_fn=functools.partial(exit_with_parent, os.getpid()),
+                                    multiprocessing_context=loader_context() if workers else None))
 
 
 def shard_sinks(out: str | Path, dim: int, cfg: IndexConfig, run_id: str,
@@ -137,16 +140,19 @@ def start_batches(units: list[Unit], encoder: TextEncoder | ModelFacts, cfg: Ind
     """The encode step's batches of ``units``: an iterator over :func:`make_loader`, whose
     worker processes start now (forked: start them before anything starts threads here)
     and prepare the first batches while the caller goes on (loads the model)."""
-    workers = loader_workers(cfg, len(units), units[0].path is None)
+    workers = loader_workers(cfg, units)
     return iter(make_loader(units, encoder, cfg, workers, chunk_tokens, pin=device.startswith("cuda")))
 
 
-def loader_workers(cfg: IndexConfig, n_units: int, in_memory: bool) -> int:
-    """DataLoader workers for ``n_units`` units: none for in-memory records (they would
-    be pickled to each worker), else the configured share of the cores."""
-    if in_memory or n_units == 0:
+def loader_workers(cfg: IndexConfig, units: list[Unit]) -> int:
+    """DataLoader workers for ``units``: none for in-memory records (they would be
+    pickled to each worker), else the configured share of the cores, or fewer when
+    there is less work: a file each, or a part each of a file read in parts."""
+    if not units or units[0].path is None:
         return 0
-    return min(share_of_cpus(cfg.num_workers), n_units)
+    share = share_of_cpus(cfg.num_workers)
+    extra = sum(n - 1 for n, _ in plan_parts(units, share).values()) if cfg.split_files else 0
+    return min(share, len(units) + extra)
 
 
 def train_if_needed(store: ShardStore, manifest: Manifest, encoder: TextEncoder, units: list[Unit],
@@ -157,8 +163,8 @@ def train_if_needed(store: ShardStore, manifest: Manifest, encoder: TextEncoder,
     if parse_factory(manifest.dim, manifest.factory, manifest.metric).is_trained:
         return None
     sample, n = [], 0
-    loader = make_loader(units, encoder, cfg, loader_workers(cfg, len(units), units and units[0].path is None),
-                     chunk_tokens, pin=False)
+    loader = make_loader(units, encoder, cfg, loader_workers(cfg, units),
+                      chunk_tokens, pin=False)
     for item in loader:
         if len(item["ids"]):
             sample.append(encoder.forward(item["input_ids"], item["attention_mask"]).float().cpu())
@@ -305,9 +311,8 @@ class OneDevice:
         batches, self._batches = self._batches, None
         engine, self._engine = self._engine, None
         try:
-            shutdown = getattr(batches, "_shutdown_workers", None)
-            if shutdown is not None:
-                shutdown()
+            if batches is not None:
+                batches.close()
         finally:
             if engine is not None:
                 engine.stop()
