@@ -13,6 +13,9 @@ Such a file is now cut into parts (:func:`part_count`), one per worker:
 A compressed file, a file in object storage, and a file in UTF-16 (seen at its start)
 are read whole by part 0, as before. Part 0 hashes the file and reports what is wrong
 with it as a whole (empty, binary, no text column); the other parts say nothing of it.
+The parts are cut from the size the file had when they were planned, and read to it, and
+part 0 hashes those bytes: lines appended meanwhile are left to the next run, which sees
+the file changed.
 """
 
 from __future__ import annotations

@@ -138,13 +138,19 @@ def open_input(path: str | os.PathLike):
     return open_remote(path) if is_remote(path) else open_regular(path)
 
 
-def file_sha256(path: str | os.PathLike) -> str:
+def file_sha256(path: str | os.PathLike, limit: int | None = None) -> str:
     """The sha256 of an input's bytes (opened with :func:`open_input`: a file turned into
-    a pipe cannot hang the hashing), read a megabyte at a time."""
+    a pipe cannot hang the hashing), read a megabyte at a time; of its first ``limit``
+    bytes only, when given (the bytes a file read in parts is read to)."""
     h = hashlib.sha256()
+    left = -1 if limit is None else limit
     with open_input(path) as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
+        while left:
+            block = fh.read(1 << 20 if left < 0 else min(1 << 20, left))
+            if not block:
+                break
             h.update(block)
+            left = left - len(block) if left > 0 else left
     return h.hexdigest()
 
 

@@ -446,7 +446,7 @@ def _lines(path: Path, translate: bool, part: tuple[int, int, int] | None = None
                     if size > MAX_LINE_CHARS:
                         parts, size, long = [], 0, True
         except _BadBytes as exc:
-            rest = "the rest of the file" if stop is None else f"its part's lines up to byte {stop}"
+            rest = "the rest of the file" if stop is None else f"the rest of its part (to byte {stop})"
             raise _Skip(f"decode: line {n + 1}: {exc}; {rest} is skipped") from None
     if carry:
         parts.append("\n" if translate else "\r")
@@ -758,7 +758,7 @@ def _read_csv(path: Path, text_field, id_field, on_skip):
                         yield record_id, text
         except csv.Error as exc:
             raise _Skip(f"csv: line {reader.line_num}: {exc}; the rest of the file "
-                        f"is skipped") from None
+                        f"are skipped") from None
 
 
 def _is_text_type(kind) -> bool:
@@ -850,9 +850,10 @@ def _parquet_rows(path: Path, text_field, id_field, on_skip, part):
         except (OSError, pa.ArrowException) as exc:
             if part is None:
                 raise _Skip(f"parquet: row {n + 1}: {exc}; the rest of the file is skipped") from None
-            # a part's own problem: reported by every part (the wrapper hears only part 0's)
+            # a problem inside this part's row groups, told by the part (whole-file problems
+            # are told by part 0 only, see _read_parquet)
             on_skip(str(path), f"parquet: row {n + 1}: {exc}; the rest of its part's row groups "
-                               f"is skipped")
+                               f"are skipped")
 
 
 def _parquet_batches(pf, columns, part):

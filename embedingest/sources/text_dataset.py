@@ -407,7 +407,8 @@ class _WorkerBatches:
             if unit.sha256 is None and part == 0:
                 try:  # before the read: the page cache then serves the read
                     with reads_within(unit.within):
-                        self.hashes[unit.unit_no] = file_sha256(unit.path)
+                        self.hashes[unit.unit_no] = file_sha256(
+                            unit.path, self.ds.parts[unit.unit_no][1] if parts > 1 else None)
                 except OSError as exc:
                     self._skip(where, os_error_reason(exc))
                     return

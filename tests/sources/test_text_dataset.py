@@ -435,3 +435,27 @@ def test_only_large_files_are_read_in_parts(tmp_path, monkeypatch):
     assert text_dataset.plan_parts(units, 4) == {0: (2, 8000)}
     assert text_dataset.plan_parts(units[:1], 4) == {0: (4, 8000)}
     assert text_dataset.plan_parts(units, 1) == {}
+
+
+def test_a_file_read_in_parts_is_read_and_hashed_to_its_planned_size(tmp_path, monkeypatch):
+    """Lines appended to a file after its parts were planned are not read, and the hash
+    is of the bytes the parts read: the next run sees the file changed (not a file whose
+    hash says it is indexed while its last lines are not)."""
+    import hashlib
+
+    from embedingest.sources import file_parts
+
+    monkeypatch.setattr(file_parts, "PART_BYTES", 256)
+    path = tmp_path / "grows.jsonl"
+    first = "".join(json.dumps({"id": f"a{i}", "text": f"first batch line {i}"}) + "\n" for i in range(60))
+    path.write_text(first)
+    units = [Unit(0, "grows.jsonl", path=str(path))]
+    parts = text_dataset.plan_parts(units, 3)
+    assert parts == {0: (3, len(first))}
+    with open(path, "a") as fh:
+        fh.write("".join(json.dumps({"id": f"b{i}", "text": f"appended {i}"}) + "\n" for i in range(20)))
+    ds = TextChunkDataset(units, MODEL, batch_size=4, max_tokens=MAX_TOKENS, overlap=OVERLAP, parts=parts)
+    items = list(text_dataset.merge_parts(DataLoader(ds, batch_size=None, num_workers=3)))
+    assert sorted(c["record_id"] for item in items for c in item["chunks"]) == sorted(f"a{i}" for i in range(60))
+    assert [tuple(h) for item in items for h in item["unit_hashes"]] == [
+        (0, hashlib.sha256(first.encode()).hexdigest())]
