@@ -31,6 +31,7 @@ def main() -> None:
                         help="join the documents into files of about this many MB (0: one file each)")
     parser.add_argument("--jsonl", action="store_true",
                         help="the documents as records of one JSON lines file (--join-mb: files of that size)")
+    parser.add_argument("--parquet", action="store_true", help="the same as --jsonl, as Parquet")
     parser.add_argument("--folder", help="keep the documents here")
     parser.add_argument("--also", action="append", default=[],
                         help="options of another build-index row over the same documents "
@@ -40,7 +41,8 @@ def main() -> None:
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args()
     device = str(resolve_device(args.device))
-    cfg = DocumentsBenchConfig(mb=args.mb, copies=args.copies, join_mb=args.join_mb, jsonl=args.jsonl, device=device,
+    cfg = DocumentsBenchConfig(mb=args.mb, copies=args.copies, join_mb=args.join_mb, jsonl=args.jsonl, parquet=args.parquet,
+                               device=device,
                                dtype=precision(args.dtype, device.startswith("cuda")), model=args.model,
                                batch_size=args.batch_size, st_sample=args.st_sample, folder=args.folder,
                                extra=args.also)

@@ -147,7 +147,7 @@ class IndexConfig:
               "the model's own tokenizer for every text.")
     split_files: bool = setting(
         True, "Read a large uncompressed JSON lines or Parquet file in parts, one per tokenizer "
-              "worker (byte ranges cut at line starts; row groups), so one big file does not hold "
+              "worker (byte ranges cut at line starts; ranges of rows), so one big file does not hold "
               "the GPU to one core's pace; off: one worker a file (its chunk numbers then follow "
               "the file's order, and an id repeated anywhere in it is caught, not only within a part).")
     text_field: str = setting(

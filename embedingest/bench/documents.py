@@ -6,8 +6,9 @@ The documents are what the machine holds that nobody on the project wrote
 (:mod:`~embedingest.bench.documents_corpus`), one ``.txt`` file each, from a few KB to MB;
 ``copies`` writes each several times under other names (a machine with few documents
 still gives the corpus size asked for), ``join_mb`` joins them into large files, and
-``jsonl`` writes them as the records of JSON lines files instead (one file, or files of
-about ``join_mb``), as corpora exported from a database or a crawl come. The
+``jsonl`` (``parquet``) writes them as the records of JSON lines (Parquet) files instead
+(one file, or files of about ``join_mb``), as corpora exported from a database or a crawl
+come. The
 command's processes are sampled for their summed proportional set size (PSS), so runs of
 two corpus sizes show whether memory grows with the corpus.
 """
@@ -34,6 +35,7 @@ class DocumentsBenchConfig:
     copies: int = 1  # each document written this many times
     join_mb: float = 0  # join documents into files of about this many MB (0: one file each)
     jsonl: bool = False  # documents as records of JSON lines files (join_mb MB each; 0: one file)
+    parquet: bool = False  # the same as Parquet files (pyarrow's default row groups)
     device: str = "cuda"
     dtype: str = "fp16"
     model: str | None = None
@@ -46,12 +48,12 @@ class DocumentsBenchConfig:
 
 
 def write_documents(folder: Path, mb: float, copies: int = 1, join_mb: float = 0,
-                    jsonl: bool = False) -> dict:
+                    jsonl: bool = False, parquet: bool = False) -> dict:
     """The documents under ``folder`` (500 a subfolder, or records of JSON lines files);
     their count and sizes."""
     docs = build_corpus(int(mb * 1e6 / copies)) * copies
-    if jsonl:
-        return _write_records(folder, docs, join_mb)
+    if jsonl or parquet:
+        return _write_records(folder, docs, join_mb, ".parquet" if parquet else ".jsonl")
     if join_mb:
         joined, part, size = [], [], 0
         for text in docs:
@@ -71,22 +73,29 @@ def write_documents(folder: Path, mb: float, copies: int = 1, join_mb: float = 0
             "median_bytes": sizes[len(sizes) // 2], "max_bytes": sizes[-1]}
 
 
-def _write_records(folder: Path, docs: list[str], file_mb: float) -> dict:
-    """``docs`` as ``{"id", "text"}`` records of ``docs-NNN.jsonl`` files of about
-    ``file_mb`` MB each (0: one file)."""
+def _write_records(folder: Path, docs: list[str], file_mb: float, suffix: str) -> dict:
+    """``docs`` as ``{"id", "text"}`` records of ``docs-NNN.jsonl`` (or ``.parquet``)
+    files of about ``file_mb`` MB each (0: one file)."""
     folder.mkdir(parents=True, exist_ok=True)
-    n_files, size, fh = 0, 0, None
+    files: list[list[tuple[str, str]]] = [[]]
+    size = 0
     for i, text in enumerate(docs):
-        if fh is None or (file_mb and size >= file_mb * 1e6):
-            if fh is not None:
-                fh.close()
-            fh = open(folder / f"docs-{n_files:03d}.jsonl", "w", encoding="utf-8")
-            n_files, size = n_files + 1, 0
-        line = json.dumps({"id": f"doc{i:06d}", "text": text}) + "\n"
-        fh.write(line)
-        size += len(line)
-    if fh is not None:
-        fh.close()
+        if file_mb and size >= file_mb * 1e6:
+            files.append([])
+            size = 0
+        files[-1].append((f"doc{i:06d}", text))
+        size += len(text)
+    for n, records in enumerate(files):
+        path = folder / f"docs-{n:03d}{suffix}"
+        if suffix == ".parquet":
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            pq.write_table(pa.table({"id": [r[0] for r in records], "text": [r[1] for r in records]}), path)
+        else:
+            with open(path, "w", encoding="utf-8") as fh:
+                fh.writelines(json.dumps({"id": rid, "text": text}) + "\n" for rid, text in records)
+    n_files = len(files)
     sizes = sorted(len(t.encode("utf-8", "surrogatepass")) for t in docs)
     return {"documents": len(docs), "copies": 1, "files": n_files, "bytes": sum(sizes),
             "median_bytes": sizes[len(sizes) // 2], "max_bytes": sizes[-1]}
@@ -101,6 +110,10 @@ def document_texts(folder: Path) -> list[str]:
         elif path.suffix == ".jsonl":
             with open(path, encoding="utf-8") as fh:
                 texts += [json.loads(line)["text"] for line in fh]
+        elif path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            texts += pq.read_table(path, columns=["text"]).column("text").to_pylist()
     return texts
 
 
@@ -271,7 +284,7 @@ def run_documents(cfg: DocumentsBenchConfig, log=print) -> tuple[dict, list[dict
 
     with tempfile.TemporaryDirectory(prefix="embedingest-docs-") as tmp:
         folder = Path(cfg.folder or Path(tmp) / "docs")
-        made = write_documents(folder, cfg.mb, cfg.copies, cfg.join_mb, cfg.jsonl)
+        made = write_documents(folder, cfg.mb, cfg.copies, cfg.join_mb, cfg.jsonl, cfg.parquet)
         log(f"{made['documents']} documents, {made['bytes'] / 1e6:.1f} MB (median "
             f"{made['median_bytes'] / 1e3:.0f} KB, largest {made['max_bytes'] / 1e6:.1f} MB)")
         if made["bytes"] < 0.9 * cfg.mb * 1e6:

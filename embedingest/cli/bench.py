@@ -117,6 +117,9 @@ def bench_segmentation(steps, warmup, batch_size, image_size, consumers, slots, 
 @click.option("--jsonl", is_flag=True,
               help="With --corpus documents: write the documents as records of one JSON lines file "
                    "(with --join-mb, files of about that many MB).")
+@click.option("--parquet", is_flag=True,
+              help="With --corpus documents: the same as --jsonl, as a Parquet file (pyarrow's default "
+                   "row groups).")
 @click.option("--st-sample", default=20_000, show_default=True,
               help="With --corpus documents: chunks sentence-transformers encodes (0: no such row).")
 @click.option("--batch-size", type=int, default=None,
@@ -140,7 +143,7 @@ def bench_segmentation(steps, warmup, batch_size, image_size, consumers, slots, 
 @click.option("--trace", type=click.Path(dir_okay=False),
               help="Chrome trace (JSON) of the build-index row: its phases and every batch.")
 @library_errors
-def bench_text(corpus, docs, mb, copies, join_mb, jsonl, st_sample, batch_size, device, dtype, model, num_workers,
+def bench_text(corpus, docs, mb, copies, join_mb, jsonl, parquet, st_sample, batch_size, device, dtype, model, num_workers,
                num_consumers, st_fp32, compare_eager, json_path, trace) -> None:
     """sentence-transformers against build-index end to end, with the encoder's forward
     alone as the bound, on one corpus (runs on CPU too)."""
@@ -155,7 +158,7 @@ def bench_text(corpus, docs, mb, copies, join_mb, jsonl, st_sample, batch_size, 
     if corpus == "documents":
         build_options = ["--num-workers", str(num_workers), "--num-consumers", str(num_consumers)]
         _bench_documents(mb, copies, join_mb, st_sample, batch_size or 1024, device, dtype, model, json_path,
-                         build_options, trace, jsonl)
+                         build_options, trace, jsonl, parquet)
         return
     cfg = TextBenchConfig(docs=docs, batch_size=batch_size or 256, device=device, dtype=dtype, model=model,
                           num_workers=num_workers, num_consumers=num_consumers, st_fp32=st_fp32,
@@ -171,11 +174,11 @@ def bench_text(corpus, docs, mb, copies, join_mb, jsonl, st_sample, batch_size, 
 
 
 def _bench_documents(mb, copies, join_mb, st_sample, batch_size, device, dtype, model, json_path,
-                     build_options, trace, jsonl=False) -> None:
+                     build_options, trace, jsonl=False, parquet=False) -> None:
     from ..bench.documents import DocumentsBenchConfig, run_documents
     from ..bench.report import DOCUMENTS_COLUMNS, machine_info, table, write_json
 
-    cfg = DocumentsBenchConfig(mb=mb, copies=copies, join_mb=join_mb, jsonl=jsonl, device=device, dtype=dtype,
+    cfg = DocumentsBenchConfig(mb=mb, copies=copies, join_mb=join_mb, jsonl=jsonl, parquet=parquet, device=device, dtype=dtype,
                                model=model,
                                batch_size=batch_size, st_sample=st_sample, build_options=build_options,
                                trace=trace)

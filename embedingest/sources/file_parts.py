@@ -8,7 +8,9 @@ Such a file is now cut into parts (:func:`part_count`), one per worker:
   first byte is in, and a part learns its first line's number by counting the line ends
   before it (JSON cannot hold a raw line end inside a value, so a line end is always
   between records);
-* a Parquet file by row groups: group ``g`` to part ``g % parts``.
+* a Parquet file by rows: part ``p`` takes the ``p``-th ``parts``-th of them, and reads
+  only the row groups that hold them (a file written in one row group, as pandas and
+  pyarrow write up to a million rows, can be read in parts too).
 
 A compressed file, a file in object storage, and a file in UTF-16 (seen at its start)
 are read whole by part 0, as before. Part 0 hashes the file and reports what is wrong

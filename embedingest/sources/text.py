@@ -166,6 +166,7 @@ STREAM_BLOCK = 2**16  # bytes read at a time when streaming
 
 BINARY_PROBE_BYTES = 8192
 PARQUET_BATCH_ROWS = 1024
+PARQUET_BUFFER_BYTES = 2**20
 # Records of one file whose ids are kept to find an id given again (_FirstIds).
 MAX_IDS_CHECKED = 1_000_000
 
@@ -787,9 +788,9 @@ def _id_values(column) -> list:
 
 
 def _read_parquet(path: Path, text_field, id_field, on_skip, part=None):
-    """The rows of a Parquet file; with ``part`` (``(p, parts, size)``) those of its row
-    groups ``p``, ``p + parts``, ... only, numbered as in the whole file. Only part 0
-    reports what is wrong with the file as a whole."""
+    """The rows of a Parquet file; with ``part`` (``(p, parts, size)``) its ``p``-th
+    ``parts``-th of the rows only, numbered as in the whole file (only the row groups that
+    hold them are read). Only part 0 reports what is wrong with the file as a whole."""
     try:
         yield from _parquet_rows(path, text_field, id_field, on_skip, part)
     except _Skip:
@@ -809,7 +810,11 @@ def _parquet_rows(path: Path, text_field, id_field, on_skip, part):
         try:
             if (remote_size(fh) if is_remote(path) else os.fstat(fh.fileno()).st_size) == 0:
                 raise _Skip("empty: the file has no bytes")
-            pf = pq.ParquetFile(fh)
+            # A local file's column chunks are read through a 1 MiB buffer, a page at a
+            # time: unbuffered, a row group's whole text column is held while it is read
+            # (a pandas-written file is often one group), in every part that reads it.
+            pf = pq.ParquetFile(fh) if is_remote(path) else pq.ParquetFile(
+                fh, buffer_size=PARQUET_BUFFER_BYTES, pre_buffer=False)
         except OSError as exc:
             raise _Skip(f"parquet: {exc}") from None
         except pa.ArrowException as exc:
@@ -850,9 +855,9 @@ def _parquet_rows(path: Path, text_field, id_field, on_skip, part):
         except (OSError, pa.ArrowException) as exc:
             if part is None:
                 raise _Skip(f"parquet: row {n + 1}: {exc}; the rest of the file is skipped") from None
-            # a problem inside this part's row groups, told by the part (whole-file problems
-            # are told by part 0 only, see _read_parquet)
-            on_skip(str(path), f"parquet: row {n + 1}: {exc}; the rest of its part's row groups "
+            # a problem inside this part's rows, told by the part (whole-file problems are
+            # told by part 0 only, see _read_parquet)
+            on_skip(str(path), f"parquet: row {n + 1}: {exc}; the rest of its part's rows "
                                f"are skipped")
 
 
@@ -865,13 +870,19 @@ def _parquet_batches(pf, columns, part):
             before += batch.num_rows
         return
     p, parts, _ = part
+    total = pf.metadata.num_rows
+    lo, hi = total * p // parts, total * (p + 1) // parts
     for g in range(pf.metadata.num_row_groups):
         rows = pf.metadata.row_group(g).num_rows
-        if g % parts == p:
+        if before < hi and before + rows > lo:  # the group holds rows of the part
             at = before
             for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=[g], columns=columns):
-                yield at, batch
+                start, stop = max(lo - at, 0), min(hi - at, batch.num_rows)
+                if start < stop:
+                    yield at + start, batch.slice(start, stop - start)
                 at += batch.num_rows
+                if at >= hi:
+                    break
         before += rows
 
 

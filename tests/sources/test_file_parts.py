@@ -143,16 +143,22 @@ def test_whole_file_problems_are_told_once(tmp_path):
         assert len(skips) == 1 and skips[0].startswith(reason)
 
 
-def test_parquet_parts_are_its_row_groups(tmp_path):
+@pytest.mark.parametrize("group_rows", [700, 5000, 1])
+def test_parquet_parts_are_ranges_of_its_rows(tmp_path, group_rows):
+    """Whatever its row groups (many, one as pandas writes, one row each), a Parquet
+    file's parts together are the whole file, each about an equal share of its rows."""
     path = tmp_path / "t.parquet"
-    texts = [f"text {i}" if i % 7 else None for i in range(5000)]
-    ids = [f"id{i}" if i % 3 else None for i in range(5000)]
-    pq.write_table(pa.table({"text": texts, "id": ids}), path, row_group_size=700)
+    n = 5000 if group_rows > 1 else 300
+    texts = [f"text {i}" if i % 7 else None for i in range(n)]
+    ids = [f"id{i}" if i % 3 else None for i in range(n)]
+    pq.write_table(pa.table({"text": texts, "id": ids}), path, row_group_size=group_rows)
     whole, whole_skips = read(path)
     assert ("row-4", "text 3") in whole and ("id4", "text 4") in whole
     for parts in (2, 3, 8, 20):
         got, got_skips = read(path, parts)
         assert sorted(got) == sorted(whole) and sorted(got_skips) == sorted(whole_skips)
+        sizes = [len(list(iter_records(path, part=(p, parts, 1)))) for p in range(parts)]
+        assert max(sizes) - min(sizes) <= n // parts // 5 + 2
     skips: list = []
     for p in range(3):
         list(iter_records(path, text_field="nope", on_skip=lambda w, r: skips.append(r), part=(p, 3, 1)))
@@ -179,3 +185,41 @@ def test_what_can_be_split():
     assert file_parts.splittable("/d/t.parquet")
     for name in ("/d/a.jsonl.gz", "/d/a.csv", "/d/a.txt", "/d/a.json", "s3://b/a.jsonl"):
         assert not file_parts.splittable(name)
+
+
+PARQUET_MEMORY_PROBE = r"""
+import os, sys
+import pyarrow.parquet
+from embedingest.sources.text import iter_records
+
+def peak_kb():  # this process's own peak (getrusage's would count the parent's at the fork)
+    with open("/proc/self/status") as fh:
+        return int(next(line for line in fh if line.startswith("VmHWM")).split()[1])
+
+path = sys.argv[1]
+before = peak_kb()
+n = sum(1 for _ in iter_records(path, part=(3, 4, os.path.getsize(path))))
+print(n, (peak_kb() - before) >> 10)
+"""
+
+
+def test_a_parquet_part_does_not_hold_its_row_group_whole(tmp_path):
+    """Each part reads a row group's pages through a small buffer: a part of a file of
+    one 130 MB row group (as pandas writes) grows its process by far less than the group;
+    unbuffered, every worker reading a part held the whole group."""
+    import subprocess
+    import sys
+
+    import random
+
+    rng = random.Random(0)
+    texts = [" ".join("%x" % rng.getrandbits(40) for _ in range(300)) for _ in range(40000)]
+    pq.write_table(pa.table({"text": texts}), tmp_path / "one-group.parquet", compression="none")
+    script = tmp_path / "probe.py"
+    script.write_text(PARQUET_MEMORY_PROBE)
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "one-group.parquet")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    n, grew_mb = map(int, out.stdout.split())
+    assert n == 10000
+    assert grew_mb < 100, grew_mb  # unbuffered: 161 MB on a 2-core development machine
