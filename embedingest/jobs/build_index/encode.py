@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 import time
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import IterableDataset
 
 from ...config import IndexConfig
 from ...engine.consumers import exit_with_parent, loader_context
@@ -35,6 +36,8 @@ from ...sources.text_dataset import JoinedParts, TextChunkDataset, Unit, plan_pa
 from ...stages.encoder import ModelFacts, TextEncoder
 from ...stages.prompts import chunk_prompt, with_prompt
 from ...stages.tokenizer import load_tokenizer
+
+log = logging.getLogger("embedingest")
 
 
 def needs_training(store: ShardStore, cfg: IndexConfig, dim: int) -> bool:
@@ -65,6 +68,11 @@ def make_loader(units: list[Unit], encoder: TextEncoder, cfg: IndexConfig, worke
     """:func:`chunk_batches` from ``workers`` DataLoader worker processes, a large JSON
     lines or Parquet file read by several of them in parts (their items joined again)."""
     parts = plan_parts(units, workers) if cfg.split_files else {}
+    if parts:
+        keys = {u.unit_no: u.key for u in units}
+        log.info("read in parts by the %d tokenizing workers: %s", workers,
+                 ", ".join(f"{keys[u]} ({n})" for u, (n, _) in list(parts.items())[:5])
+                 + (f" and {len(parts) - 5} more files" if len(parts) > 5 else ""))
     return JoinedParts(WorkerLoader(chunk_batches(units, encoder, cfg, chunk_tokens, parts=parts),
                                     batch_size=None, num_workers=workers, pin_memory=pin,
                                     prefetch_factor=4 if workers else None, persistent_workers=False,
