@@ -367,3 +367,23 @@ def test_a_width_the_config_gets_wrong_is_put_right(tmp_path, monkeypatch, exist
     assert s["vectors_total"] == (13 if existing else 12)
     (hit,), = open_index(out).search([PARAGRAPHS[1]], k=1)
     assert hit.text == PARAGRAPHS[1]
+
+
+def test_loader_workers_count_the_parts_of_large_files(tmp_path, monkeypatch):
+    """One large JSON lines file gets as many workers as it has parts (it used to get
+    one); --no-split-files, in-memory records and small files keep the old count."""
+    from embedingest.config import IndexConfig
+    from embedingest.jobs.build_index.encode import loader_workers
+    from embedingest.sources import file_parts
+    from embedingest.sources.text_dataset import Unit
+
+    monkeypatch.setattr(file_parts, "PART_BYTES", 1000)
+    big, small = tmp_path / "big.jsonl", tmp_path / "small.txt"
+    big.write_bytes(b'{"text": "x"}\n' * 800)  # 11,200 bytes: up to 11 parts
+    small.write_text("small")
+    units = [Unit(0, "big.jsonl", path=str(big))]
+    assert loader_workers(IndexConfig(num_workers=6), units) == 6
+    assert loader_workers(IndexConfig(num_workers=6, split_files=False), units) == 1
+    assert loader_workers(IndexConfig(num_workers=6), [Unit(1, "small.txt", path=str(small))]) == 1
+    assert loader_workers(IndexConfig(num_workers=6), [Unit(2, "m", text="t")]) == 0
+    assert loader_workers(IndexConfig(num_workers=1), units) == 1
