@@ -344,7 +344,7 @@ class ServeConfig(QueryConfig):
     host: str = setting(
         "127.0.0.1", "Address to listen on; any but 127.0.0.1 lets other machines query the index "
                      "and read its files.", metavar="ADDRESS")
-    port: int = setting(8000, "Port to listen on.", range=(0, 65535))
+    port: int = setting(8000, "Port to listen on; 0 takes a free one (the URL printed names it).", range=(0, 65535))
     max_query_chars: int = setting(2000, "Longer queries are refused (HTTP 422).", range=(1, None))
     max_k: int = setting(100, "Most results one request may ask for.", range=(1, None))
     query_runtime: str = setting(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import socket
 
 from ..errors import ConfigError
 
@@ -23,6 +24,28 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host``:``port`` (0: a free port), as uvicorn binds one, made
+    here so that a port in use is an error naming it before anything says the index is
+    served, and so that the address printed is the one bound."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (OSError, UnicodeError) as exc:
+        raise ConfigError(f"--host {host!r}: no such address here ({exc}); give an address of "
+                          f"this machine, e.g. 127.0.0.1") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)  # connections wait in its queue until the server accepts them
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; choose "
+                          f"another --port (0 picks a free one) or stop what uses it") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(index_dir: str | os.PathLike, host: str = "127.0.0.1", port: int = 8000, *, device: str = "cpu",
           params: str | None = None, query_prompt: str | None = None, max_query_chars: int | None = None,
           max_k: int | None = None, threads: int | None = 1, on_ready=None,
@@ -34,7 +57,8 @@ def serve(index_dir: str | os.PathLike, host: str = "127.0.0.1", port: int = 800
     index's own). ``threads``: torch threads of the query encoder (None: torch's default,
     every core); one query of a few words gains little from more, and they wait on each
     other as soon as the cores are busy with anything else. ``on_ready(url)`` is called
-    once the model is loaded, before the server starts listening. ``index_dir`` may be an
+    once the model is loaded and the port bound (a port in use is a :class:`ConfigError`
+    naming it; port 0 takes a free one, which the URL names). ``index_dir`` may be an
     index in object storage (``s3://...``), read through ``cache_dir`` of ``cache_size`` GiB (see
     :func:`~embedingest.open_index`). ``query_runtime``: what encodes the queries
     (:mod:`~embedingest.stages.query_runtime`); ONNX Runtime gets ``threads`` threads too.
@@ -60,8 +84,13 @@ def serve(index_dir: str | os.PathLike, host: str = "127.0.0.1", port: int = 800
         if not is_loopback(host):
             log.warning("serving on %s: every machine that reaches it can query the index and "
                         "read the corpus files it names", host)
-        if on_ready is not None:
-            on_ready(f"http://{host if ':' not in host else f'[{host}]'}:{port}/")
-        uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run()
+        sock = listening_socket(host, port)
+        try:
+            port = sock.getsockname()[1]
+            if on_ready is not None:
+                on_ready(f"http://{host if ':' not in host else f'[{host}]'}:{port}/")
+            uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run(sockets=[sock])
+        finally:
+            sock.close()
     finally:
         index.close()

@@ -115,3 +115,40 @@ def test_default_runtime_is_onnx_with_torch_results(index, cache):
             assert [h["id"] for h in got] == [h["id"] for h in want]
             np.testing.assert_allclose([h["score"] for h in got], [h["score"] for h in want], atol=1e-5)
         assert fast.stop() == 0 and plain.stop() == 0, fast.output + plain.output
+
+
+def test_a_port_in_use_is_one_error_line_before_anything_says_serving(index, cache):
+    """The port is bound before "serving ... at URL" is printed: a port in use was
+    announced as served, then uvicorn's own error and exit code 3 (the code of a run that
+    skipped inputs). --port 0 takes a free port, and the URL printed is the one bound."""
+    import subprocess
+    import sys
+
+    from server import REPO
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "embedingest", "serve", str(index), "--port", str(port),
+                              "--cache-dir", str(cache)], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stderr
+    assert "serving" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"Error: cannot listen on 127.0.0.1:{port}: Address already in use; choose another --port "
+        "(0 picks a free one) or stop what uses it")
+
+    proc = subprocess.Popen([sys.executable, "-m", "embedingest", "serve", str(index), "--port", "0",
+                             "--cache-dir", str(cache)], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()
+        assert line.startswith(f"serving {index} at http://127.0.0.1:"), line
+        url = line.split(" at ")[1].split()[0].rstrip("/")
+        assert not url.endswith(":0")
+        with urllib.request.urlopen(url + "/info", timeout=30) as r:
+            assert json.loads(r.read())["vectors"] > 0
+    finally:
+        proc.send_signal(__import__("signal").SIGINT)
+        proc.wait(30)
