@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 from pathlib import Path
 
@@ -18,7 +19,21 @@ from ..errors import ConfigError
 MANIFEST_NAME = "manifest.json"
 V1_METADATA = "metadata.sqlite"
 V1_SEGMENTS = "segments"
+# The files format 1 kept in segments/: a shard's vectors and its ids.
+V1_SEGMENT_FILE = re.compile(r"seg-[A-Za-z0-9_]+-w[0-9]+-[0-9]+\.(?:faiss|ids\.npy)")
 CURRENT = 2
+
+
+def _holds_v1_segments(folder: Path) -> bool:
+    """Whether ``folder`` (``segments/``) holds a format-1 shard: a folder of the user's
+    that happens to have the name is no index."""
+    if folder.is_symlink() or not folder.is_dir():
+        return False
+    try:
+        with os.scandir(folder) as entries:
+            return any(V1_SEGMENT_FILE.fullmatch(e.name) for e in entries)
+    except OSError:
+        return False
 
 
 def index_format(folder: str | os.PathLike) -> int | None:
@@ -26,7 +41,7 @@ def index_format(folder: str | os.PathLike) -> int | None:
     None when the folder holds no index. A manifest without a format field is format 1
     (the first releases wrote none)."""
     folder = Path(folder)
-    if (folder / V1_METADATA).exists() or (folder / V1_SEGMENTS).is_dir():
+    if (folder / V1_METADATA).exists() or _holds_v1_segments(folder / V1_SEGMENTS):
         return 1
     path = folder / MANIFEST_NAME
     if not path.is_file():

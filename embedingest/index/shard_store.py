@@ -16,7 +16,6 @@ after the writers commit, and a crash anywhere leaves nothing to reconcile by ha
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,8 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConfigError
-from ..outfiles import ensure_folder
-from .formats import V1_SEGMENTS, index_format, require_current
+from ..outfiles import ensure_folder, is_tmp_name
+from .formats import V1_SEGMENT_FILE, V1_SEGMENTS, index_format, require_current
 from .lookup import ShardRows
 from .reindex import trained_name
 from .shard_edit import remove_units as remove_shard_units
@@ -38,6 +37,7 @@ from .shards import (
     finished_hashes,
     finished_units,
     incomplete_units,
+    is_shard_file,
     list_shards,
     read_ids,
 )
@@ -103,13 +103,16 @@ class ShardStore(IndexStore):
 
     def wipe(self) -> None:
         """Delete everything embedingest keeps in the folder, a format-1 index's files
-        included (other files stay)."""
+        included. Other files stay, in ``shards/`` and ``segments/`` too (a folder of the
+        user's that has one of those names was deleted whole by ``--overwrite``); each of
+        the two is removed once empty."""
         super().wipe()
-        for folder in (self.shards_dir, self.folder / V1_SEGMENTS):
+        for folder, own in ((self.shards_dir, is_shard_file),
+                            (self.folder / V1_SEGMENTS, lambda n: V1_SEGMENT_FILE.fullmatch(n))):
             if folder.is_symlink():
                 folder.unlink()  # the link only: nothing outside the folder
-            else:
-                shutil.rmtree(folder, ignore_errors=True)
+            elif folder.is_dir():
+                _remove_own_files(folder, own)
         for path in self.folder.glob("trained.g*.faiss"):
             path.unlink()
         self.generation = 0
@@ -218,3 +221,19 @@ class ShardStore(IndexStore):
         finally:
             rows.close()
 
+
+
+def _remove_own_files(folder: Path, own) -> None:
+    """Delete the entries of ``folder`` whose names ``own`` claims (or temporary files
+    of ours), never following a link, and the folder once it is empty; say what stays."""
+    kept = []
+    for path in folder.iterdir():
+        if (own(path.name) or is_tmp_name(path.name)) and (path.is_symlink() or path.is_file()):
+            path.unlink()
+        else:
+            kept.append(path.name)
+    if kept:
+        log.warning("%s: %d entries that are not the index's are kept (%s)", folder, len(kept),
+                    ", ".join(sorted(kept)[:5]) + (", ..." if len(kept) > 5 else ""))
+        return
+    folder.rmdir()

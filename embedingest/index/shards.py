@@ -73,6 +73,12 @@ records has record_id ""; span is the chunk's character range in its record's te
 CHUNK_COLUMNS = tuple(CHUNK_SCHEMA.names)
 
 
+def is_shard_file(name: str) -> bool:
+    """Whether ``name`` is one a shard's files take (its vectors, rows, embeddings or
+    commit record, of any generation)."""
+    return _FILE_NAME.fullmatch(name) is not None
+
+
 def shard_name(run_id: str, worker: int, part: int) -> str:
     """The part is zero-padded so a listing sorts in commit order."""
     return f"shard-{run_id}-w{worker}-{part:05d}"

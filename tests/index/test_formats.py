@@ -113,9 +113,17 @@ def test_a_manifest_that_is_not_json_is_named_with_what_to_do(tmp_path):
     assert str(err.value).endswith("; rebuild the index with --overwrite")
 
 
-def test_a_segments_folder_alone_means_format_1(tmp_path):
+def test_a_segments_folder_means_format_1_only_with_a_format_1_shard_in_it(tmp_path):
+    """A folder of the user's named ``segments`` (masks, say) is no index: it was taken
+    for format 1, refused, and --overwrite, as the refusal said, deleted it whole."""
     (tmp_path / "segments").mkdir()
+    assert index_format(tmp_path) is None
+    (tmp_path / "segments" / "mask.png").write_bytes(b"png")
+    assert index_format(tmp_path) is None
+    (tmp_path / "segments" / "seg-r-w0-00000.faiss").write_bytes(b"\0" * 64)
     assert index_format(tmp_path) == 1
+    for path in (tmp_path / "segments").iterdir():
+        path.unlink()
     (tmp_path / "segments").rmdir()
     (tmp_path / "segments").write_text("a file of that name is not format 1's folder")
     assert index_format(tmp_path) is None

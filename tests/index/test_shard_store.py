@@ -140,6 +140,27 @@ def test_other_settings_are_refused_once_a_shard_holds_vectors(tmp_path):
         store.create_or_open(manifest("Flat"))
 
 
+def test_wipe_keeps_the_user_s_files_in_folders_named_shards_and_segments(tmp_path):
+    """--overwrite of an --out folder that held the user's own ``shards/`` or
+    ``segments/`` deleted those folders whole; now only the index's files go, and a
+    folder left empty."""
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=1, chunks=2, workers=1)
+    (folder / "shards" / "notes.txt").write_text("mine")
+    (folder / "segments").mkdir()
+    (folder / "segments" / "mask.png").write_bytes(b"png")
+    (folder / "segments" / "seg-r-w0-00000.faiss").write_bytes(b"x")
+    ShardStore(folder).wipe()
+    assert sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
+                  if not p.name.startswith(".")) == [
+        "segments", "segments/mask.png", "shards", "shards/notes.txt"]
+    (folder / "shards" / "notes.txt").unlink()
+    (folder / "segments" / "mask.png").unlink()
+    build_shards(folder, n_units=1, chunks=2, workers=1)
+    ShardStore(folder).wipe()
+    assert not (folder / "shards").exists() and not (folder / "segments").exists()
+
+
 def test_wipe_removes_every_file_of_both_formats_and_nothing_else(tmp_path):
     folder = tmp_path / "ix"
     build_shards(folder, n_units=1, chunks=2, workers=1)
