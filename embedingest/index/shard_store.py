@@ -108,7 +108,7 @@ class ShardStore(IndexStore):
         the two is removed once empty."""
         super().wipe()
         for folder, own in ((self.shards_dir, is_shard_file),
-                            (self.folder / V1_SEGMENTS, lambda n: V1_SEGMENT_FILE.fullmatch(n))):
+                            (self.folder / V1_SEGMENTS, V1_SEGMENT_FILE.fullmatch)):
             if folder.is_symlink():
                 folder.unlink()  # the link only: nothing outside the folder
             elif folder.is_dir():

@@ -12,8 +12,8 @@ Such a file is now cut into parts (:func:`part_count`), one per worker:
   only the row groups that hold them (a file written in one row group, as pandas and
   pyarrow write up to a million rows, can be read in parts too).
 
-A compressed file, a file in object storage, and a file in UTF-16 (seen at its start)
-are read whole by part 0, as before. Part 0 hashes the file and reports what is wrong
+Which files can be (``sources.text.splittable``): an uncompressed JSON lines or Parquet
+file on this machine; a file in UTF-16 (seen at its start) is read whole by part 0. Part 0 hashes the file and reports what is wrong
 with it as a whole (empty, binary, no text column); the other parts say nothing of it.
 The parts are cut from the size the file had when they were planned, and read to it, and
 part 0 hashes those bytes: lines appended meanwhile are left to the next run, which sees
@@ -24,10 +24,6 @@ from __future__ import annotations
 
 import os
 
-from .remote import is_remote
-
-JSONL_SUFFIXES = (".jsonl", ".ndjson")
-PARQUET_SUFFIX = ".parquet"
 # Cut a file in parts of at least this many bytes: smaller parts would cost their
 # workers more in opening and counting lines than they save.
 PART_BYTES = 4 * 2**20
@@ -36,17 +32,8 @@ MAX_PARTS = 64
 _BLOCK = 2**20
 
 
-def splittable(path: str) -> bool:
-    """Whether the file at ``path`` can be read in parts: an uncompressed JSON lines or
-    Parquet file on this machine."""
-    if is_remote(path):
-        return False
-    name = os.path.basename(path).lower()
-    return name.endswith(JSONL_SUFFIXES + (PARQUET_SUFFIX,))
-
-
 def part_count(size: int, workers: int, share: int) -> int:
-    """How many parts a :func:`splittable` file of ``size`` bytes is read in by
+    """How many parts a splittable file of ``size`` bytes is read in by
     ``workers`` workers, when each should get about ``share`` bytes of such files (their
     sum over the workers): none smaller than :data:`PART_BYTES`, so many large files
     are read whole, a worker each, and one large file by every worker."""

@@ -71,7 +71,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from .file_parts import ByteRange, line_ends_before, part_bounds, splittable
+from .file_parts import ByteRange, line_ends_before, part_bounds
 from .files import open_input, os_error_reason
 from .remote import is_remote, remote_size
 
@@ -233,6 +233,15 @@ def _decode(data: bytes) -> str:
     if not text.strip():
         raise _Skip("empty: the file holds only whitespace")
     return text
+
+
+def splittable(path: str | Path) -> bool:
+    """Whether the file at ``path`` can be read in parts (:mod:`.file_parts`): an
+    uncompressed JSON lines or Parquet file on this machine."""
+    if is_remote(path):
+        return False
+    fmt, compression = text_format(path)
+    return compression is None and (fmt in JSONL_EXTENSIONS or fmt == ".parquet")
 
 
 def text_format(path: str | Path) -> tuple[str, str | None]:
@@ -610,9 +619,8 @@ def _json_lines(lines, text_field, id_field, path, on_skip, first: list | None =
     """The records of ``lines``; ``first[0]``, read when the first line comes, is the
     number of lines before them (a part of a file, see :func:`_lines`)."""
     def numbered():
-        n = None
-        for line in lines:
-            n = (first[0] if first else 0) + 1 if n is None else n + 1
+        for k, line in enumerate(lines, 1):
+            n = k + (first[0] if first else 0)
             if isinstance(line, _Skip) or line.strip():
                 yield n, line if isinstance(line, _Skip) else _parse_line(line, n)
 
@@ -920,7 +928,7 @@ def iter_records(path: str | Path, *, text_field: str = "text", id_field: str = 
     fmt, compression = text_format(path)
     reader = _READERS.get(fmt) if compression is None or fmt in _PLAIN_EXTENSIONS else None
     if part is not None and part[1] > 1:
-        if reader in (_read_jsonl, _read_parquet) and splittable(str(path)):
+        if splittable(path):
             reader = functools.partial(reader, part=part)
         elif part[0] > 0:
             return

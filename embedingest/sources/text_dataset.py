@@ -61,9 +61,9 @@ from ..index.shards import decode_chunks, encode_chunks
 from ..stages.chunker import DEFAULT_PIECE_CHARS, Chunk, Chunker
 from ..stages.fast_chunker import FastChunker
 from ..stages.tokenizer import load_tokenizer
-from .file_parts import part_count, splittable
+from .file_parts import part_count
 from .files import file_sha256, os_error_reason, reads_within
-from .text import iter_records, lone_surrogate
+from .text import iter_records, lone_surrogate, splittable
 
 log = logging.getLogger("embedingest")
 
@@ -285,8 +285,8 @@ class TextChunkDataset(IterableDataset):
         self.pad_multiple = max(1, int(pad_multiple))
         self.fast_chunker = bool(fast_chunker)
         # unit_no -> (parts, planned size, its chunk counter's slot)
-        self.parts = {u: (n, size, slot) for slot, (u, (n, size))
-                      in enumerate((u, v) for u, v in (parts or {}).items() if v[0] > 1)}
+        split = [(u, n, size) for u, (n, size) in (parts or {}).items() if n > 1]
+        self.parts = {u: (n, size, slot) for slot, (u, n, size) in enumerate(split)}
         # The next chunk number of each file read in parts, shared by its parts' workers
         # (made before they fork), so its chunks are numbered 0..n-1 as any unit's are.
         self.counters = multiprocessing.RawArray("q", len(self.parts)) if self.parts else None
@@ -338,10 +338,9 @@ class _WorkerBatches:
         self.hashed: list[tuple[int, str]] = []
         self.skipped: list[tuple[str, str]] = []
         self.sources: dict[int, str] = {}  # unit_no -> key, of this worker's units
-        self.part_of: dict[int, tuple[int, int]] = {}  # unit_no -> (part, parts) read here
+        self.part_of: dict[int, tuple[int, int, str]] = {}  # unit_no -> (part, parts, path) read here
         self.seen: dict[int, int] = {}  # unit_no -> records and skips met, of parts
         self.parts_done: list[tuple] = []
-        self.paths: dict[int, str] = {}
         # The window starts at one batch and doubles up to its full size, so the first
         # batch leaves after one batch's worth of chunks, not a whole window's (with a
         # dozen workers each filling 16 batches first, the GPU would wait seconds).
@@ -353,7 +352,7 @@ class _WorkerBatches:
             u = self.reading = unit.unit_no
             self.in_window[u] = self.total[u] = 0
             if parts > 1:
-                self.part_of[u], self.seen[u], self.paths[u] = (part, parts), 0, unit.path
+                self.part_of[u], self.seen[u] = (part, parts, unit.path), 0
             for input_ids, chunk in self._unit_chunks(unit, part, parts):
                 if len(self.window) >= self.limit:
                     yield from self._flush(final=False)
@@ -372,9 +371,9 @@ class _WorkerBatches:
         del self.in_window[unit_no]
         n = self.total.pop(unit_no)
         if unit_no in self.part_of:
-            part, parts = self.part_of.pop(unit_no)
-            self.parts_done.append((unit_no, part, parts, n, self.seen.pop(unit_no),
-                                    self.paths.pop(unit_no), self.hashes.pop(unit_no, "")))
+            part, parts, path = self.part_of.pop(unit_no)
+            self.parts_done.append((unit_no, part, parts, n, self.seen.pop(unit_no), path,
+                                    self.hashes.pop(unit_no, "")))
             return
         self.done.append((unit_no, n))
         if unit_no in self.hashes:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from embedingest.sources import file_parts
 from embedingest.sources.file_parts import line_ends_before, line_start, part_bounds, part_count
-from embedingest.sources.text import iter_records
+from embedingest.sources.text import iter_records, splittable
 
 ENDS = ["\n", "\r\n", "\r"]
 
@@ -181,10 +181,10 @@ def test_part_count(sizes, workers, want):
 
 
 def test_what_can_be_split():
-    assert file_parts.splittable("/d/a.jsonl") and file_parts.splittable("/d/B.NDJSON")
-    assert file_parts.splittable("/d/t.parquet")
+    assert splittable("/d/a.jsonl") and splittable("/d/B.NDJSON")
+    assert splittable("/d/t.parquet")
     for name in ("/d/a.jsonl.gz", "/d/a.csv", "/d/a.txt", "/d/a.json", "s3://b/a.jsonl"):
-        assert not file_parts.splittable(name)
+        assert not splittable(name)
 
 
 PARQUET_MEMORY_PROBE = r"""
