@@ -86,6 +86,7 @@ class Unit:
     text: str | None = None
     record_id: str | None = None
     sha256: str | None = None  # of the file's bytes; None: the worker that reads it hashes it
+    size: int | None = None  # the file's size when the run planned it (None: not known)
     # the folder the file must still lie in when it is read (a real path; None: no check),
     # see sources.files.reads_within
     within: str | None = None
@@ -165,15 +166,15 @@ def _stepped_within(items: Iterator, within: str | None) -> Iterator:
 
 def plan_parts(units: Sequence[Unit], max_parts: int) -> dict[int, tuple[int, int]]:
     """``{unit_no: (parts, size)}`` for the files of ``units`` that ``max_parts`` workers
-    read in parts (:func:`~embedingest.sources.file_parts.part_count`, at the size they
-    have now); the others are read whole, each by one worker."""
+    read in parts (:func:`~embedingest.sources.file_parts.part_count`, at the size the
+    plan saw, else the size they have now); the others are read whole, each by one worker."""
     if max_parts < 2:
         return {}
     sizes: dict[int, int] = {}
     for unit in units:
         if unit.path is not None and splittable(unit.path):
             try:
-                sizes[unit.unit_no] = os.stat(unit.path).st_size
+                sizes[unit.unit_no] = unit.size if unit.size is not None else os.stat(unit.path).st_size
             except OSError:
                 continue  # its worker reports it
     share = sum(sizes.values()) // max_parts

@@ -459,3 +459,17 @@ def test_a_file_read_in_parts_is_read_and_hashed_to_its_planned_size(tmp_path, m
     assert sorted(c["record_id"] for item in items for c in item["chunks"]) == sorted(f"a{i}" for i in range(60))
     assert [tuple(h) for item in items for h in item["unit_hashes"]] == [
         (0, hashlib.sha256(first.encode()).hexdigest())]
+
+
+def test_parts_are_planned_at_the_size_the_run_planned(tmp_path, monkeypatch):
+    """A unit that carries the plan's size is not stat'ed again (the main process does no
+    per-file work for it before the workers start), and its parts are cut at that size."""
+    from embedingest.sources import file_parts
+
+    monkeypatch.setattr(file_parts, "PART_BYTES", 1000)
+    path = tmp_path / "a.jsonl"
+    path.write_bytes(b'{"text": "x"}\n' * 100)  # 1,400 bytes now
+    assert text_dataset.plan_parts([Unit(0, "a.jsonl", path=str(path))], 4) == {}
+    assert text_dataset.plan_parts([Unit(0, "a.jsonl", path=str(path), size=8000)], 4) == {0: (4, 8000)}
+    assert text_dataset.plan_parts([Unit(0, "gone.jsonl", path=str(tmp_path / "gone.jsonl"), size=8000)],
+                                   4) == {0: (4, 8000)}

@@ -201,7 +201,8 @@ def _build_locked(corpus, cfg: IndexConfig, out: Path, model, built: list, where
                  plan.unchanged, len(plan.deleted))
         removed, unit_nos = apply_plan(store, plan)
         units = [Unit(unit_nos[c["key"]], c["key"], path=c.get("path"), text=c.get("text"),
-                      record_id=c.get("record_id"), sha256=c.get("sha256"), within=within)
+                      record_id=c.get("record_id"), sha256=c.get("sha256"), within=within,
+                      size=c.get("size") if c.get("path") else None)
                  for c in plan.todo]
         if checkpoint:
             checkpoint()
