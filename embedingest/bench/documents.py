@@ -238,6 +238,27 @@ def sorted_batches(windows: list, batch_size: int) -> list:
     return batches
 
 
+def floor_command(windows: list, cfg: DocumentsBenchConfig, dtype: str, tmp: Path) -> dict:
+    """The least any command can take on these chunks (:mod:`.floor`): a fresh process that
+    imports torch, loads the encoder and runs the forward over the windows, tokenized and
+    length-sorted before its start; timed from its start to its end."""
+    from .floor import save_batches
+
+    path = tmp / "floor-batches.npz"
+    save_batches(path, sorted_batches(windows, cfg.batch_size))
+    cmd = [sys.executable, "-m", "embedingest.bench.floor", str(path), "--device", cfg.device, "--dtype", dtype]
+    if cfg.model:
+        cmd += ["--model", cfg.model]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"the floor's process failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    chunks = int(proc.stdout.split()[-1])
+    return {"name": "floor: fresh process, import torch, weights, forward (pre-tokenized)", "kind": "floor",
+            "command": " ".join(cmd[1:]), "seconds": seconds, "chunks": chunks, "chunks_per_s": chunks / seconds}
+
+
 def forward_alone(windows: list, cfg: DocumentsBenchConfig, dtype: str) -> dict:
     """The bound: the encoder on the windows, length-sorted, on the device before the
     clock, each batch shape run once first."""
@@ -307,8 +328,9 @@ def run_documents(cfg: DocumentsBenchConfig, log=print) -> tuple[dict, list[dict
         facts = ModelFacts.read(cfg.model)  # the tokenizer and limits, not the weights
         chunk_tokens = min(icfg.chunk_tokens, facts.max_seq_length)
         windows, texts = chunk_windows(folder, facts.tokenizer, chunk_tokens, icfg.overlap)
+        rows.append(floor_command(windows, cfg, dtype, Path(tmp)))
     rows.append(forward_alone(windows, cfg, dtype))
-    for row in rows[:-1]:  # the vectors' own bytes, which an index's memory must hold
+    for row in rows[:-2]:  # the vectors' own bytes, which an index's memory must hold
         row["vectors_mb"] = row["chunks"] * rows[-1]["dim"] * 4 / 2**20
     if cfg.st_sample:
         rows.append(st_encode(texts, cfg, dtype, chunk_tokens))

@@ -12,7 +12,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from embedingest.bench import documents
+from embedingest.bench import documents, floor
 from embedingest.cli import main
 from embedingest.stages.chunker import Chunker
 from embedingest.stages.tokenizer import load_tokenizer
@@ -39,6 +39,19 @@ def test_windows_are_the_chunkers_chunks(tmp_path):
     assert [list(c.input_ids) for c in expected] == windows
     assert [text[c.char_start:c.char_end] for text in DOCS for c in chunker.chunk(text)] == texts
     assert len(windows) > 3 * len(DOCS)  # long enough to give several windows each
+
+
+def test_the_floor_reads_back_the_batches_it_was_given(tmp_path):
+    """The floor's process must run exactly the forward alone's batches: ids and masks read
+    back from its file equal :func:`documents.sorted_batches`'s."""
+    windows = [[101, *range(1000, 1000 + n), 102] for n in (0, 3, 17, 40, 5, 1)]
+    batches = documents.sorted_batches(windows, 4)
+    floor.save_batches(tmp_path / "b.npz", batches)
+    back = list(floor.load_batches(tmp_path / "b.npz"))
+    assert len(back) == len(batches) == 2
+    for (ids, mask), (ids2, mask2) in zip(batches, back):
+        assert ids2.dtype == ids.dtype and mask2.dtype == mask.dtype
+        assert ids2.equal(ids) and mask2.equal(mask)
 
 
 def test_memory_of_the_process_tree_counts_a_child(tmp_path):
@@ -68,9 +81,12 @@ def test_bench_text_documents_on_the_cpu_writes_its_rows(tmp_path, monkeypatch):
     assert "| loop | chunks/s | x bound | x sentence-transformers |" in r.stdout
     data = json.loads(path.read_text())
     rows = {row["kind"]: row for row in data["rows"]}
-    assert set(rows) == {"engine", "bound", "reference"}
-    engine, bound, st = rows["engine"], rows["bound"], rows["reference"]
+    assert set(rows) == {"engine", "floor", "bound", "reference"}
+    engine, floor, bound, st = rows["engine"], rows["floor"], rows["bound"], rows["reference"]
     assert engine["chunks"] == bound["chunks"] > 3 * len(DOCS)  # build-index made the same chunks
+    # the floor ran the same chunks in a process of its own, paying for its interpreter and torch
+    assert floor["chunks"] == bound["chunks"] and floor["vs_bound"] < 1.0
+    assert "embedingest.bench.floor" in floor["command"] and "vectors_mb" not in floor
     assert st["chunks"] == min(30, bound["chunks"]) and bound["vs_bound"] == 1.0 and st["vs_st"] == 1.0
     assert engine["vectors_mb"] == engine["chunks"] * 384 * 4 / 2**20
     assert 50 < engine["peak_pss_mb"] < 8192  # the command's processes were sampled
