@@ -28,7 +28,7 @@ from ..config import EngineConfig
 from ..errors import ConfigError, ConsumerDied, EngineError, rebuild_error
 from .consumer_group import ConsumerGroup
 from .copy_paths import CudaCopyPath, HostCopyPath, Pending
-from .layout import SlotLayout
+from .layout import SlotLayout, named_arrays
 from .gpu_monitor import gpu_idle
 from .markers import annotate
 from .messages import Closed, Done, Failed, Ready, Skipped, Task
@@ -190,7 +190,7 @@ class EgressEngine:
             raise EngineError("submit() outside the engine's 'with' block")
         self._raise_failure()
         self._path.mark_compute_end()  # before the first batch's wait for the pool
-        arrays = dict(outputs) if isinstance(outputs, Mapping) else {"out": outputs}
+        arrays = named_arrays(outputs)
         if self._pool is None:
             self._open(SlotLayout.from_spec({k: (tuple(v.shape), v.dtype) for k, v in arrays.items()}))
         if self._seq == 0:

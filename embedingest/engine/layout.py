@@ -20,6 +20,18 @@ ALIGN = 4096  # page aligned, so each array starts on its own page (DMA friendly
 _RAW_BITS = {"bfloat16": "uint16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
 
 
+def named_arrays(outputs) -> dict:
+    """What ``submit`` takes (one array, or a mapping of names to arrays) as a dict of
+    names to arrays, each checked to be an array (a tensor or a numpy array): a list or a
+    number is refused naming it."""
+    arrays = dict(outputs) if isinstance(outputs, Mapping) else {"out": outputs}
+    for name, value in arrays.items():
+        if not (hasattr(value, "shape") and hasattr(value, "dtype")):
+            raise ConfigError(f"output {name!r} is a {type(value).__name__}; submit a torch tensor or "
+                              f"a numpy array (or a dict of them)")
+    return arrays
+
+
 def numpy_dtype(dtype) -> np.dtype:
     """Map a torch or numpy dtype (or its name, or a numpy scalar type such as
     ``np.float32``) to the numpy dtype used on the host."""
@@ -64,6 +76,9 @@ class SlotLayout:
             if not shape or any(s < 0 for s in shape):
                 raise ConfigError(f"array {name!r} has shape {shape}; the engine needs a "
                                   "leading batch dimension (a 0-d value cannot be sliced)")
+            if numpy_dtype(dtype).hasobject:
+                raise ConfigError(f"array {name!r} holds Python objects (dtype {dtype}), which cannot "
+                                  f"be copied to another process; submit numbers or fixed-width bytes")
             source = str(dtype).replace("torch.", "")
             f = Field(str(name), numpy_dtype(dtype).str, shape, offset,
                       source if source in _RAW_BITS else "")

@@ -119,6 +119,20 @@ def test_mismatched_batches_name_the_difference(no_leaks, bad, match):
             e.submit(1, bad)
 
 
+@pytest.mark.parametrize("first, match", [
+    ({"x": [1, 2, 3]}, r"^output 'x' is a list; submit a torch tensor or a numpy array \(or a dict of them\)$"),
+    (7.5, r"^output 'out' is a float; submit a torch tensor"),
+    ({"x": np.array([{"a": 1}, None], dtype=object)},
+     r"^array 'x' holds Python objects \(dtype object\), which cannot be copied to another process"),
+])
+def test_what_is_not_an_array_of_values_is_refused_by_name(no_leaks, first, match):
+    """A list (no shape) or an array of Python objects (pointers, meaningless in a consumer
+    process) as a first batch: refused naming the output, before any slot is made."""
+    with pytest.raises(ConfigError, match=match):
+        with EgressEngine(HashSinkFactory(), num_consumers=1, device="cpu") as e:
+            e.submit(0, first)
+
+
 def test_declared_slot_spec_allows_any_batch_up_to_it(no_leaks):
     rng = np.random.default_rng(3)
     spec = {"x": ((32, 3, 5), "float32"), "ids": ((32,), "int64")}

@@ -50,6 +50,7 @@ def test_raw_bits_remember_the_submitted_dtype():
     ({}, "^a slot needs at least one array; got an empty output dict$"),
     ({"x": ((), np.float32)}, r"array 'x' has shape \(\); the engine needs a leading batch dimension"),
     ({"x": ((4, -1), np.float32)}, r"array 'x' has shape \(4, -1\)"),
+    ({"x": ((4,), object)}, r"^array 'x' holds Python objects \(dtype <class 'object'>\)"),
 ])
 def test_bad_specs_are_refused(spec, match):
     with pytest.raises(ConfigError, match=match):
