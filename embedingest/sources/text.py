@@ -16,14 +16,14 @@ starts with a stable keyword (the part before the first colon, what
 ``not a regular file``  a named pipe, socket or device (one that replaced a file
                 after it was listed too): never opened for reading, which could wait
                 for ever
-``binary``      a NUL byte in the first 8 KiB: not text (UTF-16 without a BOM too)
+``binary``      a NUL byte in the first 8 KiB: not text (UTF-16 or UTF-32 without a BOM too)
 ``empty``       no bytes, only whitespace, no records, or a record with empty text
 ``decode``      bytes that are neither UTF-8 nor cp1252 (or a broken UTF-16 file)
 ``json``        malformed JSON, nested too deeply, or not an object where one is due
 ``field``       the text field is missing, null or not a string
 ``unicode``     the text or id holds a lone surrogate (a broken ``\\ud800``-style
                 JSON escape), which neither tokenizers nor the metadata store take
-``csv``         the csv module gave up on a row (the rest of that file is skipped)
+``csv``         the csv module gave up on a row (a quote that does not close its field)
 ``parquet``     pyarrow cannot read the file
 ``format``      a suffix that is not in :data:`TEXT_EXTENSIONS`
 ``decompress``  a ``.gz``/``.bz2``/``.xz``/``.zst`` file that is corrupt or cut short (for the
@@ -42,7 +42,7 @@ still stream.
 :mod:`~embedingest.sources.remote`): the object is read as a local file is, and a
 problem reading it is a skip reason as for a local file.
 
-Decoding: UTF-8 (a UTF-8 BOM is dropped; a UTF-16 BOM selects UTF-16). A byte that is
+Decoding: UTF-8 (a UTF-8 BOM is dropped; a UTF-16 or UTF-32 BOM selects that). A byte that is
 not part of valid UTF-8 is read as cp1252, the usual encoding of legacy Western text,
 so a cp1252 file, or a UTF-8 file with a few stray legacy bytes, is read without loss
 instead of being skipped. The five bytes cp1252 leaves undefined (0x81 0x8D 0x8F 0x90
@@ -172,7 +172,10 @@ MAX_IDS_CHECKED = 1_000_000
 
 _ERRORS = "embedingest.utf8-cp1252"
 log = logging.getLogger("embedingest")
-_UTF16_BOMS = (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
+# The BOMs of the encodings of more than one byte a unit, UTF-32's first: its LE BOM begins
+# with UTF-16's. Each names the codec that reads the bytes after it.
+_WIDE_BOMS = ((codecs.BOM_UTF32_LE, "utf-32-le"), (codecs.BOM_UTF32_BE, "utf-32-be"),
+              (codecs.BOM_UTF16_LE, "utf-16-le"), (codecs.BOM_UTF16_BE, "utf-16-be"))
 _HTML_DROP = ("script", "style", "noscript", "template")
 _HTML_BLOCKS = ("p", "div", "br", "li", "tr", "h1", "h2", "h3", "h4", "h5", "h6", "pre",
                 "blockquote", "section", "article", "header", "footer", "title", "dt",
@@ -199,7 +202,7 @@ def _utf8_then_cp1252(exc: UnicodeError) -> tuple[str, int]:
     except UnicodeDecodeError:
         raise UnicodeDecodeError(
             "utf-8", exc.object, exc.start, exc.end,
-            f"bytes {bad.hex(' ')} are neither UTF-8 nor cp1252") from None
+            f"bytes {bad.hex(' ')} are neither UTF-8 nor cp1252 (convert the file to UTF-8)") from None
 
 
 codecs.register_error(_ERRORS, _utf8_then_cp1252)
@@ -213,12 +216,22 @@ def _noop(where: str, reason: str) -> None:
     pass
 
 
+def _wide_bom(head: bytes) -> tuple[str, int] | None:
+    """``(codec, BOM length)`` when ``head`` starts with a UTF-32 or UTF-16 BOM."""
+    for bom, codec in _WIDE_BOMS:
+        if head.startswith(bom):
+            return codec, len(bom)
+    return None
+
+
 def _encoding(head: bytes) -> tuple[str, str]:
     """The (encoding, errors) pair for a file that starts with ``head``."""
-    if head.startswith(_UTF16_BOMS):
-        return "utf-16", "strict"
+    wide = _wide_bom(head)
+    if wide:
+        return wide[0][:6], "strict"  # "utf-32" / "utf-16": the codec drops the BOM itself
     if b"\x00" in head[:BINARY_PROBE_BYTES]:
-        raise _Skip(f"binary: NUL byte in the first {BINARY_PROBE_BYTES} bytes")
+        raise _Skip(f"binary: NUL byte in the first {BINARY_PROBE_BYTES} bytes (UTF-16 or UTF-32 "
+                    f"text without a BOM reads so too: convert it to UTF-8)")
     return "utf-8-sig", _ERRORS
 
 
@@ -317,10 +330,9 @@ class _BadBytes(Exception):
 def _stream_codec(head: bytes) -> tuple[str, str, int]:
     """``(codec, errors, BOM length)`` to decode a stream that starts with ``head``,
     after the binary check (the BOM is skipped, so a part can be decoded afresh)."""
-    if head.startswith(codecs.BOM_UTF16_LE):
-        return "utf-16-le", "strict", 2
-    if head.startswith(codecs.BOM_UTF16_BE):
-        return "utf-16-be", "strict", 2
+    wide = _wide_bom(head)
+    if wide:
+        return wide[0], "strict", wide[1]
     _encoding(head)
     return "utf-8", _ERRORS, len(codecs.BOM_UTF8) if head.startswith(codecs.BOM_UTF8) else 0
 
@@ -389,7 +401,7 @@ def _opened_part(path: Path, part: tuple[int, int, int]):
         file_head = os.pread(fd, BINARY_PROBE_BYTES, 0)
         try:
             _encoding(file_head)
-            whole = not file_head or file_head.startswith(_UTF16_BOMS)
+            whole = not file_head or _wide_bom(file_head) is not None
         except _Skip:  # binary
             whole = True
         if whole:
@@ -729,45 +741,83 @@ def _read_jsonl(path: Path, text_field, id_field, on_skip, part=None):
                            text_field, id_field, path, on_skip, first=before)
 
 
-def _csv_lines(path: Path) -> Iterator[str]:
-    for line in _lines(path, translate=False):
+class _CsvLines:
+    """A CSV file's lines for the csv module, counting them: after a row the module gave up
+    on, its own ``line_num`` does not say where that was."""
+
+    def __init__(self, path: Path):
+        self.lines = _lines(path, translate=False)
+        self.count = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        line = next(self.lines)
         if isinstance(line, _Skip):
             raise _Skip(f"{line}; the rest of the file is skipped")
-        yield line
+        self.count += 1
+        return line
+
+    def close(self) -> None:
+        self.lines.close()
 
 
 def _read_csv(path: Path, text_field, id_field, on_skip):
+    """Rows as records, each checked: a row the csv module gives up on (a quote that does
+    not close its field), or with more values than the header has columns (an unquoted
+    delimiter in the text), is skipped alone with its line; a header naming a column
+    twice skips the file. A field over the size bound skips the rest of the file (where
+    it ends is not known)."""
     delimiter = "\t" if text_format(path)[0] == ".tsv" else ","
-    lines = _csv_lines(path)
+    lines = _CsvLines(path)
     with contextlib.closing(lines):
-        reader = csv.DictReader(lines, delimiter=delimiter)
+        reader = csv.DictReader(lines, delimiter=delimiter, strict=True)
         try:
             columns = reader.fieldnames
-            if not columns:
-                raise _Skip("empty: no header row")
-            if text_field not in columns:
-                raise _Skip(f"field: no {text_field!r} column (columns: {_fields(columns)}); "
-                            f"choose the text column with text_field=")
-            ids = _FirstIds(path)
-            for n, row in enumerate(reader, 1):
-                text = row.get(text_field)
-                loc = f"row {n}"
-                if text is None:
-                    on_skip(f"{path}:{loc}", f"field: {loc} (line {reader.line_num}): "
-                                             f"the row has no {text_field!r} value")
-                elif not text.strip():
-                    on_skip(f"{path}:{loc}", f"empty: {loc} (line {reader.line_num}): "
-                                             f"{text_field!r} is empty")
-                else:
-                    record_id = _record_id(row.get(id_field) or None, f"row-{n}")
-                    repeated = ids.repeated(record_id, f"{loc} (line {reader.line_num})")
-                    if repeated:
-                        on_skip(f"{path}:{loc}", repeated)
-                    else:
-                        yield record_id, text
         except csv.Error as exc:
-            raise _Skip(f"csv: line {reader.line_num}: {exc}; the rest of the file "
-                        f"are skipped") from None
+            raise _Skip(f"csv: the header row (line {lines.count}): {exc}") from None
+        if not columns:
+            raise _Skip("empty: no header row")
+        if text_field not in columns:
+            raise _Skip(f"field: no {text_field!r} column (columns: {_fields(columns)}); "
+                        f"choose the text column with text_field=")
+        twice = sorted({c for c in columns if columns.count(c) > 1})
+        if twice:
+            raise _Skip(f"field: the header names {_fields(twice)} more than once; rename the "
+                        f"columns so each is named once")
+        ids, rows, n = _FirstIds(path), iter(reader), 0
+        while True:
+            n += 1
+            loc = f"row {n}"
+            try:
+                row = next(rows)
+            except StopIteration:
+                return
+            except csv.Error as exc:
+                if str(exc).startswith("field larger than field limit"):
+                    raise _Skip(f"too-large: {loc} (line {lines.count}): a field of more than "
+                                f"{MAX_LINE_CHARS} characters; the rest of the file is skipped") from None
+                on_skip(f"{path}:{loc}", f"csv: {loc} (line {lines.count}): {exc}; quote the field "
+                                         f"(a quote inside one doubled) or remove the stray quote")
+                continue
+            where = f"{loc} (line {lines.count})"
+            text = row.get(text_field)
+            if None in row:
+                on_skip(f"{path}:{loc}", f"field: {where}: {len(columns) + len(row[None])} values for "
+                                         f"{len(columns)} columns; quote a value that holds "
+                                         f"{'a tab' if delimiter == chr(9) else 'a comma'}")
+            elif text is None:
+                on_skip(f"{path}:{loc}", f"field: {where}: the row has no {text_field!r} value")
+            elif not text.strip():
+                on_skip(f"{path}:{loc}", f"empty: {where}: {text_field!r} is empty")
+            else:
+                record_id = _record_id(row.get(id_field) or None, f"row-{n}")
+                repeated = ids.repeated(record_id, where)
+                if repeated:
+                    on_skip(f"{path}:{loc}", repeated)
+                else:
+                    yield record_id, text
 
 
 def _is_text_type(kind) -> bool:

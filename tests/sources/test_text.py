@@ -119,9 +119,26 @@ def test_utf8_bom_is_dropped(tmp_path):
     assert read(path) == ([("", "hello")], [])
 
 
-def test_utf16_with_bom(tmp_path):
-    path = write(tmp_path, "a.txt", "héllo wörld".encode("utf-16"))
-    assert read(path) == ([("", "héllo wörld")], [])
+@pytest.mark.parametrize("codec", ["utf-16", "utf-16-be", "utf-32", "utf-32-le", "utf-32-be"])
+def test_utf16_and_utf32_with_a_bom_read_whole_and_streamed(tmp_path, codec):
+    """UTF-32 LE's BOM begins with UTF-16 LE's: each byte order of both reads its text,
+    whole (a text file), streamed (JSON lines) and as a large text file a block at a time."""
+    bom = {"utf-16-be": codecs.BOM_UTF16_BE, "utf-32-le": codecs.BOM_UTF32_LE,
+           "utf-32-be": codecs.BOM_UTF32_BE}.get(codec, b"")
+    path = write(tmp_path, "a.txt", bom + "héllo wörld \U0001F600".encode(codec))
+    assert read(path) == ([("", "héllo wörld \U0001F600")], [])
+    lines = "".join(json.dumps({"id": str(i), "text": f"líne {i}"}) + "\n" for i in range(3))
+    assert read(write(tmp_path, "a.jsonl", bom + lines.encode(codec))) == (
+        [(str(i), f"líne {i}") for i in range(3)], [])
+    big = "naïve words\n" * 10_000
+    (_, stream), = iter_records(write(tmp_path, "big.md", bom + big.encode(codec)), stream_above=2**12)
+    assert "".join(stream) == big
+
+
+def test_wide_text_without_a_bom_is_binary_and_says_how_to_read_it(tmp_path):
+    path = write(tmp_path, "a.txt", "plain words".encode("utf-16-le"))
+    assert read(path) == ([], [(str(path), "binary: NUL byte in the first 8192 bytes (UTF-16 or UTF-32 "
+                                           "text without a BOM reads so too: convert it to UTF-8)")])
 
 
 def test_cp1252_fallback(tmp_path):
@@ -155,7 +172,8 @@ def test_empty_file_any_format(tmp_path, name):
 
 def test_binary_jsonl(tmp_path):
     path = write(tmp_path, "a.jsonl", b'{"text": "a"}\n\x00\x01\x02')
-    assert read(path) == ([], [(str(path), "binary: NUL byte in the first 8192 bytes")])
+    assert read(path) == ([], [(str(path), "binary: NUL byte in the first 8192 bytes (UTF-16 or UTF-32 "
+                                           "text without a BOM reads so too: convert it to UTF-8)")])
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
@@ -284,6 +302,32 @@ def test_csv_and_tsv(tmp_path):
     assert read(tsv_path) == ([("x", "hello, world")], [])
 
 
+def test_csv_rows_that_do_not_parse_are_skipped_alone_never_merged(tmp_path):
+    """An unquoted comma (more values than columns), a stray quote, and a quote that never
+    closes: each such row is reported with its line, and the rows around it are read as
+    the csv module reads them alone (none is cut, merged into another or dropped unseen)."""
+    path = write(tmp_path, "a.csv", 'id,text\n1,hello, world\n2,"quoted, ok"\n3,"stray" quote\n'
+                                    '4,"multi\nline"\n5,"never closed\n6,swallowed\n')
+    records, skipped = read(path)
+    assert records == [("2", "quoted, ok"), ("4", "multi\nline")]
+    assert skipped == [
+        (f"{path}:row 1", "field: row 1 (line 2): 3 values for 2 columns; quote a value that holds a comma"),
+        (f"{path}:row 3", "csv: row 3 (line 4): ',' expected after '\"'; quote the field (a quote inside "
+                          "one doubled) or remove the stray quote"),
+        (f"{path}:row 5", "csv: row 5 (line 8): unexpected end of data; quote the field (a quote inside "
+                          "one doubled) or remove the stray quote")]
+    tsv = write(tmp_path, "a.tsv", 'id\ttext\n1\t"To be" is a line\n2\tplain\n3\ta\tb\n4\t"has\ttab"\n')
+    records, skipped = read(tsv)
+    assert records == [("2", "plain"), ("4", "has\ttab")]
+    assert keywords(skipped) == ["csv", "field"] and skipped[1][1].endswith("quote a value that holds a tab")
+
+
+def test_a_csv_header_naming_a_column_twice_skips_the_file(tmp_path):
+    path = write(tmp_path, "a.csv", "text,text,id\nfirst,second,a\n")
+    assert read(path) == ([], [(str(path), "field: the header names 'text' more than once; rename the "
+                                           "columns so each is named once")])
+
+
 def test_csv_without_text_column(tmp_path):
     path = write(tmp_path, "a.csv", "a,b\n1,2\n")
     records, skipped = read(path)
@@ -377,7 +421,7 @@ def test_undecodable_line_keeps_every_line_before_it(tmp_path, width):
     path = write(tmp_path, "a.jsonl", b"\n".join(lines) + b"\n")
     records, skipped = read(path)
     assert [r for r, _ in records] == [str(i) for i in range(1, 100)]
-    assert skipped == [(str(path), "decode: line 100: bytes 81 are neither UTF-8 nor cp1252; "
+    assert skipped == [(str(path), "decode: line 100: bytes 81 are neither UTF-8 nor cp1252 (convert the file to UTF-8); "
                                    "the rest of the file is skipped")]
 
 
@@ -514,7 +558,7 @@ def test_a_large_text_file_streams_and_is_skipped_whole_when_it_does_not_decode(
     # changed after that check: the stream keeps what came before, and says where it ended
     ended = []
     assert "".join(TextStream(bad, lambda w, r: ended.append((w, r)))) == text
-    assert ended == [(str(bad), f"decode: bytes 81 are neither UTF-8 nor cp1252 after character "
+    assert ended == [(str(bad), f"decode: bytes 81 are neither UTF-8 nor cp1252 (convert the file to UTF-8) after character "
                                 f"{len(text)}; the rest of the file is skipped")]
 
 
