@@ -85,6 +85,11 @@ _PLAIN_EXTENSIONS = (WHOLE_TEXT_EXTENSIONS | HTML_EXTENSIONS | JSONL_EXTENSIONS
                      | CSV_EXTENSIONS | {".json"})
 
 
+class CorruptStream(ValueError):
+    """Compressed data that does not decompress, where the decompressor raises a plain
+    ``OSError`` for it (bz2), which would read as the disk's failure."""
+
+
 class ZstdCorrupt(ValueError):
     """A zstd stream that does not decompress (``zstandard.ZstdError``, named here so the
     module imports without zstandard)."""
@@ -156,7 +161,7 @@ COMPRESSIONS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open,
 TEXT_EXTENSIONS = frozenset(_PLAIN_EXTENSIONS | {".parquet"}
                             | {ext + c for ext in _PLAIN_EXTENSIONS for c in COMPRESSIONS})
 # What a corrupt or truncated compressed stream raises (gzip's BadGzipFile is an OSError).
-_DECOMPRESS_ERRORS = (EOFError, zlib.error, lzma.LZMAError, gzip.BadGzipFile, ZstdCorrupt)
+_DECOMPRESS_ERRORS = (EOFError, zlib.error, lzma.LZMAError, gzip.BadGzipFile, ZstdCorrupt, CorruptStream)
 # Size bounds (decompressed): what is read whole must fit memory several times over.
 MAX_WHOLE_BYTES = 2**30  # a text file read whole (without stream_above)
 MAX_JSON_BYTES = 2**28  # a .json document (parsed whole; JSON lines are streamed)
@@ -273,7 +278,12 @@ class _Closing:
         self._outer, self._inner = outer, inner
 
     def read(self, n: int = -1) -> bytes:
-        return self._outer.read(n)
+        try:
+            return self._outer.read(n)
+        except OSError as exc:
+            if exc.errno is None:  # the data's own fault (bz2: "Invalid data stream"), not the disk's
+                raise CorruptStream(str(exc)) from exc
+            raise
 
     def close(self) -> None:
         try:
@@ -856,6 +866,27 @@ def _read_parquet(path: Path, text_field, id_field, on_skip, part=None):
             raise
 
 
+_TOO_LARGE = object()  # a Parquet text over the bound, in place of its value
+
+
+def _bounded_texts(column) -> list:
+    """A batch's text column as Python strings, a text over :data:`MAX_LINE_CHARS`
+    characters as :data:`_TOO_LARGE`: the lengths are taken in Arrow, so such a text
+    (a few KB compressed can hold a gigabyte) is never copied into a Python string."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if pa.types.is_dictionary(column.type):
+        lengths = pc.take(pc.utf8_length(column.dictionary), column.indices)
+    else:
+        lengths = pc.utf8_length(column)
+    over = pc.greater(lengths, MAX_LINE_CHARS)
+    if not pc.any(over).as_py():
+        return column.to_pylist()
+    texts = pc.if_else(over, pa.scalar(None, column.type), column).to_pylist()
+    return [_TOO_LARGE if big else text for text, big in zip(texts, over.to_pylist())]
+
+
 def _parquet_rows(path: Path, text_field, id_field, on_skip, part):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -890,7 +921,7 @@ def _parquet_rows(path: Path, text_field, id_field, on_skip, part):
         first_ids = _FirstIds(path)
         try:
             for n, batch in _parquet_batches(pf, columns, part):
-                texts = batch.column(text_field).to_pylist()
+                texts = _bounded_texts(batch.column(text_field))
                 ids = (_id_values(batch.column(id_field)) if id_field in batch.schema.names
                        else [None] * len(texts))
                 for text, rid in zip(texts, ids):
@@ -898,11 +929,11 @@ def _parquet_rows(path: Path, text_field, id_field, on_skip, part):
                     loc = f"row {n}"
                     if text is None:
                         on_skip(f"{path}:{loc}", f"field: {loc}: {text_field!r} is null")
-                    elif not text.strip():
-                        on_skip(f"{path}:{loc}", f"empty: {loc}: {text_field!r} is empty")
-                    elif len(text) > MAX_LINE_CHARS:
+                    elif text is _TOO_LARGE:
                         on_skip(f"{path}:{loc}", f"too-large: {loc}: {text_field!r} holds more "
                                                  f"than {MAX_LINE_CHARS} characters")
+                    elif not text.strip():
+                        on_skip(f"{path}:{loc}", f"empty: {loc}: {text_field!r} is empty")
                     else:
                         record_id = _record_id(rid, f"row-{n}")
                         repeated = first_ids.repeated(record_id, loc)

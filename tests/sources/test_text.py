@@ -71,6 +71,11 @@ def test_corrupt_or_cut_compressed_files(tmp_path):
     assert keywords(skipped) == ["decompress"] and "rest of the file" in skipped[0][1]
     assert keywords(read(write(tmp_path, "bad.txt.gz", b"not gzip at all"))[1]) == ["decompress"]
     assert keywords(read(write(tmp_path, "bad.json.xz", b"\xfd7zXZ\x00garbage"))[1]) == ["decompress"]
+    # bz2 raises a plain OSError for bad data: still the data's fault, not an unreadable disk
+    for name in ("bad.txt.bz2", "bad.jsonl.bz2"):
+        assert read(write(tmp_path, name, b"BZh9 not bzip2 at all")) == (
+            [], [(str(tmp_path / name), "decompress: Invalid data stream" + (
+                "; the rest of the file is skipped" if "jsonl" in name else ""))])
     assert keywords(read(write(tmp_path, "a.parquet.gz", gzip.compress(b"x")))[1]) == ["format"]
 
 
@@ -382,6 +387,36 @@ def test_parquet(tmp_path):
     assert records == [("1", "a"), ("row-4", "d"), ("5", "e")]
     assert [w for w, _ in skipped] == [f"{path}:row 2", f"{path}:row 3"]
     assert keywords(skipped) == ["field", "empty"]
+
+
+@pytest.mark.parametrize("dictionary", [False, True])
+def test_a_parquet_text_over_the_bound_is_skipped_without_a_python_copy(tmp_path, monkeypatch, dictionary):
+    """The bound counts characters (a 4-byte emoji is one), and a text over it never
+    becomes a Python string: a few KB of Parquet can hold a gigabyte of text."""
+    from embedingest.sources import text as text_mod
+
+    monkeypatch.setattr(text_mod, "MAX_LINE_CHARS", 100)
+    texts = pa.array(["ok", "\U0001F600" * 100, "y" * 101, "after", None])
+    texts = texts.dictionary_encode() if dictionary else texts
+    path = tmp_path / "a.parquet"
+    pq.write_table(pa.table({"id": ["a", "b", "c", "d", "e"], "text": texts}), path)
+    records, skipped = read(path)
+    assert records == [("a", "ok"), ("b", "\U0001F600" * 100), ("d", "after")]
+    assert skipped == [(f"{path}:row 3", "too-large: row 3: 'text' holds more than 100 characters"),
+                       (f"{path}:row 5", "field: row 5: 'text' is null")]
+    # 30 million characters: Arrow holds them (its own allocator); Python never copies them
+    import tracemalloc
+
+    huge = tmp_path / "huge.parquet"
+    pq.write_table(pa.table({"text": ["before", "z" * 30_000_000]}), huge, compression="zstd")
+    tracemalloc.start()
+    try:
+        records, skipped = read(huge)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert records == [("row-1", "before")] and keywords(skipped) == ["too-large"]
+    assert peak < 5_000_000
 
 
 def test_parquet_bad_schema_and_corrupt(tmp_path):
