@@ -136,3 +136,48 @@ def test_a_skipped_file_s_name_is_logged_on_one_line_with_its_controls_escaped(t
     warnings = [line for line in run.stderr.splitlines() if line.startswith("WARNING")]
     assert warnings == [f"WARNING embedingest: skipped {corpus}/x\\x1b[2J\\x0aWARNING forged.txt: "
                         "empty: the file has no bytes"], run.stderr
+
+
+PIPE_SCRIPT = textwrap.dedent("""
+    import os, sys, time
+    import click
+    from embedingest.cli.common import end_process, library_errors
+
+    @click.command()
+    @click.argument("where")
+    @library_errors
+    def cmd(where):
+        time.sleep(0.5)  # the reader of standard output is gone by now
+        if where == "stdout":
+            for _ in range(10_000):
+                click.echo("a hit " * 20)
+        else:  # another pipe of the command's own, its reader gone: a real failure
+            r, w = os.pipe()
+            os.close(r)
+            os.write(w, b"x")
+
+    try:
+        cmd()
+    except SystemExit as done:
+        end_process(done.code)
+""")
+
+
+@pytest.mark.parametrize("where", ["stdout", "own"])
+def test_a_reader_that_closes_the_output_ends_the_command_quietly(where):
+    """``search ... | head -1``: standard output's reader closing early is not a failure
+    (before: "Error: [Errno 32] Broken pipe; what was committed before is kept", status 1);
+    a broken pipe of the command's own still is."""
+    proc = subprocess.Popen([sys.executable, "-c", PIPE_SCRIPT, where], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    if where == "stdout":
+        proc.stdout.close()
+    stderr = proc.stderr.read().decode()
+    proc.stderr.close()
+    if where == "own":
+        assert proc.stdout.read() == b""
+        proc.stdout.close()
+    assert proc.wait(timeout=60) == (0 if where == "stdout" else 1)
+    assert stderr == ("" if where == "stdout" else
+                      "Error: [Errno 32] Broken pipe; what was committed before is kept: fix the cause "
+                      "and run the same command again\n")

@@ -36,11 +36,37 @@ def library_errors(fn=None, *, kept: str = "what was committed before is kept"):
             return fn(*args, **kwargs)
         except (EmbedingestError, FileNotFoundError) as exc:
             raise click.ClickException(str(exc)) from exc
+        except BrokenPipeError:
+            if not output_reader_gone():
+                raise
+            end_quietly()
         except (OSError, sqlite3.Error) as exc:
             raise click.ClickException(f"{exc}; {kept}: fix the cause and run the same command "
                                        "again") from exc
 
     return wrapper
+
+
+def output_reader_gone() -> bool:
+    """Whether standard output is a pipe whose reader has closed it (``| head``): the
+    usual end of a reader that has what it wanted, not a failure of the command."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in poller.poll(0))
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+def end_quietly() -> NoReturn:
+    """End the command whose reader went away: nothing more is written to it (the flush
+    at exit would fail again), no message, status 0, as ``head`` expects of a writer."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    sys.exit(0)
 
 
 def emit_json(obj) -> None:
