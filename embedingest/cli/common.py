@@ -36,11 +36,10 @@ def library_errors(fn=None, *, kept: str = "what was committed before is kept"):
             return fn(*args, **kwargs)
         except (EmbedingestError, FileNotFoundError) as exc:
             raise click.ClickException(str(exc)) from exc
-        except BrokenPipeError:
-            if not output_reader_gone():
-                raise
-            end_quietly()
         except (OSError, sqlite3.Error) as exc:
+            if isinstance(exc, BrokenPipeError) and output_reader_gone():
+                end_quietly()
+            # (a broken pipe of the command's own is a failure: click would end it silently)
             raise click.ClickException(f"{exc}; {kept}: fix the cause and run the same command "
                                        "again") from exc
 
