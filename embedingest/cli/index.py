@@ -80,7 +80,8 @@ def reindex(index_dir, factory, train_size, search_params, as_json) -> None:
               help="Folder for the Parquet files (new or empty; see --overwrite).")
 @click.option("--embeddings/--no-embeddings", default=None,
               help="With the embedding column [default: when the index kept its embeddings].")
-@click.option("--overwrite", is_flag=True, help="Replace the Parquet files already in --to.")
+@click.option("--overwrite", is_flag=True, help="Replace an earlier export's files in --to (Parquet files named as shards are, and "
+                   "_SUCCESS); other files stay, other Parquet files are refused.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @library_errors
 def export(index_dir, to, embeddings, overwrite, as_json) -> None:

@@ -27,7 +27,7 @@ from ..errors import ConfigError
 from ..outfiles import atomic_file, atomic_write_bytes, ensure_folder, native_path, refuse_link
 from ..sources.remote import is_remote
 from .formats import require_current
-from .shards import EMB_SUFFIX, SHARDS_DIR, list_shards
+from .shards import EMB_SUFFIX, SHARD_NAME, SHARDS_DIR, list_shards
 from .store import IndexStore
 
 ROW_GROUP_ROWS = 65_536
@@ -39,8 +39,10 @@ def export_index(index: str | os.PathLike, to: str | os.PathLike, *, embeddings:
     """Write the rows of the index at ``index`` to Parquet files in ``to``; return a
     summary (files, rows, whether embeddings are in them). ``embeddings``: None takes
     them when the index kept them; True refuses an index without them. ``to`` must be
-    empty or not exist, unless ``overwrite`` (then the Parquet files and ``_SUCCESS``
-    there are replaced; other files stay)."""
+    empty or not exist, unless ``overwrite``: then an export's own files there (Parquet
+    files named as shards are, and ``_SUCCESS``) are replaced, and other files stay,
+    but not other Parquet files (a reader of the folder would take them for the
+    export's): they are refused, never deleted."""
     if is_remote(str(to)):
         raise ConfigError(f"export writes a local folder, not {str(to)!r}: export to a folder, then "
                           "copy it (e.g. aws s3 sync FOLDER URL)")
@@ -88,10 +90,17 @@ def export_index(index: str | os.PathLike, to: str | os.PathLike, *, embeddings:
                           "--save-embeddings")
     refuse_link(to)
     if to.exists():
-        existing = [p for p in to.iterdir() if p.suffix == ".parquet" or p.name == SUCCESS_NAME]
+        existing = [p for p in to.iterdir() if p.name == SUCCESS_NAME
+                    or (p.suffix == ".parquet" and SHARD_NAME.fullmatch(p.stem))]
         if any(to.iterdir()) and not overwrite:
             raise ConfigError(f"export folder {str(to)!r} is not empty: choose a new folder or "
                               "pass --overwrite")
+        foreign = sorted(p.name for p in to.iterdir() if p.suffix == ".parquet" and p not in existing)
+        if foreign:
+            raise ConfigError(f"export folder {str(to)!r} holds Parquet files no export wrote "
+                              f"({', '.join(map(repr, foreign[:5]))}{', ...' if len(foreign) > 5 else ''}), "
+                              "which a reader of the folder would read with the export: move them "
+                              "or choose another folder")
         for path in existing:
             refuse_link(path)
             path.unlink()

@@ -61,7 +61,7 @@ def test_export_refuses_a_full_folder_and_one_inside_the_index(tmp_path):
         export_index(tmp_path / "ix", tmp_path / "out")
     assert str(err.value) == (f"export folder {str(tmp_path / 'out')!r} is not empty: choose a new folder or "
                               "pass --overwrite")
-    (tmp_path / "out" / "shard-of-an-older-export.parquet").write_bytes(b"old")
+    (tmp_path / "out" / "shard-older_export-w1-00003.parquet").write_bytes(b"old")
     (tmp_path / "out" / "_SUCCESS").write_bytes(b"old")
     summary = export_index(tmp_path / "ix", tmp_path / "out", overwrite=True)
     # the older export's Parquet files go (a dataset reader would read them too); others stay
@@ -145,9 +145,35 @@ def test_export_overwrite_never_removes_through_a_link(tmp_path):
     build_shards(tmp_path / "ix", n_units=1, chunks=3, workers=1)
     (tmp_path / "out").mkdir()
     (tmp_path / "elsewhere.parquet").write_bytes(b"theirs")
-    (tmp_path / "out" / "a.parquet").symlink_to(tmp_path / "elsewhere.parquet")
+    old = tmp_path / "out" / "shard-old_run-w0-00000.parquet"
+    old.symlink_to(tmp_path / "elsewhere.parquet")
     with pytest.raises(ConfigError) as err:
         export_index(tmp_path / "ix", tmp_path / "out", overwrite=True)
-    assert str(err.value) == (f"{str(tmp_path / 'out' / 'a.parquet')!r} is a symbolic link; embedingest never "
+    assert str(err.value) == (f"{str(old)!r} is a symbolic link; embedingest never "
                               "writes through links in its folders: remove the link (or use another folder)")
-    assert (tmp_path / "out" / "a.parquet").is_symlink() and (tmp_path / "elsewhere.parquet").read_bytes() == b"theirs"
+    assert old.is_symlink() and (tmp_path / "elsewhere.parquet").read_bytes() == b"theirs"
+
+
+def test_export_overwrite_replaces_only_an_export_s_own_files(tmp_path):
+    """--overwrite removes what an export writes (Parquet files named as shards, _SUCCESS),
+    an older export's shards of other names too; the user's own Parquet files are refused
+    (a reader of the folder would read them with the export), never deleted."""
+    build_shards(tmp_path / "ix", n_units=1, chunks=3, workers=1)
+    out = tmp_path / "out"
+    out.mkdir()
+    stale = out / "shard-old_run-w3-00002.parquet"
+    for path, data in [(stale, b"old"), (out / "_SUCCESS", b""), (out / "mine.parquet", b"theirs"),
+                       (out / "notes.txt", b"notes"), (out / "shard-x.parquet", b"not a shard name")]:
+        path.write_bytes(data)
+    with pytest.raises(ConfigError) as err:
+        export_index(tmp_path / "ix", out, overwrite=True)
+    assert str(err.value) == (f"export folder {str(out)!r} holds Parquet files no export wrote ('mine.parquet', "
+                              "'shard-x.parquet'), which a reader of the folder would read with the export: "
+                              "move them or choose another folder")
+    assert stale.read_bytes() == b"old" and (out / "mine.parquet").read_bytes() == b"theirs"
+    (out / "mine.parquet").rename(tmp_path / "mine.parquet")
+    (out / "shard-x.parquet").unlink()
+    summary = export_index(tmp_path / "ix", out, overwrite=True)
+    (shard,) = [s for s in list_shards(tmp_path / "ix" / "shards") if s.rows]
+    assert sorted(p.name for p in out.iterdir()) == sorted(["_SUCCESS", f"{shard.name}.parquet", "notes.txt"])
+    assert summary["rows"] == 3
