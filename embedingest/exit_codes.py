@@ -1,7 +1,8 @@
 """The exit statuses of the ``embedingest`` commands, defined once.
 
 A job's summary carries its status as ``exit_code`` (from :func:`exit_code`); the CLI
-exits with it, with :data:`EXIT_INTERRUPTED` on Ctrl-C, and click exits with
+exits with it, with :data:`EXIT_INTERRUPTED` on Ctrl-C (:data:`EXIT_TERMINATED` on
+SIGTERM), and click exits with
 :data:`EXIT_ERROR` on an error.
 """
 
@@ -15,6 +16,9 @@ EXIT_ERROR = 1
 EXIT_SKIPPED = 3
 # Interrupted (Ctrl-C): what was committed is kept, the same command resumes.
 EXIT_INTERRUPTED = 130
+# Stopped by SIGTERM (timeout, docker stop, a batch system), as by Ctrl-C otherwise; the
+# status a shell shows for a process SIGTERM ended.
+EXIT_TERMINATED = 143
 
 
 def exit_code(skipped: int) -> int:
@@ -26,4 +30,5 @@ def exit_status_help(done: str, inputs: str, where: str) -> str:
     """The paragraph of a job command's help that says what each status means."""
     return (f"Exit status: {EXIT_OK} {done}; {EXIT_SKIPPED} finished, but some {inputs} were "
             f"skipped (see skipped.jsonl in {where}); {EXIT_ERROR} error; {EXIT_INTERRUPTED} "
-            "interrupted (run the same command again to resume).")
+            f"interrupted, {EXIT_TERMINATED} stopped by SIGTERM (run the same command again to "
+            "resume).")

@@ -26,13 +26,55 @@ def redeliver_swallowed_interrupts(signum: int, before=None):
         if args.exc_type is not None and issubclass(args.exc_type, KeyboardInterrupt):
             if before is not None:
                 before()
-            resend = threading.Timer(0.01, os.kill, (os.getpid(), signum))
+            again = getattr(args.exc_type, "signum", signum)  # a Terminated: SIGTERM again
+            resend = threading.Timer(0.01, os.kill, (os.getpid(), again))
             resend.daemon = True
             resend.start()
             return
         sys.__unraisablehook__(args)
 
     return hook
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``timeout``, ``docker stop``, ``kill``, a batch system's end of a job),
+    raised where a Ctrl-C's KeyboardInterrupt would be, so a run stops the same way:
+    its work committed so far kept, its processes stopped, a line that says so."""
+
+    signum = signal.SIGTERM
+
+
+def _children_ended(signum, frame) -> None:
+    """SIGCHLD while a run stops: nothing to do (see :func:`sigterm_interrupts`)."""
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """In the block, SIGTERM to this process raises :class:`Terminated` in its main
+    thread. A process forked meanwhile (a DataLoader worker, a header reader) that gets
+    SIGTERM dies of it as before: its parent stops it so."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    owner = os.getpid()
+
+    def handler(signum, frame):
+        if os.getpid() != owner:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        # A SIGTERM sent to the whole process group (a batch system's) ends the DataLoader's
+        # workers too; the run is stopping, so their deaths are not news: torch's SIGCHLD
+        # handler would raise about them in the middle of the stop.
+        # (A handler that does nothing, not SIG_DFL: one of their SIGCHLDs may be pending.)
+        signal.signal(signal.SIGCHLD, _children_ended)
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 @contextlib.contextmanager

@@ -127,17 +127,24 @@ def stop_bound(module: str, floor: float = 5.0) -> float:
     return max(floor, 1.5 * (time.monotonic() - t0))
 
 
-def check_ctrl_c_stops(run, bound: float) -> None:
+def check_ctrl_c_stops(run, bound: float, sig: int = signal.SIGINT, group: bool = True) -> None:
     """Ctrl-C to a running ``run``: it exits 130 within ``bound`` seconds (:func:`stop_bound`)
-    with the message that says how to resume, no traceback and nothing left running."""
+    with the message that says how to resume, no traceback and nothing left running.
+    ``sig=SIGTERM``: exit 143 with the same message, sent to the whole process group (a
+    batch system's end of a job) or, ``group=False``, to the main process alone (as
+    ``timeout``, ``docker stop`` and ``kill`` send it)."""
     assert run.running(), run.describe()
-    run.signal_group(signal.SIGINT)
+    if group:
+        run.signal_group(sig)
+    else:
+        os.kill(run.pid, sig)
     t0 = time.monotonic()
     rc = run.wait(60)
     stopped = time.monotonic() - t0
     assert stopped < bound, f"the run took {stopped:.1f} s to stop (bound {bound:.1f} s)"
-    assert rc == 130, run.describe()
-    assert "interrupted:" in run.stderr and "run the same command again to resume" in run.stderr
+    assert rc == (130 if sig == signal.SIGINT else 143), run.describe()
+    said = "interrupted:" if sig == signal.SIGINT else "terminated (SIGTERM):"
+    assert said in run.stderr and "run the same command again to resume" in run.stderr
     assert "Traceback" not in run.stderr, run.describe()
     run.assert_no_leftovers()
 

@@ -7,13 +7,13 @@ import click
 from click.testing import CliRunner
 
 from embedingest.cli import main
-from embedingest.exit_codes import (EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_SKIPPED, exit_code,
-                                    exit_status_help)
+from embedingest.exit_codes import (EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_SKIPPED, EXIT_TERMINATED,
+                                    exit_code, exit_status_help)
 
 
 def test_a_run_that_skipped_inputs_exits_with_its_own_status():
     assert (exit_code(0), exit_code(1), exit_code(7)) == (EXIT_OK, EXIT_SKIPPED, EXIT_SKIPPED)
-    assert len({EXIT_OK, EXIT_ERROR, EXIT_SKIPPED, EXIT_INTERRUPTED}) == 4
+    assert len({EXIT_OK, EXIT_ERROR, EXIT_SKIPPED, EXIT_INTERRUPTED, EXIT_TERMINATED}) == 5
 
 
 def test_an_error_exits_with_clicks_status():
@@ -23,8 +23,8 @@ def test_an_error_exits_with_clicks_status():
 def test_the_job_commands_help_names_every_status():
     text = exit_status_help("all done", "inputs", "OUT")
     assert text == ("Exit status: 0 all done; 3 finished, but some inputs were skipped (see "
-                    "skipped.jsonl in OUT); 1 error; 130 interrupted (run the same command again "
-                    "to resume).")
+                    "skipped.jsonl in OUT); 1 error; 130 interrupted, 143 stopped by SIGTERM (run the "
+                    "same command again to resume).")
     for command in ("build-index", "segment"):
         r = CliRunner().invoke(main, [command, "--help"], terminal_width=1000)
         assert r.exit_code == 0 and "Exit status: 0 all " in r.output and "; 130 interrupted" in r.output

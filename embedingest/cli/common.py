@@ -19,8 +19,8 @@ from typing import NoReturn
 import click
 
 from ..errors import EmbedingestError
-from ..interrupts import redeliver_swallowed_interrupts
-from ..exit_codes import EXIT_INTERRUPTED
+from ..interrupts import Terminated, redeliver_swallowed_interrupts, sigterm_interrupts
+from ..exit_codes import EXIT_INTERRUPTED, EXIT_TERMINATED
 
 
 def library_errors(fn=None, *, kept: str = "what was committed before is kept"):
@@ -132,7 +132,7 @@ def end_process(code) -> NoReturn:
 
 def import_interruptibly(module: str):
     """Import a job's module (torch, numpy, faiss, transformers: seconds) with SIGINT
-    held back until it is done, so a Ctrl-C meanwhile arrives as a KeyboardInterrupt
+    (and SIGTERM) held back until it is done, so a Ctrl-C meanwhile arrives as a KeyboardInterrupt
     right after it, where the command turns it into EXIT_INTERRUPTED. Inside those
     imports it is not safe: torch imports numpy from C and takes any error for "no numpy"
     (the Ctrl-C is lost, numpy left half imported), and pybind11 aborts the process."""
@@ -141,7 +141,7 @@ def import_interruptibly(module: str):
 
     if not hasattr(signal, "pthread_sigmask"):
         return importlib.import_module(module)
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
         return importlib.import_module(module)
     finally:
@@ -170,17 +170,21 @@ def run_options(preset: str, timeline: str, trace: str):
 def run_job(module: str, call, *, as_json: bool, paragraph, interrupted: str) -> NoReturn:
     """Import the job's ``module`` (Ctrl-C-safe), run ``call(module)`` and print the summary
     it returns (as JSON, or as ``paragraph(summary)``), then exit with its ``exit_code``;
-    on Ctrl-C say ``interrupted: <interrupted>`` and exit with :data:`EXIT_INTERRUPTED`,
-    also when the Ctrl-C landed where Python swallows it (a finalizer, an import lock's
+    on Ctrl-C say ``interrupted: <interrupted>`` and exit with :data:`EXIT_INTERRUPTED`
+    (on SIGTERM, ``terminated (SIGTERM): ...`` and :data:`EXIT_TERMINATED`), also when the Ctrl-C landed where Python swallows it (a finalizer, an import lock's
     callback): it is delivered again."""
     previous, sys.unraisablehook = sys.unraisablehook, redeliver_swallowed_interrupts(signal.SIGINT)
     threads_hook, process_hook = threading.excepthook, sys.excepthook
     try:
-        job = import_interruptibly(module)
-        from ..engine.consumers import quiet_resource_sharer, quiet_resource_sharer_sys  # imported with the job
+        with sigterm_interrupts():
+            job = import_interruptibly(module)
+            from ..engine.consumers import quiet_resource_sharer, quiet_resource_sharer_sys  # imported with the job
 
-        threading.excepthook, sys.excepthook = quiet_resource_sharer, quiet_resource_sharer_sys
-        summary = call(job)
+            threading.excepthook, sys.excepthook = quiet_resource_sharer, quiet_resource_sharer_sys
+            summary = call(job)
+    except Terminated:
+        click.echo(f"\nterminated (SIGTERM): {interrupted}", err=True)
+        sys.exit(EXIT_TERMINATED)
     except KeyboardInterrupt:
         click.echo(f"\ninterrupted: {interrupted}", err=True)
         sys.exit(EXIT_INTERRUPTED)  # the program then ends at once (end_process)

@@ -305,14 +305,19 @@ def test_remove_units_sigkill_at_every_write_keeps_each_vector_once(tmp_path):
     assert len(points) >= 12, points
 
 
+@pytest.mark.parametrize("sig, group", [(signal.SIGINT, True), (signal.SIGTERM, False), (signal.SIGTERM, True)],
+                         ids=["ctrl-c", "sigterm", "sigterm-group"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_ctrl_c_exits_130_within_5_s_and_resume_keeps_saved_work(cli, tmp_path, device):
+def test_ctrl_c_exits_130_within_5_s_and_resume_keeps_saved_work(cli, tmp_path, device, sig, group):
+    """Ctrl-C; SIGTERM to the main process (``timeout``, ``docker stop``: before, the run
+    died of it silently, status 143 and no word of what was kept) or to every process
+    of the run (a batch system's; the DataLoader's workers die of it too)."""
     bound = stop_bound("embedingest.jobs.build_index")
     corpus = make_corpus(tmp_path / "corpus", 10, seed=2)
     out = tmp_path / "idx"
     run = build(cli, corpus, out, "--num-workers", "1", env=SLOW_SINK, device=device)
     wait_for(lambda: n_segments(out) >= 8 or not run.running(), 120, what="eight committed segments")
-    check_ctrl_c_stops(run, bound)
+    check_ctrl_c_stops(run, bound, sig, group)
     check_index_files(out)
     assert_no_id_twice(out)
     from embedingest.index.shard_store import ShardStore
