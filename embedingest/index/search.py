@@ -12,6 +12,7 @@ read from the shards' Parquet files (:class:`~embedingest.index.lookup.ShardRows
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ _MMAP_FLAGS = (
     faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY,  # flat codes, HNSW
     faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY,  # IVF inverted lists
 )
+
+log = logging.getLogger("embedingest")
 
 
 @dataclass(frozen=True)
@@ -309,8 +312,27 @@ def _open_shards(store: IndexStore, manifest: Manifest, params: str | None) -> t
     """The vectors of every committed shard (memory-mapped where faiss can) and their rows.
     Each shard's vectors must be its rows' (same count and ids, in the same order)."""
     refuse_link(store.folder / SHARDS_DIR)  # a shard is read from inside the index folder only
-    shards = [s for s in list_shards(store.folder / SHARDS_DIR, generation=manifest.generation) if s.rows]
+    live = list_shards(store.folder / SHARDS_DIR, generation=manifest.generation)
+    _warn_of_lost_shards(manifest, live, store.folder / SHARDS_DIR)
+    shards = [s for s in live if s.rows]
     return _load_shards(shards, lambda shard: shard.faiss_path(manifest.generation), manifest, params)
+
+
+def _warn_of_lost_shards(manifest: Manifest, live: list, folder: Path) -> list[str]:
+    """Shards the manifest names that are gone from ``folder`` without a shard that
+    replaced them (a removal leaves one): their files were deleted or moved, and search
+    would answer from the rest without a word. Logged as a warning (a build interrupted
+    between its clean-up and its manifest can leave this for a moment too); returned."""
+    present = {s.name for s in live} | {r for s in live for r in s.replaces}
+    lost = [seg["name"] for seg in manifest.segments if seg["name"] not in present]
+    if lost:
+        rows = sum(seg.get("count", 0) for seg in manifest.segments if seg["name"] in lost)
+        log.warning("the manifest of %s names %d shard(s) not in %s (%s; %d vectors): their files "
+                    "were deleted or moved, so results leave them out; put them back, or run "
+                    "build-index on the corpus again to redo their units",
+                    folder.parent, len(lost), folder, ", ".join(lost[:3]) + (", ..." if len(lost) > 3 else ""),
+                    rows)
+    return lost
 
 
 def _load_shards(shards: list, faiss_path, manifest: Manifest, params: str | None, *, opener=None,

@@ -107,3 +107,36 @@ def test_a_vectors_file_without_ids_or_of_another_dim_is_a_damaged_shard(tmp_pat
         f"{str(path)!r} holds 20 vectors of dim {dim}, but its shard has 20 rows (or other ids) and the "
         f"manifest says dim {DIM}: the shard is damaged; delete its files ({shard.name}.*) and run "
         "build-index again to redo the units it held")
+
+
+def test_a_shard_the_manifest_names_gone_without_a_replacement_is_warned_of(tmp_path, caplog):
+    """Deleted shard files (commit record and all): search answers from the rest, but says
+    which shards the manifest names that are gone and how many vectors they held (before:
+    nothing). A removal's replaced shards are not lost, also before the manifest catches up."""
+    import logging
+
+    from embedingest.index.shard_store import ShardStore
+
+    built = build_shards(tmp_path / "ix", n_units=6, chunks=20, commit_every=50, workers=2)
+    with ShardStore(tmp_path / "ix") as store:
+        store.update_shards()
+        store.remove_units([0])  # replaces the shards that held unit 0; the manifest not updated
+    with caplog.at_level(logging.WARNING, logger="embedingest"):
+        with open_index(tmp_path / "ix") as index:
+            assert index.ntotal == len(built.ids) - 20
+    assert caplog.records == []
+    with ShardStore(tmp_path / "ix") as store:
+        store.clean_garbage()
+        manifest = store.update_shards()
+    gone = [s for s in list_shards(tmp_path / "ix" / "shards") if s.rows][0]
+    count = next(seg["count"] for seg in manifest.segments if seg["name"] == gone.name)
+    for path in (tmp_path / "ix" / "shards").glob(f"{gone.name}.*"):
+        path.unlink()
+    with caplog.at_level(logging.WARNING, logger="embedingest"):
+        with open_index(tmp_path / "ix") as index:
+            assert index.ntotal == len(built.ids) - 20 - count
+    (record,) = caplog.records
+    assert record.getMessage() == (
+        f"the manifest of {tmp_path / 'ix'} names 1 shard(s) not in {tmp_path / 'ix' / 'shards'} "
+        f"({gone.name}; {count} vectors): their files were deleted or moved, so results leave them "
+        "out; put them back, or run build-index on the corpus again to redo their units")
