@@ -127,6 +127,11 @@ class Index:
         return self._encoder
 
     @property
+    def loaded_encoder(self):
+        """The query encoder if it is loaded (or was given), else None: loads nothing."""
+        return self._encoder
+
+    @property
     def query_runtime_in_use(self) -> str | None:
         """What encodes the queries ("torch", "onnx"), once the encoder is loaded; None
         before, or for an encoder given by the caller that does not say."""

@@ -51,7 +51,8 @@ def serve(index_dir: str | os.PathLike, host: str = "127.0.0.1", port: int = 800
           max_k: int | None = None, threads: int | None = 1, on_ready=None,
           cache_dir: str | os.PathLike | None = None, cache_size: float | None = None,
           query_runtime: str = "auto") -> None:
-    """Open ``index_dir``, load its model, and serve it until interrupted.
+    """Open ``index_dir``, load its model, and serve it until interrupted; a local index
+    that a build changes meanwhile is opened again (:mod:`.live`).
 
     ``params`` and ``query_prompt`` as for :func:`~embedingest.open_index` (None: the
     index's own). ``threads``: torch threads of the query encoder (None: torch's default,
@@ -71,16 +72,24 @@ def serve(index_dir: str | os.PathLike, host: str = "127.0.0.1", port: int = 800
         raise ConfigError(f"serve needs FastAPI and uvicorn ({exc}); install them with "
                           f"pip install 'embedingest[serve]'") from exc
     from ..index.search import open_index
+    from ..sources.remote import is_remote
+    from .live import LiveIndex
 
     if threads is not None:
         import torch
 
         torch.set_num_threads(threads)
-    index = open_index(index_dir, device=device, params=params, query_prompt=query_prompt,
-                       cache_dir=cache_dir, cache_size=cache_size, query_runtime=query_runtime)
+    def opened(encoder=None):
+        return open_index(index_dir, device=device, params=params, query_prompt=query_prompt,
+                          cache_dir=cache_dir, cache_size=cache_size, query_runtime=query_runtime,
+                          encoder=encoder)
+
+    index = opened()
+    # a local index is opened again once a build changed it (object storage: as opened)
+    live = LiveIndex(index, None if is_remote(str(index_dir)) else opened)
     try:
         index.search(["warm up the model"], k=1)  # load it now, not at the first request
-        app = create_app(index, max_query_chars=max_query_chars or MAX_QUERY_CHARS, max_k=max_k or MAX_K)
+        app = create_app(live, max_query_chars=max_query_chars or MAX_QUERY_CHARS, max_k=max_k or MAX_K)
         if not is_loopback(host):
             log.warning("serving on %s: every machine that reaches it can query the index and "
                         "read the corpus files it names", host)
@@ -93,4 +102,4 @@ def serve(index_dir: str | os.PathLike, host: str = "127.0.0.1", port: int = 800
         finally:
             sock.close()
     finally:
-        index.close()
+        live.close()

@@ -8,6 +8,9 @@
   a file of the index's corpus folder (never a path the client names), as plain text.
 * ``GET /info``: what is served (vectors, model, prompts, search defaults).
 
+A build that changes the index while it is served is picked up by the next request
+(:mod:`.live`).
+
 Bad requests get a 4xx with a message: an empty or too long query, ``k`` out of
 ``1..max_k``, wrong types (FastAPI checks them). Requests run in the server's thread
 pool; the index encodes one query at a time (its tokenizer is not safe to share between
@@ -27,6 +30,7 @@ from fastapi.responses import FileResponse, HTMLResponse
 from ..config import ServeConfig
 from ..errors import ConfigError
 from ..index.search import Hit, Index
+from .live import LiveIndex
 
 MAX_QUERY_CHARS = ServeConfig.max_query_chars
 MAX_K = ServeConfig.max_k
@@ -58,8 +62,12 @@ def hit_json(index: Index, hit: Hit) -> dict:
             "file": f"/files/{hit.id}" if corpus_file(index, hit.source) else None}
 
 
-def create_app(index: Index, *, max_query_chars: int = MAX_QUERY_CHARS, max_k: int = MAX_K) -> FastAPI:
-    """The app serving ``index`` (opened by the caller, who closes it)."""
+def create_app(index: Index | LiveIndex, *, max_query_chars: int = MAX_QUERY_CHARS,
+               max_k: int = MAX_K) -> FastAPI:
+    """The app serving ``index`` (opened by the caller, who closes it); a
+    :class:`~.live.LiveIndex` is looked at by each request, which answers from the index
+    it gives (opened again after a build changed it)."""
+    live = index if isinstance(index, LiveIndex) else LiveIndex(index)
     app = FastAPI(title="embedingest search", docs_url=None, redoc_url=None, openapi_url=None)
     page = resources.files(__package__).joinpath("static/index.html").read_text(encoding="utf-8")
 
@@ -69,6 +77,7 @@ def create_app(index: Index, *, max_query_chars: int = MAX_QUERY_CHARS, max_k: i
 
     @app.get("/info")
     def info() -> dict:
+        index = live.current()
         m = index.manifest
         return {"index": str(index.store.folder), "vectors": index.ntotal, "model": m.model.get("name"),
                 "dim": m.dim, "factory": m.factory, "query_prompt": index.query_prompt,
@@ -84,6 +93,7 @@ def create_app(index: Index, *, max_query_chars: int = MAX_QUERY_CHARS, max_k: i
         if len(q) > max_query_chars:
             raise HTTPException(422, f"the query has {len(q):,} characters, more than the "
                                      f"{max_query_chars:,} this server takes; shorten it")
+        index = live.current()
         k = k if k is not None else min(index.default_k, max_k)
         t0 = time.perf_counter()
         try:
@@ -96,6 +106,7 @@ def create_app(index: Index, *, max_query_chars: int = MAX_QUERY_CHARS, max_k: i
 
     @app.get("/files/{vector_id}")
     def source_file(vector_id: int = PathParam(..., ge=0, le=2**63 - 1)) -> FileResponse:
+        index = live.current()
         chunk = index.chunks([vector_id]).get(vector_id)
         path = corpus_file(index, chunk.source if chunk else None)
         if path is None:

@@ -139,3 +139,46 @@ def test_page_and_info(client, index):
     assert 'id="q"' in page.text and "/search?q=" in page.text
     info = client.get("/info").json()
     assert info["vectors"] == index.ntotal == 5 and info["model"] == "sentence-transformers/all-MiniLM-L6-v2"
+
+
+def test_a_build_that_changes_the_served_index_is_picked_up_by_the_next_request(tmp_path, caplog):
+    """build-index while serving: the next request answers from the changed index (a
+    removed file's text gone, an edited file's new text, its /files link serving what the
+    hit says), with the same query encoder; an index that cannot be opened again leaves
+    the old one answering, logged. Before, the server answered from the index it started
+    with until restarted."""
+    from embedingest.serve.live import LiveIndex
+
+    corpus = make_corpus(tmp_path / "corpus")
+    out = str(tmp_path / "idx")
+    build_index(corpus, out=out, num_workers=0, num_consumers=1, batch_size=8)
+
+    def reopen(encoder):
+        return open_index(out, encoder=encoder)
+
+    live = LiveIndex(open_index(out), reopen, check_every=0)
+    with TestClient(create_app(live)) as client:
+        first = client.get("/search", params={"q": "marine mammals breathing air", "k": 1}).json()["hits"][0]
+        assert first["source"] == "whales.txt"
+        encoder = live.current().loaded_encoder
+        assert encoder is not None
+        (corpus / "whales.txt").unlink()
+        (corpus / "bread.txt").write_text("Sourdough starters keep wild yeast and lactobacilli alive for years.")
+        build_index(corpus, out=out, num_workers=0, num_consumers=1, batch_size=8)
+        hits = client.get("/search", params={"q": "marine mammals breathing air", "k": 5}).json()["hits"]
+        assert "whales.txt" not in [h["source"] for h in hits] and len(hits) == 4
+        (bread,) = [h for h in client.get("/search", params={"q": "wild yeast", "k": 5}).json()["hits"]
+                    if h["source"] == "bread.txt"]
+        assert bread["text"].startswith("Sourdough starters")
+        assert client.get(bread["file"]).text == bread["text"]
+        assert live.current().loaded_encoder is encoder  # same model: not loaded again
+        assert client.get("/info").json()["vectors"] == 4
+
+        manifest = tmp_path / "idx" / "manifest.json"
+        good = manifest.read_bytes()
+        manifest.write_text("not json")
+        hits = client.get("/search", params={"q": "wild yeast", "k": 5}).json()["hits"]
+        assert [h["source"] for h in hits if h["source"] == "bread.txt"] == ["bread.txt"]
+        assert any("changed but cannot be opened again" in r.getMessage() for r in caplog.records)
+        manifest.write_bytes(good)
+    live.close()
