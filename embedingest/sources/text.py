@@ -372,6 +372,28 @@ def _decoded(raw, head: bytes, mid_file: bool = False) -> Iterator[str]:
         block = raw.read(STREAM_BLOCK)
 
 
+def _check_compressed(path: Path) -> None:
+    """Decompress a local compressed file once, keeping nothing, before its lines are
+    read: gzip checks its CRC (bz2 and xz their blocks') only after handing out the data,
+    so a corrupt file would be indexed up to the check, its damaged records with it, and
+    reported as a cut. A corrupt one is skipped whole; one cut short keeps the records
+    before the cut, as reading it finds them. (Decompressing costs far less than
+    tokenizing what it gives; an object in storage is not read twice.)"""
+    if text_format(path)[1] is None or is_remote(path):
+        return
+    try:
+        with _open_raw(path) as fh:
+            while fh.read(2**20):
+                pass
+    except EOFError:
+        return
+    except _DECOMPRESS_ERRORS as exc:
+        raise _Skip(f"decompress: {exc}; the data is corrupt, so none of the file's records "
+                    f"are read") from None
+    except OSError as exc:
+        raise _Skip(os_error_reason(exc)) from None
+
+
 def _opened(path: Path):
     """``(raw, head)``: the file open for streaming, and its first bytes, after the
     empty and binary checks."""
@@ -442,6 +464,7 @@ def _lines(path: Path, translate: bool, part: tuple[int, int, int] | None = None
     before them, before the first is yielded."""
     stop = None
     if part is None:
+        _check_compressed(path)
         (raw, head), n = _opened(path), 0
     else:
         opened = _opened_part(path, part)
