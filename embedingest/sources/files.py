@@ -184,7 +184,8 @@ def walk_files(root: str | os.PathLike, extensions: set[str] | None = None,
 
 def walk_paths(root: str | os.PathLike, extensions: set[str] | None = None,
                on_skip: OnSkip = _noop, on_other: Callable[[str], None] | None = None,
-               exclude: str | os.PathLike | None = None, outside_links: bool = False) -> Iterator[str]:
+               exclude: str | os.PathLike | None = None, outside_links: bool = False,
+               not_input: Callable[[str], str | None] | None = None) -> Iterator[str]:
     """Yield the files under ``root`` whose suffix (lower case, with the dot; see
     :func:`has_extension`) is in ``extensions``; ``root`` itself when it is a file
     (whatever its suffix). Paths are strings (``root`` joined with the names below it):
@@ -198,7 +199,8 @@ def walk_paths(root: str | os.PathLike, extensions: set[str] | None = None,
     cannot be listed, broken links, and pipes, sockets or devices (or links to them)
     with a wanted suffix go to ``on_skip(path, reason)``; other files with another suffix to ``on_other(path)``.
     The folder ``exclude`` (a job's output inside its input) is not entered, under
-    whatever path it is reached.
+    whatever path it is reached; nor a folder below ``root`` for which ``not_input(path)``
+    gives a reason (a job's output of another run, say), which goes to ``on_skip``.
     """
     root = os.fspath(root)
     if os.path.isfile(root):
@@ -225,9 +227,13 @@ def walk_paths(root: str | os.PathLike, extensions: set[str] | None = None,
         if key == excluded:
             continue
         if key in seen:
-            on_skip(folder, "symlink loop: folder already visited")
+            on_skip(folder, _seen_reason(folder))
             continue
         seen.add(key)
+        reason = not_input(folder) if not_input is not None and folder != root else None
+        if reason is not None:
+            on_skip(folder, reason)
+            continue
         try:
             entries = sorted(os.scandir(folder), key=lambda e: e.name)
         except OSError as exc:
@@ -261,6 +267,15 @@ def walk_paths(root: str | os.PathLike, extensions: set[str] | None = None,
             elif on_other is not None:
                 on_other(entry.path)
         stack.extend(reversed(subdirs))
+
+
+def _seen_reason(folder: str) -> str:
+    """Why a folder reached again is not read again: a link inside the folder it names (a
+    loop), or another path to a folder read already (a link to it)."""
+    here, there = os.path.realpath(os.path.dirname(folder)), os.path.realpath(folder)
+    if is_within(here, there):
+        return "symlink loop: a link to a folder that holds it"
+    return f"already read as {there!r} (a symbolic link to a folder read before): read once"
 
 
 def _link_out_of(entry: os.DirEntry, inside: str, extensions: set[str] | None) -> str | None:

@@ -204,3 +204,24 @@ def test_a_known_file_swapped_for_a_link_out_of_the_corpus_is_reported_not_hashe
         str(corpus / "b.txt"), "hash",
         f"symbolic link out of the input folder: to {os.path.realpath(elsewhere / 'secret.txt')}, "
         "not read (--follow-outside-links reads it)")]
+
+
+def test_an_index_folder_inside_the_corpus_is_reported_not_read(tmp_path):
+    """Another index kept inside the corpus (not this run's --out): its shards' Parquet
+    rows and its JSON records would be indexed as documents. Its folder is passed over
+    with a reason; a folder that only has a manifest.json of its own is read."""
+    from embedingest.jobs.build_index.plan import file_candidates
+
+    corpus = tmp_path / "corpus"
+    (corpus / "old-index" / "shards").mkdir(parents=True)
+    (corpus / "old-index" / "manifest.json").write_text("{}")
+    (corpus / "old-index" / "shards" / "shard-r-w0-00000.parquet").write_bytes(b"PAR1")
+    (corpus / "app").mkdir()
+    (corpus / "app" / "manifest.json").write_text('{"name": "an app"}')
+    (corpus / "doc.txt").write_text("a document")
+    report = SkipReport()
+    keys = [c["key"] for c in file_candidates(corpus, report, tmp_path / "ix")]
+    assert sorted(keys) == ["app/manifest.json", "doc.txt"]
+    assert [(e["path"], e["reason"]) for e in report.entries] == [(
+        str(corpus / "old-index"), "index: an embedingest index, not documents (its corpus is what to "
+                                   "index); move it out of the corpus folder")]

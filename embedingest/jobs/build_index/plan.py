@@ -22,6 +22,8 @@ from pathlib import Path
 from ...config import IndexConfig
 from ...errors import ConfigError
 from ...index.shard_store import ShardStore
+from ...index.formats import MANIFEST_NAME
+from ...index.shards import SHARDS_DIR
 from ...index.store import Manifest
 from ...report import SkipReport
 from ...index.faiss_factory import parse_factory
@@ -57,6 +59,15 @@ class Plan:
     renumbered: list[int] = dataclasses.field(default_factory=list)  # of replaced: changed content
 
 
+def index_folder_reason(folder: str) -> str | None:
+    """Why a folder of the corpus is not read: it is an index (a manifest and its shards),
+    whose rows and records would be indexed as documents."""
+    if os.path.isfile(os.path.join(folder, MANIFEST_NAME)) and os.path.isdir(os.path.join(folder, SHARDS_DIR)):
+        return ("index: an embedingest index, not documents (its corpus is what to index); "
+                "move it out of the corpus folder")
+    return None
+
+
 def file_candidates(root: Path | str, report: SkipReport, out: Path,
                     outside_links: bool = False) -> Iterable[dict]:
     """The text files under ``root`` (``out`` left out) as candidate units, not yet hashed;
@@ -69,7 +80,8 @@ def file_candidates(root: Path | str, report: SkipReport, out: Path,
     base = root if root.is_dir() else root.parent
     prefix = os.path.join(str(base), "")  # the walk's paths start with it: no pathlib per file
     for name in walk_paths(root, TEXT_EXTENSIONS, on_skip=lambda p, r: report.add(p, r, stage="list"),
-                           on_other=report.pass_over, exclude=out, outside_links=outside_links):
+                           on_other=report.pass_over, exclude=out, outside_links=outside_links,
+                           not_input=index_folder_reason):
         try:
             st = os.stat(name)
         except OSError as exc:
