@@ -11,6 +11,10 @@ committed, and resume (``stats_sources``) treats an image with a mask but no com
 row as not done, so the re-run writes its row: every image ends with exactly one row.
 Read the folder as one table with ``pyarrow.dataset.dataset(out / "stats")`` or
 ``pandas.read_parquet(out / "stats")``.
+
+The folder is part of the output tree: where ``stats`` is a symbolic link it is refused
+(never read, written or deleted through), and a part that is a link is no part (its
+target is never read).
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..outfiles import atomic_write_bytes, native_path
+from ..outfiles import atomic_write_bytes, ensure_folder, refuse_link
+from ..sources.files import open_regular
 from ..sources.names import name_as_text
 
 STATS_DIR = "stats"
@@ -41,23 +46,44 @@ def stats_columns(categories: Sequence[str]) -> list[str]:
     return names
 
 
-def part_files(out: str | os.PathLike) -> list[Path]:
+def stats_folder(out: str | os.PathLike) -> Path:
+    """``out``/stats; ConfigError where it is a symbolic link, so rows are never read,
+    written or deleted outside ``out``."""
     folder = Path(out) / STATS_DIR
+    refuse_link(folder, " (the --stats folder)")
+    return folder
+
+
+def _is_part_name(name: str) -> bool:
+    return name.endswith(".parquet") and not name.startswith(".")
+
+
+def part_files(out: str | os.PathLike) -> list[Path]:
+    """The committed parts: the visible ``.parquet`` files of the stats folder that are
+    regular files (a link there is not read through)."""
+    folder = stats_folder(out)
     try:
-        return sorted(p for p in folder.iterdir() if p.suffix == ".parquet" and not p.name.startswith("."))
+        with os.scandir(folder) as entries:
+            return sorted(Path(e.path) for e in entries
+                          if _is_part_name(e.name) and e.is_file(follow_symlinks=False))
     except OSError:
         return []
+
+
+def _read_part(part: Path, columns: list[str] | None = None):
+    """A part's table, opened without following a link and without blocking."""
+    import pyarrow.parquet as pq
+
+    with open_regular(part, follow_links=False) as fh:
+        return pq.read_table(fh, columns=columns)
 
 
 def stats_sources(out: str | os.PathLike) -> set[str]:
     """The sources that have a committed row (input-relative paths as ``name_as_text``
     writes them)."""
-    import pyarrow.parquet as pq
-
     sources: set[str] = set()
     for part in part_files(out):
-        with native_path(part) as name:
-            sources.update(pq.read_table(name, columns=["source"]).column("source").to_pylist())
+        sources.update(_read_part(part, ["source"]).column("source").to_pylist())
     return sources
 
 
@@ -69,12 +95,10 @@ def drop_stats_rows(out: str | os.PathLike, sources: set[str]) -> None:
     a crash in between loses rows, never duplicates them, and an image without a row is
     redone by the next run."""
     import pyarrow.compute as pc
-    import pyarrow.parquet as pq
 
     sources = {name_as_text(source) for source in sources}
     for n, part in enumerate(part_files(out)):
-        with native_path(part) as name:
-            table = pq.read_table(name)
+        table = _read_part(part)
         keep = pc.invert(pc.is_in(table.column("source"), value_set=_string_array(sources)))
         kept = table.filter(keep)
         if kept.num_rows == table.num_rows:
@@ -107,7 +131,8 @@ class StatsWriter:
 
     def __init__(self, out: str, categories: Sequence[str], rows_per_part: int = 4096,
                  seconds: float = 10.0):
-        self.folder = Path(out) / STATS_DIR
+        self.out = Path(out)
+        self.folder = self.out / STATS_DIR
         self.columns = stats_columns(categories)
         self.rows_per_part, self.seconds = rows_per_part, seconds
         self.sources: list[str] = []
@@ -137,7 +162,7 @@ class StatsWriter:
         table = pa.table({"source": pa.array(self.sources, type=pa.string()),
                           "width": sizes[:, 0], "height": sizes[:, 1],
                           **{name: shares[:, i] for i, name in enumerate(self.columns)}})
-        self.folder.mkdir(exist_ok=True)
+        ensure_folder(self.out, stats_folder(self.out))  # never through a link: rows stay in out
         _commit(self.folder / f"part-{time.time_ns()}-{os.getpid()}-{self.parts}.parquet", table)
         self.parts += 1
         self.committed += len(self.sources)

@@ -771,3 +771,29 @@ def test_each_forward_is_marked_for_the_profiler(tmp_path, small, monkeypatch):
         Image.fromarray(noise(20, 30, seed=i)).save(images / f"{i}.png")
     assert segment(config(images, tmp_path / "out", small), progress=False)["written"] == 4
     assert marks == [("segment forward", "compute")] * 2
+
+
+def _folder_bytes(folder) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+def test_a_stats_folder_that_is_a_link_stops_the_run_and_nothing_there_is_touched(tmp_path, small):
+    """OUT/stats a link to a folder of the user's (here: holding the parts a run wrote):
+    a run that would add rows, and one with --overwrite that would delete them, stop naming
+    the link before writing any mask; the other folder keeps exactly its files."""
+    images, out, victim = tmp_path / "images", tmp_path / "out", tmp_path / "victim"
+    images.mkdir()
+    Image.fromarray(noise(20, 30, seed=1)).save(images / "a.png")
+    segment(config(images, out, small, stats=True), progress=False)
+    (out / "stats").rename(victim)
+    (out / "stats").symlink_to(victim)
+    before = _folder_bytes(victim)
+    Image.fromarray(noise(24, 30, seed=2)).save(images / "b.png")
+    for overwrite in (False, True):
+        with pytest.raises(ConfigError, match=r"stats' \(the --stats folder\) is a symbolic link; .*remove the link"):
+            segment(config(images, out, small, stats=True, overwrite=overwrite), progress=False)
+        assert _folder_bytes(victim) == before and not output_paths(out, "b.png")["mask"].exists()
+    (out / "stats").unlink()
+    again = segment(config(images, out, small, stats=True), progress=False)
+    assert again["written"] == 2 and sorted(r["source"] for r in stats_rows(out)) == ["a.png", "b.png"]
+    assert _folder_bytes(victim) == before

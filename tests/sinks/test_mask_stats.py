@@ -12,6 +12,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
+from embedingest.errors import ConfigError
 from embedingest.sinks import mask_stats
 from embedingest.sinks.mask_stats import StatsWriter, drop_stats_rows, part_files, stats_sources
 
@@ -75,3 +76,47 @@ def test_a_part_that_does_not_read_back_whole_is_not_written(tmp_path, monkeypat
                                       r"with its 1 rows$"):
         writer.close()
     assert part_files(tmp_path) == [] and writer.committed == 0
+
+
+def _victim_folder(tmp_path):
+    """A folder outside the output with a part of another table and a temporary-looking
+    file: neither may be read, written or deleted by the stats of ``tmp_path/out``."""
+    victim = tmp_path / "victim"
+    writer = StatsWriter(str(tmp_path / "elsewhere"), ["bg"])
+    writer.add("theirs.png", np.zeros((1, 1), np.uint8))
+    writer.close()
+    victim.mkdir()
+    [theirs] = part_files(tmp_path / "elsewhere")
+    (victim / theirs.name).write_bytes(theirs.read_bytes())
+    (victim / ".x.parquet.tmp-1").write_bytes(b"someone's")
+    return victim, {p.name: p.read_bytes() for p in victim.iterdir()}
+
+
+def test_a_stats_folder_that_is_a_link_is_refused_never_read_written_or_deleted_through(tmp_path):
+    victim, before = _victim_folder(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "stats").symlink_to(victim)
+    message = rf"^'{out}/stats' \(the --stats folder\) is a symbolic link; .*: remove the link"
+    writer = StatsWriter(str(out), ["bg"])
+    writer.add("a.png", np.zeros((1, 1), np.uint8))
+    with pytest.raises(ConfigError, match=message):
+        writer.close()
+    for call in (part_files, stats_sources, lambda o: drop_stats_rows(o, {"theirs.png"})):
+        with pytest.raises(ConfigError, match=message):
+            call(out)
+    assert {p.name: p.read_bytes() for p in victim.iterdir()} == before
+
+
+def test_a_part_that_is_a_link_is_no_part_and_its_target_is_not_read(tmp_path):
+    victim, before = _victim_folder(tmp_path)
+    out = tmp_path / "out"
+    writer = StatsWriter(str(out), ["bg"])
+    writer.add("a.png", np.zeros((1, 1), np.uint8))
+    writer.close()
+    [own] = part_files(out)
+    [theirs] = [p for p in victim.iterdir() if p.suffix == ".parquet"]
+    (out / "stats" / "part-1-1-0.parquet").symlink_to(theirs)
+    assert part_files(out) == [own] and stats_sources(out) == {"a.png"}
+    drop_stats_rows(out, {"theirs.png", "a.png"})
+    assert {p.name: p.read_bytes() for p in victim.iterdir()} == before
