@@ -7,8 +7,10 @@ name is not UTF-8 or holds a backslash) and commits them as a part
 file ``stats/part-<time>-<pid>-<n>.parquet``: serialised in memory, read back, written
 under a temporary name, fsynced and renamed. A row is added only after its image's mask
 is written, so a committed row always has its mask; a killed run loses the rows not yet
-committed, and resume (``stats_sources``) treats an image with a mask but no committed
-row as not done, so the re-run writes its row: every image ends with exactly one row.
+committed, and resume (``row_counts``) treats an image with a mask but not exactly one
+committed row as not done; before a run redoes an image (for whatever reason: no row, a
+missing mask or overlay, ``--overwrite``) its rows are dropped (``drop_stats_rows``), so
+the re-run writes its row once: every image ends with exactly one row.
 Read the folder as one table with ``pyarrow.dataset.dataset(out / "stats")`` or
 ``pandas.read_parquet(out / "stats")``.
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import io
 import os
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -78,13 +81,18 @@ def _read_part(part: Path, columns: list[str] | None = None):
         return pq.read_table(fh, columns=columns)
 
 
-def stats_sources(out: str | os.PathLike) -> set[str]:
-    """The sources that have a committed row (input-relative paths as ``name_as_text``
-    writes them)."""
-    sources: set[str] = set()
+def row_counts(out: str | os.PathLike) -> Counter:
+    """How many committed rows each source has (input-relative paths as ``name_as_text``
+    writes them): resume takes an image as done only with exactly one."""
+    counts: Counter = Counter()
     for part in part_files(out):
-        sources.update(_read_part(part, ["source"]).column("source").to_pylist())
-    return sources
+        counts.update(_read_part(part, ["source"]).column("source").to_pylist())
+    return counts
+
+
+def stats_sources(out: str | os.PathLike) -> set[str]:
+    """The sources that have a committed row."""
+    return set(row_counts(out))
 
 
 def drop_stats_rows(out: str | os.PathLike, sources: set[str]) -> None:

@@ -797,3 +797,42 @@ def test_a_stats_folder_that_is_a_link_stops_the_run_and_nothing_there_is_touche
     again = segment(config(images, out, small, stats=True), progress=False)
     assert again["written"] == 2 and sorted(r["source"] for r in stats_rows(out)) == ["a.png", "b.png"]
     assert _folder_bytes(victim) == before
+
+
+def test_every_image_redone_for_any_reason_ends_with_exactly_one_row(tmp_path, small):
+    """An image is redone when an output asked for is missing (an overlay), its mask was
+    deleted or is a link, or it has two rows (a folder written before this rule, or rows
+    a killed run committed for images that a later run redid): its rows are dropped
+    first, so each image has exactly one row after every run; a run without --stats that
+    redoes an image drops its row too (a row always describes the mask on disk), and the
+    next --stats run redoes that image."""
+    images, out = tmp_path / "images", tmp_path / "out"
+    images.mkdir()
+    for i, rel in enumerate(["a.png", "b.png", "c.png"]):
+        Image.fromarray(noise(20 + i, 30, seed=i)).save(images / rel)
+    names = ["a.png", "b.png", "c.png"]
+
+    def sources():
+        return sorted(r["source"] for r in stats_rows(out))
+
+    segment(config(images, out, small, stats=True), progress=False)
+    with_overlay = segment(config(images, out, small, stats=True, overlay=True), progress=False)
+    assert with_overlay["written"] == 3 and sources() == names
+    output_paths(out, "b.png")["mask"].unlink()
+    assert segment(config(images, out, small, stats=True), progress=False)["written"] == 1
+    assert sources() == names
+    mask = output_paths(out, "c.png")["mask"]
+    mask.unlink()
+    mask.symlink_to(tmp_path / "elsewhere.png")
+    assert segment(config(images, out, small, stats=True), progress=False)["written"] == 1
+    assert sources() == names and not mask.is_symlink()
+    [part, *_] = part_files(out)
+    twice = set(pq.read_table(part).column("source").to_pylist())
+    (out / "stats" / "part-0-0-copy.parquet").write_bytes(part.read_bytes())  # their rows twice
+    healed = segment(config(images, out, small, stats=True), progress=False)
+    assert healed["written"] == len(twice) and sources() == names
+    output_paths(out, "a.png")["mask"].unlink()
+    assert segment(config(images, out, small), progress=False)["written"] == 1
+    assert sources() == ["b.png", "c.png"], "redone without --stats: its row is gone, not stale"
+    assert segment(config(images, out, small, stats=True), progress=False)["written"] == 1
+    assert sources() == names

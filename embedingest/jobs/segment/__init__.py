@@ -94,7 +94,7 @@ def segment(config: SegmentConfig, progress: bool = True, timeline: str | None =
             todo, already = list_inputs(config, report)
             if not remote_out:  # an object is whole or absent: nothing half-written to delete
                 remove_stale_tmp_files(out, todo)
-            if config.stats and config.overwrite and todo:
+            if todo and not remote_out:  # an image redone gets its one row anew, --stats or not
                 drop_stats_rows(out, {rel for rel, _ in todo})
             phases["list_s"] = time.perf_counter() - t0
             summary = {"images": len(todo) + already, "already_done": already, "written": 0}

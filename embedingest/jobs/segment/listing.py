@@ -12,7 +12,7 @@ from pathlib import Path
 from ...config import SegmentConfig
 from ...outfiles import is_tmp_name, through_link, too_long
 from ...report import SkipReport
-from ...sinks.mask_stats import STATS_DIR, stats_sources
+from ...sinks.mask_stats import STATS_DIR, row_counts
 from ...sinks.masks import LOGITS_SUFFIX, MASK_SUFFIX, OVERLAY_SUFFIX
 from ...sources.files import walk_files
 from ...sources.names import name_as_text
@@ -30,7 +30,8 @@ def list_inputs(config: SegmentConfig, report: SkipReport) -> tuple[list[tuple[s
     suffixes = ([MASK_SUFFIX] + [LOGITS_SUFFIX] * config.save_logits
                 + [OVERLAY_SUFFIX] * config.overlay)
     present = _RemoteNames(config.out) if is_remote(config.out) else _FolderNames(str(out))
-    with_row = stats_sources(out) if config.stats and not config.overwrite else set()
+    with_row = ({source for source, n in row_counts(out).items() if n == 1}
+                if config.stats and not config.overwrite else set())
     local = not is_remote(config.out)
     todo, done = [], 0
     for rel, full in _images(config.images, report, out, config.follow_outside_links):
