@@ -45,7 +45,7 @@ from PIL import Image
 
 from ..errors import ConfigError
 from ..outfiles import atomic_write_bytes, ensure_folder
-from ..sources.files import reads_within
+from ..sources.files import NotRegularFile, open_regular, reads_within
 from ..sources.image_decode import ImageMeta, ImageRejected, open_rgb
 from ..sources.remote import is_remote
 
@@ -171,15 +171,27 @@ def write_labels(out: str | os.PathLike, info: dict, replace: bool = False) -> P
         fs.pipe_file(path, data)
         return url
     path = Path(out) / LABELS_FILE
-    if path.exists() and not replace:
-        try:
-            old = path.read_bytes()
-        except OSError as exc:
-            raise ConfigError(f"{path} is unreadable ({exc}); remove it or pass --overwrite") from exc
-        if _same_labels(old, info, out, path):
-            return path
+    old = None if replace else _read_labels(path)
+    if old is not None and _same_labels(old, info, out, path):
+        return path
     atomic_write_bytes(path, data)
     return path
+
+
+def _read_labels(path: Path) -> bytes | None:
+    """The bytes of ``labels.json``, None where there is none. Anything but a regular file
+    there (a link, a named pipe, a device) is refused unopened: a pipe would block the
+    read for ever, and a link would vouch for masks with a file outside the folder."""
+    try:
+        with open_regular(path, follow_links=False) as fh:
+            return fh.read()
+    except FileNotFoundError:
+        return None
+    except NotRegularFile as exc:
+        raise ConfigError(f"{path} is {exc.strerror}, not a regular file; remove it, or pass "
+                          "--overwrite to redo every image") from exc
+    except OSError as exc:
+        raise ConfigError(f"{path} is unreadable ({exc}); remove it or pass --overwrite") from exc
 
 
 def _same_labels(old: bytes, info: dict, out, path) -> bool:

@@ -836,3 +836,27 @@ def test_every_image_redone_for_any_reason_ends_with_exactly_one_row(tmp_path, s
     assert sources() == ["b.png", "c.png"], "redone without --stats: its row is gone, not stale"
     assert segment(config(images, out, small, stats=True), progress=False)["written"] == 1
     assert sources() == names
+
+
+def test_a_pipe_at_the_skip_report_or_the_labels_is_never_waited_for(tmp_path, small):
+    """OUT/skipped.jsonl a named pipe: the run finishes and writes its report there;
+    OUT/labels.json one: the run stops at once naming it (before, both waited for a
+    writer for ever)."""
+    from fault_helpers import unblock_later
+
+    images, out = tmp_path / "images", tmp_path / "out"
+    images.mkdir()
+    Image.fromarray(noise(20, 30)).save(images / "a.png")
+    out.mkdir()
+    os.mkfifo(out / "skipped.jsonl")
+    unblock_later(out / "skipped.jsonl", 30)
+    start = time.monotonic()
+    assert segment(config(images, out, small), progress=False)["written"] == 1
+    assert (out / "skipped.jsonl").is_file() and time.monotonic() - start < 30
+    (out / "labels.json").unlink()
+    os.mkfifo(out / "labels.json")
+    unblock_later(out / "labels.json", 30)
+    output_paths(out, "a.png")["mask"].unlink()
+    with pytest.raises(ConfigError, match=r"labels.json is a named pipe \(FIFO\), not a regular file; remove it"):
+        segment(config(images, out, small), progress=False)
+    assert time.monotonic() - start < 30

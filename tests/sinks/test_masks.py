@@ -464,3 +464,33 @@ def test_a_url_s_last_folder_is_kept_whole_but_for_a_trailing_slash(tmp_path, mo
         write_labels(f"local://{tmp_path}/{name}{end}", info)
         assert json.loads((tmp_path / name / "labels.json").read_text()) == info
     assert sorted(p.name for p in tmp_path.iterdir()) == ["masks ", "masksX"]
+
+
+def test_labels_json_that_is_no_regular_file_is_refused_unopened_and_replaced_by_overwrite(tmp_path):
+    """``labels.json`` a named pipe (reading it waited for a writer for ever), a link (to
+    labels elsewhere, which would vouch for these masks, or to a device): refused at once
+    with what it is and what to do; ``--overwrite`` replaces it, the link's target untouched."""
+    import time
+
+    from fault_helpers import unblock_later
+
+    info = labels_info("fcn_resnet50", "random", ["bg", "x"], {"size": 8}, None)
+    elsewhere = write_labels(tmp_path, info).rename(tmp_path / "theirs.json")
+    out = tmp_path / "out"
+    out.mkdir()
+    path = out / "labels.json"
+    for make, kind in ((lambda: os.mkfifo(path), "a named pipe (FIFO)"),
+                       (lambda: path.symlink_to(elsewhere), "a symbolic link"),
+                       (lambda: path.symlink_to("/dev/zero"), "a symbolic link")):
+        make()
+        unblock_later(path)
+        start = time.monotonic()
+        with pytest.raises(ConfigError) as err:
+            write_labels(out, info)
+        assert time.monotonic() - start < 5
+        assert str(err.value) == (f"{path} is {kind}, not a regular file; remove it, or pass --overwrite "
+                                  "to redo every image")
+        assert write_labels(out, info, replace=True) == path
+        assert not path.is_symlink() and json.loads(path.read_text()) == info
+        path.unlink()
+    assert json.loads(elsewhere.read_text()) == info
