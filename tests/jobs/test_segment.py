@@ -212,7 +212,7 @@ def test_resume_skips_done_images_and_overwrite_redoes_them(tmp_path, small):
     (images / "bad.png").unlink()
     nothing = segment(config(images, out, small), progress=False)
     assert nothing["written"] == 0 and nothing["already_done"] == 3
-    assert "engine" not in nothing, "nothing to do: no model is loaded"
+    assert "engine" not in nothing, "nothing to do: the model is never run"
     with_logits = segment(config(images, out, small, save_logits=True), progress=False)
     assert with_logits["written"] == 3, "an output asked for and missing makes the image redone"
 
@@ -860,3 +860,30 @@ def test_a_pipe_at_the_skip_report_or_the_labels_is_never_waited_for(tmp_path, s
     with pytest.raises(ConfigError, match=r"labels.json is a named pipe \(FIFO\), not a regular file; remove it"):
         segment(config(images, out, small), progress=False)
     assert time.monotonic() - start < 30
+
+
+def test_settings_are_checked_with_nothing_to_do_and_before_anything_is_deleted(tmp_path, small):
+    """A run with every image done still reads the weights and checks labels.json: another
+    arch or preprocessing, or a weights file it cannot read, is refused (before: exit 0,
+    "3 already done"). A refused --overwrite --stats deletes no row (before: every row was
+    dropped before the weights were read)."""
+    images, out = tmp_path / "images", tmp_path / "out"
+    images.mkdir()
+    for i in range(3):
+        Image.fromarray(noise(20 + i, 30, seed=i)).save(images / f"{i}.png")
+    segment(config(images, out, small, stats=True), progress=False)
+    labels = (out / "labels.json").read_bytes()
+    (tmp_path / "garbage.pth").write_bytes(os.urandom(1000))
+    refusals = [(small, dict(resize="fit"), "preprocessing"), (small, dict(arch="lraspp_mobilenet_v3_large"), "arch"),
+                (tmp_path / "garbage.pth", dict(arch=SMALL), "garbage.pth"),
+                (tmp_path / "missing.pth", dict(arch=SMALL), "missing.pth")]
+    for overwrite in (False, True):
+        for weights, change, named in refusals:
+            if overwrite and weights == small:
+                continue  # --overwrite takes other settings: that is what it is for
+            with pytest.raises(ConfigError, match=named):
+                segment(config(images, out, weights, stats=True, overwrite=overwrite, **change), progress=False)
+            assert (out / "labels.json").read_bytes() == labels
+            assert sorted(r["source"] for r in stats_rows(out)) == ["0.png", "1.png", "2.png"]
+    same = segment(config(images, out, small, stats=True), progress=False)
+    assert (same["already_done"], same["written"]) == (3, 0)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import os
 import time
@@ -48,7 +49,7 @@ from ...stages.device import resolve_device
 from ...stages.segmentation import Segmenter, SegmentationModel, load_segmentation_model
 from .devices import segment_on_devices
 from .listing import list_inputs, remove_stale_tmp_files
-from .run import segment_on_device
+from .run import check_settings, segment_on_device
 
 __all__ = ["SegmentConfig", "list_inputs", "segment", "segment_images"]
 
@@ -94,14 +95,17 @@ def segment(config: SegmentConfig, progress: bool = True, timeline: str | None =
             todo, already = list_inputs(config, report)
             if not remote_out:  # an object is whole or absent: nothing half-written to delete
                 remove_stale_tmp_files(out, todo)
-            if todo and not remote_out:  # an image redone gets its one row anew, --stats or not
-                drop_stats_rows(out, {rel for rel, _ in todo})
             phases["list_s"] = time.perf_counter() - t0
             summary = {"images": len(todo) + already, "already_done": already, "written": 0}
+            redo = functools.partial(_before_redoing, config, todo)
+            if not todo or several:  # the settings are checked before anything is deleted
+                check_settings(config)
             if todo and several:
+                redo()
                 summary.update(segment_on_devices(devices, config, todo, report, progress))
             elif todo:
-                summary.update(segment_on_device(config, device, todo, report, progress, timeline, trace=trace))
+                summary.update(segment_on_device(config, device, todo, report, progress, timeline, trace=trace,
+                                                 before_writes=redo))
             phases["segment_s"] = time.perf_counter() - t0 - phases["list_s"]
         finally:
             report_path = _write_report(report, config.out) if remote_out else report.write(out)
@@ -115,6 +119,14 @@ def segment(config: SegmentConfig, progress: bool = True, timeline: str | None =
         "out": config.out if remote_out else str(out), "report": str(report_path), "report_run": report.run,
     })
     return summary
+
+
+def _before_redoing(config: SegmentConfig, todo: list[tuple[str, str]]) -> None:
+    """What goes before a run writes, once its model and the folder's labels agree: the
+    statistics rows of the images it redoes are dropped (an image redone gets its one row
+    anew, ``--stats`` or not)."""
+    if not is_remote(config.out):
+        drop_stats_rows(config.out, {rel for rel, _ in todo})
 
 
 def _write_report(report: SkipReport, url: str) -> str:
