@@ -15,6 +15,8 @@ preprocessing (``transforms()``).
 
 from __future__ import annotations
 
+import hashlib
+import io
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -47,6 +49,10 @@ MAX_CLASSES = 256
 # (FCNHead, DeepLabHead), LR-ASPP.
 _HEAD_KEYS = ("classifier.4.weight", "classifier.high_classifier.weight")
 
+# --random-weights are drawn from this seed: a resumed run, and every device process of
+# one, builds the same model (unseeded, a resumed run mixed the masks of two).
+RANDOM_WEIGHTS_SEED = 0
+
 # Bytes of upsampled scores one mask may hold at once on the device; larger images
 # are upsampled a few classes at a time (same result, see ``upsampled_argmax``).
 UPSAMPLE_BUDGET = 1 << 29
@@ -67,6 +73,7 @@ class SegmentationModel:
     interpolation: str = "bilinear"
     antialias: bool = True
     preset: str = ""         # the torchvision weights whose meta and transforms apply
+    sha256: str | None = None  # of the weights file; None: random weights (seeded, always the same)
 
     def preprocessing(self, resize: str = "short", size: int | None = None) -> Preprocessing:
         """The preset's preprocessing, in ``resize`` mode, at ``size`` (default the preset's)."""
@@ -103,12 +110,34 @@ def read_state_dict(path: str | os.PathLike, trust: bool = False) -> dict[str, t
     module needs full unpickling, which runs whatever code the file holds: it is read
     only when the caller says the file is trusted, and refused otherwise.
     """
+    return read_weights(path, trust)[0]
+
+
+def read_weights(path: str | os.PathLike, trust: bool = False) -> tuple[dict[str, torch.Tensor], str]:
+    """:func:`read_state_dict`'s state dict, and the sha256 of the bytes it was read from:
+    ``labels.json`` records it, so masks of two weights files never share a folder. The
+    file is read once (opened without blocking: a pipe is refused, not waited for)."""
+    from ..sources.files import NotRegularFile, open_regular
+
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"weights file {str(path)!r} does not exist; pass the path of a "
-                          "torchvision segmentation state dict or checkpoint")
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        with open_regular(path) as fh:
+            data = fh.read()
+    except FileNotFoundError:
+        raise ConfigError(f"weights file {str(path)!r} does not exist; pass the path of a "
+                          "torchvision segmentation state dict or checkpoint") from None
+    except NotRegularFile as exc:
+        raise ConfigError(f"weights file {str(path)!r} is not a regular file ({exc.strerror}); pass the "
+                          "path of a torchvision segmentation state dict or checkpoint") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read weights file {str(path)!r}: {exc.strerror or exc}") from exc
+    return _state_dict(data, path, trust), hashlib.sha256(data).hexdigest()
+
+
+def _state_dict(data: bytes, path: Path, trust: bool) -> dict[str, torch.Tensor]:
+    """The state dict in ``data``, the bytes of the weights file ``path``."""
+    try:
+        obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as safe_exc:
         if not trust:
             raise ConfigError(
@@ -120,7 +149,7 @@ def read_state_dict(path: str | os.PathLike, trust: bool = False) -> dict[str, t
         log.warning("weights file %s is not a plain state dict (%s); loading it with full "
                     "unpickling, as asked: only do this with files you trust", path, safe_exc)
         try:
-            obj = torch.load(path, map_location="cpu", weights_only=False)
+            obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
         except Exception as exc:
             raise ConfigError(f"cannot read weights file {str(path)!r}: {exc}") from exc
     for key in ("model", "state_dict"):
@@ -177,10 +206,11 @@ def load_segmentation_model(arch: str = "deeplabv3_resnet50", weights: str | Non
                           f"1..{MAX_CLASSES}")
     categories = list(preset.meta["categories"])
     cached = hub_checkpoint_path(arch)
+    digest = None
     if weights is not None:
-        state, source = read_state_dict(weights, trust_weights_file), f"file {weights}"
+        (state, digest), source = read_weights(weights, trust_weights_file), f"file {weights}"
     elif cached.is_file():
-        state, source = read_state_dict(cached), f"hub cache {cached}"
+        (state, digest), source = read_weights(cached), f"hub cache {cached}"
     elif random_weights:
         state, source = None, "random"
     else:
@@ -207,7 +237,9 @@ def load_segmentation_model(arch: str = "deeplabv3_resnet50", weights: str | Non
     if state is not None:
         model = _filled(arch, num_classes, state, source)
     else:
-        model = _built(arch, num_classes)
+        with torch.random.fork_rng(devices=[]):  # the same model in every run and process
+            torch.manual_seed(RANDOM_WEIGHTS_SEED)
+            model = _built(arch, num_classes)
         log.warning("using random weights for %s: masks are meaningless", arch)
     if num_classes != len(categories):
         categories = [f"class_{i}" for i in range(num_classes)]
@@ -215,7 +247,7 @@ def load_segmentation_model(arch: str = "deeplabv3_resnet50", weights: str | Non
     return SegmentationModel(model.eval(), arch, num_classes, categories, source,
                              tuple(transforms.mean), tuple(transforms.std),
                              int(transforms.resize_size[0]), transforms.interpolation.value,
-                             bool(transforms.antialias), f"{type(preset).__name__}.{preset.name}")
+                             bool(transforms.antialias), f"{type(preset).__name__}.{preset.name}", digest)
 
 
 class Segmenter:

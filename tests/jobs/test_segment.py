@@ -887,3 +887,35 @@ def test_settings_are_checked_with_nothing_to_do_and_before_anything_is_deleted(
             assert sorted(r["source"] for r in stats_rows(out)) == ["0.png", "1.png", "2.png"]
     same = segment(config(images, out, small, stats=True), progress=False)
     assert (same["already_done"], same["written"]) == (3, 0)
+
+
+def test_masks_of_other_weights_never_join_a_folder(tmp_path, small):
+    """The same weights file moved or copied resumes the folder (labels.json notes the new
+    path); another weights file, even at the same path, or random weights, is refused
+    unless --overwrite (before: accepted, labels.json rewritten to claim the new
+    weights for every mask). --random-weights are seeded: a resumed run makes the masks
+    a whole run makes."""
+    images, out = tmp_path / "images", tmp_path / "out"
+    images.mkdir()
+    for i in range(2):
+        Image.fromarray(noise(20 + i, 30, seed=i)).save(images / f"{i}.png")
+    moved = tmp_path / "moved_small.pth"
+    moved.write_bytes(small.read_bytes())
+    segment(config(images, out, small), progress=False)
+    output_paths(out, "1.png")["mask"].unlink()
+    assert segment(config(images, out, moved), progress=False)["written"] == 1
+    assert json.loads((out / "labels.json").read_text())["weights"] == f"file {moved}"
+    state = torch.load(small, weights_only=True)
+    state["classifier.4.bias"] += 1  # other weights, at the path that resumed the folder
+    torch.save(state, moved)
+    for other in (dict(weights=moved), dict(weights=None, random_weights=True)):
+        with pytest.raises(ConfigError, match=r"holds masks made with other settings \(weights.*differ.*--overwrite"):
+            segment(dataclasses.replace(config(images, out, small), **other), progress=False)
+    rand = dict(weights=None, random_weights=True)
+    whole = segment(dataclasses.replace(config(images, tmp_path / "whole", small), **rand), progress=False)
+    segment(dataclasses.replace(config(images, out, small, overwrite=True), **rand), progress=False)
+    output_paths(out, "1.png")["mask"].unlink()
+    assert segment(dataclasses.replace(config(images, out, small), **rand), progress=False)["written"] == 1
+    assert whole["written"] == 2
+    for rel in ("0.png", "1.png"):
+        assert np.array_equal(mask_of(out, rel), mask_of(tmp_path / "whole", rel)), rel

@@ -455,3 +455,26 @@ def test_preset_preprocessing_is_the_loaded_models(arch):
     prep = preset_preprocessing(arch)
     assert (prep.size, prep.mean, prep.std) == (transforms.resize_size[0], tuple(transforms.mean),
                                                 tuple(transforms.std))
+
+
+def test_weights_are_known_by_their_file_s_sha256_and_random_ones_are_always_the_same(tmp_path):
+    """The loaded model carries the sha256 of the file's bytes (what labels.json records);
+    --random-weights are seeded: two loads give the same tensors (unseeded, a resumed run
+    or a second device process made masks of another model), and the global RNG is left
+    as it was."""
+    import hashlib
+
+    from embedingest.stages.segmentation import load_segmentation_model
+
+    path = random_weights_file(tmp_path / "w.pth", arch="lraspp_mobilenet_v3_large")
+    loaded = load_segmentation_model("lraspp_mobilenet_v3_large", str(path))
+    assert loaded.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    torch.manual_seed(7)
+    expected_next = torch.rand(3)
+    torch.manual_seed(7)
+    one = load_segmentation_model("lraspp_mobilenet_v3_large", random_weights=True)
+    assert torch.equal(torch.rand(3), expected_next)
+    two = load_segmentation_model("lraspp_mobilenet_v3_large", random_weights=True)
+    assert one.sha256 is None and one.source == "random"
+    for (name, a), b in zip(one.model.state_dict().items(), two.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name

@@ -106,7 +106,7 @@ def _write_labels(config: SegmentConfig, loaded: SegmentationModel) -> None:
     were made with another model or preprocessing is refused (ConfigError)."""
     write_labels(config.out, labels_info(loaded.arch, loaded.source, loaded.categories,
                                          loaded.preprocessing(config.resize, config.size).describe(),
-                                         _full_max(config), loaded.preset),
+                                         _full_max(config), loaded.preset, loaded.sha256),
                  replace=config.overwrite)
 
 
