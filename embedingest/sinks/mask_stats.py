@@ -22,6 +22,7 @@ target is never read).
 from __future__ import annotations
 
 import io
+import logging
 import os
 import time
 from collections import Counter
@@ -30,9 +31,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import ConfigError
 from ..outfiles import atomic_write_bytes, ensure_folder, refuse_link
 from ..sources.files import open_regular
 from ..sources.names import name_as_text
+
+log = logging.getLogger("embedingest")
 
 STATS_DIR = "stats"
 FIXED_COLUMNS = ("source", "width", "height")
@@ -74,11 +78,25 @@ def part_files(out: str | os.PathLike) -> list[Path]:
 
 
 def _read_part(part: Path, columns: list[str] | None = None):
-    """A part's table, opened without following a link and without blocking."""
+    """A part's table, opened without following a link and without blocking; None where
+    it is damaged (cut short, not Parquet, no ``source``): its rows are lost, so its
+    images have no row and are redone, and ``drop_stats_rows`` deletes it."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    with open_regular(part, follow_links=False) as fh:
-        return pq.read_table(fh, columns=columns)
+    try:
+        with open_regular(part, follow_links=False) as fh:
+            table = pq.read_table(fh, columns=columns)
+        if "source" not in table.column_names:
+            raise pa.ArrowInvalid("it has no 'source' column")
+        return table
+    except pa.ArrowException as exc:
+        log.warning("stats part %s is damaged (%s): its rows are lost, and its images redone",
+                    part, str(exc).splitlines()[0])
+        return None
+    except OSError as exc:
+        raise ConfigError(f"stats part {part} is unreadable ({exc.strerror or exc}); make it readable, "
+                          "or delete it (its images are then redone)") from exc
 
 
 def row_counts(out: str | os.PathLike) -> Counter:
@@ -86,7 +104,9 @@ def row_counts(out: str | os.PathLike) -> Counter:
     writes them): resume takes an image as done only with exactly one."""
     counts: Counter = Counter()
     for part in part_files(out):
-        counts.update(_read_part(part, ["source"]).column("source").to_pylist())
+        table = _read_part(part, ["source"])
+        if table is not None:
+            counts.update(table.column("source").to_pylist())
     return counts
 
 
@@ -101,12 +121,18 @@ def drop_stats_rows(out: str | os.PathLike, sources: set[str]) -> None:
 
     The old part is removed before its other rows are committed again under a new name:
     a crash in between loses rows, never duplicates them, and an image without a row is
-    redone by the next run."""
+    redone by the next run. A damaged part (its rows lost already, its images redone) and
+    a link at a part's name (the link, not its target) are deleted."""
     import pyarrow.compute as pc
 
     sources = {name_as_text(source) for source in sources}
+    _remove_linked_parts(out)
     for n, part in enumerate(part_files(out)):
         table = _read_part(part)
+        if table is None:  # damaged: its rows are lost already, its images redone
+            log.warning("deleting the damaged stats part %s", part)
+            os.unlink(part)
+            continue
         keep = pc.invert(pc.is_in(table.column("source"), value_set=_string_array(sources)))
         kept = table.filter(keep)
         if kept.num_rows == table.num_rows:
@@ -114,6 +140,20 @@ def drop_stats_rows(out: str | os.PathLike, sources: set[str]) -> None:
         os.unlink(part)
         if kept.num_rows:
             _commit(part.parent / f"part-{time.time_ns()}-{os.getpid()}-kept{n}.parquet", kept)
+
+
+def _remove_linked_parts(out: str | os.PathLike) -> None:
+    """Delete the links at part names in the stats folder (the links, never what they lead
+    to): a reader of the folder as one table would read their targets' rows."""
+    folder = stats_folder(out)
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for entry in entries:
+        if _is_part_name(entry.name) and entry.is_symlink():
+            log.warning("deleting %s: a link where a stats part goes (its target is kept)", entry.path)
+            os.unlink(entry.path)
 
 
 def _string_array(values: Iterable[str]):

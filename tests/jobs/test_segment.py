@@ -919,3 +919,23 @@ def test_masks_of_other_weights_never_join_a_folder(tmp_path, small):
     assert whole["written"] == 2
     for rel in ("0.png", "1.png"):
         assert np.array_equal(mask_of(out, rel), mask_of(tmp_path / "whole", rel)), rel
+
+
+def test_a_stats_part_cut_short_costs_its_rows_never_the_run(tmp_path, small):
+    """A part cut short (a disk that lost its tail): every run stopped with Arrow's
+    traceback, --overwrite included. Now its images are redone and their rows written
+    again, each image once, the damaged part deleted; --overwrite runs too."""
+    images, out = tmp_path / "images", tmp_path / "out"
+    images.mkdir()
+    for i in range(4):
+        Image.fromarray(noise(20 + i, 30, seed=i)).save(images / f"{i}.png")
+    segment(config(images, out, small, stats=True, num_consumers=2), progress=False)
+    parts = part_files(out)
+    lost = set(pq.read_table(parts[0]).column("source").to_pylist())
+    parts[0].write_bytes(parts[0].read_bytes()[:100])
+    again = segment(config(images, out, small, stats=True), progress=False)
+    assert again["written"] == len(lost) and not parts[0].exists()
+    assert sorted(r["source"] for r in stats_rows(out)) == [f"{i}.png" for i in range(4)]
+    part_files(out)[0].write_bytes(b"PAR1")
+    redo = segment(config(images, out, small, stats=True, overwrite=True), progress=False)
+    assert redo["written"] == 4 and sorted(r["source"] for r in stats_rows(out)) == [f"{i}.png" for i in range(4)]

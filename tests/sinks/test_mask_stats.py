@@ -14,7 +14,7 @@ import pytest
 
 from embedingest.errors import ConfigError
 from embedingest.sinks import mask_stats
-from embedingest.sinks.mask_stats import StatsWriter, drop_stats_rows, part_files, stats_sources
+from embedingest.sinks.mask_stats import StatsWriter, drop_stats_rows, part_files, row_counts, stats_sources
 
 
 def rows(out) -> dict[str, dict]:
@@ -118,5 +118,29 @@ def test_a_part_that_is_a_link_is_no_part_and_its_target_is_not_read(tmp_path):
     [theirs] = [p for p in victim.iterdir() if p.suffix == ".parquet"]
     (out / "stats" / "part-1-1-0.parquet").symlink_to(theirs)
     assert part_files(out) == [own] and stats_sources(out) == {"a.png"}
-    drop_stats_rows(out, {"theirs.png", "a.png"})
+    drop_stats_rows(out, {"theirs.png"})
     assert {p.name: p.read_bytes() for p in victim.iterdir()} == before
+    assert sorted(p.name for p in (out / "stats").iterdir()) == [own.name], "the link deleted, not its target"
+
+
+@pytest.mark.parametrize("damage", ["cut", "empty", "garbage", "no source"])
+def test_a_damaged_part_is_lost_rows_never_a_crash_and_a_drop_deletes_it(tmp_path, damage, caplog):
+    """A part cut short (or empty, garbage, a Parquet file without ``source``) stopped every
+    run with Arrow's traceback, --overwrite included: now its rows count as lost (its
+    images have no row, so resume redoes them) with a warning naming it, and the drop
+    before they are redone deletes it; the other parts are kept whole."""
+    writer = StatsWriter(str(tmp_path), ["bg"], rows_per_part=2)
+    for name in ("a", "b", "c", "d"):
+        writer.add(name, np.zeros((1, 1), np.uint8))
+    first, second = part_files(tmp_path)
+    data = {"cut": first.read_bytes()[:-30], "empty": b"", "garbage": os.urandom(300)}.get(damage)
+    if data is None:
+        pq.write_table(pa.table({"x": [1]}), first)
+    else:
+        first.write_bytes(data)
+    with caplog.at_level("WARNING", "embedingest"):
+        assert row_counts(tmp_path) == {"c": 1, "d": 1}
+    assert f"stats part {first} is damaged (" in caplog.text
+    drop_stats_rows(tmp_path, {"a", "b"})
+    assert part_files(tmp_path) == [second] and stats_sources(tmp_path) == {"c", "d"}
+    assert f"deleting the damaged stats part {first}" in caplog.text
