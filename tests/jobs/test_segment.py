@@ -939,3 +939,38 @@ def test_a_stats_part_cut_short_costs_its_rows_never_the_run(tmp_path, small):
     part_files(out)[0].write_bytes(b"PAR1")
     redo = segment(config(images, out, small, stats=True, overwrite=True), progress=False)
     assert redo["written"] == 4 and sorted(r["source"] for r in stats_rows(out)) == [f"{i}.png" for i in range(4)]
+
+
+def test_images_whose_outputs_would_take_a_name_in_use_are_skipped_and_the_rest_written(tmp_path, small):
+    """An image ``a.jpg`` (mask ``a.jpg.png``) beside an input folder ``a.jpg.png/``, and
+    input folders named ``labels.json``, ``skipped.jsonl`` or ``stats``: before, every run
+    failed (``[Errno 21] Is a directory``, naming a file descriptor) or put masks into the
+    statistics folder, which then did not read as a table. Now each such image is skipped
+    with the reason and the others are written; the folder reads as one table."""
+    import pandas as pd
+
+    images, out = tmp_path / "images", tmp_path / "out"
+    rels = ["a.jpg", "a.jpg.png/b.jpg", "labels.json/c.jpg", "skipped.jsonl/d.jpg", "stats/e.jpg",
+            "sub/f.jpg", "sub/f.jpg.overlay.jpg/g.jpg", "ok.jpg"]
+    for i, rel in enumerate(rels):
+        (images / rel).parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(noise(20, 30, seed=i)).save(images / rel)
+    summary = segment(config(images, out, small, stats=True), progress=False)
+    written = ["a.jpg.png/b.jpg", "sub/f.jpg.overlay.jpg/g.jpg", "ok.jpg"]
+    assert (summary["written"], summary["skipped"], summary["exit_code"]) == (3, 5, 3)
+    entries = {os.path.relpath(e["path"], images): e["reason"] for e in
+               map(json.loads, (out / "skipped.jsonl").read_text().splitlines())}
+    assert entries == {
+        "a.jpg": "name taken: its output 'a.jpg.png' would be the folder that the outputs of "
+                 "'a.jpg.png/b.jpg' go in; rename one of them",
+        "sub/f.jpg": "name taken: its output 'sub/f.jpg.overlay.jpg' would be the folder that the outputs of "
+                     "'sub/f.jpg.overlay.jpg/g.jpg' go in; rename one of them",
+        **{f"{top}/{name}": f"name taken: its outputs would go in the folder '{top}' of the output, the name "
+                            f"of segment's own {what}; rename or move the input folder '{top}'"
+           for top, name, what in (("labels.json", "c.jpg", "labels.json"), ("skipped.jsonl", "d.jpg", "skip report"),
+                                   ("stats", "e.jpg", "--stats table folder"))}}
+    assert all(mask_of(out, rel).shape == (20, 30) for rel in written)
+    assert (out / "labels.json").is_file() and (out / "skipped.jsonl").is_file()
+    assert sorted(pd.read_parquet(out / "stats")["source"]) == sorted(written)
+    again = segment(config(images, out, small, stats=True), progress=False)
+    assert (again["already_done"], again["written"], again["skipped"]) == (3, 0, 5)
