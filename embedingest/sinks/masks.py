@@ -209,6 +209,10 @@ def _read_labels(path: Path) -> bytes | None:
         raise ConfigError(f"{path} is unreadable ({exc}); remove it or pass --overwrite") from exc
 
 
+_JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean",
+               type(None): "null"}
+
+
 def _same_labels(old: bytes, info: dict, out, path) -> bool:
     """Whether the labels ``old`` (the file's bytes) are ``info``; ConfigError when they
     describe masks made otherwise."""
@@ -216,6 +220,9 @@ def _same_labels(old: bytes, info: dict, out, path) -> bool:
         old = json.loads(old)
     except ValueError as exc:
         raise ConfigError(f"{path} is unreadable ({exc}); remove it or pass --overwrite") from exc
+    if not isinstance(old, dict):
+        raise ConfigError(f"{path} holds a JSON {_JSON_KINDS.get(type(old), type(old).__name__)}, not the object "
+                          "of labels segment writes; remove it or pass --overwrite")
     differ = _differences(old, info)
     if differ:
         raise ConfigError(

@@ -336,6 +336,12 @@ def test_labels_json_is_indented_refuses_other_weights_and_notes_the_same_weight
     path.write_text("{not json")
     with pytest.raises(ConfigError, match=f"^{re.escape(str(path))} is unreadable .*; remove it or pass --overwrite$"):
         write_labels(tmp_path, info)
+    for text, kind in (("[1, 2]", "array"), ('"labels"', "string"), ("3", "number"), ("null", "null")):
+        path.write_text(text)  # JSON, but not the object of labels: an AttributeError's traceback before
+        with pytest.raises(ConfigError) as err:
+            write_labels(tmp_path, info)
+        assert str(err.value) == (f"{path} holds a JSON {kind}, not the object of labels segment writes; "
+                                  "remove it or pass --overwrite")
     path.unlink()
     path.mkdir()  # there, but not readable as a file
     with pytest.raises(ConfigError, match=f"^{re.escape(str(path))} is unreadable .*; remove it or pass --overwrite$"):
