@@ -142,6 +142,16 @@ def drop_stats_rows(out: str | os.PathLike, sources: set[str]) -> None:
             _commit(part.parent / f"part-{time.time_ns()}-{os.getpid()}-kept{n}.parquet", kept)
 
 
+def remove_parts(out: str | os.PathLike) -> None:
+    """Delete every part (by name, in the stats folder; a link there, not its target):
+    ``--overwrite`` makes the table this run's alone. Parts of an earlier model have other
+    class columns (a reader of the folder as one table drops the columns that differ,
+    silently) and rows of images no longer in the input."""
+    _remove_linked_parts(out)
+    for part in part_files(out):
+        os.unlink(part)
+
+
 def _remove_linked_parts(out: str | os.PathLike) -> None:
     """Delete the links at part names in the stats folder (the links, never what they lead
     to): a reader of the folder as one table would read their targets' rows."""

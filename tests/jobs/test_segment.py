@@ -974,3 +974,24 @@ def test_images_whose_outputs_would_take_a_name_in_use_are_skipped_and_the_rest_
     assert sorted(pd.read_parquet(out / "stats")["source"]) == sorted(written)
     again = segment(config(images, out, small, stats=True), progress=False)
     assert (again["already_done"], again["written"], again["skipped"]) == (3, 0, 5)
+
+
+def test_overwrite_makes_the_statistics_this_run_s_alone(tmp_path, small):
+    """--overwrite with another model (other classes) after an input left: before, the old
+    parts stayed, with the gone image's row and other class columns, and
+    ``pandas.read_parquet`` dropped the differing columns without a word. Now every old
+    part is deleted: the table holds this run's rows and columns only."""
+    import pandas as pd
+
+    images, out = tmp_path / "images", tmp_path / "out"
+    images.mkdir()
+    for i in range(3):
+        Image.fromarray(noise(20 + i, 30, seed=i)).save(images / f"{i}.png")
+    segment(config(images, out, small, stats=True), progress=False)
+    (images / "2.png").unlink()
+    other = dataclasses.replace(config(images, out, small, stats=True, overwrite=True, num_classes=3),
+                                weights=None, random_weights=True, arch="lraspp_mobilenet_v3_large")
+    assert segment(other, progress=False)["written"] == 2
+    table = pd.read_parquet(out / "stats")
+    assert sorted(table["source"]) == ["0.png", "1.png"]
+    assert list(table.columns) == ["source", "width", "height", "class_0", "class_1", "class_2"]

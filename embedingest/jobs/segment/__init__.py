@@ -38,7 +38,7 @@ from ...exit_codes import exit_code
 from ...index.lock import RunLock
 from ...report import REPORT_NAME, SkipReport
 from ...scaleout.devices import devices_of
-from ...sinks.mask_stats import drop_stats_rows
+from ...sinks.mask_stats import drop_stats_rows, remove_parts
 from ...sinks.masks import restore_mask
 from ...sources.files import refuse_output_as_input
 from ...sources.image_decode import ImageRejected
@@ -124,8 +124,13 @@ def segment(config: SegmentConfig, progress: bool = True, timeline: str | None =
 def _before_redoing(config: SegmentConfig, todo: list[tuple[str, str]]) -> None:
     """What goes before a run writes, once its model and the folder's labels agree: the
     statistics rows of the images it redoes are dropped (an image redone gets its one row
-    anew, ``--stats`` or not)."""
-    if not is_remote(config.out):
+    anew, ``--stats`` or not); with ``--overwrite`` every part goes, so the table is this
+    run's alone."""
+    if is_remote(config.out):
+        return
+    if config.overwrite:
+        remove_parts(config.out)
+    else:
         drop_stats_rows(config.out, {rel for rel, _ in todo})
 
 
