@@ -19,6 +19,7 @@ import hashlib
 import io
 import logging
 import os
+import pickle
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,11 +135,30 @@ def read_weights(path: str | os.PathLike, trust: bool = False) -> tuple[dict[str
     return _state_dict(data, path, trust), hashlib.sha256(data).hexdigest()
 
 
+# How the two formats torch.save writes begin: a zip archive, or (before PyTorch 1.6) a
+# pickle whose first object is torch's magic number.
+_TORCH_STARTS = (b"PK\x03\x04", b"\x80\x02\x8a\x0a" + torch.serialization.MAGIC_NUMBER.to_bytes(10, "little"))
+
+
+def _not_readable(path: Path, why: str) -> ConfigError:
+    return ConfigError(f"weights file {str(path)!r} is not a readable PyTorch weights file ({why}); pass a "
+                       "torchvision segmentation state dict or checkpoint saved with torch.save")
+
+
 def _state_dict(data: bytes, path: Path, trust: bool) -> dict[str, torch.Tensor]:
-    """The state dict in ``data``, the bytes of the weights file ``path``."""
+    """The state dict in ``data``, the bytes of the weights file ``path``. Bytes that are
+    no file torch.save writes, or one cut short or damaged, are named so; only a whole file
+    the safe loader refuses (objects only unpickling makes) gets the advice of
+    ``--trust-weights-file``."""
+    if not data.startswith(_TORCH_STARTS):
+        raise _not_readable(path, "it is empty" if not data else
+                            "it begins as neither of the formats torch.save writes")
     try:
         obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as safe_exc:
+        if not isinstance(safe_exc, pickle.UnpicklingError):  # not the safe loader's refusal
+            first = str(safe_exc).splitlines()[0][:200] if str(safe_exc) else type(safe_exc).__name__
+            raise _not_readable(path, f"cut short or damaged: {first}") from safe_exc
         if not trust:
             raise ConfigError(
                 f"weights file {str(path)!r} is not a plain state dict or checkpoint "
@@ -187,11 +207,21 @@ def _filled(arch: str, num_classes: int, state: Mapping[str, torch.Tensor], sour
         model.load_state_dict(state, assign=True)
     except RuntimeError as exc:
         raise ConfigError(f"weights from {source} do not fit {arch} with {num_classes} "
-                          f"classes (is --arch right?): {exc}") from exc
+                          f"classes (is --arch right?): {_misfit(model.state_dict(), state)}") from exc
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         model = _built(arch, num_classes)
         model.load_state_dict(state)
     return model
+
+
+def _misfit(expected: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor], shown: int = 3) -> str:
+    """How ``state`` differs from the model's ``expected`` tensors: counts and the first
+    few keys of each kind (the full lists of another architecture run to thousands of names)."""
+    kinds = {"missing": [k for k in expected if k not in state],
+             "unexpected": [k for k in state if k not in expected],
+             "of another shape": [k for k in expected if k in state and state[k].shape != expected[k].shape]}
+    return "; ".join(f"{len(keys)} keys {kind} ({', '.join(keys[:shown])}{', ...' if len(keys) > shown else ''})"
+                     for kind, keys in kinds.items() if keys)
 
 
 def load_segmentation_model(arch: str = "deeplabv3_resnet50", weights: str | None = None,
