@@ -995,3 +995,15 @@ def test_overwrite_makes_the_statistics_this_run_s_alone(tmp_path, small):
     table = pd.read_parquet(out / "stats")
     assert sorted(table["source"]) == ["0.png", "1.png"]
     assert list(table.columns) == ["source", "width", "height", "class_0", "class_1", "class_2"]
+
+
+def test_an_out_that_is_a_link_to_nowhere_is_named(tmp_path, small):
+    """Before: '[Errno 17] File exists', naming nothing."""
+    images = tmp_path / "images"
+    images.mkdir()
+    Image.fromarray(noise(20, 30)).save(images / "a.png")
+    (tmp_path / "out").symlink_to(tmp_path / "gone")
+    with pytest.raises(ConfigError) as err:
+        segment(config(images, tmp_path / "out", small), progress=False)
+    assert str(err.value) == (f"out='{tmp_path / 'out'}' is a symbolic link to '{tmp_path / 'gone'}', which does "
+                              "not exist; create that folder, or give another --out")

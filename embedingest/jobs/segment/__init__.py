@@ -83,7 +83,7 @@ def segment(config: SegmentConfig, progress: bool = True, timeline: str | None =
         refuse_output_as_input(config.out, config.images, "input folder", "the PNG masks")
     out = Path(config.out)
     if not remote_out:
-        out.mkdir(parents=True, exist_ok=True)
+        _make_out(out)
     report = SkipReport()
     t0 = time.perf_counter()
     phases = {}  # seconds of each step, for the summary: where a run's time goes
@@ -119,6 +119,18 @@ def segment(config: SegmentConfig, progress: bool = True, timeline: str | None =
         "out": config.out if remote_out else str(out), "report": str(report_path), "report_run": report.run,
     })
     return summary
+
+
+def _make_out(out: Path) -> None:
+    """Make the output folder; a link there that leads nowhere is named (mkdir said only
+    ``[Errno 17] File exists``)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        if os.path.islink(out) and not out.exists():
+            raise ConfigError(f"out={str(out)!r} is a symbolic link to {os.readlink(out)!r}, which does not "
+                              "exist; create that folder, or give another --out") from None
+        raise
 
 
 def _before_redoing(config: SegmentConfig, todo: list[tuple[str, str]]) -> None:
