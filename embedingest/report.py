@@ -11,7 +11,6 @@ a later run repeats (same path, reason and stage) is kept once, with the later r
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import os
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .outfiles import atomic_write_bytes, new_run_id
+from .sources.files import open_regular
 
 log = logging.getLogger("embedingest")
 
@@ -76,16 +76,17 @@ def _same(entry: dict) -> tuple:
 
 
 def _read_lines(path: Path) -> list[tuple[str, dict]]:
-    """The entries of an existing report, as (line, parsed). A link there is not read
-    through (it is replaced by the new report); lines that are not entries are dropped."""
+    """The entries of an existing report, as (line, parsed). What is not a regular file
+    there (a link, a named pipe, a device) is never opened blocking nor read through: it
+    is replaced by the new report; lines that are not entries are dropped."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno not in (errno.ENOENT, errno.ELOOP):
-            log.warning("cannot read the earlier skip report %s (%s): it is replaced", path, exc)
+        with open_regular(path, follow_links=False) as fh:
+            lines = fh.read().decode("utf-8", "surrogateescape").splitlines()
+    except FileNotFoundError:
         return []
-    with open(fd, encoding="utf-8", errors="surrogateescape") as fh:
-        lines = fh.read().splitlines()
+    except OSError as exc:
+        log.warning("cannot read the earlier skip report %s (%s): it is replaced", path, exc)
+        return []
     out = []
     for line in lines:
         with contextlib.suppress(ValueError):

@@ -1,4 +1,10 @@
 import json
+import logging
+import os
+import stat
+import time
+
+from fault_helpers import unblock_later
 
 from embedingest.report import SkipReport, passed_over_sentence
 
@@ -48,3 +54,28 @@ def test_earlier_runs_stay_in_the_report_each_entry_naming_its_run(tmp_path):
     third.write(tmp_path)
     assert not path.is_symlink() and path.read_text() == ""
     assert (tmp_path / "elsewhere.jsonl").read_text() == '{"path": "x", "reason": "y"}\n'
+
+
+def test_a_report_that_is_a_pipe_or_device_is_replaced_never_waited_for(tmp_path, caplog):
+    """``skipped.jsonl`` a named pipe (a read waits for a writer for ever), a link to one
+    or to a device: the earlier report is not read, a warning names it, and the new report
+    replaces it; the pipe's link target stays a pipe."""
+    os.mkfifo(tmp_path / "elsewhere")
+    path = tmp_path / "skipped.jsonl"
+    for make, kind in ((lambda: os.mkfifo(path), "a named pipe (FIFO)"),
+                       (lambda: path.symlink_to(tmp_path / "elsewhere"), "a symbolic link"),
+                       (lambda: path.symlink_to("/dev/zero"), "a symbolic link")):
+        make()
+        unblock_later(path)
+        report = SkipReport()
+        report.add("/data/x.txt", "empty")
+        start = time.monotonic()
+        with caplog.at_level(logging.WARNING, "embedingest"):
+            assert report.write(tmp_path) == path
+        assert time.monotonic() - start < 5
+        assert f"cannot read the earlier skip report {path} (not a regular file: {kind}): it is replaced" in caplog.text
+        assert path.is_file() and not path.is_symlink()
+        assert [json.loads(line)["path"] for line in path.read_text().splitlines()] == ["/data/x.txt"]
+        path.unlink()
+        caplog.clear()
+    assert stat.S_ISFIFO(os.lstat(tmp_path / "elsewhere").st_mode)

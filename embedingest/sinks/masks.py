@@ -45,7 +45,7 @@ from PIL import Image
 
 from ..errors import ConfigError
 from ..outfiles import atomic_write_bytes, ensure_folder
-from ..sources.files import reads_within
+from ..sources.files import NotRegularFile, open_regular, reads_within
 from ..sources.image_decode import ImageMeta, ImageRejected, open_rgb
 from ..sources.remote import is_remote
 
@@ -134,8 +134,9 @@ def split_flat(flat: np.ndarray, metas: Sequence[ImageMeta], per_pixel: int = 1,
 
 
 def labels_info(arch: str, weights: str, categories: Sequence[str], preprocessing: dict,
-                full_max_pixels: int | None, preset: str = "") -> dict:
-    """What the values of the masks mean and how they were made: ``labels.json``."""
+                full_max_pixels: int | None, preset: str = "", weights_sha256: str | None = None) -> dict:
+    """What the values of the masks mean and how they were made: ``labels.json``.
+    ``weights_sha256``: of the weights file (None: random weights, seeded)."""
     n = len(categories)
     masks = {"format": "PNG, mode P: the class index of each pixel, at the image's own size, "
                        "with the palette below",
@@ -143,15 +144,29 @@ def labels_info(arch: str, weights: str, categories: Sequence[str], preprocessin
                         f"(images over {full_max_pixels} pixels: the argmax at model size "
                         "scaled nearest-neighbour)") if full_max_pixels else
                        "the argmax at model size, the pad cropped, scaled nearest-neighbour"}
-    return {"arch": arch, "weights": weights, "weights_preset": preset, "num_classes": n,
+    return {"arch": arch, "weights": weights, "weights_sha256": weights_sha256, "weights_preset": preset,
+            "num_classes": n,
             "categories": list(categories),
             "palette": [VOC_PALETTE[3 * i:3 * i + 3] for i in range(n)],
             "preprocessing": preprocessing, "masks": masks}
 
 
 # What must agree for masks of one folder to mean the same: resuming into a folder made
-# with another model or preprocessing would mix two kinds of mask.
-_LABELS_MUST_MATCH = ("arch", "num_classes", "categories", "preprocessing", "masks")
+# with another model (architecture or weights) or preprocessing would mix two kinds of
+# mask. The weights are their file's sha256 (the same file at another path is the same
+# weights; other bytes at the same path are not); labels written before it was recorded
+# are compared by where the weights came from.
+_LABELS_MUST_MATCH = ("arch", "weights_sha256", "num_classes", "categories", "preprocessing", "masks")
+
+
+def _differences(old: dict, info: dict) -> list[str]:
+    """The keys of ``_LABELS_MUST_MATCH`` on which labels ``old`` and ``info`` differ; a
+    change of weights lists where each came from too."""
+    keys = [k if k != "weights_sha256" or k in old else "weights" for k in _LABELS_MUST_MATCH]
+    differ = [k for k in keys if old.get(k) != info.get(k)]
+    if "weights_sha256" in differ and old.get("weights") != info.get("weights"):
+        differ.insert(differ.index("weights_sha256"), "weights")
+    return differ
 
 
 def write_labels(out: str | os.PathLike, info: dict, replace: bool = False) -> Path | str:
@@ -171,15 +186,31 @@ def write_labels(out: str | os.PathLike, info: dict, replace: bool = False) -> P
         fs.pipe_file(path, data)
         return url
     path = Path(out) / LABELS_FILE
-    if path.exists() and not replace:
-        try:
-            old = path.read_bytes()
-        except OSError as exc:
-            raise ConfigError(f"{path} is unreadable ({exc}); remove it or pass --overwrite") from exc
-        if _same_labels(old, info, out, path):
-            return path
+    old = None if replace else _read_labels(path)
+    if old is not None and _same_labels(old, info, out, path):
+        return path
     atomic_write_bytes(path, data)
     return path
+
+
+def _read_labels(path: Path) -> bytes | None:
+    """The bytes of ``labels.json``, None where there is none. Anything but a regular file
+    there (a link, a named pipe, a device) is refused unopened: a pipe would block the
+    read for ever, and a link would vouch for masks with a file outside the folder."""
+    try:
+        with open_regular(path, follow_links=False) as fh:
+            return fh.read()
+    except FileNotFoundError:
+        return None
+    except NotRegularFile as exc:
+        raise ConfigError(f"{path} is {exc.strerror}, not a regular file; remove it, or pass "
+                          "--overwrite to redo every image") from exc
+    except OSError as exc:
+        raise ConfigError(f"{path} is unreadable ({exc}); remove it or pass --overwrite") from exc
+
+
+_JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean",
+               type(None): "null"}
 
 
 def _same_labels(old: bytes, info: dict, out, path) -> bool:
@@ -189,7 +220,10 @@ def _same_labels(old: bytes, info: dict, out, path) -> bool:
         old = json.loads(old)
     except ValueError as exc:
         raise ConfigError(f"{path} is unreadable ({exc}); remove it or pass --overwrite") from exc
-    differ = [k for k in _LABELS_MUST_MATCH if old.get(k) != info.get(k)]
+    if not isinstance(old, dict):
+        raise ConfigError(f"{path} holds a JSON {_JSON_KINDS.get(type(old), type(old).__name__)}, not the object "
+                          "of labels segment writes; remove it or pass --overwrite")
+    differ = _differences(old, info)
     if differ:
         raise ConfigError(
             f"{out} holds masks made with other settings ({', '.join(differ)} differ: "

@@ -97,10 +97,11 @@ def file_kind(mode: int) -> str:
     return next((kind for test, kind in _KINDS if test(mode)), "not a regular file")
 
 
-def open_regular(path: str | os.PathLike):
+def open_regular(path: str | os.PathLike, follow_links: bool = True):
     """Open ``path`` for reading in binary, without ever blocking: a path that names a
     pipe, socket or device raises :class:`NotRegularFile` (a folder
-    :class:`IsADirectoryError`) instead of opening it.
+    :class:`IsADirectoryError`) instead of opening it; so does a symbolic link unless
+    ``follow_links`` (a file of an output folder is never read through one).
 
     A file listed as regular may be replaced by a named pipe before it is read, and
     opening a pipe waits for a writer, for ever; ``O_NONBLOCK`` makes the open return at
@@ -109,10 +110,12 @@ def open_regular(path: str | os.PathLike):
     raises :class:`OutsideInput`.
     """
     try:
-        fh = open(path, "rb", opener=_open_nonblocking)
+        fh = open(path, "rb", opener=_open_nonblocking if follow_links else _open_nonblocking_nofollow)
     except OSError as exc:
         if exc.errno == errno.ENXIO:  # a socket (or a device with no driver) cannot be opened
             raise NotRegularFile(errno.ENXIO, "a socket or a device", str(path)) from None
+        if exc.errno == errno.ELOOP and not follow_links and os.path.islink(path):
+            raise NotRegularFile(errno.ELOOP, "a symbolic link", str(path)) from None
         raise
     try:
         mode = os.fstat(fh.fileno()).st_mode
@@ -156,6 +159,10 @@ def file_sha256(path: str | os.PathLike, limit: int | None = None) -> str:
 
 def _open_nonblocking(path, flags: int) -> int:
     return os.open(path, flags | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0), 0o666)
+
+
+def _open_nonblocking_nofollow(path, flags: int) -> int:
+    return _open_nonblocking(path, flags | os.O_NOFOLLOW)
 
 
 def os_error_reason(exc: OSError) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -178,6 +179,15 @@ def to_rgb(im: Image.Image) -> Image.Image:
         raise ImageRejected(f"unsupported mode: {im.mode} ({exc})") from exc
 
 
+def _bomb_reason(exc: Exception, max_pixels: int | None) -> str:
+    """The skip reason of an image Pillow refused before we saw its size (over twice its
+    limit, which :func:`_pixel_limit` set to ``max_pixels``): in terms of the option, not
+    of Pillow's doubled limit."""
+    found = re.search(r"\((\d+) pixels\)", str(exc))
+    pixels = f"{found.group(1)} pixels" if found else "its size"
+    return f"too large: {pixels} is over max_pixels={max_pixels}; raise --max-pixels to read it"
+
+
 def open_rgb(path: str | os.PathLike, max_pixels: int | None = DEFAULT_MAX_PIXELS,
              fit: int | None = None) -> tuple[Image.Image, tuple[int, int]]:
     """Read ``path`` as an upright RGB image; return it and its full (width, height).
@@ -195,7 +205,7 @@ def open_rgb(path: str | os.PathLike, max_pixels: int | None = DEFAULT_MAX_PIXEL
                 try:
                     im = Image.open(source)
                 except Image.DecompressionBombError as exc:
-                    raise ImageRejected(f"too large: {exc}") from exc
+                    raise ImageRejected(_bomb_reason(exc, max_pixels)) from exc
             with im:
                 width, height = im.size
                 if max_pixels and width * height > max_pixels:

@@ -15,8 +15,11 @@ preprocessing (``transforms()``).
 
 from __future__ import annotations
 
+import hashlib
+import io
 import logging
 import os
+import pickle
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +50,10 @@ MAX_CLASSES = 256
 # (FCNHead, DeepLabHead), LR-ASPP.
 _HEAD_KEYS = ("classifier.4.weight", "classifier.high_classifier.weight")
 
+# --random-weights are drawn from this seed: a resumed run, and every device process of
+# one, builds the same model (unseeded, a resumed run mixed the masks of two).
+RANDOM_WEIGHTS_SEED = 0
+
 # Bytes of upsampled scores one mask may hold at once on the device; larger images
 # are upsampled a few classes at a time (same result, see ``upsampled_argmax``).
 UPSAMPLE_BUDGET = 1 << 29
@@ -67,6 +74,7 @@ class SegmentationModel:
     interpolation: str = "bilinear"
     antialias: bool = True
     preset: str = ""         # the torchvision weights whose meta and transforms apply
+    sha256: str | None = None  # of the weights file; None: random weights (seeded, always the same)
 
     def preprocessing(self, resize: str = "short", size: int | None = None) -> Preprocessing:
         """The preset's preprocessing, in ``resize`` mode, at ``size`` (default the preset's)."""
@@ -103,13 +111,54 @@ def read_state_dict(path: str | os.PathLike, trust: bool = False) -> dict[str, t
     module needs full unpickling, which runs whatever code the file holds: it is read
     only when the caller says the file is trusted, and refused otherwise.
     """
+    return read_weights(path, trust)[0]
+
+
+def read_weights(path: str | os.PathLike, trust: bool = False) -> tuple[dict[str, torch.Tensor], str]:
+    """:func:`read_state_dict`'s state dict, and the sha256 of the bytes it was read from:
+    ``labels.json`` records it, so masks of two weights files never share a folder. The
+    file is read once (opened without blocking: a pipe is refused, not waited for)."""
+    from ..sources.files import NotRegularFile, open_regular
+
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"weights file {str(path)!r} does not exist; pass the path of a "
-                          "torchvision segmentation state dict or checkpoint")
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        with open_regular(path) as fh:
+            data = fh.read()
+    except FileNotFoundError:
+        raise ConfigError(f"weights file {str(path)!r} does not exist; pass the path of a "
+                          "torchvision segmentation state dict or checkpoint") from None
+    except NotRegularFile as exc:
+        raise ConfigError(f"weights file {str(path)!r} is not a regular file ({exc.strerror}); pass the "
+                          "path of a torchvision segmentation state dict or checkpoint") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read weights file {str(path)!r}: {exc.strerror or exc}") from exc
+    return _state_dict(data, path, trust), hashlib.sha256(data).hexdigest()
+
+
+# How the two formats torch.save writes begin: a zip archive, or (before PyTorch 1.6) a
+# pickle whose first object is torch's magic number.
+_TORCH_STARTS = (b"PK\x03\x04", b"\x80\x02\x8a\x0a" + torch.serialization.MAGIC_NUMBER.to_bytes(10, "little"))
+
+
+def _not_readable(path: Path, why: str) -> ConfigError:
+    return ConfigError(f"weights file {str(path)!r} is not a readable PyTorch weights file ({why}); pass a "
+                       "torchvision segmentation state dict or checkpoint saved with torch.save")
+
+
+def _state_dict(data: bytes, path: Path, trust: bool) -> dict[str, torch.Tensor]:
+    """The state dict in ``data``, the bytes of the weights file ``path``. Bytes that are
+    no file torch.save writes, or one cut short or damaged, are named so; only a whole file
+    the safe loader refuses (objects only unpickling makes) gets the advice of
+    ``--trust-weights-file``."""
+    if not data.startswith(_TORCH_STARTS):
+        raise _not_readable(path, "it is empty" if not data else
+                            "it begins as neither of the formats torch.save writes")
+    try:
+        obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as safe_exc:
+        if not isinstance(safe_exc, pickle.UnpicklingError):  # not the safe loader's refusal
+            first = str(safe_exc).splitlines()[0][:200] if str(safe_exc) else type(safe_exc).__name__
+            raise _not_readable(path, f"cut short or damaged: {first}") from safe_exc
         if not trust:
             raise ConfigError(
                 f"weights file {str(path)!r} is not a plain state dict or checkpoint "
@@ -120,7 +169,7 @@ def read_state_dict(path: str | os.PathLike, trust: bool = False) -> dict[str, t
         log.warning("weights file %s is not a plain state dict (%s); loading it with full "
                     "unpickling, as asked: only do this with files you trust", path, safe_exc)
         try:
-            obj = torch.load(path, map_location="cpu", weights_only=False)
+            obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
         except Exception as exc:
             raise ConfigError(f"cannot read weights file {str(path)!r}: {exc}") from exc
     for key in ("model", "state_dict"):
@@ -158,11 +207,21 @@ def _filled(arch: str, num_classes: int, state: Mapping[str, torch.Tensor], sour
         model.load_state_dict(state, assign=True)
     except RuntimeError as exc:
         raise ConfigError(f"weights from {source} do not fit {arch} with {num_classes} "
-                          f"classes (is --arch right?): {exc}") from exc
+                          f"classes (is --arch right?): {_misfit(model.state_dict(), state)}") from exc
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         model = _built(arch, num_classes)
         model.load_state_dict(state)
     return model
+
+
+def _misfit(expected: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor], shown: int = 3) -> str:
+    """How ``state`` differs from the model's ``expected`` tensors: counts and the first
+    few keys of each kind (the full lists of another architecture run to thousands of names)."""
+    kinds = {"missing": [k for k in expected if k not in state],
+             "unexpected": [k for k in state if k not in expected],
+             "of another shape": [k for k in expected if k in state and state[k].shape != expected[k].shape]}
+    return "; ".join(f"{len(keys)} keys {kind} ({', '.join(keys[:shown])}{', ...' if len(keys) > shown else ''})"
+                     for kind, keys in kinds.items() if keys)
 
 
 def load_segmentation_model(arch: str = "deeplabv3_resnet50", weights: str | None = None,
@@ -177,10 +236,11 @@ def load_segmentation_model(arch: str = "deeplabv3_resnet50", weights: str | Non
                           f"1..{MAX_CLASSES}")
     categories = list(preset.meta["categories"])
     cached = hub_checkpoint_path(arch)
+    digest = None
     if weights is not None:
-        state, source = read_state_dict(weights, trust_weights_file), f"file {weights}"
+        (state, digest), source = read_weights(weights, trust_weights_file), f"file {weights}"
     elif cached.is_file():
-        state, source = read_state_dict(cached), f"hub cache {cached}"
+        (state, digest), source = read_weights(cached), f"hub cache {cached}"
     elif random_weights:
         state, source = None, "random"
     else:
@@ -207,7 +267,9 @@ def load_segmentation_model(arch: str = "deeplabv3_resnet50", weights: str | Non
     if state is not None:
         model = _filled(arch, num_classes, state, source)
     else:
-        model = _built(arch, num_classes)
+        with torch.random.fork_rng(devices=[]):  # the same model in every run and process
+            torch.manual_seed(RANDOM_WEIGHTS_SEED)
+            model = _built(arch, num_classes)
         log.warning("using random weights for %s: masks are meaningless", arch)
     if num_classes != len(categories):
         categories = [f"class_{i}" for i in range(num_classes)]
@@ -215,7 +277,7 @@ def load_segmentation_model(arch: str = "deeplabv3_resnet50", weights: str | Non
     return SegmentationModel(model.eval(), arch, num_classes, categories, source,
                              tuple(transforms.mean), tuple(transforms.std),
                              int(transforms.resize_size[0]), transforms.interpolation.value,
-                             bool(transforms.antialias), f"{type(preset).__name__}.{preset.name}")
+                             bool(transforms.antialias), f"{type(preset).__name__}.{preset.name}", digest)
 
 
 class Segmenter:

@@ -212,7 +212,7 @@ def test_resume_skips_done_images_and_overwrite_redoes_them(tmp_path, small):
     (images / "bad.png").unlink()
     nothing = segment(config(images, out, small), progress=False)
     assert nothing["written"] == 0 and nothing["already_done"] == 3
-    assert "engine" not in nothing, "nothing to do: no model is loaded"
+    assert "engine" not in nothing, "nothing to do: the model is never run"
     with_logits = segment(config(images, out, small, save_logits=True), progress=False)
     assert with_logits["written"] == 3, "an output asked for and missing makes the image redone"
 
@@ -771,3 +771,239 @@ def test_each_forward_is_marked_for_the_profiler(tmp_path, small, monkeypatch):
         Image.fromarray(noise(20, 30, seed=i)).save(images / f"{i}.png")
     assert segment(config(images, tmp_path / "out", small), progress=False)["written"] == 4
     assert marks == [("segment forward", "compute")] * 2
+
+
+def _folder_bytes(folder) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+def test_a_stats_folder_that_is_a_link_stops_the_run_and_nothing_there_is_touched(tmp_path, small):
+    """OUT/stats a link to a folder of the user's (here: holding the parts a run wrote):
+    a run that would add rows, and one with --overwrite that would delete them, stop naming
+    the link before writing any mask; the other folder keeps exactly its files."""
+    images, out, victim = tmp_path / "images", tmp_path / "out", tmp_path / "victim"
+    images.mkdir()
+    Image.fromarray(noise(20, 30, seed=1)).save(images / "a.png")
+    segment(config(images, out, small, stats=True), progress=False)
+    (out / "stats").rename(victim)
+    (out / "stats").symlink_to(victim)
+    before = _folder_bytes(victim)
+    Image.fromarray(noise(24, 30, seed=2)).save(images / "b.png")
+    for overwrite in (False, True):
+        with pytest.raises(ConfigError, match=r"stats' \(the --stats folder\) is a symbolic link; .*remove the link"):
+            segment(config(images, out, small, stats=True, overwrite=overwrite), progress=False)
+        assert _folder_bytes(victim) == before and not output_paths(out, "b.png")["mask"].exists()
+    (out / "stats").unlink()
+    again = segment(config(images, out, small, stats=True), progress=False)
+    assert again["written"] == 2 and sorted(r["source"] for r in stats_rows(out)) == ["a.png", "b.png"]
+    assert _folder_bytes(victim) == before
+
+
+def test_every_image_redone_for_any_reason_ends_with_exactly_one_row(tmp_path, small):
+    """An image is redone when an output asked for is missing (an overlay), its mask was
+    deleted or is a link, or it has two rows (a folder written before this rule, or rows
+    a killed run committed for images that a later run redid): its rows are dropped
+    first, so each image has exactly one row after every run; a run without --stats that
+    redoes an image drops its row too (a row always describes the mask on disk), and the
+    next --stats run redoes that image."""
+    images, out = tmp_path / "images", tmp_path / "out"
+    images.mkdir()
+    for i, rel in enumerate(["a.png", "b.png", "c.png"]):
+        Image.fromarray(noise(20 + i, 30, seed=i)).save(images / rel)
+    names = ["a.png", "b.png", "c.png"]
+
+    def sources():
+        return sorted(r["source"] for r in stats_rows(out))
+
+    segment(config(images, out, small, stats=True), progress=False)
+    with_overlay = segment(config(images, out, small, stats=True, overlay=True), progress=False)
+    assert with_overlay["written"] == 3 and sources() == names
+    output_paths(out, "b.png")["mask"].unlink()
+    assert segment(config(images, out, small, stats=True), progress=False)["written"] == 1
+    assert sources() == names
+    mask = output_paths(out, "c.png")["mask"]
+    mask.unlink()
+    mask.symlink_to(tmp_path / "elsewhere.png")
+    assert segment(config(images, out, small, stats=True), progress=False)["written"] == 1
+    assert sources() == names and not mask.is_symlink()
+    [part, *_] = part_files(out)
+    twice = set(pq.read_table(part).column("source").to_pylist())
+    (out / "stats" / "part-0-0-copy.parquet").write_bytes(part.read_bytes())  # their rows twice
+    healed = segment(config(images, out, small, stats=True), progress=False)
+    assert healed["written"] == len(twice) and sources() == names
+    output_paths(out, "a.png")["mask"].unlink()
+    assert segment(config(images, out, small), progress=False)["written"] == 1
+    assert sources() == ["b.png", "c.png"], "redone without --stats: its row is gone, not stale"
+    assert segment(config(images, out, small, stats=True), progress=False)["written"] == 1
+    assert sources() == names
+
+
+def test_a_pipe_at_the_skip_report_or_the_labels_is_never_waited_for(tmp_path, small):
+    """OUT/skipped.jsonl a named pipe: the run finishes and writes its report there;
+    OUT/labels.json one: the run stops at once naming it (before, both waited for a
+    writer for ever)."""
+    from fault_helpers import unblock_later
+
+    images, out = tmp_path / "images", tmp_path / "out"
+    images.mkdir()
+    Image.fromarray(noise(20, 30)).save(images / "a.png")
+    out.mkdir()
+    os.mkfifo(out / "skipped.jsonl")
+    unblock_later(out / "skipped.jsonl", 30)
+    start = time.monotonic()
+    assert segment(config(images, out, small), progress=False)["written"] == 1
+    assert (out / "skipped.jsonl").is_file() and time.monotonic() - start < 30
+    (out / "labels.json").unlink()
+    os.mkfifo(out / "labels.json")
+    unblock_later(out / "labels.json", 30)
+    output_paths(out, "a.png")["mask"].unlink()
+    with pytest.raises(ConfigError, match=r"labels.json is a named pipe \(FIFO\), not a regular file; remove it"):
+        segment(config(images, out, small), progress=False)
+    assert time.monotonic() - start < 30
+
+
+def test_settings_are_checked_with_nothing_to_do_and_before_anything_is_deleted(tmp_path, small):
+    """A run with every image done still reads the weights and checks labels.json: another
+    arch or preprocessing, or a weights file it cannot read, is refused (before: exit 0,
+    "3 already done"). A refused --overwrite --stats deletes no row (before: every row was
+    dropped before the weights were read)."""
+    images, out = tmp_path / "images", tmp_path / "out"
+    images.mkdir()
+    for i in range(3):
+        Image.fromarray(noise(20 + i, 30, seed=i)).save(images / f"{i}.png")
+    segment(config(images, out, small, stats=True), progress=False)
+    labels = (out / "labels.json").read_bytes()
+    (tmp_path / "garbage.pth").write_bytes(os.urandom(1000))
+    refusals = [(small, dict(resize="fit"), "preprocessing"), (small, dict(arch="lraspp_mobilenet_v3_large"), "arch"),
+                (tmp_path / "garbage.pth", dict(arch=SMALL), "garbage.pth"),
+                (tmp_path / "missing.pth", dict(arch=SMALL), "missing.pth")]
+    for overwrite in (False, True):
+        for weights, change, named in refusals:
+            if overwrite and weights == small:
+                continue  # --overwrite takes other settings: that is what it is for
+            with pytest.raises(ConfigError, match=named):
+                segment(config(images, out, weights, stats=True, overwrite=overwrite, **change), progress=False)
+            assert (out / "labels.json").read_bytes() == labels
+            assert sorted(r["source"] for r in stats_rows(out)) == ["0.png", "1.png", "2.png"]
+    same = segment(config(images, out, small, stats=True), progress=False)
+    assert (same["already_done"], same["written"]) == (3, 0)
+
+
+def test_masks_of_other_weights_never_join_a_folder(tmp_path, small):
+    """The same weights file moved or copied resumes the folder (labels.json notes the new
+    path); another weights file, even at the same path, or random weights, is refused
+    unless --overwrite (before: accepted, labels.json rewritten to claim the new
+    weights for every mask). --random-weights are seeded: a resumed run makes the masks
+    a whole run makes."""
+    images, out = tmp_path / "images", tmp_path / "out"
+    images.mkdir()
+    for i in range(2):
+        Image.fromarray(noise(20 + i, 30, seed=i)).save(images / f"{i}.png")
+    moved = tmp_path / "moved_small.pth"
+    moved.write_bytes(small.read_bytes())
+    segment(config(images, out, small), progress=False)
+    output_paths(out, "1.png")["mask"].unlink()
+    assert segment(config(images, out, moved), progress=False)["written"] == 1
+    assert json.loads((out / "labels.json").read_text())["weights"] == f"file {moved}"
+    state = torch.load(small, weights_only=True)
+    state["classifier.4.bias"] += 1  # other weights, at the path that resumed the folder
+    torch.save(state, moved)
+    for other in (dict(weights=moved), dict(weights=None, random_weights=True)):
+        with pytest.raises(ConfigError, match=r"holds masks made with other settings \(weights.*differ.*--overwrite"):
+            segment(dataclasses.replace(config(images, out, small), **other), progress=False)
+    rand = dict(weights=None, random_weights=True)
+    whole = segment(dataclasses.replace(config(images, tmp_path / "whole", small), **rand), progress=False)
+    segment(dataclasses.replace(config(images, out, small, overwrite=True), **rand), progress=False)
+    output_paths(out, "1.png")["mask"].unlink()
+    assert segment(dataclasses.replace(config(images, out, small), **rand), progress=False)["written"] == 1
+    assert whole["written"] == 2
+    for rel in ("0.png", "1.png"):
+        assert np.array_equal(mask_of(out, rel), mask_of(tmp_path / "whole", rel)), rel
+
+
+def test_a_stats_part_cut_short_costs_its_rows_never_the_run(tmp_path, small):
+    """A part cut short (a disk that lost its tail): every run stopped with Arrow's
+    traceback, --overwrite included. Now its images are redone and their rows written
+    again, each image once, the damaged part deleted; --overwrite runs too."""
+    images, out = tmp_path / "images", tmp_path / "out"
+    images.mkdir()
+    for i in range(4):
+        Image.fromarray(noise(20 + i, 30, seed=i)).save(images / f"{i}.png")
+    segment(config(images, out, small, stats=True, num_consumers=2), progress=False)
+    parts = part_files(out)
+    lost = set(pq.read_table(parts[0]).column("source").to_pylist())
+    parts[0].write_bytes(parts[0].read_bytes()[:100])
+    again = segment(config(images, out, small, stats=True), progress=False)
+    assert again["written"] == len(lost) and not parts[0].exists()
+    assert sorted(r["source"] for r in stats_rows(out)) == [f"{i}.png" for i in range(4)]
+    part_files(out)[0].write_bytes(b"PAR1")
+    redo = segment(config(images, out, small, stats=True, overwrite=True), progress=False)
+    assert redo["written"] == 4 and sorted(r["source"] for r in stats_rows(out)) == [f"{i}.png" for i in range(4)]
+
+
+def test_images_whose_outputs_would_take_a_name_in_use_are_skipped_and_the_rest_written(tmp_path, small):
+    """An image ``a.jpg`` (mask ``a.jpg.png``) beside an input folder ``a.jpg.png/``, and
+    input folders named ``labels.json``, ``skipped.jsonl`` or ``stats``: before, every run
+    failed (``[Errno 21] Is a directory``, naming a file descriptor) or put masks into the
+    statistics folder, which then did not read as a table. Now each such image is skipped
+    with the reason and the others are written; the folder reads as one table."""
+    import pandas as pd
+
+    images, out = tmp_path / "images", tmp_path / "out"
+    rels = ["a.jpg", "a.jpg.png/b.jpg", "labels.json/c.jpg", "skipped.jsonl/d.jpg", "stats/e.jpg",
+            "sub/f.jpg", "sub/f.jpg.overlay.jpg/g.jpg", "ok.jpg"]
+    for i, rel in enumerate(rels):
+        (images / rel).parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(noise(20, 30, seed=i)).save(images / rel)
+    summary = segment(config(images, out, small, stats=True), progress=False)
+    written = ["a.jpg.png/b.jpg", "sub/f.jpg.overlay.jpg/g.jpg", "ok.jpg"]
+    assert (summary["written"], summary["skipped"], summary["exit_code"]) == (3, 5, 3)
+    entries = {os.path.relpath(e["path"], images): e["reason"] for e in
+               map(json.loads, (out / "skipped.jsonl").read_text().splitlines())}
+    assert entries == {
+        "a.jpg": "name taken: its output 'a.jpg.png' would be the folder that the outputs of "
+                 "'a.jpg.png/b.jpg' go in; rename one of them",
+        "sub/f.jpg": "name taken: its output 'sub/f.jpg.overlay.jpg' would be the folder that the outputs of "
+                     "'sub/f.jpg.overlay.jpg/g.jpg' go in; rename one of them",
+        **{f"{top}/{name}": f"name taken: its outputs would go in the folder '{top}' of the output, the name "
+                            f"of segment's own {what}; rename or move the input folder '{top}'"
+           for top, name, what in (("labels.json", "c.jpg", "labels.json"), ("skipped.jsonl", "d.jpg", "skip report"),
+                                   ("stats", "e.jpg", "--stats table folder"))}}
+    assert all(mask_of(out, rel).shape == (20, 30) for rel in written)
+    assert (out / "labels.json").is_file() and (out / "skipped.jsonl").is_file()
+    assert sorted(pd.read_parquet(out / "stats")["source"]) == sorted(written)
+    again = segment(config(images, out, small, stats=True), progress=False)
+    assert (again["already_done"], again["written"], again["skipped"]) == (3, 0, 5)
+
+
+def test_overwrite_makes_the_statistics_this_run_s_alone(tmp_path, small):
+    """--overwrite with another model (other classes) after an input left: before, the old
+    parts stayed, with the gone image's row and other class columns, and
+    ``pandas.read_parquet`` dropped the differing columns without a word. Now every old
+    part is deleted: the table holds this run's rows and columns only."""
+    import pandas as pd
+
+    images, out = tmp_path / "images", tmp_path / "out"
+    images.mkdir()
+    for i in range(3):
+        Image.fromarray(noise(20 + i, 30, seed=i)).save(images / f"{i}.png")
+    segment(config(images, out, small, stats=True), progress=False)
+    (images / "2.png").unlink()
+    other = dataclasses.replace(config(images, out, small, stats=True, overwrite=True, num_classes=3),
+                                weights=None, random_weights=True, arch="lraspp_mobilenet_v3_large")
+    assert segment(other, progress=False)["written"] == 2
+    table = pd.read_parquet(out / "stats")
+    assert sorted(table["source"]) == ["0.png", "1.png"]
+    assert list(table.columns) == ["source", "width", "height", "class_0", "class_1", "class_2"]
+
+
+def test_an_out_that_is_a_link_to_nowhere_is_named(tmp_path, small):
+    """Before: '[Errno 17] File exists', naming nothing."""
+    images = tmp_path / "images"
+    images.mkdir()
+    Image.fromarray(noise(20, 30)).save(images / "a.png")
+    (tmp_path / "out").symlink_to(tmp_path / "gone")
+    with pytest.raises(ConfigError) as err:
+        segment(config(images, tmp_path / "out", small), progress=False)
+    assert str(err.value) == (f"out='{tmp_path / 'out'}' is a symbolic link to '{tmp_path / 'gone'}', which does "
+                              "not exist; create that folder, or give another --out")

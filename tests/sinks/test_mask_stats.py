@@ -12,8 +12,9 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
+from embedingest.errors import ConfigError
 from embedingest.sinks import mask_stats
-from embedingest.sinks.mask_stats import StatsWriter, drop_stats_rows, part_files, stats_sources
+from embedingest.sinks.mask_stats import StatsWriter, drop_stats_rows, part_files, row_counts, stats_sources
 
 
 def rows(out) -> dict[str, dict]:
@@ -75,3 +76,71 @@ def test_a_part_that_does_not_read_back_whole_is_not_written(tmp_path, monkeypat
                                       r"with its 1 rows$"):
         writer.close()
     assert part_files(tmp_path) == [] and writer.committed == 0
+
+
+def _victim_folder(tmp_path):
+    """A folder outside the output with a part of another table and a temporary-looking
+    file: neither may be read, written or deleted by the stats of ``tmp_path/out``."""
+    victim = tmp_path / "victim"
+    writer = StatsWriter(str(tmp_path / "elsewhere"), ["bg"])
+    writer.add("theirs.png", np.zeros((1, 1), np.uint8))
+    writer.close()
+    victim.mkdir()
+    [theirs] = part_files(tmp_path / "elsewhere")
+    (victim / theirs.name).write_bytes(theirs.read_bytes())
+    (victim / ".x.parquet.tmp-1").write_bytes(b"someone's")
+    return victim, {p.name: p.read_bytes() for p in victim.iterdir()}
+
+
+def test_a_stats_folder_that_is_a_link_is_refused_never_read_written_or_deleted_through(tmp_path):
+    victim, before = _victim_folder(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "stats").symlink_to(victim)
+    message = rf"^'{out}/stats' \(the --stats folder\) is a symbolic link; .*: remove the link"
+    writer = StatsWriter(str(out), ["bg"])
+    writer.add("a.png", np.zeros((1, 1), np.uint8))
+    with pytest.raises(ConfigError, match=message):
+        writer.close()
+    for call in (part_files, stats_sources, lambda o: drop_stats_rows(o, {"theirs.png"})):
+        with pytest.raises(ConfigError, match=message):
+            call(out)
+    assert {p.name: p.read_bytes() for p in victim.iterdir()} == before
+
+
+def test_a_part_that_is_a_link_is_no_part_and_its_target_is_not_read(tmp_path):
+    victim, before = _victim_folder(tmp_path)
+    out = tmp_path / "out"
+    writer = StatsWriter(str(out), ["bg"])
+    writer.add("a.png", np.zeros((1, 1), np.uint8))
+    writer.close()
+    [own] = part_files(out)
+    [theirs] = [p for p in victim.iterdir() if p.suffix == ".parquet"]
+    (out / "stats" / "part-1-1-0.parquet").symlink_to(theirs)
+    assert part_files(out) == [own] and stats_sources(out) == {"a.png"}
+    drop_stats_rows(out, {"theirs.png"})
+    assert {p.name: p.read_bytes() for p in victim.iterdir()} == before
+    assert sorted(p.name for p in (out / "stats").iterdir()) == [own.name], "the link deleted, not its target"
+
+
+@pytest.mark.parametrize("damage", ["cut", "empty", "garbage", "no source"])
+def test_a_damaged_part_is_lost_rows_never_a_crash_and_a_drop_deletes_it(tmp_path, damage, caplog):
+    """A part cut short (or empty, garbage, a Parquet file without ``source``) stopped every
+    run with Arrow's traceback, --overwrite included: now its rows count as lost (its
+    images have no row, so resume redoes them) with a warning naming it, and the drop
+    before they are redone deletes it; the other parts are kept whole."""
+    writer = StatsWriter(str(tmp_path), ["bg"], rows_per_part=2)
+    for name in ("a", "b", "c", "d"):
+        writer.add(name, np.zeros((1, 1), np.uint8))
+    first, second = part_files(tmp_path)
+    data = {"cut": first.read_bytes()[:-30], "empty": b"", "garbage": os.urandom(300)}.get(damage)
+    if data is None:
+        pq.write_table(pa.table({"x": [1]}), first)
+    else:
+        first.write_bytes(data)
+    with caplog.at_level("WARNING", "embedingest"):
+        assert row_counts(tmp_path) == {"c": 1, "d": 1}
+    assert f"stats part {first} is damaged (" in caplog.text
+    drop_stats_rows(tmp_path, {"a", "b"})
+    assert part_files(tmp_path) == [second] and stats_sources(tmp_path) == {"c", "d"}
+    assert f"deleting the damaged stats part {first}" in caplog.text

@@ -209,7 +209,7 @@ def test_labels_json_is_written_and_guards_the_folder(tmp_path):
     assert info["palette"] == [[0, 0, 0], [128, 0, 0], [0, 128, 0]]
     path = write_labels(tmp_path, info)
     assert json.loads(path.read_text()) == info and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
-    write_labels(tmp_path, {**info, "weights": "file other.pth"})  # same kind of masks: fine
+    write_labels(tmp_path, {**info, "weights": "file elsewhere/random"})  # the same weights: fine
     other = labels_info("fcn_resnet50", "random", info["categories"], {**prep, "resize": "fit"}, 0)
     with pytest.raises(ConfigError, match="preprocessing.*--overwrite"):
         write_labels(tmp_path, other)
@@ -288,8 +288,8 @@ def test_split_flat_gives_planes_from_two_classes_on_and_says_how_short_a_batch_
 
 def test_labels_info_says_exactly_how_the_masks_were_made():
     fmt = "PNG, mode P: the class index of each pixel, at the image's own size, with the palette below"
-    full = labels_info("a", "w", ["bg", "x"], {"size": 1}, 40_000_000, "P")
-    assert full == {"arch": "a", "weights": "w", "weights_preset": "P", "num_classes": 2,
+    full = labels_info("a", "w", ["bg", "x"], {"size": 1}, 40_000_000, "P", "12ab")
+    assert full == {"arch": "a", "weights": "w", "weights_sha256": "12ab", "weights_preset": "P", "num_classes": 2,
                     "categories": ["bg", "x"], "palette": [[0, 0, 0], [128, 0, 0]],
                     "preprocessing": {"size": 1},
                     "masks": {"format": fmt,
@@ -297,19 +297,36 @@ def test_labels_info_says_exactly_how_the_masks_were_made():
                                         "(images over 40000000 pixels: the argmax at model size scaled "
                                         "nearest-neighbour)"}}
     model = labels_info("a", "w", ["bg", "x"], {"size": 1}, None)
-    assert model == {**full, "weights_preset": "",
+    assert model == {**full, "weights_preset": "", "weights_sha256": None,
                      "masks": {"format": fmt,
                                "resize": "the argmax at model size, the pad cropped, scaled nearest-neighbour"}}
 
 
-def test_labels_json_is_indented_rewritten_for_a_new_weights_file_and_refused_with_the_differences(tmp_path):
-    info = labels_info("fcn_resnet50", "random", ["bg", "x"], {"size": 8}, None)
+def test_labels_json_is_indented_refuses_other_weights_and_notes_the_same_weights_moved(tmp_path):
+    """Weights are told apart by their file's sha256: the same bytes at another path are
+    the same weights (the new path noted); other bytes, at the same path or not, or random
+    weights, would mix two models' masks in one folder and are refused."""
+    info = labels_info("fcn_resnet50", "file w.pth", ["bg", "x"], {"size": 8}, None, "", "aa" * 32)
     path = write_labels(tmp_path, info)
     assert path.read_text() == json.dumps(info, indent=2) + "\n"
     os.utime(path, ns=(0, 0))
     assert write_labels(tmp_path, info) == path and path.stat().st_mtime_ns == 0, "the same labels: not rewritten"
-    write_labels(tmp_path, {**info, "weights": "file other.pth"})
-    assert json.loads(path.read_text())["weights"] == "file other.pth", "masks of the same kind: the new weights noted"
+    write_labels(tmp_path, {**info, "weights": "file /moved/w.pth"})
+    assert json.loads(path.read_text())["weights"] == "file /moved/w.pth", "the same weights moved: noted"
+    for weights, sha, differ in (("file /moved/w.pth", "bb" * 32, f"weights_sha256 differ: weights_sha256='{'aa' * 32}'"),
+                                 ("random", None, f"weights, weights_sha256 differ: weights='file /moved/w.pth', "
+                                                  f"weights_sha256='{'aa' * 32}'")):
+        with pytest.raises(ConfigError) as err:
+            write_labels(tmp_path, {**info, "weights": weights, "weights_sha256": sha})
+        assert str(err.value) == (f"{tmp_path} holds masks made with other settings ({differ}); use another "
+                                  "--out, or --overwrite to redo every image")
+    legacy = {k: v for k, v in info.items() if k != "weights_sha256"}  # labels written before the sha256
+    path.write_text(json.dumps(legacy))
+    with pytest.raises(ConfigError, match=r"\(weights differ: weights='file w.pth'\)"):
+        write_labels(tmp_path, {**info, "weights": "file other.pth"})
+    write_labels(tmp_path, info)
+    assert json.loads(path.read_text()) == info, "the same source: the sha256 now recorded"
+    path.write_text(json.dumps(info))
     other = {**info, "arch": "deeplabv3_resnet50", "num_classes": 3, "categories": ["bg", "x", "y"]}
     msg = (f"{tmp_path} holds masks made with other settings (arch, num_classes, categories differ: "
            "arch='fcn_resnet50', num_classes=2); use another --out, or --overwrite to redo every image")
@@ -319,6 +336,12 @@ def test_labels_json_is_indented_rewritten_for_a_new_weights_file_and_refused_wi
     path.write_text("{not json")
     with pytest.raises(ConfigError, match=f"^{re.escape(str(path))} is unreadable .*; remove it or pass --overwrite$"):
         write_labels(tmp_path, info)
+    for text, kind in (("[1, 2]", "array"), ('"labels"', "string"), ("3", "number"), ("null", "null")):
+        path.write_text(text)  # JSON, but not the object of labels: an AttributeError's traceback before
+        with pytest.raises(ConfigError) as err:
+            write_labels(tmp_path, info)
+        assert str(err.value) == (f"{path} holds a JSON {kind}, not the object of labels segment writes; "
+                                  "remove it or pass --overwrite")
     path.unlink()
     path.mkdir()  # there, but not readable as a file
     with pytest.raises(ConfigError, match=f"^{re.escape(str(path))} is unreadable .*; remove it or pass --overwrite$"):
@@ -338,8 +361,11 @@ def test_labels_json_at_a_url_is_one_put_and_guards_the_prefix(tmp_path, monkeyp
     assert write_labels(out, info) == f"{url}/labels.json", "a trailing slash makes no '//'"
     os.utime(file, ns=(0, 0))
     assert write_labels(url, info) == f"{url}/labels.json" and file.stat().st_mtime_ns == 0
-    write_labels(url, {**info, "weights": "file other.pth"})
-    assert json.loads(file.read_text())["weights"] == "file other.pth"
+    write_labels(url, {**info, "weights": "file moved/random"})  # the same weights (None: random) moved
+    assert json.loads(file.read_text())["weights"] == "file moved/random"
+    with pytest.raises(ConfigError, match=r"\(weights, weights_sha256 differ: weights='file moved/random', "
+                                          r"weights_sha256=None\)"):
+        write_labels(url, {**info, "weights": "file w.pth", "weights_sha256": "cc" * 32})
     other = {**info, "arch": "lraspp"}
     with pytest.raises(ConfigError, match=f"^{re.escape(url)} holds masks made with other settings "
                                           r"\(arch differ: arch='fcn_resnet50'\)"):
@@ -464,3 +490,33 @@ def test_a_url_s_last_folder_is_kept_whole_but_for_a_trailing_slash(tmp_path, mo
         write_labels(f"local://{tmp_path}/{name}{end}", info)
         assert json.loads((tmp_path / name / "labels.json").read_text()) == info
     assert sorted(p.name for p in tmp_path.iterdir()) == ["masks ", "masksX"]
+
+
+def test_labels_json_that_is_no_regular_file_is_refused_unopened_and_replaced_by_overwrite(tmp_path):
+    """``labels.json`` a named pipe (reading it waited for a writer for ever), a link (to
+    labels elsewhere, which would vouch for these masks, or to a device): refused at once
+    with what it is and what to do; ``--overwrite`` replaces it, the link's target untouched."""
+    import time
+
+    from fault_helpers import unblock_later
+
+    info = labels_info("fcn_resnet50", "random", ["bg", "x"], {"size": 8}, None)
+    elsewhere = write_labels(tmp_path, info).rename(tmp_path / "theirs.json")
+    out = tmp_path / "out"
+    out.mkdir()
+    path = out / "labels.json"
+    for make, kind in ((lambda: os.mkfifo(path), "a named pipe (FIFO)"),
+                       (lambda: path.symlink_to(elsewhere), "a symbolic link"),
+                       (lambda: path.symlink_to("/dev/zero"), "a symbolic link")):
+        make()
+        unblock_later(path)
+        start = time.monotonic()
+        with pytest.raises(ConfigError) as err:
+            write_labels(out, info)
+        assert time.monotonic() - start < 5
+        assert str(err.value) == (f"{path} is {kind}, not a regular file; remove it, or pass --overwrite "
+                                  "to redo every image")
+        assert write_labels(out, info, replace=True) == path
+        assert not path.is_symlink() and json.loads(path.read_text()) == info
+        path.unlink()
+    assert json.loads(elsewhere.read_text()) == info

@@ -121,6 +121,22 @@ def test_open_regular_never_blocks(tmp_path):
         assert fh.read() == b"data" and os.get_blocking(fh.fileno())
 
 
+def test_open_regular_of_an_output_file_reads_no_link(tmp_path):
+    """``follow_links=False`` (a file of an output folder): a link is refused naming what
+    it is, to a file or a pipe alike; a regular file reads as usual."""
+    (tmp_path / "f").write_bytes(b"data")
+    os.mkfifo(tmp_path / "fifo")
+    for target in ("f", "fifo"):
+        (tmp_path / f"to-{target}").symlink_to(tmp_path / target)
+        with pytest.raises(NotRegularFile) as err:
+            open_regular(tmp_path / f"to-{target}", follow_links=False)
+        assert str(err.value) == "not a regular file: a symbolic link"
+    with pytest.raises(NotRegularFile, match="a named pipe"):
+        open_regular(tmp_path / "fifo", follow_links=False)
+    with open_regular(tmp_path / "f", follow_links=False) as fh:
+        assert fh.read() == b"data"
+
+
 def test_a_file_root_is_yielded_whatever_its_suffix(tmp_path):
     (tmp_path / "one.weird").write_text("x")
     assert list(walk_files(tmp_path / "one.weird", {".txt"})) == [tmp_path / "one.weird"]

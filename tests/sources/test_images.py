@@ -186,9 +186,11 @@ def test_missing_and_unreadable_files(tmp_path):
 def test_pixel_limit_rejects_with_reason_and_restores_pillow(tmp_path):
     Image.fromarray(noise(100, 100)).save(tmp_path / "a.png")
     saved = Image.MAX_IMAGE_PIXELS
-    for limit in (5000, 1000):  # 1000: over twice the limit, Pillow itself refuses
-        with pytest.raises(ImageRejected, match="too large"):
+    for limit, size in ((5000, "100x100 = 10000 pixels"), (1000, "10000 pixels")):
+        # 1000: over twice the limit, Pillow itself refuses (its text named twice the limit)
+        with pytest.raises(ImageRejected) as err:
             open_rgb(tmp_path / "a.png", max_pixels=limit)
+        assert err.value.reason == f"too large: {size} is over max_pixels={limit}; raise --max-pixels to read it"
     assert Image.MAX_IMAGE_PIXELS == saved
     assert open_rgb(tmp_path / "a.png", max_pixels=0)[1] == (100, 100)
 

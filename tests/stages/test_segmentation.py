@@ -4,6 +4,8 @@ download), the preset's normalisation, the forward helper and the masks."""
 from __future__ import annotations
 
 import copy
+import os
+import re
 
 import numpy as np
 from PIL import Image
@@ -206,8 +208,38 @@ def test_bad_weights_files(tmp_path):
     with pytest.raises(ConfigError, match="classifier.4.weight.*not a torchvision segmentation"):
         load_segmentation_model(weights=str(tmp_path / "other.pth"))
     small = random_weights_file(tmp_path / "small.pth", arch=SMALL)
-    with pytest.raises(ConfigError, match="is --arch right"):
+    with pytest.raises(ConfigError) as err:
         load_segmentation_model("deeplabv3_resnet50", weights=str(small))
+    # the counts and a few keys of each kind, not every name (21 KB of them before)
+    assert re.fullmatch(r"weights from file \S+small.pth do not fit deeplabv3_resnet50 with 5 classes \(is --arch "
+                        r"right\?\): \d+ keys missing \(([\w.]+, ){3}\.\.\.\); \d+ keys unexpected "
+                        r"\(([\w.]+, ){3}\.\.\.\)(; \d+ keys of another shape \(.*\))?", str(err.value))
+    assert len(str(err.value)) < 1000
+
+
+def test_weights_that_are_no_torch_file_or_no_file_are_named_so(tmp_path):
+    """Before: an empty file got '(EOFError)', text '(101)', garbage or a file cut short
+    torch's message, each with the advice to trust the file (which could not help); a
+    pipe or /dev/null 'does not exist'."""
+    small = random_weights_file(tmp_path / "small.pth", arch=SMALL).read_bytes()
+    advice = "; pass a torchvision segmentation state dict or checkpoint saved with torch.save"
+    for name, data, why in (("empty.pth", b"", "it is empty"),
+                            ("text.pth", b"hello\n", "it begins as neither of the formats torch.save writes"),
+                            ("garbage.pth", bytes(range(256)) * 4, "it begins as neither of the formats torch.save writes"),
+                            ("cut.pth", small[:len(small) // 2], "cut short or damaged: ")):
+        (tmp_path / name).write_bytes(data)
+        for trust in (False, True):
+            with pytest.raises(ConfigError) as err:
+                load_segmentation_model(SMALL, weights=str(tmp_path / name), trust_weights_file=trust)
+            message = str(err.value)
+            assert message.startswith(f"weights file '{tmp_path / name}' is not a readable PyTorch weights file "
+                                      f"({why}") and message.endswith(advice) and "trust" not in message
+    os.mkfifo(tmp_path / "pipe.pth")
+    for path, kind in ((tmp_path / "pipe.pth", "a named pipe (FIFO)"), ("/dev/null", "a character device")):
+        with pytest.raises(ConfigError) as err:
+            load_segmentation_model(SMALL, weights=str(path))
+        assert str(err.value) == (f"weights file '{path}' is not a regular file ({kind}); pass the path of a "
+                                  "torchvision segmentation state dict or checkpoint")
 
 
 def test_preprocess_is_torchvisions_normalisation_to_the_bit(r50_weights):
@@ -455,3 +487,26 @@ def test_preset_preprocessing_is_the_loaded_models(arch):
     prep = preset_preprocessing(arch)
     assert (prep.size, prep.mean, prep.std) == (transforms.resize_size[0], tuple(transforms.mean),
                                                 tuple(transforms.std))
+
+
+def test_weights_are_known_by_their_file_s_sha256_and_random_ones_are_always_the_same(tmp_path):
+    """The loaded model carries the sha256 of the file's bytes (what labels.json records);
+    --random-weights are seeded: two loads give the same tensors (unseeded, a resumed run
+    or a second device process made masks of another model), and the global RNG is left
+    as it was."""
+    import hashlib
+
+    from embedingest.stages.segmentation import load_segmentation_model
+
+    path = random_weights_file(tmp_path / "w.pth", arch="lraspp_mobilenet_v3_large")
+    loaded = load_segmentation_model("lraspp_mobilenet_v3_large", str(path))
+    assert loaded.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    torch.manual_seed(7)
+    expected_next = torch.rand(3)
+    torch.manual_seed(7)
+    one = load_segmentation_model("lraspp_mobilenet_v3_large", random_weights=True)
+    assert torch.equal(torch.rand(3), expected_next)
+    two = load_segmentation_model("lraspp_mobilenet_v3_large", random_weights=True)
+    assert one.sha256 is None and one.source == "random"
+    for (name, a), b in zip(one.model.state_dict().items(), two.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import os
 import time
@@ -37,7 +38,7 @@ from ...exit_codes import exit_code
 from ...index.lock import RunLock
 from ...report import REPORT_NAME, SkipReport
 from ...scaleout.devices import devices_of
-from ...sinks.mask_stats import drop_stats_rows
+from ...sinks.mask_stats import drop_stats_rows, remove_parts
 from ...sinks.masks import restore_mask
 from ...sources.files import refuse_output_as_input
 from ...sources.image_decode import ImageRejected
@@ -48,7 +49,7 @@ from ...stages.device import resolve_device
 from ...stages.segmentation import Segmenter, SegmentationModel, load_segmentation_model
 from .devices import segment_on_devices
 from .listing import list_inputs, remove_stale_tmp_files
-from .run import segment_on_device
+from .run import check_settings, segment_on_device
 
 __all__ = ["SegmentConfig", "list_inputs", "segment", "segment_images"]
 
@@ -82,7 +83,7 @@ def segment(config: SegmentConfig, progress: bool = True, timeline: str | None =
         refuse_output_as_input(config.out, config.images, "input folder", "the PNG masks")
     out = Path(config.out)
     if not remote_out:
-        out.mkdir(parents=True, exist_ok=True)
+        _make_out(out)
     report = SkipReport()
     t0 = time.perf_counter()
     phases = {}  # seconds of each step, for the summary: where a run's time goes
@@ -94,14 +95,17 @@ def segment(config: SegmentConfig, progress: bool = True, timeline: str | None =
             todo, already = list_inputs(config, report)
             if not remote_out:  # an object is whole or absent: nothing half-written to delete
                 remove_stale_tmp_files(out, todo)
-            if config.stats and config.overwrite and todo:
-                drop_stats_rows(out, {rel for rel, _ in todo})
             phases["list_s"] = time.perf_counter() - t0
             summary = {"images": len(todo) + already, "already_done": already, "written": 0}
+            redo = functools.partial(_before_redoing, config, todo)
+            if not todo or several:  # the settings are checked before anything is deleted
+                check_settings(config)
             if todo and several:
+                redo()
                 summary.update(segment_on_devices(devices, config, todo, report, progress))
             elif todo:
-                summary.update(segment_on_device(config, device, todo, report, progress, timeline, trace=trace))
+                summary.update(segment_on_device(config, device, todo, report, progress, timeline, trace=trace,
+                                                 before_writes=redo))
             phases["segment_s"] = time.perf_counter() - t0 - phases["list_s"]
         finally:
             report_path = _write_report(report, config.out) if remote_out else report.write(out)
@@ -115,6 +119,31 @@ def segment(config: SegmentConfig, progress: bool = True, timeline: str | None =
         "out": config.out if remote_out else str(out), "report": str(report_path), "report_run": report.run,
     })
     return summary
+
+
+def _make_out(out: Path) -> None:
+    """Make the output folder; a link there that leads nowhere is named (mkdir said only
+    ``[Errno 17] File exists``)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        if os.path.islink(out) and not out.exists():
+            raise ConfigError(f"out={str(out)!r} is a symbolic link to {os.readlink(out)!r}, which does not "
+                              "exist; create that folder, or give another --out") from None
+        raise
+
+
+def _before_redoing(config: SegmentConfig, todo: list[tuple[str, str]]) -> None:
+    """What goes before a run writes, once its model and the folder's labels agree: the
+    statistics rows of the images it redoes are dropped (an image redone gets its one row
+    anew, ``--stats`` or not); with ``--overwrite`` every part goes, so the table is this
+    run's alone."""
+    if is_remote(config.out):
+        return
+    if config.overwrite:
+        remove_parts(config.out)
+    else:
+        drop_stats_rows(config.out, {rel for rel, _ in todo})
 
 
 def _write_report(report: SkipReport, url: str) -> str:

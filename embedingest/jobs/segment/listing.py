@@ -6,14 +6,15 @@ from __future__ import annotations
 import contextlib
 import os
 import posixpath
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from ...config import SegmentConfig
 from ...outfiles import is_tmp_name, through_link, too_long
-from ...report import SkipReport
-from ...sinks.mask_stats import STATS_DIR, stats_sources
-from ...sinks.masks import LOGITS_SUFFIX, MASK_SUFFIX, OVERLAY_SUFFIX
+from ...index.lock import RUN_LOCK
+from ...report import REPORT_NAME, SkipReport
+from ...sinks.mask_stats import STATS_DIR, row_counts
+from ...sinks.masks import LABELS_FILE, LOGITS_SUFFIX, MASK_SUFFIX, OVERLAY_SUFFIX
 from ...sources.files import walk_files
 from ...sources.names import name_as_text
 from ...sources.remote import is_remote, walk_remote
@@ -30,11 +31,15 @@ def list_inputs(config: SegmentConfig, report: SkipReport) -> tuple[list[tuple[s
     suffixes = ([MASK_SUFFIX] + [LOGITS_SUFFIX] * config.save_logits
                 + [OVERLAY_SUFFIX] * config.overlay)
     present = _RemoteNames(config.out) if is_remote(config.out) else _FolderNames(str(out))
-    with_row = stats_sources(out) if config.stats and not config.overwrite else set()
+    with_row = ({source for source, n in row_counts(out).items() if n == 1}
+                if config.stats and not config.overwrite else set())
     local = not is_remote(config.out)
     todo, done = [], 0
-    for rel, full in _images(config.images, report, out, config.follow_outside_links):
-        reason = local and next(filter(None, (too_long(os.path.join(out, rel + s)) for s in suffixes)), None)
+    images = list(_images(config.images, report, out, config.follow_outside_links))
+    folders = _output_folders(rel for rel, _ in images)
+    for rel, full in images:
+        reason = (name_taken(rel, folders) or
+                  local and next(filter(None, (too_long(os.path.join(out, rel + s)) for s in suffixes)), None))
         if reason:  # its outputs could not be written: reported, the others go on
             report.add(full, reason, stage="write")
             continue
@@ -45,6 +50,43 @@ def list_inputs(config: SegmentConfig, report: SkipReport) -> tuple[list[tuple[s
         else:
             todo.append((rel, full))
     return todo, done
+
+
+# The job's own names at the top of the output folder: an input folder of one of these
+# names would put masks where the job's own file goes (or, for stats, into the folder
+# read as one table of rows).
+RESERVED = {LABELS_FILE: "labels.json", REPORT_NAME: "skip report", STATS_DIR: "--stats table folder",
+            RUN_LOCK: "run lock"}
+ALL_SUFFIXES = (MASK_SUFFIX, LOGITS_SUFFIX, OVERLAY_SUFFIX)
+
+
+def _output_folders(rels: Iterable[str]) -> dict[str, str]:
+    """Every folder the outputs of ``rels`` go in (below the output folder), each with
+    the first image whose outputs go there."""
+    folders: dict[str, str] = {}
+    for rel in rels:
+        folder = posixpath.dirname(rel)
+        while folder and folder not in folders:
+            folders[folder] = rel
+            folder = posixpath.dirname(folder)
+    return folders
+
+
+def name_taken(rel: str, folders: dict[str, str]) -> str | None:
+    """Why the image at ``rel`` cannot have its outputs' names (a skip reason), or None:
+    its top folder is one of the job's own names, or an output's name (with any of the
+    suffixes, asked for or not) is a folder other images' outputs go in (``folders``,
+    from :func:`_output_folders`). Both images could not be written, and every run failed."""
+    top, _, rest = rel.partition("/")
+    if rest and top in RESERVED:
+        return (f"name taken: its outputs would go in the folder {top!r} of the output, the name of "
+                f"segment's own {RESERVED[top]}; rename or move the input folder {top!r}")
+    for suffix in ALL_SUFFIXES:
+        other = folders.get(rel + suffix)
+        if other is not None:
+            return (f"name taken: its output {rel + suffix!r} would be the folder that the outputs of "
+                    f"{other!r} go in; rename one of them")
+    return None
 
 
 def _images(images: str, report: SkipReport, out: Path,

@@ -91,20 +91,49 @@ def _decoders(config: SegmentConfig, device: torch.device, todo: list[tuple[str,
     return headers, sampler, loader
 
 
-def _model_and_engine(config: SegmentConfig, device: torch.device, prep, full_max: int
+def _full_max(config: SegmentConfig) -> int:
+    """Pixels up to which masks are made at the image's size (0: all at model size)."""
+    return config.upsample_max_pixels if config.resize == "short" else 0
+
+
+def _load(config: SegmentConfig) -> SegmentationModel:
+    return load_segmentation_model(config.arch, config.weights, config.num_classes,
+                                   config.random_weights, config.trust_weights_file)
+
+
+def _write_labels(config: SegmentConfig, loaded: SegmentationModel) -> None:
+    """``labels.json`` of ``loaded`` under ``config``'s preprocessing: a folder whose masks
+    were made with another model or preprocessing is refused (ConfigError)."""
+    write_labels(config.out, labels_info(loaded.arch, loaded.source, loaded.categories,
+                                         loaded.preprocessing(config.resize, config.size).describe(),
+                                         _full_max(config), loaded.preset, loaded.sha256),
+                 replace=config.overwrite)
+
+
+def check_settings(config: SegmentConfig) -> None:
+    """Read the weights and check (and write) ``labels.json`` without running the model:
+    a run with nothing to do refuses another model or preprocessing, or weights it cannot
+    read, as a run with work does. The model is built on the meta device, so no kernel
+    runs here (device processes forked after it start clean)."""
+    with torch.device("meta"):
+        loaded = _load(config)
+    _write_labels(config, loaded)
+
+
+def _model_and_engine(config: SegmentConfig, device: torch.device, full_max: int, before_writes=None
                       ) -> tuple[SegmentationModel, Segmenter, EgressEngine, dict, float]:
-    """The model on ``device``, labels.json written, and the engine started (its consumers
-    start while the weights go to the device, and the masks' kernel compiles in a thread
-    where masks are scaled to the images' sizes: ``full_max``); the engine's slot spec and
-    the seconds the model took."""
+    """The model on ``device``, labels.json written, ``before_writes()`` called (what a run
+    deletes is deleted only once the model and the folder's labels agree), and the engine
+    started (its consumers start while the weights go to the device, and the masks' kernel
+    compiles in a thread where masks are scaled to the images' sizes: ``full_max``); the
+    engine's slot spec and the seconds the model took."""
     t0 = time.perf_counter()
-    loaded = load_segmentation_model(config.arch, config.weights, config.num_classes,
-                                     config.random_weights, config.trust_weights_file)
+    loaded = _load(config)
     if full_max:  # masks scaled to the images' sizes: their kernel compiles meanwhile
         fused_argmax.compile_ahead(device, resolve_dtype(config.dtype, device), loaded.num_classes)
-    write_labels(config.out, labels_info(loaded.arch, loaded.source, loaded.categories,
-                                         prep.describe(), full_max, loaded.preset),
-                 replace=config.overwrite)
+    _write_labels(config, loaded)
+    if before_writes is not None:
+        before_writes()
     factory = MaskSinkFactory(str(config.out), config.save_logits, config.overlay,
                               config.overlay_alpha, config.max_pixels or None,
                               num_classes=loaded.num_classes, stats=config.stats,
@@ -130,10 +159,12 @@ def _model_and_engine(config: SegmentConfig, device: torch.device, prep, full_ma
 
 def segment_on_device(config: SegmentConfig, device: torch.device, todo: list[tuple[str, str]],
                   report: SkipReport, progress: bool = False, timeline: str | None = None,
-                  on_images=None, processes: int = 1, trace: str | None = None) -> dict:
+                  on_images=None, processes: int = 1, trace: str | None = None,
+                  before_writes=None) -> dict:
     """Segment ``todo`` ((rel_path, path) pairs) on one device; bad images go to
     ``report``; ``on_images(n)`` is told of every n images handled; ``processes`` device
-    processes share the host's cores. Returns the summary fields of the run, ``timing``
+    processes share the host's cores; ``before_writes()`` is called once the model loaded
+    and the folder's labels agree with it, before any mask is written. Returns the summary fields of the run, ``timing``
     among them: where this process's time went (model load; starting the decoding workers
     and the engine; waiting for the first batch and for later ones, where the decoders are
     the bound; the first forward, which includes CUDA's lazy set-up; the others with
@@ -148,9 +179,9 @@ def segment_on_device(config: SegmentConfig, device: torch.device, todo: list[tu
     headers, sampler, loader = _decoders(config, device, todo, prep, workers)
     headers.start()
     batches = regroup(iter(loader), sampler.chunk_batch)
-    full_max = config.upsample_max_pixels if config.resize == "short" else 0
+    full_max = _full_max(config)
     try:
-        loaded, segmenter, engine, spec, loading = _model_and_engine(config, device, prep, full_max)
+        loaded, segmenter, engine, spec, loading = _model_and_engine(config, device, full_max, before_writes)
     except BaseException:
         batches.close()  # the decoders' iterator goes with it: they are shut down
         headers.close()
