@@ -21,6 +21,7 @@ import logging
 import os
 import pickle
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -132,7 +133,11 @@ def read_weights(path: str | os.PathLike, trust: bool = False) -> tuple[dict[str
                           "path of a torchvision segmentation state dict or checkpoint") from None
     except OSError as exc:
         raise ConfigError(f"cannot read weights file {str(path)!r}: {exc.strerror or exc}") from exc
-    return _state_dict(data, path, trust), hashlib.sha256(data).hexdigest()
+    # hashed beside the load (hashlib lets go of the GIL): the job's start waits for neither twice
+    with ThreadPoolExecutor(1, thread_name_prefix="embedingest-weights-hash") as pool:
+        digest = pool.submit(lambda: hashlib.sha256(data).hexdigest())
+        state = _state_dict(data, path, trust)
+        return state, digest.result()
 
 
 # How the two formats torch.save writes begin: a zip archive, or (before PyTorch 1.6) a
