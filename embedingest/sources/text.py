@@ -906,8 +906,9 @@ def _bounded_texts(column) -> list:
     over = pc.greater(lengths, MAX_LINE_CHARS)
     if not pc.any(over).as_py():
         return column.to_pylist()
-    texts = pc.if_else(over, pa.scalar(None, column.type), column).to_pylist()
-    return [_TOO_LARGE if big else text for text, big in zip(texts, over.to_pylist())]
+    big = over.to_pylist()
+    small = iter(column.take(pa.array([i for i, b in enumerate(big) if not b], pa.int64())).to_pylist())
+    return [_TOO_LARGE if b else next(small) for b in big]
 
 
 def _parquet_rows(path: Path, text_field, id_field, on_skip, part):
