@@ -237,8 +237,7 @@ def random_weights_file(cfg: PhotoBenchConfig, path: Path) -> Path:
 
     from ..stages.segmentation import load_segmentation_model
 
-    torch.manual_seed(cfg.seed)
-    torch.save(load_segmentation_model(cfg.arch, random_weights=True).model.state_dict(), path)
+    torch.save(load_segmentation_model(cfg.arch, random_weights=True, seed=cfg.seed).model.state_dict(), path)
     return path
 
 

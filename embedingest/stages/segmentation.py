@@ -231,10 +231,12 @@ def _misfit(expected: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tens
 
 def load_segmentation_model(arch: str = "deeplabv3_resnet50", weights: str | None = None,
                             num_classes: int | None = None,
-                            random_weights: bool = False, trust_weights_file: bool = False) -> SegmentationModel:
+                            random_weights: bool = False, trust_weights_file: bool = False,
+                            seed: int = RANDOM_WEIGHTS_SEED) -> SegmentationModel:
     """Build ``arch`` and fill it as described in the module docstring; returns it in eval
     mode. ``trust_weights_file``: a ``weights`` file only full unpickling reads (a pickled
-    module) is read (see :func:`read_state_dict`)."""
+    module) is read (see :func:`read_state_dict`). ``seed``: what random weights are drawn
+    from (the job always uses the default, so a resumed run builds the same model)."""
     preset = _weights_enum(arch)
     if num_classes is not None and not 1 <= num_classes <= MAX_CLASSES:
         raise ConfigError(f"num_classes={num_classes} is out of range; masks are uint8, so "
@@ -273,7 +275,7 @@ def load_segmentation_model(arch: str = "deeplabv3_resnet50", weights: str | Non
         model = _filled(arch, num_classes, state, source)
     else:
         with torch.random.fork_rng(devices=[]):  # the same model in every run and process
-            torch.manual_seed(RANDOM_WEIGHTS_SEED)
+            torch.manual_seed(seed)
             model = _built(arch, num_classes)
         log.warning("using random weights for %s: masks are meaningless", arch)
     if num_classes != len(categories):
