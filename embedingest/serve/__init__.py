@@ -98,7 +98,10 @@ def serve(index_dir: str | os.PathLike, host: str = "127.0.0.1", port: int = 800
             port = sock.getsockname()[1]
             if on_ready is not None:
                 on_ready(f"http://{host if ':' not in host else f'[{host}]'}:{port}/")
-            uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run(sockets=[sock])
+            # no lifespan task (the app has no start-up or shut-down hooks): a second Ctrl-C
+            # cancelled it mid-stop, and starlette printed the CancelledError's traceback
+            config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
+            uvicorn.Server(config).run(sockets=[sock])
         finally:
             sock.close()
     finally:

@@ -50,9 +50,14 @@ class Server:
         self.stop()
         raise TimeoutError(f"serve did not answer within {self.timeout} s: {self.output}")
 
-    def stop(self) -> int:
+    def stop(self, twice: bool = False) -> int:
+        """Ctrl-C (``twice``: a second one 0.1 s later, as an impatient user presses it)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
+            if twice:
+                time.sleep(0.1)
+                if self.proc.poll() is None:
+                    self.proc.send_signal(signal.SIGINT)
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
