@@ -64,6 +64,16 @@ def check_types(config: Any) -> None:
         if not any(_is(value, kind) for kind in kinds):
             raise ConfigError(f"{field.name}={value!r}: must be {' or '.join(_KINDS[k] for k in kinds)}"
                               f"{' or none' if optional else ''}")
+        plain = _plain_number(value)
+        if plain is not value:  # numpy's int64(8) as 8: the checks and the JSON after take it so
+            object.__setattr__(config, field.name, plain)
+
+
+def _plain_number(value: Any) -> Any:
+    """``value`` as Python's own int or float when it is another kind of number (numpy's)."""
+    if isinstance(value, (bool, int, float)) or not isinstance(value, numbers.Real):
+        return value
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
 
 
 def _is(value: Any, kind: type) -> bool:
@@ -365,11 +375,14 @@ def load_config(cls: type[T], path: str | Path | None = None, **overrides: Any) 
     """
     values: dict[str, Any] = {}
     if path is not None:
+        from .sources.files import open_regular
+
         try:
-            with open(path, "rb") as fh:
+            with open_regular(path) as fh:  # a pipe is refused, not waited for
                 values.update(tomllib.load(fh))
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ConfigError(f"cannot read config preset {str(path)!r}: {exc}") from exc
+        except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as exc:
+            raise ConfigError(f"cannot read config preset {str(path)!r}: {exc}; give a TOML file "
+                              f"(see configs/)") from exc
     values.update({k: v for k, v in overrides.items() if v is not None})
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - names)

@@ -93,6 +93,24 @@ def test_a_preset_value_of_the_wrong_type_is_an_error_naming_it(tmp_path, line, 
     assert r.exit_code == 1 and r.output == f"Error: {message}\n", r.output
 
 
+@pytest.mark.parametrize("kind", ["fifo", "utf16", "deep"])
+def test_a_preset_that_is_not_a_toml_file_is_one_error_line(tmp_path, kind):
+    """Before: a named pipe hung the command for good; bytes that are not UTF-8 and
+    nesting deeper than the parser's recursion gave tracebacks."""
+    import os
+
+    preset = tmp_path / "preset.toml"
+    if kind == "fifo":
+        os.mkfifo(preset)
+    elif kind == "utf16":
+        preset.write_bytes("batch_size = 8\n".encode("utf-16"))
+    else:
+        preset.write_text("x = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    r = CliRunner().invoke(main, ["build-index", str(tmp_path), "--config", str(preset)])
+    assert r.exit_code == 1 and r.output.startswith(f"Error: cannot read config preset {str(preset)!r}: "), r.output
+    assert r.output.endswith("; give a TOML file (see configs/)\n") and "Traceback" not in r.output
+
+
 def test_overwrite_given_as_the_text_false_wipes_nothing(tmp_path, flat_index):
     """``overwrite = "false"`` is a true string: it deleted the index it meant to keep."""
     before = sorted(p.name for p in flat_index.rglob("*"))
@@ -110,7 +128,14 @@ def test_library_settings_take_numpy_integers_and_paths(tmp_path):
 
     from embedingest.config import SegmentConfig, check_types
 
-    check_types(IndexConfig(batch_size=np.int64(8), out=tmp_path / "x", overlap=np.int32(4)))
+    cfg = IndexConfig(batch_size=np.int64(8), out=tmp_path / "x", overlap=np.int32(4), search_k=np.int64(3),
+                      chunk_tokens=np.int16(64))
+    check_types(cfg)
+    # they become Python's own numbers: numpy's failed the checks after (``isinstance(x, int)``)
+    # and the manifest's JSON (a build stopped after its shards were committed)
+    assert [(v, type(v)) for v in (cfg.batch_size, cfg.overlap, cfg.search_k, cfg.chunk_tokens)] == [
+        (8, int), (4, int), (3, int), (64, int)]
+    cfg.validate()
     check_types(SegmentConfig(overlay_alpha=1, images=tmp_path))
     with pytest.raises(ConfigError, match=r"^overlay_alpha=nan: must be a number$"):
         SegmentConfig(overlay_alpha=float("nan")).validate()
