@@ -44,6 +44,10 @@ FOLLOW_OUTSIDE_LINKS = (
     "machine into the output.")
 
 
+# Results per query when neither the search nor the index (build-index --search-k) says:
+# the CLI's search, serve and open_index alike.
+DEFAULT_SEARCH_K = 10
+
 _KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "text"}
 
 
@@ -190,7 +194,8 @@ class IndexConfig:
               "unless they give their own, e.g. nprobe=16 (IVF) or efSearch=128 (HNSW).",
         metavar="PARAMS")
     search_k: int | None = setting(
-        None, "Results per query kept with the index, used when a search gives no k.", shown="5")
+        None, "Results per query kept with the index, used when a search gives no k.",
+        shown=str(DEFAULT_SEARCH_K))
 
     def for_device(self, cuda: bool) -> IndexConfig:
         """This config with ``batch_size`` 0 (auto) made concrete for the device kind."""
@@ -343,7 +348,7 @@ class SearchConfig(QueryConfig):
     """Settings of ``search``."""
 
     k: int | None = setting(
-        None, "Results to show.", shown="the index's, from build-index --search-k, else 5",
+        None, "Results to show.", shown=f"the index's, from build-index --search-k, else {DEFAULT_SEARCH_K}",
         flags=("-k",), range=(1, None))
 
 

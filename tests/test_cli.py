@@ -359,3 +359,20 @@ def test_corpus_and_images_take_a_path_or_a_url(tmp_path):
         kind.convert(str(tmp_path / "missing"), None, None)
     with pytest.raises(click.BadParameter, match="does not exist"):
         kind.convert(f"file://{tmp_path}/missing", None, None)
+
+
+def test_search_gives_as_many_hits_as_the_library_and_serve_by_default(tmp_path):
+    """One default k (10) for the CLI's search, open_index and serve when neither the
+    search nor the index says (the CLI showed 5, the library and serve 10)."""
+    import json as json_mod
+
+    from embedingest.config import DEFAULT_SEARCH_K
+    from embedingest.index.search import open_index
+
+    texts = [f"note {i}: the cache keeps {i} entries of the index in memory" for i in range(14)]
+    out = tmp_path / "idx"
+    build_index([{"id": f"n{i}", "text": t} for i, t in enumerate(texts)], out=str(out), **FAST)
+    r = CliRunner().invoke(main, ["search", str(out), "cache entries", "--json"])
+    assert r.exit_code == 0, r.output
+    with open_index(out) as index:
+        assert len(json_mod.loads(r.output)) == len(index.search("cache entries")[0]) == DEFAULT_SEARCH_K == 10

@@ -25,7 +25,7 @@ def search(index_dir, query, as_json, **options) -> None:
     index = open_index(index_dir, device=cfg.device, params=cfg.params, query_prompt=cfg.query_prompt,
                        cache_dir=cfg.cache_dir, cache_size=cfg.cache_size)
     try:
-        (hits,) = index.search([text], k=cfg.k or index.manifest.search.get("k") or 5)
+        (hits,) = index.search([text], k=cfg.k or index.default_k)
     finally:
         index.close()
     if as_json:

@@ -21,6 +21,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 
+from ..config import DEFAULT_SEARCH_K
 from ..errors import ConfigError
 from ..outfiles import native_path, refuse_link
 from .faiss_factory import read_index_file
@@ -86,11 +87,13 @@ class Index:
         self.query_runtime = query_runtime  # asked for; the encoder's runtime says which runs
         self._cache_dir = cache_dir
         self._pool = None
+        self._closed = False
 
     @property
     def default_k(self) -> int:
-        """Results per query when a search gives no k: the manifest's, else 10."""
-        return int(self.manifest.search.get("k") or 10)
+        """Results per query when a search gives no k: the manifest's, else
+        :data:`~embedingest.config.DEFAULT_SEARCH_K`."""
+        return int(self.manifest.search.get("k") or DEFAULT_SEARCH_K)
 
     def __enter__(self) -> Index:
         return self
@@ -105,7 +108,13 @@ class Index:
     def ntotal(self) -> int:
         return sum(s.ntotal for s in self.shards)
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigError(f"the index at {str(self.store.folder)!r} was closed: open it again "
+                              "with open_index (a closed one would answer with nothing)")
+
     def close(self) -> None:
+        self._closed = True
         self.shards = []
         if self.rows is not None:
             self.rows.close()
@@ -174,8 +183,12 @@ class Index:
     def search(self, queries: str | list[str], k: int | None = None) -> list[list[Hit]]:
         """Top ``k`` chunks for each query text, best first (``k`` None: :attr:`default_k`);
         the query prompt goes before each text."""
+        self._check_open()
         if isinstance(queries, str):
             queries = [queries]
+        elif queries is None or not hasattr(queries, "__iter__"):
+            raise ConfigError(f"queries={queries!r}: give a text or a list of texts")
+        queries = list(queries)  # a generator, a numpy array of texts
         if not queries:
             return []
         blank = [i for i, q in enumerate(queries) if not isinstance(q, str) or not q.strip()]
@@ -191,6 +204,7 @@ class Index:
     def chunks(self, ids) -> dict:
         """Chunk rows by vector id (:class:`~embedingest.index.store.Chunk`, with its
         source); unknown ids are absent."""
+        self._check_open()
         if self.rows is None:
             return {}
         return self.rows.chunks(ids)
@@ -222,7 +236,10 @@ class Index:
 
     def search_raw(self, vectors: np.ndarray, k: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(scores, ids), each [nq, k], best first; id -1 pads rows when fewer than k exist."""
+        self._check_open()
         k = self.default_k if k is None else k
+        if np.iscomplexobj(vectors):
+            raise ConfigError("query vectors are complex numbers: give real ones")
         q = np.ascontiguousarray(vectors, dtype=np.float32)
         if q.ndim == 1:
             q = q[None, :]
@@ -231,7 +248,10 @@ class Index:
                               f"(n, {self.manifest.dim}) for the index at {str(self.store.folder)!r}")
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k <= 0:
             raise ConfigError(f"k must be a positive integer, got {k!r}")
-        k = min(k, self.ntotal)
+        if not np.isfinite(q).all():
+            raise ConfigError("query vectors hold NaN or infinite values: no vector is near them; "
+                              "check how they were made")
+        k = int(min(k, self.ntotal))  # faiss takes Python's int only
         if k == 0:
             return np.empty((len(q), 0), np.float32), np.empty((len(q), 0), np.int64)
         heap = faiss.ResultHeap(len(q), k, keep_max=self.manifest.metric == "ip")

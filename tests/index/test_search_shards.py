@@ -140,3 +140,32 @@ def test_a_shard_the_manifest_names_gone_without_a_replacement_is_warned_of(tmp_
         f"the manifest of {tmp_path / 'ix'} names 1 shard(s) not in {tmp_path / 'ix' / 'shards'} "
         f"({gone.name}; {count} vectors): their files were deleted or moved, so results leave them "
         "out; put them back, or run build-index on the corpus again to redo their units")
+
+
+def test_odd_search_arguments_are_taken_or_refused_by_name(tmp_path):
+    """A numpy k (faiss took only Python's int: a TypeError), a generator of queries (it
+    gave no results), NaN or complex vectors (nothing, or silently made real), and an
+    index used after close() (it answered with nothing): each works or is refused."""
+    built = build_shards(tmp_path / "ix", n_units=2, chunks=10, commit_every=100, workers=1)
+    q = unit_vectors(2, seed=5)
+    index = open_index(tmp_path / "ix")
+    hits = index.search_vectors(q, k=np.int64(3))
+    assert [len(h) for h in hits] == [3, 3] and [h.id for h in hits[0]] == built.brute_force(q, 3)[1][0].tolist()
+    for bad, message in [(np.full((1, DIM), np.nan, np.float32), "NaN or infinite"),
+                         (q.astype(np.complex64), "complex numbers")]:
+        with pytest.raises(ConfigError, match=message):
+            index.search_vectors(bad, k=3)
+    with pytest.raises(ConfigError, match=r"^queries=None: give a text or a list of texts$"):
+        index.search(None)
+    index.close()
+
+    class Encoder:
+        def encode(self, texts):
+            return unit_vectors(len(texts), seed=len(texts[0]))
+
+    with open_index(tmp_path / "ix", encoder=Encoder()) as by_text:
+        assert [len(h) for h in by_text.search((t for t in ["one", "three"]), k=2)] == [2, 2]
+        assert [len(h) for h in by_text.search(np.array(["one", "three"]), k=2)] == [2, 2]
+    for call in (lambda: index.search_vectors(q, k=3), lambda: index.chunks([0])):
+        with pytest.raises(ConfigError, match=r"was closed: open it again with open_index"):
+            call()
