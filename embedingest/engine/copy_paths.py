@@ -17,6 +17,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from .gpu_monitor import UtilizationSampler
+from .layout import RAW_BITS, numpy_dtype
 from .pool import HostPool
 from .telemetry import BatchRecord
 
@@ -33,8 +34,11 @@ def _host_array(x) -> np.ndarray:
         import torch
 
         x = x.detach()
-        if x.dtype == torch.bfloat16:
-            return x.cpu().view(torch.int16).numpy().view(np.uint16)
+        raw = numpy_dtype(x.dtype)
+        if x.dtype.itemsize == raw.itemsize and str(x.dtype).replace("torch.", "") in RAW_BITS:
+            # bfloat16, float8: no numpy twin; their bits travel as unsigned integers of their width
+            bits = {1: torch.uint8, 2: torch.int16}[raw.itemsize]
+            return x.cpu().view(bits).numpy().view(raw)
         return x.cpu().numpy()
     return np.asarray(x)
 

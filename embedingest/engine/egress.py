@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
-from ..config import EngineConfig
+from ..config import EngineConfig, check_types
 from ..errors import ConfigError, ConsumerDied, EngineError, rebuild_error
 from .consumer_group import ConsumerGroup
 from .copy_paths import CudaCopyPath, HostCopyPath, Pending
@@ -37,6 +37,9 @@ from .telemetry import BatchRecord, EngineStats
 
 SinkFactory = Callable[[int], Callable]
 _POLL = 0.1  # seconds between checks for failures while blocked
+
+# Consumer processes one engine starts at the most: each is an interpreter of its own.
+MAX_CONSUMERS = 1024
 
 
 def refuse_while_bootstrapping(what: str) -> None:
@@ -88,10 +91,14 @@ class EgressEngine:
                  shutdown_timeout: float = 5.0,
                  on_result: Callable[[object, object], None] | None = None):
         refuse_while_bootstrapping("EgressEngine()")
-        if num_consumers < 1:
-            raise ConfigError(f"num_consumers={num_consumers}: need at least 1 consumer process")
         self.config = EngineConfig(num_consumers=num_consumers, num_slots=num_slots or 0,
                                    shutdown_timeout=shutdown_timeout, pin_memory=pin_memory)
+        check_types(self.config)  # "2", 2.5 or True: named here, not a TypeError in the pool
+        num_consumers = self.config.num_consumers
+        if not 1 <= num_consumers <= MAX_CONSUMERS:
+            raise ConfigError(f"num_consumers={num_consumers}: need at least 1 consumer process"
+                              if num_consumers < 1 else
+                              f"num_consumers={num_consumers}: at most {MAX_CONSUMERS} consumer processes")
         if self.config.slots() < 1:
             raise ConfigError(f"num_slots={num_slots}: need at least 1 slot")
         self.sink_factory = sink_factory
@@ -122,10 +129,13 @@ class EgressEngine:
         self._entered = False
         self._closed = False
         self._stats: EngineStats | None = None
+        self._submit_lock = threading.Lock()  # submit from several threads: one batch at a time
 
     # -- public API ----------------------------------------------------------------
 
     def __enter__(self) -> EgressEngine:
+        if self._closed:
+            raise EngineError("this engine was stopped (stop() or its with block ended): make a new one")
         if not self._entered:  # an engine started early (start()) is entered once
             self._entered = True
             if self._slot_spec is not None:
@@ -143,8 +153,10 @@ class EgressEngine:
 
     def stop(self) -> None:
         """Stop an engine started with :meth:`start` that will not be used (the caller
-        failed before its batches): the consumers close their sinks and exit."""
+        failed before its batches): the consumers close their sinks and exit. An engine
+        stopped cannot be entered again."""
         self._shutdown(abort=True)
+        self._closed = True
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         if exc_type is None:
@@ -184,14 +196,23 @@ class EgressEngine:
         """Queue ``outputs`` (a tensor, or a dict of tensors / numpy arrays) for the sinks.
 
         Returns as soon as the copy is enqueued; blocks only while every slot is busy.
-        Raises the first failure of a consumer or of the engine's threads.
+        Raises the first failure of a consumer or of the engine's threads. Threads may
+        submit side by side: one batch is taken at a time, in the order they get to it.
         """
+        with self._submit_lock:
+            self._submit(batch_id, outputs)
+
+    def _submit(self, batch_id, outputs) -> None:
         if not self._entered or self._closed:
             raise EngineError("submit() outside the engine's 'with' block")
         self._raise_failure()
         self._path.mark_compute_end()  # before the first batch's wait for the pool
         arrays = named_arrays(outputs)
         if self._pool is None:
+            empty = [k for k, v in arrays.items() if len(v.shape) and v.shape[0] == 0]
+            if empty:
+                raise ConfigError(f"the first batch's {empty[0]!r} has 0 rows, and the slots are sized "
+                                  "from the first batch: submit one with rows first, or give slot_spec")
             self._open(SlotLayout.from_spec({k: (tuple(v.shape), v.dtype) for k, v in arrays.items()}))
         if self._seq == 0:
             self._pool.ready()  # made while the caller went on (see HostPool); its error here

@@ -17,7 +17,7 @@ from ..errors import ConfigError
 ALIGN = 4096  # page aligned, so each array starts on its own page (DMA friendly)
 
 # torch dtypes without a numpy twin travel as raw bits of the same width.
-_RAW_BITS = {"bfloat16": "uint16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
+RAW_BITS = {"bfloat16": "uint16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
 
 
 def named_arrays(outputs) -> dict:
@@ -36,8 +36,8 @@ def numpy_dtype(dtype) -> np.dtype:
     """Map a torch or numpy dtype (or its name, or a numpy scalar type such as
     ``np.float32``) to the numpy dtype used on the host."""
     name = str(dtype).replace("torch.", "")
-    if name in _RAW_BITS:
-        return np.dtype(_RAW_BITS[name])
+    if name in RAW_BITS:
+        return np.dtype(RAW_BITS[name])
     for candidate in (dtype, name):
         try:
             return np.dtype(candidate)
@@ -81,7 +81,7 @@ class SlotLayout:
                                   f"be copied to another process; submit numbers or fixed-width bytes")
             source = str(dtype).replace("torch.", "")
             f = Field(str(name), numpy_dtype(dtype).str, shape, offset,
-                      source if source in _RAW_BITS else "")
+                      source if source in RAW_BITS else "")
             fields.append(f)
             offset += -(-max(f.nbytes, 1) // ALIGN) * ALIGN
         return cls(tuple(fields), offset)

@@ -68,12 +68,17 @@ def test_torch_tensors_and_single_tensor_output(no_leaks):
     assert got == {i: digest({"out": t.numpy()}) for i, t in enumerate(outs)}
 
 
-def test_bfloat16_arrives_as_raw_bits(no_leaks):
-    t = torch.randn(3, 4).to(torch.bfloat16)
+@pytest.mark.parametrize("dtype, bits, host", [(torch.bfloat16, torch.int16, "uint16"),
+                                               (torch.float8_e4m3fn, torch.uint8, "uint8"),
+                                               (torch.float8_e5m2, torch.uint8, "uint8")])
+def test_types_without_a_numpy_twin_arrive_as_raw_bits(no_leaks, dtype, bits, host):
+    """bfloat16 and float8 travel as unsigned integers of their width (float8 on a CPU
+    engine failed: ``TypeError: Got unsupported ScalarType``)."""
+    t = torch.randn(3, 4).to(dtype)
     engine, results = run_engine([(0, {"h": t})], num_consumers=1)
     (_, (_, d)), = results
-    assert d["h"][1] == "uint16"
-    assert d == digest({"h": t.view(torch.int16).numpy().view(np.uint16)})
+    assert d["h"][1] == host
+    assert d == digest({"h": t.view(bits).numpy().view(host)})
 
 
 def test_back_pressure_bounds_memory_to_the_slots(no_leaks):
@@ -131,6 +136,56 @@ def test_what_is_not_an_array_of_values_is_refused_by_name(no_leaks, first, matc
     with pytest.raises(ConfigError, match=match):
         with EgressEngine(HashSinkFactory(), num_consumers=1, device="cpu") as e:
             e.submit(0, first)
+
+
+def test_a_first_batch_of_no_rows_is_refused_by_name(no_leaks):
+    """The slots are sized from the first batch: one of 0 rows made every slot hold 0 rows,
+    and every later batch was refused."""
+    with pytest.raises(ConfigError, match=r"^the first batch's 'x' has 0 rows, and the slots are sized from "
+                                          r"the first batch: submit one with rows first, or give slot_spec$"):
+        with EgressEngine(HashSinkFactory(), num_consumers=1, device="cpu") as e:
+            e.submit(0, {"x": np.zeros((0, 3), np.float32)})
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"num_consumers": "2"}, r"^num_consumers='2': must be an integer$"),
+    ({"num_consumers": 2.5}, r"^num_consumers=2.5: must be an integer$"),
+    ({"num_consumers": True}, r"^num_consumers=True: must be an integer$"),
+    ({"num_consumers": 10**11}, r"^num_consumers=100000000000: at most 1024 consumer processes$"),
+    ({"num_slots": 1.5}, r"^num_slots=1.5: must be an integer$"),
+])
+def test_engine_settings_of_the_wrong_kind_are_refused_by_name(kwargs, match):
+    """Before: bare TypeErrors from the pool, True taken as one consumer, a MemoryError."""
+    with pytest.raises(ConfigError, match=match):
+        EgressEngine(HashSinkFactory(), device="cpu", **kwargs)
+    assert EgressEngine(HashSinkFactory(), device="cpu", num_consumers=np.int64(2)).config.num_consumers == 2
+
+
+def test_an_engine_stopped_before_use_cannot_be_entered(no_leaks):
+    """stop() on an engine never started, then a with block: the block started consumers
+    and a pool that nothing stopped (submit said 'outside the with block')."""
+    engine = EgressEngine(HashSinkFactory(), num_consumers=1, device="cpu",
+                          slot_spec={"x": ((4, 2), "float32")})
+    engine.stop()
+    with pytest.raises(EngineError, match=r"^this engine was stopped"):
+        with engine:
+            pass
+
+
+def test_batches_submitted_from_several_threads_each_reach_one_sink_once(no_leaks):
+    """Submit from four threads side by side (it was not guarded: a batch could be lost or
+    the run hang)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(9)
+    batches = [(i, make_batch(rng, 4)) for i in range(40)]
+    results = []
+    with EgressEngine(HashSinkFactory(), num_consumers=2, num_slots=3, device="cpu",
+                      on_result=lambda b, r: results.append((b, r))) as e:
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda item: e.submit(*item), batches))
+    assert sorted(b for b, _ in results) == list(range(40))
+    assert {b: d for b, (_, d) in results} == {i: digest(a) for i, a in batches}
 
 
 def test_declared_slot_spec_allows_any_batch_up_to_it(no_leaks):
