@@ -424,3 +424,29 @@ def test_a_large_jsonl_read_in_parts_indexes_what_one_worker_does(tmp_path, monk
     assert {r[0] for r in runs[True]} == {f"p{i}" if i % 4 else f"line-{i + 1}" for i in range(len(PARAGRAPHS) * 2)}
     for key, vec in runs[True].items():
         np.testing.assert_allclose(vec, runs[False][key], atol=1e-5)
+
+
+def test_a_default_out_shared_by_two_corpora_is_refused_never_emptied(tmp_path, monkeypatch):
+    """Records without out= all went to one default folder, and each call removed the
+    records of the one before; two folders of the same name (a/docs, b/docs) shared
+    indexes/docs the same way. Now records need out=, and a default --out that holds
+    another corpus's index is refused (an explicit --out, or --overwrite, takes it)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"^records given in memory need out=, a folder of their own"):
+        build_index([("a", "alpha text")], device="cpu", **FAST)
+    for side in ("a", "b"):
+        (tmp_path / side / "docs").mkdir(parents=True)
+        (tmp_path / side / "docs" / "x.txt").write_text(f"text of corpus {side}")
+    assert build_index(str(tmp_path / "a" / "docs"), device="cpu", **FAST)["vectors_total"] == 1
+    with pytest.raises(ConfigError) as err:
+        build_index(str(tmp_path / "b" / "docs"), device="cpu", **FAST)
+    assert str(err.value) == (
+        f"'indexes/docs' (the default --out for {str(tmp_path / 'b' / 'docs')!r}) holds the index of another "
+        f"corpus, {str(tmp_path / 'a' / 'docs')!r}, whose files this run would remove from it: give this "
+        "corpus an --out of its own, or --out 'indexes/docs' to make it the index of this one")
+    with open_index("indexes/docs") as index:
+        assert [h.text for h in index.search_vectors(np.ones((1, 384), np.float32), k=5)[0]] == ["text of corpus a"]
+    summary = build_index(str(tmp_path / "b" / "docs"), out="indexes/docs", device="cpu", **FAST)
+    assert summary["vectors_total"] == 1  # x.txt of b in place of a's (same key, other text)
+    with open_index("indexes/docs") as index:
+        assert [h.text for h in index.search_vectors(np.ones((1, 384), np.float32), k=5)[0]] == ["text of corpus b"]

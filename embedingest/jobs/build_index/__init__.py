@@ -104,6 +104,10 @@ def _load_and_build(corpus, cfg: IndexConfig, where: OneDevice | SeveralDevices,
         from ...index.remote_store import Remote
 
         Remote(out_url).check()  # a missing bucket or credential stops the run before any write
+    if in_memory and not cfg.out:
+        raise ConfigError("records given in memory need out=, a folder of their own: without it every "
+                          "such call would share one default folder, and each would remove the "
+                          "records of the one before")
     out = Path(cfg.out) if cfg.out and not out_url else default_out(corpus)
     if not in_memory and not remote and not out_url:
         refuse_output_as_input(out, corpus, "corpus folder", "the index files")
@@ -188,6 +192,12 @@ def _build_locked(corpus, cfg: IndexConfig, out: Path, model, built: list, where
                 raise
             model = _loaded(where, cfg, model, built, phases)  # its own width, then the same check
             manifest = _open_index(store, model, cfg, dtype, corpus, in_memory, False)
+        here = corpus_path(corpus, in_memory)
+        if not cfg.out and manifest.corpus_path and here and manifest.corpus_path != here:
+            raise ConfigError(f"{str(out)!r} (the default --out for {str(corpus)!r}) holds the index of "
+                              f"another corpus, {manifest.corpus_path!r}, whose files this run would "
+                              f"remove from it: give this corpus an --out of its own, or --out "
+                              f"{str(out)!r} to make it the index of this one")
         settings = {"prompts": settled_prompts(manifest, cfg, str(out)),
                     "search": search_defaults(manifest, cfg),
                     "corpus_path": corpus_path(corpus, in_memory)}
