@@ -35,7 +35,16 @@ def faiss_message(exc: RuntimeError) -> str:
 def parse_factory(dim: int, factory: str, metric: str) -> faiss.Index:
     """``faiss.index_factory(dim, factory, metric)``, a ConfigError naming the string when
     faiss cannot make it. A build calls it before it writes anything, so a bad
-    ``--index`` never gets into a manifest."""
+    ``--index`` never gets into a manifest. Strings faiss makes but a shard cannot use are
+    refused too: an id map (each shard maps its ids itself) and HNSW with fewer than 2
+    links per node (faiss aborts the process when it adds to one)."""
+    if "IDMap" in factory:
+        raise ConfigError(f"index factory {factory!r} has an IDMap: each shard maps its ids itself; "
+                          f"give the factory without it (e.g. {factory.replace('IDMap2,', '').replace('IDMap,', '')!r})")
+    small = [m for m in re.findall(r"HNSW(\d+)", factory) if int(m) < 2]
+    if small:
+        raise ConfigError(f"index factory {factory!r}: HNSW needs at least 2 links per node, not {small[0]}; "
+                          "e.g. HNSW32")
     try:
         return faiss.index_factory(dim, factory, metric_code(metric))
     except RuntimeError as exc:

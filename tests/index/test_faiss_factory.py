@@ -119,3 +119,17 @@ def test_as_float32_always_gives_float32():
     bf16 = as_float32(bits)
     assert bf16.dtype == np.float32
     np.testing.assert_allclose(bf16, x, rtol=2 ** -7)  # bfloat16 keeps 8 bits of mantissa
+
+
+@pytest.mark.parametrize("factory, match", [
+    ("IDMap,Flat", r"^index factory 'IDMap,Flat' has an IDMap: each shard maps its ids itself; give the "
+                   r"factory without it \(e.g. 'Flat'\)$"),
+    ("IDMap2,HNSW32", r"has an IDMap"),
+    ("HNSW0", r"^index factory 'HNSW0': HNSW needs at least 2 links per node, not 0; e.g. HNSW32$"),
+    ("HNSW1,Flat", r"not 1"),
+])
+def test_factories_faiss_makes_but_a_shard_cannot_use_are_refused(factory, match):
+    """Before: IDMap gave tracebacks in reindex and three in build-index (and a manifest
+    left behind); HNSW0 aborted the process (SIGABRT) when vectors were added."""
+    with pytest.raises(ConfigError, match=match):
+        parse_factory(8, factory, "ip")
