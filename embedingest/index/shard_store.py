@@ -16,6 +16,8 @@ after the writers commit, and a crash anywhere leaves nothing to reconcile by ha
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,9 +92,12 @@ class ShardStore(IndexStore):
                 self.trained_path = self.folder / trained_name(self.generation)
                 return existing
             if any(s.rows for s in list_shards(self.shards_dir, check=False)):
+                only_factory = dataclasses.replace(manifest, factory=existing.factory).compatible_with(existing)
+                keep = (f"pass --index {existing.factory!r} to update it as it is (a reindex changes "
+                        f"the factory), " if only_factory else "")
                 raise ConfigError(
                     f"the index at {str(self.folder)!r} was built with {existing.describe()}, "
-                    f"not {manifest.describe()}: use --overwrite to rebuild it, or another folder")
+                    f"not {manifest.describe()}: {keep}use --overwrite to rebuild it, or another folder")
             log.info("the index at %s holds no shard yet: its settings (%s) become %s",
                      self.folder, existing.describe(), manifest.describe())
             self.trained_path.unlink(missing_ok=True)
