@@ -181,3 +181,28 @@ def test_a_reader_that_closes_the_output_ends_the_command_quietly(where):
     assert stderr == ("" if where == "stdout" else
                       "Error: [Errno 32] Broken pipe; what was committed before is kept: fix the cause "
                       "and run the same command again\n")
+
+
+STOP_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time
+    from embedingest.cli.common import end_process, stops_as_exits
+
+    try:
+        with stops_as_exits("the index is as it was; run the same command again"):
+            if sys.argv[1] == "sigterm":
+                os.kill(os.getpid(), signal.SIGTERM)
+            else:
+                raise KeyboardInterrupt
+            time.sleep(5)
+    except SystemExit as done:
+        end_process(done.code)
+""")
+
+
+@pytest.mark.parametrize("stop, code, said", [("ctrl-c", 130, "interrupted:"), ("sigterm", 143, "terminated (SIGTERM):")])
+def test_a_command_s_stops_end_it_with_its_status_and_a_line(stop, code, said):
+    """What run_job and reindex share: reindex printed click's 'Aborted!' with status 1 on
+    Ctrl-C, and died of SIGTERM without a word."""
+    run = subprocess.run([sys.executable, "-c", STOP_SCRIPT, stop], capture_output=True, text=True, timeout=60)
+    assert run.returncode == code
+    assert run.stderr == f"\n{said} the index is as it was; run the same command again\n"

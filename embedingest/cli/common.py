@@ -5,6 +5,7 @@ Ctrl-C-safe import of a job and the quick exit after it, running a job command
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -167,21 +168,16 @@ def run_options(preset: str, timeline: str, trace: str):
     return decorate
 
 
-def run_job(module: str, call, *, as_json: bool, paragraph, interrupted: str) -> NoReturn:
-    """Import the job's ``module`` (Ctrl-C-safe), run ``call(module)`` and print the summary
-    it returns (as JSON, or as ``paragraph(summary)``), then exit with its ``exit_code``;
-    on Ctrl-C say ``interrupted: <interrupted>`` and exit with :data:`EXIT_INTERRUPTED`
-    (on SIGTERM, ``terminated (SIGTERM): ...`` and :data:`EXIT_TERMINATED`), also when the Ctrl-C landed where Python swallows it (a finalizer, an import lock's
+@contextlib.contextmanager
+def stops_as_exits(interrupted: str):
+    """In the block, Ctrl-C and SIGTERM stop the command with ``interrupted: <interrupted>``
+    (``terminated (SIGTERM): ...``) and :data:`EXIT_INTERRUPTED` (:data:`EXIT_TERMINATED`),
+    also when the Ctrl-C landed where Python swallows it (a finalizer, an import lock's
     callback): it is delivered again."""
     previous, sys.unraisablehook = sys.unraisablehook, redeliver_swallowed_interrupts(signal.SIGINT)
-    threads_hook, process_hook = threading.excepthook, sys.excepthook
     try:
         with sigterm_interrupts():
-            job = import_interruptibly(module)
-            from ..engine.consumers import quiet_resource_sharer, quiet_resource_sharer_sys  # imported with the job
-
-            threading.excepthook, sys.excepthook = quiet_resource_sharer, quiet_resource_sharer_sys
-            summary = call(job)
+            yield
     except Terminated:
         click.echo(f"\nterminated (SIGTERM): {interrupted}", err=True)
         sys.exit(EXIT_TERMINATED)
@@ -190,6 +186,23 @@ def run_job(module: str, call, *, as_json: bool, paragraph, interrupted: str) ->
         sys.exit(EXIT_INTERRUPTED)  # the program then ends at once (end_process)
     finally:
         sys.unraisablehook = previous
+
+
+def run_job(module: str, call, *, as_json: bool, paragraph, interrupted: str) -> NoReturn:
+    """Import the job's ``module`` (Ctrl-C-safe), run ``call(module)`` and print the summary
+    it returns (as JSON, or as ``paragraph(summary)``), then exit with its ``exit_code``;
+    on Ctrl-C say ``interrupted: <interrupted>`` and exit with :data:`EXIT_INTERRUPTED`
+    (on SIGTERM, ``terminated (SIGTERM): ...`` and :data:`EXIT_TERMINATED`), also when the Ctrl-C landed where Python swallows it (a finalizer, an import lock's
+    callback): it is delivered again."""
+    threads_hook, process_hook = threading.excepthook, sys.excepthook
+    try:
+        with stops_as_exits(interrupted):
+            job = import_interruptibly(module)
+            from ..engine.consumers import quiet_resource_sharer, quiet_resource_sharer_sys  # imported with the job
+
+            threading.excepthook, sys.excepthook = quiet_resource_sharer, quiet_resource_sharer_sys
+            summary = call(job)
+    finally:
         threading.excepthook, sys.excepthook = threads_hook, process_hook
     if as_json:
         emit_json(summary)

@@ -9,7 +9,8 @@ import click
 from ..config import IndexConfig, load_config
 from ..exit_codes import exit_status_help
 from ..report import passed_over_sentence
-from .common import IndexPath, InputPath, config_options, emit_json, library_errors, run_job, run_options
+from .common import (IndexPath, InputPath, config_options, emit_json, library_errors, run_job, run_options,
+                     stops_as_exits)
 
 
 @click.command("build-index", help=f"""Index the text files under CORPUS (or one file) into FAISS shards.
@@ -65,7 +66,9 @@ def reindex(index_dir, factory, train_size, search_params, as_json) -> None:
     from the embeddings it kept (built with --save-embeddings): no model, no corpus."""
     from ..index.reindex import reindex as run_reindex
 
-    s = run_reindex(index_dir, factory, train_size=train_size, search_params=search_params)
+    with stops_as_exits("the index is as it was (a reindex replaces it only once it is whole); run "
+                        "the same command again"):
+        s = run_reindex(index_dir, factory, train_size=train_size, search_params=search_params)
     if as_json:
         emit_json(s)
         return
