@@ -225,3 +225,36 @@ def test_an_index_folder_inside_the_corpus_is_reported_not_read(tmp_path):
     assert [(e["path"], e["reason"]) for e in report.entries] == [(
         str(corpus / "old-index"), "index: an embedingest index, not documents (its corpus is what to "
                                    "index); move it out of the corpus folder")]
+
+
+def test_texts_alone_are_records_and_a_corpus_that_is_no_iterable_of_records_is_refused():
+    """A list of texts was all skipped ('expected (id, text) or a dict', exit 3); a dict or
+    a DataFrame iterated over its keys or column names; an int raised a TypeError."""
+    import pytest
+
+    from embedingest.config import IndexConfig
+    from embedingest.errors import ConfigError
+    from embedingest.jobs.build_index.plan import record_candidates
+
+    report = SkipReport()
+    got = record_candidates(["first text", ("k", "keyed text"), "third text"], IndexConfig(), report)
+    assert [(c["record_id"], c["text"]) for c in got] == [("0", "first text"), ("k", "keyed text"),
+                                                          ("2", "third text")]
+    assert report.entries == []
+
+    class Frame:  # what a DataFrame shows of itself
+        columns = ["id", "text"]
+
+        def to_dict(self, orient):
+            return []
+
+        def __iter__(self):
+            return iter(self.columns)
+
+    for corpus, hint in [({"a": "text"}, "; for a dict of id to text, give its .items()"),
+                         (Frame(), "; for a DataFrame, give df.to_dict('records') (its columns named text and id)"),
+                         (b"bytes", ""), (7, ""), (None, "")]:
+        with pytest.raises(ConfigError) as err:
+            record_candidates(corpus, IndexConfig(), SkipReport())
+        assert str(err.value) == (f"corpus of type {type(corpus).__name__}: give a folder, a file, a URL, or an "
+                                  f"iterable of records ((id, text) pairs, dicts, or texts){hint}")

@@ -60,8 +60,8 @@ def build_index(corpus, config: IndexConfig | None = None, *, progress: bool = F
     """Build or update the index of ``corpus`` and return a summary dict.
 
     ``corpus`` is a file or folder path, an fsspec URL (``s3://bucket/prefix``: see
-    :mod:`~embedingest.sources.remote`), or an iterable of ``(id, text)`` pairs or dicts
-    with the configured text and id fields. Options are the fields of
+    :mod:`~embedingest.sources.remote`), or an iterable of ``(id, text)`` pairs, dicts
+    with the configured text and id fields, or texts alone (numbered by position). Options are the fields of
     :class:`IndexConfig`, given as ``config`` and/or keyword ``overrides``; ``timeline``
     names a PNG to draw the last batches' engine timeline into, ``trace`` a JSON file for
     the run's phases and every batch's engine records in the Chrome trace format.

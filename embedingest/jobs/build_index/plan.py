@@ -115,21 +115,39 @@ def unit_key(relative_path: str) -> str:
     return name_as_text(relative_path)
 
 
+def _check_records(records) -> None:
+    """Refuse a corpus that is not an iterable of records, naming what to give instead: a
+    dict or a DataFrame iterates over its keys or column names, which would be indexed
+    as texts (or all skipped), and a number or None cannot be read at all."""
+    hint = ""
+    if isinstance(records, Mapping):
+        hint = "; for a dict of id to text, give its .items()"
+    elif hasattr(records, "columns") and hasattr(records, "to_dict"):
+        hint = "; for a DataFrame, give df.to_dict('records') (its columns named text and id)"
+    elif not isinstance(records, (bytes, bytearray)) and isinstance(records, Iterable):
+        return
+    raise ConfigError(f"corpus of type {type(records).__name__}: give a folder, a file, a URL, or an "
+                      f"iterable of records ((id, text) pairs, dicts, or texts){hint}")
+
+
 def record_candidates(records: Iterable, cfg: IndexConfig, report: SkipReport) -> list[dict]:
     """The in-memory records as units, all checked before anything is written.
 
     Ids are compared as text (``1`` and ``"1"`` are one id); a record without an id, or
-    with ``None``, takes its position as id. The index keeps one entry per id, so an id
+    with ``None``, or a text given alone, takes its position as id. The index keeps one entry per id, so an id
     given twice is a :class:`ConfigError` naming both positions, never a silent merge.
     """
+    _check_records(records)
     out, first = [], {}
     for n, rec in enumerate(records):
         if isinstance(rec, Mapping):
             rid, text = rec.get(cfg.id_field), rec.get(cfg.text_field)
         elif isinstance(rec, (tuple, list)) and len(rec) == 2:
             rid, text = rec
+        elif isinstance(rec, str):  # a text alone: numbered by its position
+            rid, text = None, rec
         else:
-            report.add(f"record {n}", "field: expected (id, text) or a dict", stage="read")
+            report.add(f"record {n}", "field: expected (id, text), a dict or a text", stage="read")
             continue
         rid = str(n if rid is None else rid)
         if rid in first:
