@@ -218,6 +218,8 @@ class IndexConfig:
             raise ConfigError(f"metric={self.metric!r}: use 'ip' or 'l2'")
         if self.search_k is not None and self.search_k < 1:
             raise ConfigError(f"search-k={self.search_k}: must be at least 1")
+        if self.num_workers < -1:
+            raise ConfigError(f"num-workers={self.num_workers}: must be -1 (auto), 0 or more")
 
 
 @dataclass

@@ -450,3 +450,13 @@ def test_a_default_out_shared_by_two_corpora_is_refused_never_emptied(tmp_path, 
     assert summary["vectors_total"] == 1  # x.txt of b in place of a's (same key, other text)
     with open_index("indexes/docs") as index:
         assert [h.text for h in index.search_vectors(np.ones((1, 384), np.float32), k=5)[0]] == ["text of corpus b"]
+
+
+def test_library_settings_out_of_range_or_unknown_are_refused_by_name(tmp_path):
+    """num_workers=-5 was taken; a misspelt keyword raised the dataclass's TypeError."""
+    with pytest.raises(ConfigError, match=r"^num-workers=-5: must be -1 \(auto\), 0 or more$"):
+        build_index([("a", "text")], out=str(tmp_path / "i"), device="cpu", num_workers=-5)
+    with pytest.raises(ConfigError, match=r"^unknown setting\(s\) batchsize for build_index; known settings "
+                                          r"are the fields of IndexConfig: out, model, "):
+        build_index([("a", "text")], out=str(tmp_path / "i"), device="cpu", batchsize=8)
+    assert not (tmp_path / "i").exists()

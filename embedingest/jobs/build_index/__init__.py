@@ -67,6 +67,10 @@ def build_index(corpus, config: IndexConfig | None = None, *, progress: bool = F
     the run's phases and every batch's engine records in the Chrome trace format.
     """
     refuse_while_bootstrapping("build_index()")
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(IndexConfig)})
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {', '.join(unknown)} for build_index; known settings are "
+                          f"the fields of IndexConfig: {', '.join(f.name for f in dataclasses.fields(IndexConfig))}")
     cfg = dataclasses.replace(config or IndexConfig(), **overrides)
     cfg.validate()
     t_start = time.perf_counter()
