@@ -276,3 +276,19 @@ class GateSinkFactory:
 
     def __call__(self, worker: int):
         return GateSink(worker, self.marker)
+
+
+class _UnpicklableClose:
+    """A sink whose close() returns what cannot be pickled (a lock)."""
+
+    def __call__(self, batch_id, arrays):
+        return None
+
+    def close(self):
+        import threading
+
+        return threading.Lock()
+
+
+def unpicklable_close_factory(worker: int):
+    return _UnpicklableClose()

@@ -203,5 +203,12 @@ def consumer_main(worker: int, sink_factory, handle, conn, abort, parent_pid: in
                     "the sink had not yet written out is lost; re-run to redo it")))
             except BaseException as exc:
                 _send(conn, _error_message(worker, None, "close", exc))
-        _send(conn, Closed(worker, closed, t_close, t_closed))
+        try:
+            _send(conn, Closed(worker, closed, t_close, t_closed))
+        except Exception as exc:  # what close() returned does not pickle: say so, and close
+            _send(conn, _error_message(worker, None, "close", EngineError(
+                f"the sink's close() in consumer {worker} returned a {type(closed).__name__}, which "
+                f"cannot be sent back to the engine ({type(exc).__name__}: {exc}); return plain "
+                "data (numbers, text, lists, dicts)")))
+            _send(conn, Closed(worker, None, t_close, t_closed))
         conn.close()

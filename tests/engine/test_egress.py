@@ -19,7 +19,7 @@ from conftest import child_pids
 from fault_helpers import wait_for
 from engine_sinks import (FailingSinkFactory, GateSinkFactory, HashSinkFactory, SlowCloseSinkFactory, SuicideSinkFactory,
                           broken_factory, digest, slow_sink_factory, two_part_error_sink_factory,
-                          whoami_sink_factory)
+                          unpicklable_close_factory, whoami_sink_factory)
 
 from embedingest import EgressEngine
 from embedingest.engine import consumer_group
@@ -136,6 +136,15 @@ def test_what_is_not_an_array_of_values_is_refused_by_name(no_leaks, first, matc
     with pytest.raises(ConfigError, match=match):
         with EgressEngine(HashSinkFactory(), num_consumers=1, device="cpu") as e:
             e.submit(0, first)
+
+
+def test_a_close_result_that_cannot_be_sent_back_is_named(no_leaks):
+    """Before: 'ConsumerDied: consumer 0 ... exited with code 1 while idle', the pickling
+    error only on the consumer's stderr."""
+    with pytest.raises(EngineError, match=r"the sink's close\(\) in consumer 0 returned a lock, which cannot "
+                                          r"be sent back to the engine \(TypeError: "):
+        with EgressEngine(unpicklable_close_factory, num_consumers=1, device="cpu") as e:
+            e.submit(0, {"x": np.zeros((2, 3), np.float32)})
 
 
 def test_a_first_batch_of_no_rows_is_refused_by_name(no_leaks):
