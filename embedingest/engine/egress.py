@@ -129,7 +129,7 @@ class EgressEngine:
         self._entered = False
         self._closed = False
         self._stats: EngineStats | None = None
-        self._submit_lock = threading.Lock()  # submit from several threads: one batch at a time
+        self._submitter: int | None = None  # the thread that submits (one only)
 
     # -- public API ----------------------------------------------------------------
 
@@ -196,13 +196,16 @@ class EgressEngine:
         """Queue ``outputs`` (a tensor, or a dict of tensors / numpy arrays) for the sinks.
 
         Returns as soon as the copy is enqueued; blocks only while every slot is busy.
-        Raises the first failure of a consumer or of the engine's threads. Threads may
-        submit side by side: one batch is taken at a time, in the order they get to it.
+        Raises the first failure of a consumer or of the engine's threads. Batches come
+        from one thread: a submit from another is refused.
         """
-        with self._submit_lock:
-            self._submit(batch_id, outputs)
-
-    def _submit(self, batch_id, outputs) -> None:
+        me = threading.get_ident()
+        if self._submitter is None:
+            self._submitter = me
+        elif self._submitter != me:
+            raise EngineError("submit() from a second thread: an engine takes its batches from one "
+                              "thread (the one that submitted first); hand the outputs to it, e.g. "
+                              "through a queue.Queue")
         if not self._entered or self._closed:
             raise EngineError("submit() outside the engine's 'with' block")
         self._raise_failure()
