@@ -179,6 +179,7 @@ def stops_as_exits(interrupted: str):
         with sigterm_interrupts():
             yield
     except Terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one now would end it by the signal
         click.echo(f"\nterminated (SIGTERM): {interrupted}", err=True)
         sys.exit(EXIT_TERMINATED)
     except KeyboardInterrupt:

@@ -116,6 +116,7 @@ class ZstdReader:
         self._obj = None  # the frame being decompressed, None between frames
         self._buf, self._pos = b"", 0
         self._eof = False
+        self._cut: EOFError | None = None
 
     def _fill(self) -> None:
         while self._pos == len(self._buf) and not self._eof:
@@ -140,9 +141,17 @@ class ZstdReader:
             self._buf, self._pos = b"".join(out), 0
 
     def read(self, n: int = -1) -> bytes:
+        if self._cut is not None:
+            raise self._cut
         parts = []
         while n != 0:
-            self._fill()
+            try:
+                self._fill()
+            except EOFError as exc:
+                if not parts:
+                    raise
+                self._cut = exc  # what came before the cut first; the cut at the next read
+                break
             if self._pos == len(self._buf):
                 break
             end = len(self._buf) if n < 0 else min(len(self._buf), self._pos + n)
@@ -276,10 +285,35 @@ class _Closing:
 
     def __init__(self, outer, inner):
         self._outer, self._inner = outer, inner
+        self._cut: EOFError | None = None  # met after bytes a read gives: raised at the next
 
     def read(self, n: int = -1) -> bytes:
+        """Up to ``n`` bytes; a stream cut short gives what was decompressed before the cut,
+        then raises ``EOFError`` at the next read (a reader's own ``read(n)`` drops the
+        bytes it had gathered in that call when it meets the cut)."""
+        if self._cut is not None:
+            raise self._cut
+        step = getattr(self._outer, "read1", None)
+        if n < 0 or step is None:
+            return self._read(self._outer.read, n)
+        out = bytearray()
+        while len(out) < n:
+            try:
+                block = self._read(step, n - len(out))
+            except EOFError as exc:
+                if not out:
+                    raise
+                self._cut = exc
+                break
+            if not block:
+                break
+            out += block
+        return bytes(out)
+
+    @staticmethod
+    def _read(read, n: int) -> bytes:
         try:
-            return self._outer.read(n)
+            return read(n)
         except OSError as exc:
             if exc.errno is None:  # the data's own fault (bz2: "Invalid data stream"), not the disk's
                 raise CorruptStream(str(exc)) from exc
@@ -814,7 +848,7 @@ def _read_csv(path: Path, text_field, id_field, on_skip):
             raise _Skip("empty: no header row")
         if text_field not in columns:
             raise _Skip(f"field: no {text_field!r} column (columns: {_fields(columns)}); "
-                        f"choose the text column with text_field=")
+                        f"choose the text column with --text-field (text_field= in the library)")
         twice = sorted({c for c in columns if columns.count(c) > 1})
         if twice:
             raise _Skip(f"field: the header names {_fields(twice)} more than once; rename the "
@@ -822,7 +856,7 @@ def _read_csv(path: Path, text_field, id_field, on_skip):
         ids, rows, n = _FirstIds(path), iter(reader), 0
         while True:
             n += 1
-            loc = f"row {n}"
+            loc, start = f"row {n}", lines.count + 1
             try:
                 row = next(rows)
             except StopIteration:
@@ -831,7 +865,11 @@ def _read_csv(path: Path, text_field, id_field, on_skip):
                 if str(exc).startswith("field larger than field limit"):
                     raise _Skip(f"too-large: {loc} (line {lines.count}): a field of more than "
                                 f"{MAX_LINE_CHARS} characters; the rest of the file is skipped") from None
-                on_skip(f"{path}:{loc}", f"csv: {loc} (line {lines.count}): {exc}; quote the field "
+                # a quote that does not close its field takes the lines after it in: say which
+                where = (f"line {lines.count}" if lines.count <= start else
+                         f"lines {start}-{lines.count}, read as one row: a quote opened there does not "
+                         f"close its field")
+                on_skip(f"{path}:{loc}", f"csv: {loc} ({where}): {exc}; quote the field "
                                          f"(a quote inside one doubled) or remove the stray quote")
                 continue
             where = f"{loc} (line {lines.count})"
@@ -935,7 +973,7 @@ def _parquet_rows(path: Path, text_field, id_field, on_skip, part):
         schema = pf.schema_arrow
         if text_field not in schema.names:
             raise _Skip(f"field: no {text_field!r} column (columns: {_fields(schema.names)}); "
-                        f"choose the text column with text_field=")
+                        f"choose the text column with --text-field (text_field= in the library)")
         kind = schema.field(text_field).type
         if not _is_text_type(kind):
             raise _Skip(f"field: column {text_field!r} is {kind}, expected a string column")

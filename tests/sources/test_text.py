@@ -78,6 +78,33 @@ def test_corrupt_or_cut_compressed_files(tmp_path):
                 "; the data is corrupt, so none of the file's records are read" if "jsonl" in name else ""))])
 
 
+@pytest.mark.parametrize("name, cut", [("a.jsonl.gz", 4), ("a.csv.gz", 100), ("a.jsonl.xz", 30)])
+def test_a_stream_cut_short_keeps_every_record_decompressed_before_the_cut(tmp_path, name, cut):
+    """A reader's read(n) dropped what it had decompressed in that call when it met the
+    cut: a gzip missing only its trailer (every byte of data there) kept none of its 100
+    records, a CSV cut 100 bytes short 700 of 1,980."""
+    import gzip
+    import lzma
+
+    n = 100 if "jsonl" in name else 2000
+    data = ("".join(json.dumps({"id": str(i), "text": f"row {i}"}) + "\n" for i in range(n)) if "jsonl" in name
+            else "id,text\n" + "".join(f"{i},row {i}\n" for i in range(n))).encode()
+    packed = (gzip.compress if name.endswith(".gz") else lzma.compress)(data)[:-cut]
+    whole = zlib_prefix(packed) if name.endswith(".gz") else lzma.LZMADecompressor().decompress(packed)
+    kept = whole[:whole.rfind(b"\n") + 1].count(b"\n") - (0 if "jsonl" in name else 1)
+    records, skipped = read(write(tmp_path, name, packed))
+    assert len(records) == kept and kept >= n - 25
+    assert records == [(str(i), f"row {i}") for i in range(kept)]
+    assert keywords(skipped) == ["decompress"]
+
+
+def zlib_prefix(packed: bytes) -> bytes:
+    """All that zlib can decompress of a gzip stream cut short."""
+    import zlib
+
+    return zlib.decompressobj(wbits=31).decompress(packed)
+
+
 @pytest.mark.parametrize("suffix", [".gz", ".bz2", ".xz"])
 def test_a_corrupt_compressed_stream_indexes_none_of_its_records(tmp_path, suffix):
     """Two bytes flipped mid-file: the decompressor checks its CRC only after handing out
@@ -348,8 +375,9 @@ def test_csv_rows_that_do_not_parse_are_skipped_alone_never_merged(tmp_path):
         (f"{path}:row 1", "field: row 1 (line 2): 3 values for 2 columns; quote a value that holds a comma"),
         (f"{path}:row 3", "csv: row 3 (line 4): ',' expected after '\"'; quote the field (a quote inside "
                           "one doubled) or remove the stray quote"),
-        (f"{path}:row 5", "csv: row 5 (line 8): unexpected end of data; quote the field (a quote inside "
-                          "one doubled) or remove the stray quote")]
+        (f"{path}:row 5", "csv: row 5 (lines 7-8, read as one row: a quote opened there does not close its "
+                          "field): unexpected end of data; quote the field (a quote inside one doubled) or "
+                          "remove the stray quote")]
     tsv = write(tmp_path, "a.tsv", 'id\ttext\n1\t"To be" is a line\n2\tplain\n3\ta\tb\n4\t"has\ttab"\n')
     records, skipped = read(tsv)
     assert records == [("2", "plain"), ("4", "has\ttab")]
