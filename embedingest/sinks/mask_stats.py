@@ -110,11 +110,6 @@ def row_counts(out: str | os.PathLike) -> Counter:
     return counts
 
 
-def stats_sources(out: str | os.PathLike) -> set[str]:
-    """The sources that have a committed row."""
-    return set(row_counts(out))
-
-
 def drop_stats_rows(out: str | os.PathLike, sources: set[str]) -> None:
     """Remove the rows of ``sources`` (input-relative paths of images about to be redone),
     part by part.

@@ -18,7 +18,7 @@ from segment_fixtures import noise
 
 from embedingest.errors import ConfigError
 from embedingest.sinks.mask_stats import (StatsWriter, drop_stats_rows, part_files, stats_columns,
-                                          stats_sources)
+                                          row_counts)
 from embedingest.sinks.masks import (VOC_PALETTE, MaskSinkFactory, labels_info, output_paths,
                                      restore_mask, split_flat, voc_palette, write_labels)
 from embedingest.sources.image_decode import ImageMeta
@@ -229,14 +229,14 @@ def test_stats_rows_are_committed_in_parts_and_read_as_one_table(tmp_path):
     assert len(part_files(tmp_path)) == 2 and writer.committed == 3
     table = ds.dataset(tmp_path / "stats").to_table().to_pylist()
     rows = {r["source"]: r for r in table}
-    assert set(rows) == set(masks) == stats_sources(tmp_path)
+    assert set(rows) == set(masks) == set(row_counts(tmp_path))
     assert rows["a.jpg"] == {"source": "a.jpg", "width": 2, "height": 2, "__background__": 0.25,
                              "cat": 0.75, "class_2": 0.0, "class_3": 0.0}
     assert (rows["b/c.png"]["width"], rows["b/c.png"]["height"], rows["b/c.png"]["class_3"]) == (5, 3, 1.0)
     assert rows["d.png"]["class_2"] == pytest.approx(1 / 3)
     assert not [p for p in (tmp_path / "stats").iterdir() if p.name.startswith(".")]
     drop_stats_rows(tmp_path, {"a.jpg", "d.png"})
-    assert stats_sources(tmp_path) == {"b/c.png"}
+    assert set(row_counts(tmp_path)) == {"b/c.png"}
     assert sorted(r["source"] for r in ds.dataset(tmp_path / "stats").to_table().to_pylist()) == ["b/c.png"]
 
 
