@@ -116,7 +116,6 @@ class ZstdReader:
         self._obj = None  # the frame being decompressed, None between frames
         self._buf, self._pos = b"", 0
         self._eof = False
-        self._cut: EOFError | None = None
 
     def _fill(self) -> None:
         while self._pos == len(self._buf) and not self._eof:
@@ -140,18 +139,19 @@ class ZstdReader:
                     data, self._obj = self._obj.unused_data, None
             self._buf, self._pos = b"".join(out), 0
 
+    def read1(self, n: int = -1) -> bytes:
+        """At most ``n`` bytes, from one feed's decompressed output (b"" at the end): what
+        :class:`_Closing` reads, so the bytes before a cut come out before the cut's
+        ``EOFError``."""
+        self._fill()
+        end = len(self._buf) if n < 0 else min(len(self._buf), self._pos + n)
+        out, self._pos = self._buf[self._pos:end], end
+        return out
+
     def read(self, n: int = -1) -> bytes:
-        if self._cut is not None:
-            raise self._cut
         parts = []
         while n != 0:
-            try:
-                self._fill()
-            except EOFError as exc:
-                if not parts:
-                    raise
-                self._cut = exc  # what came before the cut first; the cut at the next read
-                break
+            self._fill()
             if self._pos == len(self._buf):
                 break
             end = len(self._buf) if n < 0 else min(len(self._buf), self._pos + n)
