@@ -238,14 +238,14 @@ def sorted_batches(windows: list, batch_size: int) -> list:
     return batches
 
 
-def floor_command(windows: list, cfg: DocumentsBenchConfig, dtype: str, tmp: Path) -> dict:
+def floor_command(batches: list, cfg: DocumentsBenchConfig, dtype: str, tmp: Path) -> dict:
     """The least any command can take on these chunks (:mod:`.floor`): a fresh process that
-    imports torch, loads the encoder and runs the forward over the windows, tokenized and
-    length-sorted before its start; timed from its start to its end."""
+    imports torch, loads the encoder and runs the forward over ``batches`` (the forward
+    alone's), written to a file before its start; timed from its start to its end."""
     from .floor import save_batches
 
     path = tmp / "floor-batches.npz"
-    save_batches(path, sorted_batches(windows, cfg.batch_size))
+    save_batches(path, batches)
     cmd = [sys.executable, "-m", "embedingest.bench.floor", str(path), "--device", cfg.device, "--dtype", dtype]
     if cfg.model:
         cmd += ["--model", cfg.model]
@@ -259,18 +259,17 @@ def floor_command(windows: list, cfg: DocumentsBenchConfig, dtype: str, tmp: Pat
             "command": " ".join(cmd[1:]), "seconds": seconds, "chunks": chunks, "chunks_per_s": chunks / seconds}
 
 
-def forward_alone(windows: list, cfg: DocumentsBenchConfig, dtype: str) -> dict:
-    """The bound: the encoder on the windows, length-sorted, on the device before the
-    clock, each batch shape run once first."""
+def forward_alone(batches: list, cfg: DocumentsBenchConfig, dtype: str) -> dict:
+    """The bound: the encoder on ``batches`` (:func:`sorted_batches`), on the device before
+    the clock, each batch shape run once first."""
     from ..stages.encoder import TextEncoder
     from .text import timed_forward
 
     enc = TextEncoder.load(cfg.model, device=cfg.device, dtype=dtype)
-    batches = [(ids.to(cfg.device), mask.to(cfg.device)) for ids, mask in sorted_batches(windows, cfg.batch_size)]
-    seconds = timed_forward(enc, batches, cfg.device)
+    chunks = sum(len(ids) for ids, _ in batches)
+    seconds = timed_forward(enc, [(ids.to(cfg.device), mask.to(cfg.device)) for ids, mask in batches], cfg.device)
     return {"name": f"encoder forward alone (pre-tokenized), {dtype}", "kind": "bound",
-            "chunks": len(windows), "seconds": seconds, "chunks_per_s": len(windows) / seconds,
-            "dim": enc.dim}
+            "chunks": chunks, "seconds": seconds, "chunks_per_s": chunks / seconds, "dim": enc.dim}
 
 
 def st_encode(texts: list[str], cfg: DocumentsBenchConfig, dtype: str, chunk_tokens: int) -> dict:
@@ -328,8 +327,9 @@ def run_documents(cfg: DocumentsBenchConfig, log=print) -> tuple[dict, list[dict
         facts = ModelFacts.read(cfg.model)  # the tokenizer and limits, not the weights
         chunk_tokens = min(icfg.chunk_tokens, facts.max_seq_length)
         windows, texts = chunk_windows(folder, facts.tokenizer, chunk_tokens, icfg.overlap)
-        rows.append(floor_command(windows, cfg, dtype, Path(tmp)))
-    rows.append(forward_alone(windows, cfg, dtype))
+        batches = sorted_batches(windows, cfg.batch_size)  # the floor's and the forward alone's
+        rows.append(floor_command(batches, cfg, dtype, Path(tmp)))
+    rows.append(forward_alone(batches, cfg, dtype))
     for row in rows[:-2]:  # the vectors' own bytes, which an index's memory must hold
         row["vectors_mb"] = row["chunks"] * rows[-1]["dim"] * 4 / 2**20
     if cfg.st_sample:
