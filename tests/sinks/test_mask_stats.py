@@ -14,7 +14,7 @@ import pytest
 
 from embedingest.errors import ConfigError
 from embedingest.sinks import mask_stats
-from embedingest.sinks.mask_stats import StatsWriter, drop_stats_rows, part_files, row_counts, stats_sources
+from embedingest.sinks.mask_stats import StatsWriter, drop_stats_rows, part_files, row_counts
 
 
 def rows(out) -> dict[str, dict]:
@@ -29,7 +29,7 @@ def test_only_visible_parquet_files_are_parts(tmp_path):
     (tmp_path / "stats" / "notes.txt").write_text("not a part")
     (tmp_path / "stats" / ".old.parquet").write_bytes(b"hidden, not a part")
     (tmp_path / "stats" / f".{part.name}.tmp-1").write_bytes(b"a commit killed halfway")
-    assert part_files(tmp_path) == [part] and stats_sources(tmp_path) == {"a.png"}
+    assert part_files(tmp_path) == [part] and set(row_counts(tmp_path)) == {"a.png"}
 
 
 def test_parts_are_numbered_per_process_so_one_clock_tick_never_overwrites_a_part(tmp_path, monkeypatch):
@@ -38,7 +38,7 @@ def test_parts_are_numbered_per_process_so_one_clock_tick_never_overwrites_a_par
     for name in ("a", "b", "c"):
         writer.add(name, np.zeros((1, 1), np.uint8))
     assert [p.name for p in part_files(tmp_path)] == [f"part-5-{os.getpid()}-{n}.parquet" for n in range(3)]
-    assert stats_sources(tmp_path) == {"a", "b", "c"} and writer.committed == 3
+    assert set(row_counts(tmp_path)) == {"a", "b", "c"} and writer.committed == 3
 
 
 def test_the_columns_are_int32_sizes_and_float32_shares_and_a_pixel_counts_whole(tmp_path):
@@ -61,7 +61,7 @@ def test_a_drop_goes_through_every_part_and_of_nothing_drops_nothing(tmp_path):
     drop_stats_rows(tmp_path, set())
     assert part_files(tmp_path) == [first, second]
     drop_stats_rows(tmp_path, {"c"})  # the first part has none of them: the second is still read
-    assert stats_sources(tmp_path) == {"a", "b", "d"} and first in part_files(tmp_path)
+    assert set(row_counts(tmp_path)) == {"a", "b", "d"} and first in part_files(tmp_path)
 
 
 def test_a_part_that_does_not_read_back_whole_is_not_written(tmp_path, monkeypatch):
@@ -102,7 +102,7 @@ def test_a_stats_folder_that_is_a_link_is_refused_never_read_written_or_deleted_
     writer.add("a.png", np.zeros((1, 1), np.uint8))
     with pytest.raises(ConfigError, match=message):
         writer.close()
-    for call in (part_files, stats_sources, lambda o: drop_stats_rows(o, {"theirs.png"})):
+    for call in (part_files, row_counts, lambda o: drop_stats_rows(o, {"theirs.png"})):
         with pytest.raises(ConfigError, match=message):
             call(out)
     assert {p.name: p.read_bytes() for p in victim.iterdir()} == before
@@ -117,7 +117,7 @@ def test_a_part_that_is_a_link_is_no_part_and_its_target_is_not_read(tmp_path):
     [own] = part_files(out)
     [theirs] = [p for p in victim.iterdir() if p.suffix == ".parquet"]
     (out / "stats" / "part-1-1-0.parquet").symlink_to(theirs)
-    assert part_files(out) == [own] and stats_sources(out) == {"a.png"}
+    assert part_files(out) == [own] and set(row_counts(out)) == {"a.png"}
     drop_stats_rows(out, {"theirs.png"})
     assert {p.name: p.read_bytes() for p in victim.iterdir()} == before
     assert sorted(p.name for p in (out / "stats").iterdir()) == [own.name], "the link deleted, not its target"
@@ -142,5 +142,5 @@ def test_a_damaged_part_is_lost_rows_never_a_crash_and_a_drop_deletes_it(tmp_pat
         assert row_counts(tmp_path) == {"c": 1, "d": 1}
     assert f"stats part {first} is damaged (" in caplog.text
     drop_stats_rows(tmp_path, {"a", "b"})
-    assert part_files(tmp_path) == [second] and stats_sources(tmp_path) == {"c", "d"}
+    assert part_files(tmp_path) == [second] and set(row_counts(tmp_path)) == {"c", "d"}
     assert f"deleting the damaged stats part {first}" in caplog.text
