@@ -1,8 +1,10 @@
-"""The segment job on the bench's photographs with several ``decode_ahead`` values,
-alternated in one process after one warm-up job: seconds, the loop's waits for decoded
-batches and the host CPUs' busy share of each run, as JSON lines.
+"""The segment job on the bench's photographs with several values of one setting
+(``decode_ahead`` unless ``--field`` names another SegmentConfig field), alternated in one
+process after one warm-up job: seconds, the loop's waits for decoded batches and the host
+CPUs' busy share of each run, as JSON lines.
 
     python benchmarks/decode_ahead.py --photos 8192 --photo-dir /tmp/photos --values 2,4,8 --repeat 2
+    python benchmarks/decode_ahead.py --field num_consumers --values 2,4 --repeat 2
 """
 import argparse
 import json
@@ -17,6 +19,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--photos", type=int, default=8192)
     ap.add_argument("--photo-dir", default="/tmp/photos")
+    ap.add_argument("--field", default="decode_ahead")
     ap.add_argument("--values", default="2,4,8")
     ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args()
@@ -32,10 +35,11 @@ if __name__ == "__main__":
             Image.effect_noise((331, 197), 64).convert("RGB").save(warm / f"{i}.png")
         segment(warm_up_config(job, warm, Path(tmp) / "warm-out"), progress=False)
         for rep in range(args.repeat):
-            for value in [int(v) for v in args.values.split(",")]:
+            for text in args.values.split(","):
+                value = type(getattr(job, args.field))(text)
                 with HostCpu() as cpu:
-                    s = segment(SegmentConfig(**{**job.__dict__, "decode_ahead": value}), progress=False)
-                print(json.dumps({"decode_ahead": value, "rep": rep, "seconds": s["seconds"],
+                    s = segment(SegmentConfig(**{**job.__dict__, args.field: value}), progress=False)
+                print(json.dumps({args.field: value, "rep": rep, "seconds": s["seconds"],
                                   "images_per_s": s["written"] / s["seconds"],
                                   "steady_s": s["engine"]["wall_seconds"], "timing": s["timing"],
                                   "gpu_idle": s["engine"].get("gpu_idle_fraction"),
