@@ -22,6 +22,9 @@ V1_SEGMENTS = "segments"
 # The files format 1 kept in segments/: a shard's vectors and its ids.
 V1_SEGMENT_FILE = re.compile(r"seg-[A-Za-z0-9_]+-w[0-9]+-[0-9]+\.(?:faiss|ids\.npy)")
 CURRENT = 2
+# What an index of the current format keeps beside its manifest (store.py, shards.py).
+UNITS_NAME = "units.sqlite"
+SHARDS_DIR = "shards"
 
 
 def _holds_v1_segments(folder: Path) -> bool:
@@ -36,6 +39,23 @@ def _holds_v1_segments(folder: Path) -> bool:
         return False
 
 
+def _holds_index_files(folder: Path) -> bool:
+    """Whether ``folder`` holds what an index keeps beside its manifest (written before
+    the manifest: a folder with only a manifest is another program's)."""
+    return (folder / UNITS_NAME).is_file() or (folder / SHARDS_DIR).is_dir()
+
+
+def _refuse_foreign(folder: Path, what: str) -> None:
+    """ConfigError when ``folder``'s manifest, which ``what`` says is not an index's, has
+    no index files beside it: the folder is another program's, and ``--overwrite`` would
+    delete its manifest. With them, it is a damaged index: the caller goes on."""
+    if not _holds_index_files(folder):
+        raise ConfigError(f"{str(folder / MANIFEST_NAME)!r} {what}, and the folder holds no {UNITS_NAME} "
+                          f"or {SHARDS_DIR}/: it is not an embedingest index but another program's "
+                          "file; give the index a folder of its own (build-index --out), or move that "
+                          "file away")
+
+
 def index_format(folder: str | os.PathLike) -> int | None:
     """The format of the index at ``folder``: 1 or 2 (or what a newer manifest says);
     None when the folder holds no index. A manifest without a format field is format 1
@@ -48,8 +68,13 @@ def index_format(folder: str | os.PathLike) -> int | None:
         return None
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+    except ValueError as exc:
+        _refuse_foreign(folder, f"is not JSON ({exc})")
         raise ConfigError(f"cannot read {str(path)!r}: {exc}; rebuild the index with --overwrite") from exc
+    except OSError as exc:
+        raise ConfigError(f"cannot read {str(path)!r}: {exc}; rebuild the index with --overwrite") from exc
+    if not isinstance(data, dict) or not {"model", "dim"} <= data.keys():
+        _refuse_foreign(folder, "has no 'model' and 'dim'" if isinstance(data, dict) else "is not a JSON object")
     value = data.get("format", 1) if isinstance(data, dict) else None
     if not isinstance(value, int) or isinstance(value, bool):
         raise ConfigError(f"{path}: format is {value!r}, not an integer: the "

@@ -44,7 +44,7 @@ from pathlib import Path
 from ..errors import ConfigError
 from ..outfiles import atomic_file, json_bytes
 from ..sources.remote import access_error, is_remote
-from .formats import MANIFEST_NAME
+from .formats import MANIFEST_NAME, UNITS_NAME
 from .lock import IndexBusy
 from .shards import COMMIT_SUFFIX, SHARD_NAME, SHARDS_DIR, Shard, faiss_name, list_shards, read_commit
 
@@ -53,7 +53,6 @@ log = logging.getLogger("embedingest")
 LEASE_NAME = ".run.lock"
 LEASE_SECONDS = 120.0
 """How long a lease lasts without renewal; it is renewed every quarter of that."""
-UNITS_NAME = "units.sqlite"
 REPORT_NAME = "skipped.jsonl"
 _TOP_FILES = re.compile(r"manifest\.json|units\.sqlite|skipped\.jsonl|trained(?:\.g[0-9]+)?\.faiss")
 _PRECONDITION = ("PreconditionFailed", "ConditionalRequestConflict")

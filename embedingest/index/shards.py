@@ -45,11 +45,11 @@ import pyarrow as pa
 
 from ..errors import ConfigError
 from ..outfiles import atomic_file, atomic_write_bytes, ensure_folder, fsync_dir, is_tmp_name, native_path
+from .formats import SHARDS_DIR
 
 log = logging.getLogger("embedingest")
 
 FORMAT = 2
-SHARDS_DIR = "shards"
 COMMIT_SUFFIX = ".commit.json"
 PARQUET_SUFFIX = ".parquet"
 EMB_SUFFIX = ".emb.npy"

@@ -34,12 +34,11 @@ from ..outfiles import atomic_write_bytes, is_tmp_name, json_bytes, refuse_link,
 from ..report import REPORT_NAME
 from .faiss_factory import METRICS, empty_index, metric_code, parse_factory, read_index_file
 from .formats import CURRENT as FORMAT
-from .formats import MANIFEST_NAME, V1_METADATA, require_current
+from .formats import MANIFEST_NAME, UNITS_NAME, V1_METADATA, require_current
 from .shards import CHUNK_BITS
 
 log = logging.getLogger("embedingest")
 
-UNITS_NAME = "units.sqlite"
 TRAINED_NAME = "trained.faiss"
 MAX_UNIT_NO = 2**31 - 1  # ids stay positive int64 (faiss uses -1 for "no result")
 

@@ -53,9 +53,36 @@ def test_newer_formats_ask_for_a_newer_embedingest_and_no_index_passes(tmp_path)
     (tmp_path / "manifest.json").write_text(json.dumps({"model": {}, "dim": 4, "format": 3}))
     with pytest.raises(ConfigError, match=r"has format 3, newer than this embedingest reads \(format 2\)"):
         require_current(tmp_path)
-    (tmp_path / "manifest.json").write_text(json.dumps({"format": "2"}))
+    (tmp_path / "manifest.json").write_text(json.dumps({"model": {}, "dim": 4, "format": "2"}))
     with pytest.raises(ConfigError, match="manifest.json: format is '2', not an integer"):
         index_format(tmp_path)
+
+
+@pytest.mark.parametrize("text", ['{"name": "my dataset", "files": ["a.csv"]}', '{"model": "resnet"}',
+                                  "[1, 2]", "name: my dataset\n"])
+def test_another_programs_manifest_is_no_index_and_no_index_advice_deletes_it(tmp_path, text):
+    """A folder whose manifest.json is not an index's (neither 'model' nor 'dim', or not
+    JSON) and that holds none of an index's other files is another program's: refused as
+    such, never as a damaged index to rebuild with --overwrite (which deletes the file)."""
+    (tmp_path / "manifest.json").write_text(text)
+    with pytest.raises(ConfigError) as err:
+        index_format(tmp_path)
+    message = str(err.value)
+    assert message.startswith(f"{str(tmp_path / 'manifest.json')!r} ")
+    assert message.endswith(", and the folder holds no units.sqlite or shards/: it is not an embedingest "
+                            "index but another program's file; give the index a folder of its own "
+                            "(build-index --out), or move that file away")
+    assert "--overwrite" not in message
+
+
+@pytest.mark.parametrize("beside", ["units.sqlite", "shards"])
+def test_a_damaged_manifest_beside_index_files_is_a_damaged_index(tmp_path, beside):
+    (tmp_path / "shards").mkdir() if beside == "shards" else (tmp_path / beside).write_bytes(b"")
+    (tmp_path / "manifest.json").write_text('{"metric": "ip"')
+    with pytest.raises(ConfigError, match=r"Expecting .*; rebuild the index with --overwrite$"):
+        index_format(tmp_path)
+    (tmp_path / "manifest.json").write_text('{"metric": "ip", "format": 2}')
+    assert index_format(tmp_path) == 2  # read_manifest then names the missing fields
 
 
 def test_rebuild_command_quotes_what_the_shell_would_split():
@@ -97,6 +124,7 @@ def test_the_rebuild_command_quotes_what_the_shell_would_split(tmp_path):
     ('{"format": 2.0}', "format is 2.0"),
 ])
 def test_a_manifest_whose_format_is_not_an_integer_is_refused_exactly(tmp_path, text, problem):
+    (tmp_path / "shards").mkdir()  # an index's folder: its manifest is damaged
     (tmp_path / "manifest.json").write_text(text)
     with pytest.raises(ConfigError) as err:
         index_format(tmp_path)
@@ -105,6 +133,7 @@ def test_a_manifest_whose_format_is_not_an_integer_is_refused_exactly(tmp_path, 
 
 
 def test_a_manifest_that_is_not_json_is_named_with_what_to_do(tmp_path):
+    (tmp_path / "units.sqlite").write_bytes(b"")
     (tmp_path / "manifest.json").write_text("{not json")
     with pytest.raises(ConfigError) as err:
         index_format(tmp_path)
@@ -131,7 +160,7 @@ def test_a_segments_folder_means_format_1_only_with_a_format_1_shard_in_it(tmp_p
 
 def test_a_newer_format_is_refused_naming_the_folder(tmp_path):
     folder = tmp_path / "ix"
-    folder.mkdir()
+    (folder / "shards").mkdir(parents=True)
     (folder / "manifest.json").write_text(json.dumps({"format": 7}))
     with pytest.raises(ConfigError) as err:
         require_current(folder)

@@ -452,6 +452,24 @@ def test_a_default_out_shared_by_two_corpora_is_refused_never_emptied(tmp_path, 
         assert [h.text for h in index.search_vectors(np.ones((1, 384), np.float32), k=5)[0]] == ["text of corpus b"]
 
 
+def test_an_out_folder_with_another_programs_manifest_is_refused_and_kept_under_overwrite(tmp_path):
+    """A dataset folder with its own manifest.json was read as a format-1 index and the
+    refusal said to rebuild it with --overwrite, which deleted that manifest. Now the
+    folder is refused as another program's, with and without --overwrite, and left as it was."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("a document")
+    data = tmp_path / "data"
+    data.mkdir()
+    theirs = '{"name": "my dataset", "files": ["x.csv"]}'
+    (data / "manifest.json").write_text(theirs)
+    for overwrite in (False, True):
+        with pytest.raises(ConfigError, match=r"manifest.json' has no 'model' and 'dim', and the folder holds "
+                                              r"no units.sqlite or shards/: it is not an embedingest index"):
+            build_index(str(tmp_path / "docs"), out=str(data), device="cpu", overwrite=overwrite, **FAST)
+    assert sorted(p.name for p in data.iterdir()) == ["manifest.json"]
+    assert (data / "manifest.json").read_text() == theirs
+
+
 def test_library_settings_out_of_range_or_unknown_are_refused_by_name(tmp_path):
     """num_workers=-5 was taken; a misspelt keyword raised the dataclass's TypeError."""
     with pytest.raises(ConfigError, match=r"^num-workers=-5: must be -1 \(auto\), 0 or more$"):

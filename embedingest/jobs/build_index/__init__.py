@@ -38,6 +38,7 @@ from ...index.store import Manifest
 from ...report import REPORT_NAME, SkipReport
 from ...scaleout.devices import devices_of
 from ...index.faiss_factory import parse_factory
+from ...index.formats import index_format
 from ...sources.files import input_folder, refuse_output_as_input
 from ...sources.remote import check_remote, is_remote, local_path
 from ...sources.text_dataset import Unit
@@ -130,6 +131,7 @@ def _load_and_build(corpus, cfg: IndexConfig, where: OneDevice | SeveralDevices,
     try:
         if out_url:
             return _build_remote(out_url, build)
+        index_format(out)  # another program's folder is refused before the lock's files go in
         out.mkdir(parents=True, exist_ok=True)
         with RunLock(out):
             return _build_locked(corpus, cfg, out, *build[2:])
