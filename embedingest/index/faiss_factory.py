@@ -32,6 +32,31 @@ def faiss_message(exc: RuntimeError) -> str:
     return re.sub(r"^Error in .*? at \S+:\d+: (Error: )?", "", lines[0])
 
 
+# Search parameters faiss takes at any value but answers wrongly below 1: efSearch 0 or
+# less gave one hit whatever k; nprobe 0 failed only at the first search.
+_AT_LEAST_ONE = re.compile(r"(?:\w+_)?(?:nprobe|efSearch)")
+
+
+def apply_search_params(index: faiss.Index, params: str) -> None:
+    """Set ``params`` (``"nprobe=16,efSearch=64"``) on ``index`` through faiss's
+    ParameterSpace. ValueError saying what is wrong when a part is not NAME=NUMBER, an
+    nprobe or efSearch is below 1, or faiss has no such parameter for the factory."""
+    for part in params.split(","):
+        name, sep, value = (p.strip() for p in part.partition("="))
+        try:
+            number = float(value) if sep and name else None
+        except ValueError:
+            number = None
+        if number is None or not np.isfinite(number):
+            raise ValueError(f"{part.strip()!r} is not NAME=NUMBER")
+        if _AT_LEAST_ONE.fullmatch(name) and number < 1:
+            raise ValueError(f"{name}={value} must be at least 1")
+    try:
+        faiss.ParameterSpace().set_index_parameters(index, params)
+    except RuntimeError as exc:
+        raise ValueError(faiss_message(exc)) from exc
+
+
 def parse_factory(dim: int, factory: str, metric: str) -> faiss.Index:
     """``faiss.index_factory(dim, factory, metric)``, a ConfigError naming the string when
     faiss cannot make it. A build calls it before it writes anything, so a bad

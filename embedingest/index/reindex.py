@@ -21,7 +21,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..outfiles import write_faiss_index
 from ..sources.remote import is_remote
-from .faiss_factory import parse_factory
+from .faiss_factory import apply_search_params, parse_factory
 from .formats import MANIFEST_NAME, rebuild_command, require_current
 from .lock import RunLock
 from .shards import EMB_SUFFIX, SHARDS_DIR, clean_shards, list_shards, read_ids
@@ -135,12 +135,11 @@ def _settled_params(manifest, template: faiss.Index, given: str | None) -> str |
         return None
     probe = faiss.IndexIDMap(faiss.clone_index(template))
     try:
-        faiss.ParameterSpace().set_index_parameters(probe, params)
-    except RuntimeError as exc:
+        apply_search_params(probe, params)
+    except ValueError as exc:
         if given is not None:
             raise ConfigError(f"search parameters {params!r} do not apply to the new factory: "
-                              f"{str(exc).splitlines()[0]}; nprobe is for IVF factories, efSearch "
-                              "for HNSW") from exc
+                              f"{exc}; nprobe is for IVF factories, efSearch for HNSW") from exc
         log.warning("the stored search parameters %r do not apply to the new factory: dropped", params)
         return None
     return params

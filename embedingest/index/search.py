@@ -24,7 +24,7 @@ import numpy as np
 from ..config import DEFAULT_SEARCH_K
 from ..errors import ConfigError
 from ..outfiles import native_path, refuse_link
-from .faiss_factory import read_index_file
+from .faiss_factory import apply_search_params, read_index_file
 from .lookup import ShardRows
 from ..sources.remote import is_remote
 from .shards import SHARDS_DIR, list_shards
@@ -327,10 +327,13 @@ def open_index(path: str | os.PathLike, device: str = "cpu", *, encoder=None,
 def _set_params(index: faiss.Index, params: str | None, name: str, manifest: Manifest) -> None:
     if params:
         try:
-            faiss.ParameterSpace().set_index_parameters(index, params)
-        except RuntimeError as exc:
+            apply_search_params(index, params)
+        except ValueError as exc:
+            stored = params == manifest.search.get("params")
             raise ConfigError(f"search parameters {params!r} do not apply to {name} "
-                              f"(factory {manifest.factory!r}): {str(exc).splitlines()[0]}") from exc
+                              f"(factory {manifest.factory!r}): {exc}"
+                              + ("; they are the index's own: pass others (--params, '' for none) or "
+                                 "store others with build-index --search-params" if stored else "")) from exc
 
 
 def _open_shards(store: IndexStore, manifest: Manifest, params: str | None) -> tuple[list, ShardRows]:

@@ -9,6 +9,7 @@ from embedingest.errors import ConfigError
 from embedingest.index.faiss_factory import (
     as_float32,
     empty_index,
+    apply_search_params,
     faiss_message,
     metric_code,
     parse_factory,
@@ -133,3 +134,38 @@ def test_factories_faiss_makes_but_a_shard_cannot_use_are_refused(factory, match
     left behind); HNSW0 aborted the process (SIGABRT) when vectors were added."""
     with pytest.raises(ConfigError, match=match):
         parse_factory(8, factory, "ip")
+
+
+@pytest.mark.parametrize("params, reason", [
+    ("efSearch=0", "efSearch=0 must be at least 1"),  # faiss took it and gave one hit whatever k
+    ("efSearch=-5", "efSearch=-5 must be at least 1"),
+    ("efSearch=abc", "'efSearch=abc' is not NAME=NUMBER"),
+    ("efSearch=nan", "'efSearch=nan' is not NAME=NUMBER"),
+    ("efSearch", "'efSearch' is not NAME=NUMBER"),
+    ("efSearch=16,", "'' is not NAME=NUMBER"),
+    ("=3", "'=3' is not NAME=NUMBER"),
+])
+def test_search_params_faiss_would_take_or_misread_are_refused_by_name(params, reason):
+    index = faiss.index_factory(DIM, "HNSW8")
+    with pytest.raises(ValueError) as err:
+        apply_search_params(index, params)
+    assert str(err.value) == reason
+    assert index.hnsw.efSearch == 16  # nothing set
+
+
+def test_search_params_apply_and_nprobe_below_1_is_refused_before_the_first_search():
+    x = unit_vectors(200, seed=3)
+    hnsw = faiss.index_factory(DIM, "HNSW8")
+    hnsw.add(x)
+    apply_search_params(hnsw, "efSearch=1")
+    assert hnsw.hnsw.efSearch == 1
+    assert (hnsw.search(x[:1], 5)[1] >= 0).all()  # at least 1: every hit asked for comes
+    ivf = faiss.index_factory(DIM, "IVF4,Flat")
+    ivf.train(x)
+    apply_search_params(ivf, "nprobe=3")
+    assert ivf.nprobe == 3
+    with pytest.raises(ValueError, match=r"^nprobe=0 must be at least 1$"):
+        apply_search_params(ivf, "nprobe=0")
+    with pytest.raises(ValueError) as err:  # a parameter the factory has not: faiss's reason, cut
+        apply_search_params(ivf, "efSearch=8")
+    assert "efSearch" in str(err.value) and "Error in" not in str(err.value) and ".cpp" not in str(err.value)

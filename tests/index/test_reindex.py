@@ -13,6 +13,7 @@ from shard_fixtures import DIM, build_shards, unit_vectors
 
 import embedingest.index.reindex as reindex_mod
 from embedingest.errors import ConfigError
+from embedingest.index.faiss_factory import faiss_message
 from embedingest.index.reindex import reindex
 from embedingest.index.shards import EMB_SUFFIX, clean_shards, list_shards
 from embedingest.outfiles import write_faiss_index
@@ -104,15 +105,16 @@ def test_bad_factories_and_parameters_are_config_errors(tmp_path):
 
 
 def faiss_refusal(factory, params=None, n=None):
-    """The first line of faiss's own error (its words vary with its version): setting
-    ``params`` on an empty ``factory`` index, or training one on ``n`` vectors."""
+    """faiss's own error (its words vary with its version): setting ``params`` on an empty
+    ``factory`` index (its reason, as faiss_message cuts it), or training one on ``n``
+    vectors (its first line)."""
     index = faiss.index_factory(DIM, factory, faiss.METRIC_INNER_PRODUCT)
     with pytest.raises(RuntimeError) as err:
         if params:
             faiss.ParameterSpace().set_index_parameters(faiss.IndexIDMap(index), params)
         else:
             index.train(unit_vectors(n))
-    return str(err.value).splitlines()[0]
+    return faiss_message(err.value) if params else str(err.value).splitlines()[0]
 
 
 def test_training_samples_spread_over_every_shard():

@@ -103,5 +103,9 @@ def test_parameters_that_do_not_apply_are_refused_before_the_work(tmp_path):
     with pytest.raises(ConfigError, match=r"--search-params 'nprobe=4' do not apply to index 'Flat'"):
         build_index(RECORDS[:5], out=str(tmp_path / "idx"), search_params="nprobe=4", **FAST)
     assert json.loads((tmp_path / "idx" / "manifest.json").read_text())["segments"] == []
+    # faiss takes efSearch=0 and then gives one hit whatever k: refused, not stored
+    with pytest.raises(ConfigError, match=r"--search-params 'efSearch=0' do not apply to index 'HNSW8': "
+                                          r"efSearch=0 must be at least 1"):
+        build_index(RECORDS[:5], out=str(tmp_path / "idx3"), index="HNSW8", search_params="efSearch=0", **FAST)
     with pytest.raises(ConfigError, match="search-k=0"):
         build_index(RECORDS[:5], out=str(tmp_path / "idx2"), search_k=0, **FAST)

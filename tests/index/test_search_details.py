@@ -14,6 +14,7 @@ from index_fixtures import build_index
 
 import embedingest.index.search as search_mod
 from embedingest.errors import ConfigError
+from embedingest.index.faiss_factory import faiss_message
 from embedingest.index.shard_store import ShardStore
 from embedingest.index.lookup import ShardRows
 from embedingest.index.search import Index, open_index, read_shard
@@ -94,7 +95,7 @@ def test_messages_name_the_bad_value(tmp_path):
         faiss.ParameterSpace().set_index_parameters(faiss.IndexIDMap(faiss.IndexFlatIP(DIM)), "nprobe=4")
     (shard,) = ShardStore(tmp_path).shards()
     assert str(err.value) == (f"search parameters 'nprobe=4' do not apply to {shard.name} (factory 'Flat'): "
-                              f"{str(faiss_err.value).splitlines()[0]}")
+                              f"{faiss_message(faiss_err.value)}")
 
 
 def test_an_index_with_no_vectors_answers_empty_arrays(tmp_path):

@@ -26,7 +26,7 @@ from ...index.formats import MANIFEST_NAME
 from ...index.shards import SHARDS_DIR
 from ...index.store import Manifest
 from ...report import SkipReport
-from ...index.faiss_factory import parse_factory
+from ...index.faiss_factory import apply_search_params, parse_factory
 from ...sources.files import file_sha256, os_error_reason, reads_within, walk_paths
 from ...sources.names import has_extension, name_as_text
 from ...sources.remote import input_name, is_remote, walk_remote
@@ -322,15 +322,13 @@ def search_defaults(manifest: Manifest, cfg: IndexConfig) -> dict:
     if cfg.search_params is not None:
         search.pop("params", None)
         if cfg.search_params.strip():
-            import faiss
-
             probe = parse_factory(manifest.dim, manifest.factory, manifest.metric)
             try:
-                faiss.ParameterSpace().set_index_parameters(probe, cfg.search_params)
-            except RuntimeError as exc:
+                apply_search_params(probe, cfg.search_params)
+            except ValueError as exc:
                 raise ConfigError(f"--search-params {cfg.search_params!r} do not apply to index "
-                                  f"{manifest.factory!r}: {str(exc).splitlines()[0]}; nprobe is for "
-                                  f"IVF factories, efSearch for HNSW") from exc
+                                  f"{manifest.factory!r}: {exc}; nprobe is for IVF factories, "
+                                  "efSearch for HNSW") from exc
             search["params"] = cfg.search_params.strip()
     if cfg.search_k is not None:
         search["k"] = cfg.search_k
