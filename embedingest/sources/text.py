@@ -62,6 +62,7 @@ import csv
 import functools
 import gzip
 import io
+import itertools
 import json
 import logging
 import lzma
@@ -830,16 +831,37 @@ class _CsvLines:
         self.lines.close()
 
 
+# The delimiters a CSV file may use, the extension's own first: spreadsheets in locales
+# whose decimal mark is a comma write ';'.
+_DELIMITERS = {",": "a comma", "\t": "a tab", ";": "a semicolon", "|": "a vertical bar"}
+
+
+def _delimiter(header: str | None, default: str, text_field: str) -> str:
+    """``default``, unless the header row split by it has no ``text_field`` column and
+    split by another of :data:`_DELIMITERS` it has (``id;text;lang``)."""
+    for candidate in (default, *(d for d in _DELIMITERS if d != default)):
+        if header is None:
+            break
+        try:
+            if text_field in next(csv.reader([header], delimiter=candidate, strict=True), []):
+                return candidate
+        except csv.Error:
+            continue
+    return default
+
+
 def _read_csv(path: Path, text_field, id_field, on_skip):
     """Rows as records, each checked: a row the csv module gives up on (a quote that does
     not close its field), or with more values than the header has columns (an unquoted
     delimiter in the text), is skipped alone with its line; a header naming a column
     twice skips the file. A field over the size bound skips the rest of the file (where
     it ends is not known)."""
-    delimiter = "\t" if text_format(path)[0] == ".tsv" else ","
     lines = _CsvLines(path)
     with contextlib.closing(lines):
-        reader = csv.DictReader(lines, delimiter=delimiter, strict=True)
+        header = next(lines, None)
+        delimiter = _delimiter(header, "\t" if text_format(path)[0] == ".tsv" else ",", text_field)
+        reader = csv.DictReader(itertools.chain([header] if header is not None else [], lines),
+                                delimiter=delimiter, strict=True)
         try:
             columns = reader.fieldnames
         except csv.Error as exc:
@@ -877,7 +899,7 @@ def _read_csv(path: Path, text_field, id_field, on_skip):
             if None in row:
                 on_skip(f"{path}:{loc}", f"field: {where}: {len(columns) + len(row[None])} values for "
                                          f"{len(columns)} columns; quote a value that holds "
-                                         f"{'a tab' if delimiter == chr(9) else 'a comma'}")
+                                         f"{_DELIMITERS[delimiter]}")
             elif text is None:
                 on_skip(f"{path}:{loc}", f"field: {where}: the row has no {text_field!r} value")
             elif not text.strip():

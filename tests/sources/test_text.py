@@ -384,6 +384,23 @@ def test_csv_rows_that_do_not_parse_are_skipped_alone_never_merged(tmp_path):
     assert keywords(skipped) == ["csv", "field"] and skipped[1][1].endswith("quote a value that holds a tab")
 
 
+@pytest.mark.parametrize("sep, name", [(";", "a semicolon"), ("|", "a vertical bar"), ("\t", "a tab")])
+def test_a_csv_with_another_delimiter_is_read_when_its_header_names_the_text_column(tmp_path, sep, name):
+    """Spreadsheets in locales whose decimal mark is a comma write ``;``: such a file was
+    skipped whole ("no 'text' column (columns: 'id;text;lang')"). The delimiter is now the
+    one that splits the header into a text column; the comma stays the first choice."""
+    path = write(tmp_path, "a.csv", f'id{sep}text{sep}lang\n1{sep}Bonjour, le monde{sep}fr\n'
+                                    f'2{sep}"quoted {sep} inside"{sep}de\n3{sep}too{sep}many{sep}values\n')
+    records, skipped = read(path)
+    assert records == [("1", "Bonjour, le monde"), ("2", f"quoted {sep} inside")]
+    assert skipped == [(f"{path}:row 3", f"field: row 3 (line 4): 4 values for 3 columns; quote a value "
+                                         f"that holds {name}")]
+    comma_first = write(tmp_path, "b.csv", "id,text;note\n1,a;b\n")  # the comma splits it into 'text;note'
+    assert read(comma_first)[0] == []
+    both = write(tmp_path, "c.csv", "id,text,x;y\n1,kept as comma,z\n")
+    assert read(both)[0] == [("1", "kept as comma")]
+
+
 def test_a_csv_header_naming_a_column_twice_skips_the_file(tmp_path):
     path = write(tmp_path, "a.csv", "text,text,id\nfirst,second,a\n")
     assert read(path) == ([], [(str(path), "field: the header names 'text' more than once; rename the "
