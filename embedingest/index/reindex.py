@@ -78,30 +78,37 @@ def reindex(index: str | os.PathLike, factory: str, *, train_size: int = 50_000,
         embs = [np.load(s.folder / f"{s.name}{EMB_SUFFIX}", mmap_mode="r") for s in shards]
         total = sum(len(e) for e in embs)
         trained_path = None
-        if not template.is_trained:
-            sample = _sample(embs, train_size, seed)
-            try:
-                template.train(sample)
-            except RuntimeError as exc:
-                raise ConfigError(f"cannot train {factory!r} on {len(sample)} vectors: "
-                                  f"{str(exc).splitlines()[0]}; use fewer lists, or a larger index") from exc
-            trained_path = folder / trained_name(generation)
-            write_faiss_index(template, trained_path)
-        params = _settled_params(manifest, template, search_params)
-        for shard, emb in zip(shards, embs):
-            ids = read_ids(shard)
-            index_ = faiss.IndexIDMap(faiss.clone_index(template))
-            for start in range(0, len(emb), ADD_BLOCK):
-                block = np.ascontiguousarray(emb[start:start + ADD_BLOCK], dtype=np.float32)
-                index_.add_with_ids(block, ids[start:start + ADD_BLOCK])
-            write_faiss_index(index_, shard.faiss_path(generation))
-        old = (manifest.factory, manifest.generation)
-        manifest.factory, manifest.generation = factory, generation
-        if params is None:
-            manifest.search.pop("params", None)
-        else:
-            manifest.search["params"] = params
-        store.write_manifest(manifest)  # the switch
+        written: list[Path] = []  # the new generation's files, deleted if the switch does not come
+        try:
+            if not template.is_trained:
+                sample = _sample(embs, train_size, seed)
+                try:
+                    template.train(sample)
+                except RuntimeError as exc:
+                    raise ConfigError(f"cannot train {factory!r} on {len(sample)} vectors: "
+                                      f"{str(exc).splitlines()[0]}; use fewer lists, or a larger index") from exc
+                trained_path = folder / trained_name(generation)
+                write_faiss_index(template, trained_path)
+                written.append(trained_path)
+            params = _settled_params(manifest, template, search_params)
+            for shard, emb in zip(shards, embs):
+                ids = read_ids(shard)
+                index_ = faiss.IndexIDMap(faiss.clone_index(template))
+                for start in range(0, len(emb), ADD_BLOCK):
+                    block = np.ascontiguousarray(emb[start:start + ADD_BLOCK], dtype=np.float32)
+                    index_.add_with_ids(block, ids[start:start + ADD_BLOCK])
+                write_faiss_index(index_, shard.faiss_path(generation))
+                written.append(shard.faiss_path(generation))
+            old = (manifest.factory, manifest.generation)
+            manifest.factory, manifest.generation = factory, generation
+            if params is None:
+                manifest.search.pop("params", None)
+            else:
+                manifest.search["params"] = params
+            store.write_manifest(manifest)  # the switch
+        except BaseException:
+            _drop_unswitched(store, generation, written)
+            raise
         removed = clean_shards(folder / SHARDS_DIR, generation)
         for gen in range(generation):
             (folder / trained_name(gen)).unlink(missing_ok=True)
@@ -110,6 +117,19 @@ def reindex(index: str | os.PathLike, factory: str, *, train_size: int = 50_000,
     return {"index": str(folder), "factory": factory, "previous_factory": old[0],
             "generation": generation, "shards": len(shards), "vectors": total,
             "trained": trained_path is not None, "search_params": params}
+
+
+def _drop_unswitched(store: IndexStore, generation: int, written: list[Path]) -> None:
+    """Delete ``written`` (files of ``generation``) after a reindex failed (a full disk, a
+    Ctrl-C), unless the manifest already names that generation: the index stays as it was,
+    without a partial next generation taking the disk until the next run."""
+    try:
+        switched = store.read_manifest().generation == generation
+    except ConfigError:
+        return  # the manifest cannot say: keep every file
+    if not switched:
+        for path in written:
+            path.unlink(missing_ok=True)
 
 
 def _sample(embs: list[np.ndarray], size: int, seed: int) -> np.ndarray:

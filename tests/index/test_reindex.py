@@ -1,5 +1,6 @@
 """reindex: another faiss factory from the saved embeddings, switched by the manifest."""
 
+import errno
 import json
 import logging
 import os
@@ -15,6 +16,7 @@ import embedingest.index.reindex as reindex_mod
 from embedingest.errors import ConfigError
 from embedingest.index.faiss_factory import faiss_message
 from embedingest.index.reindex import reindex
+from embedingest.index.search import open_index
 from embedingest.index.shards import EMB_SUFFIX, clean_shards, list_shards
 from embedingest.outfiles import write_faiss_index
 
@@ -56,22 +58,57 @@ def test_reindex_to_ivf_gives_exact_results_with_every_list_probed(tmp_path):
     assert not (folder / "trained.g1.faiss").exists()
 
 
-def test_a_crash_before_the_manifest_leaves_the_old_index_and_garbage(tmp_path, monkeypatch):
+def test_a_crash_before_the_manifest_leaves_the_old_index_and_no_new_files(tmp_path, monkeypatch):
+    """A Ctrl-C before the switch, or a full disk at the second shard: the index is as it
+    was, and the next generation's files written so far are gone (they stayed, taking
+    the disk, until the next successful run)."""
     folder = tmp_path / "ix"
-    build_shards(folder, n_units=3, chunks=10, commit_every=20, workers=1)
+    build_shards(folder, n_units=3, chunks=10, commit_every=20, workers=2)
     before = json.loads((folder / "manifest.json").read_text())
+    def files_now():
+        return sorted(p.name for p in folder.rglob("*") if p.name != ".run.lock")  # reindex's lock stays
+    files = files_now()
     import embedingest.index.store as store_mod
 
     def crash(self, manifest):
         raise KeyboardInterrupt
     monkeypatch.setattr(store_mod.IndexStore, "write_manifest", crash)
     with pytest.raises(KeyboardInterrupt):
+        reindex(folder, "IVF2,Flat")
+    monkeypatch.undo()
+    calls = []
+
+    def full_disk(index, path):
+        calls.append(path)
+        if len(calls) == 3:  # the trained file, one shard, then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write_faiss_index(index, path)
+    monkeypatch.setattr(reindex_mod, "write_faiss_index", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        reindex(folder, "IVF2,Flat")
+    monkeypatch.undo()
+    assert [p.name for p in calls[:2]] == ["trained.g1.faiss", calls[1].name] and calls[1].name.endswith(".g1.faiss")
+    assert json.loads((folder / "manifest.json").read_text()) == before
+    assert files_now() == files
+    list_shards(folder / "shards", generation=0)  # the old vectors are whole
+    assert clean_shards(folder / "shards", generation=0) == []
+    assert reindex(folder, "IVF2,Flat")["generation"] == 1  # and the next run goes through
+
+
+def test_a_failure_after_the_switch_keeps_the_new_generation(tmp_path, monkeypatch):
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=2, chunks=10, workers=1)
+
+    def fail(*args, **kwargs):
+        raise OSError(errno.EIO, "I/O error")
+    monkeypatch.setattr(reindex_mod, "clean_shards", fail)
+    with pytest.raises(OSError, match="I/O error"):
         reindex(folder, "HNSW8")
     monkeypatch.undo()
-    assert json.loads((folder / "manifest.json").read_text()) == before
-    list_shards(folder / "shards", generation=0)  # the old vectors are whole
-    removed = clean_shards(folder / "shards", generation=0)
-    assert removed and all(n.endswith(".g1.faiss") for n in removed)
+    assert json.loads((folder / "manifest.json").read_text())["generation"] == 1
+    assert list_shards(folder / "shards", generation=1)  # the files the manifest names are there
+    with open_index(folder) as index:
+        assert index.ntotal == 20
 
 
 def test_an_index_without_embeddings_is_refused_with_the_rebuild_command(tmp_path):
