@@ -295,7 +295,17 @@ def test_weights_that_fail_stop_the_decoders_started_before_them(tmp_path, monke
         segment(SegmentConfig(**base), progress=False)
     with pytest.raises(ConfigError, match="do not fit deeplabv3_resnet50 with 3 classes"):
         segment(SegmentConfig(**base, weights=str(tmp_path / "wrong.pt")), progress=False)
-    assert not (tmp_path / "o" / "labels.json").exists()
+    # the --out this run made goes with it (it held a lock and an empty skipped.jsonl)
+    assert not (tmp_path / "o").exists()
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "notes.txt").write_text("the user's")
+    with pytest.raises(ConfigError, match="do not fit deeplabv3_resnet50 with 3 classes"):
+        segment(SegmentConfig(**base, weights=str(tmp_path / "wrong.pt")), progress=False)
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == [RUN_LOCK, "notes.txt", "skipped.jsonl"]
+    (tmp_path / "o" / "notes.txt").unlink()
+    with pytest.raises(ConfigError, match="do not fit deeplabv3_resnet50 with 3 classes"):
+        segment(SegmentConfig(**base, weights=str(tmp_path / "wrong.pt")), progress=False)
+    assert (tmp_path / "o").is_dir()  # a folder the run did not make stays, emptied of nothing
 
 
 @pytest.mark.parametrize("workers, ahead, expected", [(2, 7, 7), (1, 4, 4), (0, 7, None)])

@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import itertools
 import os
+import stat
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -35,7 +36,7 @@ import numpy as np
 from ...config import SegmentConfig, load_config
 from ...errors import ConfigError
 from ...exit_codes import exit_code
-from ...index.lock import RunLock
+from ...index.lock import RUN_LOCK, RunLock
 from ...report import REPORT_NAME, SkipReport
 from ...scaleout.devices import devices_of
 from ...sinks.mask_stats import drop_stats_rows, remove_parts
@@ -82,8 +83,20 @@ def segment(config: SegmentConfig, progress: bool = True, timeline: str | None =
     elif not remote_out:
         refuse_output_as_input(config.out, config.images, "input folder", "the PNG masks")
     out = Path(config.out)
+    fresh = not remote_out and not os.path.lexists(out)
     if not remote_out:
         _make_out(out)
+    try:
+        return _run(config, out, remote_out, devices, device, several, progress, timeline, trace)
+    except BaseException:
+        if fresh:
+            _remove_untouched(out)
+        raise
+
+
+def _run(config: SegmentConfig, out: Path, remote_out: bool, devices: list, device, several: bool,
+         progress: bool, timeline: str | None, trace: str | None) -> dict:
+    """:func:`segment` once its output folder exists: the run under the folder's lock."""
     report = SkipReport()
     t0 = time.perf_counter()
     phases = {}  # seconds of each step, for the summary: where a run's time goes
@@ -119,6 +132,22 @@ def segment(config: SegmentConfig, progress: bool = True, timeline: str | None =
         "out": config.out if remote_out else str(out), "report": str(report_path), "report_run": report.run,
     })
     return summary
+
+
+def _remove_untouched(out: Path) -> None:
+    """Remove ``out``, made by a run that failed before writing anything (weights it
+    cannot read, another model's labels, Ctrl-C at the start): the folder then holds only
+    the run's lock and an empty report. Anything else there, and the folder stays."""
+    try:
+        with os.scandir(out) as entries:
+            found = {e.name: e.stat(follow_symlinks=False) for e in entries}
+        if set(found) <= {RUN_LOCK, REPORT_NAME} and all(
+                stat.S_ISREG(st.st_mode) and (name == RUN_LOCK or st.st_size == 0) for name, st in found.items()):
+            for name in found:
+                (out / name).unlink()
+            out.rmdir()
+    except OSError:
+        pass  # the folder stays as it is
 
 
 def _make_out(out: Path) -> None:
