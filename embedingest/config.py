@@ -32,6 +32,7 @@ SEGMENT_ARCHITECTURES = ("deeplabv3_mobilenet_v3_large", "deeplabv3_resnet101", 
 # How a segment run fits images to the model: "short" (the weights' own preprocessing) or
 # "fit" (letterboxed into a square).
 RESIZE_MODES = ("short", "fit")
+MAX_SEGMENT_SIZE = 8192
 
 # Larger than any camera photo (a 100 MP medium-format frame fits), small enough that
 # one DataLoader worker never holds more than ~450 MB of decoded RGB.
@@ -302,6 +303,9 @@ class SegmentConfig:
         check_types(self)
         checks = [
             (self.size >= 32, f"size={self.size}: must be at least 32 (the models downsample 8x or more)"),
+            (self.size <= MAX_SEGMENT_SIZE,
+             f"size={self.size}: at most {MAX_SEGMENT_SIZE} (the model input's short side; the weights' "
+             "preset is 520, and each host slot holds a batch of masks of up to 4 x size x size pixels)"),
             (self.resize in RESIZE_MODES, f"resize={self.resize!r}: choose {' or '.join(RESIZE_MODES)}"),
             (self.upsample_max_pixels >= 0,
              f"upsample_max_pixels={self.upsample_max_pixels}: must be 0 (never) or more"),

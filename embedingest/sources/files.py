@@ -214,7 +214,11 @@ def walk_paths(root: str | os.PathLike, extensions: set[str] | None = None,
         yield root
         return
     if not os.path.isdir(root):
-        raise FileNotFoundError(f"input path {root!r} does not exist or is not a file or folder")
+        try:
+            kind = f"is {file_kind(os.stat(root).st_mode)}, not a file or folder"
+        except OSError:
+            kind = "does not exist (or is a broken link)"
+        raise FileNotFoundError(f"input path {root!r} {kind}")
     seen: set[tuple[int, int]] = set()
     inside = input_folder(root, outside_links)
     try:
@@ -282,7 +286,7 @@ def _seen_reason(folder: str) -> str:
     here, there = os.path.realpath(os.path.dirname(folder)), os.path.realpath(folder)
     if is_within(here, there):
         return "symlink loop: a link to a folder that holds it"
-    return f"already read as {there!r} (a symbolic link to a folder read before): read once"
+    return f"already read: a symbolic link to a folder read before, as {there!r}; read once"
 
 
 def _link_out_of(entry: os.DirEntry, inside: str, extensions: set[str] | None) -> str | None:

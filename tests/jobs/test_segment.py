@@ -217,6 +217,58 @@ def test_resume_skips_done_images_and_overwrite_redoes_them(tmp_path, small):
     assert with_logits["written"] == 3, "an output asked for and missing makes the image redone"
 
 
+def test_masks_or_stats_without_labels_are_refused_unless_overwrite(tmp_path, small):
+    """labels.json gone, the folder was taken as new: another model's masks stayed beside
+    this run's and its stats rows were read under this model's classes, exit 0."""
+    images, out = tmp_path / "images", tmp_path / "out"
+    images.mkdir()
+    for i in range(3):
+        Image.fromarray(noise(20 + i, 30, seed=i)).save(images / f"{i}.png")
+    segment(config(images, out, small, stats=True), progress=False)
+    (out / "labels.json").unlink()
+    (out / "0.png.png").unlink()
+    with pytest.raises(ConfigError) as err:
+        segment(config(images, out, small, stats=True), progress=False)
+    assert str(err.value) == (f"{str(out)!r} holds the masks of 2 images and {len(part_files(out))} --stats parts "
+                              "but no labels.json, which says the model that made them: pass --overwrite to "
+                              "redo every image, or give another --out")
+    for name in ("1.png.png", "2.png.png"):
+        (out / name).unlink()
+    with pytest.raises(ConfigError, match=r"holds \d+ --stats parts but no labels.json"):
+        segment(config(images, out, small), progress=False)  # rows alone, and without --stats too
+    redo = segment(config(images, out, small, stats=True, overwrite=True), progress=False)
+    assert redo["written"] == 3 and (out / "labels.json").is_file()
+    assert row_counts(out) == {f"{i}.png": 1 for i in range(3)}
+
+
+def test_an_output_name_taken_by_a_folder_skips_that_image_and_a_stats_file_stops_the_run_first(tmp_path, small):
+    """A folder at one image's mask (or overlay) name failed the whole run at its first
+    write (IsADirectoryError), without --stats it even counted as done; a file named
+    stats failed the run after every image, so the next run redid them all."""
+    images, out = tmp_path / "images", tmp_path / "out"
+    images.mkdir()
+    for i in range(3):
+        Image.fromarray(noise(20 + i, 30, seed=i)).save(images / f"{i}.png")
+    (out / "1.png.png").mkdir(parents=True)
+    (out / "2.png.overlay.jpg").mkdir()
+    first = segment(config(images, out, small), progress=False)
+    assert (first["images"], first["written"], first["skipped"]) == (3, 2, 1)  # the overlay not asked for
+    assert first["skipped_by_reason"] == {"name taken": 1}
+    assert [json.loads(line)["reason"] for line in (out / "skipped.jsonl").read_text().splitlines()] == [
+        "name taken: the output '1.png.png' is a folder; move or rename it"]
+    second = segment(config(images, out, small, overlay=True, overwrite=True), progress=False)
+    assert (second["images"], second["written"], second["skipped"]) == (3, 1, 2)
+    assert (out / "1.png.png").is_dir() and (out / "2.png.overlay.jpg").is_dir()
+    (tmp_path / "o2").mkdir()
+    (tmp_path / "o2" / "stats").write_text("a file of the user's")
+    with pytest.raises(ConfigError) as err:
+        segment(config(images, tmp_path / "o2", small, stats=True), progress=False)
+    assert str(err.value) == (f"{str(tmp_path / 'o2' / 'stats')!r} is not a folder, and --stats keeps its table "
+                              "in a folder of that name: move that file away, or drop --stats")
+    assert sorted(p.name for p in (tmp_path / "o2").iterdir()) == [RUN_LOCK, "skipped.jsonl", "stats"]
+    assert segment(config(images, tmp_path / "o2", small), progress=False)["written"] == 3  # without --stats
+
+
 def test_output_inside_the_input_is_not_read_back(tmp_path, small):
     images = tmp_path / "images"
     images.mkdir()

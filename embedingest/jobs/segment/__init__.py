@@ -39,8 +39,8 @@ from ...exit_codes import exit_code
 from ...index.lock import RUN_LOCK, RunLock
 from ...report import REPORT_NAME, SkipReport
 from ...scaleout.devices import devices_of
-from ...sinks.mask_stats import drop_stats_rows, remove_parts
-from ...sinks.masks import restore_mask
+from ...sinks.mask_stats import drop_stats_rows, part_files, remove_parts, stats_folder
+from ...sinks.masks import LABELS_FILE, restore_mask
 from ...sources.files import refuse_output_as_input
 from ...sources.image_decode import ImageRejected
 from ...sources.images import input_shape, prepare_picture
@@ -105,11 +105,17 @@ def _run(config: SegmentConfig, out: Path, remote_out: bool, devices: list, devi
     with (contextlib.nullcontext() if remote_out else
           RunLock(out, job="segment run", resumes="every mask written so far is kept", writers=False)):
         try:
+            if config.stats and not remote_out:
+                _refuse_stats_file(out)
             todo, already = list_inputs(config, report)
+            if not remote_out and not config.overwrite:
+                _refuse_unlabelled(out, already)
             if not remote_out:  # an object is whole or absent: nothing half-written to delete
                 remove_stale_tmp_files(out, todo)
             phases["list_s"] = time.perf_counter() - t0
-            summary = {"images": len(todo) + already, "already_done": already, "written": 0}
+            # images found: those to do, those done, and those the listing skipped (named
+            # outputs taken, links out of the folder): so written + done + skipped add up
+            summary = {"images": len(todo) + already + len(report), "already_done": already, "written": 0}
             redo = functools.partial(_before_redoing, config, todo)
             if not todo or several:  # the settings are checked before anything is deleted
                 check_settings(config)
@@ -132,6 +138,28 @@ def _run(config: SegmentConfig, out: Path, remote_out: bool, devices: list, devi
         "out": config.out if remote_out else str(out), "report": str(report_path), "report_run": report.run,
     })
     return summary
+
+
+def _refuse_unlabelled(out: Path, done: int) -> None:
+    """ConfigError where ``out`` holds ``done`` images' masks, or statistics rows, but no
+    labels.json: no run can say which model made them, and this one would have written
+    its own labels beside them (masks of two models in one folder, rows of another
+    model's classes read under this one's)."""
+    parts = part_files(out)
+    if (done or parts) and not os.path.lexists(out / LABELS_FILE):
+        held = " and ".join(filter(None, [f"the masks of {done} images" if done else "",
+                                          f"{len(parts)} --stats parts" if parts else ""]))
+        raise ConfigError(f"{str(out)!r} holds {held} but no {LABELS_FILE}, which says the model that made "
+                          "them: pass --overwrite to redo every image, or give another --out")
+
+
+def _refuse_stats_file(out: Path) -> None:
+    """ConfigError where ``--stats``'s folder name is taken by something else (a file): the
+    rows could not be written, and the run found out after every image."""
+    path = stats_folder(out)  # a link there is refused by it
+    if os.path.lexists(path) and not path.is_dir():
+        raise ConfigError(f"{str(path)!r} is not a folder, and --stats keeps its table in a folder of that "
+                          "name: move that file away, or drop --stats")
 
 
 def _remove_untouched(out: Path) -> None:

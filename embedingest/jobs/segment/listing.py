@@ -44,6 +44,11 @@ def list_inputs(config: SegmentConfig, report: SkipReport) -> tuple[list[tuple[s
             report.add(full, reason, stage="write")
             continue
         folder, name = posixpath.split(rel)
+        taken = [name + s for s in suffixes if present.is_folder(folder, name + s)]
+        if taken:
+            report.add(full, f"name taken: the output {posixpath.join(folder, taken[0])!r} is a folder; "
+                             "move or rename it", stage="write")
+            continue
         if (not config.overwrite and all(present.has(folder, name + s) for s in suffixes)
                 and (not config.stats or name_as_text(rel) in with_row)):
             done += 1
@@ -121,18 +126,29 @@ class _FolderNames:
     def __init__(self, out: str):
         self.out = out
         self.names: dict[str, frozenset[str]] = {}
+        self.folders: dict[str, frozenset[str]] = {}
 
     def has(self, folder: str, name: str) -> bool:
-        names = self.names.get(folder)
-        if names is None:
+        """Whether ``folder`` holds a file ``name`` (a link is no mask: its image is redone,
+        the link replaced, not followed; a folder of that name is no mask either)."""
+        if folder not in self.names:
+            files, folders = [], []
             try:
-                # a link is no mask: its image is redone (the link replaced, not followed)
                 with os.scandir(os.path.join(self.out, folder)) as entries:
-                    names = frozenset(e.name for e in entries if not e.is_symlink())
+                    for e in entries:
+                        if e.is_file(follow_symlinks=False):
+                            files.append(e.name)
+                        elif e.is_dir(follow_symlinks=False):
+                            folders.append(e.name)
             except OSError:  # not made yet, or not a folder: nothing in it is done
-                names = frozenset()
-            self.names[folder] = names
-        return name in names
+                pass
+            self.names[folder], self.folders[folder] = frozenset(files), frozenset(folders)
+        return name in self.names[folder]
+
+    def is_folder(self, folder: str, name: str) -> bool:
+        """Whether ``name`` in ``folder`` is a folder (an output cannot replace it)."""
+        self.has(folder, name)
+        return name in self.folders.get(folder, ())
 
 
 class _RemoteNames(_FolderNames):
