@@ -7,13 +7,14 @@ CPUs' busy share of each run, as JSON lines.
     python benchmarks/decode_ahead.py --field num_consumers --values 2,4 --repeat 2
 """
 import argparse
+import dataclasses
 import json
 import tempfile
 from pathlib import Path
 
 from embedingest.bench.report import HostCpu
-from embedingest.bench.segment_photos import PhotoBenchConfig, make_photos, random_weights_file, warm_up_config
-from embedingest.jobs.segment import SegmentConfig, segment
+from embedingest.bench.segment_photos import PhotoBenchConfig, warmed_job
+from embedingest.jobs.segment import segment
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
@@ -23,22 +24,14 @@ if __name__ == "__main__":
     ap.add_argument("--values", default="2,4,8")
     ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args()
-    cfg = PhotoBenchConfig(photos=args.photos)
-    make_photos(cfg, args.photo_dir)
     with tempfile.TemporaryDirectory() as tmp:
-        weights = random_weights_file(cfg, Path(tmp) / "w.pth")
-        job = SegmentConfig(images=args.photo_dir, weights=str(weights), overwrite=True, out=str(Path(tmp) / "masks"))
-        warm = Path(tmp) / "warm"
-        warm.mkdir()
-        from PIL import Image
-        for i in range(32):
-            Image.effect_noise((331, 197), 64).convert("RGB").save(warm / f"{i}.png")
-        segment(warm_up_config(job, warm, Path(tmp) / "warm-out"), progress=False)
+        job, _ = warmed_job(PhotoBenchConfig(photos=args.photos), Path(args.photo_dir), Path(tmp))
+        job = dataclasses.replace(job, overwrite=True)
         for rep in range(args.repeat):
             for text in args.values.split(","):
                 value = type(getattr(job, args.field))(text)
                 with HostCpu() as cpu:
-                    s = segment(SegmentConfig(**{**job.__dict__, args.field: value}), progress=False)
+                    s = segment(dataclasses.replace(job, **{args.field: value}), progress=False)
                 print(json.dumps({args.field: value, "rep": rep, "seconds": s["seconds"],
                                   "images_per_s": s["written"] / s["seconds"],
                                   "steady_s": s["engine"]["wall_seconds"], "timing": s["timing"],

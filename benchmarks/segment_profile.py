@@ -5,16 +5,15 @@ batch and where the GPU waits, as the profiler's tables (printed) and a Chrome t
     python benchmarks/segment_profile.py --photos 8192 --photo-dir /tmp/photos --skip 300 --active 40 --trace out.json
 """
 import argparse
-import functools
+import dataclasses
 import tempfile
 from pathlib import Path
 
-import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
 import embedingest.jobs.segment as job_module
-from embedingest.bench.segment_photos import PhotoBenchConfig, make_photos, random_weights_file, warm_up_config
-from embedingest.jobs.segment import SegmentConfig, segment
+from embedingest.bench.segment_photos import PhotoBenchConfig, warmed_job
+from embedingest.jobs.segment import segment
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
@@ -24,17 +23,9 @@ if __name__ == "__main__":
     ap.add_argument("--active", type=int, default=40, help="batches profiled")
     ap.add_argument("--trace", default=None)
     args = ap.parse_args()
-    cfg = PhotoBenchConfig(photos=args.photos)
-    make_photos(cfg, args.photo_dir)
     with tempfile.TemporaryDirectory() as tmp:
-        weights = random_weights_file(cfg, Path(tmp) / "w.pth")
-        job = SegmentConfig(images=args.photo_dir, weights=str(weights), overwrite=True, out=str(Path(tmp) / "masks"))
-        warm = Path(tmp) / "warm"
-        warm.mkdir()
-        from PIL import Image
-        for i in range(32):
-            Image.effect_noise((331, 197), 64).convert("RGB").save(warm / f"{i}.png")
-        segment(warm_up_config(job, warm, Path(tmp) / "warm-out"), progress=False)
+        job, _ = warmed_job(PhotoBenchConfig(photos=args.photos), Path(args.photo_dir), Path(tmp))
+        job = dataclasses.replace(job, overwrite=True)
         prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
                        schedule=schedule(wait=args.skip, warmup=3, active=args.active, repeat=1))
         original = job_module.segment_on_device

@@ -250,11 +250,30 @@ def warm_up_config(job, images: Path, out: Path):
     return dataclasses.replace(job, images=str(images), out=str(out), upsample_max_pixels=0)
 
 
-def run(cfg: PhotoBenchConfig, log=print) -> dict:
-    """Make (or reuse) the photographs, run the warm-up job, the timed job, the forward alone."""
+def warmed_job(cfg: PhotoBenchConfig, folder: Path, tmp: Path, device: str = "auto"):
+    """Make (or reuse) the photographs in ``folder`` and a random weights file in ``tmp``,
+    run the warm-up job there, and return the timed job's settings (its ``out`` in
+    ``tmp``) and what :func:`make_photos` said."""
     from PIL import Image
 
     from ..jobs.segment import SegmentConfig, segment
+
+    made = make_photos(cfg, folder)
+    weights = random_weights_file(cfg, tmp / "weights.pth")
+    job = SegmentConfig(images=str(folder), out=str(tmp / "masks"), weights=str(weights), arch=cfg.arch,
+                        size=cfg.size, resize=cfg.resize, batch_size=cfg.batch_size, dtype=cfg.dtype,
+                        device=str(device), num_workers=cfg.num_workers, num_consumers=cfg.num_consumers)
+    warm = tmp / "warm-up"
+    warm.mkdir()
+    for i in range(2 * cfg.batch_size):
+        Image.effect_noise(WARM_SIZE, 64).convert("RGB").save(warm / f"{i}.png")
+    segment(warm_up_config(job, warm, tmp / "warm-out"), progress=False)
+    return job, made
+
+
+def run(cfg: PhotoBenchConfig, log=print) -> dict:
+    """Make (or reuse) the photographs, run the warm-up job, the timed job, the forward alone."""
+    from ..jobs.segment import segment
     from .report import HostCpu
     from ..stages.device import resolve_device
 
@@ -262,21 +281,11 @@ def run(cfg: PhotoBenchConfig, log=print) -> dict:
     with tempfile.TemporaryDirectory(prefix="embedingest-bench-photos-") as tmp:
         folder = Path(cfg.folder) if cfg.folder else Path(tmp) / "photos"
         t0 = time.perf_counter()
-        made = make_photos(cfg, folder)
+        job, made = warmed_job(cfg, folder, Path(tmp), device)
         log(f"  {made['images']} photographs ({made['jpeg']} JPEG, {made['png']} PNG, "
-            f"{made['bytes'] / 1e6:.0f} MB) in {time.perf_counter() - t0:.1f} s")
-        weights = random_weights_file(cfg, Path(tmp) / "weights.pth")
-        job = SegmentConfig(images=str(folder), weights=str(weights), arch=cfg.arch, size=cfg.size,
-                            resize=cfg.resize, batch_size=cfg.batch_size, dtype=cfg.dtype, device=str(device),
-                            num_workers=cfg.num_workers, num_consumers=cfg.num_consumers)
-        warm = Path(tmp) / "warm-up"
-        warm.mkdir()
-        for i in range(2 * cfg.batch_size):
-            Image.effect_noise(WARM_SIZE, 64).convert("RGB").save(warm / f"{i}.png")
-        segment(warm_up_config(job, warm, Path(tmp) / "warm-out"), progress=False)
+            f"{made['bytes'] / 1e6:.0f} MB) and the warm-up in {time.perf_counter() - t0:.1f} s")
         with HostCpu() as cpu, _Calls() as calls:
-            summary = segment(SegmentConfig(**{**job.__dict__, "out": str(Path(tmp) / "masks")}),
-                              progress=False, trace=cfg.trace)
+            summary = segment(job, progress=False, trace=cfg.trace)
         log(f"  job: {summary['written']} images in {summary['seconds']:.2f} s")
         shapes = summary["batch_shapes"]
         alone = forward_alone(cfg, device, calls)
