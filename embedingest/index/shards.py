@@ -56,6 +56,7 @@ EMB_SUFFIX = ".emb.npy"
 FAISS_SUFFIX = ".faiss"
 CHUNK_BITS = 32
 SHARD_NAME = re.compile(r"shard-[A-Za-z0-9_]+-w[0-9]+-[0-9]+")
+_KIND_SUFFIX = {"faiss": "faiss", "parquet": "parquet", "emb": "emb.npy"}  # a record's files by kind
 _FILE_NAME = re.compile(r"(shard-[A-Za-z0-9_]+-w[0-9]+-[0-9]+)\.(?:g[0-9]+\.)?(faiss|parquet|emb\.npy|commit\.json)")
 
 CHUNK_SCHEMA = pa.schema([
@@ -333,8 +334,11 @@ def read_commit(path: Path, text: bytes | str | None = None) -> Shard:
         if data.get("format") != FORMAT or data.get("name") != name or not isinstance(files, dict):
             raise ValueError("it is not a commit record of this shard in format 2")
         for kind, info in files.items():
-            if kind not in ("faiss", "parquet", "emb") or not SHARD_NAME.fullmatch(
-                    str(info.get("name", "")).split(".")[0]) or not isinstance(info.get("size"), int):
+            # the shard's own file in its folder: a name the record gives is read, and
+            # deleted when the shard is rewritten, so nothing else may be named
+            found = _FILE_NAME.fullmatch(str(info.get("name", "")))
+            if (kind not in _KIND_SUFFIX or not found or found.group(1) != name
+                    or found.group(2) != _KIND_SUFFIX[kind] or not isinstance(info.get("size"), int)):
                 raise ValueError(f"its {kind!r} entry {info!r} is not a file of the shard")
         units = tuple(zip(data["units"][0], data["units"][1], strict=True))
         replaces = tuple(data.get("replaces", ()))

@@ -124,6 +124,25 @@ def test_a_commit_record_that_is_not_one_is_a_config_error_naming_it(tmp_path):
         list_shards(folder / "shards")
 
 
+@pytest.mark.parametrize("kind, name", [
+    ("emb", "{shard}.d/../../../outside/victim.npy"),  # began as a shard name: it passed, was read and deleted
+    ("emb", "{shard}.emb.npy/../../x.emb.npy"),
+    ("emb", "shard-other-w0-00000.emb.npy"),  # another shard's file
+    ("faiss", "{shard}.emb.npy"),  # a file of the shard, of another kind
+    ("parquet", "{shard}.parquet.bak"),
+])
+def test_a_record_naming_anything_but_its_shards_own_file_is_refused(tmp_path, kind, name):
+    """A record's file names are read, and deleted when the shard is rewritten: a tampered
+    one made build-index delete a file outside the index."""
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=1, chunks=5, workers=1)
+    (shard,) = list_shards(folder / "shards")
+    files = dict(shard.record["files"], **{kind: {"name": name.format(shard=shard.name), "size": 10}})
+    shard.commit_path().write_text(json.dumps(dict(shard.record, files=files)))
+    with pytest.raises(ConfigError, match=rf"its '{kind}' entry .* is not a file of the shard"):
+        list_shards(folder / "shards")
+
+
 def test_a_replacement_hides_the_shard_it_replaces_and_clean_deletes_it(tmp_path):
     folder = tmp_path / "ix"
     build_shards(folder, n_units=2, chunks=5, workers=1, commit_every=100)
