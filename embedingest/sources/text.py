@@ -604,18 +604,28 @@ class _FirstIds:
 
     def __init__(self, path):
         self._seen: set[str] = set()
+        self._made: set[str] = set()  # ids made by position for records that had none
         self._path = path
         self._full = False
 
-    def repeated(self, record_id: str, loc: str) -> str | None:
+    def repeated(self, record_id: str, loc: str, made: bool = False) -> str | None:
         """The skip reason if ``record_id`` was given before in this file, else None
-        (and it is given now)."""
+        (and it is given now). ``made``: the record had no id, and this one was made from
+        its position (``line-3``): a record's own id may be the same text."""
         if record_id in self._seen:
             shown = record_id if len(record_id) <= 200 else record_id[:200] + "..."
+            if made:
+                return (f"duplicate: {loc}: the record has no id, and the one made from its position, "
+                        f"{shown!r}, is the id of an earlier record of this file; give it an id")
+            if record_id in self._made:
+                return (f"duplicate: {loc}: the id {shown!r} was made from the position of an earlier "
+                        f"record of this file that had none; give that record an id, or this one another")
             return (f"duplicate: {loc}: the id {shown!r} is that of an earlier record of "
                     f"this file; only the first is indexed")
         if len(self._seen) < MAX_IDS_CHECKED:
             self._seen.add(record_id)
+            if made:
+                self._made.add(record_id)
         elif not self._full:
             self._full = True
             log.warning("%s: more than %d records; the ids of later records are checked "
@@ -658,12 +668,13 @@ def _objects(objs, text_field: str, id_field: str, kind: str, path: str,
             if isinstance(obj, _Skip):
                 raise obj
             text = _text_of(obj, text_field, loc)
-            record_id = _record_id(obj.get(id_field), f"{kind}-{n}")
+            given = obj.get(id_field)
+            record_id = _record_id(given, f"{kind}-{n}")
             for value, what in ((text, repr(text_field)), (record_id, f"id {id_field!r}")):
                 problem = lone_surrogate(value)
                 if problem:
                     raise _Skip(f"unicode: {loc}: {what} holds {problem}")
-            repeated = ids.repeated(record_id, loc)
+            repeated = ids.repeated(record_id, loc, made=given is None)
             if repeated:
                 raise _Skip(repeated)
         except _Skip as skip:
@@ -905,8 +916,9 @@ def _read_csv(path: Path, text_field, id_field, on_skip):
             elif not text.strip():
                 on_skip(f"{path}:{loc}", f"empty: {where}: {text_field!r} is empty")
             else:
-                record_id = _record_id(row.get(id_field) or None, f"row-{n}")
-                repeated = ids.repeated(record_id, where)
+                given = row.get(id_field) or None
+                record_id = _record_id(given, f"row-{n}")
+                repeated = ids.repeated(record_id, where, made=given is None)
                 if repeated:
                     on_skip(f"{path}:{loc}", repeated)
                 else:
@@ -1020,7 +1032,7 @@ def _parquet_rows(path: Path, text_field, id_field, on_skip, part):
                         on_skip(f"{path}:{loc}", f"empty: {loc}: {text_field!r} is empty")
                     else:
                         record_id = _record_id(rid, f"row-{n}")
-                        repeated = first_ids.repeated(record_id, loc)
+                        repeated = first_ids.repeated(record_id, loc, made=rid is None)
                         if repeated:
                             on_skip(f"{path}:{loc}", repeated)
                         else:

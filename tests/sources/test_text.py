@@ -685,7 +685,13 @@ def test_a_record_id_given_again_in_a_file_is_skipped_and_reported_where(tmp_pat
     assert read(jsonl) == ([("r1", "one"), ("r2", "two"), ("r3", "three"), ("line-6", "no id")], [
         (f"{jsonl}:line 3", "duplicate: line 3: " + dup.format("r1")),
         (f"{jsonl}:line 4", "empty: line 4: 'text' is empty"),
-        (f"{jsonl}:line 7", "duplicate: line 7: " + dup.format("line-6"))])
+        (f"{jsonl}:line 7", "duplicate: line 7: the id 'line-6' was made from the position of an earlier "
+                            "record of this file that had none; give that record an id, or this one another")])
+    made_second = tmp_path / "made.jsonl"  # an id given first, then a record without one that makes it
+    made_second.write_text('{"id": "line-2", "text": "a"}\n{"id": null, "text": "b"}\n', encoding="utf-8")
+    assert read(made_second) == ([("line-2", "a")], [
+        (f"{made_second}:line 2", "duplicate: line 2: the record has no id, and the one made from its "
+                                  "position, 'line-2', is the id of an earlier record of this file; give it an id")])
     items = tmp_path / "b.json"
     items.write_text(json.dumps([{"id": 7, "text": "a"}, {"id": "7", "text": "b"}]), encoding="utf-8")
     assert read(items) == ([("7", "a")], [(f"{items}:item 2", "duplicate: item 2: " + dup.format("7"))])
