@@ -21,7 +21,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..outfiles import write_faiss_index
 from ..sources.remote import is_remote
-from .faiss_factory import apply_search_params, parse_factory
+from .faiss_factory import apply_search_params, faiss_message, parse_factory
 from .formats import MANIFEST_NAME, rebuild_command, require_current
 from .lock import RunLock
 from .shards import EMB_SUFFIX, SHARDS_DIR, clean_shards, list_shards, read_ids
@@ -86,7 +86,7 @@ def reindex(index: str | os.PathLike, factory: str, *, train_size: int = 50_000,
                     template.train(sample)
                 except RuntimeError as exc:
                     raise ConfigError(f"cannot train {factory!r} on {len(sample)} vectors: "
-                                      f"{str(exc).splitlines()[0]}; use fewer lists, or a larger index") from exc
+                                      f"{faiss_message(exc)}; use fewer lists, or a larger index") from exc
                 trained_path = folder / trained_name(generation)
                 write_faiss_index(template, trained_path)
                 written.append(trained_path)

@@ -17,7 +17,8 @@ after the writers commit, and a crash anywhere leaves nothing to reconcile by ha
 from __future__ import annotations
 
 import dataclasses
-
+import os
+import shutil
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,10 @@ from .shards import (
     read_ids,
 )
 from .store import Chunk, IndexStore, Manifest, Unit, _sqlite_errors, log
+
+
+# Where --overwrite keeps the index it rebuilds until the rebuild has succeeded.
+ASIDE_DIR = ".overwritten"
 
 
 @dataclass(frozen=True)
@@ -106,20 +111,29 @@ class ShardStore(IndexStore):
         self.write_manifest(manifest)
         return manifest
 
-    def wipe(self) -> None:
-        """Delete everything embedingest keeps in the folder, a format-1 index's files
-        included. Other files stay, in ``shards/`` and ``segments/`` too (a folder of the
-        user's that has one of those names was deleted whole by ``--overwrite``); each of
-        the two is removed once empty."""
-        super().wipe()
+    def own_files(self) -> list[Path]:
+        """Everything embedingest keeps in the folder, a format-1 index's files included:
+        :meth:`IndexStore.own_files`, the shards' files (or ``shards/`` itself where it
+        is a link: the link only, nothing outside the folder) and the trained files of
+        every generation. Other files in ``shards/`` and ``segments/`` are not (a folder
+        of the user's that has one of those names was deleted whole by ``--overwrite``)."""
+        found = super().own_files()
         for folder, own in ((self.shards_dir, is_shard_file),
                             (self.folder / V1_SEGMENTS, V1_SEGMENT_FILE.fullmatch)):
             if folder.is_symlink():
-                folder.unlink()  # the link only: nothing outside the folder
+                found.append(folder)
             elif folder.is_dir():
-                _remove_own_files(folder, own)
-        for path in self.folder.glob("trained.g*.faiss"):
-            path.unlink()
+                found += [p for p in folder.iterdir()
+                          if (own(p.name) or is_tmp_name(p.name)) and (p.is_symlink() or p.is_file())]
+        return found + [p for p in self.folder.glob("trained.g*.faiss") if p.is_file()]
+
+    def wipe(self) -> None:
+        """Delete :meth:`own_files`; ``shards/`` and ``segments/`` go once empty (what
+        else is there stays, and is named)."""
+        super().wipe()
+        for folder in (self.shards_dir, self.folder / V1_SEGMENTS):
+            if folder.is_dir() and not folder.is_symlink():
+                _remove_if_empty(folder)
         self.generation = 0
         self.trained_path = self.folder / trained_name(0)
 
@@ -228,17 +242,52 @@ class ShardStore(IndexStore):
 
 
 
-def _remove_own_files(folder: Path, own) -> None:
-    """Delete the entries of ``folder`` whose names ``own`` claims (or temporary files
-    of ours), never following a link, and the folder once it is empty; say what stays."""
-    kept = []
-    for path in folder.iterdir():
-        if (own(path.name) or is_tmp_name(path.name)) and (path.is_symlink() or path.is_file()):
-            path.unlink()
-        else:
-            kept.append(path.name)
+def _remove_if_empty(folder: Path) -> None:
+    """Remove ``folder`` if it is empty; else say what stays in it."""
+    kept = [p.name for p in folder.iterdir()]
     if kept:
         log.warning("%s: %d entries that are not the index's are kept (%s)", folder, len(kept),
                     ", ".join(sorted(kept)[:5]) + (", ..." if len(kept) > 5 else ""))
         return
     folder.rmdir()
+
+
+class SetAside:
+    """The files of an index that ``--overwrite`` rebuilds (:meth:`ShardStore.own_files`),
+    moved into ``.overwritten/`` of its folder (renames, no copies) before the rebuild:
+    one that fails (a factory the corpus cannot train, a full disk, Ctrl-C) puts them
+    back with :meth:`restore`, one that succeeds deletes them (:func:`drop_set_aside`).
+    The old index's files were deleted first, so a failed rebuild left an empty index.
+    What a killed run left there is deleted first: that run's index is the one in place."""
+
+    def __init__(self, store: ShardStore):
+        self.store = store
+        drop_set_aside(store.folder)
+        store.close()
+        self.moved: list[tuple[Path, Path]] = []
+        try:
+            for path in store.own_files():
+                target = store.folder / ASIDE_DIR / path.relative_to(store.folder)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(path, target)
+                self.moved.append((path, target))
+        except BaseException:
+            self.restore()
+            raise
+
+    def restore(self) -> None:
+        """Delete what the rebuild wrote and put the old files back."""
+        self.store.wipe()
+        for path, target in reversed(self.moved):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(target, path)
+        drop_set_aside(self.store.folder)
+
+
+def drop_set_aside(folder: str | os.PathLike) -> None:
+    """Delete ``.overwritten/`` of an index folder (a link there: the link only)."""
+    aside = Path(folder) / ASIDE_DIR
+    if aside.is_symlink():
+        aside.unlink()
+    elif aside.is_dir():
+        shutil.rmtree(aside)

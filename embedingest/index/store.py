@@ -32,7 +32,7 @@ import numpy as np
 from ..errors import ConfigError, EmbedingestError
 from ..outfiles import atomic_write_bytes, is_tmp_name, json_bytes, refuse_link, write_faiss_index
 from ..report import REPORT_NAME
-from .faiss_factory import METRICS, empty_index, metric_code, parse_factory, read_index_file
+from .faiss_factory import METRICS, empty_index, faiss_message, metric_code, parse_factory, read_index_file
 from .formats import CURRENT as FORMAT
 from .formats import MANIFEST_NAME, UNITS_NAME, V1_METADATA, require_current
 from .shards import CHUNK_BITS
@@ -250,14 +250,21 @@ class IndexStore:
         manifest.version = package_version()
         atomic_write_bytes(self.manifest_path, json_bytes(asdict(manifest)))
 
+    def own_files(self) -> list[Path]:
+        """The files (or links) of the folder this class keeps, those of a format-1 index
+        and temporary files: what :meth:`wipe` deletes (other files stay)."""
+        names = [name + suffix for name in (MANIFEST_NAME, TRAINED_NAME, REPORT_NAME, UNITS_NAME, V1_METADATA)
+                 for suffix in (("", "-wal", "-shm") if name.endswith(".sqlite") else ("",))]
+        found = [self.folder / n for n in names if (self.folder / n).is_symlink() or (self.folder / n).is_file()]
+        if self.folder.is_dir():
+            found += [p for p in self.folder.iterdir() if is_tmp_name(p.name) and p.is_file()]
+        return found
+
     def wipe(self) -> None:
-        """Delete the files of the folder this class keeps, and those of a format-1 index
-        (other files stay)."""
+        """Delete :meth:`own_files`."""
         self.close()
-        for name in (MANIFEST_NAME, TRAINED_NAME, REPORT_NAME, UNITS_NAME, V1_METADATA):
-            for suffix in ("", "-wal", "-shm") if name.endswith(".sqlite") else ("",):
-                (self.folder / (name + suffix)).unlink(missing_ok=True)
-        self._remove_tmp_files(self.folder)
+        for path in self.own_files():
+            path.unlink(missing_ok=True)
 
     @staticmethod
     def _remove_tmp_files(folder: Path) -> list[str]:
@@ -283,7 +290,7 @@ class IndexStore:
             index.train(sample)
         except RuntimeError as exc:
             raise ConfigError(f"cannot train {factory!r} on {len(sample)} vectors: "
-                              f"{str(exc).splitlines()[0]}; use a larger sample or fewer lists") from exc
+                              f"{faiss_message(exc)}; use a larger sample or fewer lists") from exc
         self.folder.mkdir(parents=True, exist_ok=True)
         write_faiss_index(index, self.trained_path)
         return self.trained_path

@@ -142,16 +142,15 @@ def test_bad_factories_and_parameters_are_config_errors(tmp_path):
 
 
 def faiss_refusal(factory, params=None, n=None):
-    """faiss's own error (its words vary with its version): setting ``params`` on an empty
-    ``factory`` index (its reason, as faiss_message cuts it), or training one on ``n``
-    vectors (its first line)."""
+    """faiss's own reason, as faiss_message cuts it (its words vary with its version):
+    setting ``params`` on an empty ``factory`` index, or training one on ``n`` vectors."""
     index = faiss.index_factory(DIM, factory, faiss.METRIC_INNER_PRODUCT)
     with pytest.raises(RuntimeError) as err:
         if params:
             faiss.ParameterSpace().set_index_parameters(faiss.IndexIDMap(index), params)
         else:
             index.train(unit_vectors(n))
-    return faiss_message(err.value) if params else str(err.value).splitlines()[0]
+    return faiss_message(err.value)
 
 
 def test_training_samples_spread_over_every_shard():

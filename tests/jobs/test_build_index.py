@@ -303,6 +303,45 @@ def test_a_bad_index_option_is_refused_before_anything_is_written(tmp_path):
     assert json.loads((out / "manifest.json").read_text())["factory"] == "Flat"
 
 
+def test_an_overwrite_that_fails_leaves_the_index_as_it_was(tmp_path, monkeypatch):
+    """--overwrite deleted the index first: a rebuild that then failed (a factory the corpus
+    cannot train, a full disk, Ctrl-C) left an empty index whose manifest named the
+    failed factory. Now the old files wait in .overwritten/ and come back; a rebuild that
+    succeeds deletes them, and so does the next run after a killed one."""
+    corpus = make_corpus(tmp_path / "corpus")
+    out = tmp_path / "idx"
+    runner = CliRunner()
+    args = ["build-index", str(corpus), "--out", str(out), "--num-workers", "0", "--batch-size", "8"]
+    assert runner.invoke(main, args).exit_code == 0
+    (out / "notes.txt").write_text("the user's")
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file() and ".lock" not in p.name}
+    with open_index(out) as index:
+        hits = [h.text for h in index.search_vectors(np.ones((1, 384), np.float32), k=3)[0]]
+    r = runner.invoke(main, [*args, "--overwrite", "--index", "IVF64,Flat"])  # 12 chunks for 64 lists
+    assert r.exit_code == 1 and "cannot train 'IVF64,Flat' on 12 vectors" in r.output, r.output
+    assert "Error in" not in r.output and ".cpp" not in r.output  # faiss's reason, not its C++ place
+    after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file() and ".lock" not in p.name}
+    assert after == before and not (out / ".overwritten").exists()
+    with open_index(out) as index:
+        assert [h.text for h in index.search_vectors(np.ones((1, 384), np.float32), k=3)[0]] == hits
+    import embedingest.jobs.build_index as job
+
+    def interrupted(*a, **k):
+        assert (out / ".overwritten" / "manifest.json").is_file() and not (out / "manifest.json").exists()
+        raise KeyboardInterrupt
+    monkeypatch.setattr(job, "_build_locked", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        build_index(str(corpus), out=str(out), overwrite=True, device="cpu", **FAST)
+    monkeypatch.undo()
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file() and ".lock" not in p.name} == before
+    (out / ".overwritten" / "shards").mkdir(parents=True)  # what a killed --overwrite run leaves
+    (out / ".overwritten" / "manifest.json").write_text("{}")
+    r = runner.invoke(main, [*args, "--overwrite", "--index", "HNSW8", "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["vectors_total"] == 12, r.output
+    assert not (out / ".overwritten").exists() and (out / "notes.txt").read_text() == "the user's"
+    assert json.loads((out / "manifest.json").read_text())["factory"] == "HNSW8"
+
+
 def test_a_rerun_keeps_the_skip_report_of_earlier_runs(tmp_path):
     """A bad record in a good file is reported by the run that reads the file; the re-run
     of the unchanged corpus reads nothing and used to leave an empty skipped.jsonl."""
