@@ -67,6 +67,12 @@ def read_shard(path: Path) -> faiss.Index:
     return read_index_file(path)
 
 
+
+def blank_query(text: str) -> bool:
+    """Whether a query holds nothing to search for: only whitespace and control
+    characters (``"\x00\x01"``), which the tokenizer drops, leaving an empty text."""
+    return not any(c.isprintable() and not c.isspace() for c in text)
+
 class Index:
     """A searchable index folder; see :func:`open_index`."""
 
@@ -191,7 +197,7 @@ class Index:
         queries = list(queries)  # a generator, a numpy array of texts
         if not queries:
             return []
-        blank = [i for i, q in enumerate(queries) if not isinstance(q, str) or not q.strip()]
+        blank = [i for i, q in enumerate(queries) if not isinstance(q, str) or blank_query(q)]
         if blank:
             raise ConfigError(f"query {blank[0]} ({queries[blank[0]]!r}) is empty or not text; "
                               "give each query some words")

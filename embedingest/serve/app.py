@@ -29,7 +29,7 @@ from fastapi.responses import FileResponse, HTMLResponse
 
 from ..config import ServeConfig
 from ..errors import ConfigError
-from ..index.search import Hit, Index
+from ..index.search import Hit, Index, blank_query
 from .live import LiveIndex
 
 MAX_QUERY_CHARS = ServeConfig.max_query_chars
@@ -88,7 +88,7 @@ def create_app(index: Index | LiveIndex, *, max_query_chars: int = MAX_QUERY_CHA
     @app.get("/search")
     def search(q: str = Query(..., description="the question"),
                k: int | None = Query(None, ge=1, le=max_k, description="results")) -> dict:
-        if not q.strip():
+        if blank_query(q):
             raise HTTPException(422, "the query is empty: give it some words (q=...)")
         if len(q) > max_query_chars:
             raise HTTPException(422, f"the query has {len(q):,} characters, more than the "

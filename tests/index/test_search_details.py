@@ -78,6 +78,10 @@ def test_messages_name_the_bad_value(tmp_path):
         with pytest.raises(ConfigError) as err:
             index.search(["ok", " "])
         assert str(err.value) == "query 1 (' ') is empty or not text; give each query some words"
+        with pytest.raises(ConfigError) as err:  # control characters only: the tokenizer drops them
+            index.search(["\x00\x01\u200b\x7f"])
+        assert str(err.value) == ("query 0 ('\\x00\\x01\\u200b\\x7f') is empty or not text; give each query "
+                                  "some words")
         with pytest.raises(ConfigError) as err:
             index.search_raw(np.zeros(3, np.float32))
         assert str(err.value) == (f"query vectors of shape (3,), expected (n, {DIM}) for the index "

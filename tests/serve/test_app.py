@@ -97,6 +97,7 @@ def test_corpus_file_never_leaves_the_corpus(tmp_path):
     ({}, "Field required"),
     ({"q": ""}, "empty"),
     ({"q": "   \n\t "}, "empty"),
+    ({"q": "\x00\x01 \x7f"}, "empty"),  # control characters only: the tokenizer drops them
     ({"q": "x" * 50_000}, "50,000 characters"),  # 10 MB: see test_server.py (the client refuses it)
     ({"q": "bread", "k": 0}, "greater than or equal to 1"),
     ({"q": "bread", "k": 10**9}, "less than or equal to 100"),
