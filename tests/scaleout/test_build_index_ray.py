@@ -230,6 +230,23 @@ def test_missing_columns_are_errors(tmp_path, ray_cluster):
         build_index_ray(no_id, tmp_path / "b", text_field="body")
 
 
+def test_an_overwrite_that_fails_leaves_the_index_as_it_was(tmp_path, ray_cluster):
+    """As build_index: the old index waits in .overwritten/ and comes back when the
+    rebuild fails (here: a factory its few chunks cannot train)."""
+    from embedingest import build_index_ray
+    from embedingest.errors import ConfigError
+
+    out = tmp_path / "ix"
+    build_index_ray(blocks(ray_cluster, records()), out, **SETTINGS)
+    before = content(out)
+    with pytest.raises(ConfigError, match=r"cannot train 'IVF64,Flat'"):
+        build_index_ray(blocks(ray_cluster, records()), out, overwrite=True, index="IVF64,Flat", **SETTINGS)
+    after = content(out)
+    assert after.keys() == before.keys() and not (out / ".overwritten").exists()
+    assert all(np.array_equal(after[i][0], before[i][0]) and after[i][1] == before[i][1] for i in before)
+    assert json.loads((out / "manifest.json").read_text())["factory"] == "Flat"
+
+
 def test_import_without_ray_says_how_to_install():
     code = "import sys; sys.modules['ray'] = None; import embedingest.jobs.build_index.ray"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False,

@@ -76,7 +76,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without ray
 from ...config import IndexConfig
 from ...errors import ConfigError
 from ...exit_codes import exit_code
-from ...index.shard_store import ShardStore
+from ...index.shard_store import SetAside, ShardStore, drop_set_aside
 from ...index.store import Manifest
 from ...report import REPORT_NAME, SkipReport
 from ...runner import run_batches
@@ -538,11 +538,20 @@ def build_index_ray(dataset: ray.data.Dataset, out: str | os.PathLike,
             num_cpus=num_cpus)
         return plan.finish(results, progress=progress, pull=pull)
 
+    overwrite = overrides.get("overwrite", config.overwrite if config else False)
     if not is_remote(out):
-        return run(plan_ray_index(dataset, out, config, num_gpus=num_gpus, **overrides))
+        # --overwrite sets the old index aside, to put it back if the build fails (SetAside)
+        aside = SetAside(ShardStore(out)) if overwrite else None
+        try:
+            summary = run(plan_ray_index(dataset, out, config, num_gpus=num_gpus, **overrides))
+        except BaseException:
+            if aside is not None:
+                aside.restore()
+            raise
+        drop_set_aside(out)
+        return summary
     from ...index.remote_store import RemoteBuild
 
-    overwrite = overrides.get("overwrite", config.overwrite if config else False)
     with RemoteBuild(str(out), overwrite=overwrite) as remote:
         plan = plan_ray_index(dataset, remote.folder, config, num_gpus=num_gpus,
                               writers=remote.url, **overrides)
