@@ -217,13 +217,20 @@ def test_resume_skips_done_images_and_overwrite_redoes_them(tmp_path, small):
     assert with_logits["written"] == 3, "an output asked for and missing makes the image redone"
 
 
-def test_masks_or_stats_without_labels_are_refused_unless_overwrite(tmp_path, small):
-    """labels.json gone, the folder was taken as new: another model's masks stayed beside
-    this run's and its stats rows were read under this model's classes, exit 0."""
-    images, out = tmp_path / "images", tmp_path / "out"
+def three_images(tmp_path):
+    """``tmp_path/images`` with 0.png, 1.png and 2.png (noise of three sizes), and the
+    output folder to give (not made)."""
+    images = tmp_path / "images"
     images.mkdir()
     for i in range(3):
         Image.fromarray(noise(20 + i, 30, seed=i)).save(images / f"{i}.png")
+    return images, tmp_path / "out"
+
+
+def test_masks_or_stats_without_labels_are_refused_unless_overwrite(tmp_path, small):
+    """labels.json gone, the folder was taken as new: another model's masks stayed beside
+    this run's and its stats rows were read under this model's classes, exit 0."""
+    images, out = three_images(tmp_path)
     segment(config(images, out, small, stats=True), progress=False)
     (out / "labels.json").unlink()
     (out / "0.png.png").unlink()
@@ -245,10 +252,7 @@ def test_an_output_name_taken_by_a_folder_skips_that_image_and_a_stats_file_stop
     """A folder at one image's mask (or overlay) name failed the whole run at its first
     write (IsADirectoryError), without --stats it even counted as done; a file named
     stats failed the run after every image, so the next run redid them all."""
-    images, out = tmp_path / "images", tmp_path / "out"
-    images.mkdir()
-    for i in range(3):
-        Image.fromarray(noise(20 + i, 30, seed=i)).save(images / f"{i}.png")
+    images, out = three_images(tmp_path)
     (out / "1.png.png").mkdir(parents=True)
     (out / "2.png.overlay.jpg").mkdir()
     first = segment(config(images, out, small), progress=False)
@@ -929,10 +933,7 @@ def test_settings_are_checked_with_nothing_to_do_and_before_anything_is_deleted(
     arch or preprocessing, or a weights file it cannot read, is refused (before: exit 0,
     "3 already done"). A refused --overwrite --stats deletes no row (before: every row was
     dropped before the weights were read)."""
-    images, out = tmp_path / "images", tmp_path / "out"
-    images.mkdir()
-    for i in range(3):
-        Image.fromarray(noise(20 + i, 30, seed=i)).save(images / f"{i}.png")
+    images, out = three_images(tmp_path)
     segment(config(images, out, small, stats=True), progress=False)
     labels = (out / "labels.json").read_bytes()
     (tmp_path / "garbage.pth").write_bytes(os.urandom(1000))
@@ -1045,10 +1046,7 @@ def test_overwrite_makes_the_statistics_this_run_s_alone(tmp_path, small):
     part is deleted: the table holds this run's rows and columns only."""
     import pandas as pd
 
-    images, out = tmp_path / "images", tmp_path / "out"
-    images.mkdir()
-    for i in range(3):
-        Image.fromarray(noise(20 + i, 30, seed=i)).save(images / f"{i}.png")
+    images, out = three_images(tmp_path)
     segment(config(images, out, small, stats=True), progress=False)
     (images / "2.png").unlink()
     other = dataclasses.replace(config(images, out, small, stats=True, overwrite=True, num_classes=3),
