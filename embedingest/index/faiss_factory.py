@@ -34,6 +34,7 @@ def faiss_message(exc: RuntimeError) -> str:
 
 # Search parameters faiss takes at any value but answers wrongly below 1: efSearch 0 or
 # less gave one hit whatever k; nprobe 0 failed only at the first search.
+_DECIMAL = re.compile(r"-?[0-9]+(?:\.[0-9]+)?")
 _AT_LEAST_ONE = re.compile(r"(?:\w+_)?(?:nprobe|efSearch)")
 
 
@@ -43,14 +44,15 @@ def apply_search_params(index: faiss.Index, params: str) -> None:
     nprobe or efSearch is below 1, or faiss has no such parameter for the factory."""
     for part in params.split(","):
         name, sep, value = (p.strip() for p in part.partition("="))
-        try:
-            number = float(value) if sep and name else None
-        except ValueError:
-            number = None
-        if number is None or not np.isfinite(number):
+        # plain decimals only: Python reads 0_64 and 1e30, faiss reads the same text as 0
+        # and as an integer out of range
+        if not (sep and name and _DECIMAL.fullmatch(value)):
             raise ValueError(f"{part.strip()!r} is not NAME=NUMBER")
+        number = float(value)
         if _AT_LEAST_ONE.fullmatch(name) and number < 1:
             raise ValueError(f"{name}={value} must be at least 1")
+        if abs(number) > 2**31 - 1:
+            raise ValueError(f"{name}={value} is out of range (at most {2**31 - 1})")
     try:
         faiss.ParameterSpace().set_index_parameters(index, params)
     except RuntimeError as exc:

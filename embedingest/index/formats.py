@@ -40,9 +40,16 @@ def _holds_v1_segments(folder: Path) -> bool:
 
 
 def _holds_index_files(folder: Path) -> bool:
-    """Whether ``folder`` holds what an index keeps beside its manifest (written before
-    the manifest: a folder with only a manifest is another program's)."""
-    return (folder / UNITS_NAME).is_file() or (folder / SHARDS_DIR).is_dir()
+    """Whether ``folder`` holds what an index keeps beside its manifest: ``units.sqlite``
+    or a shard's commit record (a folder with only a manifest, or a ``shards/`` of the
+    user's, is another program's)."""
+    if (folder / UNITS_NAME).is_file():
+        return True
+    try:
+        with os.scandir(folder / SHARDS_DIR) as entries:
+            return any(e.name.startswith("shard-") and e.name.endswith(".commit.json") for e in entries)
+    except OSError:
+        return False
 
 
 def _refuse_foreign(folder: Path, what: str) -> None:
@@ -73,8 +80,10 @@ def index_format(folder: str | os.PathLike) -> int | None:
         raise ConfigError(f"cannot read {str(path)!r}: {exc}; rebuild the index with --overwrite") from exc
     except OSError as exc:
         raise ConfigError(f"cannot read {str(path)!r}: {exc}; rebuild the index with --overwrite") from exc
-    if not isinstance(data, dict) or not {"model", "dim"} <= data.keys():
-        _refuse_foreign(folder, "has no 'model' and 'dim'" if isinstance(data, dict) else "is not a JSON object")
+    if not isinstance(data, dict) or not {"model", "dim"} <= data.keys() or not isinstance(data["model"], dict):
+        _refuse_foreign(folder, "is not a JSON object" if not isinstance(data, dict) else
+                        "has no 'model' and 'dim'" if not {"model", "dim"} <= data.keys() else
+                        "has a 'model' that is no model's description")
     value = data.get("format", 1) if isinstance(data, dict) else None
     if not isinstance(value, int) or isinstance(value, bool):
         raise ConfigError(f"{path}: format is {value!r}, not an integer: the "

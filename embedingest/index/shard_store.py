@@ -258,36 +258,54 @@ class SetAside:
     one that fails (a factory the corpus cannot train, a full disk, Ctrl-C) puts them
     back with :meth:`restore`, one that succeeds deletes them (:func:`drop_set_aside`).
     The old index's files were deleted first, so a failed rebuild left an empty index.
-    What a killed run left there is deleted first: that run's index is the one in place."""
+    The folder holds a marker file: a ``.overwritten`` without it is not ours and is
+    refused, never deleted; one with it is what a killed run left (that run's index is
+    the one in place) and goes first."""
 
     def __init__(self, store: ShardStore):
         self.store = store
+        self.folder = store.folder / ASIDE_DIR
+        if os.path.lexists(self.folder) and not _ours(self.folder):
+            raise ConfigError(f"{str(self.folder)!r} is not embedingest's, and --overwrite keeps the old "
+                              "index there while it rebuilds: move it away, or build into another --out")
         drop_set_aside(store.folder)
         store.close()
         self.moved: list[tuple[Path, Path]] = []
         try:
+            self.folder.mkdir()
+            (self.folder / _MARKER).write_bytes(b"")
             for path in store.own_files():
-                target = store.folder / ASIDE_DIR / path.relative_to(store.folder)
+                target = self.folder / path.relative_to(store.folder)
                 target.parent.mkdir(parents=True, exist_ok=True)
                 os.replace(path, target)
                 self.moved.append((path, target))
         except BaseException:
-            self.restore()
+            self._put_back()  # only what was moved: nothing of the old index is deleted
             raise
 
     def restore(self) -> None:
         """Delete what the rebuild wrote and put the old files back."""
         self.store.wipe()
+        self._put_back()
+
+    def _put_back(self) -> None:
         for path, target in reversed(self.moved):
             path.parent.mkdir(parents=True, exist_ok=True)
             os.replace(target, path)
+        self.moved = []
         drop_set_aside(self.store.folder)
 
 
+_MARKER = "EMBEDINGEST_SET_ASIDE"
+
+
+def _ours(folder: Path) -> bool:
+    return not folder.is_symlink() and folder.is_dir() and (folder / _MARKER).is_file()
+
+
 def drop_set_aside(folder: str | os.PathLike) -> None:
-    """Delete ``.overwritten/`` of an index folder (a link there: the link only)."""
+    """Delete ``.overwritten/`` of an index folder where it is ours (its marker in it);
+    anything else of that name stays."""
     aside = Path(folder) / ASIDE_DIR
-    if aside.is_symlink():
-        aside.unlink()
-    elif aside.is_dir():
+    if _ours(aside):
         shutil.rmtree(aside)

@@ -340,6 +340,9 @@ def read_commit(path: Path, text: bytes | str | None = None) -> Shard:
             if (kind not in _KIND_SUFFIX or not found or found.group(1) != name
                     or found.group(2) != _KIND_SUFFIX[kind] or not isinstance(info.get("size"), int)):
                 raise ValueError(f"its {kind!r} entry {info!r} is not a file of the shard")
+        generation = data.get("generation", 0)
+        if not isinstance(generation, int) or isinstance(generation, bool) or generation < 0:
+            raise ValueError(f"generation {generation!r} is not a generation number")
         units = tuple(zip(data["units"][0], data["units"][1], strict=True))
         replaces = tuple(data.get("replaces", ()))
         if not all(isinstance(r, str) and SHARD_NAME.fullmatch(r) for r in replaces):

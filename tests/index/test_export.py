@@ -95,7 +95,8 @@ def test_export_names_a_folder_without_an_index_and_an_export_folder_inside_it(t
     with pytest.raises(ConfigError) as err:
         export_index(tmp_path / "nothing", tmp_path / "out")
     assert str(err.value) == f"{str(tmp_path / 'nothing')!r} is not an embedingest index (no manifest.json)"
-    (tmp_path / "ix" / "shards").mkdir(parents=True)
+    (tmp_path / "ix").mkdir()
+    (tmp_path / "ix" / "units.sqlite").write_bytes(b"")
     (tmp_path / "ix" / "manifest.json").write_text('{"format": 2}')
     for to in (tmp_path / "ix", tmp_path / "ix" / "x" / "y"):
         with pytest.raises(ConfigError) as err:

@@ -59,12 +59,14 @@ def test_newer_formats_ask_for_a_newer_embedingest_and_no_index_passes(tmp_path)
 
 
 @pytest.mark.parametrize("text", ['{"name": "my dataset", "files": ["a.csv"]}', '{"model": "resnet"}',
-                                  "[1, 2]", "name: my dataset\n"])
+                                  '{"model": "x", "dim": 1536}', "[1, 2]", "name: my dataset\n"])
 def test_another_programs_manifest_is_no_index_and_no_index_advice_deletes_it(tmp_path, text):
     """A folder whose manifest.json is not an index's (neither 'model' nor 'dim', or not
     JSON) and that holds none of an index's other files is another program's: refused as
     such, never as a damaged index to rebuild with --overwrite (which deletes the file)."""
     (tmp_path / "manifest.json").write_text(text)
+    (tmp_path / "shards").mkdir()  # a folder of the user's of that name, without a shard's record
+    (tmp_path / "shards" / "part-0.bin").write_bytes(b"d")
     with pytest.raises(ConfigError) as err:
         index_format(tmp_path)
     message = str(err.value)
@@ -77,7 +79,11 @@ def test_another_programs_manifest_is_no_index_and_no_index_advice_deletes_it(tm
 
 @pytest.mark.parametrize("beside", ["units.sqlite", "shards"])
 def test_a_damaged_manifest_beside_index_files_is_a_damaged_index(tmp_path, beside):
-    (tmp_path / "shards").mkdir() if beside == "shards" else (tmp_path / beside).write_bytes(b"")
+    if beside == "shards":  # a shard's commit record (damaged or not): an index's
+        (tmp_path / "shards").mkdir()
+        (tmp_path / "shards" / "shard-r1-w0-00000.commit.json").write_text("{")
+    else:
+        (tmp_path / beside).write_bytes(b"")
     (tmp_path / "manifest.json").write_text('{"metric": "ip"')
     with pytest.raises(ConfigError, match=r"Expecting .*; rebuild the index with --overwrite$"):
         index_format(tmp_path)
@@ -124,7 +130,7 @@ def test_the_rebuild_command_quotes_what_the_shell_would_split(tmp_path):
     ('{"format": 2.0}', "format is 2.0"),
 ])
 def test_a_manifest_whose_format_is_not_an_integer_is_refused_exactly(tmp_path, text, problem):
-    (tmp_path / "shards").mkdir()  # an index's folder: its manifest is damaged
+    (tmp_path / "units.sqlite").write_bytes(b"")  # an index's folder: its manifest is damaged
     (tmp_path / "manifest.json").write_text(text)
     with pytest.raises(ConfigError) as err:
         index_format(tmp_path)
@@ -160,7 +166,8 @@ def test_a_segments_folder_means_format_1_only_with_a_format_1_shard_in_it(tmp_p
 
 def test_a_newer_format_is_refused_naming_the_folder(tmp_path):
     folder = tmp_path / "ix"
-    (folder / "shards").mkdir(parents=True)
+    folder.mkdir()
+    (folder / "units.sqlite").write_bytes(b"")
     (folder / "manifest.json").write_text(json.dumps({"format": 7}))
     with pytest.raises(ConfigError) as err:
         require_current(folder)

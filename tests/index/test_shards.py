@@ -124,6 +124,16 @@ def test_a_commit_record_that_is_not_one_is_a_config_error_naming_it(tmp_path):
         list_shards(folder / "shards")
 
 
+@pytest.mark.parametrize("generation", ["abc", [1], 1e999, -1, True])
+def test_a_record_of_a_generation_that_is_no_number_is_refused(tmp_path, generation):
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=1, chunks=5, workers=1)
+    (shard,) = list_shards(folder / "shards")
+    shard.commit_path().write_text(json.dumps(dict(shard.record, generation=generation)))
+    with pytest.raises(ConfigError, match=r"generation .* is not a generation number"):
+        list_shards(folder / "shards")
+
+
 @pytest.mark.parametrize("kind, name", [
     ("emb", "{shard}.d/../../../outside/victim.npy"),  # began as a shard name: it passed, was read and deleted
     ("emb", "{shard}.emb.npy/../../x.emb.npy"),

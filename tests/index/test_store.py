@@ -155,6 +155,7 @@ def test_train_index(tmp_path):
 def test_a_manifest_field_of_the_wrong_type_is_a_clear_error(tmp_path, field, value, expected):
     store = ShardStore(tmp_path)
     store.create_or_open(manifest())
+    (tmp_path / "units.sqlite").touch()  # an index's (a lone manifest.json is another program's)
     data = json.loads(store.manifest_path.read_text())
     store.manifest_path.write_text(json.dumps({**data, field: value}))
     with pytest.raises(ConfigError, match=rf"manifest.json: {field} is .*not {expected}.*--overwrite"):

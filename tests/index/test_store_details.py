@@ -132,7 +132,7 @@ def test_manifest_field_of_the_wrong_type_names_the_fix():
 
 def test_unreadable_manifest_names_the_file_and_the_fix(tmp_path):
     store = IndexStore(tmp_path)
-    (tmp_path / "shards").mkdir()  # an index's folder (a lone manifest.json is another program's)
+    (tmp_path / "units.sqlite").write_bytes(b"")  # an index's folder (a lone manifest.json is another program's)
     store.manifest_path.write_text("{", encoding="utf-8")
     with pytest.raises(ConfigError) as err:
         store.read_manifest()

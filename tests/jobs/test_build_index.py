@@ -334,7 +334,20 @@ def test_an_overwrite_that_fails_leaves_the_index_as_it_was(tmp_path, monkeypatc
         build_index(str(corpus), out=str(out), overwrite=True, device="cpu", **FAST)
     monkeypatch.undo()
     assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file() and ".lock" not in p.name} == before
+    def index_files():
+        return {p.relative_to(out): p.read_bytes() for p in out.rglob("*")
+                if p.is_file() and ".lock" not in p.name and ".overwritten" not in str(p)}
+    for theirs in ("file", "folder"):  # a .overwritten that is not ours: refused, nothing moved or deleted
+        (out / ".overwritten").write_text("x") if theirs == "file" else (out / ".overwritten").mkdir()
+        before = index_files()
+        r = runner.invoke(main, [*args, "--overwrite", "--index", "HNSW8"])
+        assert r.exit_code == 1 and "'.overwritten' is not embedingest's" in r.output.replace(str(out) + "/", ""), r.output
+        assert index_files() == before
+        assert runner.invoke(main, args).exit_code == 0  # a plain run leaves it too
+        assert (out / ".overwritten").exists()
+        (out / ".overwritten").unlink() if theirs == "file" else (out / ".overwritten").rmdir()
     (out / ".overwritten" / "shards").mkdir(parents=True)  # what a killed --overwrite run leaves
+    (out / ".overwritten" / "EMBEDINGEST_SET_ASIDE").write_bytes(b"")
     (out / ".overwritten" / "manifest.json").write_text("{}")
     r = runner.invoke(main, [*args, "--overwrite", "--index", "HNSW8", "--json"])
     assert r.exit_code == 0 and json.loads(r.output)["vectors_total"] == 12, r.output

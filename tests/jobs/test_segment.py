@@ -271,6 +271,9 @@ def test_an_output_name_taken_by_a_folder_skips_that_image_and_a_stats_file_stop
                               "in a folder of that name: move that file away, or drop --stats")
     assert sorted(p.name for p in (tmp_path / "o2").iterdir()) == [RUN_LOCK, "skipped.jsonl", "stats"]
     assert segment(config(images, tmp_path / "o2", small), progress=False)["written"] == 3  # without --stats
+    (tmp_path / "o2" / "stats").unlink()
+    (tmp_path / "o2" / "stats").symlink_to(tmp_path / "elsewhere")  # a run with nothing to do reads no link
+    assert segment(config(images, tmp_path / "o2", small), progress=False)["already_done"] == 3
 
 
 def test_output_inside_the_input_is_not_read_back(tmp_path, small):

@@ -76,6 +76,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without ray
 from ...config import IndexConfig
 from ...errors import ConfigError
 from ...exit_codes import exit_code
+from ...index.lock import RunLock
 from ...index.shard_store import SetAside, ShardStore, drop_set_aside
 from ...index.store import Manifest
 from ...report import REPORT_NAME, SkipReport
@@ -541,15 +542,17 @@ def build_index_ray(dataset: ray.data.Dataset, out: str | os.PathLike,
     overwrite = overrides.get("overwrite", config.overwrite if config else False)
     if not is_remote(out):
         # --overwrite sets the old index aside, to put it back if the build fails (SetAside)
-        aside = SetAside(ShardStore(out)) if overwrite else None
-        try:
-            summary = run(plan_ray_index(dataset, out, config, num_gpus=num_gpus, **overrides))
-        except BaseException:
-            if aside is not None:
-                aside.restore()
-            raise
-        drop_set_aside(out)
-        return summary
+        Path(out).mkdir(parents=True, exist_ok=True)
+        with RunLock(out):  # one run at a time, as build_index
+            aside = SetAside(ShardStore(out)) if overwrite else None
+            try:
+                summary = run(plan_ray_index(dataset, out, config, num_gpus=num_gpus, **overrides))
+            except BaseException:
+                if aside is not None:
+                    aside.restore()
+                raise
+            drop_set_aside(out)
+            return summary
     from ...index.remote_store import RemoteBuild
 
     with RemoteBuild(str(out), overwrite=overwrite) as remote:

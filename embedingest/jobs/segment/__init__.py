@@ -39,7 +39,7 @@ from ...exit_codes import exit_code
 from ...index.lock import RUN_LOCK, RunLock
 from ...report import REPORT_NAME, SkipReport
 from ...scaleout.devices import devices_of
-from ...sinks.mask_stats import drop_stats_rows, part_files, remove_parts, stats_folder
+from ...sinks.mask_stats import STATS_DIR, drop_stats_rows, part_files, remove_parts, stats_folder
 from ...sinks.masks import LABELS_FILE, restore_mask
 from ...sources.files import refuse_output_as_input
 from ...sources.image_decode import ImageRejected
@@ -145,7 +145,7 @@ def _refuse_unlabelled(out: Path, done: int) -> None:
     labels.json: no run can say which model made them, and this one would have written
     its own labels beside them (masks of two models in one folder, rows of another
     model's classes read under this one's)."""
-    parts = part_files(out)
+    parts = [] if (out / STATS_DIR).is_symlink() else part_files(out)  # a link: --stats refuses it
     if (done or parts) and not os.path.lexists(out / LABELS_FILE):
         held = " and ".join(filter(None, [f"the masks of {done} images" if done else "",
                                           f"{len(parts)} --stats parts" if parts else ""]))
