@@ -67,11 +67,11 @@ def read_shard(path: Path) -> faiss.Index:
     return read_index_file(path)
 
 
-
 def blank_query(text: str) -> bool:
     """Whether a query holds nothing to search for: only whitespace and control
     characters (``"\x00\x01"``), which the tokenizer drops, leaving an empty text."""
     return not any(c.isprintable() and not c.isspace() for c in text)
+
 
 class Index:
     """A searchable index folder; see :func:`open_index`."""

@@ -16,6 +16,7 @@ after the writers commit, and a crash anywhere leaves nothing to reconcile by ha
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -257,8 +258,8 @@ class SetAside:
     moved into ``.overwritten/`` of its folder (renames, no copies) before the rebuild:
     one that fails (a factory the corpus cannot train, a full disk, Ctrl-C) puts them
     back with :meth:`restore`, one that succeeds deletes them (:func:`drop_set_aside`).
-    The old index's files were deleted first, so a failed rebuild left an empty index.
-    The folder holds a marker file: a ``.overwritten`` without it is not ours and is
+    (Deleting them first, as ``--overwrite`` did, left an empty index when the rebuild
+    failed.) The folder holds a marker file: a ``.overwritten`` without it is not ours and is
     refused, never deleted; one with it is what a killed run left (that run's index is
     the one in place) and goes first."""
 
@@ -301,6 +302,21 @@ _MARKER = "EMBEDINGEST_SET_ASIDE"
 
 def _ours(folder: Path) -> bool:
     return not folder.is_symlink() and folder.is_dir() and (folder / _MARKER).is_file()
+
+
+@contextlib.contextmanager
+def set_aside_while(folder: str | os.PathLike, overwrite: bool):
+    """Around a build of the index at ``folder`` (under its run lock): with ``overwrite``
+    the old index is set aside (:class:`SetAside`) and put back if the block fails; when
+    it succeeds, what is set aside there (this run's, or a killed run's) is deleted."""
+    aside = SetAside(ShardStore(folder)) if overwrite else None
+    try:
+        yield
+    except BaseException:
+        if aside is not None:
+            aside.restore()  # the index as it was before the command
+        raise
+    drop_set_aside(folder)
 
 
 def drop_set_aside(folder: str | os.PathLike) -> None:

@@ -256,9 +256,7 @@ class IndexStore:
         names = [name + suffix for name in (MANIFEST_NAME, TRAINED_NAME, REPORT_NAME, UNITS_NAME, V1_METADATA)
                  for suffix in (("", "-wal", "-shm") if name.endswith(".sqlite") else ("",))]
         found = [self.folder / n for n in names if (self.folder / n).is_symlink() or (self.folder / n).is_file()]
-        if self.folder.is_dir():
-            found += [p for p in self.folder.iterdir() if is_tmp_name(p.name) and p.is_file()]
-        return found
+        return found + self._tmp_files(self.folder)
 
     def wipe(self) -> None:
         """Delete :meth:`own_files`."""
@@ -267,10 +265,15 @@ class IndexStore:
             path.unlink(missing_ok=True)
 
     @staticmethod
-    def _remove_tmp_files(folder: Path) -> list[str]:
+    def _tmp_files(folder: Path) -> list[Path]:
+        """The temporary files of ours (``is_tmp_name``) directly in ``folder``."""
         if not folder.is_dir():
             return []
-        gone = [p for p in folder.iterdir() if is_tmp_name(p.name) and p.is_file()]
+        return [p for p in folder.iterdir() if is_tmp_name(p.name) and p.is_file()]
+
+    @classmethod
+    def _remove_tmp_files(cls, folder: Path) -> list[str]:
+        gone = cls._tmp_files(folder)
         for path in gone:
             path.unlink()
         return [p.name for p in gone]

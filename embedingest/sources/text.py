@@ -850,9 +850,9 @@ _DELIMITERS = {",": "a comma", "\t": "a tab", ";": "a semicolon", "|": "a vertic
 def _delimiter(header: str | None, default: str, text_field: str) -> str:
     """``default``, unless the header row split by it has no ``text_field`` column and
     split by another of :data:`_DELIMITERS` it has (``id;text;lang``)."""
+    if header is None:
+        return default
     for candidate in (default, *(d for d in _DELIMITERS if d != default)):
-        if header is None:
-            break
         try:
             if text_field in next(csv.reader([header], delimiter=candidate, strict=True), []):
                 return candidate

@@ -33,7 +33,7 @@ from ...engine.egress import refuse_while_bootstrapping
 from ...errors import ConfigError
 from ...exit_codes import exit_code
 from ...index.lock import RunLock
-from ...index.shard_store import SetAside, ShardStore, drop_set_aside
+from ...index.shard_store import ShardStore, set_aside_while
 from ...index.store import Manifest
 from ...report import REPORT_NAME, SkipReport
 from ...scaleout.devices import devices_of
@@ -133,16 +133,8 @@ def _load_and_build(corpus, cfg: IndexConfig, where: OneDevice | SeveralDevices,
             return _build_remote(out_url, build)
         index_format(out)  # another program's folder is refused before the lock's files go in
         out.mkdir(parents=True, exist_ok=True)
-        with RunLock(out):
-            aside = SetAside(ShardStore(out)) if cfg.overwrite else None
-            try:
-                summary = _build_locked(corpus, cfg, out, *build[2:])
-            except BaseException:
-                if aside is not None:
-                    aside.restore()  # the index as it was before the command
-                raise
-            drop_set_aside(out)  # the index rebuilt, or one a killed --overwrite run left
-            return summary
+        with RunLock(out), set_aside_while(out, cfg.overwrite):
+            return _build_locked(corpus, cfg, out, *build[2:])
     finally:
         if not isinstance(built[-1], ModelFacts):
             built[-1].release()  # a job in a longer process must not keep the GPU's memory

@@ -77,7 +77,7 @@ from ...config import IndexConfig
 from ...errors import ConfigError
 from ...exit_codes import exit_code
 from ...index.lock import RunLock
-from ...index.shard_store import SetAside, ShardStore, drop_set_aside
+from ...index.shard_store import ShardStore, set_aside_while
 from ...index.store import Manifest
 from ...report import REPORT_NAME, SkipReport
 from ...runner import run_batches
@@ -541,18 +541,9 @@ def build_index_ray(dataset: ray.data.Dataset, out: str | os.PathLike,
 
     overwrite = overrides.get("overwrite", config.overwrite if config else False)
     if not is_remote(out):
-        # --overwrite sets the old index aside, to put it back if the build fails (SetAside)
         Path(out).mkdir(parents=True, exist_ok=True)
-        with RunLock(out):  # one run at a time, as build_index
-            aside = SetAside(ShardStore(out)) if overwrite else None
-            try:
-                summary = run(plan_ray_index(dataset, out, config, num_gpus=num_gpus, **overrides))
-            except BaseException:
-                if aside is not None:
-                    aside.restore()
-                raise
-            drop_set_aside(out)
-            return summary
+        with RunLock(out), set_aside_while(out, overwrite):  # as build_index
+            return run(plan_ray_index(dataset, out, config, num_gpus=num_gpus, **overrides))
     from ...index.remote_store import RemoteBuild
 
     with RemoteBuild(str(out), overwrite=overwrite) as remote:

@@ -165,8 +165,9 @@ def _refuse_stats_file(out: Path) -> None:
 def _remove_untouched(out: Path) -> None:
     """Remove ``out``, made by a run that failed before writing anything (weights it
     cannot read, another model's labels, Ctrl-C at the start): the folder then holds only
-    the run's lock and an empty report. Anything else there, and the folder stays."""
-    try:
+    the run's lock and an empty report. Anything else there, or a folder that cannot be
+    listed or emptied, and it stays."""
+    with contextlib.suppress(OSError):
         with os.scandir(out) as entries:
             found = {e.name: e.stat(follow_symlinks=False) for e in entries}
         if set(found) <= {RUN_LOCK, REPORT_NAME} and all(
@@ -174,8 +175,6 @@ def _remove_untouched(out: Path) -> None:
             for name in found:
                 (out / name).unlink()
             out.rmdir()
-    except OSError:
-        pass  # the folder stays as it is
 
 
 def _make_out(out: Path) -> None:

@@ -128,27 +128,30 @@ class _FolderNames:
         self.names: dict[str, frozenset[str]] = {}
         self.folders: dict[str, frozenset[str]] = {}
 
+    def _list(self, folder: str) -> None:
+        """Its files and its folders, once (links are neither: a link is no mask, its
+        image is redone and the link replaced, not followed)."""
+        files, folders = [], []
+        with contextlib.suppress(OSError):  # not made yet, or not a folder: nothing in it is done
+            with os.scandir(os.path.join(self.out, folder)) as entries:
+                for e in entries:
+                    if e.is_file(follow_symlinks=False):
+                        files.append(e.name)
+                    elif e.is_dir(follow_symlinks=False):
+                        folders.append(e.name)
+        self.names[folder], self.folders[folder] = frozenset(files), frozenset(folders)
+
     def has(self, folder: str, name: str) -> bool:
-        """Whether ``folder`` holds a file ``name`` (a link is no mask: its image is redone,
-        the link replaced, not followed; a folder of that name is no mask either)."""
+        """Whether ``folder`` holds a file ``name`` (a folder of that name is no mask)."""
         if folder not in self.names:
-            files, folders = [], []
-            try:
-                with os.scandir(os.path.join(self.out, folder)) as entries:
-                    for e in entries:
-                        if e.is_file(follow_symlinks=False):
-                            files.append(e.name)
-                        elif e.is_dir(follow_symlinks=False):
-                            folders.append(e.name)
-            except OSError:  # not made yet, or not a folder: nothing in it is done
-                pass
-            self.names[folder], self.folders[folder] = frozenset(files), frozenset(folders)
+            self._list(folder)
         return name in self.names[folder]
 
     def is_folder(self, folder: str, name: str) -> bool:
         """Whether ``name`` in ``folder`` is a folder (an output cannot replace it)."""
-        self.has(folder, name)
-        return name in self.folders.get(folder, ())
+        if folder not in self.folders:
+            self._list(folder)
+        return name in self.folders[folder]
 
 
 class _RemoteNames(_FolderNames):
@@ -167,6 +170,9 @@ class _RemoteNames(_FolderNames):
                 names = frozenset()
             self.names[folder] = names
         return name in names
+
+    def is_folder(self, folder: str, name: str) -> bool:
+        return False  # object storage has no folders an object could not replace
 
 
 def remove_stale_tmp_files(out: Path, todo: list[tuple[str, str]]) -> None:
