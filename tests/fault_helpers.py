@@ -127,12 +127,13 @@ def stop_bound(module: str, floor: float = 5.0) -> float:
     return max(floor, 1.5 * (time.monotonic() - t0))
 
 
-def check_ctrl_c_stops(run, bound: float, sig: int = signal.SIGINT, group: bool = True) -> None:
+def check_ctrl_c_stops(run, bound: float, sig: int = signal.SIGINT, group: bool = True,
+                       advice: str = "run the same command again to resume") -> None:
     """Ctrl-C to a running ``run``: it exits 130 within ``bound`` seconds (:func:`stop_bound`)
     with the message that says how to resume, no traceback and nothing left running.
     ``sig=SIGTERM``: exit 143 with the same message, sent to the whole process group (a
     batch system's end of a job) or, ``group=False``, to the main process alone (as
-    ``timeout``, ``docker stop`` and ``kill`` send it)."""
+    ``timeout``, ``docker stop`` and ``kill`` send it). ``advice``: what the message must say."""
     assert run.running(), run.describe()
     if group:
         run.signal_group(sig)
@@ -144,7 +145,7 @@ def check_ctrl_c_stops(run, bound: float, sig: int = signal.SIGINT, group: bool 
     assert stopped < bound, f"the run took {stopped:.1f} s to stop (bound {bound:.1f} s)"
     assert rc == (130 if sig == signal.SIGINT else 143), run.describe()
     said = "interrupted:" if sig == signal.SIGINT else "terminated (SIGTERM):"
-    assert said in run.stderr and "run the same command again to resume" in run.stderr
+    assert said in run.stderr and advice in run.stderr, run.describe()
     assert "Traceback" not in run.stderr, run.describe()
     run.assert_no_leftovers()
 

@@ -33,8 +33,11 @@ def build_index_cmd(corpus, config_path, as_json, timeline, trace, **options) ->
             lambda job: job.build_index(corpus, cfg, progress=not as_json and sys.stderr.isatty(),
                                         timeline=timeline, trace=trace),
             as_json=as_json, paragraph=_index_paragraph,
-            interrupted="every file finished so far is saved in the index; run the same command "
-                        "again to resume (only unfinished files are redone)")
+            interrupted=("the index is as it was before this run (--overwrite puts the old one back "
+                         "when a rebuild stops); run the same command again to rebuild it"
+                         if cfg.overwrite else
+                         "every file finished so far is saved in the index; run the same command "
+                         "again to resume (only unfinished files are redone)"))
 
 
 def _index_paragraph(s: dict) -> str:

@@ -73,6 +73,20 @@ def blank_query(text: str) -> bool:
     return not any(c.isprintable() and not c.isspace() for c in text)
 
 
+def _refuse_untokenized(tokenizer, queries: list[str]) -> None:
+    """Refuse a query the model's tokenizer reduces to nothing (``"\ufffd"``, lone
+    combining accents, format characters): without it the vector would be the query
+    prompt's or the special tokens' alone, and its hits arbitrary. An encoder given by the
+    caller may have no ``tokenizer``: nothing is checked then."""
+    if tokenizer is None:
+        return
+    ids = tokenizer(queries, add_special_tokens=False)["input_ids"]
+    empty = next((i for i, row in enumerate(ids) if len(row) == 0), None)
+    if empty is not None:
+        raise ConfigError(f"query {empty} ({queries[empty]!r}) holds nothing the model reads (its "
+                          "tokenizer drops every character); give each query some words")
+
+
 class Index:
     """A searchable index folder; see :func:`open_index`."""
 
@@ -204,6 +218,7 @@ class Index:
         texts = [self.query_prompt + q for q in queries]
         encoder = self.encoder
         with self._encode_lock:  # a tokenizer is not safe to share between threads
+            _refuse_untokenized(getattr(encoder, "tokenizer", None), queries)
             vectors = encoder.encode(texts)
         return self.search_vectors(vectors, k)
 

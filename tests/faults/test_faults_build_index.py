@@ -330,6 +330,23 @@ def test_ctrl_c_exits_130_within_5_s_and_resume_keeps_saved_work(cli, tmp_path, 
     assert summary["units_unchanged"] == len(saved) >= 1, summary  # kept, not redone
 
 
+def test_sigterm_during_overwrite_puts_the_old_index_back_and_says_so(cli, tmp_path):
+    """A rebuild with --overwrite stopped by SIGTERM: the old index is back, whole, and the
+    message says so (it said every finished file was saved and the run would resume)."""
+    corpus = make_corpus(tmp_path / "corpus", 10, seed=5)
+    out = tmp_path / "idx"
+    assert build(cli, corpus, out).wait() == 0
+    before = sorted(os.listdir(out / "shards"))
+    run = build(cli, corpus, out, "--overwrite", "--num-workers", "1", env=SLOW_SINK)
+    wait_for(lambda: ((out / ".overwritten").is_dir() and n_segments(out) >= 2) or not run.running(), 120,
+             what="the old index set aside and two new shards committed")
+    check_ctrl_c_stops(run, stop_bound("embedingest.jobs.build_index"), signal.SIGTERM, group=False,
+                       advice="the index is as it was before this run (--overwrite puts the old one back")
+    assert sorted(os.listdir(out / "shards")) == before
+    assert not (out / ".overwritten").exists()
+    check_exactly_once(out, expected_chunks(corpus))
+
+
 @pytest.mark.parametrize("where", [["--device", "cpu"], ["--devices", "cpu,cpu"]], ids=["one", "devices"])
 def test_ctrl_c_during_start_up_exits_130_without_a_traceback(cli, tmp_path, where):
     """Interrupted while importing torch, loading the model or starting device processes:

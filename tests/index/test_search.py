@@ -154,8 +154,14 @@ def test_text_search_with_the_manifest_model(tmp_path):
     sink.close()
     with open_index(tmp_path) as index:  # fp16 on a GPU, elsewhere: bundled model in fp32
         hits = index.search(["baking a cake", "shares dropped"], k=2)
-    assert [h[0].text for h in hits] == [texts[2], texts[1]]
-    assert hits[0][0].source == "news.txt" and hits[0][0].score > hits[0][1].score
+        assert [h[0].text for h in hits] == [texts[2], texts[1]]
+        assert hits[0][0].source == "news.txt" and hits[0][0].score > hits[0][1].score
+        for blank in ("\ufffd", "\u0301\u0302", "\u0301 \ufffd"):  # printable, yet the tokenizer drops them
+            with pytest.raises(ConfigError) as err:
+                index.search(["cake", blank])
+            assert str(err.value) == (f"query 1 ({blank!r}) holds nothing the model reads (its tokenizer "
+                                      "drops every character); give each query some words")
+        assert len(index.search(["\u00e9"], k=1)[0]) == 1  # an accented letter is read
 
 
 def test_open_index_refuses_an_unknown_query_runtime(tmp_path):
