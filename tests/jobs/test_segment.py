@@ -248,6 +248,23 @@ def test_masks_or_stats_without_labels_are_refused_unless_overwrite(tmp_path, sm
     assert row_counts(out) == {f"{i}.png": 1 for i in range(3)}
 
 
+def test_masks_of_other_images_without_labels_are_refused(tmp_path, small):
+    """Another model's masks under names this run's images do not have (a folder of an
+    earlier archive, labels.json lost) were not noticed: this run wrote its labels beside them."""
+    images, out = three_images(tmp_path)
+    (out / "2019" / "trip").mkdir(parents=True)
+    (out / "2019" / "trip" / "beach.jpg.png").write_bytes(b"a mask")
+    (out / "notes.txt").write_text("the user's")
+    with pytest.raises(ConfigError) as err:
+        segment(config(images, out, small), progress=False)
+    assert str(err.value) == (f"{str(out)!r} holds outputs of a run ('2019/trip/beach.jpg.png' and maybe more) "
+                              "but no labels.json, which says the model that made them: pass --overwrite to "
+                              "redo every image, or give another --out")
+    assert not (out / "labels.json").exists() and not (out / "0.png.png").exists()
+    (out / "2019" / "trip" / "beach.jpg.png").rename(out / "2019" / "trip" / "beach.jpg")
+    assert segment(config(images, out, small), progress=False)["written"] == 3  # no output's name: a new folder
+
+
 def test_an_output_name_taken_by_a_folder_skips_that_image_and_a_stats_file_stops_the_run_first(tmp_path, small):
     """A folder at one image's mask (or overlay) name failed the whole run at its first
     write (IsADirectoryError), without --stats it even counted as done; a file named
@@ -365,6 +382,13 @@ def test_weights_that_fail_stop_the_decoders_started_before_them(tmp_path, monke
     with pytest.raises(ConfigError, match="do not fit deeplabv3_resnet50 with 3 classes"):
         segment(SegmentConfig(**base, weights=str(tmp_path / "wrong.pt")), progress=False)
     assert (tmp_path / "o").is_dir()  # a folder the run did not make stays, emptied of nothing
+    # the parents it made for a nested --out go too; those that were there, or hold more, stay
+    (tmp_path / "a" / "kept").mkdir(parents=True)
+    for nested in ("a/b/c/o", "a/kept/d/o"):
+        with pytest.raises(ConfigError, match="do not fit deeplabv3_resnet50 with 3 classes"):
+            segment(SegmentConfig(**{**base, "out": str(tmp_path / nested)},
+                                  weights=str(tmp_path / "wrong.pt")), progress=False)
+    assert sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "a").rglob("*")) == ["a/kept"]
 
 
 @pytest.mark.parametrize("workers, ahead, expected", [(2, 7, 7), (1, 4, 4), (0, 7, None)])

@@ -49,7 +49,7 @@ from ...stages import fused_argmax
 from ...stages.device import resolve_device
 from ...stages.segmentation import Segmenter, SegmentationModel, load_segmentation_model
 from .devices import segment_on_devices
-from .listing import list_inputs, remove_stale_tmp_files
+from .listing import first_output_file, list_inputs, remove_stale_tmp_files
 from .run import check_settings, segment_on_device
 
 __all__ = ["SegmentConfig", "list_inputs", "segment", "segment_images"]
@@ -83,14 +83,12 @@ def segment(config: SegmentConfig, progress: bool = True, timeline: str | None =
     elif not remote_out:
         refuse_output_as_input(config.out, config.images, "input folder", "the PNG masks")
     out = Path(config.out)
-    fresh = not remote_out and not os.path.lexists(out)
-    if not remote_out:
-        _make_out(out)
+    made = [] if remote_out else _make_out(out)
     try:
         return _run(config, out, remote_out, devices, device, several, progress, timeline, trace)
     except BaseException:
-        if fresh:
-            _remove_untouched(out)
+        if made:
+            _remove_untouched(out, made[1:])
         raise
 
 
@@ -141,13 +139,18 @@ def _run(config: SegmentConfig, out: Path, remote_out: bool, devices: list, devi
 
 
 def _refuse_unlabelled(out: Path, done: int) -> None:
-    """ConfigError where ``out`` holds ``done`` images' masks, or statistics rows, but no
-    labels.json: no run can say which model made them, and this one would have written
-    its own labels beside them (masks of two models in one folder, rows of another
-    model's classes read under this one's)."""
+    """ConfigError where ``out`` holds ``done`` images' masks, other files named as masks
+    are (of images this run does not have), or statistics rows, but no labels.json: no
+    run can say which model made them, and this one would have written its own labels
+    beside them (masks of two models in one folder, rows of another model's classes read
+    under this one's)."""
+    if os.path.lexists(out / LABELS_FILE):
+        return
     parts = [] if (out / STATS_DIR).is_symlink() else part_files(out)  # a link: --stats refuses it
-    if (done or parts) and not os.path.lexists(out / LABELS_FILE):
+    other = None if done else first_output_file(out)
+    if done or parts or other:
         held = " and ".join(filter(None, [f"the masks of {done} images" if done else "",
+                                          f"outputs of a run ({other!r} and maybe more)" if other else "",
                                           f"{len(parts)} --stats parts" if parts else ""]))
         raise ConfigError(f"{str(out)!r} holds {held} but no {LABELS_FILE}, which says the model that made "
                           "them: pass --overwrite to redo every image, or give another --out")
@@ -162,11 +165,12 @@ def _refuse_stats_file(out: Path) -> None:
                           "name: move that file away, or drop --stats")
 
 
-def _remove_untouched(out: Path) -> None:
+def _remove_untouched(out: Path, parents: list[Path]) -> None:
     """Remove ``out``, made by a run that failed before writing anything (weights it
     cannot read, another model's labels, Ctrl-C at the start): the folder then holds only
     the run's lock and an empty report. Anything else there, or a folder that cannot be
-    listed or emptied, and it stays."""
+    listed or emptied, and it stays. Then the ``parents`` the run made for it (innermost
+    first), each while it is empty."""
     with contextlib.suppress(OSError):
         with os.scandir(out) as entries:
             found = {e.name: e.stat(follow_symlinks=False) for e in entries}
@@ -175,13 +179,21 @@ def _remove_untouched(out: Path) -> None:
             for name in found:
                 (out / name).unlink()
             out.rmdir()
+            for parent in parents:
+                parent.rmdir()  # fails (and stops) where something else is in it
 
 
-def _make_out(out: Path) -> None:
-    """Make the output folder; a link there that leads nowhere is named (mkdir said only
-    ``[Errno 17] File exists``)."""
+def _make_out(out: Path) -> list[Path]:
+    """Make the output folder; return the folders made (``out`` and the missing parents,
+    innermost first), for a run that fails before writing to remove again. A link there
+    that leads nowhere is named (mkdir said only ``[Errno 17] File exists``)."""
+    made, folder = [], out
+    while not os.path.lexists(folder) and folder != folder.parent:
+        made.append(folder)
+        folder = folder.parent
     try:
         out.mkdir(parents=True, exist_ok=True)
+        return made
     except FileExistsError:
         if os.path.islink(out) and not out.exists():
             raise ConfigError(f"out={str(out)!r} is a symbolic link to {os.readlink(out)!r}, which does not "

@@ -94,6 +94,20 @@ def name_taken(rel: str, folders: dict[str, str]) -> str | None:
     return None
 
 
+def first_output_file(out: Path) -> str | None:
+    """The path (below ``out``) of the first file found there named as an output is
+    (a mask, logits, an overlay), or None; links are not followed, the statistics folder
+    not walked. For a folder without labels.json: whatever made such files, no run can
+    say which model it was."""
+    for folder, folders, files in os.walk(out):
+        if folder == str(out):
+            folders[:] = [f for f in folders if f != STATS_DIR]
+        found = next((f for f in files if f.endswith(ALL_SUFFIXES)), None)
+        if found is not None:
+            return os.path.relpath(os.path.join(folder, found), out).replace(os.sep, "/")
+    return None
+
+
 def _images(images: str, report: SkipReport, out: Path,
             outside_links: bool = False) -> Iterator[tuple[str, str]]:
     """``(rel_path, path)`` of every image under ``images``: a folder, a file, or a URL
