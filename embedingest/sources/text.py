@@ -582,11 +582,14 @@ class TextStream:
 
 def _record_id(value, default: str) -> str:
     """A record's id as text, whatever its type: bytes as UTF-8 (other bytes as ``\\xNN``),
-    numbers, dates and times as ``str`` gives them, lists and objects as JSON."""
+    numbers, dates and times as ``str`` gives them, true and false, lists and objects as
+    JSON (Python would say ``True``, which no input file spells)."""
     if value is None:
         return default
     if isinstance(value, str):
         return value
+    if isinstance(value, bool):
+        return "true" if value else "false"
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value).decode("utf-8", "backslashreplace")
     if isinstance(value, (list, tuple, dict)):

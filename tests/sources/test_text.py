@@ -638,6 +638,11 @@ def test_parquet_dictionary_text_and_ids_of_any_type(tmp_path):
     nested = tmp_path / "n.parquet"
     pq.write_table(pa.table({"id": [[1, 2], None], "text": pa.array(["x", "y"], pa.large_string())}), nested)
     assert read(nested) == ([("[1,2]", "x"), ("row-2", "y")], [])
+    flags = tmp_path / "b.parquet"
+    pq.write_table(pa.table({"id": [True, False], "text": ["x", "y"]}), flags)
+    assert read(flags) == ([("true", "x"), ("false", "y")], [])  # as the file spells them, not Python's True
+    lines = write(tmp_path, "b.jsonl", b'{"id": true, "text": "x"}\n{"id": [false, 1.5], "text": "y"}\n')
+    assert read(lines) == ([("true", "x"), ("[false,1.5]", "y")], [])
 
 
 @pytest.mark.parametrize("suffix", ["", ".gz"])
