@@ -188,6 +188,15 @@ class ShapeBatchSampler:
         self.read_sizes = read_sizes
         # each list yielded and not yet asked about, by its first index
         self._places: dict[int, ChunkPlace] = {}
+        self._ahead: SizeStream | None = None  # headers asked for before the first iteration
+
+    def read_ahead(self) -> ShapeBatchSampler:
+        """Ask for the headers now (the first iteration uses them): a DataLoader's workers,
+        forked next, take a while to start, and the readers read meanwhile, so the
+        loader's first batches are planned without waiting for headers."""
+        if self._ahead is None:
+            self._ahead = self.shapes()
+        return self
 
     def shapes(self) -> SizeStream:
         """The model input (height, width) of each file in turn, None where unknown."""
@@ -210,7 +219,7 @@ class ShapeBatchSampler:
                 yield chunk
 
     def _batches(self) -> Iterator[list[int]]:
-        stream = self.shapes()
+        stream, self._ahead = self._ahead or self.shapes(), None
         waiting: dict[tuple[int, int], list[int]] = {}
         full: deque[tuple[list[int], tuple[int, int] | None]] = deque()  # ready, in order
         ahead: Counter = Counter()  # full batches of each shape still in ``full``

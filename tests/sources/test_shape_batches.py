@@ -302,6 +302,24 @@ def test_header_readers_give_the_sizes_in_order_and_survive_a_dead_reader(tmp_pa
     assert HeaderReaders(0).start()._pool is None  # no processes asked: none started
 
 
+def test_headers_read_ahead_are_the_first_iteration_s_and_read_once(tmp_path):
+    """read_ahead() asks for the headers before a DataLoader forks its workers; the first
+    iteration plans from that stream (no second read), a later one reads anew."""
+    sizes = image_tree(tmp_path)
+    files = [(rel, str(tmp_path / rel)) for rel in sizes] * 2
+    asked = []
+
+    def read(paths):
+        asked.append(len(paths))
+        return SizeStream(paths)
+
+    sampler = ShapeBatchSampler(files, SHORT, 3, read_sizes=read)
+    assert sampler.read_ahead() is sampler and sampler.read_ahead() is sampler and asked == [len(files)]
+    planned = sorted(map(sorted, sampler))
+    assert asked == [len(files)] and planned == sorted(map(sorted, ShapeBatchSampler(files, SHORT, 3)))
+    assert sorted(map(sorted, sampler)) == planned and asked == [len(files)] * 2
+
+
 def test_header_readers_start_as_many_processes_as_asked_and_stop_them():
     with HeaderReaders(3) as read:  # not the machine's CPU count (a pool's default) on CI
         processes = list(read._pool._processes.values())

@@ -178,6 +178,7 @@ def segment_on_device(config: SegmentConfig, device: torch.device, todo: list[tu
     workers = min(share_of_cpus(config.num_workers, processes), -(-len(todo) // config.batch_size))
     headers, sampler, loader = _decoders(config, device, todo, prep, workers)
     headers.start()
+    sampler.read_ahead()  # the readers read while the decoders fork
     batches = regroup(iter(loader), sampler.chunk_batch)
     full_max = _full_max(config)
     try:
