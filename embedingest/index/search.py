@@ -218,8 +218,8 @@ class Index:
         texts = [self.query_prompt + q for q in queries]
         encoder = self.encoder
         with self._encode_lock:  # a tokenizer is not safe to share between threads
+            vectors = encoder.encode(texts)  # first: it names a text that is not Unicode
             _refuse_untokenized(getattr(encoder, "tokenizer", None), queries)
-            vectors = encoder.encode(texts)
         return self.search_vectors(vectors, k)
 
     def chunks(self, ids) -> dict:

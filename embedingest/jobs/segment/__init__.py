@@ -29,6 +29,7 @@ import os
 import stat
 import time
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -50,7 +51,7 @@ from ...stages.device import resolve_device
 from ...stages.segmentation import Segmenter, SegmentationModel, load_segmentation_model
 from .devices import segment_on_devices
 from .listing import first_output_file, list_inputs, remove_stale_tmp_files
-from .run import check_settings, segment_on_device
+from .run import check_settings, load_model, segment_on_device
 
 __all__ = ["SegmentConfig", "list_inputs", "segment", "segment_images"]
 
@@ -103,26 +104,32 @@ def _run(config: SegmentConfig, out: Path, remote_out: bool, devices: list, devi
     with (contextlib.nullcontext() if remote_out else
           RunLock(out, job="segment run", resumes="every mask written so far is kept", writers=False)):
         try:
-            if config.stats and not remote_out:
-                _refuse_stats_file(out)
-            todo, already = list_inputs(config, report)
-            if not remote_out and not config.overwrite:
-                _refuse_unlabelled(out, already)
-            if not remote_out:  # an object is whole or absent: nothing half-written to delete
-                remove_stale_tmp_files(out, todo)
+            # The weights are read and the model built while the images are listed, in a
+            # thread that ends before any process is forked; with several devices only
+            # checked (on the meta device), each device process loads its own.
+            with ThreadPoolExecutor(1, thread_name_prefix="embedingest-model") as pool:
+                loading = pool.submit(load_model, config, meta=several)
+                if config.stats and not remote_out:
+                    _refuse_stats_file(out)
+                todo, already = list_inputs(config, report)
+                if not remote_out and not config.overwrite:
+                    _refuse_unlabelled(out, already)
+                if not remote_out:  # an object is whole or absent: nothing half-written to delete
+                    remove_stale_tmp_files(out, todo)
+            loaded = loading.result()
             phases["list_s"] = time.perf_counter() - t0
             # images found: those to do, those done, and those the listing skipped (named
             # outputs taken, links out of the folder): so written + done + skipped add up
             summary = {"images": len(todo) + already + len(report), "already_done": already, "written": 0}
             redo = functools.partial(_before_redoing, config, todo)
             if not todo or several:  # the settings are checked before anything is deleted
-                check_settings(config)
+                check_settings(config, loaded)
             if todo and several:
                 redo()
                 summary.update(segment_on_devices(devices, config, todo, report, progress))
             elif todo:
                 summary.update(segment_on_device(config, device, todo, report, progress, timeline, trace=trace,
-                                                 before_writes=redo))
+                                                 before_writes=redo, loaded=loaded))
             phases["segment_s"] = time.perf_counter() - t0 - phases["list_s"]
         finally:
             report_path = _write_report(report, config.out) if remote_out else report.write(out)

@@ -4,6 +4,7 @@ write the files."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
@@ -96,9 +97,14 @@ def _full_max(config: SegmentConfig) -> int:
     return config.upsample_max_pixels if config.resize == "short" else 0
 
 
-def _load(config: SegmentConfig) -> SegmentationModel:
-    return load_segmentation_model(config.arch, config.weights, config.num_classes,
-                                   config.random_weights, config.trust_weights_file)
+def load_model(config: SegmentConfig, meta: bool = False) -> SegmentationModel:
+    """``config``'s model, its weights read (ConfigError where they cannot be), on the CPU:
+    no CUDA here, so a caller may load it in a thread while it lists the images, before
+    forking. ``meta``: built on the meta device (the weights read and checked, no tensor
+    made, no kernel run: device processes forked after it start clean)."""
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        return load_segmentation_model(config.arch, config.weights, config.num_classes,
+                                       config.random_weights, config.trust_weights_file)
 
 
 def _write_labels(config: SegmentConfig, loaded: SegmentationModel) -> None:
@@ -110,25 +116,22 @@ def _write_labels(config: SegmentConfig, loaded: SegmentationModel) -> None:
                  replace=config.overwrite)
 
 
-def check_settings(config: SegmentConfig) -> None:
-    """Read the weights and check (and write) ``labels.json`` without running the model:
-    a run with nothing to do refuses another model or preprocessing, or weights it cannot
-    read, as a run with work does. The model is built on the meta device, so no kernel
-    runs here (device processes forked after it start clean)."""
-    with torch.device("meta"):
-        loaded = _load(config)
+def check_settings(config: SegmentConfig, loaded: SegmentationModel) -> None:
+    """Check (and write) ``labels.json`` for ``loaded`` without running it: a run with
+    nothing to do refuses another model or preprocessing, as a run with work does."""
     _write_labels(config, loaded)
 
 
-def _model_and_engine(config: SegmentConfig, device: torch.device, full_max: int, before_writes=None
+def _model_and_engine(config: SegmentConfig, device: torch.device, full_max: int, before_writes=None,
+                      loaded: SegmentationModel | None = None
                       ) -> tuple[SegmentationModel, Segmenter, EgressEngine, dict, float]:
-    """The model on ``device``, labels.json written, ``before_writes()`` called (what a run
-    deletes is deleted only once the model and the folder's labels agree), and the engine
-    started (its consumers start while the weights go to the device, and the masks' kernel
-    compiles in a thread where masks are scaled to the images' sizes: ``full_max``); the
-    engine's slot spec and the seconds the model took."""
+    """The model (``loaded``, or loaded now) on ``device``, labels.json written,
+    ``before_writes()`` called (what a run deletes is deleted only once the model and the
+    folder's labels agree), and the engine started (its consumers start while the weights
+    go to the device, and the masks' kernel compiles in a thread where masks are scaled to
+    the images' sizes: ``full_max``); the engine's slot spec and the seconds the model took."""
     t0 = time.perf_counter()
-    loaded = _load(config)
+    loaded = loaded if loaded is not None else load_model(config)
     if full_max:  # masks scaled to the images' sizes: their kernel compiles meanwhile
         fused_argmax.compile_ahead(device, resolve_dtype(config.dtype, device), loaded.num_classes)
     _write_labels(config, loaded)
@@ -160,11 +163,12 @@ def _model_and_engine(config: SegmentConfig, device: torch.device, full_max: int
 def segment_on_device(config: SegmentConfig, device: torch.device, todo: list[tuple[str, str]],
                   report: SkipReport, progress: bool = False, timeline: str | None = None,
                   on_images=None, processes: int = 1, trace: str | None = None,
-                  before_writes=None) -> dict:
+                  before_writes=None, loaded: SegmentationModel | None = None) -> dict:
     """Segment ``todo`` ((rel_path, path) pairs) on one device; bad images go to
     ``report``; ``on_images(n)`` is told of every n images handled; ``processes`` device
     processes share the host's cores; ``before_writes()`` is called once the model loaded
-    and the folder's labels agree with it, before any mask is written. Returns the summary fields of the run, ``timing``
+    and the folder's labels agree with it, before any mask is written; ``loaded``: the model
+    (:func:`load_model`), read already, else it is read here. Returns the summary fields of the run, ``timing``
     among them: where this process's time went (model load; starting the decoding workers
     and the engine; waiting for the first batch and for later ones, where the decoders are
     the bound; the first forward, which includes CUDA's lazy set-up; the others with
@@ -172,8 +176,8 @@ def segment_on_device(config: SegmentConfig, device: torch.device, todo: list[tu
     ``batch_shapes``: how many batches of each size and model input shape ran."""
     t0 = time.perf_counter()
     # The decoders need only the weights' preprocessing: they start first (forked before
-    # any thread, and before the model exists) and decode the first batches while the
-    # model loads and the engine's consumers start.
+    # any thread) and decode the first batches while the model loads (or goes to the
+    # device, read while the images were listed) and the engine's consumers start.
     prep = preset_preprocessing(config.arch, config.resize, config.size)
     workers = min(share_of_cpus(config.num_workers, processes), -(-len(todo) // config.batch_size))
     headers, sampler, loader = _decoders(config, device, todo, prep, workers)
@@ -182,7 +186,8 @@ def segment_on_device(config: SegmentConfig, device: torch.device, todo: list[tu
     batches = regroup(iter(loader), sampler.chunk_batch)
     full_max = _full_max(config)
     try:
-        loaded, segmenter, engine, spec, loading = _model_and_engine(config, device, full_max, before_writes)
+        loaded, segmenter, engine, spec, loading = _model_and_engine(config, device, full_max, before_writes,
+                                                                     loaded)
     except BaseException:
         batches.close()  # the decoders' iterator goes with it: they are shut down
         headers.close()
