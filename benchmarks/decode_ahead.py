@@ -35,5 +35,6 @@ if __name__ == "__main__":
                 print(json.dumps({args.field: value, "rep": rep, "seconds": s["seconds"],
                                   "images_per_s": s["written"] / s["seconds"],
                                   "steady_s": s["engine"]["wall_seconds"], "timing": s["timing"],
+                                  "phases": s["phases"],
                                   "gpu_idle": s["engine"].get("gpu_idle_fraction"),
                                   "host_busy": cpu.result()["busy"]}), flush=True)
