@@ -219,7 +219,8 @@ class ShapeBatchSampler:
                 yield chunk
 
     def _batches(self) -> Iterator[list[int]]:
-        stream, self._ahead = self._ahead or self.shapes(), None
+        stream = self._ahead if self._ahead is not None else self.shapes()
+        self._ahead = None
         waiting: dict[tuple[int, int], list[int]] = {}
         full: deque[tuple[list[int], tuple[int, int] | None]] = deque()  # ready, in order
         ahead: Counter = Counter()  # full batches of each shape still in ``full``

@@ -25,6 +25,7 @@ from embedingest.config import load_config
 from embedingest.errors import ConfigError
 from embedingest.index.lock import RUN_LOCK
 from embedingest.jobs.segment import SegmentConfig, list_inputs, segment, segment_images
+from embedingest.jobs.segment.listing import first_output_file
 from embedingest.cli.segment import segment_command
 from embedingest.report import SkipReport
 from embedingest.sinks.mask_stats import part_files, row_counts
@@ -261,8 +262,18 @@ def test_masks_of_other_images_without_labels_are_refused(tmp_path, small):
                               "but no labels.json, which says the model that made them: pass --overwrite to "
                               "redo every image, or give another --out")
     assert not (out / "labels.json").exists() and not (out / "0.png.png").exists()
-    (out / "2019" / "trip" / "beach.jpg.png").rename(out / "2019" / "trip" / "beach.jpg")
-    assert segment(config(images, out, small), progress=False)["written"] == 3  # no output's name: a new folder
+    assert first_output_file(out, str(images)) == "2019/trip/beach.jpg.png"
+    assert first_output_file(out, str(images), most=2) is None  # a large folder is not walked whole
+    (out / "2019" / "trip" / "beach.jpg.png").rename(out / "2019" / "trip" / "beach.png")
+    (out / "stats").mkdir()
+    (out / "stats" / "x.jpg.png").write_bytes(b"not walked")
+    # no output's name (an image's name and an output's suffix): a new folder; and an input
+    # folder inside --out, its images' names are no outputs either
+    inside = out / "photos"
+    images.rename(inside)
+    Image.fromarray(noise(24, 24, seed=9)).save(inside / "holiday.jpg.png", "PNG")  # named as a mask is
+    assert segment(config(inside, out, small), progress=False)["written"] == 4
+    assert (out / "0.png.png").is_file() and (out / "holiday.jpg.png.png").is_file()
 
 
 def test_an_output_name_taken_by_a_folder_skips_that_image_and_a_stats_file_stops_the_run_first(tmp_path, small):

@@ -113,7 +113,7 @@ def _run(config: SegmentConfig, out: Path, remote_out: bool, devices: list, devi
                     _refuse_stats_file(out)
                 todo, already = list_inputs(config, report)
                 if not remote_out and not config.overwrite:
-                    _refuse_unlabelled(out, already)
+                    _refuse_unlabelled(out, already, config.images)
                 if not remote_out:  # an object is whole or absent: nothing half-written to delete
                     remove_stale_tmp_files(out, todo)
             loaded = loading.result()
@@ -145,7 +145,7 @@ def _run(config: SegmentConfig, out: Path, remote_out: bool, devices: list, devi
     return summary
 
 
-def _refuse_unlabelled(out: Path, done: int) -> None:
+def _refuse_unlabelled(out: Path, done: int, images: str) -> None:
     """ConfigError where ``out`` holds ``done`` images' masks, other files named as masks
     are (of images this run does not have), or statistics rows, but no labels.json: no
     run can say which model made them, and this one would have written its own labels
@@ -154,7 +154,7 @@ def _refuse_unlabelled(out: Path, done: int) -> None:
     if os.path.lexists(out / LABELS_FILE):
         return
     parts = [] if (out / STATS_DIR).is_symlink() else part_files(out)  # a link: --stats refuses it
-    other = None if done else first_output_file(out)
+    other = None if done else first_output_file(out, images)
     if done or parts or other:
         held = " and ".join(filter(None, [f"the masks of {done} images" if done else "",
                                           f"outputs of a run ({other!r} and maybe more)" if other else "",

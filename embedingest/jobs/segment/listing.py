@@ -16,7 +16,7 @@ from ...report import REPORT_NAME, SkipReport
 from ...sinks.mask_stats import STATS_DIR, row_counts
 from ...sinks.masks import LABELS_FILE, LOGITS_SUFFIX, MASK_SUFFIX, OVERLAY_SUFFIX
 from ...sources.files import walk_files
-from ...sources.names import name_as_text
+from ...sources.names import has_extension, name_as_text
 from ...sources.remote import is_remote, walk_remote
 from ...sources.image_decode import IMAGE_EXTENSIONS
 
@@ -94,15 +94,34 @@ def name_taken(rel: str, folders: dict[str, str]) -> str | None:
     return None
 
 
-def first_output_file(out: Path) -> str | None:
-    """The path (below ``out``) of the first file found there named as an output is
-    (a mask, logits, an overlay), or None; links are not followed, the statistics folder
-    not walked. For a folder without labels.json: whatever made such files, no run can
-    say which model it was."""
+def _output_name(name: str) -> bool:
+    """Whether ``name`` is named as an image's output is: the image's own name (with its
+    extension) and an output's suffix (``beach.jpg.png``, ``a.png.logits.npy``)."""
+    return any(name.endswith(suffix) and has_extension(name[:-len(suffix)], IMAGE_EXTENSIONS)
+               for suffix in ALL_SUFFIXES)
+
+
+# The most names first_output_file looks at: a first run into a large folder that is no
+# earlier run's output (a home folder) is not held up by a walk of all of it.
+OUTPUT_SEARCH_NAMES = 100_000
+
+
+def first_output_file(out: Path, images: str, most: int = OUTPUT_SEARCH_NAMES) -> str | None:
+    """The path (below ``out``) of the first file found there named as an image's output
+    is (a mask, logits, an overlay), or None; links are not followed, nor the statistics
+    folder or an input folder inside ``out`` walked, and the walk ends after ``most``
+    names. For a folder without labels.json: whatever made such files, no run can say
+    which model it was."""
+    skip = {os.path.realpath(out / STATS_DIR)}
+    if not is_remote(images):
+        skip.add(os.path.realpath(images))
+    seen = 0
     for folder, folders, files in os.walk(out):
-        if folder == str(out):
-            folders[:] = [f for f in folders if f != STATS_DIR]
-        found = next((f for f in files if f.endswith(ALL_SUFFIXES)), None)
+        seen += len(folders) + len(files)
+        if seen > most:
+            return None
+        folders[:] = [f for f in folders if os.path.realpath(os.path.join(folder, f)) not in skip]
+        found = next((f for f in files if _output_name(f)), None)
         if found is not None:
             return os.path.relpath(os.path.join(folder, found), out).replace(os.sep, "/")
     return None
