@@ -11,13 +11,6 @@ each shape as indices only (so any number may wait, at no memory cost), and hand
 batch to the workers the moment its shape has ``batch_size`` images. Each shape then
 gets as few batches as it can.
 
-The headers come long before the decoders need them, so many full batches wait at once; of
-those the next to go is chosen by the decoding work its images take (their pixels, a PNG's
-several times a JPEG's): a heavy one while the work sent so far is under its mean, a light
-one while it is over, so that the decoders' load stays near its mean where a folder holds
-its large photographs together (a camera's folder of PNGs) and a run of heavy batches would
-keep the GPU waiting.
-
 A shape's last, short batch is known only once every header is read. The headers are
 read ahead of the decoding, by processes of their own (:class:`HeaderReaders`), so that
 comes early; from then on the short batches go out spread evenly between the full ones
@@ -30,8 +23,6 @@ with nothing else to run, the GPU would wait for them.
 from __future__ import annotations
 
 import contextlib
-import heapq
-import os
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -113,44 +104,6 @@ class _PoolSizes(SizeStream):
             sizes = _read_chunk(chunk)
         self.done += len(chunk)
         return sizes
-
-
-# Decoding work per pixel, by file suffix, against a JPEG's (Pillow on one core: a PNG
-# photograph about 35 ms a megapixel, a JPEG 7); only for the order batches go in.
-DECODE_WORK = {".png": 5.0}
-
-
-class _Balanced:
-    """Full batches ready to go, each with the decoding work of its images. The next is
-    the heaviest while the work handed out so far is under its share of the mean over
-    every batch seen, else the lightest; among equals, the first to be ready (batches
-    of equal work go in the order they filled)."""
-
-    def __init__(self) -> None:
-        self._light: list = []  # (work, seq, batch, shape), lightest first
-        self._heavy: list = []  # (-work, seq, batch, shape), heaviest first
-        self._gone: set[int] = set()  # seqs taken from the other heap
-        self._seq = self._seen_work = self._sent = self._sent_work = 0
-
-    def __len__(self) -> int:
-        return self._seq - self._sent
-
-    def add(self, batch: list[int], shape, work: float) -> None:
-        heapq.heappush(self._light, (work, self._seq, batch, shape))
-        heapq.heappush(self._heavy, (-work, self._seq, batch, shape))
-        self._seq += 1
-        self._seen_work += work
-
-    def pop(self) -> tuple[list[int], tuple[int, int] | None]:
-        heavy = self._sent_work * self._seq < self._sent * self._seen_work
-        heap = self._heavy if heavy else self._light
-        while heap[0][1] in self._gone:
-            self._gone.discard(heapq.heappop(heap)[1])
-        work, seq, batch, shape = heapq.heappop(heap)
-        self._gone.add(seq)
-        self._sent += 1
-        self._sent_work += abs(work)
-        return batch, shape
 
 
 def _read_chunk(paths: Sequence[str]) -> list:
@@ -236,7 +189,6 @@ class ShapeBatchSampler:
         # each list yielded and not yet asked about, by its first index
         self._places: dict[int, ChunkPlace] = {}
         self._ahead: SizeStream | None = None  # headers asked for before the first iteration
-        self._pixels: list[int] = []  # each file's pixels, as its header is read
 
     def read_ahead(self) -> ShapeBatchSampler:
         """Ask for the headers now (the first iteration uses them): a DataLoader's workers,
@@ -248,16 +200,9 @@ class ShapeBatchSampler:
 
     def shapes(self) -> SizeStream:
         """The model input (height, width) of each file in turn, None where unknown."""
-        self._pixels = []
         if self.prep.resize == "fit":
             return _Fixed(len(self.files), (self.prep.size, self.prep.size))
-        return _ModelShapes(self.read_sizes([str(path) for _, path in self.files]), self.prep, self._pixels)
-
-    def _work(self, batch: list[int]) -> float:
-        """The decoding work of ``batch``'s images (0 where no pixels are known)."""
-        known = len(self._pixels)
-        return sum(self._pixels[i] * DECODE_WORK.get(os.path.splitext(self.files[i][1])[1].lower(), 1.0)
-                   for i in batch if i < known)
+        return _ModelShapes(self.read_sizes([str(path) for _, path in self.files]), self.prep)
 
     def chunk_batch(self, first: int) -> ChunkPlace:
         """Where the list yielded whose first index is ``first`` goes (asked once a list:
@@ -277,8 +222,7 @@ class ShapeBatchSampler:
         stream = self._ahead if self._ahead is not None else self.shapes()
         self._ahead = None
         waiting: dict[tuple[int, int], list[int]] = {}
-        unknown: deque[list[int]] = deque()  # files whose header could not be read: at once
-        full = _Balanced()  # ready
+        full: deque[tuple[list[int], tuple[int, int] | None]] = deque()  # ready, in order
         ahead: Counter = Counter()  # full batches of each shape still in ``full``
         seen = 0
 
@@ -286,23 +230,21 @@ class ShapeBatchSampler:
             nonlocal seen
             for shape in shapes:
                 if shape is None:
-                    unknown.append([seen])
+                    full.append(([seen], None))
                 else:
                     batch = waiting.setdefault(shape, [])
                     batch.append(seen)
                     if len(batch) == self.batch_size:
-                        full.add(waiting.pop(shape), shape, self._work(batch))
+                        full.append((waiting.pop(shape), shape))
                         ahead[shape] += 1
                 seen += 1
 
         while True:  # until the last header: the full batches as they fill
             add(stream.ready())
-            while unknown:
-                yield unknown.popleft()
             if stream.finished:
                 break
             if full:
-                batch, shape = full.pop()
+                batch, shape = full.popleft()
                 ahead[shape] -= 1
                 yield batch
                 continue
@@ -310,8 +252,6 @@ class ShapeBatchSampler:
             if shapes is None:
                 break
             add(shapes)
-        while unknown:
-            yield unknown.popleft()
         # the short batches (the fullest first), spread over the full ones still to go
         shorts = sorted(waiting.items(), key=lambda item: len(item[1]), reverse=True)
         free = deque(batch for shape, batch in shorts if not ahead[shape])
@@ -327,7 +267,7 @@ class ShapeBatchSampler:
                 free.extend(held.values())
                 held.clear()
                 continue
-            batch, shape = full.pop()
+            batch, shape = full.popleft()
             sent_full += 1
             ahead[shape] -= 1
             yield batch
@@ -354,16 +294,14 @@ class _Fixed:
 
 
 class _ModelShapes:
-    """A :class:`SizeStream` of files' sizes as model input (height, width) shapes; each
-    file's pixels (0 where unknown) are appended to ``pixels`` as they come."""
+    """A :class:`SizeStream` of files' sizes as model input (height, width) shapes."""
 
-    def __init__(self, sizes: SizeStream, prep: Preprocessing, pixels: list[int]):
-        self._sizes, self._prep, self._pixels = sizes, prep, pixels
+    def __init__(self, sizes: SizeStream, prep: Preprocessing):
+        self._sizes, self._prep = sizes, prep
 
     def _shapes(self, sizes: list | None) -> list | None:
         if sizes is None:
             return None
-        self._pixels.extend(0 if size is None else size[0] * size[1] for size in sizes)
         return [None if size is None else self._prep.model_size(*size)[::-1] for size in sizes]
 
     @property

@@ -70,14 +70,11 @@ class _Stream(SizeStream):
 
 
 class _Planned(ShapeBatchSampler):
-    """The sampler with the shapes given instead of read, and the files it looked at;
-    ``pixels`` and ``names``: each file's, as headers and the listing would give them."""
+    """The sampler with the shapes given instead of read, and the files it looked at."""
 
-    def __init__(self, shapes, batch_size, chunk_size=None, ready_after=None, pixels=(), names=None):
-        names = names or [str(i) for i in range(len(shapes))]
-        super().__init__([(name, name) for name in names], SHORT, batch_size, chunk_size)
+    def __init__(self, shapes, batch_size, chunk_size=None, ready_after=None):
+        super().__init__([(str(i), str(i)) for i in range(len(shapes))], SHORT, batch_size, chunk_size)
         self.stream = _Stream(shapes, ready_after)
-        self._pixels = list(pixels)
 
     @property
     def looked(self) -> int:
@@ -163,24 +160,6 @@ def test_a_shapes_short_batch_waits_for_all_its_full_ones():
     shapes = [a] * 13 + [b] * 5
     batches = _batches(_Planned(shapes, 4, ready_after={0: len(shapes)}))
     assert [(shapes[x[0]], len(x)) for x in batches] == [(a, 4), (a, 4), (a, 4), (a, 1), (b, 4), (b, 1)]
-
-
-def test_full_batches_ready_together_go_heavy_and_light_by_their_decoding_work():
-    """A folder's large photographs together (four full batches of heavy ones, then four of
-    light ones, every header read): they no longer go in that order, which kept the
-    decoders on four heavy batches at once; the work handed out stays near its mean. A
-    PNG's pixels weigh five times a JPEG's; batches of equal work keep the fill order."""
-    shapes = [(4, 6)] * 16
-    heavy = [100] * 8 + [1] * 8
-    order = [b[0] // 2 for b in _Planned(shapes, 2, 2, ready_after={0: 16}, pixels=heavy)]
-    assert order == [4, 0, 5, 1, 6, 2, 7, 3]  # light first (the first batch decodes soonest)
-    sent = [sum(heavy[2 * i:2 * i + 2]) for i in order]
-    mean = sum(sent) / len(sent)
-    assert all(abs(sum(sent[:n]) / n - mean) <= mean / 2 for n in range(2, len(sent) + 1))  # fill order: 2 x mean
-    names = [f"{i}.png" if i < 8 else f"{i}.jpg" for i in range(16)]  # the same pixels, PNGs first
-    pngs = [b[0] // 2 for b in _Planned(shapes, 2, 2, ready_after={0: 16}, pixels=[10] * 16, names=names)]
-    assert pngs == [4, 0, 5, 1, 6, 2, 7, 3]
-    assert list(_Planned(shapes, 2, 2, ready_after={0: 16}, pixels=[10] * 16)) == [[i, i + 1] for i in range(0, 16, 2)]
 
 
 def test_short_batches_go_fullest_first_and_a_shape_done_early_is_not_held():
