@@ -71,7 +71,7 @@ class RemoteShards:
         except FileNotFoundError:
             raise ConfigError(f"{self.url!r} holds no embedingest index (no {MANIFEST_NAME}); build "
                               f"one with embedingest build-index CORPUS --out {self.url}") from None
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise ConfigError(f"cannot read {self.remote.where(MANIFEST_NAME)}: {exc}; rebuild the "
                               "index with --overwrite") from exc
         if not isinstance(data, dict) or data.get("format") != CURRENT:

@@ -75,7 +75,7 @@ def index_format(folder: str | os.PathLike) -> int | None:
         return None
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # JSON nested past Python's stack: damaged too
         _refuse_foreign(folder, f"is not JSON ({exc})")
         raise ConfigError(f"cannot read {str(path)!r}: {exc}; rebuild the index with --overwrite") from exc
     except OSError as exc:
@@ -121,7 +121,7 @@ def _manifest_data(folder: Path) -> dict:
     try:
         data = json.loads((folder / MANIFEST_NAME).read_text(encoding="utf-8"))
         return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
 
 

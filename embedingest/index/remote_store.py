@@ -200,7 +200,7 @@ class Lease:
         try:
             held = json.loads(self.remote.read(LEASE_NAME))
             expires = float(held["expires"])
-        except (FileNotFoundError, ValueError, KeyError, TypeError):
+        except (FileNotFoundError, ValueError, KeyError, TypeError, RecursionError):
             held, expires = {}, 0.0
         if etag is not None and expires > time.time():
             raise IndexBusy(

@@ -349,7 +349,7 @@ def read_commit(path: Path, text: bytes | str | None = None) -> Shard:
             raise ValueError(f"replaces {replaces!r} is not a list of shard names")
         return Shard(path.parent, name, int(data["rows"]), int(data["id_min"]), int(data["id_max"]),
                      files, units, replaces, data, _unit_hashes(data.get("unit_sha256", {}), units))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise ConfigError(f"cannot read the commit record {str(path)!r} ({type(exc).__name__}: "
                           f"{exc}); {_REDO.format(name=name)}") from exc
 

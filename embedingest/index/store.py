@@ -240,7 +240,7 @@ class IndexStore:
                               f"(no {MANIFEST_NAME}); build one first or check the path")
         try:
             data = json.loads(self.manifest_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:
             raise ConfigError(f"cannot read {str(self.manifest_path)!r}: {exc}; "
                               "rebuild the index with --overwrite") from exc
         return Manifest.from_dict(data, where=str(self.manifest_path))

@@ -218,7 +218,7 @@ def _same_labels(old: bytes, info: dict, out, path) -> bool:
     describe masks made otherwise."""
     try:
         old = json.loads(old)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # JSON nested past Python's stack: damaged too
         raise ConfigError(f"{path} is unreadable ({exc}); remove it or pass --overwrite") from exc
     if not isinstance(old, dict):
         raise ConfigError(f"{path} holds a JSON {_JSON_KINDS.get(type(old), type(old).__name__)}, not the object "

@@ -89,6 +89,9 @@ def test_a_damaged_manifest_beside_index_files_is_a_damaged_index(tmp_path, besi
         index_format(tmp_path)
     (tmp_path / "manifest.json").write_text('{"metric": "ip", "format": 2}')
     assert index_format(tmp_path) == 2  # read_manifest then names the missing fields
+    (tmp_path / "manifest.json").write_text("[" * 200_000)  # nested past Python's stack: a RecursionError
+    with pytest.raises(ConfigError, match=r"maximum recursion depth.*; rebuild the index with --overwrite$"):
+        index_format(tmp_path)
 
 
 def test_rebuild_command_quotes_what_the_shell_would_split():

@@ -215,6 +215,10 @@ def test_labels_json_is_written_and_guards_the_folder(tmp_path):
         write_labels(tmp_path, other)
     write_labels(tmp_path, other, replace=True)
     assert json.loads(path.read_text())["preprocessing"]["resize"] == "fit"
+    path.write_text("[" * 200_000)  # nested past Python's stack: unreadable, not a traceback
+    with pytest.raises(ConfigError, match=r"labels.json is unreadable \(maximum recursion depth.*or pass --overwrite$"):
+        write_labels(tmp_path, other)
+    write_labels(tmp_path, other, replace=True)
 
 
 def test_stats_rows_are_committed_in_parts_and_read_as_one_table(tmp_path):
