@@ -146,6 +146,13 @@ _FIELD_TYPES = {
         isinstance(s, dict) and isinstance(s.get("name"), str) and _is_int(s.get("count")) for s in v),
         "a list of {name, count}"),
     "corpus": (lambda v: v is None or isinstance(v, str), "a string or null"),
+    "corpus_path": (lambda v: v is None or isinstance(v, str), "a string or null"),
+    "prompts": (lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(t, str)
+                                                      for k, t in v.items()),
+                "an object of texts ({\"document\": ..., \"query\": ...})"),
+    "search": (lambda v: isinstance(v, dict) and (v.get("params") is None or isinstance(v["params"], str))
+               and (v.get("k") is None or (_is_int(v["k"]) and v["k"] >= 1)),
+               "an object with a string params and a positive integer k"),
     "version": (lambda v: isinstance(v, str), "a string"),
     "created": (lambda v: isinstance(v, str), "a string"),
     "updated": (lambda v: isinstance(v, str), "a string"),

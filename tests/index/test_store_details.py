@@ -130,6 +130,27 @@ def test_manifest_field_of_the_wrong_type_names_the_fix():
                               "index with --overwrite")
 
 
+@pytest.mark.parametrize("name, value, wanted", [
+    ("search", "x", "an object with a string params and a positive integer k"),
+    ("search", {"k": "ten"}, "an object with a string params and a positive integer k"),
+    ("search", {"k": 0}, "an object with a string params and a positive integer k"),
+    ("search", {"params": 5}, "an object with a string params and a positive integer k"),
+    ("prompts", None, 'an object of texts ({"document": ..., "query": ...})'),
+    ("prompts", {"document": "", "query": 5}, 'an object of texts ({"document": ..., "query": ...})'),
+    ("corpus_path", ["a"], "a string or null"),
+])
+def test_search_defaults_and_prompts_of_the_wrong_type_are_named_not_a_traceback(name, value, wanted):
+    """search and open_index gave AttributeError, ValueError or TypeError tracebacks for these."""
+    with pytest.raises(ConfigError) as err:
+        Manifest.from_dict({"model": {}, "dim": 4, name: value}, where="m.json")
+    assert str(err.value) == (f"m.json: {name} is {value!r}, not {wanted}; the manifest was changed or "
+                              "damaged: put back the value it was built with, or rebuild the index with "
+                              "--overwrite")
+    ok = Manifest.from_dict({"model": {}, "dim": 4, "search": {"params": "nprobe=4", "k": 3},
+                             "prompts": {"query": "query: "}})
+    assert (ok.search, ok.prompts) == ({"params": "nprobe=4", "k": 3}, {"query": "query: "})
+
+
 def test_unreadable_manifest_names_the_file_and_the_fix(tmp_path):
     store = IndexStore(tmp_path)
     (tmp_path / "units.sqlite").write_bytes(b"")  # an index's folder (a lone manifest.json is another program's)
