@@ -63,11 +63,16 @@ def parse_factory(dim: int, factory: str, metric: str) -> faiss.Index:
     """``faiss.index_factory(dim, factory, metric)``, a ConfigError naming the string when
     faiss cannot make it. A build calls it before it writes anything, so a bad
     ``--index`` never gets into a manifest. Strings faiss makes but a shard cannot use are
-    refused too: an id map (each shard maps its ids itself) and HNSW with fewer than 2
-    links per node (faiss aborts the process when it adds to one)."""
+    refused too: an id map (each shard maps its ids itself), NSG (it cannot build from fewer
+    than 100 vectors) and HNSW with fewer than 2 links per node (faiss aborts the process
+    when it adds to one)."""
     if "IDMap" in factory:
         raise ConfigError(f"index factory {factory!r} has an IDMap: each shard maps its ids itself; "
                           f"give the factory without it (e.g. {factory.replace('IDMap2,', '').replace('IDMap,', '')!r})")
+    if re.search(r"NSG", factory):
+        raise ConfigError(f"index factory {factory!r} is an NSG graph, which faiss builds only from 100 "
+                          "vectors or more at once, and a shard of an update may hold fewer; use HNSW "
+                          "(e.g. HNSW32), the graph built a vector at a time")
     small = [m for m in re.findall(r"HNSW(\d+)", factory) if int(m) < 2]
     if small:
         raise ConfigError(f"index factory {factory!r}: HNSW needs at least 2 links per node, not {small[0]}; "

@@ -128,10 +128,14 @@ def test_as_float32_always_gives_float32():
     ("IDMap2,HNSW32", r"has an IDMap"),
     ("HNSW0", r"^index factory 'HNSW0': HNSW needs at least 2 links per node, not 0; e.g. HNSW32$"),
     ("HNSW1,Flat", r"not 1"),
+    ("NSG8", r"^index factory 'NSG8' is an NSG graph, which faiss builds only from 100 vectors or more at "
+             r"once, and a shard of an update may hold fewer; use HNSW \(e.g. HNSW32\)"),
+    ("IVF16_NSG32,Flat", r"is an NSG graph"),
 ])
 def test_factories_faiss_makes_but_a_shard_cannot_use_are_refused(factory, match):
     """Before: IDMap gave tracebacks in reindex and three in build-index (and a manifest
-    left behind); HNSW0 aborted the process (SIGABRT) when vectors were added."""
+    left behind); HNSW0 aborted the process (SIGABRT) when vectors were added; NSG8 failed
+    every update whose new shard held fewer than 100 vectors, with a consumer's traceback."""
     with pytest.raises(ConfigError, match=match):
         parse_factory(8, factory, "ip")
 
