@@ -249,6 +249,16 @@ def test_masks_or_stats_without_labels_are_refused_unless_overwrite(tmp_path, sm
     assert row_counts(out) == {f"{i}.png": 1 for i in range(3)}
 
 
+def test_a_batch_size_past_the_images_reserves_no_slots_for_them(tmp_path, small):
+    """--batch-size 30000 over three images: every host slot was sized for 30000 model
+    inputs (490 MB each, 4.6 GB of the process's memory) though each batch held one image."""
+    images, out = three_images(tmp_path)
+    big = segment(config(images, out, small, batch_size=30_000), progress=False)
+    again = segment(config(images, tmp_path / "o2", small, batch_size=3), progress=False)
+    assert big["written"] == again["written"] == 3
+    assert big["engine"]["slot_bytes"] == again["engine"]["slot_bytes"]  # 30000 inputs: 491 MB a slot
+
+
 def test_masks_of_other_images_without_labels_are_refused(tmp_path, small):
     """Another model's masks under names this run's images do not have (a folder of an
     earlier archive, labels.json lost) were not noticed: this run wrote its labels beside them."""

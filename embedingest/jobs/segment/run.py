@@ -33,16 +33,18 @@ from ...stages.segmentation import (Segmenter, SegmentationModel, load_segmentat
                                     preset_preprocessing)
 
 
-def slot_spec(config: SegmentConfig, num_classes: int) -> dict:
-    """The flat arrays of one host slot: room for a full batch at the largest model input,
-    and for at least one mask of ``upsample_max_pixels`` (a batch that does not fit is
-    handed over in several parts, see ``_parts``)."""
+def slot_spec(config: SegmentConfig, num_classes: int, images: int) -> dict:
+    """The flat arrays of one host slot: room for a full batch (of at most ``images``, the
+    images to do: a large --batch-size over a few images reserves no memory for the rest)
+    at the largest model input, and for at least one mask of ``upsample_max_pixels`` (a
+    batch that does not fit is handed over in several parts, see ``_parts``)."""
     square = config.size * config.size
+    batch = max(1, min(config.batch_size, images))
     if config.resize == "fit":
-        masks, logits = config.batch_size * square, config.batch_size * num_classes * square
+        masks, logits = batch * square, batch * num_classes * square
     else:
-        masks = max(config.batch_size * LONG_SIDE_LIMIT * square, config.upsample_max_pixels)
-        logits = max(config.batch_size, LONG_SIDE_LIMIT) * num_classes * square
+        masks = max(batch * LONG_SIDE_LIMIT * square, config.upsample_max_pixels)
+        logits = max(batch, LONG_SIDE_LIMIT) * num_classes * square
     spec = {"mask": ((masks,), "uint8")}
     if config.save_logits:
         spec["logits"] = ((logits,), "float16")
@@ -122,8 +124,8 @@ def check_settings(config: SegmentConfig, loaded: SegmentationModel) -> None:
     _write_labels(config, loaded)
 
 
-def _model_and_engine(config: SegmentConfig, device: torch.device, full_max: int, before_writes=None,
-                      loaded: SegmentationModel | None = None
+def _model_and_engine(config: SegmentConfig, device: torch.device, full_max: int, images: int,
+                      before_writes=None, loaded: SegmentationModel | None = None
                       ) -> tuple[SegmentationModel, Segmenter, EgressEngine, dict, float]:
     """The model (``loaded``, or loaded now) on ``device``, labels.json written,
     ``before_writes()`` called (what a run deletes is deleted only once the model and the
@@ -143,7 +145,7 @@ def _model_and_engine(config: SegmentConfig, device: torch.device, full_max: int
                               categories=tuple(loaded.categories),
                               stats_commit_seconds=config.stats_commit_seconds,
                               within=input_folder(config.images, config.follow_outside_links))
-    spec = slot_spec(config, loaded.num_classes)
+    spec = slot_spec(config, loaded.num_classes, images)
     built = time.perf_counter() - t0
     engine = EgressEngine(factory, num_consumers=config.num_consumers, num_slots=config.num_slots or None,
                           device=str(device), slot_spec=spec).start()
@@ -186,8 +188,8 @@ def segment_on_device(config: SegmentConfig, device: torch.device, todo: list[tu
     batches = regroup(iter(loader), sampler.chunk_batch)
     full_max = _full_max(config)
     try:
-        loaded, segmenter, engine, spec, loading = _model_and_engine(config, device, full_max, before_writes,
-                                                                     loaded)
+        loaded, segmenter, engine, spec, loading = _model_and_engine(config, device, full_max, len(todo),
+                                                                     before_writes, loaded)
     except BaseException:
         batches.close()  # the decoders' iterator goes with it: they are shut down
         headers.close()
