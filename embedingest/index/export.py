@@ -15,6 +15,7 @@ the local folder ``to``.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 from pathlib import Path
@@ -27,6 +28,7 @@ from ..errors import ConfigError
 from ..outfiles import atomic_file, atomic_write_bytes, ensure_folder, native_path, refuse_link
 from ..sources.remote import is_remote
 from .formats import require_current
+from .lock import no_build_running
 from .shards import EMB_SUFFIX, SHARD_NAME, SHARDS_DIR, list_shards
 from .store import IndexStore
 
@@ -46,6 +48,11 @@ def export_index(index: str | os.PathLike, to: str | os.PathLike, *, embeddings:
     if is_remote(str(to)):
         raise ConfigError(f"export writes a local folder, not {str(to)!r}: export to a folder, then "
                           "copy it (e.g. aws s3 sync FOLDER URL)")
+    with contextlib.nullcontext() if is_remote(index) else no_build_running(index, "export"):
+        return _export(index, to, embeddings, overwrite)
+
+
+def _export(index, to, embeddings: bool | None, overwrite: bool) -> dict:
     if is_remote(index):
         from .cache import RemoteShards
 

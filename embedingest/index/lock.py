@@ -17,12 +17,14 @@ stale lock behind.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
 import os
 import stat
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import ConfigError, EmbedingestError
@@ -56,6 +58,32 @@ def open_lock_file(path: Path, sole: bool = False) -> int:
         raise ConfigError(f"{str(path)!r} is {kind}, not a lock file embedingest made; it is not "
                           "opened for writing: delete it and run again")
     return fd
+
+
+@contextlib.contextmanager
+def no_build_running(folder: str | os.PathLike, what: str) -> Iterator[None]:
+    """While the block runs, no build of ``folder`` runs: IndexBusy at once when one is
+    running (``what`` would read it half-updated), and a build that starts meanwhile is
+    refused (the run lock is held shared, opened read-only: a reader may lack write
+    access to the index). A folder no build has run in has no lock file: nothing to hold."""
+    path = Path(folder) / RUN_LOCK
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+            raise
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            raise IndexBusy(f"a build (pid {holder}) is writing {folder}: what {what} would read now is "
+                            f"half of its update; run {what} again once it has finished") from None
+        yield
+    finally:
+        os.close(fd)
 
 
 # The run locks this process holds. A forked child (a loader worker, a header reader)

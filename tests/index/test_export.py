@@ -1,5 +1,7 @@
 """export: Parquet files that pandas and pyarrow read as they are."""
 
+import os
+
 import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
@@ -8,6 +10,7 @@ from shard_fixtures import DIM, build_shards
 
 from embedingest.errors import ConfigError
 from embedingest.index.export import export_index
+from embedingest.index.lock import IndexBusy, RunLock, no_build_running
 from embedingest.index.shards import EMB_SUFFIX, list_shards
 
 
@@ -178,3 +181,19 @@ def test_export_overwrite_replaces_only_an_export_s_own_files(tmp_path):
     (shard,) = [s for s in list_shards(tmp_path / "ix" / "shards") if s.rows]
     assert sorted(p.name for p in out.iterdir()) == sorted(["_SUCCESS", f"{shard.name}.parquet", "notes.txt"])
     assert summary["rows"] == 3
+
+
+def test_export_while_a_build_writes_the_index_is_refused_and_holds_a_build_off(tmp_path):
+    """An export during a build wrote the half-updated index (the changed files' chunks
+    dropped, the new ones not yet in) and marked it complete with _SUCCESS."""
+    build_shards(tmp_path / "ix", n_units=3, chunks=4, commit_every=20, workers=1)
+    with RunLock(tmp_path / "ix", writers=False):
+        with pytest.raises(IndexBusy) as err:
+            export_index(tmp_path / "ix", tmp_path / "out")
+    assert str(err.value).startswith(f"a build (pid {os.getpid()}) is writing {tmp_path / 'ix'}: "
+                                     "what export would read now is half of its update; run export again")
+    assert not (tmp_path / "out").exists()
+    with no_build_running(tmp_path / "ix", "export"):  # and a build that starts meanwhile waits for none: refused
+        with pytest.raises(IndexBusy, match="another build"):
+            RunLock(tmp_path / "ix", writers=False).__enter__()
+    assert export_index(tmp_path / "ix", tmp_path / "out")["rows"] == 12
