@@ -18,16 +18,22 @@ from .common import IndexPath, config_options, emit_json, library_errors
 def search(index_dir, query, as_json, **options) -> None:
     """Search INDEX_DIR (a folder, or s3://bucket/prefix) for QUERY; prints rank, score,
     source and the chunk's text."""
+    from ..index.lookup import IndexChanged
     from ..index.search import open_index
 
     cfg = load_config(SearchConfig, **options)
     text = " ".join(query)
-    index = open_index(index_dir, device=cfg.device, params=cfg.params, query_prompt=cfg.query_prompt,
-                       cache_dir=cfg.cache_dir, cache_size=cfg.cache_size)
-    try:
-        (hits,) = index.search([text], k=cfg.k or index.default_k)
-    finally:
-        index.close()
+    for last in (False, True):  # a build that replaced a shard meanwhile: opened once more
+        index = open_index(index_dir, device=cfg.device, params=cfg.params, query_prompt=cfg.query_prompt,
+                           cache_dir=cfg.cache_dir, cache_size=cfg.cache_size)
+        try:
+            (hits,) = index.search([text], k=cfg.k or index.default_k)
+            break
+        except IndexChanged:
+            if last:
+                raise
+        finally:
+            index.close()
     if as_json:
         import dataclasses
 

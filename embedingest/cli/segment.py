@@ -36,7 +36,10 @@ def segment_command(images, config_path, as_json, timeline, trace, **options) ->
     run_job("embedingest.jobs.segment",
             lambda job: job.segment(config, progress=not as_json, timeline=timeline, trace=trace),
             as_json=as_json, paragraph=_paragraph,
-            interrupted="every mask written so far is kept; run the same command again to resume")
+            interrupted=("every mask written so far is kept; run the same command again: with "
+                         "--overwrite it redoes every image (the folder is refused without it until "
+                         "an --overwrite run finishes)" if config.overwrite else
+                         "every mask written so far is kept; run the same command again to resume"))
 
 
 def _paragraph(s: dict) -> str:

@@ -23,8 +23,13 @@ import pyarrow.parquet as pq
 
 from ..errors import ConfigError
 from ..outfiles import native_path
-from .shards import CHUNK_BITS, CHUNK_COLUMNS, Shard
+from .shards import CHUNK_BITS, CHUNK_COLUMNS, COMMIT_SUFFIX, Shard
 from .store import Chunk
+
+class IndexChanged(ConfigError):
+    """A shard opened for this index is gone or is another file now: a build replaced or
+    removed it since (the index is read as it was opened). Open the index again."""
+
 
 OPEN_FILES = 64
 READ_THREADS = 4  # shards read side by side for one lookup (at most the cores)
@@ -98,7 +103,8 @@ class ShardRows:
         return shard, row
 
     def _open(self, no: int) -> pq.ParquetFile:
-        """A shard's Parquet file; one that is not Parquet is a ConfigError naming it."""
+        """A shard's Parquet file; one that is not Parquet is a ConfigError naming it, one
+        whose commit record is gone too an :class:`IndexChanged` (a build removed it)."""
         shard = self.shards[no]
         try:
             if self._opener is not None:
@@ -106,6 +112,9 @@ class ShardRows:
             with native_path(shard.path("parquet")) as name:
                 return pq.ParquetFile(name, memory_map=True)
         except (pa.ArrowException, OSError) as exc:
+            if self._opener is None and not (shard.folder / f"{shard.name}{COMMIT_SUFFIX}").exists():
+                raise IndexChanged(f"shard {shard.name} was removed since the index was opened: a build "
+                                   "is updating it; search again") from exc
             raise ConfigError(f"cannot read {self._where(shard)!r} ({exc}): the shard is "
                               f"damaged; delete its files ({shard.name}.*) and run build-index "
                               "again to redo the units it held") from exc
@@ -158,7 +167,10 @@ class ShardRows:
         if read:
             pf, lock = self._file(no)
             with lock:
-                table = pf.read_row_groups(wanted.tolist(), columns=read, use_threads=False)
+                table = pf.read_row_groups(wanted.tolist(), columns=["id", *read], use_threads=False)
+            if table.column("id").take(pa.array(take)).to_pylist() != mine_ids:
+                raise IndexChanged(f"shard {self.shards[no].name} holds other rows than when the index was "
+                                   "opened: a build rewrote it; search again")
             # only the rows asked for become Python values (Table.take would import pandas
             # on a first call)
             values = {c: table.column(c) for c in read}

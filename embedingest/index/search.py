@@ -26,6 +26,7 @@ from ..errors import ConfigError
 from ..outfiles import native_path, refuse_link
 from .faiss_factory import apply_search_params, read_index_file
 from .lookup import ShardRows
+from .shard_store import answering_folder
 from ..sources.remote import is_remote
 from .shards import SHARDS_DIR, list_shards
 from .store import IndexStore, Manifest
@@ -336,7 +337,11 @@ def open_index(path: str | os.PathLike, device: str = "cpu", *, encoder=None,
             raise
         return Index(remote, manifest, shards, encoder=encoder, device=device, query_prompt=query_prompt,
                      params=params or None, rows=rows, query_runtime=query_runtime, cache_dir=cache_dir)
-    store = IndexStore(path, read_only=True)
+    folder = answering_folder(path)
+    if folder != Path(path):
+        log.warning("a rebuild of %s with --overwrite is running or was stopped: answering from the index "
+                    "before it (%s) until one finishes", path, folder)
+    store = IndexStore(folder, read_only=True)
     manifest = store.read_manifest()
     if params is None:
         params = manifest.search.get("params")

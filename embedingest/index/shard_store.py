@@ -45,7 +45,7 @@ from .shards import (
     list_shards,
     read_ids,
 )
-from .store import Chunk, IndexStore, Manifest, Unit, _sqlite_errors, log
+from .store import MANIFEST_NAME, Chunk, IndexStore, Manifest, Unit, _sqlite_errors, log
 
 
 # Where --overwrite keeps the index it rebuilds until the rebuild has succeeded.
@@ -298,6 +298,14 @@ class SetAside:
 
 
 _MARKER = "EMBEDINGEST_SET_ASIDE"
+
+
+def answering_folder(folder: str | os.PathLike) -> Path:
+    """Where readers (search, serve) find the index of ``folder``: in ``.overwritten/``
+    while a rebuild with --overwrite runs (or one was stopped), which holds the whole index
+    from before it while the folder holds the rebuild's first shards; else the folder."""
+    aside = Path(folder) / ASIDE_DIR
+    return aside if _ours(aside) and (aside / MANIFEST_NAME).is_file() else Path(folder)
 
 
 def _ours(folder: Path) -> bool:

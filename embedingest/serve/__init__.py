@@ -86,7 +86,7 @@ def serve(index_dir: str | os.PathLike, host: str = "127.0.0.1", port: int = 800
 
     index = opened()
     # a local index is opened again once a build changed it (object storage: as opened)
-    live = LiveIndex(index, None if is_remote(str(index_dir)) else opened)
+    live = LiveIndex(index, None if is_remote(str(index_dir)) else opened, folder=index_dir)
     try:
         index.search(["warm up the model"], k=1)  # load it now, not at the first request
         app = create_app(live, max_query_chars=max_query_chars or MAX_QUERY_CHARS, max_k=max_k or MAX_K)

@@ -29,6 +29,7 @@ from fastapi.responses import FileResponse, HTMLResponse
 
 from ..config import ServeConfig
 from ..errors import ConfigError
+from ..index.lookup import IndexChanged
 from ..index.search import Hit, Index, blank_query
 from .live import LiveIndex
 
@@ -97,7 +98,13 @@ def create_app(index: Index | LiveIndex, *, max_query_chars: int = MAX_QUERY_CHA
         k = k if k is not None else min(index.default_k, max_k)
         t0 = time.perf_counter()
         try:
-            (hits,) = index.search([q], k=k)
+            try:
+                (hits,) = index.search([q], k=k)
+            except IndexChanged:  # a build replaced a shard since it was opened: once more, opened anew
+                index = live.refresh()
+                (hits,) = index.search([q], k=k)
+        except IndexChanged as exc:
+            raise HTTPException(503, f"{exc} (the index is being updated)") from exc
         except ConfigError as exc:
             raise HTTPException(422, str(exc)) from exc
         took = time.perf_counter() - t0
@@ -107,7 +114,11 @@ def create_app(index: Index | LiveIndex, *, max_query_chars: int = MAX_QUERY_CHA
     @app.get("/files/{vector_id}")
     def source_file(vector_id: int = PathParam(..., ge=0, le=2**63 - 1)) -> FileResponse:
         index = live.current()
-        chunk = index.chunks([vector_id]).get(vector_id)
+        try:
+            chunk = index.chunks([vector_id]).get(vector_id)
+        except IndexChanged:
+            index = live.refresh()
+            chunk = index.chunks([vector_id]).get(vector_id)
         path = corpus_file(index, chunk.source if chunk else None)
         if path is None:
             raise HTTPException(404, f"no file of the corpus for id {vector_id}: the id is unknown, "

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..index.search import Index
+from ..index.shard_store import ASIDE_DIR, answering_folder
 from ..index.store import MANIFEST_NAME, IndexStore
 
 log = logging.getLogger("embedingest")
@@ -41,22 +42,43 @@ class LiveIndex:
     index again with the query encoder given (None: its own model, loaded anew)."""
 
     def __init__(self, index: Index, reopen: Callable[[object], Index] | None = None,
-                 check_every: float = 1.0):
+                 check_every: float = 1.0, folder: str | os.PathLike | None = None):
         self._index = index
         self._reopen = reopen
         self._check_every = check_every
-        self._manifest = Path(index.store.folder) / MANIFEST_NAME if reopen is not None else None
-        self._seen = _signature(self._manifest) if self._manifest is not None else None
+        # the folder asked for: the index may be answered from its .overwritten/ meanwhile
+        self._folder = folder = Path(folder if folder is not None else index.store.folder)
+        self._manifests = ((folder / MANIFEST_NAME, folder / ASIDE_DIR / MANIFEST_NAME)
+                           if reopen is not None else None)
+        self._seen = self._signature()
         self._checked = time.monotonic()
         self._lock = threading.Lock()
 
+    def _signature(self) -> tuple | None:
+        """Which manifests are there: the folder's and a set-aside one (while a rebuild
+        with --overwrite runs, the index before it is answered from)."""
+        if self._manifests is None:
+            return None
+        found = tuple(_signature(path) for path in self._manifests)
+        return found if found[0] is not None or found[1] is not None else None
+
+    def refresh(self) -> Index:
+        """Open the index again now (a request found a shard it opened replaced), unless
+        another request did meanwhile; the index to answer from."""
+        stale = self._index
+        with self._lock:
+            if self._index is stale and self._reopen is not None:
+                self._checked = time.monotonic()
+                self._swap(self._signature())
+            return self._index
+
     def current(self) -> Index:
-        if self._manifest is None or time.monotonic() - self._checked < self._check_every:
+        if self._manifests is None or time.monotonic() - self._checked < self._check_every:
             return self._index
         with self._lock:
             if time.monotonic() - self._checked >= self._check_every:
                 self._checked = time.monotonic()
-                seen = _signature(self._manifest)
+                seen = self._signature()
                 if seen is not None and seen != self._seen:
                     self._swap(seen)
             return self._index
@@ -64,7 +86,7 @@ class LiveIndex:
     def _swap(self, seen: tuple) -> None:
         old = self._index
         try:
-            manifest = IndexStore(old.store.folder, read_only=True).read_manifest()
+            manifest = IndexStore(answering_folder(self._folder), read_only=True).read_manifest()
             same_model = (manifest.model.get("name"), manifest.dim, manifest.prompts) == (
                 old.manifest.model.get("name"), old.manifest.dim, old.manifest.prompts)
             self._index = self._reopen(old.loaded_encoder if same_model else None)

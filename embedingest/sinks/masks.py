@@ -31,6 +31,7 @@ them, the mask last (one PUT each: an object is whole or absent), and deletes th
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -262,6 +263,10 @@ class MaskSinkFactory:
     # The folder an original re-read for its overlay must lie in (a real path; None: no
     # check): the reader's own rule (sources.files.reads_within).
     within: str | None = None
+    # Each image's overlay and logits from before are deleted before its outputs are
+    # written (--overwrite: they may be another model's, and a later run asking for them
+    # would take them as done).
+    drop_earlier: bool = False
 
     def __call__(self, worker_index: int) -> MaskSink:
         return MaskSink(self)
@@ -310,6 +315,10 @@ class MaskSink:
             ensure_folder(self._stage, folder)  # never through a link: masks stay in out
             self._folders.add(folder)
         full = restore_mask(mask, meta)
+        if self.cfg.drop_earlier and self._remote is None:
+            for kind in ("logits", "overlay"):
+                with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+                    paths[kind].unlink()  # a link there goes, its target stays; a folder is no output
         if self.cfg.save_logits and logits is not None:
             buf = io.BytesIO()
             np.save(buf, np.ascontiguousarray(logits, dtype=np.float16))

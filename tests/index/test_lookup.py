@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from shard_fixtures import build_shards, parquet_reads
 
 import embedingest.index.lookup as lookup
+from embedingest.errors import ConfigError
 from embedingest.index.lookup import ShardRows
 from embedingest.index.shards import list_shards
 from embedingest.index.store import Chunk
@@ -70,7 +71,39 @@ def test_a_lookup_reads_only_the_asked_columns_of_the_row_groups_hit(built, monk
     assert reads == []
     assert rows.table([i], columns=["text", "chunk_no"]) == {
         i: {"id": i, "text": built.rows[i]["text"], "chunk_no": built.rows[i]["chunk_no"]}}
-    assert reads == [([1], ["text"])]
+    assert reads == [([1], ["id", "text"])]  # the ids too: the rows must be the ones opened
+
+
+def test_a_shard_a_build_replaced_or_removed_since_is_a_change_not_damage(tmp_path, monkeypatch):
+    """A served index of more shards than files kept open: a build's rewrite or removal of
+    a shard answered 422 'the shard is damaged; delete its files' (or, rewritten under its
+    name, the rows at the old positions). Now IndexChanged says to search again; a shard
+    whose commit record is still there but whose rows file is gone is damaged, as before."""
+    import shutil
+
+    built = build_shards(tmp_path / "ix", n_units=4, chunks=9, commit_every=10, workers=1)
+    other = build_shards(tmp_path / "other", n_units=4, chunks=9, commit_every=10, workers=1, seed=7)
+    monkeypatch.setattr(lookup, "OPEN_FILES", 1)
+    rows = ShardRows(list_shards(built.folder / "shards"), threads=1)
+    second = rows.shards[1]
+    a, b = int(rows.shard_ids(0)[0]), int(rows.shard_ids(1)[0])
+    assert rows.chunks([b]) and rows.chunks([a])  # the second shard's file dropped, the first's open
+    parquet = second.path("parquet")
+    mine = parquet.read_bytes()
+    shutil.copyfile(next(p for p in sorted((other.folder / "shards").glob("*.parquet"))
+                         if p.read_bytes() != mine), parquet)  # rewritten under its name
+    with pytest.raises(lookup.IndexChanged, match=f"shard {second.name} holds other rows than when the index "
+                                                   "was opened: a build rewrote it; search again"):
+        rows.chunks([b])
+    parquet.unlink()
+    assert rows.chunks([a])  # the first shard's file open again: the second's dropped
+    with pytest.raises(ConfigError) as err:  # its commit record is there: damaged
+        rows.chunks([b])
+    assert not isinstance(err.value, lookup.IndexChanged) and "the shard is damaged" in str(err.value)
+    (second.folder / f"{second.name}.commit.json").unlink()  # removed whole: a build's removal
+    assert rows.chunks([a])
+    with pytest.raises(lookup.IndexChanged, match=f"shard {second.name} was removed since the index was opened"):
+        rows.chunks([b])
 
 
 def test_an_empty_index_has_no_rows(tmp_path):

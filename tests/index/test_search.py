@@ -167,3 +167,25 @@ def test_text_search_with_the_manifest_model(tmp_path):
 def test_open_index_refuses_an_unknown_query_runtime(tmp_path):
     with pytest.raises(ConfigError, match="query runtime 'gpu' is not one of auto, torch, onnx"):
         open_index(tmp_path, query_runtime="gpu")
+
+
+def test_while_overwrite_rebuilds_readers_are_answered_from_the_index_set_aside(tmp_path):
+    """During build-index --overwrite the folder holds the rebuild's first shards (or
+    none): search printed [] and serve answered no hits until it finished. Readers now
+    open the whole index set aside in .overwritten/, and a server switches back once the
+    rebuild is done."""
+    from embedingest.index.shard_store import ASIDE_DIR, SetAside, ShardStore, drop_set_aside
+    from embedingest.serve.live import LiveIndex
+
+    built = build_index(tmp_path, n_units=3, chunks=10)
+    queries = built.emb[:2]
+    with open_index(tmp_path) as index:
+        want = index.search_raw(queries, 5)
+    aside = SetAside(ShardStore(tmp_path))  # as a rebuild does before it writes
+    ShardStore(tmp_path).create_or_open(Manifest(model={"name": "m"}, dim=DIM))  # its first, empty state
+    live = LiveIndex(open_index(tmp_path), lambda encoder: open_index(tmp_path), check_every=0, folder=tmp_path)
+    assert live.current().store.folder == tmp_path / ASIDE_DIR and live.current().ntotal == 30
+    np.testing.assert_array_equal(live.current().search_raw(queries, 5)[1], want[1])
+    drop_set_aside(tmp_path)  # the rebuild finished (with nothing in it, here)
+    assert aside.moved and live.current().store.folder == tmp_path and live.current().ntotal == 0
+    assert live.refresh() is live.current()

@@ -249,6 +249,49 @@ def test_masks_or_stats_without_labels_are_refused_unless_overwrite(tmp_path, sm
     assert row_counts(out) == {f"{i}.png": 1 for i in range(3)}
 
 
+def test_an_unfinished_overwrite_is_finished_by_an_overwrite_only(tmp_path, small, monkeypatch):
+    """An --overwrite with other weights stopped part-way (Ctrl-C, kill -9): the resume the
+    message invited kept the old model's masks of the images not yet redone, under the new
+    labels.json, as done."""
+    import embedingest.jobs.segment as job
+
+    images, out = three_images(tmp_path)
+    segment(config(images, out, small), progress=False)
+    real = job.segment_on_device
+
+    def stopped(config, *args, before_writes=None, **kw):
+        before_writes()
+        raise KeyboardInterrupt  # after labels and deletes, before the images are all redone
+
+    monkeypatch.setattr(job, "segment_on_device", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        segment(config(images, out, small, overwrite=True), progress=False)
+    monkeypatch.setattr(job, "segment_on_device", real)
+    with pytest.raises(ConfigError) as err:
+        segment(config(images, out, small), progress=False)
+    assert str(err.value) == (f"a segment --overwrite run into {str(out)!r} stopped before it redid every image, "
+                              "so masks made with the settings before it may remain beside its own: run it "
+                              "again with --overwrite")
+    assert segment(config(images, out, small, overwrite=True), progress=False)["written"] == 3
+    assert hidden_files(out) == []  # the mark goes once every image is redone
+    assert segment(config(images, out, small), progress=False)["already_done"] == 3
+
+
+def test_overwrite_drops_each_image_s_earlier_overlay_and_logits(tmp_path, small):
+    """--overwrite (another model, say) without --overlay --save-logits kept the earlier
+    overlays and logits, and a later run asking for them took them as done."""
+    images, out = three_images(tmp_path)
+    segment(config(images, out, small, overlay=True, save_logits=True), progress=False)
+    paths = output_paths(out, "0.png")
+    assert paths["overlay"].is_file() and paths["logits"].is_file()
+    assert segment(config(images, out, small, overwrite=True), progress=False)["written"] == 3
+    assert paths["mask"].is_file() and not paths["overlay"].exists() and not paths["logits"].exists()
+    again = segment(config(images, out, small, overlay=True, save_logits=True), progress=False)
+    assert again["written"] == 3 and paths["overlay"].is_file()  # redone, not taken as done
+    kept = segment(config(images, out, small, overlay=True, overwrite=True), progress=False)
+    assert kept["written"] == 3 and paths["overlay"].is_file() and not paths["logits"].exists()
+
+
 def test_a_batch_size_past_the_images_reserves_no_slots_for_them(tmp_path, small):
     """--batch-size 30000 over three images: every host slot was sized for 30000 model
     inputs (490 MB each, 4.6 GB of the process's memory) though each batch held one image."""

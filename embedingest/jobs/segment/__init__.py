@@ -38,6 +38,7 @@ from ...config import SegmentConfig, load_config
 from ...errors import ConfigError
 from ...exit_codes import exit_code
 from ...index.lock import RUN_LOCK, RunLock
+from ...outfiles import atomic_write_bytes
 from ...report import REPORT_NAME, SkipReport
 from ...scaleout.devices import devices_of
 from ...sinks.mask_stats import STATS_DIR, drop_stats_rows, part_files, remove_parts, stats_folder
@@ -104,6 +105,8 @@ def _run(config: SegmentConfig, out: Path, remote_out: bool, devices: list, devi
     with (contextlib.nullcontext() if remote_out else
           RunLock(out, job="segment run", resumes="every mask written so far is kept", writers=False)):
         try:
+            if not remote_out:
+                _mark_overwrite(out, config.overwrite)
             # The weights are read and the model built while the images are listed, in a
             # thread that ends before any process is forked; with several devices only
             # checked (on the meta device), each device process loads its own.
@@ -130,6 +133,8 @@ def _run(config: SegmentConfig, out: Path, remote_out: bool, devices: list, devi
             elif todo:
                 summary.update(segment_on_device(config, device, todo, report, progress, timeline, trace=trace,
                                                  before_writes=redo, loaded=loaded))
+            if config.overwrite and not remote_out:
+                (out / OVERWRITING).unlink(missing_ok=True)  # every image redone: the folder is whole
             phases["segment_s"] = time.perf_counter() - t0 - phases["list_s"]
         finally:
             report_path = _write_report(report, config.out) if remote_out else report.write(out)
@@ -163,6 +168,25 @@ def _refuse_unlabelled(out: Path, done: int, images: str) -> None:
                           "them: pass --overwrite to redo every image, or give another --out")
 
 
+# Written by an --overwrite run before it replaces labels.json, deleted once it redid every
+# image: while it is there, the folder may hold masks of the settings before that run.
+OVERWRITING = ".overwrite-unfinished"
+
+
+def _mark_overwrite(out: Path, overwrite: bool) -> None:
+    """With ``overwrite``, mark ``out`` as being redone; without it, refuse a folder an
+    --overwrite run left unfinished (killed, stopped, failed): its labels are the new
+    settings', but the images it had not redone still have masks of the old ones, which
+    a resume would keep as done."""
+    marker = out / OVERWRITING
+    if overwrite:
+        atomic_write_bytes(marker, f"{os.getpid()}\n".encode())
+    elif os.path.lexists(marker):
+        raise ConfigError(f"a segment --overwrite run into {str(out)!r} stopped before it redid every image, "
+                          "so masks made with the settings before it may remain beside its own: run it "
+                          "again with --overwrite")
+
+
 def _refuse_stats_file(out: Path) -> None:
     """ConfigError where ``--stats``'s folder name is taken by something else (a file): the
     rows could not be written, and the run found out after every image."""
@@ -181,8 +205,8 @@ def _remove_untouched(out: Path, parents: list[Path]) -> None:
     with contextlib.suppress(OSError):
         with os.scandir(out) as entries:
             found = {e.name: e.stat(follow_symlinks=False) for e in entries}
-        if set(found) <= {RUN_LOCK, REPORT_NAME} and all(
-                stat.S_ISREG(st.st_mode) and (name == RUN_LOCK or st.st_size == 0) for name, st in found.items()):
+        if set(found) <= {RUN_LOCK, REPORT_NAME, OVERWRITING} and all(
+                stat.S_ISREG(st.st_mode) and (name != REPORT_NAME or st.st_size == 0) for name, st in found.items()):
             for name in found:
                 (out / name).unlink()
             out.rmdir()

@@ -144,7 +144,8 @@ def _model_and_engine(config: SegmentConfig, device: torch.device, full_max: int
                               num_classes=loaded.num_classes, stats=config.stats,
                               categories=tuple(loaded.categories),
                               stats_commit_seconds=config.stats_commit_seconds,
-                              within=input_folder(config.images, config.follow_outside_links))
+                              within=input_folder(config.images, config.follow_outside_links),
+                              drop_earlier=config.overwrite)
     spec = slot_spec(config, loaded.num_classes, images)
     built = time.perf_counter() - t0
     engine = EgressEngine(factory, num_consumers=config.num_consumers, num_slots=config.num_slots or None,
