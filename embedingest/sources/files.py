@@ -183,9 +183,10 @@ def refuse_output_as_input(out: str | os.PathLike, inputs: str | os.PathLike, fo
 
 def walk_files(root: str | os.PathLike, extensions: set[str] | None = None,
                on_skip: OnSkip = _noop, on_other: Callable[[str], None] | None = None,
-               exclude: str | os.PathLike | None = None, outside_links: bool = False) -> Iterator[Path]:
+               exclude: str | os.PathLike | None = None, outside_links: bool = False,
+               not_input: Callable[[str], str | None] | None = None) -> Iterator[Path]:
     """:func:`walk_paths`, each path as a :class:`~pathlib.Path`."""
-    for path in walk_paths(root, extensions, on_skip, on_other, exclude, outside_links):
+    for path in walk_paths(root, extensions, on_skip, on_other, exclude, outside_links, not_input):
         yield Path(path)
 
 

@@ -368,6 +368,15 @@ def test_output_inside_the_input_is_not_read_back(tmp_path, small):
     assert second["images"] == 1 and second["written"] == 1
     assert sorted(p.name for p in out.iterdir()) == [RUN_LOCK, "a.png.png", "labels.json", "skipped.jsonl"]
     assert second["passed_over"] == {".heic": 1}  # the run's own skipped.jsonl is not counted
+    # a second output folder in the input (another model's, say): the first is another
+    # run's output, by its labels.json, skipped and named, not segmented as photographs
+    other = segment(config(images, images / "masks2", small), progress=False)
+    assert (other["images"], other["written"], other["skipped_by_reason"]) == (2, 1, {"masks": 1})
+    assert not (images / "masks2" / "masks").exists()
+    (images / "data").mkdir()  # a dataset's own labels.json beside its images: read
+    (images / "data" / "labels.json").write_text('{"categories": ["cat"]}')
+    Image.fromarray(noise(20, 20)).save(images / "data" / "b.png")
+    assert segment(config(images, images / "masks2", small), progress=False)["written"] == 1
 
 
 def test_single_file_input(tmp_path, weights, reference):

@@ -4,6 +4,7 @@ files a killed run left behind."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import posixpath
 from collections.abc import Iterable, Iterator
@@ -127,6 +128,27 @@ def first_output_file(out: Path, images: str, most: int = OUTPUT_SEARCH_NAMES) -
     return None
 
 
+# What segment's labels.json holds, and a dataset's own labels.json hardly all of
+_LABELS_KEYS = {"arch", "categories", "palette", "preprocessing", "masks"}
+
+
+def masks_folder_reason(folder: str) -> str | None:
+    """Why a folder of the input is not read: it is segment's output of another run (its
+    labels.json says so), whose masks would be segmented as photographs."""
+    path = os.path.join(folder, LABELS_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, "rb") as fh:
+            labels = json.loads(fh.read(1 << 20))
+    except (OSError, ValueError, RecursionError):
+        return None  # not ours to judge: its images are read
+    if isinstance(labels, dict) and _LABELS_KEYS <= labels.keys():
+        return ("masks: the output of another segment run (its labels.json), not photographs; "
+                "move it out of the input folder")
+    return None
+
+
 def _images(images: str, report: SkipReport, out: Path,
             outside_links: bool = False) -> Iterator[tuple[str, str]]:
     """``(rel_path, path)`` of every image under ``images``: a folder, a file, or a URL
@@ -142,7 +164,8 @@ def _images(images: str, report: SkipReport, out: Path,
     # An output folder inside the input is not listed: masks are PNGs and would be
     # segmented on the next run.
     for path in walk_files(root, set(IMAGE_EXTENSIONS), on_skip=report.add,
-                           on_other=report.pass_over, exclude=out, outside_links=outside_links):
+                           on_other=report.pass_over, exclude=out, outside_links=outside_links,
+                           not_input=masks_folder_reason):
         full = str(path)
         if single:
             rel = path.name
