@@ -198,7 +198,11 @@ def open_rgb(path: str | os.PathLike, max_pixels: int | None = DEFAULT_MAX_PIXEL
     :class:`ImageRejected` with the reason; nothing else escapes.
     """
     try:
-        with _opened(path) as (source, size):
+        with _opened(path) as (source, size), warnings.catch_warnings():
+            # Pillow's warnings (its own pixel limit, which max_pixels replaces; EXIF it
+            # reads past) would go to stderr outside the job's log, for images decoded well
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            warnings.filterwarnings("ignore", category=UserWarning, module=r"PIL\.")
             if size == 0:
                 raise ImageRejected("empty file: 0 bytes")
             with _pixel_limit(max_pixels):
@@ -223,8 +227,8 @@ def open_rgb(path: str | os.PathLike, max_pixels: int | None = DEFAULT_MAX_PIXEL
         raise
     except (NotRegularFile, OutsideInput) as exc:
         raise ImageRejected(str(exc)) from exc
-    except UnidentifiedImageError as exc:
-        raise ImageRejected(f"not an image: {exc}") from exc
+    except UnidentifiedImageError as exc:  # its message names a file object, not the file
+        raise ImageRejected("not an image: Pillow recognises no image format in it") from exc
     except OSError as exc:
         # errno set: the file system refused (gone, permissions); unset: Pillow's decoders
         kind = "unreadable" if exc.errno is not None else "corrupt or truncated"

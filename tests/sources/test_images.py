@@ -172,6 +172,18 @@ def test_bad_files_become_reasons(tmp_path):
             assert item.reason.startswith(kind + ":"), (rel, item.reason)
 
 
+def test_a_file_of_no_image_format_is_named_without_python_s_words_and_pillow_warns_nothing(tmp_path, recwarn):
+    """The reason said 'cannot identify image file <_io.BufferedReader name=...>'; a large
+    image under max_pixels printed Pillow's DecompressionBombWarning to stderr."""
+    (tmp_path / "text.jpg").write_bytes(b"hello")
+    with pytest.raises(ImageRejected) as err:
+        open_rgb(tmp_path / "text.jpg")
+    assert err.value.reason == "not an image: Pillow recognises no image format in it"
+    Image.new("L", (10_000, 9_000)).save(tmp_path / "big.png")  # over Pillow's own 89.5M pixels
+    assert open_rgb(tmp_path / "big.png", max_pixels=100_000_000)[1] == (10_000, 9_000)
+    assert [w for w in recwarn if "PIL" in str(w.filename) or "Pillow" in str(w.message)] == []
+
+
 def test_missing_and_unreadable_files(tmp_path):
     with pytest.raises(ImageRejected, match="^unreadable: .*No such file"):
         open_rgb(tmp_path / "gone.png")
