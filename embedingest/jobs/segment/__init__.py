@@ -105,8 +105,8 @@ def _run(config: SegmentConfig, out: Path, remote_out: bool, devices: list, devi
     with (contextlib.nullcontext() if remote_out else
           RunLock(out, job="segment run", resumes="every mask written so far is kept", writers=False)):
         try:
-            if not remote_out:
-                _mark_overwrite(out, config.overwrite)
+            if not remote_out and not config.overwrite:
+                _refuse_unfinished_overwrite(out)
             # The weights are read and the model built while the images are listed, in a
             # thread that ends before any process is forked; with several devices only
             # checked (on the meta device), each device process loads its own.
@@ -120,6 +120,8 @@ def _run(config: SegmentConfig, out: Path, remote_out: bool, devices: list, devi
                 if not remote_out:  # an object is whole or absent: nothing half-written to delete
                     remove_stale_tmp_files(out, todo)
             loaded = loading.result()
+            if config.overwrite and not remote_out:  # the weights read: from here the folder changes
+                atomic_write_bytes(out / OVERWRITING, f"{os.getpid()}\n".encode())
             phases["list_s"] = time.perf_counter() - t0
             # images found: those to do, those done, and those the listing skipped (named
             # outputs taken, links out of the folder): so written + done + skipped add up
@@ -173,15 +175,11 @@ def _refuse_unlabelled(out: Path, done: int, images: str) -> None:
 OVERWRITING = ".overwrite-unfinished"
 
 
-def _mark_overwrite(out: Path, overwrite: bool) -> None:
-    """With ``overwrite``, mark ``out`` as being redone; without it, refuse a folder an
-    --overwrite run left unfinished (killed, stopped, failed): its labels are the new
-    settings', but the images it had not redone still have masks of the old ones, which
-    a resume would keep as done."""
-    marker = out / OVERWRITING
-    if overwrite:
-        atomic_write_bytes(marker, f"{os.getpid()}\n".encode())
-    elif os.path.lexists(marker):
+def _refuse_unfinished_overwrite(out: Path) -> None:
+    """Refuse a folder an --overwrite run left unfinished (killed, stopped, failed): its
+    labels are the new settings', but the images it had not redone still have masks of
+    the old ones, which a resume would keep as done."""
+    if os.path.lexists(out / OVERWRITING):
         raise ConfigError(f"a segment --overwrite run into {str(out)!r} stopped before it redid every image, "
                           "so masks made with the settings before it may remain beside its own: run it "
                           "again with --overwrite")
