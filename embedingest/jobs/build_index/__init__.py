@@ -47,7 +47,7 @@ from ...stages.encoder import ModelFacts
 from ...stages.prompts import Prompts
 from .devices import SeveralDevices
 from .encode import OneDevice, needs_training
-from .plan import (apply_plan, corpus_path, default_out, file_candidates, fingerprint,
+from .plan import (apply_plan, check_search_params, corpus_path, default_out, file_candidates, fingerprint,
                    plan_units, record_candidates, search_defaults, settled_prompts, unit_key)
 
 __all__ = ["build_index", "default_out", "plan_units", "record_candidates", "unit_key"]
@@ -125,6 +125,7 @@ def _load_and_build(corpus, cfg: IndexConfig, where: OneDevice | SeveralDevices,
     if cfg.overlap >= chunk_tokens:
         raise ConfigError(f"overlap={cfg.overlap} must be smaller than the chunk size {chunk_tokens}")
     parse_factory(model.dim, cfg.index, cfg.metric)  # every option checked before the first write
+    check_search_params(model.dim, cfg.index, cfg.metric, cfg.search_params)
     built = [model]  # the encoder, once loaded: released however the run ends
     build = (corpus, cfg, model, built, where, dtype, in_memory, chunk_tokens, report, progress,
              timeline, t_start, phases, trace)

@@ -314,6 +314,19 @@ def settled_prompts(manifest: Manifest, cfg: IndexConfig, where: str) -> dict:
     return {"document": document, "query": query}
 
 
+def check_search_params(dim: int, factory: str, metric: str, params: str | None) -> None:
+    """ConfigError unless ``--search-params`` ``params`` (None, blank: none) apply to
+    ``factory``: a build checks them before its first write, and again against the
+    index it updates."""
+    if params is None or not params.strip():
+        return
+    try:
+        apply_search_params(parse_factory(dim, factory, metric), params)
+    except ValueError as exc:
+        raise ConfigError(f"--search-params {params!r} do not apply to index {factory!r}: {exc}; "
+                          "nprobe is for IVF factories, efSearch for HNSW") from exc
+
+
 def search_defaults(manifest: Manifest, cfg: IndexConfig) -> dict:
     """The index's search defaults updated with those given (``search_params=""`` drops
     the stored parameters); parameters are checked against the factory now, not at the
@@ -322,13 +335,7 @@ def search_defaults(manifest: Manifest, cfg: IndexConfig) -> dict:
     if cfg.search_params is not None:
         search.pop("params", None)
         if cfg.search_params.strip():
-            probe = parse_factory(manifest.dim, manifest.factory, manifest.metric)
-            try:
-                apply_search_params(probe, cfg.search_params)
-            except ValueError as exc:
-                raise ConfigError(f"--search-params {cfg.search_params!r} do not apply to index "
-                                  f"{manifest.factory!r}: {exc}; nprobe is for IVF factories, "
-                                  "efSearch for HNSW") from exc
+            check_search_params(manifest.dim, manifest.factory, manifest.metric, cfg.search_params)
             search["params"] = cfg.search_params.strip()
     if cfg.search_k is not None:
         search["k"] = cfg.search_k

@@ -89,7 +89,7 @@ from ...stages.device import precision
 from ...stages.prefetch import thread_ahead
 from .encode import (chunk_batches, commit_marks, embed_steps, needs_training, shard_sinks, train_if_needed,
                      vector_slots)
-from .plan import apply_plan, fingerprint, plan_units, search_defaults, settled_prompts
+from .plan import apply_plan, check_search_params, fingerprint, plan_units, search_defaults, settled_prompts
 
 log = logging.getLogger("embedingest")
 
@@ -467,6 +467,7 @@ def plan_ray_index(dataset: ray.data.Dataset, out: str | os.PathLike,
         raise ConfigError(f"overlap={cfg.overlap} must be smaller than the chunk size "
                           f"{chunk_tokens}")
     parse_factory(encoder.dim, cfg.index, cfg.metric)  # every option checked before the first write
+    check_search_params(encoder.dim, cfg.index, cfg.metric, cfg.search_params)
     report = SkipReport()
     out.mkdir(parents=True, exist_ok=True)
     store = ShardStore(out)
