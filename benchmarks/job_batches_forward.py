@@ -79,9 +79,10 @@ def main() -> None:
         folder = Path(tmp) / "docs"
         made = write_documents(folder, args.mb, args.copies)
         facts = ModelFacts.read(None, device="cuda", dtype=args.dtype)
-        chunk_tokens = min(cfg.chunk_tokens, facts.max_seq_length)
+        chunk_tokens, overlap = cfg.chunking()
+        chunk_tokens = min(chunk_tokens, facts.max_seq_length)
         job = job_batches(folder, facts, cfg, chunk_tokens)
-        windows, _ = chunk_windows(folder, facts.tokenizer, chunk_tokens, cfg.overlap)
+        windows, _ = chunk_windows(folder, facts.tokenizer, chunk_tokens, overlap)
     ordered = sorted_batches(windows, cfg.batch_size)
     result = {"documents": made, "job": shapes(job), "sorted": shapes(ordered), "rows": {}}
     print(json.dumps({k: result[k] for k in ("job", "sorted")}, indent=1))

@@ -13,6 +13,7 @@ import numbers
 import os
 import tomllib
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -48,6 +49,8 @@ FOLLOW_OUTSIDE_LINKS = (
 # Results per query when neither the search nor the index (build-index --search-k) says:
 # the CLI's search, serve and open_index alike.
 DEFAULT_SEARCH_K = 10
+CHUNK_TOKENS = 256  # build-index's chunk size and overlap where neither the run nor the index says
+OVERLAP = 32
 
 _KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "text"}
 
@@ -153,9 +156,13 @@ class IndexConfig:
     cuda_graphs: bool = setting(
         True, "On a GPU, replay the encoder from CUDA graphs (one per batch shape), so the GPU "
               "no longer waits for Python to launch each kernel; off: plain eager forward.")
-    chunk_tokens: int = setting(
-        256, "Tokens per chunk, special tokens included (capped at the model's maximum length).")
-    overlap: int = setting(32, "Tokens shared by consecutive chunks of one text.")
+    chunk_tokens: int | None = setting(
+        None, "Tokens per chunk, special tokens included (capped at the model's maximum length). "
+              "An index's chunks stay one size: an update takes the index's.",
+        shown=f"{CHUNK_TOKENS}, or the index's when it updates one")
+    overlap: int | None = setting(
+        None, "Tokens shared by consecutive chunks of one text; an update takes the index's.",
+        shown=f"{OVERLAP}, or the index's when it updates one")
     fast_tokenizer: bool = setting(
         True, "Take the chunks' token ids from nanotoken wherever it gives exactly the model's own "
               "tokenizer's (the same chunks, spans and vectors, for far less tokenizer time); off: "
@@ -204,17 +211,25 @@ class IndexConfig:
             return self
         return dataclasses.replace(self, batch_size=1024 if cuda else 256)
 
+    def chunking(self, stored: Mapping | None = None) -> tuple[int, int]:
+        """The chunk size and overlap asked for: those given, else ``stored`` (an index's
+        ``{"tokens", "overlap"}``), else the defaults; the size is not yet capped at the model's."""
+        stored = stored or {}
+        return (self.chunk_tokens if self.chunk_tokens is not None else stored.get("tokens", CHUNK_TOKENS),
+                self.overlap if self.overlap is not None else stored.get("overlap", OVERLAP))
+
     def validate(self) -> None:
         check_types(self)
         if self.batch_size < 0:
             raise ConfigError(f"batch-size={self.batch_size}: must be at least 1, or 0 (auto)")
         for name in ("chunk_tokens", "num_consumers", "sort_window", "commit_every",
                      "train_size"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name.replace('_', '-')}={getattr(self, name)}: must be at least 1")
-        if self.overlap < 0 or self.overlap >= self.chunk_tokens:
-            raise ConfigError(f"overlap={self.overlap}: must be >= 0 and smaller than "
-                              f"chunk-tokens ({self.chunk_tokens})")
+        if self.overlap is not None and self.overlap < 0:
+            raise ConfigError(f"overlap={self.overlap}: must be at least 0")
+        if None not in (self.overlap, self.chunk_tokens) and self.overlap >= self.chunk_tokens:
+            raise ConfigError(f"overlap={self.overlap}: must be smaller than chunk-tokens ({self.chunk_tokens})")
         if self.metric not in ("ip", "l2"):
             raise ConfigError(f"metric={self.metric!r}: use 'ip' or 'l2'")
         if self.search_k is not None and self.search_k < 1:

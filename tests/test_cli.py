@@ -79,8 +79,8 @@ def test_unknown_preset_key_is_an_error_naming_it(tmp_path):
 
 @pytest.mark.parametrize("line, message", [
     ('batch_size = "big"', "batch_size='big': must be an integer"),
-    ("chunk_tokens = 2.5", "chunk_tokens=2.5: must be an integer"),
-    ("chunk_tokens = 1e400", "chunk_tokens=inf: must be an integer"),
+    ("chunk_tokens = 2.5", "chunk_tokens=2.5: must be an integer or none"),
+    ("chunk_tokens = 1e400", "chunk_tokens=inf: must be an integer or none"),
     ("num_workers = true", "num_workers=True: must be an integer"),
     ('search_k = "3"', "search_k='3': must be an integer or none"),
     ("index = 5", "index=5: must be text"),

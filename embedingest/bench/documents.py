@@ -325,8 +325,8 @@ def run_documents(cfg: DocumentsBenchConfig, log=print) -> tuple[dict, list[dict
         dtype = rows[0]["summary"]["dtype"]
         icfg = IndexConfig()
         facts = ModelFacts.read(cfg.model)  # the tokenizer and limits, not the weights
-        chunk_tokens = min(icfg.chunk_tokens, facts.max_seq_length)
-        windows, texts = chunk_windows(folder, facts.tokenizer, chunk_tokens, icfg.overlap)
+        chunk_tokens, overlap = icfg.chunking()
+        windows, texts = chunk_windows(folder, facts.tokenizer, min(chunk_tokens, facts.max_seq_length), overlap)
         batches = sorted_batches(windows, cfg.batch_size)  # the floor's and the forward alone's
         rows.append(floor_command(batches, cfg, dtype, Path(tmp)))
     rows.append(forward_alone(batches, cfg, dtype))

@@ -140,7 +140,7 @@ def pretokenize(cfg: TextBenchConfig, texts: list[str], model_dir: str | None) -
     from ..stages.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
-    max_length = IndexConfig().chunk_tokens  # build-index's chunk size
+    max_length = IndexConfig().chunking()[0]  # build-index's chunk size
     order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
     batches = []
     for i in range(0, len(order), cfg.batch_size):
@@ -178,7 +178,7 @@ def loader_only(cfg: TextBenchConfig, corpus: Path, model_dir: str | None) -> di
     icfg = IndexConfig(batch_size=cfg.batch_size, num_workers=cfg.num_workers)
     units = [Unit(i, p.name, path=str(p)) for i, p in enumerate(sorted(corpus.glob("*.jsonl")))]
     workers = loader_workers(icfg, units)
-    loader = make_loader(units, enc, icfg, workers, min(icfg.chunk_tokens, enc.max_seq_length),
+    loader = make_loader(units, enc, icfg, workers, min(icfg.chunking()[0], enc.max_seq_length),
                      pin=cfg.device.startswith("cuda"))
     t0 = time.perf_counter()
     docs, first, t_first = 0, 0, None

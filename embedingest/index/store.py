@@ -93,6 +93,9 @@ class Manifest:
     corpus: str | None = None  # fingerprint of the corpus the last run read
     corpus_path: str | None = None  # folder that unit keys (file paths) are relative to
     prompts: dict = field(default_factory=dict)  # {"document", "query"}: text put before each
+    # {"tokens", "overlap"}: how texts were cut into chunks (empty: an index from before it was
+    # kept); every update cuts the same way.
+    chunking: dict = field(default_factory=dict)
     search: dict = field(default_factory=dict)  # search defaults: {"params": "nprobe=16", "k": 10}
     version: str = field(default_factory=package_version)
     created: str = field(default_factory=_now)
@@ -150,6 +153,10 @@ _FIELD_TYPES = {
     "prompts": (lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(t, str)
                                                       for k, t in v.items()),
                 "an object of texts ({\"document\": ..., \"query\": ...})"),
+    "chunking": (lambda v: isinstance(v, dict) and (not v or (
+        set(v) == {"tokens", "overlap"} and _is_int(v["tokens"]) and _is_int(v["overlap"])
+        and 0 <= v["overlap"] < v["tokens"])),
+        "an object {\"tokens\": N, \"overlap\": M} with 0 <= M < N"),
     "search": (lambda v: isinstance(v, dict) and (v.get("params") is None or isinstance(v["params"], str))
                and (v.get("k") is None or (_is_int(v["k"]) and v["k"] >= 1)),
                "an object with a string params and a positive integer k"),

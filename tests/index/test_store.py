@@ -151,6 +151,8 @@ def test_train_index(tmp_path):
     ("metric", "cosine", "one of"), ("metric", 3, "one of"), ("factory", ["Flat"], "a faiss factory string"),
     ("model", "m", "an object"), ("model", {"name": 3}, "an object"), ("segments", 5, "a list"),
     ("segments", [{"name": "x"}], "a list"), ("format", "1", "an integer"), ("corpus", 3, "a string or null"),
+    ("chunking", {"tokens": 16, "overlap": 16}, "an object"), ("chunking", {"tokens": "16", "overlap": 0}, "an object"),
+    ("chunking", {"tokens": 16}, "an object"), ("chunking", [16, 4], "an object"),
 ])
 def test_a_manifest_field_of_the_wrong_type_is_a_clear_error(tmp_path, field, value, expected):
     store = ShardStore(tmp_path)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from PIL import Image
-from corpus_fixtures import vectors_by_id
+from corpus_fixtures import chunk_rows, vectors_by_id
 from test_build_index import PARAGRAPHS, make_corpus
 
 from embedingest import build_index, open_index
@@ -387,3 +387,71 @@ def test_loader_workers_count_the_parts_of_large_files(tmp_path, monkeypatch):
     assert loader_workers(IndexConfig(num_workers=6), [Unit(1, "small.txt", path=str(small))]) == 1
     assert loader_workers(IndexConfig(num_workers=6), [Unit(2, "m", text="t")]) == 0
     assert loader_workers(IndexConfig(num_workers=1), units) == 1
+
+
+def _spans(out) -> set[tuple]:
+    """(record, chunk number, character span) of every stored chunk."""
+    return {row[1:5] for row in chunk_rows(out, list(vectors_by_id(out))).values()}
+
+
+def test_an_update_cuts_texts_as_the_index_was_cut(tmp_path):
+    """Before: a later run with other (or the default) --chunk-tokens/--overlap added chunks
+    of another size to the index without a word."""
+    out, alone = tmp_path / "idx", tmp_path / "alone"
+    build_index(RECORDS[:6], out=str(out), chunk_tokens=12, overlap=4, **FAST)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["chunking"] == {"tokens": 12, "overlap": 4}
+    s = build_index(RECORDS, out=str(out), **FAST)  # no settings given: the index's
+    assert s["units_indexed"] == 6 and s["chunks"] > 6  # several chunks a paragraph: 12 tokens, not 256
+    build_index(RECORDS[6:], out=str(alone), chunk_tokens=12, overlap=4, **FAST)
+    assert _spans(alone) <= _spans(out)
+    before = {p.name: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != "index.lock"}
+    for given, asked in (({"chunk_tokens": 64}, "not 64 by 4"), ({"overlap": 0}, "not 12 by 0"),
+                         ({"chunk_tokens": 64, "overlap": 8}, "not 64 by 8")):
+        with pytest.raises(ConfigError, match=f"cuts texts into chunks of 12 tokens overlapping by 4, {asked}: "
+                                              "leave out --chunk-tokens and --overlap"):
+            build_index(RECORDS + [{"id": "new", "text": "a record the refused run must not add"}],
+                        out=str(out), **given, **FAST)
+    after = {p.name: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != "index.lock"}
+    assert after == before  # refused before anything was written
+    assert build_index(RECORDS, out=str(out), chunk_tokens=12, overlap=4, **FAST)["units_unchanged"] == 12
+    s = build_index(RECORDS, out=str(out), chunk_tokens=64, overwrite=True, **FAST)
+    assert s["chunks"] == 12
+    assert json.loads((out / "manifest.json").read_text())["chunking"] == {"tokens": 64, "overlap": 32}
+
+
+def test_a_chunking_the_model_cannot_take_is_refused_before_the_folder_is_made(tmp_path):
+    out = tmp_path / "new"
+    with pytest.raises(ConfigError, match=r"overlap=32 must be smaller than the chunk size 16 .*give a smaller --overlap"):
+        build_index(RECORDS, out=str(out), chunk_tokens=16, **FAST)
+    with pytest.raises(ConfigError, match=r"overlap=300 must be smaller than the chunk size 256 \(chunk-tokens 1000, "
+                                          r"the model takes at most 256\)"):
+        build_index(RECORDS, out=str(out), chunk_tokens=1000, overlap=300, **FAST)
+    assert not out.exists()
+
+
+def test_an_index_from_before_chunking_was_kept_takes_the_runs_and_keeps_it(tmp_path):
+    out = tmp_path / "idx"
+    build_index(RECORDS[:6], out=str(out), **FAST)
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["chunking"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    build_index(RECORDS, out=str(out), chunk_tokens=64, overlap=8, **FAST)
+    assert json.loads((out / "manifest.json").read_text())["chunking"] == {"tokens": 64, "overlap": 8}
+    assert build_index(RECORDS, out=str(out), **FAST)["units_unchanged"] == 12  # the index's, kept
+    with pytest.raises(ConfigError, match="cuts texts into chunks of 64 tokens overlapping by 8, not 256 by 8"):
+        build_index(RECORDS, out=str(out), chunk_tokens=256, **FAST)
+
+
+def test_the_cli_refuses_another_chunking_naming_the_index(tmp_path):
+    corpus = make_corpus(tmp_path / "docs")
+    out = tmp_path / "idx"
+    run = CliRunner().invoke(main, ["build-index", str(corpus), "--out", str(out), "--num-workers", "0",
+                                    "--chunk-tokens", "12", "--overlap", "4"])
+    assert run.exit_code == 0, run.output
+    run = CliRunner().invoke(main, ["build-index", str(corpus), "--out", str(out), "--chunk-tokens", "100"])
+    assert run.exit_code == 1
+    assert (f"Error: the index at {str(out)!r} cuts texts into chunks of 12 tokens overlapping by 4, "
+            "not 100 by 4") in run.output
+    help_text = CliRunner().invoke(main, ["build-index", "--help"]).output
+    assert "256, or the index's when it updates one" in " ".join(help_text.split())

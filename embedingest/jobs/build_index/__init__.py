@@ -48,7 +48,8 @@ from ...stages.prompts import Prompts
 from .devices import SeveralDevices
 from .encode import OneDevice, needs_training
 from .plan import (apply_plan, check_search_params, corpus_path, default_out, file_candidates, fingerprint,
-                   plan_units, record_candidates, search_defaults, settled_prompts, unit_key)
+                   plan_units, record_candidates, search_defaults, settled_chunking, settled_prompts,
+                   stored_chunking, unit_key)
 
 __all__ = ["build_index", "default_out", "plan_units", "record_candidates", "unit_key"]
 
@@ -121,13 +122,12 @@ def _load_and_build(corpus, cfg: IndexConfig, where: OneDevice | SeveralDevices,
     if model.dim is None:  # the config does not say the width: the weights do
         model = where.load_encoder(cfg, model)
         phases["load_model_s"] = time.perf_counter() - t_start
-    chunk_tokens = min(cfg.chunk_tokens, model.max_seq_length)
-    if cfg.overlap >= chunk_tokens:
-        raise ConfigError(f"overlap={cfg.overlap} must be smaller than the chunk size {chunk_tokens}")
-    parse_factory(model.dim, cfg.index, cfg.metric)  # every option checked before the first write
+    if not out_url:  # every option checked before the first write (a remote index's, under its lease)
+        settled_chunking(stored_chunking(out, cfg.overwrite), cfg, model.max_seq_length, str(out))
+    parse_factory(model.dim, cfg.index, cfg.metric)
     check_search_params(model.dim, cfg.index, cfg.metric, cfg.search_params)
     built = [model]  # the encoder, once loaded: released however the run ends
-    build = (corpus, cfg, model, built, where, dtype, in_memory, chunk_tokens, report, progress,
+    build = (corpus, cfg, model, built, where, dtype, in_memory, report, progress,
              timeline, t_start, phases, trace)
     try:
         if out_url:
@@ -179,7 +179,7 @@ def _loaded(where: OneDevice | SeveralDevices, cfg: IndexConfig, model, built: l
 
 
 def _build_locked(corpus, cfg: IndexConfig, out: Path, model, built: list, where: OneDevice | SeveralDevices,
-                  dtype: str, in_memory: bool, chunk_tokens: int, report: SkipReport, progress: bool,
+                  dtype: str, in_memory: bool, report: SkipReport, progress: bool,
                   timeline, t_start: float, phases: dict, trace=None, checkpoint=None) -> dict:
     """The body of :func:`build_index`, run while holding the folder's run lock: plan,
     start the tokenizing workers, load the model (unless loaded), train, encode, then the
@@ -206,9 +206,12 @@ def _build_locked(corpus, cfg: IndexConfig, out: Path, model, built: list, where
                               f"remove from it: give this corpus an --out of its own, or --out "
                               f"{str(out)!r} to make it the index of this one")
         settings = {"prompts": settled_prompts(manifest, cfg, str(out)),
+                    "chunking": settled_chunking(manifest.chunking, cfg, model.max_seq_length, str(out)),
                     "search": search_defaults(manifest, cfg),
                     "corpus_path": corpus_path(corpus, in_memory)}
-        cfg = dataclasses.replace(cfg, doc_prompt=settings["prompts"]["document"])
+        chunk_tokens = settings["chunking"]["tokens"]
+        cfg = dataclasses.replace(cfg, doc_prompt=settings["prompts"]["document"], chunk_tokens=chunk_tokens,
+                                  overlap=settings["chunking"]["overlap"])
         store.clean_garbage()
         candidates = (corpus if in_memory
                       else file_candidates(corpus, report, out, cfg.follow_outside_links))

@@ -50,12 +50,14 @@ def chunk_batches(units: list[Unit], encoder: TextEncoder, cfg: IndexConfig, chu
                   tokenizer_loader=load_tokenizer, parts=None) -> IterableDataset:
     """Batches of tokenized chunks of ``units``, the document prompt's tokens in each
     chunk (an iterable dataset; :func:`make_loader` runs it in DataLoader workers, with
-    ``parts``, the files its workers read in parts)."""
+    ``parts``, the files its workers read in parts). The overlap is ``cfg``'s, as a run
+    settled it, else the default."""
     doc_prompt = encoder.prompts.for_role("document", cfg.doc_prompt)
     encoder.check_prompt(doc_prompt)
-    prompt = chunk_prompt(encoder.tokenizer, doc_prompt, chunk_tokens, cfg.overlap)
+    overlap = cfg.chunking()[1]
+    prompt = chunk_prompt(encoder.tokenizer, doc_prompt, chunk_tokens, overlap)
     ds = TextChunkDataset(units, encoder.model_dir, batch_size=cfg.batch_size,
-                          max_tokens=prompt.max_tokens, overlap=cfg.overlap,
+                          max_tokens=prompt.max_tokens, overlap=overlap,
                           window=cfg.sort_window * cfg.batch_size, text_field=cfg.text_field,
                           id_field=cfg.id_field, tokenizer_loader=tokenizer_loader,
                           pad_multiple=16 if encoder.device.type == "cuda" else 1,

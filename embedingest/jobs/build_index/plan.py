@@ -314,6 +314,40 @@ def settled_prompts(manifest: Manifest, cfg: IndexConfig, where: str) -> dict:
     return {"document": document, "query": query}
 
 
+def stored_chunking(out: Path, overwrite: bool) -> dict:
+    """The chunking kept in the manifest of the index at ``out`` that a run will update
+    ({} for a new index, one rebuilt with ``overwrite``, or one that cannot be read: the
+    run's own opening of it says what is wrong). Read without the run lock, for the checks
+    made before the folder is: the run checks again once it holds the lock."""
+    if overwrite or not (out / MANIFEST_NAME).is_file():
+        return {}
+    try:
+        with ShardStore(out, read_only=True) as store:
+            return store.read_manifest().chunking
+    except (ConfigError, OSError):
+        return {}
+
+
+def settled_chunking(stored: dict, cfg: IndexConfig, max_tokens: int, where: str) -> dict:
+    """How this run cuts texts into chunks, ``{"tokens", "overlap"}``: as given, else as
+    the index it updates (``stored``, its manifest's), else the defaults; the size capped at
+    the model's ``max_tokens``. An index's chunks stay one size and overlap (search would
+    rank chunks of two sizes against each other, and a text's chunks would no longer be
+    cut alike), so settings other than the index's are refused."""
+    tokens, overlap = cfg.chunking(stored)
+    tokens = min(tokens, max_tokens)
+    if overlap >= tokens:
+        raise ConfigError(f"overlap={overlap} must be smaller than the chunk size {tokens} (chunk-tokens "
+                          f"{cfg.chunking(stored)[0]}, the model takes at most {max_tokens}): "
+                          "give a smaller --overlap")
+    if stored and (tokens, overlap) != (stored["tokens"], stored["overlap"]):
+        raise ConfigError(f"the index at {where!r} cuts texts into chunks of {stored['tokens']} tokens "
+                          f"overlapping by {stored['overlap']}, not {tokens} by {overlap}: leave out "
+                          f"--chunk-tokens and --overlap (or give {stored['tokens']} and "
+                          f"{stored['overlap']}) to update it, or --overwrite to rebuild it cut the new way")
+    return {"tokens": tokens, "overlap": overlap}
+
+
 def check_search_params(dim: int, factory: str, metric: str, params: str | None) -> None:
     """ConfigError unless ``--search-params`` ``params`` (None, blank: none) apply to
     ``factory``: a build checks them before its first write, and again against the

@@ -89,7 +89,8 @@ from ...stages.device import precision
 from ...stages.prefetch import thread_ahead
 from .encode import (chunk_batches, commit_marks, embed_steps, needs_training, shard_sinks, train_if_needed,
                      vector_slots)
-from .plan import apply_plan, check_search_params, fingerprint, plan_units, search_defaults, settled_prompts
+from .plan import (apply_plan, check_search_params, fingerprint, plan_units, search_defaults, settled_chunking,
+                   settled_prompts, stored_chunking)
 
 log = logging.getLogger("embedingest")
 
@@ -462,10 +463,7 @@ def plan_ray_index(dataset: ray.data.Dataset, out: str | os.PathLike,
     dtype = precision(cfg.dtype, bool(num_gpus))
     cfg = cfg.for_device(bool(num_gpus))
     encoder = TextEncoder.load(cfg.model, device="cpu", dtype="fp32")
-    chunk_tokens = min(cfg.chunk_tokens, encoder.max_seq_length)
-    if cfg.overlap >= chunk_tokens:
-        raise ConfigError(f"overlap={cfg.overlap} must be smaller than the chunk size "
-                          f"{chunk_tokens}")
+    settled_chunking(stored_chunking(out, cfg.overwrite), cfg, encoder.max_seq_length, str(out))
     parse_factory(encoder.dim, cfg.index, cfg.metric)  # every option checked before the first write
     check_search_params(encoder.dim, cfg.index, cfg.metric, cfg.search_params)
     report = SkipReport()
@@ -477,8 +475,11 @@ def plan_ray_index(dataset: ray.data.Dataset, out: str | os.PathLike,
             Manifest(model=encoder.info() | {"dtype": dtype}, dim=encoder.dim, metric=cfg.metric,
                      factory=cfg.index, dtype=dtype, prompts=wanted), overwrite=cfg.overwrite)
         settings = {"prompts": settled_prompts(manifest, cfg, str(out)),
+                    "chunking": settled_chunking(manifest.chunking, cfg, encoder.max_seq_length, str(out)),
                     "search": search_defaults(manifest, cfg)}
-        cfg = dataclasses.replace(cfg, doc_prompt=settings["prompts"]["document"])
+        chunk_tokens = settings["chunking"]["tokens"]
+        cfg = dataclasses.replace(cfg, doc_prompt=settings["prompts"]["document"], chunk_tokens=chunk_tokens,
+                                  overlap=settings["chunking"]["overlap"])
         store.clean_garbage()
         candidates, duplicated_units, duplicate_ids = _candidates(_described(dataset, cfg), report, store)
         plan = plan_units(store, candidates, report)

@@ -109,7 +109,7 @@ OUTPUT_SEARCH_NAMES = 100_000
 
 def first_output_file(out: Path, images: str, most: int = OUTPUT_SEARCH_NAMES) -> str | None:
     """The path (below ``out``) of the first file found there named as an image's output
-    is (a mask, logits, an overlay), or None; links are not followed, nor the statistics
+    is (a mask, logits, an overlay), or None; links are neither outputs nor followed, nor the statistics
     folder or an input folder inside ``out`` walked, and the walk ends after ``most``
     names. For a folder without labels.json: whatever made such files, no run can say
     which model it was."""
@@ -122,7 +122,7 @@ def first_output_file(out: Path, images: str, most: int = OUTPUT_SEARCH_NAMES) -
         if seen > most:
             return None
         folders[:] = [f for f in folders if os.path.realpath(os.path.join(folder, f)) not in skip]
-        found = next((f for f in files if _output_name(f)), None)
+        found = next((f for f in files if _output_name(f) and not os.path.islink(os.path.join(folder, f))), None)
         if found is not None:
             return os.path.relpath(os.path.join(folder, found), out).replace(os.sep, "/")
     return None
