@@ -38,25 +38,40 @@ _DECIMAL = re.compile(r"-?[0-9]+(?:\.[0-9]+)?")
 _AT_LEAST_ONE = re.compile(r"(?:\w+_)?(?:nprobe|efSearch)")
 
 
-def apply_search_params(index: faiss.Index, params: str) -> None:
-    """Set ``params`` (``"nprobe=16,efSearch=64"``) on ``index`` through faiss's
-    ParameterSpace. ValueError saying what is wrong when a part is not NAME=NUMBER, an
-    nprobe or efSearch is below 1, or faiss has no such parameter for the factory."""
+def search_params_text(params: str) -> str:
+    """``params`` (``"nprobe=16, efSearch=64"``) as faiss's ParameterSpace reads them:
+    NAME=NUMBER parts joined by commas, without spaces (faiss takes a space as part of a
+    name). ValueError saying what is wrong when a part is not NAME=NUMBER, a name is given
+    twice (faiss set the last), an nprobe or efSearch is not a whole number of at least 1
+    (faiss cut 2.5 to 2) or a value is out of range."""
+    parts: dict[str, str] = {}
     for part in params.split(","):
         name, sep, value = (p.strip() for p in part.partition("="))
         # plain decimals only: Python reads 0_64 and 1e30, faiss reads the same text as 0
         # and as an integer out of range
         if not (sep and name and _DECIMAL.fullmatch(value)):
             raise ValueError(f"{part.strip()!r} is not NAME=NUMBER")
+        if name in parts:
+            raise ValueError(f"{name} is given twice ({name}={parts[name]}, {name}={value}): give it once")
         number = float(value)
-        if _AT_LEAST_ONE.fullmatch(name) and number < 1:
-            raise ValueError(f"{name}={value} must be at least 1")
+        if _AT_LEAST_ONE.fullmatch(name) and ("." in value or number < 1):
+            raise ValueError(f"{name}={value} must be a whole number of at least 1")
         if abs(number) > 2**31 - 1:
             raise ValueError(f"{name}={value} is out of range (at most {2**31 - 1})")
+        parts[name] = value
+    return ",".join(f"{name}={value}" for name, value in parts.items())
+
+
+def apply_search_params(index: faiss.Index, params: str) -> str:
+    """Set ``params`` on ``index`` through faiss's ParameterSpace; they are returned as
+    :func:`search_params_text` writes them. ValueError saying what is wrong when they are
+    not well formed or faiss has no such parameter for the factory."""
+    text = search_params_text(params)
     try:
-        faiss.ParameterSpace().set_index_parameters(index, params)
+        faiss.ParameterSpace().set_index_parameters(index, text)
     except RuntimeError as exc:
         raise ValueError(faiss_message(exc)) from exc
+    return text
 
 
 def parse_factory(dim: int, factory: str, metric: str) -> faiss.Index:

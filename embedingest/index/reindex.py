@@ -155,12 +155,11 @@ def _settled_params(manifest, template: faiss.Index, given: str | None) -> str |
         return None
     probe = faiss.IndexIDMap(faiss.clone_index(template))
     try:
-        apply_search_params(probe, params)
+        return apply_search_params(probe, params)
     except ValueError as exc:
         if given is not None:
             raise ConfigError(f"search parameters {params!r} do not apply to the new factory: "
                               f"{exc}; nprobe is for IVF factories, efSearch for HNSW") from exc
         log.warning("the stored search parameters %r do not apply to the new factory: dropped", params)
         return None
-    return params
 

@@ -141,8 +141,10 @@ def test_factories_faiss_makes_but_a_shard_cannot_use_are_refused(factory, match
 
 
 @pytest.mark.parametrize("params, reason", [
-    ("efSearch=0", "efSearch=0 must be at least 1"),  # faiss took it and gave one hit whatever k
-    ("efSearch=-5", "efSearch=-5 must be at least 1"),
+    ("efSearch=0", "efSearch=0 must be a whole number of at least 1"),  # faiss gave one hit whatever k
+    ("efSearch=-5", "efSearch=-5 must be a whole number of at least 1"),
+    ("efSearch=2.5", "efSearch=2.5 must be a whole number of at least 1"),  # faiss cut it to 2
+    ("efSearch=16,efSearch=32", "efSearch is given twice (efSearch=16, efSearch=32): give it once"),
     ("efSearch=abc", "'efSearch=abc' is not NAME=NUMBER"),
     ("efSearch=nan", "'efSearch=nan' is not NAME=NUMBER"),
     ("efSearch", "'efSearch' is not NAME=NUMBER"),
@@ -171,8 +173,10 @@ def test_search_params_apply_and_nprobe_below_1_is_refused_before_the_first_sear
     ivf.train(x)
     apply_search_params(ivf, "nprobe=3")
     assert ivf.nprobe == 3
-    with pytest.raises(ValueError, match=r"^nprobe=0 must be at least 1$"):
+    with pytest.raises(ValueError, match=r"^nprobe=0 must be a whole number of at least 1$"):
         apply_search_params(ivf, "nprobe=0")
+    assert apply_search_params(ivf, " nprobe = 2 ") == "nprobe=2"  # faiss read ' nprobe ' as a name
+    assert ivf.nprobe == 2
     with pytest.raises(ValueError) as err:  # a parameter the factory has not: faiss's reason, cut
         apply_search_params(ivf, "efSearch=8")
     assert "efSearch" in str(err.value) and "Error in" not in str(err.value) and ".cpp" not in str(err.value)

@@ -97,6 +97,11 @@ def test_rerun_keeps_updates_and_drops_defaults(tmp_path):
         assert {faiss.downcast_index(seg.index).hnsw.efSearch for seg in index.shards} == {64}
     build_index(RECORDS[:21], out=str(out), index="HNSW8", search_params="", search_k=7, **FAST)
     assert manifest()["search"] == {"k": 7}
+    # kept as faiss reads them: with the spaces, faiss took ' efSearch ' for a parameter it has not
+    build_index(RECORDS[:21], out=str(out), index="HNSW8", search_params=" efSearch = 48 ", **FAST)
+    assert manifest()["search"] == {"k": 7, "params": "efSearch=48"}
+    with open_index(out) as index:
+        assert {faiss.downcast_index(seg.index).hnsw.efSearch for seg in index.shards} == {48}
 
 
 def test_parameters_that_do_not_apply_are_refused_before_the_work(tmp_path):
@@ -105,7 +110,7 @@ def test_parameters_that_do_not_apply_are_refused_before_the_work(tmp_path):
     assert not (tmp_path / "idx").exists()  # refused before the folder is made (it left an empty index)
     # faiss takes efSearch=0 and then gives one hit whatever k: refused, not stored
     with pytest.raises(ConfigError, match=r"--search-params 'efSearch=0' do not apply to index 'HNSW8': "
-                                          r"efSearch=0 must be at least 1"):
+                                          r"efSearch=0 must be a whole number of at least 1"):
         build_index(RECORDS[:5], out=str(tmp_path / "idx3"), index="HNSW8", search_params="efSearch=0", **FAST)
     with pytest.raises(ConfigError, match="search-k=0"):
         build_index(RECORDS[:5], out=str(tmp_path / "idx2"), search_k=0, **FAST)

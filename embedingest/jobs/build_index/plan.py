@@ -348,14 +348,14 @@ def settled_chunking(stored: dict, cfg: IndexConfig, max_tokens: int, where: str
     return {"tokens": tokens, "overlap": overlap}
 
 
-def check_search_params(dim: int, factory: str, metric: str, params: str | None) -> None:
-    """ConfigError unless ``--search-params`` ``params`` (None, blank: none) apply to
-    ``factory``: a build checks them before its first write, and again against the
-    index it updates."""
+def check_search_params(dim: int, factory: str, metric: str, params: str | None) -> str | None:
+    """``--search-params`` ``params`` as the index keeps them (None, blank: none);
+    ConfigError unless they apply to ``factory``: a build checks them before its first
+    write, and again against the index it updates."""
     if params is None or not params.strip():
-        return
+        return None
     try:
-        apply_search_params(parse_factory(dim, factory, metric), params)
+        return apply_search_params(parse_factory(dim, factory, metric), params)
     except ValueError as exc:
         raise ConfigError(f"--search-params {params!r} do not apply to index {factory!r}: {exc}; "
                           "nprobe is for IVF factories, efSearch for HNSW") from exc
@@ -368,9 +368,9 @@ def search_defaults(manifest: Manifest, cfg: IndexConfig) -> dict:
     search = dict(manifest.search)
     if cfg.search_params is not None:
         search.pop("params", None)
-        if cfg.search_params.strip():
-            check_search_params(manifest.dim, manifest.factory, manifest.metric, cfg.search_params)
-            search["params"] = cfg.search_params.strip()
+        params = check_search_params(manifest.dim, manifest.factory, manifest.metric, cfg.search_params)
+        if params:
+            search["params"] = params
     if cfg.search_k is not None:
         search["k"] = cfg.search_k
     return search
