@@ -399,6 +399,30 @@ def test_segment_images_in_memory(tmp_path, weights, reference):
         segment_images([np.zeros((4, 4, 3))], weights=str(weights), size=SIZE, device="cpu")
 
 
+def test_segment_images_takes_file_paths_as_segment_reads_them(tmp_path, weights, reference):
+    """Before: a path was taken for an array (``unsupported array: dtype <U9``), and a folder's
+    path given as ``images`` was read a character at a time."""
+    pic = noise(30, 50, seed=4)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotated: the mask is of the upright picture, as segment() writes it
+    Image.fromarray(pic).save(tmp_path / "turned.jpg", exif=exif)
+    Image.fromarray(pic).save(tmp_path / "p.png")
+    masks = segment_images([tmp_path / "turned.jpg", str(tmp_path / "p.png"), pic], weights=str(weights),
+                           size=SIZE, device="cpu")
+    assert [m.shape for m in masks] == [(50, 30), (30, 50), (30, 50)]
+    assert np.array_equal(masks[0], reference(tmp_path / "turned.jpg")[0])
+    assert np.array_equal(masks[1], reference(tmp_path / "p.png")[0]) and np.array_equal(masks[1], masks[2])
+    for one in (str(tmp_path), tmp_path / "p.png"):
+        with pytest.raises(ConfigError, match=r"is one path, not a list of pictures: pass \[path\] for one image "
+                                              r"file, or call segment\(images=...\) for a folder"):
+            segment_images(one, weights=str(weights), size=SIZE, device="cpu")
+    (tmp_path / "notes.jpg").write_text("hello")
+    with pytest.raises(ConfigError, match=rf"^image 1 \({tmp_path / 'notes.jpg'}\): not an image"):
+        segment_images([pic, tmp_path / "notes.jpg"], weights=str(weights), size=SIZE, device="cpu")
+    with pytest.raises(ConfigError, match=rf"^image 0 \({tmp_path / 'gone.jpg'}\): "):
+        segment_images([tmp_path / "gone.jpg"], weights=str(weights), size=SIZE, device="cpu")
+
+
 @pytest.mark.parametrize("picture, size", [(np.zeros((0, 40, 3), np.uint8), "40x0"),
                                            (np.zeros((30, 0), np.uint16), "0x30"),
                                            (Image.new("RGB", (0, 7)), "0x7")])

@@ -45,7 +45,7 @@ from ...sinks.mask_stats import STATS_DIR, drop_stats_rows, part_files, remove_p
 from ...sinks.masks import LABELS_FILE, restore_mask
 from ...sources.files import refuse_output_as_input
 from ...sources.image_decode import ImageRejected
-from ...sources.images import input_shape, prepare_picture
+from ...sources.images import input_shape, prepare_file, prepare_picture
 from ...sources.remote import check_remote, is_remote, local_path
 from ...stages import fused_argmax
 from ...stages.device import resolve_device
@@ -263,14 +263,18 @@ def _write_report(report: SkipReport, url: str) -> str:
 
 def segment_images(images: Iterable, config: SegmentConfig | None = None, *,
                    model: SegmentationModel | None = None, **overrides) -> list[np.ndarray]:
-    """Masks of in-memory pictures (PIL images, or uint8/uint16 arrays), each a uint8
-    [height, width] array at its picture's own size.
+    """Masks of pictures (PIL images, uint8/uint16 arrays, or image files' paths, read and
+    turned upright as :func:`segment` reads them), each a uint8 [height, width] array at
+    its picture's own size.
 
     For a handful of images in a notebook or a service: it runs in this process, with
     no engine and no files. Settings come from ``config`` and ``overrides`` (field names
     of :class:`SegmentConfig`); pass ``model`` (from ``load_segmentation_model``) to
     reuse a loaded model across calls.
     """
+    if isinstance(images, (str, bytes, os.PathLike)):
+        raise ConfigError(f"images={images!r} is one path, not a list of pictures: pass [path] for one "
+                          "image file, or call segment(images=...) for a folder (it writes the masks)")
     values = {**dataclasses.asdict(config or SegmentConfig()), **overrides}
     config = load_config(SegmentConfig, None, **values)
     config.validate()
@@ -285,7 +289,7 @@ def segment_images(images: Iterable, config: SegmentConfig | None = None, *,
     masks: list[np.ndarray] = []
     pictures = iter(images)
     while chunk := list(itertools.islice(pictures, config.batch_size)):
-        prepared = [_prepare(picture, prep, len(masks) + i) for i, picture in enumerate(chunk)]
+        prepared = [_prepare(picture, prep, len(masks) + i, config.max_pixels) for i, picture in enumerate(chunk)]
         done: dict[int, np.ndarray] = {}
         shapes: dict[tuple[int, ...], list[int]] = {}
         for i, (pixels, meta) in enumerate(prepared):
@@ -301,8 +305,11 @@ def segment_images(images: Iterable, config: SegmentConfig | None = None, *,
     return masks
 
 
-def _prepare(picture, prep, index: int):
+def _prepare(picture, prep, index: int, max_pixels: int):
     try:
+        if isinstance(picture, (str, os.PathLike)):
+            return prepare_file(os.fspath(picture), os.fspath(picture), prep, max_pixels)
         return prepare_picture(picture, prep)
     except ImageRejected as exc:
-        raise ConfigError(f"image {index}: {exc.reason}") from exc
+        where = f" ({os.fspath(picture)})" if isinstance(picture, (str, os.PathLike)) else ""
+        raise ConfigError(f"image {index}{where}: {exc.reason}") from exc
