@@ -207,8 +207,9 @@ class Index:
         self._check_open()
         if isinstance(queries, str):
             queries = [queries]
-        elif queries is None or not hasattr(queries, "__iter__"):
-            raise ConfigError(f"queries={queries!r}: give a text or a list of texts")
+        elif queries is None or not hasattr(queries, "__iter__") or isinstance(queries, (bytes, bytearray)):
+            raise ConfigError(f"queries={queries!r}: give a text or a list of texts (bytes decoded: "
+                              "queries.decode())")
         queries = list(queries)  # a generator, a numpy array of texts
         if not queries:
             return []

@@ -1,5 +1,7 @@
 """open_index over an index of format 2: every shard searched, rows from the Parquet files."""
 
+import re
+
 import numpy as np
 import pytest
 from shard_fixtures import DIM, build_shards, unit_vectors
@@ -155,8 +157,9 @@ def test_odd_search_arguments_are_taken_or_refused_by_name(tmp_path):
                          (q.astype(np.complex64), "complex numbers")]:
         with pytest.raises(ConfigError, match=message):
             index.search_vectors(bad, k=3)
-    with pytest.raises(ConfigError, match=r"^queries=None: give a text or a list of texts$"):
-        index.search(None)
+    for bad in (None, b"bread", bytearray(b"x")):  # bytes were read as numbers: "query 0 (98) is empty"
+        with pytest.raises(ConfigError, match=rf"^queries={re.escape(repr(bad))}: give a text or a list of texts"):
+            index.search(bad)
     index.close()
 
     class Encoder:
