@@ -222,7 +222,8 @@ def open_rgb(path: str | os.PathLike, max_pixels: int | None = DEFAULT_MAX_PIXEL
                     cw, ch = content_size(im.width, im.height, fit)
                     im.draft(None, (cw, ch))
                 im.load()
-                return to_rgb(ImageOps.exif_transpose(im)), (width, height)
+                ImageOps.exif_transpose(im, in_place=True)  # an upright picture is not copied
+                return to_rgb(im), (width, height)
     except ImageRejected:
         raise
     except (NotRegularFile, OutsideInput) as exc:

@@ -19,6 +19,7 @@ process, which writes them to the skip report.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NamedTuple
 
@@ -120,8 +121,17 @@ class ImageBatch:
         return sum(len(metas) for _, metas, _ in self.groups)
 
     def pin_memory(self, *args) -> ImageBatch:
-        """Called by the DataLoader's pin thread (``pin_memory=True``)."""
-        self.groups = [(pixels.pin_memory(), metas, hw) for pixels, metas, hw in self.groups]
+        """Called by the DataLoader's pin thread (``pin_memory=True``): the groups packed
+        in one buffer (:func:`collate_images`) are pinned as one, still one buffer."""
+        pinned: dict[int, torch.Tensor] = {}
+        groups = []
+        for pixels, metas, hw in self.groups:
+            storage = pixels.untyped_storage()
+            if storage.data_ptr() not in pinned:
+                pinned[storage.data_ptr()] = torch.empty(0, dtype=torch.uint8).set_(storage).pin_memory()
+            base = pinned[storage.data_ptr()]
+            groups.append((base.as_strided(pixels.shape, pixels.stride(), pixels.storage_offset()), metas, hw))
+        self.groups = groups
         return self
 
 
@@ -149,16 +159,23 @@ class ImageFileDataset(Dataset):
 
 
 def collate_images(samples: Sequence[LoadedImage | BadImage], resize: str = "short") -> ImageBatch:
-    """Stack the good images of each picture size and model input shape (in the worker:
-    one tensor per group crosses to the main process) and carry the bad ones."""
+    """Stack the good images of each picture size and model input shape and carry the bad
+    ones. In the worker: every group is a view of one buffer, so a chunk crosses to the
+    main process as one shared-memory segment (and is pinned there as one), not one per
+    group, which for photographs of varied sizes is one per picture."""
     groups: dict[tuple, list[LoadedImage]] = {}
     for s in samples:
         if isinstance(s, LoadedImage):
             key = (tuple(s.pixels.shape), input_shape(s.meta, s.pixels, resize))
             groups.setdefault(key, []).append(s)
-    return ImageBatch([(torch.stack([s.pixels for s in group]), tuple(s.meta for s in group), key[1])
-                       for key, group in groups.items()],
-                      tuple(s for s in samples if isinstance(s, BadImage)),
+    flat = torch.empty(sum(s.pixels.numel() for group in groups.values() for s in group), dtype=torch.uint8)
+    packed, at = [], 0
+    for (shape, model_hw), group in groups.items():
+        pixels = flat[at:at + len(group) * math.prod(shape)].view(len(group), *shape)
+        torch.stack([s.pixels for s in group], out=pixels)
+        at += pixels.numel()
+        packed.append((pixels, tuple(s.meta for s in group), model_hw))
+    return ImageBatch(packed, tuple(s for s in samples if isinstance(s, BadImage)),
                       samples[0].index if samples else None)
 
 

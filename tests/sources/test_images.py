@@ -227,6 +227,38 @@ def test_loader_drops_bad_files_and_carries_them(tmp_path):
     assert all_bad.groups == [] and len(all_bad) == 0 and len(all_bad.bad) == 1
 
 
+def test_a_chunk_crosses_to_the_main_process_as_one_buffer():
+    """Each group was a tensor of its own: for photographs of varied sizes, one shared-memory
+    segment (made, sent, mapped) per picture; now one per chunk, each group a view of it."""
+    pictures = [torch.randint(0, 256, (h, w, 3), dtype=torch.uint8) for h, w in
+                ((30, 40), (30, 40), (50, 20), (30, 40), (7, 9))]
+    samples = [LoadedImage(p, ImageMeta(str(i), "", p.shape[1], p.shape[0], p.shape[1], p.shape[0]), i)
+               for i, p in enumerate(pictures)]
+    batch = collate_images(samples[:2] + [BadImage("b", "", "empty file: 0 bytes", 9)] + samples[2:])
+    assert [(tuple(px.shape), [m.rel_path for m in metas]) for px, metas, _ in batch.groups] == [
+        ((3, 30, 40, 3), ["0", "1", "3"]), ((1, 50, 20, 3), ["2"]), ((1, 7, 9, 3), ["4"])]
+    assert len({px.untyped_storage().data_ptr() for px, _, _ in batch.groups}) == 1
+    assert batch.groups[0][0].untyped_storage().nbytes() == sum(p.numel() for p in pictures)
+    queue = torch.multiprocessing.get_context("spawn").SimpleQueue()
+    queue.put(batch)  # as a worker hands it over: shared memory, then rebuilt here
+    got = queue.get()
+    by_name = {m.rel_path: px[k] for px, metas, _ in got.groups for k, m in enumerate(metas)}
+    assert all(torch.equal(by_name[str(i)], p) for i, p in enumerate(pictures))
+    assert [b.rel_path for b in got.bad] == ["b"] and got.first == 0
+
+
+@pytest.mark.needs_cuda
+def test_a_chunk_is_pinned_as_one_buffer():
+    pictures = [torch.randint(0, 256, (h, w, 3), dtype=torch.uint8) for h, w in ((30, 40), (50, 20), (30, 40))]
+    batch = collate_images([LoadedImage(p, ImageMeta(str(i), "", p.shape[1], p.shape[0], p.shape[1],
+                                                     p.shape[0]), i) for i, p in enumerate(pictures)])
+    pinned = batch.pin_memory()
+    assert all(px.is_pinned() for px, _, _ in pinned.groups)
+    assert len({px.untyped_storage().data_ptr() for px, _, _ in pinned.groups}) == 1
+    assert torch.equal(pinned.groups[0][0], torch.stack([pictures[0], pictures[2]]))
+    assert torch.equal(pinned.groups[1][0][0], pictures[1])
+
+
 def _chunk(shapes: list[tuple[int, int]], start: int, bad: int = 0) -> ImageBatch:
     """A decoded chunk of dataset indices ``start``, ``start + 1``...: the images of
     ``shapes`` (each filled with its index), then ``bad`` bad ones."""
