@@ -338,9 +338,11 @@ def make_corpus(root: Path, n_docs: int = 10, seed: int = 0) -> Path:
     return root
 
 
-def expected_chunks(corpus: Path, keys: list[str] | None = None) -> dict[str, int]:
+def expected_chunks(corpus: Path, keys: list[str] | None = None, chunk_tokens: int = CHUNK_TOKENS,
+                    overlap: int = 0) -> dict[str, int]:
     """Chunks per file key (path relative to the corpus) as build-index cuts them with
-    BUILD_ARGS: the library's tokenizer and chunker only, no model and no engine."""
+    BUILD_ARGS (or ``chunk_tokens`` and ``overlap``): the library's tokenizer and chunker
+    only, no model and no engine."""
     from embedingest.sources.files import walk_files
     from embedingest.sources.text import TEXT_EXTENSIONS
     from embedingest.sources.text_dataset import TextChunkDataset, Unit
@@ -351,8 +353,8 @@ def expected_chunks(corpus: Path, keys: list[str] | None = None) -> dict[str, in
     units = [Unit(n, p.relative_to(corpus).as_posix(), path=str(p)) for n, p in enumerate(paths)]
     if keys is not None:
         units = [u for u in units if u.key in set(keys)]
-    ds = TextChunkDataset(units, resolve_model(None)[0], batch_size=64, max_tokens=CHUNK_TOKENS,
-                          overlap=0, tokenizer_loader=load_tokenizer)
+    ds = TextChunkDataset(units, resolve_model(None)[0], batch_size=64, max_tokens=chunk_tokens,
+                          overlap=overlap, tokenizer_loader=load_tokenizer)
     by_no = {u.unit_no: u.key for u in units}
     counts = {}
     for item in ds:

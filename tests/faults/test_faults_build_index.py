@@ -347,6 +347,33 @@ def test_sigterm_during_overwrite_puts_the_old_index_back_and_says_so(cli, tmp_p
     check_exactly_once(out, expected_chunks(corpus))
 
 
+def test_an_overwrite_killed_with_its_shards_committed_keeps_their_chunking(cli, tmp_path):
+    """A rebuild with other --chunk-tokens killed (SIGKILL) after its first shards: the
+    manifest it had written said nothing of its chunking, so the plain run that finished it
+    took the default and mixed two cuts in one index without a word."""
+    import json
+
+    plain = [a for i, a in enumerate(BUILD_ARGS)  # BUILD_ARGS without their chunking
+             if a not in ("--chunk-tokens", "--overlap") and BUILD_ARGS[i - 1] not in ("--chunk-tokens", "--overlap")]
+    corpus = make_corpus(tmp_path / "corpus", 10, seed=6)
+    out = tmp_path / "idx"
+    assert build(cli, corpus, out).wait() == 0
+    old = set((out / "shards").glob("*.commit.json"))
+    run = cli("build-index", corpus, "--out", out, *plain, "--overwrite", "--chunk-tokens", "40", "--overlap", "8",
+              "--num-workers", "1", env={"EMBEDINGEST_FI_SINK_DELAY": "1.0"})
+    wait_for(lambda: set((out / "shards").glob("*.commit.json")) - old or not run.running(), 120,
+             what="a shard of the rebuild committed")
+    assert run.running() and (out / ".overwritten").is_dir()
+    run.kill_all()
+    assert json.loads((out / "manifest.json").read_text())["chunking"] == {"tokens": 40, "overlap": 8}
+    refused = cli("build-index", corpus, "--out", out, *plain, "--chunk-tokens", "256")
+    assert refused.wait() == 1
+    assert "cuts texts into chunks of 40 tokens overlapping by 8, not 256 by 8" in refused.stderr
+    assert cli("build-index", corpus, "--out", out, *plain).wait() == 0  # finished as it was cut
+    assert json.loads((out / "manifest.json").read_text())["chunking"] == {"tokens": 40, "overlap": 8}
+    check_exactly_once(out, expected_chunks(corpus, chunk_tokens=40, overlap=8))
+
+
 @pytest.mark.parametrize("where", [["--device", "cpu"], ["--devices", "cpu,cpu"]], ids=["one", "devices"])
 def test_ctrl_c_during_start_up_exits_130_without_a_traceback(cli, tmp_path, where):
     """Interrupted while importing torch, loading the model or starting device processes:

@@ -158,11 +158,13 @@ def _build_remote(url: str, build: tuple) -> dict:
 def _open_index(store: ShardStore, model, cfg: IndexConfig, dtype: str, corpus, in_memory: bool,
                 overwrite: bool) -> Manifest:
     """The index's manifest for ``model`` (an encoder or the facts of one), created or
-    checked against the folder's (:meth:`ShardStore.create_or_open`)."""
+    checked against the folder's (:meth:`ShardStore.create_or_open`). A new one records
+    its chunking from the start: a run killed before its end leaves shards of that cut."""
     wanted = Prompts.read(model.info()["path"]).resolve(cfg.doc_prompt, cfg.query_prompt)
     return store.create_or_open(
         Manifest(model=model.info(), dim=model.dim, metric=cfg.metric, factory=cfg.index,
-                 dtype=dtype, prompts=wanted, corpus_path=corpus_path(corpus, in_memory)),
+                 dtype=dtype, prompts=wanted, corpus_path=corpus_path(corpus, in_memory),
+                 chunking=settled_chunking({}, cfg, model.max_seq_length, str(store.folder))),
         overwrite=overwrite)
 
 

@@ -473,7 +473,9 @@ def plan_ray_index(dataset: ray.data.Dataset, out: str | os.PathLike,
         wanted = Prompts.read(encoder.model_dir).resolve(cfg.doc_prompt, cfg.query_prompt)
         manifest = store.create_or_open(
             Manifest(model=encoder.info() | {"dtype": dtype}, dim=encoder.dim, metric=cfg.metric,
-                     factory=cfg.index, dtype=dtype, prompts=wanted), overwrite=cfg.overwrite)
+                     factory=cfg.index, dtype=dtype, prompts=wanted,
+                     chunking=settled_chunking({}, cfg, encoder.max_seq_length, str(out))),
+            overwrite=cfg.overwrite)
         settings = {"prompts": settled_prompts(manifest, cfg, str(out)),
                     "chunking": settled_chunking(manifest.chunking, cfg, encoder.max_seq_length, str(out)),
                     "search": search_defaults(manifest, cfg)}
