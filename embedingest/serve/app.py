@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from importlib import resources
 from pathlib import Path
+from urllib.parse import urlencode
 
 from fastapi import FastAPI, HTTPException, Query
 from fastapi import Path as PathParam
@@ -31,10 +32,13 @@ from ..config import ServeConfig
 from ..errors import ConfigError
 from ..index.lookup import IndexChanged
 from ..index.search import Hit, Index, blank_query
+from ..sources.names import name_as_text, text_as_name
 from .live import LiveIndex
 
 MAX_QUERY_CHARS = ServeConfig.max_query_chars
 MAX_K = ServeConfig.max_k
+# a hit's source in its file link: a path of up to PATH_MAX bytes, each perhaps escaped (\\xNN)
+MAX_SOURCE_CHARS = 16_384
 # Suffixes a browser may show as text; anything else is offered as a download.
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".html", ".htm", ".json", ".jsonl", ".ndjson", ".csv", ".tsv"}
 
@@ -48,7 +52,7 @@ def corpus_file(index: Index, source: str | None) -> Path | None:
         return None
     try:
         base = Path(root).resolve(strict=True)
-        path = (base / source).resolve(strict=True)
+        path = (base / text_as_name(source)).resolve(strict=True)
     except (OSError, RuntimeError):
         return None
     if not path.is_relative_to(base) or not path.is_file():
@@ -60,7 +64,7 @@ def hit_json(index: Index, hit: Hit) -> dict:
     return {"rank": hit.rank, "score": hit.score, "id": hit.id, "source": hit.source,
             "record_id": hit.record_id, "chunk_no": hit.chunk_no, "char_start": hit.char_start,
             "char_end": hit.char_end, "text": hit.text,
-            "file": f"/files/{hit.id}" if corpus_file(index, hit.source) else None}
+            "file": f"/files/{hit.id}?{urlencode({'source': hit.source})}" if corpus_file(index, hit.source) else None}
 
 
 def create_app(index: Index | LiveIndex, *, max_query_chars: int = MAX_QUERY_CHARS,
@@ -112,22 +116,28 @@ def create_app(index: Index | LiveIndex, *, max_query_chars: int = MAX_QUERY_CHA
                 "hits": [hit_json(index, h) for h in hits]}
 
     @app.get("/files/{vector_id}")
-    def source_file(vector_id: int = PathParam(..., ge=0, le=2**63 - 1)) -> FileResponse:
+    def source_file(vector_id: int = PathParam(..., ge=0, le=2**63 - 1),
+                    source: str = Query(..., max_length=MAX_SOURCE_CHARS)) -> FileResponse:
+        """The file of the chunk ``vector_id``, which must still be of ``source`` (the hit's,
+        in the link): a rebuild numbers the files again, and an old link named another."""
         index = live.current()
         try:
             chunk = index.chunks([vector_id]).get(vector_id)
         except IndexChanged:
             index = live.refresh()
             chunk = index.chunks([vector_id]).get(vector_id)
+        if chunk is not None and chunk.source != source:
+            raise HTTPException(404, f"id {vector_id} is no longer a chunk of {source!r}: the index was "
+                                     "rebuilt since this link was made; search again")
         path = corpus_file(index, chunk.source if chunk else None)
         if path is None:
             raise HTTPException(404, f"no file of the corpus for id {vector_id}: the id is unknown, "
                                      "its text came from records, or the corpus is not on this machine")
         headers = {"X-Content-Type-Options": "nosniff", "Content-Security-Policy": "sandbox"}
+        name = name_as_text(path.name)  # a header takes text: a name that is not UTF-8 as the hit names it
         if path.suffix.lower() in TEXT_SUFFIXES:
             return FileResponse(path, media_type="text/plain; charset=utf-8", headers=headers,
-                                content_disposition_type="inline", filename=path.name)
-        return FileResponse(path, media_type="application/octet-stream", headers=headers,
-                            filename=path.name)
+                                content_disposition_type="inline", filename=name)
+        return FileResponse(path, media_type="application/octet-stream", headers=headers, filename=name)
 
     return app

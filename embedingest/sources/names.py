@@ -3,6 +3,7 @@ its form as text."""
 
 from __future__ import annotations
 
+import re
 
 
 def has_extension(name: str, extensions: set[str]) -> bool:
@@ -26,3 +27,19 @@ def name_as_text(name: str) -> str:
     keys, Parquet columns."""
     escaped = name.replace("\\", "\\\\")
     return escaped.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+_ESCAPE = re.compile(r"\\(\\|x[0-9a-f]{2})")
+
+
+def text_as_name(text: str) -> str:
+    """The name that :func:`name_as_text` writes as ``text`` (its inverse): ``\\xNN`` back
+    to the byte it stands for, a doubled backslash back to one; for opening the file an
+    index's key names (joined as it is, a key holding an escape named another file)."""
+    raw, at = bytearray(), 0
+    for m in _ESCAPE.finditer(text):
+        raw += text[at:m.start()].encode("utf-8", "surrogateescape")
+        raw += b"\\" if m.group(1) == "\\" else bytes([int(m.group(1)[1:], 16)])
+        at = m.end()
+    raw += text[at:].encode("utf-8", "surrogateescape")
+    return raw.decode("utf-8", "surrogateescape")

@@ -64,7 +64,7 @@ def test_search_json_equals_the_library(client, index):
     assert first["text"] == PARAGRAPHS["bread.txt"] and first["source"] == "bread.txt"
     assert first["score"] == pytest.approx(want[0].score, abs=1e-6)
     assert (first["char_start"], first["char_end"]) == (0, len(PARAGRAPHS["bread.txt"]))
-    assert first["file"] == f"/files/{first['id']}" and first["rank"] == 1
+    assert first["file"] == f"/files/{first['id']}?source=bread.txt" and first["rank"] == 1
 
 
 def test_files_of_the_corpus_only(client, index):
@@ -75,9 +75,56 @@ def test_files_of_the_corpus_only(client, index):
     assert r.headers["x-content-type-options"] == "nosniff"
     jsonl = hits["records.jsonl"]
     assert jsonl["record_id"] in ("v1", "e1") and jsonl["file"] is not None
-    assert client.get("/files/12345678").status_code == 404
+    assert client.get("/files/12345678?source=bread.txt").status_code == 404
+    assert client.get(f"/files/{hits['net/tcp.md']['id']}").status_code == 422  # no source: no file
     for bad in ("-1", "99999999999999999999999", "abc", "..%2F..%2Fetc%2Fpasswd"):
-        assert client.get(f"/files/{bad}").status_code in (404, 422), bad
+        assert client.get(f"/files/{bad}?source=bread.txt").status_code in (404, 422), bad
+    # another file's name with this chunk's id: refused, not served (the id decides the file)
+    r = client.get(f"/files/{hits['net/tcp.md']['id']}", params={"source": "bread.txt"})
+    assert r.status_code == 404 and "no longer a chunk of 'bread.txt'" in r.json()["detail"]
+
+
+def test_a_link_made_before_a_rebuild_serves_no_other_file(tmp_path):
+    """--overwrite numbers the files again: the link to b.txt's chunk named a.txt's (a
+    file added since) and served it."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "b.txt").write_text("Bananas are yellow and grow in bunches on large plants.")
+    (corpus / "c.txt").write_text("Cars have four wheels and an engine under the bonnet.")
+    out = tmp_path / "idx"
+    build_index(corpus, out=str(out), num_workers=0, num_consumers=1)
+    with open_index(out) as first, TestClient(create_app(first)) as c:
+        link = c.get("/search", params={"q": "bananas", "k": 1}).json()["hits"][0]["file"]
+        assert c.get(link).text.startswith("Bananas")
+    (corpus / "a.txt").write_text("Apples: a private diary entry.")
+    build_index(corpus, out=str(out), num_workers=0, num_consumers=1, overwrite=True)
+    with open_index(out) as rebuilt, TestClient(create_app(rebuilt)) as c:
+        r = c.get(link)
+        assert r.status_code == 404 and "rebuilt since this link was made" in r.json()["detail"]
+        assert c.get(c.get("/search", params={"q": "bananas", "k": 1}).json()["hits"][0]["file"]).text.startswith(
+            "Bananas")
+
+
+def test_files_whose_names_are_not_utf8_or_hold_a_backslash_are_their_own(tmp_path):
+    """A key holding an escape (``caf\\xe9.txt`` for the byte 0xe9) was joined to the corpus
+    folder as it is, naming another file, one named with those four characters."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    try:
+        (corpus / os.fsdecode(b"caf\xe9.txt")).write_text("Elephants and giraffes live on the savanna.")
+    except (OSError, UnicodeError):
+        pytest.skip("this file system takes only UTF-8 names")
+    (corpus / "caf\\xe9.txt").write_text("SECRET database passwords")
+    (corpus / "back\\slash.txt").write_text("Backslashes separate folders on another system.")
+    out = tmp_path / "idx"
+    build_index(corpus, out=str(out), num_workers=0, num_consumers=1)
+    with open_index(out) as index, TestClient(create_app(index)) as c:
+        for query, source, text in (("elephants on the savanna", "caf\\xe9.txt", "Elephants"),
+                                    ("database passwords", "caf\\\\xe9.txt", "SECRET"),
+                                    ("backslashes separate folders", "back\\\\slash.txt", "Backslashes")):
+            hit = c.get("/search", params={"q": query, "k": 1}).json()["hits"][0]
+            assert hit["source"] == source and hit["file"] is not None, hit
+            assert c.get(hit["file"]).text.startswith(text), source
 
 
 def test_corpus_file_never_leaves_the_corpus(tmp_path):
