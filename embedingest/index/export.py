@@ -29,6 +29,7 @@ from ..outfiles import atomic_file, atomic_write_bytes, ensure_folder, native_pa
 from ..sources.remote import is_remote
 from .formats import require_current
 from .lock import no_build_running
+from .shard_store import refuse_unfinished_overwrite
 from .shards import EMB_SUFFIX, SHARD_NAME, SHARDS_DIR, list_shards
 from .store import IndexStore
 
@@ -48,7 +49,10 @@ def export_index(index: str | os.PathLike, to: str | os.PathLike, *, embeddings:
     if is_remote(str(to)):
         raise ConfigError(f"export writes a local folder, not {str(to)!r}: export to a folder, then "
                           "copy it (e.g. aws s3 sync FOLDER URL)")
-    with contextlib.nullcontext() if is_remote(index) else no_build_running(index, "export"):
+    if is_remote(index):
+        return _export(index, to, embeddings, overwrite)
+    with no_build_running(index, "export"):
+        refuse_unfinished_overwrite(index, "export")
         return _export(index, to, embeddings, overwrite)
 
 

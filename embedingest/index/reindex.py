@@ -24,16 +24,13 @@ from ..sources.remote import is_remote
 from .faiss_factory import apply_search_params, faiss_message, parse_factory
 from .formats import MANIFEST_NAME, rebuild_command, require_current
 from .lock import RunLock
-from .shards import EMB_SUFFIX, SHARDS_DIR, clean_shards, list_shards, read_ids
+from .shard_store import refuse_unfinished_overwrite
+from .shards import EMB_SUFFIX, SHARDS_DIR, clean_shards, list_shards, read_ids, trained_name
 from .store import IndexStore
 
 log = logging.getLogger("embedingest")
 
 ADD_BLOCK = 65_536
-
-
-def trained_name(generation: int) -> str:
-    return "trained.faiss" if generation == 0 else f"trained.g{generation}.faiss"
 
 
 def reindex(index: str | os.PathLike, factory: str, *, train_size: int = 50_000,
@@ -63,6 +60,7 @@ def reindex(index: str | os.PathLike, factory: str, *, train_size: int = 50_000,
     store = IndexStore(folder)
     store.read_manifest()  # not an index: said before a lock file is made
     with RunLock(folder):
+        refuse_unfinished_overwrite(folder, "reindex")
         manifest = store.read_manifest()
         shards = [s for s in list_shards(folder / SHARDS_DIR, generation=manifest.generation) if s.rows]
         missing = [s.name for s in shards if not s.has_embeddings]

@@ -30,7 +30,6 @@ from ..errors import ConfigError
 from ..outfiles import ensure_folder, is_tmp_name
 from .formats import V1_SEGMENT_FILE, V1_SEGMENTS, index_format, require_current
 from .lookup import ShardRows
-from .reindex import trained_name
 from .shard_edit import remove_units as remove_shard_units
 from .shards import (
     CHUNK_BITS,
@@ -44,6 +43,7 @@ from .shards import (
     is_shard_file,
     list_shards,
     read_ids,
+    trained_name,
 )
 from .store import MANIFEST_NAME, Chunk, IndexStore, Manifest, Unit, _sqlite_errors, log
 
@@ -306,6 +306,17 @@ def answering_folder(folder: str | os.PathLike) -> Path:
     from before it while the folder holds the rebuild's first shards; else the folder."""
     aside = Path(folder) / ASIDE_DIR
     return aside if _ours(aside) and (aside / MANIFEST_NAME).is_file() else Path(folder)
+
+
+def refuse_unfinished_overwrite(folder: str | os.PathLike, what: str) -> None:
+    """ConfigError when a rebuild with --overwrite of the index at ``folder`` has not
+    finished (running, or stopped): the folder holds part of the new index, readers
+    answer from the old one, and ``what`` (export, reindex) would work on the part."""
+    if answering_folder(folder) != Path(folder):
+        raise ConfigError(f"the index at {str(folder)!r} is being rebuilt with --overwrite, or a rebuild was "
+                          f"stopped before its end ({ASIDE_DIR}/ holds the index from before it, which "
+                          f"search answers from): finish the rebuild (run that build-index again), then "
+                          f"{what}")
 
 
 def _ours(folder: Path) -> bool:

@@ -90,6 +90,11 @@ def faiss_name(name: str, generation: int = 0) -> str:
     return f"{name}{FAISS_SUFFIX}" if generation == 0 else f"{name}.g{generation}{FAISS_SUFFIX}"
 
 
+def trained_name(generation: int) -> str:
+    """The trained empty index of index generation ``generation`` (factories that train)."""
+    return "trained.faiss" if generation == 0 else f"trained.g{generation}.faiss"
+
+
 # -- chunk metadata in transit ---------------------------------------------------------------
 
 def encode_chunks(ids: Sequence[int], sources: Sequence[str | None], record_ids: Sequence[str | None],

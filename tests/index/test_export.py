@@ -197,3 +197,23 @@ def test_export_while_a_build_writes_the_index_is_refused_and_holds_a_build_off(
         with pytest.raises(IndexBusy, match="another build"):
             RunLock(tmp_path / "ix", writers=False).__enter__()
     assert export_index(tmp_path / "ix", tmp_path / "out")["rows"] == 12
+
+
+def test_export_and_reindex_refuse_an_unfinished_overwrite(tmp_path):
+    """A build-index --overwrite killed after its first shards: export wrote those (less
+    than half the index) with a _SUCCESS, and reindex rebuilt them, while search answered
+    from the whole old index set aside."""
+    from embedingest.index.reindex import reindex
+    from embedingest.index.shard_store import SetAside, ShardStore, drop_set_aside
+
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=5, chunks=9, commit_every=20)
+    SetAside(ShardStore(folder))  # as the rebuild does before it writes
+    build_shards(folder, n_units=2, chunks=9, commit_every=20, run_id="run2")  # its first shards
+    for call in (lambda: export_index(folder, tmp_path / "out"), lambda: reindex(folder, "HNSW8")):
+        with pytest.raises(ConfigError, match=r"is being rebuilt with --overwrite, or a rebuild was stopped .*"
+                                              r"\.overwritten/ holds the index from before it.*finish the rebuild"):
+            call()
+    assert not (tmp_path / "out").exists()
+    drop_set_aside(folder)  # the rebuild finished
+    assert export_index(folder, tmp_path / "out")["rows"] == 18
