@@ -15,7 +15,6 @@ the local folder ``to``.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 from pathlib import Path
@@ -30,7 +29,7 @@ from ..sources.remote import is_remote
 from .formats import require_current
 from .lock import no_build_running
 from .shard_store import refuse_unfinished_overwrite
-from .shards import EMB_SUFFIX, SHARD_NAME, SHARDS_DIR, list_shards
+from .shards import EMB_SUFFIX, SHARD_NAME, SHARDS_DIR, damaged, list_shards
 from .store import IndexStore
 
 ROW_GROUP_ROWS = 65_536
@@ -84,6 +83,10 @@ def _export(index, to, embeddings: bool | None, overwrite: bool) -> dict:
         with_rows = [s for s in list_shards(index / SHARDS_DIR, generation=generation) if s.rows]
 
         def rows_of(shard):
+            # export reads every byte anyway: those that were not committed are refused, not exported
+            problem = shard.verify(("parquet", "emb") if embeddings else ("parquet",), generation)
+            if problem:
+                raise damaged(shard, shard.folder, problem)
             with native_path(shard.path("parquet")) as name:
                 return pq.read_table(name)
 
@@ -118,9 +121,15 @@ def _export(index, to, embeddings: bool | None, overwrite: bool) -> dict:
     ensure_folder(to, to)
     rows = 0
     for shard in with_rows:
-        table = rows_of(shard)
+        try:
+            table = rows_of(shard)
+            emb = embeddings_of(shard) if embeddings else None
+        except ConfigError:
+            raise
+        except (pa.ArrowException, ValueError, OSError) as exc:  # a record that names bad files
+            raise ConfigError(f"shard {shard.name} of the index at {where!r} cannot be read ({exc}): it is "
+                              f"damaged; delete its files ({shard.name}.*) and run build-index again") from exc
         if embeddings:
-            emb = embeddings_of(shard)
             if emb.shape[0] != table.num_rows:
                 raise ConfigError(f"{shard.name}{EMB_SUFFIX} holds {emb.shape[0]} vectors for "
                                   f"{table.num_rows} rows: the shard is damaged; rebuild the index")

@@ -309,12 +309,15 @@ class Shard:
                 return f"its {kind} file {info['name']!r} holds {size} bytes, not {info['size']}"
         return None
 
-    def verify(self) -> str | None:
-        """Like :meth:`check_sizes`, and every file's sha256 too (reads every byte)."""
-        problem = self.check_sizes()
+    def verify(self, kinds: Iterable[str] | None = None, generation: int | None = None) -> str | None:
+        """Like :meth:`check_sizes` (of ``generation``), and the sha256 of every file (of
+        ``kinds`` only, when given: what a reader reads) too, reading every byte."""
+        problem = self.check_sizes(generation)
         if problem:
             return problem
         for kind, info in self.files.items():
+            if kinds is not None and kind not in kinds:
+                continue
             h = hashlib.sha256()
             with open(self.folder / info["name"], "rb") as fh:
                 for block in iter(lambda: fh.read(1 << 22), b""):
@@ -326,6 +329,12 @@ class Shard:
 
 _REDO = ("delete that shard's files (every file named {name}.*) and run the same build-index "
          "command again: the units it held are redone")
+
+
+def damaged(shard: Shard, folder: str | os.PathLike, problem: str) -> ConfigError:
+    """The error for ``shard`` of the index's shards folder ``folder``, damaged as
+    ``problem`` says, with how to redo it."""
+    return ConfigError(f"shard {shard.name} in {str(folder)!r} is damaged: {problem}; " + _REDO.format(name=shard.name))
 
 
 def read_commit(path: Path, text: bytes | str | None = None) -> Shard:
@@ -404,8 +413,7 @@ def list_shards(folder: str | os.PathLike, *, check: bool = True, generation: in
         for shard in live:
             problem = shard.check_sizes(generation)
             if problem:
-                raise ConfigError(f"shard {shard.name} in {str(folder)!r} is damaged: {problem}; "
-                                  + _REDO.format(name=shard.name))
+                raise damaged(shard, folder, problem)
     return live
 
 

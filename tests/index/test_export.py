@@ -130,7 +130,8 @@ def test_export_files_are_zstd_in_row_groups_of_row_group_rows_and_made_durable(
 
 def test_export_of_a_shard_with_other_vectors_than_rows_names_it(tmp_path):
     """A vectors file of the committed size but another shape (6 half-width vectors for
-    3 rows) is refused by name, not exported beside the wrong rows."""
+    3 rows) is refused by name, not exported beside the wrong rows (its bytes are not those
+    committed)."""
     build_shards(tmp_path / "ix", n_units=1, chunks=3, workers=1)
     (shard,) = [s for s in list_shards(tmp_path / "ix" / "shards") if s.rows]
     emb = shard.folder / f"{shard.name}{EMB_SUFFIX}"
@@ -140,8 +141,8 @@ def test_export_of_a_shard_with_other_vectors_than_rows_names_it(tmp_path):
     assert emb.stat().st_size == size
     with pytest.raises(ConfigError) as err:
         export_index(tmp_path / "ix", tmp_path / "out")
-    assert str(err.value) == (f"{shard.name}{EMB_SUFFIX} holds 6 vectors for 3 rows: the shard is damaged; "
-                              "rebuild the index")
+    assert str(err.value).startswith(f"shard {shard.name} in {str(shard.folder)!r} is damaged: its emb file "
+                                     f"'{shard.name}{EMB_SUFFIX}' does not hold the bytes that were committed")
 
 
 def test_export_overwrite_never_removes_through_a_link(tmp_path):
@@ -217,3 +218,22 @@ def test_export_and_reindex_refuse_an_unfinished_overwrite(tmp_path):
     assert not (tmp_path / "out").exists()
     drop_set_aside(folder)  # the rebuild finished
     assert export_index(folder, tmp_path / "out")["rows"] == 18
+
+
+@pytest.mark.parametrize("kind, tamper", [
+    ("parquet", lambda b: os.urandom(len(b))),  # pyarrow's "magic bytes not found", with a traceback
+    ("emb.npy", lambda b: os.urandom(len(b))),  # numpy's "pickled (object) data", with a traceback
+    ("emb.npy", lambda b: b[:128] + bytes(len(b) - 128)),  # zero vectors, exported without a word
+])
+def test_export_refuses_a_shard_whose_files_are_not_those_committed(tmp_path, kind, tamper):
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=3, chunks=9, commit_every=20)
+    victim = sorted((folder / "shards").glob(f"*.{kind}"))[0]
+    victim.write_bytes(tamper(victim.read_bytes()))
+    with pytest.raises(ConfigError, match=rf"^shard {victim.name.split('.')[0]} in .* is damaged: its "
+                                          rf"\w+ file '{victim.name}' does not hold the bytes that were committed; "
+                                          r"delete that shard's files"):
+        export_index(folder, tmp_path / "out")
+    assert not (tmp_path / "out" / "_SUCCESS").exists()
+    if kind == "emb.npy":  # without the embeddings, the rows are whole
+        assert export_index(folder, tmp_path / "rows", embeddings=False)["rows"] == 27
