@@ -6,7 +6,13 @@ Imports faiss and numpy only, so the shard writers in consumer processes use it 
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import logging
+import os
 import re
+import tempfile
+import threading
 from pathlib import Path
 
 import faiss
@@ -16,6 +22,8 @@ from ..errors import ConfigError
 from ..outfiles import native_path
 
 METRICS = {"ip": faiss.METRIC_INNER_PRODUCT, "l2": faiss.METRIC_L2}
+
+log = logging.getLogger("embedingest")
 
 
 def metric_code(metric: str) -> int:
@@ -134,3 +142,45 @@ def read_index_file(path: Path, flags: int = 0, redo: str = REDO_SHARD) -> faiss
     except RuntimeError as exc:
         raise ConfigError(f"cannot read {str(path)!r} ({faiss_message(exc)}): the file is damaged; "
                           f"{redo}") from exc
+
+
+def train(index: faiss.Index, sample: np.ndarray) -> None:
+    """``index.train(sample)``, in a thread while this one waits: faiss holds the calling
+    thread in C++ until training ends (minutes for OPQ or a large IVF), and a Ctrl-C or a
+    SIGTERM waited for it; waited for here, the stop is raised at once (the thread, a
+    daemon, ends with the process). What faiss prints meanwhile (a clustering warning for
+    every sub-quantizer and iteration: thousands of lines) is logged once per line."""
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            index.train(sample)
+        except BaseException as exc:  # re-raised in the caller
+            failed.append(exc)
+
+    with _stderr_lines_once():
+        worker = threading.Thread(target=run, name="faiss-train", daemon=True)
+        worker.start()
+        while worker.is_alive():
+            worker.join(0.1)
+    if failed:
+        raise failed[0]
+
+
+@contextlib.contextmanager
+def _stderr_lines_once():
+    """File descriptor 2 (where faiss's C++ writes) into a file for the block, then each
+    distinct line of it logged once, with how often it came."""
+    with tempfile.TemporaryFile() as held:
+        saved = os.dup(2)
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            counts = collections.Counter(line.strip() for line in held.read().decode(errors="replace").splitlines())
+            for line, n in counts.items():
+                if line:
+                    log.warning("faiss: %s%s", line.removeprefix("WARNING "), f" ({n} times)" if n > 1 else "")

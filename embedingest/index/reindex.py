@@ -21,7 +21,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..outfiles import write_faiss_index
 from ..sources.remote import is_remote
-from .faiss_factory import apply_search_params, faiss_message, parse_factory
+from .faiss_factory import apply_search_params, faiss_message, parse_factory, train
 from .formats import MANIFEST_NAME, rebuild_command, require_current
 from .lock import RunLock
 from .shard_store import refuse_unfinished_overwrite
@@ -81,7 +81,7 @@ def reindex(index: str | os.PathLike, factory: str, *, train_size: int = 50_000,
             if not template.is_trained:
                 sample = _sample(embs, train_size, seed)
                 try:
-                    template.train(sample)
+                    train(template, sample)
                 except RuntimeError as exc:
                     raise ConfigError(f"cannot train {factory!r} on {len(sample)} vectors: "
                                       f"{faiss_message(exc)}; use fewer lists, or a larger index") from exc

@@ -32,7 +32,8 @@ import numpy as np
 from ..errors import ConfigError, EmbedingestError
 from ..outfiles import atomic_write_bytes, is_tmp_name, json_bytes, refuse_link, write_faiss_index
 from ..report import REPORT_NAME
-from .faiss_factory import METRICS, empty_index, faiss_message, metric_code, parse_factory, read_index_file
+from .faiss_factory import (METRICS, empty_index, faiss_message, metric_code, parse_factory, read_index_file,
+                            train)
 from .formats import CURRENT as FORMAT
 from .formats import MANIFEST_NAME, UNITS_NAME, V1_METADATA, require_current
 from .shards import CHUNK_BITS
@@ -304,7 +305,7 @@ class IndexStore:
         if sample.ndim != 2 or sample.shape[1] != dim:
             raise ConfigError(f"training sample of shape {sample.shape}, expected (n, {dim})")
         try:
-            index.train(sample)
+            train(index, sample)
         except RuntimeError as exc:
             raise ConfigError(f"cannot train {factory!r} on {len(sample)} vectors: "
                               f"{faiss_message(exc)}; use a larger sample or fewer lists") from exc

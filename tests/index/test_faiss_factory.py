@@ -1,4 +1,10 @@
-"""The faiss helpers: metrics, factory strings, empty indexes, damaged files, half floats."""
+"""The faiss helpers: metrics, factory strings, empty indexes, damaged files, half floats,
+training."""
+
+import logging
+import subprocess
+import sys
+import textwrap
 
 import faiss
 import numpy as np
@@ -14,6 +20,7 @@ from embedingest.index.faiss_factory import (
     metric_code,
     parse_factory,
     read_index_file,
+    train,
 )
 
 
@@ -180,3 +187,42 @@ def test_search_params_apply_and_nprobe_below_1_is_refused_before_the_first_sear
     with pytest.raises(ValueError) as err:  # a parameter the factory has not: faiss's reason, cut
         apply_search_params(ivf, "efSearch=8")
     assert "efSearch" in str(err.value) and "Error in" not in str(err.value) and ".cpp" not in str(err.value)
+
+
+def test_training_gives_way_to_a_stop_at_once():
+    """faiss held the main thread in C++ for the whole training: a reindex stopped with
+    SIGTERM or Ctrl-C ended 30-40 s later. A stop now comes while it trains."""
+    script = textwrap.dedent("""
+        import signal, time, numpy as np, faiss
+        from embedingest.index.faiss_factory import train
+        def stop(signum, frame):
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGALRM, stop)
+        x = np.random.default_rng(0).random((20000, 64), dtype=np.float32)
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        t0 = time.perf_counter()
+        try:
+            train(faiss.index_factory(64, "IVF1024,PQ16"), x)  # about 15 s on two CPUs
+            print("trained", time.perf_counter() - t0)
+        except KeyboardInterrupt:
+            print("stopped", time.perf_counter() - t0)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    word, seconds = out.stdout.split()
+    assert word == "stopped" and float(seconds) < 2.0, out.stdout + out.stderr
+
+
+def test_faiss_warnings_during_training_are_logged_once_each(caplog):
+    x = unit_vectors(300, seed=1)
+    index = faiss.index_factory(DIM, "IVF4,PQ4")  # 300 points for 256 centroids, in each of 4 sub-quantizers
+    with caplog.at_level(logging.WARNING, logger="embedingest"):
+        train(index, x)
+    assert index.is_trained
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("faiss: ")]
+    assert len(lines) == 1 and "clustering 300 points to 256 centroids" in lines[0], lines
+    assert lines[0].endswith(" times)") and not lines[0].startswith("faiss: WARNING")
+
+
+def test_a_training_error_reaches_the_caller():
+    with pytest.raises(RuntimeError, match="(?i)number of training points"):
+        train(faiss.index_factory(DIM, "IVF64,Flat"), unit_vectors(10, seed=2))
