@@ -10,6 +10,7 @@ import faiss
 import numpy as np
 
 from ..errors import ConfigError
+from .faiss_factory import copy_index
 
 
 def _array_ivf(inner: faiss.Index) -> faiss.IndexIVF | None:
@@ -60,7 +61,7 @@ def without(index: faiss.IndexIDMap, keep: np.ndarray,
     except RuntimeError as exc:
         raise ConfigError(f"vectors of a {type(inner).__name__} index cannot be reconstructed, "
                           "so units cannot be removed from it: rebuild with --overwrite") from exc
-    rebuilt = faiss.IndexIDMap(faiss.clone_index(template))
+    rebuilt = faiss.IndexIDMap(copy_index(template))
     rebuilt.add_with_ids(vectors, kept)
     return rebuilt, kept
 

@@ -25,6 +25,11 @@ METRICS = {"ip": faiss.METRIC_INNER_PRODUCT, "l2": faiss.METRIC_L2}
 
 log = logging.getLogger("embedingest")
 
+# Bounds on factory sizes that faiss takes and then allocates for (HNSW2147483647 took gigabytes
+# and ended in a C++ error from every process that made it).
+MAX_HNSW_LINKS = 512
+MAX_IVF_LISTS = 1 << 24
+
 
 def metric_code(metric: str) -> int:
     """The faiss metric constant of ``"ip"`` or ``"l2"``."""
@@ -96,10 +101,14 @@ def parse_factory(dim: int, factory: str, metric: str) -> faiss.Index:
         raise ConfigError(f"index factory {factory!r} is an NSG graph, which faiss builds only from 100 "
                           "vectors or more at once, and a shard of an update may hold fewer; use HNSW "
                           "(e.g. HNSW32), the graph built a vector at a time")
-    small = [m for m in re.findall(r"HNSW(\d+)", factory) if int(m) < 2]
-    if small:
-        raise ConfigError(f"index factory {factory!r}: HNSW needs at least 2 links per node, not {small[0]}; "
-                          "e.g. HNSW32")
+    links = [int(m) for m in re.findall(r"HNSW(\d+)", factory) if not 2 <= int(m) <= MAX_HNSW_LINKS]
+    if links:
+        raise ConfigError(f"index factory {factory!r}: HNSW takes 2 to {MAX_HNSW_LINKS} links per node, not "
+                          f"{links[0]}; e.g. HNSW32")
+    lists = [int(m) for m in re.findall(r"IVF(\d+)", factory) if int(m) > MAX_IVF_LISTS]
+    if lists:
+        raise ConfigError(f"index factory {factory!r}: {lists[0]} lists is more than {MAX_IVF_LISTS} (faiss "
+                          "would allocate them all before the first vector); e.g. IVF65536 for a billion vectors")
     try:
         return faiss.index_factory(dim, factory, metric_code(metric))
     except RuntimeError as exc:
@@ -108,11 +117,20 @@ def parse_factory(dim: int, factory: str, metric: str) -> faiss.Index:
                           "HNSW32)") from exc
 
 
+def copy_index(index: faiss.Index) -> faiss.Index:
+    """A copy of ``index``: ``faiss.clone_index``, else (faiss clones no L2norm transform,
+    among others) the index serialized and read back."""
+    try:
+        return faiss.clone_index(index)
+    except RuntimeError:
+        return faiss.deserialize_index(faiss.serialize_index(index))
+
+
 def empty_index(dim: int, factory: str, metric: str, trained: faiss.Index | None = None) -> faiss.Index:
-    """An empty, trained index of the shard kind (without the id map): a clone of
+    """An empty, trained index of the shard kind (without the id map): a copy of
     ``trained`` when given, else ``faiss.index_factory(dim, factory, metric)``."""
     if trained is not None:
-        return faiss.clone_index(trained)
+        return copy_index(trained)
     index = parse_factory(dim, factory, metric)
     if not index.is_trained:
         raise ConfigError(f"index factory {factory!r} needs training: train it on a sample "

@@ -21,7 +21,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..outfiles import write_faiss_index
 from ..sources.remote import is_remote
-from .faiss_factory import apply_search_params, faiss_message, parse_factory, train
+from .faiss_factory import apply_search_params, copy_index, faiss_message, parse_factory, train
 from .formats import MANIFEST_NAME, rebuild_command, require_current
 from .lock import RunLock
 from .shard_store import refuse_unfinished_overwrite
@@ -84,14 +84,15 @@ def reindex(index: str | os.PathLike, factory: str, *, train_size: int = 50_000,
                     train(template, sample)
                 except RuntimeError as exc:
                     raise ConfigError(f"cannot train {factory!r} on {len(sample)} vectors: "
-                                      f"{faiss_message(exc)}; use fewer lists, or a larger index") from exc
+                                      f"{faiss_message(exc)}; use fewer lists (IVF) or fewer bits per code (PQ, e.g. PQ16x8), or "
+                                      "a larger index") from exc
                 trained_path = folder / trained_name(generation)
                 write_faiss_index(template, trained_path)
                 written.append(trained_path)
             params = _settled_params(manifest, template, search_params)
             for shard, emb in zip(shards, embs):
                 ids = read_ids(shard)
-                index_ = faiss.IndexIDMap(faiss.clone_index(template))
+                index_ = faiss.IndexIDMap(copy_index(template))
                 for start in range(0, len(emb), ADD_BLOCK):
                     block = np.ascontiguousarray(emb[start:start + ADD_BLOCK], dtype=np.float32)
                     index_.add_with_ids(block, ids[start:start + ADD_BLOCK])
@@ -151,7 +152,7 @@ def _settled_params(manifest, template: faiss.Index, given: str | None) -> str |
     params = manifest.search.get("params") if given is None else given.strip()
     if not params:
         return None
-    probe = faiss.IndexIDMap(faiss.clone_index(template))
+    probe = faiss.IndexIDMap(copy_index(template))
     try:
         return apply_search_params(probe, params)
     except ValueError as exc:

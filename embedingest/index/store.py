@@ -308,7 +308,8 @@ class IndexStore:
             train(index, sample)
         except RuntimeError as exc:
             raise ConfigError(f"cannot train {factory!r} on {len(sample)} vectors: "
-                              f"{faiss_message(exc)}; use a larger sample or fewer lists") from exc
+                              f"{faiss_message(exc)}; use a larger sample (--train-size), fewer lists (IVF) or fewer "
+                              "bits per code (PQ, e.g. PQ16x8)") from exc
         self.folder.mkdir(parents=True, exist_ok=True)
         write_faiss_index(index, self.trained_path)
         return self.trained_path

@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import ConfigError
-from ..index.faiss_factory import as_float32, empty_index
+from ..index.faiss_factory import as_float32, copy_index, empty_index
 from ..index.lock import hold_writer_lock
 from ..index.shards import (
     CHUNK_SCHEMA,
@@ -184,7 +184,7 @@ class ShardWriter:
         """Add a batch to the faiss index and the Parquet rows (the writer's thread)."""
         if self._index is None:
             spec = self.spec
-            base = (faiss.clone_index(self._trained) if self._trained is not None
+            base = (copy_index(self._trained) if self._trained is not None
                     else empty_index(spec.dim, spec.factory, spec.metric))
             self._index = faiss.IndexIDMap(base)
         self._index.add_with_ids(vectors, ids)

@@ -133,8 +133,11 @@ def test_as_float32_always_gives_float32():
     ("IDMap,Flat", r"^index factory 'IDMap,Flat' has an IDMap: each shard maps its ids itself; give the "
                    r"factory without it \(e.g. 'Flat'\)$"),
     ("IDMap2,HNSW32", r"has an IDMap"),
-    ("HNSW0", r"^index factory 'HNSW0': HNSW needs at least 2 links per node, not 0; e.g. HNSW32$"),
+    ("HNSW0", r"^index factory 'HNSW0': HNSW takes 2 to 512 links per node, not 0; e.g. HNSW32$"),
     ("HNSW1,Flat", r"not 1"),
+    ("HNSW2147483647", r"not 2147483647"),  # gigabytes, then a C++ error from every process
+    ("IVF2147483647,Flat", r"2147483647 lists is more than 16777216"),
+    ("IVF64_HNSW4096,Flat", r"not 4096"),
     ("NSG8", r"^index factory 'NSG8' is an NSG graph, which faiss builds only from 100 vectors or more at "
              r"once, and a shard of an update may hold fewer; use HNSW \(e.g. HNSW32\)"),
     ("IVF16_NSG32,Flat", r"is an NSG graph"),

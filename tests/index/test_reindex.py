@@ -33,6 +33,21 @@ def search_all(folder, generation, queries, k, params=None):
     return heap.D, heap.I
 
 
+@pytest.mark.parametrize("factory", ["L2norm,Flat", "L2norm,IVF4,Flat"])
+def test_reindex_to_a_factory_faiss_cannot_clone(tmp_path, factory):
+    """faiss clones no L2norm transform: reindex ended in 'clone not supported for this type
+    of VectorTransform' with a traceback, where build-index takes the factory."""
+    folder = tmp_path / "ix"
+    built = build_shards(folder, n_units=4, chunks=25, commit_every=60, workers=2)
+    assert reindex(folder, factory, train_size=100, search_params="nprobe=4" if "IVF" in factory else None
+                   )["vectors"] == 100
+    q = unit_vectors(3, seed=9)
+    _, ids = search_all(folder, 1, q, 5, "nprobe=4" if "IVF" in factory else None)
+    emb16 = built.emb.astype(np.float16).astype(np.float32)
+    cosine = q @ (emb16 / np.linalg.norm(emb16, axis=1, keepdims=True)).T  # L2norm: the vectors normalised
+    assert np.array_equal(ids, built.ids[np.argsort(-cosine, axis=1)[:, :5]])
+
+
 def test_reindex_to_ivf_gives_exact_results_with_every_list_probed(tmp_path):
     folder = tmp_path / "ix"
     built = build_shards(folder, n_units=8, chunks=25, commit_every=60, workers=2)
@@ -137,7 +152,7 @@ def test_bad_factories_and_parameters_are_config_errors(tmp_path):
     with pytest.raises(ConfigError) as err:  # 6 vectors for 16 lists
         reindex(folder, "IVF16,Flat")
     assert str(err.value) == (f"cannot train 'IVF16,Flat' on 6 vectors: {faiss_refusal('IVF16,Flat', n=6)}; "
-                              "use fewer lists, or a larger index")
+                              "use fewer lists (IVF) or fewer bits per code (PQ, e.g. PQ16x8), or a larger index")
     assert json.loads((folder / "manifest.json").read_text())["generation"] == 0
 
 

@@ -455,3 +455,18 @@ def test_the_cli_refuses_another_chunking_naming_the_index(tmp_path):
             "not 100 by 4") in run.output
     help_text = CliRunner().invoke(main, ["build-index", "--help"]).output
     assert "256, or the index's when it updates one" in " ".join(help_text.split())
+
+
+def test_a_trained_factory_with_a_transform_faiss_cannot_clone_builds(tmp_path):
+    """``L2norm,IVF4,Flat``: each shard writer cloned the trained index, and faiss clones no
+    L2norm transform: every consumer failed with a traceback."""
+    records = [{"id": f"r{i}", "text": f"note {i} about topic {i % 7} and item {i * 31 % 97}"} for i in range(120)]
+    out = tmp_path / "idx"
+    s = build_index(records, out=str(out), index="L2norm,IVF4,Flat", train_size=120, search_params="nprobe=4",
+                    **FAST)
+    assert s["vectors_total"] == 120
+    with open_index(out) as index:
+        hits = index.search([r["text"] for r in records[:20]], k=1)
+        exact = index.encoder.encode([r["text"] for r in records])
+    assert [h[0].record_id for h in hits] == [r["id"] for r in records[:20]]
+    assert np.allclose(np.linalg.norm(exact, axis=1), 1, atol=1e-3)
