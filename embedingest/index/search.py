@@ -86,6 +86,13 @@ def _refuse_untokenized(tokenizer, queries: list[str]) -> None:
     if empty is not None:
         raise ConfigError(f"query {empty} ({queries[empty]!r}) holds nothing the model reads (its "
                           "tokenizer drops every character); give each query some words")
+    unknown = getattr(tokenizer, "unk_token_id", None)
+    if unknown is not None:
+        unread = next((i for i, row in enumerate(ids) if all(t == unknown for t in row)), None)
+        if unread is not None:
+            raise ConfigError(f"query {unread} ({queries[unread]!r}) holds nothing the model reads (its "
+                              f"tokenizer knows none of its characters: {tokenizer.unk_token} only); give "
+                              "each query some words")
 
 
 class Index:
@@ -320,9 +327,14 @@ def open_index(path: str | os.PathLike, device: str = "cpu", *, encoder=None,
     "torch", "onnx" or "auto" (ONNX Runtime where it applies, else torch;
     :mod:`embedingest.stages.query_runtime`).
     """
+    from ..stages.device import resolve_device
     from ..stages.query_runtime import check_runtime
 
     check_runtime(query_runtime)
+    for name, value, example in (("params", params, "'nprobe=16'"), ("query_prompt", query_prompt, "'query: '")):
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f"{name}={value!r}: give text (e.g. {example}), or None for the index's")
+    device = str(resolve_device(device))
     if is_remote(path):
         from .cache import RemoteShards
 

@@ -23,6 +23,8 @@ def resolve_device(name: str | torch.device) -> torch.device:
         raise ConfigError(f"device={str(name)!r} is not a device; use auto, cuda, cuda:N or cpu") from exc
     if device.type not in ("cuda", "cpu"):
         raise ConfigError(f"device={str(name)!r} is not supported; use auto, cuda, cuda:N or cpu")
+    if device.type == "cpu":
+        return torch.device("cpu")  # cpu:0 is the CPU too, but safetensors refuses the name
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError(f"device={str(name)!r} asks for a GPU but torch sees no CUDA device; "

@@ -162,6 +162,27 @@ def test_text_search_with_the_manifest_model(tmp_path):
             assert str(err.value) == (f"query 1 ({blank!r}) holds nothing the model reads (its tokenizer "
                                       "drops every character); give each query some words")
         assert len(index.search(["\u00e9"], k=1)[0]) == 1  # an accented letter is read
+        for unread in ("\U0001f600\U0001f600", "\U0001f600 \u2603"):  # every token [UNK]: arbitrary hits before
+            with pytest.raises(ConfigError) as err:
+                index.search([unread])
+            assert str(err.value) == (f"query 0 ({unread!r}) holds nothing the model reads (its tokenizer "
+                                      "knows none of its characters: [UNK] only); give each query some words")
+        assert len(index.search(["cake \U0001f600"], k=1)[0]) == 1  # one word it knows is enough
+    with open_index(tmp_path, device="cpu:0") as on_cpu0:  # safetensors refused the name: a traceback
+        assert [h[0].text for h in on_cpu0.search(["baking a cake"], k=1)] == [texts[2]]
+
+
+@pytest.mark.parametrize("given, message", [
+    ({"params": 5}, "params=5: give text (e.g. 'nprobe=16'), or None for the index's"),
+    ({"query_prompt": 5}, "query_prompt=5: give text (e.g. 'query: '), or None for the index's"),
+    ({"device": "tpu"}, "device='tpu' is not a device; use auto, cuda, cuda:N or cpu"),
+])
+def test_open_index_names_an_argument_of_the_wrong_kind(tmp_path, given, message):
+    """Before: AttributeError ('int' object has no attribute 'split') at the first search,
+    a TypeError adding the prompt to a query, safetensors' error for a device."""
+    with pytest.raises(ConfigError) as err:
+        open_index(tmp_path, **given)
+    assert str(err.value) == message
 
 
 def test_open_index_refuses_an_unknown_query_runtime(tmp_path):

@@ -147,6 +147,7 @@ def test_corpus_file_never_leaves_the_corpus(tmp_path):
     ({"q": "\x00\x01 \x7f"}, "empty"),  # control characters only: the tokenizer drops them
     ({"q": "\ufffd"}, "nothing the model reads"),  # printable, but the tokenizer drops it
     ({"q": "\u0301\u0302 \u00ad"}, "nothing the model reads"),  # lone accents, a soft hyphen
+    ({"q": "\U0001f600\U0001f600"}, "knows none of its characters"),  # [UNK] only: arbitrary hits before
     ({"q": "x" * 50_000}, "50,000 characters"),  # 10 MB: see test_server.py (the client refuses it)
     ({"q": "bread", "k": 0}, "greater than or equal to 1"),
     ({"q": "bread", "k": 10**9}, "less than or equal to 100"),
