@@ -50,6 +50,7 @@ FOLLOW_OUTSIDE_LINKS = (
 # the CLI's search, serve and open_index alike.
 DEFAULT_SEARCH_K = 10
 CHUNK_TOKENS = 256  # build-index's chunk size and overlap where neither the run nor the index says
+FACTORY = "Flat"  # and its faiss factory
 OVERLAP = 32
 
 _KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "text"}
@@ -136,10 +137,11 @@ class IndexConfig:
         None, "Local sentence-transformers / Hugging Face model folder, or a Hugging Face id "
               "(org/name) found in the local Hugging Face cache; nothing is downloaded.",
         metavar="FOLDER|ID", shown="the bundled all-MiniLM-L6-v2")
-    index: str = setting(
-        "Flat", "faiss index_factory string: Flat is exact search; IVF, PQ and HNSW factories "
-                "(e.g. IVF4096,PQ64 or HNSW32) are trained on a sample (--train-size).",
-        metavar="FACTORY")
+    index: str | None = setting(
+        None, "faiss index_factory string: Flat is exact search; IVF, PQ and HNSW factories "
+              "(e.g. IVF4096,PQ64 or HNSW32) are trained on a sample (--train-size). An update "
+              "keeps the index's.",
+        metavar="FACTORY", shown=f"{FACTORY}, or the index's when it updates one")
     metric: str = setting(
         "ip", "Similarity: ip (inner product: cosine on the normalised vectors) or l2 (for models "
               "trained for euclidean distance).", choices=("ip", "l2"))
@@ -210,6 +212,10 @@ class IndexConfig:
         if self.batch_size:
             return self
         return dataclasses.replace(self, batch_size=1024 if cuda else 256)
+
+    def factory(self, stored: str | None = None) -> str:
+        """The faiss factory asked for: the one given, else ``stored`` (the index's), else Flat."""
+        return self.index or stored or FACTORY
 
     def chunking(self, stored: Mapping | None = None) -> tuple[int, int]:
         """The chunk size and overlap asked for: those given, else ``stored`` (an index's

@@ -83,7 +83,7 @@ def test_unknown_preset_key_is_an_error_naming_it(tmp_path):
     ("chunk_tokens = 1e400", "chunk_tokens=inf: must be an integer or none"),
     ("num_workers = true", "num_workers=True: must be an integer"),
     ('search_k = "3"', "search_k='3': must be an integer or none"),
-    ("index = 5", "index=5: must be text"),
+    ("index = 5", "index=5: must be text or none"),
 ])
 def test_a_preset_value_of_the_wrong_type_is_an_error_naming_it(tmp_path, line, message):
     """Before: a TypeError deep in the run (``"big" < 0``), or the value used as it was."""

@@ -99,8 +99,8 @@ class ShardStore(IndexStore):
                 return existing
             if any(s.rows for s in list_shards(self.shards_dir, check=False)):
                 only_factory = dataclasses.replace(manifest, factory=existing.factory).compatible_with(existing)
-                keep = (f"pass --index {existing.factory!r} to update it as it is (a reindex changes "
-                        f"the factory), " if only_factory else "")
+                keep = (f"leave out --index (or pass --index {existing.factory!r}) to update it as it is "
+                        f"(a reindex changes the factory), " if only_factory else "")
                 raise ConfigError(
                     f"the index at {str(self.folder)!r} was built with {existing.describe()}, "
                     f"not {manifest.describe()}: {keep}use --overwrite to rebuild it, or another folder")

@@ -294,8 +294,8 @@ def test_other_settings_are_refused_even_when_a_shard_with_vectors_is_damaged(tm
         store.create_or_open(manifest("HNSW8"))
     assert str(err.value) == (
         f"the index at {str(tmp_path / 'ix')!r} was built with {manifest().describe()}, not "
-        f"{manifest('HNSW8').describe()}: pass --index 'Flat' to update it as it is (a reindex changes "
-        "the factory), use --overwrite to rebuild it, or another folder")
+        f"{manifest('HNSW8').describe()}: leave out --index (or pass --index 'Flat') to update it as it is "
+        "(a reindex changes the factory), use --overwrite to rebuild it, or another folder")
 
 
 def test_update_shards_writes_the_changes_and_the_shard_list_into_the_given_manifest(tmp_path):

@@ -470,3 +470,31 @@ def test_a_trained_factory_with_a_transform_faiss_cannot_clone_builds(tmp_path):
         exact = index.encoder.encode([r["text"] for r in records])
     assert [h[0].record_id for h in hits] == [r["id"] for r in records[:20]]
     assert np.allclose(np.linalg.norm(exact, axis=1), 1, atol=1e-3)
+
+
+def test_an_update_keeps_the_index_s_factory(tmp_path):
+    """Before: an update without --index of an HNSW8 index (or one reindexed) was refused,
+    asking for --index 'HNSW8' each time; now it keeps the index's, as its chunking."""
+    from embedingest.index.reindex import reindex
+
+    out = tmp_path / "idx"
+    build_index(RECORDS[:6], out=str(out), index="HNSW8", search_params="efSearch=32", save_embeddings=True,
+                **FAST)
+    s = build_index(RECORDS, out=str(out), **FAST)  # no --index: the index's
+    assert s["units_indexed"] == 6 and s["vectors_total"] == 12
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert (manifest["factory"], manifest["search"]) == ("HNSW8", {"params": "efSearch=32"})
+    with open_index(out) as index:
+        assert {type(faiss_inner(seg)).__name__ for seg in index.shards} == {"IndexHNSWFlat"}
+    reindex(out, "IVF2,Flat", train_size=12)
+    more = RECORDS + [{"id": "new", "text": "A record added after the reindex."}]
+    assert build_index(more, out=str(out), **FAST)["units_indexed"] == 1
+    assert json.loads((out / "manifest.json").read_text())["factory"] == "IVF2,Flat"
+    with pytest.raises(ConfigError, match=r"leave out --index \(or pass --index 'IVF2,Flat'\) to update it as it is"):
+        build_index(more, out=str(out), index="Flat", **FAST)
+
+
+def faiss_inner(index):
+    import faiss
+
+    return faiss.downcast_index(faiss.downcast_index(index).index)

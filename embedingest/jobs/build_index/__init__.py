@@ -48,8 +48,8 @@ from ...stages.prompts import Prompts
 from .devices import SeveralDevices
 from .encode import OneDevice, needs_training
 from .plan import (apply_plan, check_search_params, corpus_path, default_out, file_candidates, fingerprint,
-                   plan_units, record_candidates, search_defaults, settled_chunking, settled_prompts,
-                   stored_chunking, unit_key)
+                   plan_units, record_candidates, search_defaults, settled_chunking, settled_factory,
+                   settled_prompts, stored_manifest, unit_key)
 
 __all__ = ["build_index", "default_out", "plan_units", "record_candidates", "unit_key"]
 
@@ -122,10 +122,14 @@ def _load_and_build(corpus, cfg: IndexConfig, where: OneDevice | SeveralDevices,
     if model.dim is None:  # the config does not say the width: the weights do
         model = where.load_encoder(cfg, model)
         phases["load_model_s"] = time.perf_counter() - t_start
-    if not out_url:  # every option checked before the first write (a remote index's, under its lease)
-        settled_chunking(stored_chunking(out, cfg.overwrite), cfg, model.max_seq_length, str(out))
-    parse_factory(model.dim, cfg.index, cfg.metric)
-    check_search_params(model.dim, cfg.index, cfg.metric, cfg.search_params)
+    # every option checked before the first write (a remote index's settings, under its lease)
+    stored = None if out_url else stored_manifest(out, cfg.overwrite)
+    factory = settled_factory(stored, cfg).index
+    if not out_url:
+        settled_chunking(stored.chunking if stored else {}, cfg, model.max_seq_length, str(out))
+    parse_factory(model.dim, factory, cfg.metric)
+    if cfg.index is not None or not out_url:
+        check_search_params(model.dim, factory, cfg.metric, cfg.search_params)
     built = [model]  # the encoder, once loaded: released however the run ends
     build = (corpus, cfg, model, built, where, dtype, in_memory, report, progress,
              timeline, t_start, phases, trace)
@@ -193,6 +197,7 @@ def _build_locked(corpus, cfg: IndexConfig, out: Path, model, built: list, where
     width the facts got wrong (``dim``) is put right before anything is encoded."""
     store = ShardStore(out)
     settings = {}  # what the manifest keeps besides the vectors: prompts, search defaults
+    cfg = settled_factory(stored_manifest(out, cfg.overwrite), cfg)
     try:
         try:
             manifest = _open_index(store, model, cfg, dtype, corpus, in_memory, cfg.overwrite)

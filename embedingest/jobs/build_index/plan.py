@@ -314,18 +314,25 @@ def settled_prompts(manifest: Manifest, cfg: IndexConfig, where: str) -> dict:
     return {"document": document, "query": query}
 
 
-def stored_chunking(out: Path, overwrite: bool) -> dict:
-    """The chunking kept in the manifest of the index at ``out`` that a run will update
-    ({} for a new index, one rebuilt with ``overwrite``, or one that cannot be read: the
-    run's own opening of it says what is wrong). Read without the run lock, for the checks
-    made before the folder is: the run checks again once it holds the lock."""
+def stored_manifest(out: Path, overwrite: bool) -> Manifest | None:
+    """The manifest of the index at ``out`` that a run will update (None for a new index,
+    one rebuilt with ``overwrite``, or one that cannot be read: the run's own opening of it
+    says what is wrong). Read without the run lock, for the checks made before the folder
+    is: the run checks again once it holds the lock."""
     if overwrite or not (out / MANIFEST_NAME).is_file():
-        return {}
+        return None
     try:
         with ShardStore(out, read_only=True) as store:
-            return store.read_manifest().chunking
+            return store.read_manifest()
     except (ConfigError, OSError):
-        return {}
+        return None
+
+
+def settled_factory(stored: Manifest | None, cfg: IndexConfig) -> IndexConfig:
+    """``cfg`` with its faiss factory made concrete: the one given, else the index's (an
+    update keeps it), else Flat; one given that is not the index's is refused when the
+    index is opened."""
+    return dataclasses.replace(cfg, index=cfg.factory(stored.factory if stored else None))
 
 
 def settled_chunking(stored: dict, cfg: IndexConfig, max_tokens: int, where: str) -> dict:

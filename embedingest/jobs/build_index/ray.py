@@ -90,7 +90,7 @@ from ...stages.prefetch import thread_ahead
 from .encode import (chunk_batches, commit_marks, embed_steps, needs_training, shard_sinks, train_if_needed,
                      vector_slots)
 from .plan import (apply_plan, check_search_params, fingerprint, plan_units, search_defaults, settled_chunking,
-                   settled_prompts, stored_chunking)
+                   settled_factory, settled_prompts, stored_manifest)
 
 log = logging.getLogger("embedingest")
 
@@ -463,7 +463,9 @@ def plan_ray_index(dataset: ray.data.Dataset, out: str | os.PathLike,
     dtype = precision(cfg.dtype, bool(num_gpus))
     cfg = cfg.for_device(bool(num_gpus))
     encoder = TextEncoder.load(cfg.model, device="cpu", dtype="fp32")
-    settled_chunking(stored_chunking(out, cfg.overwrite), cfg, encoder.max_seq_length, str(out))
+    stored = stored_manifest(out, cfg.overwrite)
+    cfg = settled_factory(stored, cfg)
+    settled_chunking(stored.chunking if stored else {}, cfg, encoder.max_seq_length, str(out))
     parse_factory(encoder.dim, cfg.index, cfg.metric)  # every option checked before the first write
     check_search_params(encoder.dim, cfg.index, cfg.metric, cfg.search_params)
     report = SkipReport()
