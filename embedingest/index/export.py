@@ -118,7 +118,11 @@ def _export(index, to, embeddings: bool | None, overwrite: bool) -> dict:
         for path in existing:
             refuse_link(path)
             path.unlink()
-    ensure_folder(to, to)
+    try:
+        ensure_folder(to, to)
+    except (NotADirectoryError, FileExistsError, PermissionError) as exc:
+        raise ConfigError(f"cannot make the export folder {str(to)!r}: {exc.strerror or exc} "
+                          f"({exc.filename}); choose another folder") from exc
     rows = 0
     for shard in with_rows:
         try:

@@ -237,3 +237,13 @@ def test_export_refuses_a_shard_whose_files_are_not_those_committed(tmp_path, ki
     assert not (tmp_path / "out" / "_SUCCESS").exists()
     if kind == "emb.npy":  # without the embeddings, the rows are whole
         assert export_index(folder, tmp_path / "rows", embeddings=False)["rows"] == 27
+
+
+def test_an_export_folder_under_a_file_is_named(tmp_path):
+    """Before: the disk-full style message, '[Errno 20] Not a directory ...; what was
+    committed before is kept: fix the cause'."""
+    build_shards(tmp_path / "ix", n_units=1, chunks=3, workers=1)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ConfigError, match=r"^cannot make the export folder '.*afile/sub': Not a directory "
+                                          r"\(.*\); choose another folder$"):
+        export_index(tmp_path / "ix", tmp_path / "afile" / "sub")
