@@ -95,8 +95,9 @@ def parse_factory(dim: int, factory: str, metric: str) -> faiss.Index:
     than 100 vectors) and HNSW with fewer than 2 links per node (faiss aborts the process
     when it adds to one)."""
     if "IDMap" in factory:
+        plain = factory.replace("IDMap2,", "").replace("IDMap,", "")
         raise ConfigError(f"index factory {factory!r} has an IDMap: each shard maps its ids itself; "
-                          f"give the factory without it (e.g. {factory.replace('IDMap2,', '').replace('IDMap,', '')!r})")
+                          f"give the factory without it (e.g. {plain!r})")
     if re.search(r"NSG", factory):
         raise ConfigError(f"index factory {factory!r} is an NSG graph, which faiss builds only from 100 "
                           "vectors or more at once, and a shard of an update may hold fewer; use HNSW "

@@ -83,9 +83,9 @@ def reindex(index: str | os.PathLike, factory: str, *, train_size: int = 50_000,
                 try:
                     train(template, sample)
                 except RuntimeError as exc:
-                    raise ConfigError(f"cannot train {factory!r} on {len(sample)} vectors: "
-                                      f"{faiss_message(exc)}; use fewer lists (IVF) or fewer bits per code (PQ, e.g. PQ16x8), or "
-                                      "a larger index") from exc
+                    raise ConfigError(f"cannot train {factory!r} on {len(sample)} vectors: {faiss_message(exc)}; "
+                                      "use fewer lists (IVF) or fewer bits per code (PQ, e.g. PQ16x8), or a "
+                                      "larger index") from exc
                 trained_path = folder / trained_name(generation)
                 write_faiss_index(template, trained_path)
                 written.append(trained_path)

@@ -95,6 +95,17 @@ def _refuse_untokenized(tokenizer, queries: list[str]) -> None:
                               "each query some words")
 
 
+def _device_name(device) -> str:
+    """``device`` as the query encoder loads it, checked by its form only (torch is not
+    imported to open an index, and a GPU is asked for when the encoder loads): cpu (cpu:N
+    is the CPU too, a name safetensors refuses), cuda, cuda:N or auto."""
+    text = str(device)
+    kind, colon, number = text.partition(":")
+    if kind not in ("cpu", "cuda", "auto") or (colon and (kind == "auto" or not number.isdigit())):
+        raise ConfigError(f"device={text!r} is not a device; use auto, cuda, cuda:N or cpu")
+    return "cpu" if kind == "cpu" else text
+
+
 class Index:
     """A searchable index folder; see :func:`open_index`."""
 
@@ -327,14 +338,13 @@ def open_index(path: str | os.PathLike, device: str = "cpu", *, encoder=None,
     "torch", "onnx" or "auto" (ONNX Runtime where it applies, else torch;
     :mod:`embedingest.stages.query_runtime`).
     """
-    from ..stages.device import resolve_device
     from ..stages.query_runtime import check_runtime
 
     check_runtime(query_runtime)
     for name, value, example in (("params", params, "'nprobe=16'"), ("query_prompt", query_prompt, "'query: '")):
         if value is not None and not isinstance(value, str):
             raise ConfigError(f"{name}={value!r}: give text (e.g. {example}), or None for the index's")
-    device = str(resolve_device(device))
+    device = _device_name(device)
     if is_remote(path):
         from .cache import RemoteShards
 
