@@ -5,8 +5,9 @@ The corpus (files under a folder, or in-memory records) becomes candidate units;
 compared with what the index holds (size and mtime, else the content hash; committed
 vector counts), so a run indexes only new and changed units, removes the vectors of
 changed, deleted and half-done ones, and a killed run is finished by running it again.
-Also here: the settings a run keeps in the manifest (prompts, search defaults) and the
-corpus fingerprint.
+Also here: the settings a run keeps in the manifest (factory, chunking, prompts, search
+defaults: an update keeps the index's, and is refused others that would mix two kinds of
+vectors) and the corpus fingerprint.
 """
 
 from __future__ import annotations
