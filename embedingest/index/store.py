@@ -134,6 +134,9 @@ class Manifest:
                 and self.metric == other.metric and self.factory == other.factory)
 
 
+MAX_CHUNK_TOKENS = 1 << 20  # more than any model reads at once: a larger chunking is a changed manifest
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -156,8 +159,8 @@ _FIELD_TYPES = {
                 "an object of texts ({\"document\": ..., \"query\": ...})"),
     "chunking": (lambda v: isinstance(v, dict) and (not v or (
         set(v) == {"tokens", "overlap"} and _is_int(v["tokens"]) and _is_int(v["overlap"])
-        and 0 <= v["overlap"] < v["tokens"])),
-        "an object {\"tokens\": N, \"overlap\": M} with 0 <= M < N"),
+        and 0 <= v["overlap"] < v["tokens"] <= MAX_CHUNK_TOKENS)),
+        f"an object {{\"tokens\": N, \"overlap\": M}} with 0 <= M < N <= {MAX_CHUNK_TOKENS}"),
     "search": (lambda v: isinstance(v, dict) and (v.get("params") is None or isinstance(v["params"], str))
                and (v.get("k") is None or (_is_int(v["k"]) and v["k"] >= 1)),
                "an object with a string params and a positive integer k"),

@@ -431,11 +431,19 @@ def test_a_chunking_the_model_cannot_take_is_refused_before_the_folder_is_made(t
 
 
 def test_an_index_from_before_chunking_was_kept_takes_the_runs_and_keeps_it(tmp_path):
+    """An index an older embedingest made records no chunking: a plain update cut its new
+    texts at the default and wrote that into the manifest, for good. Now the chunking it
+    was built with must be given, once."""
     out = tmp_path / "idx"
     build_index(RECORDS[:6], out=str(out), **FAST)
     manifest = json.loads((out / "manifest.json").read_text())
     del manifest["chunking"]
     (out / "manifest.json").write_text(json.dumps(manifest))
+    for given in ({}, {"chunk_tokens": 64}, {"overlap": 8}):
+        with pytest.raises(ConfigError, match=r"does not record how its texts were cut into chunks \(an older "
+                                              r"embedingest made it\): give the --chunk-tokens and --overlap"):
+            build_index(RECORDS, out=str(out), **given, **FAST)
+    assert "chunking" not in json.loads((out / "manifest.json").read_text())
     build_index(RECORDS, out=str(out), chunk_tokens=64, overlap=8, **FAST)
     assert json.loads((out / "manifest.json").read_text())["chunking"] == {"tokens": 64, "overlap": 8}
     assert build_index(RECORDS, out=str(out), **FAST)["units_unchanged"] == 12  # the index's, kept
@@ -498,3 +506,19 @@ def faiss_inner(index):
     import faiss
 
     return faiss.downcast_index(faiss.downcast_index(index).index)
+
+
+def test_a_model_that_takes_fewer_tokens_than_the_index_s_chunks_is_named(tmp_path):
+    """A copy of the model with a smaller max_seq_length: the refusal said to give the
+    index's values, which the model cannot take, in a loop."""
+    from model_fixtures import copy_model
+
+    model = copy_model(tmp_path / "m128")
+    config = json.loads((model / "sentence_bert_config.json").read_text())
+    (model / "sentence_bert_config.json").write_text(json.dumps(config | {"max_seq_length": 128}))
+    out = tmp_path / "idx"
+    build_index(RECORDS[:4], out=str(out), **FAST)
+    for given in ({}, {"chunk_tokens": 256, "overlap": 32}):
+        with pytest.raises(ConfigError, match=r"cuts texts into chunks of 256 tokens, more than this model takes "
+                                              r"\(128\): use the model it was built with, or --overwrite"):
+            build_index(RECORDS, out=str(out), model=str(model), **given, **FAST)

@@ -126,7 +126,7 @@ def _load_and_build(corpus, cfg: IndexConfig, where: OneDevice | SeveralDevices,
     stored = None if out_url else stored_manifest(out, cfg.overwrite)
     factory = settled_factory(stored, cfg).index
     if not out_url:
-        settled_chunking(stored.chunking if stored else {}, cfg, model.max_seq_length, str(out))
+        settled_chunking(stored, cfg, model.max_seq_length, str(out))
     parse_factory(model.dim, factory, cfg.metric)
     if cfg.index is not None or not out_url:
         check_search_params(model.dim, factory, cfg.metric, cfg.search_params)
@@ -168,7 +168,7 @@ def _open_index(store: ShardStore, model, cfg: IndexConfig, dtype: str, corpus, 
     return store.create_or_open(
         Manifest(model=model.info(), dim=model.dim, metric=cfg.metric, factory=cfg.index,
                  dtype=dtype, prompts=wanted, corpus_path=corpus_path(corpus, in_memory),
-                 chunking=settled_chunking({}, cfg, model.max_seq_length, str(store.folder))),
+                 chunking=settled_chunking(None, cfg, model.max_seq_length, str(store.folder))),
         overwrite=overwrite)
 
 
@@ -213,7 +213,7 @@ def _build_locked(corpus, cfg: IndexConfig, out: Path, model, built: list, where
                               f"remove from it: give this corpus an --out of its own, or --out "
                               f"{str(out)!r} to make it the index of this one")
         settings = {"prompts": settled_prompts(manifest, cfg, str(out)),
-                    "chunking": settled_chunking(manifest.chunking, cfg, model.max_seq_length, str(out)),
+                    "chunking": settled_chunking(manifest, cfg, model.max_seq_length, str(out)),
                     "search": search_defaults(manifest, cfg),
                     "corpus_path": corpus_path(corpus, in_memory)}
         chunk_tokens = settings["chunking"]["tokens"]

@@ -336,12 +336,23 @@ def settled_factory(stored: Manifest | None, cfg: IndexConfig) -> IndexConfig:
     return dataclasses.replace(cfg, index=cfg.factory(stored.factory if stored else None))
 
 
-def settled_chunking(stored: dict, cfg: IndexConfig, max_tokens: int, where: str) -> dict:
+def settled_chunking(index: Manifest | None, cfg: IndexConfig, max_tokens: int, where: str) -> dict:
     """How this run cuts texts into chunks, ``{"tokens", "overlap"}``: as given, else as
-    the index it updates (``stored``, its manifest's), else the defaults; the size capped at
-    the model's ``max_tokens``. An index's chunks stay one size and overlap (search would
-    rank chunks of two sizes against each other, and a text's chunks would no longer be
-    cut alike), so settings other than the index's are refused."""
+    the index it updates (``index``, its manifest; None for a new one), else the defaults;
+    the size capped at the model's ``max_tokens``. An index's chunks stay one size and
+    overlap (search would rank chunks of two sizes against each other, and a text's chunks
+    would no longer be cut alike), so settings other than the index's are refused, and an
+    index with vectors that does not record its own (made before it was kept) is updated
+    only with both given."""
+    stored = index.chunking if index is not None else {}
+    if index is not None and not stored and index.segments and None in (cfg.chunk_tokens, cfg.overlap):
+        raise ConfigError(f"the index at {where!r} does not record how its texts were cut into chunks (an "
+                          "older embedingest made it): give the --chunk-tokens and --overlap it was built with "
+                          "(they are kept from then on), or --overwrite to rebuild it")
+    if stored and stored["tokens"] > max_tokens:
+        raise ConfigError(f"the index at {where!r} cuts texts into chunks of {stored['tokens']} tokens, more than "
+                          f"this model takes ({max_tokens}): use the model it was built with, or --overwrite to "
+                          "rebuild it")
     tokens, overlap = cfg.chunking(stored)
     tokens = min(tokens, max_tokens)
     if overlap >= tokens:

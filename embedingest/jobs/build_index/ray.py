@@ -465,7 +465,7 @@ def plan_ray_index(dataset: ray.data.Dataset, out: str | os.PathLike,
     encoder = TextEncoder.load(cfg.model, device="cpu", dtype="fp32")
     stored = stored_manifest(out, cfg.overwrite)
     cfg = settled_factory(stored, cfg)
-    settled_chunking(stored.chunking if stored else {}, cfg, encoder.max_seq_length, str(out))
+    settled_chunking(stored, cfg, encoder.max_seq_length, str(out))
     parse_factory(encoder.dim, cfg.index, cfg.metric)  # every option checked before the first write
     check_search_params(encoder.dim, cfg.index, cfg.metric, cfg.search_params)
     report = SkipReport()
@@ -476,10 +476,10 @@ def plan_ray_index(dataset: ray.data.Dataset, out: str | os.PathLike,
         manifest = store.create_or_open(
             Manifest(model=encoder.info() | {"dtype": dtype}, dim=encoder.dim, metric=cfg.metric,
                      factory=cfg.index, dtype=dtype, prompts=wanted,
-                     chunking=settled_chunking({}, cfg, encoder.max_seq_length, str(out))),
+                     chunking=settled_chunking(None, cfg, encoder.max_seq_length, str(out))),
             overwrite=cfg.overwrite)
         settings = {"prompts": settled_prompts(manifest, cfg, str(out)),
-                    "chunking": settled_chunking(manifest.chunking, cfg, encoder.max_seq_length, str(out)),
+                    "chunking": settled_chunking(manifest, cfg, encoder.max_seq_length, str(out)),
                     "search": search_defaults(manifest, cfg)}
         chunk_tokens = settings["chunking"]["tokens"]
         cfg = dataclasses.replace(cfg, doc_prompt=settings["prompts"]["document"], chunk_tokens=chunk_tokens,
