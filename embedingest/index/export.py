@@ -80,6 +80,7 @@ def _export(index, to, embeddings: bool | None, overwrite: bool) -> dict:
             raise ConfigError(f"export folder {str(to)!r} is inside the index {str(index)!r}: "
                               "choose a folder outside it")
         generation = IndexStore(index).read_manifest().generation
+        refuse_link(index / SHARDS_DIR)  # a shard is read from inside the index folder only
         with_rows = [s for s in list_shards(index / SHARDS_DIR, generation=generation) if s.rows]
 
         def rows_of(shard):

@@ -19,7 +19,7 @@ import faiss
 import numpy as np
 
 from ..errors import ConfigError
-from ..outfiles import write_faiss_index
+from ..outfiles import refuse_link, write_faiss_index
 from ..sources.remote import is_remote
 from .faiss_factory import apply_search_params, copy_index, faiss_message, parse_factory, train
 from .formats import MANIFEST_NAME, rebuild_command, require_current
@@ -61,6 +61,7 @@ def reindex(index: str | os.PathLike, factory: str, *, train_size: int = 50_000,
     store.read_manifest()  # not an index: said before a lock file is made
     with RunLock(folder):
         refuse_unfinished_overwrite(folder, "reindex")
+        refuse_link(folder / SHARDS_DIR)  # the new vectors are written inside the index folder only
         manifest = store.read_manifest()
         shards = [s for s in list_shards(folder / SHARDS_DIR, generation=manifest.generation) if s.rows]
         missing = [s.name for s in shards if not s.has_embeddings]

@@ -352,8 +352,11 @@ def read_commit(path: Path, text: bytes | str | None = None) -> Shard:
             # deleted when the shard is rewritten, so nothing else may be named
             found = _FILE_NAME.fullmatch(str(info.get("name", "")))
             if (kind not in _KIND_SUFFIX or not found or found.group(1) != name
-                    or found.group(2) != _KIND_SUFFIX[kind] or not isinstance(info.get("size"), int)):
+                    or found.group(2) != _KIND_SUFFIX[kind] or not isinstance(info.get("size"), int)
+                    or not _SHA256.fullmatch(str(info.get("sha256", "")))):
                 raise ValueError(f"its {kind!r} entry {info!r} is not a file of the shard")
+        if int(data["rows"]) and not {"faiss", "parquet"} <= files.keys():
+            raise ValueError(f"it holds rows but names no {'parquet' if 'faiss' in files else 'faiss'} file")
         generation = data.get("generation", 0)
         if not isinstance(generation, int) or isinstance(generation, bool) or generation < 0:
             raise ValueError(f"generation {generation!r} is not a generation number")

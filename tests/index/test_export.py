@@ -247,3 +247,19 @@ def test_an_export_folder_under_a_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match=r"^cannot make the export folder '.*afile/sub': Not a directory "
                                           r"\(.*\); choose another folder$"):
         export_index(tmp_path / "ix", tmp_path / "afile" / "sub")
+
+
+def test_export_and_reindex_refuse_a_shards_folder_that_is_a_link(tmp_path):
+    """Export read the shards through the link (search refused it), and reindex wrote its
+    new vectors through it, outside the index folder."""
+    from embedingest.index.reindex import reindex
+
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=2, chunks=5, workers=1)
+    (folder / "shards").rename(tmp_path / "moved")
+    (folder / "shards").symlink_to(tmp_path / "moved")
+    before = sorted(os.listdir(tmp_path / "moved"))
+    for call in (lambda: export_index(folder, tmp_path / "out"), lambda: reindex(folder, "HNSW8")):
+        with pytest.raises(ConfigError, match=r"shards' is a symbolic link; embedingest never writes through links"):
+            call()
+    assert sorted(os.listdir(tmp_path / "moved")) == before and not (tmp_path / "out").exists()

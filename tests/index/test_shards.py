@@ -124,6 +124,25 @@ def test_a_commit_record_that_is_not_one_is_a_config_error_naming_it(tmp_path):
         list_shards(folder / "shards")
 
 
+@pytest.mark.parametrize("change", ["sha256 gone", "sha256 not hex", "parquet entry gone", "faiss entry gone"])
+def test_a_record_without_a_file_s_hash_or_a_file_of_its_rows_is_refused(tmp_path, change):
+    """Before: export and search ended in KeyError tracebacks ('sha256', 'parquet')."""
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=1, chunks=5, workers=1)
+    (shard,) = list_shards(folder / "shards")
+    files = json.loads(json.dumps(shard.record["files"]))
+    if change == "sha256 gone":
+        del files["parquet"]["sha256"]
+    elif change == "sha256 not hex":
+        files["emb"]["sha256"] = "z" * 64
+    else:
+        del files[change.split()[0]]
+    shard.commit_path().write_text(json.dumps(dict(shard.record, files=files)))
+    with pytest.raises(ConfigError, match=r"cannot read the commit record .*(is not a file of the shard|names no "
+                                          r"(parquet|faiss) file).*delete that shard's files"):
+        list_shards(folder / "shards")
+
+
 @pytest.mark.parametrize("generation", ["abc", [1], 1e999, -1, True])
 def test_a_record_of_a_generation_that_is_no_number_is_refused(tmp_path, generation):
     folder = tmp_path / "ix"
