@@ -48,6 +48,7 @@ def faiss_message(exc: RuntimeError) -> str:
 # Search parameters faiss takes at any value but answers wrongly below 1: efSearch 0 or
 # less gave one hit whatever k; nprobe 0 failed only at the first search.
 _DECIMAL = re.compile(r"-?[0-9]+(?:\.[0-9]+)?")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # faiss read 'n probe' as a name and said only 'ret == 2' failed
 _AT_LEAST_ONE = re.compile(r"(?:\w+_)?(?:nprobe|efSearch)")
 
 
@@ -62,7 +63,7 @@ def search_params_text(params: str) -> str:
         name, sep, value = (p.strip() for p in part.partition("="))
         # plain decimals only: Python reads 0_64 and 1e30, faiss reads the same text as 0
         # and as an integer out of range
-        if not (sep and name and _DECIMAL.fullmatch(value)):
+        if not (sep and _NAME.fullmatch(name) and _DECIMAL.fullmatch(value)):
             raise ValueError(f"{part.strip()!r} is not NAME=NUMBER")
         if name in parts:
             raise ValueError(f"{name} is given twice ({name}={parts[name]}, {name}={value}): give it once")

@@ -24,7 +24,7 @@ import numpy as np
 from ..config import DEFAULT_SEARCH_K
 from ..errors import ConfigError
 from ..outfiles import native_path, refuse_link
-from .faiss_factory import apply_search_params, read_index_file
+from .faiss_factory import apply_search_params, read_index_file, search_params_text
 from .lookup import ShardRows
 from .shard_store import answering_folder
 from ..sources.remote import is_remote
@@ -345,6 +345,14 @@ def open_index(path: str | os.PathLike, device: str = "cpu", *, encoder=None,
         if value is not None and not isinstance(value, str):
             raise ConfigError(f"{name}={value!r}: give text (e.g. {example}), or None for the index's")
     device = _device_name(device)
+    if params is not None and not params.strip():
+        params = ""  # blank: none, as build-index takes it
+    elif params is not None:
+        try:  # a typo is named as one, not as parameters that do not apply to a shard
+            params = search_params_text(params)
+        except ValueError as exc:
+            raise ConfigError(f"search parameters {params!r}: {exc}; e.g. nprobe=16 (IVF) or efSearch=128 "
+                              "(HNSW)") from exc
     if is_remote(path):
         from .cache import RemoteShards
 

@@ -160,6 +160,7 @@ def test_factories_faiss_makes_but_a_shard_cannot_use_are_refused(factory, match
     ("efSearch", "'efSearch' is not NAME=NUMBER"),
     ("efSearch=16,", "'' is not NAME=NUMBER"),
     ("=3", "'=3' is not NAME=NUMBER"),
+    ("ef Search=5", "'ef Search=5' is not NAME=NUMBER"),  # faiss: "'ret == 2' failed"
     ("efSearch=0_64", "'efSearch=0_64' is not NAME=NUMBER"),  # Python's float reads 64, faiss 0
     ("efSearch=1e30", "'efSearch=1e30' is not NAME=NUMBER"),
     ("efSearch=99999999999", "efSearch=99999999999 is out of range (at most 2147483647)"),

@@ -50,8 +50,12 @@ def test_stored_nprobe_and_k_are_applied(ivf):
     assert [[h.id for h in hits] for hits in default] == ids.tolist()
     assert (ids1 != ids).any(), "nprobe=1 should miss some neighbours that nprobe=8 finds"
     assert (scores1 <= scores + 1e-6).all()  # a probe of fewer lists never finds better ones
-    with open_index(ivf, params="") as none:  # "" turns the stored parameters off
-        assert none.params is None and nprobes(none) == {1}
+    with pytest.raises(ConfigError, match=r"^search parameters 'n probe=2': 'n probe=2' is not NAME=NUMBER; e.g. "
+                                          r"nprobe=16 \(IVF\)"):
+        open_index(ivf, params="n probe=2")
+    for blank in ("", "  "):  # "" turns the stored parameters off; blank too, as in build-index (it was an error)
+        with open_index(ivf, params=blank) as none:
+            assert none.params is None and nprobes(none) == {1}
 
 
 def test_stored_nprobe_of_every_list_equals_brute_force(ivf):
