@@ -117,9 +117,12 @@ def create_app(index: Index | LiveIndex, *, max_query_chars: int = MAX_QUERY_CHA
 
     @app.get("/files/{vector_id}")
     def source_file(vector_id: int = PathParam(..., ge=0, le=2**63 - 1),
-                    source: str = Query(..., max_length=MAX_SOURCE_CHARS)) -> FileResponse:
+                    source: str | None = Query(None, max_length=MAX_SOURCE_CHARS)) -> FileResponse:
         """The file of the chunk ``vector_id``, which must still be of ``source`` (the hit's,
         in the link): a rebuild numbers the files again, and an old link named another."""
+        if source is None:
+            raise HTTPException(404, f"a file link gives the hit's source (/files/{vector_id}?source=...): this "
+                                     "one is from before links did; search again for a current link")
         index = live.current()
         try:
             chunk = index.chunks([vector_id]).get(vector_id)
@@ -127,8 +130,8 @@ def create_app(index: Index | LiveIndex, *, max_query_chars: int = MAX_QUERY_CHA
             index = live.refresh()
             chunk = index.chunks([vector_id]).get(vector_id)
         if chunk is not None and chunk.source != source:
-            raise HTTPException(404, f"id {vector_id} is no longer a chunk of {source!r}: the index was "
-                                     "rebuilt since this link was made; search again")
+            raise HTTPException(404, f"id {vector_id} is not a chunk of {source!r} in the index now (rebuilt "
+                                     "since this link was made, or the link was changed); search again")
         path = corpus_file(index, chunk.source if chunk else None)
         if path is None:
             raise HTTPException(404, f"no file of the corpus for id {vector_id}: the id is unknown, "

@@ -407,9 +407,10 @@ def test_segment_images_takes_file_paths_as_segment_reads_them(tmp_path, weights
     exif[0x0112] = 6  # rotated: the mask is of the upright picture, as segment() writes it
     Image.fromarray(pic).save(tmp_path / "turned.jpg", exif=exif)
     Image.fromarray(pic).save(tmp_path / "p.png")
-    masks = segment_images([tmp_path / "turned.jpg", str(tmp_path / "p.png"), pic], weights=str(weights),
-                           size=SIZE, device="cpu")
-    assert [m.shape for m in masks] == [(50, 30), (30, 50), (30, 50)]
+    masks = segment_images([tmp_path / "turned.jpg", str(tmp_path / "p.png"), pic, os.fsencode(tmp_path / "p.png")],
+                           weights=str(weights), size=SIZE, device="cpu")
+    assert [m.shape for m in masks] == [(50, 30), (30, 50), (30, 50), (30, 50)]
+    assert np.array_equal(masks[3], masks[1])  # bytes are a path too (they were taken for an array)
     assert np.array_equal(masks[0], reference(tmp_path / "turned.jpg")[0])
     assert np.array_equal(masks[1], reference(tmp_path / "p.png")[0]) and np.array_equal(masks[1], masks[2])
     for one in (str(tmp_path), tmp_path / "p.png"):

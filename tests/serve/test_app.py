@@ -76,12 +76,13 @@ def test_files_of_the_corpus_only(client, index):
     jsonl = hits["records.jsonl"]
     assert jsonl["record_id"] in ("v1", "e1") and jsonl["file"] is not None
     assert client.get("/files/12345678?source=bread.txt").status_code == 404
-    assert client.get(f"/files/{hits['net/tcp.md']['id']}").status_code == 422  # no source: no file
+    r = client.get(f"/files/{hits['net/tcp.md']['id']}")  # no source: a link from before they had one
+    assert r.status_code == 404 and "search again for a current link" in r.json()["detail"]
     for bad in ("-1", "99999999999999999999999", "abc", "..%2F..%2Fetc%2Fpasswd"):
         assert client.get(f"/files/{bad}?source=bread.txt").status_code in (404, 422), bad
     # another file's name with this chunk's id: refused, not served (the id decides the file)
     r = client.get(f"/files/{hits['net/tcp.md']['id']}", params={"source": "bread.txt"})
-    assert r.status_code == 404 and "no longer a chunk of 'bread.txt'" in r.json()["detail"]
+    assert r.status_code == 404 and "is not a chunk of 'bread.txt' in the index now" in r.json()["detail"]
 
 
 def test_a_link_made_before_a_rebuild_serves_no_other_file(tmp_path):

@@ -263,9 +263,9 @@ def _write_report(report: SkipReport, url: str) -> str:
 
 def segment_images(images: Iterable, config: SegmentConfig | None = None, *,
                    model: SegmentationModel | None = None, **overrides) -> list[np.ndarray]:
-    """Masks of pictures (PIL images, uint8/uint16 arrays, or image files' paths, read and
-    turned upright as :func:`segment` reads them), each a uint8 [height, width] array at
-    its picture's own size.
+    """Masks of pictures (PIL images, uint8/uint16 arrays, or image files' paths as str,
+    bytes or Path, read and turned upright as :func:`segment` reads them), each a uint8
+    [height, width] array at its picture's own size.
 
     For a handful of images in a notebook or a service: it runs in this process, with
     no engine and no files. Settings come from ``config`` and ``overrides`` (field names
@@ -306,10 +306,10 @@ def segment_images(images: Iterable, config: SegmentConfig | None = None, *,
 
 
 def _prepare(picture, prep, index: int, max_pixels: int):
+    path = os.fsdecode(picture) if isinstance(picture, (str, bytes, os.PathLike)) else None
     try:
-        if isinstance(picture, (str, os.PathLike)):
-            return prepare_file(os.fspath(picture), os.fspath(picture), prep, max_pixels)
+        if path is not None:
+            return prepare_file(path, path, prep, max_pixels)
         return prepare_picture(picture, prep)
     except ImageRejected as exc:
-        where = f" ({os.fspath(picture)})" if isinstance(picture, (str, os.PathLike)) else ""
-        raise ConfigError(f"image {index}{where}: {exc.reason}") from exc
+        raise ConfigError(f"image {index}{f' ({path})' if path is not None else ''}: {exc.reason}") from exc
