@@ -357,6 +357,8 @@ def read_commit(path: Path, text: bytes | str | None = None) -> Shard:
                 raise ValueError(f"its {kind!r} entry {info!r} is not a file of the shard")
         if int(data["rows"]) and not {"faiss", "parquet"} <= files.keys():
             raise ValueError(f"it holds rows but names no {'parquet' if 'faiss' in files else 'faiss'} file")
+        if not int(data["rows"]) and files:  # a writer names files only with rows: the shard would be hidden
+            raise ValueError("it says 0 rows but names files of them")
         generation = data.get("generation", 0)
         if not isinstance(generation, int) or isinstance(generation, bool) or generation < 0:
             raise ValueError(f"generation {generation!r} is not a generation number")

@@ -124,22 +124,27 @@ def test_a_commit_record_that_is_not_one_is_a_config_error_naming_it(tmp_path):
         list_shards(folder / "shards")
 
 
-@pytest.mark.parametrize("change", ["sha256 gone", "sha256 not hex", "parquet entry gone", "faiss entry gone"])
+@pytest.mark.parametrize("change", ["sha256 gone", "sha256 not hex", "parquet entry gone", "faiss entry gone",
+                                    "rows 0"])
 def test_a_record_without_a_file_s_hash_or_a_file_of_its_rows_is_refused(tmp_path, change):
     """Before: export and search ended in KeyError tracebacks ('sha256', 'parquet')."""
     folder = tmp_path / "ix"
     build_shards(folder, n_units=1, chunks=5, workers=1)
     (shard,) = list_shards(folder / "shards")
     files = json.loads(json.dumps(shard.record["files"]))
+    record = dict(shard.record)
     if change == "sha256 gone":
         del files["parquet"]["sha256"]
+    elif change == "rows 0":  # export and search skipped the shard without a word
+        record["rows"] = 0
     elif change == "sha256 not hex":
         files["emb"]["sha256"] = "z" * 64
     else:
         del files[change.split()[0]]
-    shard.commit_path().write_text(json.dumps(dict(shard.record, files=files)))
+    shard.commit_path().write_text(json.dumps(dict(record, files=files)))
     with pytest.raises(ConfigError, match=r"cannot read the commit record .*(is not a file of the shard|names no "
-                                          r"(parquet|faiss) file).*delete that shard's files"):
+                                          r"(parquet|faiss) file|says 0 rows but names files).*delete that shard's "
+                                          r"files"):
         list_shards(folder / "shards")
 
 
