@@ -50,7 +50,8 @@ FOLLOW_OUTSIDE_LINKS = (
 # the CLI's search, serve and open_index alike.
 DEFAULT_SEARCH_K = 10
 CHUNK_TOKENS = 256  # build-index's chunk size and overlap where neither the run nor the index says
-FACTORY = "Flat"  # and its faiss factory
+FACTORY = "Flat"  # and its faiss factory and metric
+METRIC = "ip"
 OVERLAP = 32
 
 _KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "text"}
@@ -142,9 +143,10 @@ class IndexConfig:
               "(e.g. IVF4096,PQ64 or HNSW32) are trained on a sample (--train-size). An update "
               "keeps the index's.",
         metavar="FACTORY", shown=f"{FACTORY}, or the index's when it updates one")
-    metric: str = setting(
-        "ip", "Similarity: ip (inner product: cosine on the normalised vectors) or l2 (for models "
-              "trained for euclidean distance).", choices=("ip", "l2"))
+    metric: str | None = setting(
+        None, "Similarity: ip (inner product: cosine on the normalised vectors) or l2 (for models "
+              "trained for euclidean distance). An update keeps the index's.", choices=("ip", "l2"),
+        shown=f"{METRIC}, or the index's when it updates one")
     device: str = setting("auto", "auto (CUDA when available), cpu, cuda or cuda:N.", metavar="DEVICE")
     devices: str = setting(
         "", "Several devices, one process each: all (every GPU), 0,1 (GPU numbers), cuda:0,cuda:1, "
@@ -236,7 +238,7 @@ class IndexConfig:
             raise ConfigError(f"overlap={self.overlap}: must be at least 0")
         if None not in (self.overlap, self.chunk_tokens) and self.overlap >= self.chunk_tokens:
             raise ConfigError(f"overlap={self.overlap}: must be smaller than chunk-tokens ({self.chunk_tokens})")
-        if self.metric not in ("ip", "l2"):
+        if self.metric not in (None, "ip", "l2"):
             raise ConfigError(f"metric={self.metric!r}: use 'ip' or 'l2'")
         if self.search_k is not None and self.search_k < 1:
             raise ConfigError(f"search-k={self.search_k}: must be at least 1")

@@ -317,7 +317,8 @@ def test_build_index_help_reads_the_field_docs_choices_and_defaults():
     ctx = click.Context(command, info_name="build-index")
     lines = {p.name: p.get_help_record(ctx) for p in command.params if isinstance(p, click.Option)}
     assert lines["metric"] == ("--metric [ip|l2]", "Similarity: ip (inner product: cosine on the normalised "
-                               "vectors) or l2 (for models trained for euclidean distance).  [default: ip]")
+                               "vectors) or l2 (for models trained for euclidean distance). An update keeps the "
+                               "index's.  [default: ip, or the index's when it updates one]")
     assert lines["cuda_graphs"][0] == "--cuda-graphs / --no-cuda-graphs"
     assert lines["cuda_graphs"][1].startswith("On a GPU, replay") and lines["cuda_graphs"][1].endswith("  [default: on]")
     assert lines["out"] == ("--out DIRECTORY", "Output folder.  [default: indexes/<the corpus folder's or file's name>]")

@@ -480,6 +480,19 @@ def test_a_trained_factory_with_a_transform_faiss_cannot_clone_builds(tmp_path):
     assert np.allclose(np.linalg.norm(exact, axis=1), 1, atol=1e-3)
 
 
+def test_an_update_keeps_the_index_s_metric(tmp_path):
+    """An l2 index was refused on every update without --metric l2."""
+    out = tmp_path / "idx"
+    build_index(RECORDS[:6], out=str(out), metric="l2", **FAST)
+    assert build_index(RECORDS, out=str(out), **FAST)["units_indexed"] == 6
+    assert json.loads((out / "manifest.json").read_text())["metric"] == "l2"
+    with pytest.raises(ConfigError, match="metric l2.*not .*metric ip"):
+        build_index(RECORDS, out=str(out), metric="ip", **FAST)
+    fresh = tmp_path / "fresh"
+    build_index(RECORDS[:2], out=str(fresh), **FAST)
+    assert json.loads((fresh / "manifest.json").read_text())["metric"] == "ip"
+
+
 def test_an_update_keeps_the_index_s_factory(tmp_path):
     """Before: an update without --index of an HNSW8 index (or one reindexed) was refused,
     asking for --index 'HNSW8' each time; now it keeps the index's, as its chunking."""

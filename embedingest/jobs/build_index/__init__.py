@@ -124,12 +124,12 @@ def _load_and_build(corpus, cfg: IndexConfig, where: OneDevice | SeveralDevices,
         phases["load_model_s"] = time.perf_counter() - t_start
     # every option checked before the first write (a remote index's settings, under its lease)
     stored = None if out_url else stored_manifest(out, cfg.overwrite)
-    factory = settled_factory(stored, cfg).index
+    kind = settled_factory(stored, cfg)
     if not out_url:
         settled_chunking(stored, cfg, model.max_seq_length, str(out))
-    parse_factory(model.dim, factory, cfg.metric)
+    parse_factory(model.dim, kind.index, kind.metric)
     if cfg.index is not None or not out_url:
-        check_search_params(model.dim, factory, cfg.metric, cfg.search_params)
+        check_search_params(model.dim, kind.index, kind.metric, cfg.search_params)
     built = [model]  # the encoder, once loaded: released however the run ends
     build = (corpus, cfg, model, built, where, dtype, in_memory, report, progress,
              timeline, t_start, phases, trace)

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...config import IndexConfig
+from ...config import METRIC, IndexConfig
 from ...errors import ConfigError
 from ...index.shard_store import ShardStore
 from ...index.formats import MANIFEST_NAME
@@ -330,10 +330,11 @@ def stored_manifest(out: Path, overwrite: bool) -> Manifest | None:
 
 
 def settled_factory(stored: Manifest | None, cfg: IndexConfig) -> IndexConfig:
-    """``cfg`` with its faiss factory made concrete: the one given, else the index's (an
-    update keeps it), else Flat; one given that is not the index's is refused when the
-    index is opened."""
-    return dataclasses.replace(cfg, index=cfg.factory(stored.factory if stored else None))
+    """``cfg`` with its faiss factory and metric made concrete: those given, else the
+    index's (an update keeps them), else Flat and ip; one given that is not the index's is
+    refused when the index is opened."""
+    return dataclasses.replace(cfg, index=cfg.factory(stored.factory if stored else None),
+                               metric=cfg.metric or (stored.metric if stored else METRIC))
 
 
 def settled_chunking(index: Manifest | None, cfg: IndexConfig, max_tokens: int, where: str) -> dict:
