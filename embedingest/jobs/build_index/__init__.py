@@ -48,8 +48,8 @@ from ...stages.prompts import Prompts
 from .devices import SeveralDevices
 from .encode import OneDevice, needs_training
 from .plan import (apply_plan, check_search_params, corpus_path, default_out, file_candidates, fingerprint,
-                   plan_units, record_candidates, search_defaults, settled_chunking, settled_factory,
-                   settled_prompts, stored_manifest, unit_key)
+                   plan_units, record_candidates, settled_chunking, settled_factory, settled_settings,
+                   stored_manifest, unit_key)
 
 __all__ = ["build_index", "default_out", "plan_units", "record_candidates", "unit_key"]
 
@@ -196,7 +196,7 @@ def _build_locked(corpus, cfg: IndexConfig, out: Path, model, built: list, where
     are not loaded: then the workers tokenize the first batches while they load. A
     width the facts got wrong (``dim``) is put right before anything is encoded."""
     store = ShardStore(out)
-    settings = {}  # what the manifest keeps besides the vectors: prompts, search defaults
+    settings = {}  # what the manifest keeps besides the vectors: prompts, chunking, search defaults
     cfg = settled_factory(stored_manifest(out, cfg.overwrite), cfg)
     try:
         try:
@@ -212,13 +212,9 @@ def _build_locked(corpus, cfg: IndexConfig, out: Path, model, built: list, where
                               f"another corpus, {manifest.corpus_path!r}, whose files this run would "
                               f"remove from it: give this corpus an --out of its own, or --out "
                               f"{str(out)!r} to make it the index of this one")
-        settings = {"prompts": settled_prompts(manifest, cfg, str(out)),
-                    "chunking": settled_chunking(manifest, cfg, model.max_seq_length, str(out)),
-                    "search": search_defaults(manifest, cfg),
-                    "corpus_path": corpus_path(corpus, in_memory)}
-        chunk_tokens = settings["chunking"]["tokens"]
-        cfg = dataclasses.replace(cfg, doc_prompt=settings["prompts"]["document"], chunk_tokens=chunk_tokens,
-                                  overlap=settings["chunking"]["overlap"])
+        settings, cfg = settled_settings(manifest, cfg, model.max_seq_length, str(out))
+        settings["corpus_path"] = corpus_path(corpus, in_memory)
+        chunk_tokens = cfg.chunk_tokens
         store.clean_garbage()
         candidates = (corpus if in_memory
                       else file_candidates(corpus, report, out, cfg.follow_outside_links))

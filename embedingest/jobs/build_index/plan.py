@@ -354,18 +354,29 @@ def settled_chunking(index: Manifest | None, cfg: IndexConfig, max_tokens: int, 
         raise ConfigError(f"the index at {where!r} cuts texts into chunks of {stored['tokens']} tokens, more than "
                           f"this model takes ({max_tokens}): use the model it was built with, or --overwrite to "
                           "rebuild it")
-    tokens, overlap = cfg.chunking(stored)
-    tokens = min(tokens, max_tokens)
+    asked, overlap = cfg.chunking(stored)
+    tokens = min(asked, max_tokens)
     if overlap >= tokens:
         raise ConfigError(f"overlap={overlap} must be smaller than the chunk size {tokens} (chunk-tokens "
-                          f"{cfg.chunking(stored)[0]}, the model takes at most {max_tokens}): "
-                          "give a smaller --overlap")
+                          f"{asked}, the model takes at most {max_tokens}): give a smaller --overlap")
     if stored and (tokens, overlap) != (stored["tokens"], stored["overlap"]):
         raise ConfigError(f"the index at {where!r} cuts texts into chunks of {stored['tokens']} tokens "
                           f"overlapping by {stored['overlap']}, not {tokens} by {overlap}: leave out "
                           f"--chunk-tokens and --overlap (or give {stored['tokens']} and "
                           f"{stored['overlap']}) to update it, or --overwrite to rebuild it cut the new way")
     return {"tokens": tokens, "overlap": overlap}
+
+
+def settled_settings(manifest: Manifest, cfg: IndexConfig, max_tokens: int, where: str) -> tuple[dict, IndexConfig]:
+    """What the manifest of the index at ``where`` keeps after this run (its prompts,
+    chunking and search defaults, each the index's or refused when it would change them),
+    and ``cfg`` with those the run uses made concrete."""
+    settings = {"prompts": settled_prompts(manifest, cfg, where),
+                "chunking": settled_chunking(manifest, cfg, max_tokens, where),
+                "search": search_defaults(manifest, cfg)}
+    return settings, dataclasses.replace(cfg, doc_prompt=settings["prompts"]["document"],
+                                         chunk_tokens=settings["chunking"]["tokens"],
+                                         overlap=settings["chunking"]["overlap"])
 
 
 def check_search_params(dim: int, factory: str, metric: str, params: str | None) -> str | None:

@@ -89,8 +89,8 @@ from ...stages.device import precision
 from ...stages.prefetch import thread_ahead
 from .encode import (chunk_batches, commit_marks, embed_steps, needs_training, shard_sinks, train_if_needed,
                      vector_slots)
-from .plan import (apply_plan, check_search_params, fingerprint, plan_units, search_defaults, settled_chunking,
-                   settled_factory, settled_prompts, stored_manifest)
+from .plan import (apply_plan, check_search_params, fingerprint, plan_units, settled_chunking, settled_factory,
+                   settled_settings, stored_manifest)
 
 log = logging.getLogger("embedingest")
 
@@ -302,7 +302,7 @@ class RayIndexPlan:
     report: SkipReport
     store: ShardStore
     started: float
-    settings: dict = dataclasses.field(default_factory=dict)  # manifest fields: prompts, search defaults
+    settings: dict = dataclasses.field(default_factory=dict)  # manifest fields: prompts, chunking, search defaults
     writers: str | None = None  # the s3:// URL the actors upload their shards to
     # (unit numbers, chunk counts) of each results table: 16 bytes a record, so the counts
     # can leave out what the reconciliation removes
@@ -478,12 +478,8 @@ def plan_ray_index(dataset: ray.data.Dataset, out: str | os.PathLike,
                      factory=cfg.index, dtype=dtype, prompts=wanted,
                      chunking=settled_chunking(None, cfg, encoder.max_seq_length, str(out))),
             overwrite=cfg.overwrite)
-        settings = {"prompts": settled_prompts(manifest, cfg, str(out)),
-                    "chunking": settled_chunking(manifest, cfg, encoder.max_seq_length, str(out)),
-                    "search": search_defaults(manifest, cfg)}
-        chunk_tokens = settings["chunking"]["tokens"]
-        cfg = dataclasses.replace(cfg, doc_prompt=settings["prompts"]["document"], chunk_tokens=chunk_tokens,
-                                  overlap=settings["chunking"]["overlap"])
+        settings, cfg = settled_settings(manifest, cfg, encoder.max_seq_length, str(out))
+        chunk_tokens = cfg.chunk_tokens
         store.clean_garbage()
         candidates, duplicated_units, duplicate_ids = _candidates(_described(dataset, cfg), report, store)
         plan = plan_units(store, candidates, report)
