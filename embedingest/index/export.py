@@ -132,8 +132,7 @@ def _export(index, to, embeddings: bool | None, overwrite: bool) -> dict:
         except ConfigError:
             raise
         except (pa.ArrowException, ValueError, OSError) as exc:  # a record that names bad files
-            raise ConfigError(f"shard {shard.name} of the index at {where!r} cannot be read ({exc}): it is "
-                              f"damaged; delete its files ({shard.name}.*) and run build-index again") from exc
+            raise damaged(shard, shard.folder, f"it cannot be read ({exc})") from exc
         if embeddings:
             if emb.shape[0] != table.num_rows:
                 raise ConfigError(f"{shard.name}{EMB_SUFFIX} holds {emb.shape[0]} vectors for "
