@@ -28,6 +28,7 @@ from .faiss_factory import apply_search_params, read_index_file, search_params_t
 from .lookup import ShardRows
 from .shard_store import answering_folder
 from ..sources.remote import is_remote
+from ..stages.device_name import device_name
 from .shards import SHARDS_DIR, list_shards
 from .store import IndexStore, Manifest
 
@@ -93,17 +94,6 @@ def _refuse_untokenized(tokenizer, queries: list[str]) -> None:
             raise ConfigError(f"query {unread} ({queries[unread]!r}) holds nothing the model reads (its "
                               f"tokenizer knows none of its characters: {tokenizer.unk_token} only); give "
                               "each query some words")
-
-
-def _device_name(device) -> str:
-    """``device`` as the query encoder loads it, checked by its form only (torch is not
-    imported to open an index, and a GPU is asked for when the encoder loads): cpu (cpu:N
-    is the CPU too, a name safetensors refuses), cuda, cuda:N or auto."""
-    text = str(device)
-    kind, colon, number = text.partition(":")
-    if kind not in ("cpu", "cuda", "auto") or (colon and (kind == "auto" or not number.isdigit())):
-        raise ConfigError(f"device={text!r} is not a device; use auto, cuda, cuda:N or cpu")
-    return "cpu" if kind == "cpu" else text
 
 
 class Index:
@@ -344,7 +334,7 @@ def open_index(path: str | os.PathLike, device: str = "cpu", *, encoder=None,
     for name, value, example in (("params", params, "'nprobe=16'"), ("query_prompt", query_prompt, "'query: '")):
         if value is not None and not isinstance(value, str):
             raise ConfigError(f"{name}={value!r}: give text (e.g. {example}), or None for the index's")
-    device = _device_name(device)
+    device = device_name(device)
     if params is not None and not params.strip():
         params = ""  # blank: none, as build-index takes it
     elif params is not None:

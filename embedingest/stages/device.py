@@ -9,30 +9,39 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigError
+from .device_name import CHOICES, device_name
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def resolve_device(name: str | torch.device) -> torch.device:
-    """Accept auto (CUDA when torch sees a GPU), cpu, cuda or cuda:N (or a torch.device)."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """Accept auto (CUDA when torch sees a GPU), cpu, cuda or cuda:N (or a torch.device):
+    the form by :func:`~embedingest.stages.device_name.device_name`, the GPU by torch."""
     try:
-        device = torch.device(name)
-    except (RuntimeError, TypeError) as exc:
-        raise ConfigError(f"device={str(name)!r} is not a device; use auto, cuda, cuda:N or cpu") from exc
-    if device.type not in ("cuda", "cpu"):
-        raise ConfigError(f"device={str(name)!r} is not supported; use auto, cuda, cuda:N or cpu")
-    if device.type == "cpu":
-        return torch.device("cpu")  # cpu:0 is the CPU too, but safetensors refuses the name
+        text = device_name(name)
+    except ConfigError as exc:
+        if not _torch_knows(name):
+            raise exc from None
+        raise ConfigError(f"device={str(name)!r} is not supported; {CHOICES}") from None
+    if text == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(text)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ConfigError(f"device={str(name)!r} asks for a GPU but torch sees no CUDA device; "
-                              "use device cpu")
+            raise ConfigError(f"device={text!r} asks for a GPU but torch sees no CUDA device; use device cpu")
         if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ConfigError(f"device={str(name)!r} does not exist: torch sees "
+            raise ConfigError(f"device={text!r} does not exist: torch sees "
                               f"{torch.cuda.device_count()} CUDA device(s)")
     return device
+
+
+def _torch_knows(name) -> bool:
+    """Whether ``name`` is a device of torch's (meta, mps, ...), if not one the jobs run on."""
+    try:
+        torch.device(name)
+    except (RuntimeError, TypeError):
+        return False
+    return True
 
 
 def precision(dtype: str, cuda: bool) -> str:
