@@ -24,6 +24,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import re
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -61,13 +62,21 @@ def stats_folder(out: str | os.PathLike) -> Path:
     return folder
 
 
+# The names the writers give parts (``StatsWriter.commit``, ``drop_stats_rows``): any
+# other file in the folder is the user's, never read, counted, rewritten or deleted.
+_PART_NAME = re.compile(r"part-\d+-\d+-(?:kept)?\d+\.parquet")
+
+
 def _is_part_name(name: str) -> bool:
-    return name.endswith(".parquet") and not name.startswith(".")
+    """Whether ``name`` is one a writer gives a part: an --out that already had a
+    ``stats/`` folder of the user's keeps its files (``sales.parquet``), where before
+    --overwrite deleted them, with --stats or without."""
+    return _PART_NAME.fullmatch(name) is not None
 
 
 def part_files(out: str | os.PathLike) -> list[Path]:
-    """The committed parts: the visible ``.parquet`` files of the stats folder that are
-    regular files (a link there is not read through)."""
+    """The committed parts: the files of the stats folder named as a writer names parts
+    (:func:`_is_part_name`) that are regular files (a link there is not read through)."""
     folder = stats_folder(out)
     try:
         with os.scandir(folder) as entries:

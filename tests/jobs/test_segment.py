@@ -1019,7 +1019,7 @@ def test_every_image_redone_for_any_reason_ends_with_exactly_one_row(tmp_path, s
     assert sources() == names and not mask.is_symlink()
     [part, *_] = part_files(out)
     twice = set(pq.read_table(part).column("source").to_pylist())
-    (out / "stats" / "part-0-0-copy.parquet").write_bytes(part.read_bytes())  # their rows twice
+    (out / "stats" / "part-0-0-0.parquet").write_bytes(part.read_bytes())  # their rows twice
     healed = segment(config(images, out, small, stats=True), progress=False)
     assert healed["written"] == len(twice) and sources() == names
     output_paths(out, "a.png")["mask"].unlink()

@@ -144,3 +144,24 @@ def test_a_damaged_part_is_lost_rows_never_a_crash_and_a_drop_deletes_it(tmp_pat
     drop_stats_rows(tmp_path, {"a", "b"})
     assert part_files(tmp_path) == [second] and set(row_counts(tmp_path)) == {"c", "d"}
     assert f"deleting the damaged stats part {first}" in caplog.text
+
+
+def test_the_user_s_own_files_in_the_stats_folder_are_never_read_rewritten_or_deleted(tmp_path):
+    """An --out whose ``stats/`` folder held the user's own Parquet files: before, they
+    counted as parts, so a resume deleted one without a ``source`` column as damaged and
+    rewrote one with it, and --overwrite (with --stats or without) deleted both."""
+    folder = tmp_path / "stats"
+    folder.mkdir()
+    pq.write_table(pa.table({"x": [1, 2]}), folder / "sales.parquet")
+    pq.write_table(pa.table({"source": ["a"], "v": [1]}), folder / "mine.parquet")
+    pq.write_table(pa.table({"source": ["a"]}), folder / "part-00000-1b2c-c000.snappy.parquet")  # Spark's
+    theirs = {p.name: p.read_bytes() for p in folder.iterdir()}
+    writer = StatsWriter(str(tmp_path), ["bg"])
+    writer.add("a", np.zeros((1, 1), np.uint8))
+    writer.close()
+    [own] = part_files(tmp_path)
+    assert own.name not in theirs and row_counts(tmp_path) == {"a": 1}
+    drop_stats_rows(tmp_path, {"a"})
+    assert part_files(tmp_path) == [] and row_counts(tmp_path) == {}
+    mask_stats.remove_parts(tmp_path)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == theirs
