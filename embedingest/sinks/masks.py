@@ -16,7 +16,8 @@ so ``a.jpg`` and ``a.png`` in one folder never share an output):
   resolution, the image part of the input (upscaling C planes to the original size
   would multiply the bytes for no information);
 * ``<rel>.overlay.jpg`` (``overlay``): the original, re-read from disk, with non-background
-  classes blended in their palette colour;
+  classes blended in their palette colour (scaled down, aspect kept, where a side passes
+  the 65,500 pixels a JPEG can hold);
 * a row in ``stats/`` (``stats``, see ``mask_stats``), after the mask.
 
 Every file goes through a temporary name, is checked to be whole and is ``os.replace``d
@@ -105,6 +106,21 @@ def overlay_image(original: Image.Image, mask: np.ndarray, alpha: float) -> Imag
     colour = mask_image(mask).convert("RGB")
     blended = Image.blend(original, colour, alpha)
     return Image.composite(blended, original, Image.fromarray(((mask != 0) * 255).astype(np.uint8)))
+
+
+# The longest side a JPEG can hold (libjpeg's JPEG_MAX_DIMENSION).
+JPEG_MAX_SIDE = 65_500
+
+
+def jpeg_sized(im: Image.Image) -> Image.Image:
+    """``im``, scaled down (aspect kept) where a side passes :data:`JPEG_MAX_SIDE`: the
+    overlay of a panorama 70,000 pixels wide failed to encode, and the error stopped the
+    run (and every run after it, the image never getting its mask)."""
+    long = max(im.size)
+    if long <= JPEG_MAX_SIDE:
+        return im
+    size = tuple(max(1, min(JPEG_MAX_SIDE, round(side * JPEG_MAX_SIDE / long))) for side in im.size)
+    return im.resize(size, Image.Resampling.BILINEAR, reducing_gap=3.0)
 
 
 def _encode(im: Image.Image, fmt: str, **params) -> bytes:
@@ -354,7 +370,7 @@ class MaskSink:
             self.failed.append((meta.path, f"overlay source changed: now {size[0]}x{size[1]}, "
                                             f"was {meta.width}x{meta.height}"))
             return
-        atomic_write_bytes(path, _encode(overlay_image(original, mask, self.cfg.overlay_alpha),
+        atomic_write_bytes(path, _encode(jpeg_sized(overlay_image(original, mask, self.cfg.overlay_alpha)),
                                          "JPEG", quality=90))
 
     def close(self) -> dict:

@@ -524,3 +524,21 @@ def test_labels_json_that_is_no_regular_file_is_refused_unopened_and_replaced_by
         assert not path.is_symlink() and json.loads(path.read_text()) == info
         path.unlink()
     assert json.loads(elsewhere.read_text()) == info
+
+
+def test_the_overlay_of_an_image_wider_than_a_jpeg_holds_is_scaled_down_and_the_mask_kept_whole(tmp_path):
+    """A panorama 70,000 pixels wide: its overlay failed to encode (``Maximum supported
+    image dimension is 65500 pixels``), which stopped the run before its mask, every run."""
+    src = tmp_path / "pano.png"
+    Image.fromarray(np.full((4, 70_000, 3), 200, np.uint8)).save(src)
+    mask = np.zeros((4, 70_000), np.uint8)
+    mask[:, 35_000:] = 1
+    meta = ImageMeta("pano.png", str(src), 70_000, 4, 8, 4, full_mask=True)
+    out = tmp_path / "out"
+    result = run_sink(MaskSinkFactory(str(out), overlay=True), [meta], {"mask": mask.reshape(-1)})
+    assert result == {"written": 1, "failed": [], "stats_rows": 0}
+    assert np.array_equal(np.asarray(Image.open(out / "pano.png.png")), mask)
+    overlay = Image.open(out / "pano.png.overlay.jpg")
+    assert overlay.format == "JPEG" and overlay.size == (65_500, 4)
+    ov = np.asarray(overlay).astype(int)
+    assert np.abs(ov[:, :30_000] - 200).max() < 12 and ov[:, 36_000:, 0].mean() < 180, "class 1 on the right"
