@@ -1,19 +1,18 @@
 """The segment job's decoders and the hand-over of their decoded chunks to this process,
-without the model: images per second, the time the loop waits for batches, this process's
-CPU time per batch and the decoders' CPU time per image, for a chunk made in private memory
-(then moved by the DataLoader into a shared-memory segment of its own: a second copy) against
-one made in shared memory in the worker (the job's ``_chunk_buffer``), alternated in one run
-on the bench's photographs, as JSON lines. On a CUDA machine the batches are pinned too, as
-the job pins them.
+without the model: images per second, the time the loop waits for batches and this
+process's CPU time per batch, for a chunk handed over as one buffer (the job's
+``collate_images``) against one tensor per group (the collate before it), alternated in
+one run on the bench's photographs, as JSON lines. On a CUDA machine the batches are
+pinned too, as the job pins them.
 
     python benchmarks/loader_handover.py --photos 2048 --photo-dir /tmp/photos --workers 14 --repeat 2
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
-import resource
 import time
 from pathlib import Path
 
@@ -22,28 +21,27 @@ import torch
 from embedingest.bench.segment_photos import PhotoBenchConfig, make_photos
 from embedingest.config import SegmentConfig
 from embedingest.jobs.segment import run
-from embedingest.sources import images as image_source
-from embedingest.sources.images import regroup
+from embedingest.sources.images import ImageBatch, LoadedImage, collate_images, input_shape, regroup
 from embedingest.stages.segmentation import preset_preprocessing
 
-SHARED = image_source._chunk_buffer
+
+def collate_per_group(samples, resize: str = "short") -> ImageBatch:
+    """The collate before: each group a tensor of its own (one shared-memory segment each)."""
+    groups: dict[tuple, list[LoadedImage]] = {}
+    for s in samples:
+        if isinstance(s, LoadedImage):
+            groups.setdefault((tuple(s.pixels.shape), input_shape(s.meta, s.pixels, resize)), []).append(s)
+    return ImageBatch([(torch.stack([s.pixels for s in g]), tuple(s.meta for s in g), k[1])
+                       for k, g in groups.items()],
+                      tuple(s for s in samples if not isinstance(s, LoadedImage)),
+                      samples[0].index if samples else None)
 
 
-def private_buffer(nbytes: int) -> torch.Tensor:
-    """The buffer before: ordinary memory, which the DataLoader copies into shared memory to send."""
-    return torch.empty(nbytes, dtype=torch.uint8)
-
-
-def _children_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
-def one_run(buffer, todo, config: SegmentConfig, workers: int) -> dict:
+def one_run(collate, todo, config: SegmentConfig, workers: int) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    image_source._chunk_buffer = buffer  # what the workers, forked below, collate into
+    run.collate_images = collate  # what _decoders hands the DataLoader
     prep = preset_preprocessing(config.arch, config.resize, config.size)
-    t0, cpu0, children0 = time.perf_counter(), time.process_time(), _children_cpu()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     headers, sampler, loader = run._decoders(config, device, todo, prep, workers)
     waits, batches, images = [], 0, 0
     with headers:
@@ -59,13 +57,11 @@ def one_run(buffer, todo, config: SegmentConfig, workers: int) -> dict:
             batches += 1
             images += len(batch)
     seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    children = _children_cpu() - children0
     waits.sort()
-    return {"buffer": buffer.__name__, "images": images, "batches": batches, "seconds": round(seconds, 3),
+    return {"collate": collate.func.__name__, "images": images, "batches": batches, "seconds": round(seconds, 3),
             "images_per_s": round(images / seconds, 1), "wait_s": round(sum(waits), 3),
             "median_wait_ms": round(1e3 * waits[len(waits) // 2], 3),
-            "main_cpu_ms_per_batch": round(1e3 * cpu / max(1, batches), 3),
-            "decoders_cpu_ms_per_image": round(1e3 * children / max(1, images), 3), "pinned": device.type == "cuda"}
+            "main_cpu_ms_per_batch": round(1e3 * cpu / max(1, batches), 3), "pinned": device.type == "cuda"}
 
 
 def main() -> None:
@@ -83,10 +79,11 @@ def main() -> None:
     config = SegmentConfig(images=args.photo_dir)
     print(json.dumps({"when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "cpus": os.cpu_count(),
                       "workers": args.workers, "photos": made["images"]}), flush=True)
-    one_run(SHARED, todo[:64], config, args.workers)  # warm-up
+    one_run(functools.partial(collate_images, resize=config.resize), todo[:64], config, args.workers)  # warm-up
     for _ in range(args.repeat):
-        for buffer in (private_buffer, SHARED):
-            print(json.dumps(one_run(buffer, todo, config, args.workers)), flush=True)
+        for collate in (collate_per_group, collate_images):
+            print(json.dumps(one_run(functools.partial(collate, resize=config.resize), todo, config, args.workers)),
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 import numpy as np
 from PIL import Image
-from torch.utils.data import Dataset, get_worker_info
+from torch.utils.data import Dataset
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import functional as TF
 
@@ -158,15 +158,6 @@ class ImageFileDataset(Dataset):
         return LoadedImage(pixels, meta, index)
 
 
-def _chunk_buffer(nbytes: int) -> torch.Tensor:
-    """A chunk's buffer; in a DataLoader worker made in shared memory, as torch's own
-    collate makes its batches: sent to the main process as it is, not copied first into a
-    segment made for the sending."""
-    if nbytes == 0 or get_worker_info() is None:
-        return torch.empty(nbytes, dtype=torch.uint8)
-    return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes))
-
-
 def collate_images(samples: Sequence[LoadedImage | BadImage], resize: str = "short") -> ImageBatch:
     """Stack the good images of each picture size and model input shape and carry the bad
     ones. In the worker: every group is a view of one buffer, so a chunk crosses to the
@@ -177,7 +168,7 @@ def collate_images(samples: Sequence[LoadedImage | BadImage], resize: str = "sho
         if isinstance(s, LoadedImage):
             key = (tuple(s.pixels.shape), input_shape(s.meta, s.pixels, resize))
             groups.setdefault(key, []).append(s)
-    flat = _chunk_buffer(sum(s.pixels.numel() for group in groups.values() for s in group))
+    flat = torch.empty(sum(s.pixels.numel() for group in groups.values() for s in group), dtype=torch.uint8)
     packed, at = [], 0
     for (shape, model_hw), group in groups.items():
         pixels = flat[at:at + len(group) * math.prod(shape)].view(len(group), *shape)

@@ -247,35 +247,6 @@ def test_a_chunk_crosses_to_the_main_process_as_one_buffer():
     assert [b.rel_path for b in got.bad] == ["b"] and got.first == 0
 
 
-class _Pictures(torch.utils.data.Dataset):
-    def __len__(self):
-        return 6
-
-    def __getitem__(self, i):
-        p = torch.full((10 + i % 2, 12, 3), i, dtype=torch.uint8)
-        return LoadedImage(p, ImageMeta(str(i), "", 12, p.shape[0], 12, p.shape[0]), i)
-
-
-def _collate_in_shared_memory(samples):
-    """What the worker's collate made, before the DataLoader sends it (which moves a
-    tensor that is not in shared memory into a new segment: a second copy of the chunk)."""
-    batch = collate_images(samples)
-    return batch, [px.is_shared() for px, _, _ in batch.groups]
-
-
-def test_a_worker_makes_the_chunk_in_shared_memory_and_it_arrives_whole():
-    loader = DataLoader(_Pictures(), batch_size=3, num_workers=1, collate_fn=_collate_in_shared_memory)
-    got = list(loader)
-    assert [shared for _, shared in got] == [[True, True], [True, True]]
-    for batch, _ in got:
-        for px, metas, _ in batch.groups:
-            assert [int(p[0, 0, 0]) for p in px] == [int(m.rel_path) for m in metas]
-            assert all(int(p.min()) == int(p.max()) for p in px)
-    here = collate_images([_Pictures()[0]])
-    assert not here.groups[0][0].is_shared()  # called in this process: ordinary memory
-    assert collate_images([]).groups == []
-
-
 @pytest.mark.needs_cuda
 def test_a_chunk_is_pinned_as_one_buffer():
     pictures = [torch.randint(0, 256, (h, w, 3), dtype=torch.uint8) for h, w in ((30, 40), (50, 20), (30, 40))]
