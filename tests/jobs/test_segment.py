@@ -379,6 +379,30 @@ def test_output_inside_the_input_is_not_read_back(tmp_path, small):
     assert segment(config(images, images / "masks2", small), progress=False)["written"] == 1
 
 
+def test_an_output_folder_that_holds_the_input_writes_nothing_into_it(tmp_path, small):
+    """``--out`` the input folder's parent: the outputs of ``photos/photos/b.png`` went to
+    ``photos/b.png.png``, inside the input, and the next run segmented that mask as a
+    photograph (``b.png.png.png``). Such an image is skipped, named; the others written."""
+    out = tmp_path / "out"
+    images = out / "photos"
+    (images / "photos" / "deeper").mkdir(parents=True)
+    Image.fromarray(noise(20, 30)).save(images / "a.png")
+    Image.fromarray(noise(20, 30, seed=1)).save(images / "photos" / "b.png")
+    Image.fromarray(noise(20, 30, seed=2)).save(images / "photos" / "deeper" / "c.png")
+    Image.fromarray(noise(20, 30, seed=3)).save(images / "photosb.png")  # not under photos/: written
+    before = sorted(p.relative_to(images) for p in images.rglob("*"))
+    for run in range(2):
+        summary = segment(config(images, out, small), progress=False)
+        assert (summary["written"], summary["already_done"], summary["skipped"]) == ((2, 0, 2), (0, 2, 2))[run]
+        assert sorted(p.relative_to(images) for p in images.rglob("*")) == before, "nothing written in the input"
+    assert sorted(p.name for p in out.glob("*.png")) == ["a.png.png", "photosb.png.png"]
+    reasons = {json.loads(line)["path"]: json.loads(line)["reason"] for line in open(out / "skipped.jsonl")}
+    assert reasons == {str(images / "photos" / name): (
+        f"name taken: its output 'photos/{name}.png' would be inside the input folder {str(images)!r} (the "
+        "output folder holds it), where the next run would read it as an image; give an --out outside the "
+        "input folder") for name in ("b.png", "deeper/c.png")}
+
+
 def test_single_file_input(tmp_path, weights, reference):
     Image.fromarray(noise(50, 20, seed=4)).save(tmp_path / "one.webp")
     summary = segment(config(tmp_path / "one.webp", tmp_path / "o", weights, num_workers=0,

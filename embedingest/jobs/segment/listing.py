@@ -38,8 +38,9 @@ def list_inputs(config: SegmentConfig, report: SkipReport) -> tuple[list[tuple[s
     todo, done = [], 0
     images = list(_images(config.images, report, out, config.follow_outside_links))
     folders = _output_folders(rel for rel, _ in images)
+    input_below = None if is_remote(config.out) else input_under_out(config.images, out)
     for rel, full in images:
-        reason = (name_taken(rel, folders) or
+        reason = (name_taken(rel, folders) or output_in_input(rel, input_below, config.images) or
                   local and next(filter(None, (too_long(os.path.join(out, rel + s)) for s in suffixes)), None))
         if reason:  # its outputs could not be written: reported, the others go on
             report.add(full, reason, stage="write")
@@ -92,6 +93,33 @@ def name_taken(rel: str, folders: dict[str, str]) -> str | None:
         if other is not None:
             return (f"name taken: its output {rel + suffix!r} would be the folder that the outputs of "
                     f"{other!r} go in; rename one of them")
+    return None
+
+
+def input_under_out(images: str, out: Path) -> str | None:
+    """The input folder's path below the output folder ('/'-separated), where ``out`` holds
+    it (``--out photos/..``), else None."""
+    if is_remote(images) or not os.path.isdir(images):
+        return None
+    inner, outer = os.path.realpath(images), os.path.realpath(out)
+    if os.path.commonpath([inner, outer]) != outer or inner == outer:
+        return None
+    return os.path.relpath(inner, outer).replace(os.sep, "/")
+
+
+def output_in_input(rel: str, input_below: str | None, images: str) -> str | None:
+    """Why the image at ``rel`` cannot have its outputs (a skip reason), or None: with the
+    input folder at ``input_below`` in the output folder, an output would be written into
+    the input (``photos/photos/b.jpg`` with ``--out photos/..`` gives ``photos/b.jpg.png``),
+    where the next run reads it as a photograph."""
+    if input_below is None:
+        return None
+    for suffix in ALL_SUFFIXES:
+        output = rel + suffix
+        if output == input_below or output.startswith(input_below + "/"):
+            return (f"name taken: its output {output!r} would be inside the input folder {images!r} (the "
+                    "output folder holds it), where the next run would read it as an image; give an --out "
+                    "outside the input folder")
     return None
 
 
