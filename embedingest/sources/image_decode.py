@@ -156,19 +156,20 @@ def to_rgb(im: Image.Image) -> Image.Image:
     """Convert any Pillow mode to 8-bit RGB without clipping or losing transparency sense.
 
     16-bit and 32-bit integer greyscale ("I;16*", "I") are scaled from 0..65535 (Pillow's
-    own convert would clip everything above 255 to white); float images are stretched
-    from their min..max; images with alpha are composited over ``ALPHA_BACKGROUND``.
+    own convert would clip everything above 255 to white), or stretched from their
+    min..max where values lie outside it (a 32-bit or signed TIFF); float images are
+    stretched from their finite min..max; images with alpha are composited over
+    ``ALPHA_BACKGROUND``.
     """
     if im.mode == "RGB":
         return im
     if im.mode in _SIXTEEN_BIT:
-        a = np.asarray(im).astype(np.float32)
+        a = np.asarray(im).astype(np.float64)
+        if a.size and (a.min() < 0 or a.max() > 65535):
+            return _stretched(a)  # 32-bit or signed: 0..65535 would clip it to one colour
         return Image.fromarray(np.clip(np.rint(a / 257.0), 0, 255).astype(np.uint8)).convert("RGB")
     if im.mode == "F":
-        a = np.nan_to_num(np.asarray(im, dtype=np.float32))
-        lo, hi = float(a.min()), float(a.max())
-        a = (a - lo) * (255.0 / (hi - lo)) if hi > lo else np.zeros_like(a)
-        return Image.fromarray(np.rint(a).astype(np.uint8)).convert("RGB")
+        return _stretched(np.asarray(im, dtype=np.float64))
     if im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in im.info:
         rgba = im.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (*ALPHA_BACKGROUND, 255))
@@ -177,6 +178,16 @@ def to_rgb(im: Image.Image) -> Image.Image:
         return im.convert("RGB")
     except ValueError as exc:
         raise ImageRejected(f"unsupported mode: {im.mode} ({exc})") from exc
+
+
+def _stretched(a: np.ndarray) -> Image.Image:
+    """Grey values of any range stretched over 0..255 from their finite min..max (a NaN
+    or an infinity is the nearest end; before, an infinity made every finite value 0)."""
+    finite = a[np.isfinite(a)]
+    lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 0.0)
+    a = np.clip(np.nan_to_num(a, nan=lo, posinf=hi, neginf=lo), lo, hi)
+    a = (a - lo) * (255.0 / (hi - lo)) if hi > lo else np.zeros_like(a)
+    return Image.fromarray(np.rint(a).astype(np.uint8)).convert("RGB")
 
 
 def _bomb_reason(exc: Exception, max_pixels: int | None) -> str:
