@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Makes what a call to the lent GPU machine carries (see .ci/device_env.sh), on this machine:
-#   .carry/site.tar.xz   faiss-cpu, nvtx and nanotoken wheels for the image's Python 3.12,
+#   .carry/site.tar.xz   faiss-cpu, nvtx, nanotoken and pypdf wheels for the image's Python 3.12,
 #                        unzipped into one folder and packed with xz
 #   .carry/minilm-fp16   the fp16 copy of the bundled model (benchmarks/carry_model.py),
 #                        its model.safetensors xz-compressed
@@ -14,7 +14,7 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 "$py" -m pip download -q --no-deps --only-binary :all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d "$tmp/wheels" "faiss-cpu>=1.8" "nvtx>=0.2.10" "nanotoken>=0.1.0,<0.2"
+    -d "$tmp/wheels" "faiss-cpu>=1.8" "nvtx>=0.2.10" "nanotoken>=0.1.0,<0.2" "pypdf>=6.0"
 mkdir -p "$tmp/site" .carry
 for w in "$tmp"/wheels/*.whl; do "$py" -m zipfile -e "$w" "$tmp/site"; done
 tar -cJf .carry/site.tar.xz.tmp -C "$tmp/site" .
