@@ -17,7 +17,8 @@ starts with a stable keyword (the part before the first colon, what
                 after it was listed too): never opened for reading, which could wait
                 for ever
 ``binary``      a NUL byte in the first 8 KiB: not text (UTF-16 or UTF-32 without a BOM too)
-``empty``       no bytes, only whitespace, no records, or a record with empty text
+``empty``       no bytes, only whitespace, no records, a record with empty text, or a
+                PDF without a text layer (a scan)
 ``decode``      bytes that are neither UTF-8 nor cp1252 (or a broken UTF-16 file)
 ``json``        malformed JSON, nested too deeply, or not an object where one is due
 ``field``       the text field is missing, null or not a string
@@ -25,13 +26,15 @@ starts with a stable keyword (the part before the first colon, what
                 JSON escape), which neither tokenizers nor the metadata store take
 ``csv``         the csv module gave up on a row (a quote that does not close its field)
 ``parquet``     pyarrow cannot read the file
+``pdf``         pypdf cannot read the file (damaged, not a PDF), or one page's text
+``encrypted``   a PDF that needs a password to open
 ``format``      a suffix that is not in :data:`TEXT_EXTENSIONS`
 ``decompress``  a ``.gz``/``.bz2``/``.xz``/``.zst`` file that is corrupt or cut short (for the
                 streamed formats: the rest of it, with the records before kept)
 ``too-large``   once decompressed: an HTML page over 16 MiB, a .json document over
-                256 MiB, a text file read whole over 1 GiB; a JSON line, a CSV line or
-                field, or a Parquet text over 64 Mi characters (that record only; for
-                CSV the rest of the file)
+                256 MiB, a PDF over 256 MiB, a text file read whole over 1 GiB; a JSON
+                line, a CSV line or field, a Parquet text or a PDF page over 64 Mi
+                characters (that record only; for CSV the rest of the file)
 ==============  ===============================================================
 
 Every format but Parquet may also come compressed as ``.gz``, ``.bz2``, ``.xz`` or
@@ -168,7 +171,7 @@ class ZstdReader:
 
 COMPRESSIONS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open,
                 ".zst": lambda fh, mode: ZstdReader(fh)}
-TEXT_EXTENSIONS = frozenset(_PLAIN_EXTENSIONS | {".parquet"}
+TEXT_EXTENSIONS = frozenset(_PLAIN_EXTENSIONS | {".parquet", ".pdf"}
                             | {ext + c for ext in _PLAIN_EXTENSIONS for c in COMPRESSIONS})
 # What a corrupt or truncated compressed stream raises (gzip's BadGzipFile is an OSError).
 _DECOMPRESS_ERRORS = (EOFError, zlib.error, lzma.LZMAError, gzip.BadGzipFile, ZstdCorrupt, CorruptStream)
@@ -792,6 +795,19 @@ def _read_html(path: Path, text_field, id_field, on_skip):
     yield "", text
 
 
+def _read_pdf(path: Path, text_field, id_field, on_skip):
+    """A record a page with text, id ``page-N`` (:mod:`.pdf`)."""
+    from .pdf import MAX_PDF_BYTES, PdfSkip, pdf_pages
+
+    data = bytes(_read_bytes(path, MAX_PDF_BYTES, "PDF"))
+    if not data:
+        raise _Skip("empty: 0 bytes")
+    try:
+        yield from pdf_pages(data, lambda n, reason: on_skip(f"{path}:page {n}", reason))
+    except PdfSkip as skip:
+        raise _Skip(str(skip)) from None
+
+
 def _read_json(path: Path, text_field, id_field, on_skip):
     """A JSON array of objects, one object, or (when the whole is not one JSON value
     and its first line is) JSON lines."""
@@ -1081,6 +1097,7 @@ _READERS = {
     **{ext: _read_csv for ext in CSV_EXTENSIONS},
     ".json": _read_json,
     ".parquet": _read_parquet,
+    ".pdf": _read_pdf,
 }
 
 
@@ -1091,6 +1108,7 @@ def iter_records(path: str | Path, *, text_field: str = "text", id_field: str = 
     """Yield ``(record_id, text)`` for every good record of the file at ``path``.
 
     Plain text, Markdown, reStructuredText and HTML files are one record with id ``""``;
+    a PDF is a record a page with text, id ``page-N``;
     with ``stream_above``, a plain text, Markdown or reStructuredText file of more than
     that many bytes (decompressed) comes as a :class:`TextStream` instead of a string, to
     be read a block at a time, so its size is not bounded by memory.
@@ -1115,8 +1133,8 @@ def iter_records(path: str | Path, *, text_field: str = "text", id_field: str = 
     if reader is None:
         suffix = fmt + (compression or "")
         on_skip(str(path), f"format: suffix {suffix!r} is not a text format; known: "
-                           f"{', '.join(sorted(_PLAIN_EXTENSIONS | {'.parquet'}))}, "
-                           f"and all but .parquet compressed as {', '.join(COMPRESSIONS)}")
+                           f"{', '.join(sorted(_PLAIN_EXTENSIONS | {'.parquet', '.pdf'}))}, "
+                           f"and all but .parquet and .pdf compressed as {', '.join(COMPRESSIONS)}")
         return
     produced = skipped = 0
 
