@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -135,21 +136,39 @@ def short_side_size(width: int, height: int, size: int, max_size: int | None = N
     return (new_short, new_long) if width <= height else (new_long, new_short)
 
 
+# Held while Pillow's global limit is ours (``_pixel_limit``): threads calling
+# ``segment_images`` at once each restored the limit another had set, and the process
+# kept it (with max_pixels=0, no decompression-bomb guard at all).
+_PIXEL_LIMIT_LOCK = threading.Lock()
+
+
+def _new_pixel_limit_lock() -> None:
+    """A forked child (a DataLoader worker) starts with the lock free: another thread of
+    the parent may have held it at the fork, and no thread of the child would free it."""
+    global _PIXEL_LIMIT_LOCK
+    _PIXEL_LIMIT_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_pixel_limit_lock)
+
+
 @contextlib.contextmanager
 def _pixel_limit(max_pixels: int | None):
     """Make Pillow's own decompression-bomb guard agree with ``max_pixels``.
 
     Pillow refuses images over twice its global limit before we can see their size;
-    setting the limit to ours for the call lets us decide and give the reason.
+    setting the limit to ours for the call lets us decide and give the reason. One
+    thread at a time, so the limit restored is always Pillow's own.
     """
-    saved = Image.MAX_IMAGE_PIXELS
-    Image.MAX_IMAGE_PIXELS = max_pixels or None
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            yield
-    finally:
-        Image.MAX_IMAGE_PIXELS = saved
+    with _PIXEL_LIMIT_LOCK:
+        saved = Image.MAX_IMAGE_PIXELS
+        Image.MAX_IMAGE_PIXELS = max_pixels or None
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                yield
+        finally:
+            Image.MAX_IMAGE_PIXELS = saved
 
 
 def to_rgb(im: Image.Image) -> Image.Image:
