@@ -23,12 +23,12 @@ def test_report_is_json_lines_even_for_names_that_are_not_utf8(tmp_path):
 
 def test_passed_over_counts_by_suffix_and_says_so():
     report = SkipReport()
-    for name in ("a.PDF", "b.pdf", "notes", "c.docx"):
+    for name in ("a.PPTX", "b.pptx", "notes", "c.docx"):
         report.pass_over(name)
     counts = dict(report.passed_over.most_common())
-    assert counts == {".pdf": 2, "(no suffix)": 1, ".docx": 1}
+    assert counts == {".pptx": 2, "(no suffix)": 1, ".docx": 1}
     assert passed_over_sentence({"passed_over": counts}).startswith(
-        " Passed over 4 files of formats it does not read (.pdf 2, (no suffix) 1, .docx 1)")
+        " Passed over 4 files of formats it does not read (.pptx 2, (no suffix) 1, .docx 1)")
     assert passed_over_sentence({"passed_over": {}}) == ""
 
 

@@ -268,7 +268,7 @@ def test_missing_file_and_folder(tmp_path):
 
 
 def test_unknown_suffix(tmp_path):
-    records, skipped = read(write(tmp_path, "a.pdf", "x"))
+    records, skipped = read(write(tmp_path, "a.docx", "x"))
     assert records == [] and keywords(skipped) == ["format"]
 
 
