@@ -38,7 +38,7 @@ PLAIN = {".txt", ".md", ".rst", ".html", ".htm", ".jsonl", ".ndjson", ".json", "
 
 
 def test_extensions():
-    assert TEXT_EXTENSIONS == PLAIN | {".parquet"} | {e + c for e in PLAIN
+    assert TEXT_EXTENSIONS == PLAIN | {".parquet", ".pdf"} | {e + c for e in PLAIN
                                                       for c in (".gz", ".bz2", ".xz", ".zst")}
 
 
