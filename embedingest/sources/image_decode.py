@@ -34,8 +34,9 @@ from .remote import is_remote, open_remote, remote_size
 
 # An animated GIF (or a multi-page TIFF) is read as its first frame. AVIF needs a Pillow
 # built with libavif (the wheels of 11.2 and later); without it each is skipped, named.
-IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif",
-                              ".avif"})
+# .jfif and .jpe are JPEG's other names (browsers save downloads as .jfif).
+IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".jfif", ".jpe", ".png", ".webp", ".bmp", ".tif", ".tiff",
+                              ".gif", ".avif"})
 
 # ImageNet mean in 0..255: the padding becomes exactly zero after normalisation.
 PAD_RGB = (124, 116, 104)

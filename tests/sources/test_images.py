@@ -28,8 +28,15 @@ SHORT = Preprocessing("short", SIZE)
 
 
 def test_extensions():
-    assert IMAGE_EXTENSIONS == {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif",
-                                ".avif"}
+    assert IMAGE_EXTENSIONS == {".jpg", ".jpeg", ".jfif", ".jpe", ".png", ".webp", ".bmp", ".tif", ".tiff",
+                                ".gif", ".avif"}
+
+
+def test_a_jpeg_named_jfif_or_jpe_is_read(tmp_path):
+    for name in ("a.jfif", "b.JPE"):
+        Image.fromarray(noise(20, 30)).save(tmp_path / name, "JPEG")
+        pixels, meta = prepare_file(name, str(tmp_path / name), FIT)
+        assert (meta.width, meta.height) == (30, 20)
 
 
 def test_avif_decodes_where_pillow_reads_it(tmp_path):
