@@ -86,6 +86,17 @@ def part_files(out: str | os.PathLike) -> list[Path]:
         return []
 
 
+def foreign_entries(out: str | os.PathLike) -> list[str]:
+    """The names in the stats folder that a reader of the folder as one table
+    (``pandas.read_parquet``, ``pyarrow.dataset``) takes for data and that are no part:
+    anything not hidden (``.``) or marked (``_``), files and folders alike."""
+    try:
+        with os.scandir(stats_folder(out)) as entries:
+            return sorted(e.name for e in entries if not e.name.startswith((".", "_")) and not _is_part_name(e.name))
+    except OSError:
+        return []
+
+
 def _read_part(part: Path, columns: list[str] | None = None):
     """A part's table, opened without following a link and without blocking; None where
     it is damaged (cut short, not Parquet, no ``source``): its rows are lost, so its

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import time
 
 import numpy as np
@@ -353,6 +354,17 @@ def test_an_output_name_taken_by_a_folder_skips_that_image_and_a_stats_file_stop
     assert sorted(p.name for p in (tmp_path / "o2").iterdir()) == [RUN_LOCK, "skipped.jsonl", "stats"]
     assert segment(config(images, tmp_path / "o2", small), progress=False)["written"] == 3  # without --stats
     (tmp_path / "o2" / "stats").unlink()
+    (tmp_path / "o2" / "stats").mkdir()
+    for name in ("sales.parquet", "2019"):  # the user's: a reader of stats/ as one table would take them
+        (tmp_path / "o2" / "stats" / name).mkdir()
+    (tmp_path / "o2" / "stats" / "_SUCCESS").write_text("")  # marked, as readers skip it
+    with pytest.raises(ConfigError) as err:
+        segment(config(images, tmp_path / "o2", small, stats=True, overwrite=True), progress=False)
+    assert str(err.value) == (f"{str(tmp_path / 'o2' / 'stats')!r} holds 2 entries that are not --stats parts "
+                              "('2019' and more): pandas.read_parquet of the folder would read them as rows of "
+                              "the table; move them out of it, or give another --out")
+    assert sorted(p.name for p in (tmp_path / "o2" / "stats").iterdir()) == ["2019", "_SUCCESS", "sales.parquet"]
+    shutil.rmtree(tmp_path / "o2" / "stats")
     (tmp_path / "o2" / "stats").symlink_to(tmp_path / "elsewhere")  # a run with nothing to do reads no link
     assert segment(config(images, tmp_path / "o2", small), progress=False)["already_done"] == 3
 

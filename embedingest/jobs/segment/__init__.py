@@ -41,7 +41,8 @@ from ...index.lock import RUN_LOCK, RunLock
 from ...outfiles import atomic_write_bytes
 from ...report import REPORT_NAME, SkipReport
 from ...scaleout.devices import devices_of
-from ...sinks.mask_stats import STATS_DIR, drop_stats_rows, part_files, remove_parts, stats_folder
+from ...sinks.mask_stats import (STATS_DIR, drop_stats_rows, foreign_entries, part_files, remove_parts,
+                                  stats_folder)
 from ...sinks.masks import LABELS_FILE, restore_mask
 from ...sources.files import refuse_output_as_input
 from ...sources.image_decode import ImageRejected
@@ -187,11 +188,18 @@ def _refuse_unfinished_overwrite(out: Path) -> None:
 
 def _refuse_stats_file(out: Path) -> None:
     """ConfigError where ``--stats``'s folder name is taken by something else (a file): the
-    rows could not be written, and the run found out after every image."""
+    rows could not be written, and the run found out after every image; or where the
+    folder holds files of the user's, which a reader of the folder as one table (as the
+    README reads it) would take for rows too."""
     path = stats_folder(out)  # a link there is refused by it
     if os.path.lexists(path) and not path.is_dir():
         raise ConfigError(f"{str(path)!r} is not a folder, and --stats keeps its table in a folder of that "
                           "name: move that file away, or drop --stats")
+    foreign = foreign_entries(out)
+    if foreign:
+        raise ConfigError(f"{str(path)!r} holds {len(foreign)} entries that are not --stats parts ({foreign[0]!r}"
+                          f"{' and more' if len(foreign) > 1 else ''}): pandas.read_parquet of the folder would "
+                          "read them as rows of the table; move them out of it, or give another --out")
 
 
 def _remove_untouched(out: Path, parents: list[Path]) -> None:
