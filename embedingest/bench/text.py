@@ -77,8 +77,10 @@ def make_paragraphs(n: int, seed: int = 0, words: int = 24) -> list[str]:
 
 def write_corpus(paragraphs: list[str], folder: Path, files: int) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    per = -(-len(paragraphs) // files)
-    for f in range(files):
+    per = max(1, -(-len(paragraphs) // files))
+    # only the files that get paragraphs: fewer paragraphs than files would leave empty
+    # files, which build-index skips and reports ("empty") and the build row exits 3
+    for f in range(-(-len(paragraphs) // per)):
         with open(folder / f"part-{f:04d}.jsonl", "w", encoding="utf-8") as fh:
             for i in range(f * per, min(len(paragraphs), (f + 1) * per)):
                 fh.write(json.dumps({"id": i, "text": paragraphs[i]}) + "\n")
