@@ -27,12 +27,14 @@ starts with a stable keyword (the part before the first colon, what
 ``csv``         the csv module gave up on a row (a quote that does not close its field)
 ``parquet``     pyarrow cannot read the file
 ``pdf``         pypdf cannot read the file (damaged, not a PDF), or one page's text
-``encrypted``   a PDF that needs a password to open
+``docx``        a .docx that is no readable zip, has no body, or whose body is not XML
+``encrypted``   a PDF that needs a password to open, a password-protected .docx
 ``format``      a suffix that is not in :data:`TEXT_EXTENSIONS`
 ``decompress``  a ``.gz``/``.bz2``/``.xz``/``.zst`` file that is corrupt or cut short (for the
                 streamed formats: the rest of it, with the records before kept)
 ``too-large``   once decompressed: an HTML page over 16 MiB, a .json document over
-                256 MiB, a PDF over 256 MiB, a text file read whole over 1 GiB; a JSON
+                256 MiB, a PDF or .docx (or its body unpacked) over 256 MiB, a text file
+                read whole over 1 GiB; a JSON
                 line, a CSV line or field, a Parquet text or a PDF page over 64 Mi
                 characters (that record only; for CSV the rest of the file)
 ==============  ===============================================================
@@ -171,7 +173,9 @@ class ZstdReader:
 
 COMPRESSIONS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open,
                 ".zst": lambda fh, mode: ZstdReader(fh)}
-TEXT_EXTENSIONS = frozenset(_PLAIN_EXTENSIONS | {".parquet", ".pdf"}
+# Formats compressed in their own way, never given as .gz & co.
+_PACKED_EXTENSIONS = frozenset({".parquet", ".pdf", ".docx"})
+TEXT_EXTENSIONS = frozenset(_PLAIN_EXTENSIONS | _PACKED_EXTENSIONS
                             | {ext + c for ext in _PLAIN_EXTENSIONS for c in COMPRESSIONS})
 # What a corrupt or truncated compressed stream raises (gzip's BadGzipFile is an OSError).
 _DECOMPRESS_ERRORS = (EOFError, zlib.error, lzma.LZMAError, gzip.BadGzipFile, ZstdCorrupt, CorruptStream)
@@ -808,6 +812,19 @@ def _read_pdf(path: Path, text_field, id_field, on_skip):
         raise _Skip(str(skip)) from None
 
 
+def _read_docx(path: Path, text_field, id_field, on_skip):
+    """One record: the body's text (:mod:`.docx`)."""
+    from .docx import MAX_DOCX_BYTES, DocxSkip, docx_text
+
+    data = bytes(_read_bytes(path, MAX_DOCX_BYTES, "Word document"))
+    if not data:
+        raise _Skip("empty: 0 bytes")
+    try:
+        yield "", docx_text(data)
+    except DocxSkip as skip:
+        raise _Skip(str(skip)) from None
+
+
 def _read_json(path: Path, text_field, id_field, on_skip):
     """A JSON array of objects, one object, or (when the whole is not one JSON value
     and its first line is) JSON lines."""
@@ -1098,6 +1115,7 @@ _READERS = {
     ".json": _read_json,
     ".parquet": _read_parquet,
     ".pdf": _read_pdf,
+    ".docx": _read_docx,
 }
 
 
@@ -1107,7 +1125,7 @@ def iter_records(path: str | Path, *, text_field: str = "text", id_field: str = 
                  ) -> Iterator[tuple[str, str | TextStream]]:
     """Yield ``(record_id, text)`` for every good record of the file at ``path``.
 
-    Plain text, Markdown, reStructuredText and HTML files are one record with id ``""``;
+    Plain text, Markdown, reStructuredText, HTML and Word (.docx) files are one record with id ``""``;
     a PDF is a record a page with text, id ``page-N``;
     with ``stream_above``, a plain text, Markdown or reStructuredText file of more than
     that many bytes (decompressed) comes as a :class:`TextStream` instead of a string, to
@@ -1133,8 +1151,8 @@ def iter_records(path: str | Path, *, text_field: str = "text", id_field: str = 
     if reader is None:
         suffix = fmt + (compression or "")
         on_skip(str(path), f"format: suffix {suffix!r} is not a text format; known: "
-                           f"{', '.join(sorted(_PLAIN_EXTENSIONS | {'.parquet', '.pdf'}))}, "
-                           f"and all but .parquet and .pdf compressed as {', '.join(COMPRESSIONS)}")
+                           f"{', '.join(sorted(_PLAIN_EXTENSIONS | _PACKED_EXTENSIONS))}, "
+                           f"and all but {', '.join(sorted(_PACKED_EXTENSIONS))} compressed as {', '.join(COMPRESSIONS)}")
         return
     produced = skipped = 0
 

@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 from corpus_fixtures import TOPICS as PARAGRAPHS
 from corpus_fixtures import chunk_rows, vectors_by_id
+from docx_fixtures import document, make_docx, para
 from pdf_fixtures import make_pdf
 
 from embedingest import build_index, open_index
@@ -262,26 +263,28 @@ def test_compressed_corpus_files(tmp_path):
 def test_a_folder_of_other_formats_says_so(tmp_path):
     corpus = tmp_path / "office"
     corpus.mkdir()
-    for name in ("a.docx", "b.docx", "c.epub"):
+    for name in ("a.pptx", "b.pptx", "c.epub"):
         (corpus / name).write_bytes(b"PK\x03\x04")
     result = CliRunner().invoke(main, ["build-index", str(corpus), "--out", str(tmp_path / "idx"),
                                        "--num-workers", "0"])
     assert result.exit_code == 0, result.output
     assert "Indexed 0 files" in result.output
-    assert "Passed over 3 files of formats it does not read (.docx 2, .epub 1)" in result.output
+    assert "Passed over 3 files of formats it does not read (.pptx 2, .epub 1)" in result.output
 
 
-def test_pdfs_are_indexed_a_record_a_page_and_bad_ones_reported(tmp_path):
+def test_pdfs_and_word_documents_are_indexed_and_bad_ones_reported(tmp_path):
     corpus = tmp_path / "papers"
     corpus.mkdir()
     (corpus / "book.pdf").write_bytes(make_pdf([PARAGRAPHS[0], None, PARAGRAPHS[1] + "\n" + PARAGRAPHS[2]]))
     (corpus / "scan.pdf").write_bytes(make_pdf([None, None]))
     (corpus / "locked.pdf").write_bytes(make_pdf([PARAGRAPHS[3]], user_password="pw", owner_password="o"))
     (corpus / "cut.pdf").write_bytes(make_pdf([PARAGRAPHS[4]])[:300])
+    (corpus / "memo.docx").write_bytes(make_docx(document(para(PARAGRAPHS[5]))))
+    (corpus / "locked.docx").write_bytes(b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1" + bytes(1000))
     out = tmp_path / "idx"
     s = build_index(corpus, out=str(out), **FAST)
-    assert s["chunks"] == 2 and s["exit_code"] == 3
-    assert s["skipped_by_reason"] == {"empty": 1, "encrypted": 1, "pdf": 1}
+    assert s["chunks"] == 3 and s["exit_code"] == 3
+    assert s["skipped_by_reason"] == {"empty": 1, "encrypted": 2, "pdf": 1}
     reasons = {Path(e["path"]).name: e["reason"] for e in map(json.loads, (out / "skipped.jsonl").open())}
     assert reasons["scan.pdf"] == "empty: no text on any of its 2 page(s); a scanned PDF needs OCR first"
     assert reasons["locked.pdf"].startswith("encrypted: the PDF needs a password to open")
@@ -290,9 +293,11 @@ def test_pdfs_are_indexed_a_record_a_page_and_bad_ones_reported(tmp_path):
     (first,), (third,) = index.search([PARAGRAPHS[0], PARAGRAPHS[2]], k=1)
     assert (first.source, first.record_id, first.text) == ("book.pdf", "page-1", PARAGRAPHS[0])
     assert (third.source, third.record_id) == ("book.pdf", "page-3") and PARAGRAPHS[2] in third.text
+    (memo,), = index.search([PARAGRAPHS[5]], k=1)
+    assert (memo.source, memo.record_id, memo.text) == ("memo.docx", "", PARAGRAPHS[5])
     index.close()
     again = build_index(corpus, out=str(out), **FAST)  # a file skipped whole is read and reported again
-    assert (again["units_unchanged"], again["chunks"], again["skipped"]) == (1, 0, 3)
+    assert (again["units_unchanged"], again["chunks"], again["skipped"]) == (2, 0, 4)
 
 
 def test_an_index_inside_its_corpus_is_not_read_back(tmp_path):

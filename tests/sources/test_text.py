@@ -38,7 +38,7 @@ PLAIN = {".txt", ".md", ".rst", ".html", ".htm", ".jsonl", ".ndjson", ".json", "
 
 
 def test_extensions():
-    assert TEXT_EXTENSIONS == PLAIN | {".parquet", ".pdf"} | {e + c for e in PLAIN
+    assert TEXT_EXTENSIONS == PLAIN | {".parquet", ".pdf", ".docx"} | {e + c for e in PLAIN
                                                       for c in (".gz", ".bz2", ".xz", ".zst")}
 
 
@@ -268,7 +268,7 @@ def test_missing_file_and_folder(tmp_path):
 
 
 def test_unknown_suffix(tmp_path):
-    records, skipped = read(write(tmp_path, "a.docx", "x"))
+    records, skipped = read(write(tmp_path, "a.pptx", "x"))
     assert records == [] and keywords(skipped) == ["format"]
 
 
