@@ -490,6 +490,9 @@ def test_config_errors(tmp_path, weights, monkeypatch):
     assert not (tmp_path / "skipped.jsonl").exists()
     with pytest.raises(ConfigError, match="needs images"):
         segment(SegmentConfig(out=str(tmp_path / "o")))
+    # the CLI's user gave no --out: the message names the option to add
+    with pytest.raises(ConfigError, match=r"needs an output folder: give --out DIR \(out= in SegmentConfig\)"):
+        segment(SegmentConfig(images=str(tmp_path), random_weights=True))
 
 
 def test_weights_that_fail_stop_the_decoders_started_before_them(tmp_path, monkeypatch, no_leaks):

@@ -65,8 +65,10 @@ def segment(config: SegmentConfig, progress: bool = True, timeline: str | None =
     ``timeline`` names a PNG to draw the last batches' engine timeline into, ``trace`` a
     JSON file for every batch's engine records in the Chrome trace format."""
     config.validate()
-    if not config.images or not config.out:
+    if not config.images:
         raise ConfigError("segment needs images (an input folder or file) and out (a folder)")
+    if not config.out:
+        raise ConfigError("segment needs an output folder: give --out DIR (out= in SegmentConfig)")
     devices = devices_of(config)
     several = len(devices) > 1
     if trace and several:
