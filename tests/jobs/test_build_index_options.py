@@ -329,6 +329,8 @@ def test_workers_tokenize_while_the_weights_load_and_an_unchanged_run_loads_none
     loads.clear()
     again = build_index(corpus, out=str(tmp_path / "idx"), num_workers=2, num_consumers=1)
     assert loads == [] and again["units_unchanged"] == 4 and again["phases"]["load_model_s"] == 0
+    # the same keys in the same order (the README's), the unloaded weights' 0 in its place
+    assert list(again["phases"]) == ["plan_s", "load_model_s", "train_s", "encode_s", "finish_s"]
     assert again["model"] == s["model"]
 
 

@@ -235,6 +235,7 @@ def _build_locked(corpus, cfg: IndexConfig, out: Path, model, built: list, where
         if early:
             log.info("%s: the tokenizing workers start while the model loads", out)
         phases["plan_s"] = time.perf_counter() - t_start - sum(phases.values())
+        phases.setdefault("load_model_s", 0.0)  # its place in the order, also when nothing loads
         encoder = _loaded(where, cfg, model, built, phases) if units else model
         if encoder.dim != manifest.dim:  # a new index the facts' width was wrong for: no shard yet
             manifest = _open_index(store, encoder, cfg, dtype, corpus, in_memory, False)
