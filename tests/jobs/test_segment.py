@@ -214,7 +214,10 @@ def test_resume_skips_done_images_and_overwrite_redoes_them(tmp_path, small):
     (images / "bad.png").unlink()
     nothing = segment(config(images, out, small), progress=False)
     assert nothing["written"] == 0 and nothing["already_done"] == 3
-    assert "engine" not in nothing, "nothing to do: the model is never run"
+    # nothing to do: the model is never run; the keys are there, null, as in build-index's
+    # summary of a run with nothing to encode (the README: both jobs, the same field names)
+    assert nothing["engine"] is None and nothing["timing"] is None
+    assert list(nothing["phases"]) == ["list_s", "segment_s", "finish_s"]
     with_logits = segment(config(images, out, small, save_logits=True), progress=False)
     assert with_logits["written"] == 3, "an output asked for and missing makes the image redone"
 
