@@ -45,7 +45,7 @@ def _index_paragraph(s: dict) -> str:
                f"reasons in {s['report']}, run {s['report_run']})" if s["skipped"] else "nothing skipped")
     if s.get("skipped_earlier"):
         skipped += f" ({s['skipped_earlier']} skips of earlier runs kept in {s['report']})"
-    return (f"Indexed {s['units_indexed']} files ({s['docs']} documents, {s['chunks']} chunks) in "
+    return (f"Read {s['units_indexed']} files ({s['docs']} documents, {s['chunks']} chunks) in "
             f"{s['seconds']:.1f} s: {s['docs_per_s']:,.0f} docs/s, {s['chunks_per_s']:,.0f} chunks/s "
             f"on {s['device']} ({s['dtype']}). {s['units_unchanged']} files unchanged, "
             f"{s['units_removed']} removed; {skipped}.{passed_over_sentence(s)} The index at {s['index']} holds "

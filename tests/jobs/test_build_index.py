@@ -268,7 +268,7 @@ def test_a_folder_of_other_formats_says_so(tmp_path):
     result = CliRunner().invoke(main, ["build-index", str(corpus), "--out", str(tmp_path / "idx"),
                                        "--num-workers", "0"])
     assert result.exit_code == 0, result.output
-    assert "Indexed 0 files" in result.output
+    assert "Read 0 files" in result.output
     assert "Passed over 3 files of formats it does not read (.pptx 2, .epub 1)" in result.output
 
 
