@@ -858,21 +858,42 @@ def _read_jsonl(path: Path, text_field, id_field, on_skip, part=None):
 
 class _CsvLines:
     """A CSV file's lines for the csv module, counting them: after a row the module gave up
-    on, its own ``line_num`` does not say where that was."""
+    on, its own ``line_num`` does not say where that was. Lines looked at ahead
+    (:meth:`ahead`, to choose the delimiter) are handed out, and counted, in their turn."""
 
     def __init__(self, path: Path):
         self.lines = _lines(path, translate=False)
         self.count = 0
+        self._ahead: list[str] = []
 
     def __iter__(self):
         return self
 
     def __next__(self) -> str:
+        line = self._ahead.pop(0) if self._ahead else self._read()
+        self.count += 1
+        return line
+
+    def _read(self) -> str:
         line = next(self.lines)
         if isinstance(line, _Skip):
             raise _Skip(f"{line}; the rest of the file is skipped")
-        self.count += 1
         return line
+
+    def ahead(self, limit: int) -> Iterator[str]:
+        """The coming lines, none consumed: the first, then more while they hold at most
+        ``limit`` characters in all (a quote that never closes would read the whole file)."""
+        size = 0
+        for k in itertools.count():
+            if k == len(self._ahead):
+                try:
+                    self._ahead.append(self._read())
+                except StopIteration:
+                    return
+            size += len(self._ahead[k])
+            if k and size > limit:
+                return
+            yield self._ahead[k]
 
     def close(self) -> None:
         self.lines.close()
@@ -881,20 +902,26 @@ class _CsvLines:
 # The delimiters a CSV file may use, the extension's own first: spreadsheets in locales
 # whose decimal mark is a comma write ';'.
 _DELIMITERS = {",": "a comma", "\t": "a tab", ";": "a semicolon", "|": "a vertical bar"}
+# What a header record may span, past its first line, while its delimiter is chosen.
+MAX_HEADER_CHARS = 2**20
 
 
-def _delimiter(header: str | None, default: str, text_field: str) -> str:
-    """``default``, unless the header row split by it has no ``text_field`` column and
-    split by another of :data:`_DELIMITERS` it has (``id;text;lang``)."""
-    if header is None:
-        return default
+def _delimiter(lines: _CsvLines, default: str, text_field: str) -> str:
+    """``default``, unless the header record split by it has no ``text_field`` column and
+    split by another of :data:`_DELIMITERS` it has (``id;text;lang``); with none, the
+    first that parses the header, so the skip names its columns. The header is parsed
+    whole with each candidate: a quoted name that spans lines (a wrapped heading)
+    does not hide the delimiter after it."""
+    parsed = []
     for candidate in (default, *(d for d in _DELIMITERS if d != default)):
         try:
-            if text_field in next(csv.reader([header], delimiter=candidate, strict=True), []):
-                return candidate
+            header = next(csv.reader(lines.ahead(MAX_HEADER_CHARS), delimiter=candidate, strict=True), [])
         except csv.Error:
             continue
-    return default
+        if text_field in header:
+            return candidate
+        parsed.append(candidate)
+    return parsed[0] if parsed else default
 
 
 def _read_csv(path: Path, text_field, id_field, on_skip):
@@ -905,10 +932,8 @@ def _read_csv(path: Path, text_field, id_field, on_skip):
     it ends is not known)."""
     lines = _CsvLines(path)
     with contextlib.closing(lines):
-        header = next(lines, None)
-        delimiter = _delimiter(header, "\t" if text_format(path)[0] == ".tsv" else ",", text_field)
-        reader = csv.DictReader(itertools.chain([header] if header is not None else [], lines),
-                                delimiter=delimiter, strict=True)
+        delimiter = _delimiter(lines, "\t" if text_format(path)[0] == ".tsv" else ",", text_field)
+        reader = csv.DictReader(lines, delimiter=delimiter, strict=True)
         try:
             columns = reader.fieldnames
         except csv.Error as exc:

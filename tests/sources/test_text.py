@@ -401,6 +401,29 @@ def test_a_csv_with_another_delimiter_is_read_when_its_header_names_the_text_col
     assert read(both)[0] == [("1", "kept as comma")]
 
 
+@pytest.mark.parametrize("id_name, header", [("id", 'id;"note\n(wrapped)";text'),
+                                             ("id\r\n(key)", '"id\r\n(key)";note;"text"')])
+def test_a_csv_header_that_spans_lines_is_split_at_its_own_delimiter(tmp_path, id_name, header):
+    """A quoted header name holding a line break (a spreadsheet's wrapped heading): the
+    delimiter was chosen from the header's first line alone, so this ``;`` file was read
+    at commas and skipped whole (``csv: the header row (line 2): ',' expected after '"'``).
+    It is now chosen from the whole header record; the rows keep their line numbers."""
+    path = write(tmp_path, "a.csv", header + '\n1;n;Bonjour, le monde\n2;n;a;b\n3;"multi\nline";plain\n')
+    records, skipped = read(path, id_field=id_name)
+    assert records == [("1", "Bonjour, le monde"), ("3", "plain")]
+    assert skipped == [(f"{path}:row 2", "field: row 2 (line 4): 4 values for 3 columns; quote a value "
+                                         "that holds a semicolon")]
+
+
+def test_a_csv_header_without_the_text_column_is_named_split_at_a_delimiter_that_parses_it(tmp_path):
+    """No delimiter gives a text column: the skip names the columns as the first delimiter
+    that parses the header reads them, not the comma's parse error."""
+    path = write(tmp_path, "a.csv", '"body\ntext";"id"\n"hello; world";1\n')
+    assert read(path) == ([], [(str(path), "field: no 'text' column (columns: 'body\\ntext', 'id'); "
+                                           "choose the text column with --text-field (text_field= in the library)")])
+    assert read(path, text_field="body\ntext") == ([("1", "hello; world")], [])
+
+
 def test_a_csv_header_naming_a_column_twice_skips_the_file(tmp_path):
     path = write(tmp_path, "a.csv", "text,text,id\nfirst,second,a\n")
     assert read(path) == ([], [(str(path), "field: the header names 'text' more than once; rename the "
