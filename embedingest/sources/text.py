@@ -201,7 +201,12 @@ _WIDE_BOMS = ((codecs.BOM_UTF32_LE, "utf-32-le"), (codecs.BOM_UTF32_BE, "utf-32-
 _HTML_DROP = ("script", "style", "noscript", "template")
 _HTML_BLOCKS = ("p", "div", "br", "li", "tr", "h1", "h2", "h3", "h4", "h5", "h6", "pre",
                 "blockquote", "section", "article", "header", "footer", "title", "dt",
-                "dd", "table", "ul", "ol", "hr", "figcaption", "caption", "nav", "aside")
+                "dd", "table", "ul", "ol", "hr", "figcaption", "caption", "nav", "aside",
+                "main", "figure", "address", "form", "fieldset", "legend", "details",
+                "summary", "dl", "menu", "center", "textarea")
+# Elements set side by side: a space after each keeps the words of neighbours apart
+# (``<td>apple</td><td>banana</td>`` is not ``applebanana``).
+_HTML_CELLS = ("td", "th", "option", "button", "label")
 # Declared encodings read as UTF-8-else-cp1252 anyway, and the supersets browsers use.
 # (A page that declares UTF-16 but is not, a common slip, is read as UTF-8, as browsers do.)
 _DEFAULT_DECODED = {"utf-8", "ascii", "iso8859-1", "cp1252", "utf-16", "utf-16-le", "utf-16-be",
@@ -793,6 +798,8 @@ def _read_html(path: Path, text_field, id_field, on_skip):
         tag.decompose()
     for tag in soup.find_all(_HTML_BLOCKS):
         tag.append("\n")
+    for tag in soup.find_all(_HTML_CELLS):
+        tag.append(" ")
     text = _BLANK_LINES.sub("\n", _SPACES.sub(" ", soup.get_text())).strip()
     if not text:
         raise _Skip("empty: no visible text in the HTML")

@@ -451,6 +451,19 @@ def test_html_visible_text(tmp_path):
     assert records == [("", "Title\nHello boldworld\ntwo\nthree")]
 
 
+def test_html_table_cells_and_controls_keep_their_words_apart(tmp_path):
+    """Cells of a row, options and buttons sit side by side with no whitespace between
+    them in the page: they were read as one word (``applebanana``, ``redgreen``), which
+    the model reads as other words. Each is now followed by a space, and the block
+    elements that were missing (``main``, ``figure``, ``summary``, ...) by a line."""
+    html = ("<table><tr><th>Name</th><th>City</th></tr><tr><td>apple</td><td>banana</td></tr></table>"
+            "<select><option>red</option><option>green</option></select><button>OK</button>"
+            "<button>Cancel</button><main>top</main><figure>pic</figure><details><summary>more"
+            "</summary>hidden</details><p>in<b>line</b> stays</p>")
+    assert read(write(tmp_path, "t.html", html)) == (
+        [("", "Name City\napple banana\nred green OK Cancel top\npic\nmore\nhidden\ninline stays")], [])
+
+
 @pytest.mark.parametrize("charset,text", [
     ("Shift_JIS", "東京の天気は晴れです"), ("gb2312", "北京今天天气很好"),
     ("windows-1251", "Погода в Москве хорошая"), ("euc-kr", "서울 날씨가 좋습니다"),
