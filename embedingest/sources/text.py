@@ -934,9 +934,10 @@ def _delimiter(lines: _CsvLines, default: str, text_field: str) -> str:
 def _read_csv(path: Path, text_field, id_field, on_skip):
     """Rows as records, each checked: a row the csv module gives up on (a quote that does
     not close its field), or with more values than the header has columns (an unquoted
-    delimiter in the text), is skipped alone with its line; a header naming a column
-    twice skips the file. A field over the size bound skips the rest of the file (where
-    it ends is not known)."""
+    delimiter in the text), is skipped alone with its line; a header naming the text or
+    id column twice skips the file (other columns, unread, may repeat: a spreadsheet's
+    unnamed trailing columns are all named ''). A field over the size bound skips the
+    rest of the file (where it ends is not known)."""
     lines = _CsvLines(path)
     with contextlib.closing(lines):
         delimiter = _delimiter(lines, "\t" if text_format(path)[0] == ".tsv" else ",", text_field)
@@ -950,7 +951,7 @@ def _read_csv(path: Path, text_field, id_field, on_skip):
         if text_field not in columns:
             raise _Skip(f"field: no {text_field!r} column (columns: {_fields(columns)}); "
                         f"choose the text column with --text-field (text_field= in the library)")
-        twice = sorted({c for c in columns if columns.count(c) > 1})
+        twice = [c for c in dict.fromkeys((text_field, id_field)) if columns.count(c) > 1]
         if twice:
             raise _Skip(f"field: the header names {_fields(twice)} more than once; rename the "
                         f"columns so each is named once")

@@ -428,6 +428,20 @@ def test_a_csv_header_naming_a_column_twice_skips_the_file(tmp_path):
     path = write(tmp_path, "a.csv", "text,text,id\nfirst,second,a\n")
     assert read(path) == ([], [(str(path), "field: the header names 'text' more than once; rename the "
                                            "columns so each is named once")])
+    ids = write(tmp_path, "b.csv", "id,text,id\n1,first,2\n")
+    assert read(ids) == ([], [(str(ids), "field: the header names 'id' more than once; rename the "
+                                         "columns so each is named once")])
+
+
+def test_a_csv_whose_other_columns_repeat_a_name_is_read(tmp_path):
+    """A spreadsheet saved as CSV names its empty trailing columns '' (``id,text,,``), and
+    a sheet may repeat a heading (``note,note``): the whole file was skipped, "the header
+    names '' more than once", though neither column is read. Only the text and id
+    columns must be named once."""
+    path = write(tmp_path, "a.csv", "id,text,,\n1,first kangaroo,,\n2,second,x,y\n")
+    assert read(path) == ([("1", "first kangaroo"), ("2", "second")], [])
+    notes = write(tmp_path, "b.csv", "note,note,text\na,b,hello\n")
+    assert read(notes) == ([("row-1", "hello")], [])
 
 
 def test_csv_without_text_column(tmp_path):
