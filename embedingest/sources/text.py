@@ -592,6 +592,15 @@ class TextStream:
         self.on_skip(where, f"{reason}; the rest of the file is skipped")
 
 
+def _given_id(value):
+    """A record's id field as given, None for none: null, or text without a visible
+    character (``""``, what exports write for a missing value), which would name no
+    record (a hit shows it as the whole file's) and repeat as a duplicate."""
+    if isinstance(value, str) and not value.strip():
+        return None
+    return value
+
+
 def _record_id(value, default: str) -> str:
     """A record's id as text, whatever its type: bytes as UTF-8 (other bytes as ``\\xNN``),
     numbers, dates and times as ``str`` gives them, true and false, lists and objects as
@@ -683,7 +692,7 @@ def _objects(objs, text_field: str, id_field: str, kind: str, path: str,
             if isinstance(obj, _Skip):
                 raise obj
             text = _text_of(obj, text_field, loc)
-            given = obj.get(id_field)
+            given = _given_id(obj.get(id_field))
             record_id = _record_id(given, f"{kind}-{n}")
             for value, what in ((text, repr(text_field)), (record_id, f"id {id_field!r}")):
                 problem = lone_surrogate(value)
@@ -985,7 +994,7 @@ def _read_csv(path: Path, text_field, id_field, on_skip):
             elif not text.strip():
                 on_skip(f"{path}:{loc}", f"empty: {where}: {text_field!r} is empty")
             else:
-                given = row.get(id_field) or None
+                given = _given_id(row.get(id_field))
                 record_id = _record_id(given, f"row-{n}")
                 repeated = ids.repeated(record_id, where, made=given is None)
                 if repeated:
@@ -1100,6 +1109,7 @@ def _parquet_rows(path: Path, text_field, id_field, on_skip, part):
                     elif not text.strip():
                         on_skip(f"{path}:{loc}", f"empty: {loc}: {text_field!r} is empty")
                     else:
+                        rid = _given_id(rid)
                         record_id = _record_id(rid, f"row-{n}")
                         repeated = first_ids.repeated(record_id, loc, made=rid is None)
                         if repeated:
@@ -1164,7 +1174,8 @@ def iter_records(path: str | Path, *, text_field: str = "text", id_field: str = 
     that many bytes (decompressed) comes as a :class:`TextStream` instead of a string, to
     be read a block at a time, so its size is not bounded by memory.
     Records of JSON, JSON lines, CSV/TSV and Parquet take their text from ``text_field``
-    and their id from ``id_field``; a record without an id gets ``line-N`` (JSON lines),
+    and their id from ``id_field``; a record without an id (or with one of whitespace
+    only) gets ``line-N`` (JSON lines),
     ``row-N`` (CSV, Parquet; N counts data rows from 1) or ``item-N`` (JSON array).
     Problems go to ``on_skip`` (see the module docstring) instead of being raised.
 

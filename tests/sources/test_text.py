@@ -766,6 +766,23 @@ def test_a_record_id_given_again_in_a_file_is_skipped_and_reported_where(tmp_pat
     assert read(again)[1] == [(f"{again}:line 2", "duplicate: line 2: " + dup.format("x" * 200 + "..."))]
 
 
+def test_an_empty_or_blank_id_is_no_id_in_every_format(tmp_path):
+    """Exports write a missing id as ``""``: every record after the first with it was
+    skipped as a duplicate of it, and the first was indexed under the id ``""``, a
+    whole file's (a hit named the file, not the record). An id of whitespace only is now
+    no id, in every format: the record's position names it."""
+    jsonl = write(tmp_path, "a.jsonl", '{"id": "", "text": "one"}\n{"id": "", "text": "two"}\n'
+                                       '{"id": " \\t", "text": "three"}\n{"id": "k", "text": "four"}\n')
+    assert read(jsonl) == ([("line-1", "one"), ("line-2", "two"), ("line-3", "three"), ("k", "four")], [])
+    items = write(tmp_path, "b.json", json.dumps([{"id": "", "text": "a"}, {"id": "  ", "text": "b"}]))
+    assert read(items) == ([("item-1", "a"), ("item-2", "b")], [])
+    rows = write(tmp_path, "c.csv", 'id,text\n,a\n" ",b\n')
+    assert read(rows) == ([("row-1", "a"), ("row-2", "b")], [])
+    table = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"id": ["", " ", "z"], "text": ["x", "y", "w"]}), table)
+    assert read(table) == ([("row-1", "x"), ("row-2", "y"), ("z", "w")], [])
+
+
 def test_past_the_ids_kept_a_file_s_later_ids_are_checked_against_the_first_ones_and_the_log_says_so(
         tmp_path, monkeypatch, caplog):
     """The ids of a file's first MAX_IDS_CHECKED records are kept (memory stays bounded
