@@ -672,7 +672,7 @@ def _text_of(obj, text_field: str, loc: str) -> str:
         raise _Skip(f"json: {loc}: expected a JSON object, got {type(obj).__name__}")
     if text_field not in obj:
         raise _Skip(f"field: {loc}: no {text_field!r} field (fields: {_fields(obj)}); "
-                    f"choose the text field with text_field=")
+                    f"choose the text field with --text-field (text_field= in the library)")
     text = obj[text_field]
     if not isinstance(text, str):
         kind = "null" if text is None else type(text).__name__

@@ -303,6 +303,14 @@ def test_jsonl_records_and_record_problems(tmp_path):
     assert "nested too deeply" in skipped[6][1]
 
 
+def test_a_record_without_the_text_field_names_the_cli_option(tmp_path):
+    """A JSON record without the text field told a command-line user to pass
+    ``text_field=``, a library argument; CSV and Parquet named ``--text-field``."""
+    path = write(tmp_path, "a.json", json.dumps({"data": [{"text": "nested"}]}))
+    assert read(path) == ([], [(f"{path}:item 1", "field: item 1: no 'text' field (fields: 'data'); choose "
+                                                  "the text field with --text-field (text_field= in the library)")])
+
+
 def test_lone_surrogates_skip_their_record_only(tmp_path):
     """A broken \\ud83d-style escape once failed the tokenizer's batch call, which
     skipped every later record of the file."""
