@@ -211,6 +211,9 @@ _HTML_CELLS = ("td", "th", "option", "button", "label")
 # (A page that declares UTF-16 but is not, a common slip, is read as UTF-8, as browsers do.)
 _DEFAULT_DECODED = {"utf-8", "ascii", "iso8859-1", "cp1252", "utf-16", "utf-16-le", "utf-16-be",
                     "utf-32", "utf-32-le", "utf-32-be"}
+# The end of a page's head, looked for in its first MAX_HTML_HEAD_BYTES.
+_HEAD_END = re.compile(rb"</head[\s>]|<body[\s>]", re.IGNORECASE)
+MAX_HTML_HEAD_BYTES = 2**20
 _HTML_SUPERSETS = {"gb2312": "gb18030", "gbk": "gb18030", "euc_kr": "cp949", "shift_jis": "cp932"}
 _SPACES = re.compile(r"[^\S\n]+")
 _BLANK_LINES = re.compile(r"\s*\n\s*")
@@ -773,6 +776,14 @@ def _check_decodes(path: Path) -> None:
             raise _Skip(f"decompress: {exc}") from None
 
 
+def _html_head(data: bytes) -> bytes:
+    """Where a page's ``<meta charset>`` is looked for: its head, which inline styles,
+    scripts or a comment banner can make long (a parser meets the declaration there and
+    switches, as browsers do), or its first 4 KiB when no end of a head is found."""
+    end = _HEAD_END.search(data, 0, MAX_HTML_HEAD_BYTES)
+    return data[:max(end.start() if end else 0, 4096)]
+
+
 def _decode_html(data: bytes) -> str:
     """A page in the encoding its ``<meta charset>`` (or XML prolog) declares, such as
     Shift_JIS, GB2312 or windows-1251, which read as UTF-8-else-cp1252 would be
@@ -781,7 +792,8 @@ def _decode_html(data: bytes) -> str:
     pages that do not decode as declared, are read as any text file."""
     from bs4.dammit import EncodingDetector
 
-    declared = EncodingDetector.find_declared_encoding(data[:4096], is_html=True)
+    declared = EncodingDetector.find_declared_encoding(_html_head(data), is_html=True,
+                                                       search_entire_document=True)
     try:
         codec = codecs.lookup(declared).name if declared else None
     except LookupError:

@@ -497,6 +497,19 @@ def test_html_in_its_declared_encoding(tmp_path, charset, text):
     assert skipped == [] and text in records[0][1]
 
 
+@pytest.mark.parametrize("charset, text, before", [
+    ("windows-1251", "Погода в Москве хорошая", "<style>" + "p{color:red}" * 400 + "</style>"),
+    ("shift_jis", "東京の天気は晴れです", "<!-- " + "banner " * 700 + "-->"),
+])
+def test_an_html_charset_declared_late_in_the_head_is_read(tmp_path, charset, text, before):
+    """A ``<meta charset>`` after a long inline style or comment banner (past 2 KiB) was
+    not seen: a windows-1251 page was indexed as cp1252 mojibake (``Ïîãîäà``) without
+    a word, a Shift_JIS one skipped as ``decode``. The whole head is looked at now."""
+    page = (f'<html><head>{before}<meta http-equiv="Content-Type" content="text/html; '
+            f'charset={charset}"></head><body><p>{text}</p></body></html>')
+    assert read(write(tmp_path, "p.html", page.encode(charset))) == ([("", text)], [])
+
+
 def test_html_declarations_browsers_override(tmp_path):
     latin = write(tmp_path, "l.html", '<meta charset="iso-8859-1"><p>“quoted” café</p>'.encode("cp1252"))
     slip = write(tmp_path, "u.html", '<meta charset="utf-16"><p>plain café</p>'.encode("utf-8"))
