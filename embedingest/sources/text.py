@@ -204,6 +204,8 @@ _HTML_BLOCKS = ("p", "div", "br", "li", "tr", "h1", "h2", "h3", "h4", "h5", "h6"
                 "dd", "table", "ul", "ol", "hr", "figcaption", "caption", "nav", "aside",
                 "main", "figure", "address", "form", "fieldset", "legend", "details",
                 "summary", "dl", "menu", "center", "textarea")
+# Elements whose whitespace is their content: kept as written.
+_HTML_VERBATIM = ("pre", "textarea")
 # Elements set side by side: a space after each keeps the words of neighbours apart
 # (``<td>apple</td><td>banana</td>`` is not ``applebanana``).
 _HTML_CELLS = ("td", "th", "option", "button", "label")
@@ -810,6 +812,17 @@ def _decode_html(data: bytes) -> str:
     return _decode(data)
 
 
+def _visible_text(soup) -> str:
+    """The page's text, its runs of spaces and blank lines made one, but for the text of
+    :data:`_HTML_VERBATIM` elements (code, poems, aligned tables), whose spaces and lines
+    are the page's content, kept as written."""
+    verbatim = {id(s) for tag in soup.find_all(_HTML_VERBATIM) for s in tag.strings}
+    runs = itertools.groupby(soup.strings, key=lambda s: id(s) in verbatim)
+    text = "".join("".join(run) if kept else _BLANK_LINES.sub("\n", _SPACES.sub(" ", "".join(run)))
+                   for kept, run in runs)
+    return text.strip()
+
+
 def _read_html(path: Path, text_field, id_field, on_skip):
     from bs4 import BeautifulSoup
 
@@ -821,7 +834,7 @@ def _read_html(path: Path, text_field, id_field, on_skip):
         tag.append("\n")
     for tag in soup.find_all(_HTML_CELLS):
         tag.append(" ")
-    text = _BLANK_LINES.sub("\n", _SPACES.sub(" ", soup.get_text())).strip()
+    text = _visible_text(soup)
     if not text:
         raise _Skip("empty: no visible text in the HTML")
     yield "", text

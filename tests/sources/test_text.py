@@ -473,6 +473,16 @@ def test_html_visible_text(tmp_path):
     assert records == [("", "Title\nHello boldworld\ntwo\nthree")]
 
 
+def test_html_pre_and_textarea_keep_their_spaces_and_lines(tmp_path):
+    """Code in ``<pre>`` lost its indentation and blank lines (``def foo():\\nreturn 1``),
+    as the runs of spaces of the rest of the page are made one. Their text is now kept
+    as written; the rest of the page is read as before."""
+    html = ("<p>Example   code:</p><pre>def  foo():\n    return   1\n\n\n    # end</pre>"
+            "<textarea>  a\n\n  b</textarea><p>after   it</p>")
+    assert read(write(tmp_path, "c.html", html)) == (
+        [("", "Example code:\ndef  foo():\n    return   1\n\n\n    # end\n  a\n\n  b\nafter it")], [])
+
+
 def test_html_table_cells_and_controls_keep_their_words_apart(tmp_path):
     """Cells of a row, options and buttons sit side by side with no whitespace between
     them in the page: they were read as one word (``applebanana``, ``redgreen``), which
