@@ -965,6 +965,25 @@ def _delimiter(lines: _CsvLines, default: str, text_field: str) -> str:
     return parsed[0] if parsed else default
 
 
+_SEP_LINE = re.compile(r"sep=([^\"\r\n])[^\S\r\n]*\r?\n?", re.IGNORECASE)
+
+
+def _preamble(lines: _CsvLines) -> str | None:
+    """Read the lines before the header: blank ones (an export's leading empty lines),
+    and the ``sep=;`` line Excel writes and reads to name the delimiter, which is
+    returned (None when there is none)."""
+    while True:
+        line = next(lines.ahead(0), None)
+        if line is None or line.strip():
+            break
+        next(lines)
+    sep = _SEP_LINE.fullmatch(line) if line is not None else None
+    if sep is None:
+        return None
+    next(lines)
+    return sep.group(1)
+
+
 def _read_csv(path: Path, text_field, id_field, on_skip):
     """Rows as records, each checked: a row the csv module gives up on (a quote that does
     not close its field), or with more values than the header has columns (an unquoted
@@ -974,7 +993,8 @@ def _read_csv(path: Path, text_field, id_field, on_skip):
     rest of the file (where it ends is not known)."""
     lines = _CsvLines(path)
     with contextlib.closing(lines):
-        delimiter = _delimiter(lines, "\t" if text_format(path)[0] == ".tsv" else ",", text_field)
+        delimiter = (_preamble(lines)
+                     or _delimiter(lines, "\t" if text_format(path)[0] == ".tsv" else ",", text_field))
         reader = csv.DictReader(lines, delimiter=delimiter, strict=True)
         try:
             columns = reader.fieldnames
@@ -1013,7 +1033,7 @@ def _read_csv(path: Path, text_field, id_field, on_skip):
             if None in row:
                 on_skip(f"{path}:{loc}", f"field: {where}: {len(columns) + len(row[None])} values for "
                                          f"{len(columns)} columns; quote a value that holds "
-                                         f"{_DELIMITERS[delimiter]}")
+                                         f"{_DELIMITERS.get(delimiter, repr(delimiter))}")
             elif text is None:
                 on_skip(f"{path}:{loc}", f"field: {where}: the row has no {text_field!r} value")
             elif not text.strip():

@@ -432,6 +432,24 @@ def test_a_csv_header_without_the_text_column_is_named_split_at_a_delimiter_that
     assert read(path, text_field="body\ntext") == ([("1", "hello; world")], [])
 
 
+def test_a_csv_s_blank_lines_and_excel_sep_line_before_the_header_are_read_past(tmp_path):
+    """Blank lines before the header made the file 'empty: no header row', and the
+    ``sep=;`` line Excel writes (and reads) to name the delimiter was taken for the
+    header: both files were skipped whole. Both are now read past, the delimiter taken
+    from ``sep=``; rows keep the file's line numbers."""
+    blank = write(tmp_path, "a.csv", "\r\n  \nid,text\n1,after blank lines\n2,a,b\n")
+    assert read(blank) == ([("1", "after blank lines")], [
+        (f"{blank}:row 2", "field: row 2 (line 5): 3 values for 2 columns; quote a value that holds a comma")])
+    hint = write(tmp_path, "b.csv", "\ufeffsep=|\r\nid|text\r\n1|pipe, hint; kept\r\n2|x|y\r\n")
+    assert read(hint) == ([("1", "pipe, hint; kept")], [
+        (f"{hint}:row 2", "field: row 2 (line 4): 3 values for 2 columns; quote a value that holds a vertical bar")])
+    colon = write(tmp_path, "c.csv", "SEP=:\nid:text\n1:colon\n2:a:b\n")
+    assert read(colon) == ([("1", "colon")], [
+        (f"{colon}:row 2", "field: row 2 (line 4): 3 values for 2 columns; quote a value that holds ':'")])
+    only = write(tmp_path, "d.csv", "sep=;\n\n")
+    assert read(only) == ([], [(str(only), "empty: no header row")])
+
+
 def test_a_csv_header_naming_a_column_twice_skips_the_file(tmp_path):
     path = write(tmp_path, "a.csv", "text,text,id\nfirst,second,a\n")
     assert read(path) == ([], [(str(path), "field: the header names 'text' more than once; rename the "
