@@ -66,7 +66,6 @@ import contextlib
 import csv
 import functools
 import gzip
-import io
 import itertools
 import json
 import logging
@@ -866,6 +865,17 @@ def _read_docx(path: Path, text_field, id_field, on_skip):
         raise _Skip(str(skip)) from None
 
 
+def _split_lines(text: str) -> Iterator[str]:
+    """The lines of ``text``, cut where the JSON lines reader cuts them (``\n``, ``\r\n``,
+    a lone ``\r``) and nowhere else: ``str.splitlines`` also cuts at U+2028 and other
+    characters a JSON string may hold raw."""
+    pos = 0
+    for m in _EOL.finditer(text):
+        yield text[pos:m.start()]
+        pos = m.end()
+    yield text[pos:]
+
+
 def _read_json(path: Path, text_field, id_field, on_skip):
     """A JSON array of objects, one object, or (when the whole is not one JSON value
     and its first line is) JSON lines."""
@@ -875,9 +885,9 @@ def _read_json(path: Path, text_field, id_field, on_skip):
     except RecursionError:
         raise _Skip("json: nested too deeply") from None
     except json.JSONDecodeError as exc:
-        first = next(line for line in text.splitlines() if line.strip())
+        first = next(line for line in _split_lines(text) if line.strip())
         if not isinstance(_parse_line(first, 1), _Skip):
-            yield from _json_lines(io.StringIO(text), text_field, id_field, path, on_skip)
+            yield from _json_lines(_split_lines(text), text_field, id_field, path, on_skip)
             return
         raise _Skip(f"json: line {exc.lineno}: {exc.msg} at column {exc.colno}") from None
     except ValueError as exc:

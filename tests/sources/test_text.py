@@ -353,6 +353,20 @@ def test_json_array_object_and_lines(tmp_path):
     assert skipped == [(f"{lines}:line 3", skipped[0][1])] and keywords(skipped) == ["json"]
 
 
+def test_json_lines_in_a_json_file_are_cut_where_the_lines_reader_cuts_them(tmp_path):
+    """A ``.json`` file of JSON lines was split with ``str.splitlines``, which also cuts at
+    U+2028 (scraped text holds it raw, valid in a JSON string): its first record read as
+    two lines and the whole file was skipped (``json: line 2: Extra data``). Lines that
+    end in a lone ``\\r`` were one line, every record lost under one ``json`` skip. Both
+    are now cut as a ``.jsonl`` file is."""
+    separator = write(tmp_path, "a.json", '{"id": "a", "text": "one\u2028two"}\n{"id": "b", "text": "three"}\n')
+    assert read(separator) == ([("a", "one\u2028two"), ("b", "three")], [])
+    old_mac = write(tmp_path, "b.json", '{"id": "a", "text": "one"}\r{"id": "b", "text": "two"}\r\r{"x": 1}\r')
+    assert read(old_mac) == ([("a", "one"), ("b", "two")], [
+        (f"{old_mac}:line 4", "field: line 4: no 'text' field (fields: 'x'); choose the text field with "
+                              "--text-field (text_field= in the library)")])
+
+
 @pytest.mark.parametrize("data", ['{\n  "text": oops\n}', "42", "[" * 100_000])
 def test_bad_json_document(tmp_path, data):
     path = write(tmp_path, "a.json", data)
