@@ -957,22 +957,25 @@ _DELIMITERS = {",": "a comma", "\t": "a tab", ";": "a semicolon", "|": "a vertic
 MAX_HEADER_CHARS = 2**20
 
 
-def _delimiter(lines: _CsvLines, default: str, text_field: str) -> str:
-    """``default``, unless the header record split by it has no ``text_field`` column and
-    split by another of :data:`_DELIMITERS` it has (``id;text;lang``); with none, the
-    first that parses the header, so the skip names its columns. The header is parsed
-    whole with each candidate: a quoted name that spans lines (a wrapped heading)
-    does not hide the delimiter after it."""
+def _dialect(lines: _CsvLines, candidates: tuple[str, ...], text_field: str) -> tuple[str, bool]:
+    """``(delimiter, skipinitialspace)``: the first of ``candidates`` that splits the
+    header record into a ``text_field`` column (``id;text;lang``), else the first that
+    does so once the spaces after each delimiter are dropped (``id, text``); with none,
+    the first that parses the header, so the skip names its columns. The header is
+    parsed whole each time: a quoted name that spans lines (a wrapped heading) does not
+    hide the delimiter after it."""
     parsed = []
-    for candidate in (default, *(d for d in _DELIMITERS if d != default)):
-        try:
-            header = next(csv.reader(lines.ahead(MAX_HEADER_CHARS), delimiter=candidate, strict=True), [])
-        except csv.Error:
-            continue
-        if text_field in header:
-            return candidate
-        parsed.append(candidate)
-    return parsed[0] if parsed else default
+    for spaced in (False, True):
+        for candidate in candidates:
+            try:
+                header = next(csv.reader(lines.ahead(MAX_HEADER_CHARS), delimiter=candidate,
+                                         skipinitialspace=spaced, strict=True), [])
+            except csv.Error:
+                continue
+            if text_field in header:
+                return candidate, spaced
+            parsed.append(candidate)
+    return (parsed[0] if parsed else candidates[0]), False
 
 
 _SEP_LINE = re.compile(r"sep=([^\"\r\n])[^\S\r\n]*\r?\n?", re.IGNORECASE)
@@ -1003,9 +1006,11 @@ def _read_csv(path: Path, text_field, id_field, on_skip):
     rest of the file (where it ends is not known)."""
     lines = _CsvLines(path)
     with contextlib.closing(lines):
-        delimiter = (_preamble(lines)
-                     or _delimiter(lines, "\t" if text_format(path)[0] == ".tsv" else ",", text_field))
-        reader = csv.DictReader(lines, delimiter=delimiter, strict=True)
+        named = _preamble(lines)
+        default = "\t" if text_format(path)[0] == ".tsv" else ","
+        candidates = (named,) if named else (default, *(d for d in _DELIMITERS if d != default))
+        delimiter, spaced = _dialect(lines, candidates, text_field)
+        reader = csv.DictReader(lines, delimiter=delimiter, skipinitialspace=spaced, strict=True)
         try:
             columns = reader.fieldnames
         except csv.Error as exc:

@@ -464,6 +464,21 @@ def test_a_csv_s_blank_lines_and_excel_sep_line_before_the_header_are_read_past(
     assert read(only) == ([], [(str(only), "empty: no header row")])
 
 
+def test_a_csv_written_with_a_space_after_each_delimiter_is_read(tmp_path):
+    """``id, text`` (a space after each comma, as people and some tools write CSV) has no
+    'text' column, only ' text': the file was skipped whole, and given ``--text-field
+    ' text'`` its quoted values (``2, "a, b"``) were rows the csv module gave up on.
+    When no delimiter gives the text column as written, the spaces after delimiters are
+    dropped, from the header and the rows alike."""
+    path = write(tmp_path, "a.csv", 'id, text\n1, hello\n2, "a, b"\n3, x, y\n')
+    assert read(path) == ([("1", "hello"), ("2", "a, b")], [
+        (f"{path}:row 3", "field: row 3 (line 4): 3 values for 2 columns; quote a value that holds a comma")])
+    semi = write(tmp_path, "b.csv", "id; text\n1; Bonjour, le monde\n")
+    assert read(semi) == ([("1", "Bonjour, le monde")], [])
+    as_written = write(tmp_path, "c.csv", "id,text\n1,  kept as written\n")
+    assert read(as_written) == ([("1", "  kept as written")], [])
+
+
 def test_a_csv_header_naming_a_column_twice_skips_the_file(tmp_path):
     path = write(tmp_path, "a.csv", "text,text,id\nfirst,second,a\n")
     assert read(path) == ([], [(str(path), "field: the header names 'text' more than once; rename the "
