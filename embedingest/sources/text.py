@@ -724,8 +724,11 @@ def lone_surrogate(value: str, fix: str = "a broken escape; fix the record") -> 
 
 
 def _parse_line(line: str, n: int):
+    """The JSON value of line ``n``, or the :class:`_Skip` that says why there is none. A
+    byte-order mark at the line's start is dropped: files joined with ``cat`` keep each
+    one's mark at the start of its first line."""
     try:
-        return json.loads(line)
+        return json.loads(line[1:] if line.startswith("\ufeff") else line)
     except json.JSONDecodeError as exc:
         return _Skip(f"json: line {n}: {exc.msg} at column {exc.colno}")
     except ValueError as exc:

@@ -311,6 +311,21 @@ def test_a_record_without_the_text_field_names_the_cli_option(tmp_path):
                                                   "the text field with --text-field (text_field= in the library)")])
 
 
+def test_json_lines_joined_with_cat_keep_the_records_after_each_byte_order_mark(tmp_path):
+    """``cat a.jsonl b.jsonl`` of files saved with a BOM puts the mark at the start of a
+    line inside the file: that record was skipped, ``json: line 2: Unexpected UTF-8 BOM
+    (decode using utf-8-sig)``, advice no user of the command can follow. The mark is
+    dropped at any line's start, in a file read whole or in parts."""
+    bom = "\ufeff"
+    path = write(tmp_path, "all.jsonl", f'{bom}{{"id": "a", "text": "one"}}\n{bom}{{"id": "b", "text": "two"}}\r\n'
+                                        f'{bom}{{"id": "c", "text": "three"}}\n')
+    expected = [("a", "one"), ("b", "two"), ("c", "three")]
+    assert read(path) == (expected, [])
+    size = path.stat().st_size
+    parts = [read(path, part=(p, 3, size)) for p in range(3)]
+    assert [r for records, _ in parts for r in records] == expected and all(s == [] for _, s in parts)
+
+
 def test_lone_surrogates_skip_their_record_only(tmp_path):
     """A broken \\ud83d-style escape once failed the tokenizer's batch call, which
     skipped every later record of the file."""
