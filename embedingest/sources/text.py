@@ -667,7 +667,15 @@ def _fields(keys) -> str:
     if not names:
         return "none"
     more = f", ... ({len(names)} in all)" if len(names) > 10 else ""
-    return ", ".join(repr(k) for k in names[:10]) + more
+    return ", ".join(repr(_shown(k)) for k in names[:10]) + more
+
+
+def _shown(name, most: int = 100):
+    """A name as a reason shows it: a text over ``most`` characters cut, with its length
+    (a header whose quote never closes is one name of the whole file)."""
+    if isinstance(name, str) and len(name) > most:
+        return f"{name[:most]}... ({len(name)} characters)"
+    return name
 
 
 def _text_of(obj, text_field: str, loc: str) -> str:
@@ -937,13 +945,19 @@ class _CsvLines:
     def __init__(self, path: Path):
         self.lines = _lines(path, translate=False)
         self.count = 0
-        self._ahead: list[str] = []
+        self._ahead: list[str] = []  # lines looked at ahead, from self._next on
+        self._next = 0
 
     def __iter__(self):
         return self
 
     def __next__(self) -> str:
-        line = self._ahead.pop(0) if self._ahead else self._read()
+        if self._next < len(self._ahead):
+            line, self._next = self._ahead[self._next], self._next + 1
+            if self._next == len(self._ahead):
+                self._ahead, self._next = [], 0
+        else:
+            line = self._read()
         self.count += 1
         return line
 
@@ -957,14 +971,14 @@ class _CsvLines:
         """The coming lines, none consumed: the first, then more while they hold at most
         ``limit`` characters in all (a quote that never closes would read the whole file)."""
         size = 0
-        for k in itertools.count():
+        for k in itertools.count(self._next):
             if k == len(self._ahead):
                 try:
                     self._ahead.append(self._read())
                 except StopIteration:
                     return
             size += len(self._ahead[k])
-            if k and size > limit:
+            if k > self._next and size > limit:
                 return
             yield self._ahead[k]
 

@@ -494,6 +494,20 @@ def test_a_csv_written_with_a_space_after_each_delimiter_is_read(tmp_path):
     assert read(as_written) == ([("1", "  kept as written")], [])
 
 
+def test_a_csv_header_whose_quote_never_closes_is_read_once_and_named_short(tmp_path):
+    """A header ``"text,id`` whose quote never closes is one column name of the whole
+    file: the skip reason held it whole (a megabyte on one line of skipped.jsonl); the
+    lines looked at ahead to choose the delimiter (a million short ones) are handed
+    out in linear time."""
+    path = write(tmp_path, "a.csv", '"text,id\n' + "\n" * 1_000_000 + 'x"\n1,a\n')
+    started = time.monotonic()
+    records, skipped = read(path)
+    assert time.monotonic() - started < 20
+    assert records == [] and skipped == [(str(path), "field: no 'text' column (columns: 'text,id" + "\\n" * 93
+                                          + "... (1000009 characters)'); choose the text column with "
+                                          "--text-field (text_field= in the library)")]
+
+
 def test_a_csv_header_naming_a_column_twice_skips_the_file(tmp_path):
     path = write(tmp_path, "a.csv", "text,text,id\nfirst,second,a\n")
     assert read(path) == ([], [(str(path), "field: the header names 'text' more than once; rename the "
