@@ -3,9 +3,7 @@ reason (zip bombs, entity bombs and external entities included)."""
 
 from __future__ import annotations
 
-import io
 import struct
-import zipfile
 
 import pytest
 from hypothesis import given, settings, strategies as st
