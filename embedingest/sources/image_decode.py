@@ -184,10 +184,11 @@ def to_rgb(im: Image.Image) -> Image.Image:
     if im.mode == "RGB":
         return im
     if im.mode in _SIXTEEN_BIT:
-        a = np.asarray(im).astype(np.float64)
+        a = np.asarray(im)
         if a.size and (a.min() < 0 or a.max() > 65535):
-            return _stretched(a)  # 32-bit or signed: 0..65535 would clip it to one colour
-        return Image.fromarray(np.clip(np.rint(a / 257.0), 0, 255).astype(np.uint8)).convert("RGB")
+            return _stretched(a.astype(np.float64))  # 32-bit or signed: 0..65535 would clip it to one colour
+        scaled = np.clip(np.rint(a.astype(np.float32) / 257.0), 0, 255)
+        return Image.fromarray(scaled.astype(np.uint8)).convert("RGB")
     if im.mode == "F":
         return _stretched(np.asarray(im, dtype=np.float64))
     if im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in im.info:

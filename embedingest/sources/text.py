@@ -34,9 +34,9 @@ starts with a stable keyword (the part before the first colon, what
                 streamed formats: the rest of it, with the records before kept)
 ``too-large``   once decompressed: an HTML page over 16 MiB, a .json document over
                 256 MiB, a PDF or .docx (or its body unpacked) over 256 MiB, a text file
-                read whole over 1 GiB; a JSON
-                line, a CSV line or field, a Parquet text or a PDF page over 64 Mi
-                characters (that record only; for CSV the rest of the file)
+                read whole over 1 GiB; a JSON line, a CSV line or field, a Parquet text
+                or a PDF page over 64 Mi characters (that record only; for CSV the rest
+                of the file)
 ==============  ===============================================================
 
 Every format but Parquet may also come compressed as ``.gz``, ``.bz2``, ``.xz`` or
@@ -869,13 +869,19 @@ def _read_html(path: Path, text_field, id_field, on_skip):
     yield "", text
 
 
+def _packed_file(path: Path, limit: int, what: str) -> bytes:
+    """The whole file for a parser of packed bytes (PDF, Word), at most ``limit``."""
+    data = bytes(_read_bytes(path, limit, what))
+    if not data:
+        raise _Skip("empty: the file has no bytes")
+    return data
+
+
 def _read_pdf(path: Path, text_field, id_field, on_skip):
     """A record a page with text, id ``page-N`` (:mod:`.pdf`)."""
     from .pdf import MAX_PDF_BYTES, PdfSkip, pdf_pages
 
-    data = bytes(_read_bytes(path, MAX_PDF_BYTES, "PDF"))
-    if not data:
-        raise _Skip("empty: 0 bytes")
+    data = _packed_file(path, MAX_PDF_BYTES, "PDF")
     try:
         yield from pdf_pages(data, lambda n, reason: on_skip(f"{path}:page {n}", reason))
     except PdfSkip as skip:
@@ -886,9 +892,7 @@ def _read_docx(path: Path, text_field, id_field, on_skip):
     """One record: the body's text (:mod:`.docx`)."""
     from .docx import MAX_DOCX_BYTES, DocxSkip, docx_text
 
-    data = bytes(_read_bytes(path, MAX_DOCX_BYTES, "Word document"))
-    if not data:
-        raise _Skip("empty: 0 bytes")
+    data = _packed_file(path, MAX_DOCX_BYTES, "Word document")
     try:
         yield "", docx_text(data)
     except DocxSkip as skip:
