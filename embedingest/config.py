@@ -285,7 +285,8 @@ class SegmentConfig:
                     "host slot holds at least this many bytes. With --resize fit every mask is "
                     "made at model size.")
     batch_size: int = setting(16, "Images per forward pass.")
-    dtype: str = setting("auto", "Model precision; auto is fp16 on CUDA, fp32 on the CPU.",
+    dtype: str = setting("auto", "Model precision; auto is fp16 on CUDA, fp32 on the CPU (fp16 is refused "
+                                 "there: PyTorch has no fast fp16 convolutions on the CPU).",
                          choices=("auto", *DTYPE_NAMES))
     device: str = setting("auto", "auto (CUDA when available), cuda, cuda:N or cpu.", metavar="DEVICE")
     devices: str = setting(

@@ -1234,3 +1234,24 @@ def test_an_out_that_is_a_link_to_nowhere_is_named(tmp_path, small):
         segment(config(images, tmp_path / "out", small), progress=False)
     assert str(err.value) == (f"out='{tmp_path / 'out'}' is a symbolic link to '{tmp_path / 'gone'}', which does "
                               "not exist; create that folder, or give another --out")
+
+
+def test_fp16_on_the_cpu_is_refused_before_anything_is_written(tmp_path, small):
+    """PyTorch's fp16 convolutions on the CPU fall back to a plain loop: a photograph took
+    minutes, and Ctrl-C waited for the convolution under way. The run, the library call
+    and each CPU process of --devices are refused at once; bf16 runs."""
+    images = tmp_path / "images"
+    images.mkdir()
+    Image.fromarray(noise(40, 60)).save(images / "a.png")
+    message = "dtype='fp16' on the CPU: PyTorch has no fast fp16 convolutions there"
+    for kw in (dict(dtype="fp16"), dict(dtype="fp16", device="auto", devices="cpu,cpu")):
+        with pytest.raises(ConfigError, match=f"^{message}.*use --dtype fp32 .* or bf16, and fp16 on a GPU$"):
+            segment(config(images, tmp_path / "out", small, **kw), progress=False)
+        assert not (tmp_path / "out").exists()
+    with pytest.raises(ConfigError, match=f"^{message}"):
+        segment_images([noise(20, 30)], weights=str(small), arch=SMALL, size=SIZE, dtype="fp16", device="cpu")
+    r = CliRunner().invoke(segment_command, [str(images), "--out", str(tmp_path / "out"), "--weights", str(small),
+                                             "--arch", SMALL, "--size", str(SIZE), "--dtype", "fp16", "--device", "cpu"])
+    assert r.exit_code == 1 and r.output.startswith(f"Error: {message}") and r.output.count("\n") == 1, r.output
+    bf16 = segment(config(images, tmp_path / "bf16", small, dtype="bf16"), progress=False)
+    assert bf16["dtype"] == "bfloat16" and bf16["written"] == 1

@@ -53,7 +53,7 @@ from ...stages.device import resolve_device
 from ...stages.segmentation import Segmenter, SegmentationModel, load_segmentation_model
 from .devices import segment_on_devices
 from .listing import first_output_file, list_inputs, remove_stale_tmp_files
-from .run import check_settings, load_model, segment_on_device
+from .run import check_settings, load_model, refuse_slow_precision, segment_on_device
 
 __all__ = ["SegmentConfig", "list_inputs", "segment", "segment_images"]
 
@@ -76,6 +76,8 @@ def segment(config: SegmentConfig, progress: bool = True, timeline: str | None =
                           f"(--devices {config.devices!r} names {len(devices)})")
     # Several devices are not touched here (their processes can then be forked).
     device = None if several else resolve_device(devices[0] if devices else config.device)
+    for name in devices if several else [device]:
+        refuse_slow_precision(config.dtype, name)
     config = dataclasses.replace(config, images=local_path(config.images), out=local_path(config.out))
     remote_out = is_remote(config.out)
     if remote_out:
@@ -290,6 +292,7 @@ def segment_images(images: Iterable, config: SegmentConfig | None = None, *,
     config = load_config(SegmentConfig, None, **values)
     config.validate()
     device = resolve_device(config.device)
+    refuse_slow_precision(config.dtype, device)
     if model is None:
         model = load_segmentation_model(config.arch, config.weights, config.num_classes,
                                         config.random_weights, config.trust_weights_file)

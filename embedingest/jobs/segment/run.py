@@ -19,6 +19,7 @@ from ...engine import EgressEngine
 from ...engine.consumers import exit_with_parent, loader_context
 from ...engine.worker_loader import WorkerLoader
 from ...engine.markers import annotate
+from ...errors import ConfigError
 from ...report import SkipReport
 from ...runner import BatchSteps, run_batches
 from ...scaleout.devices import share_of_cpus
@@ -92,6 +93,16 @@ def _decoders(config: SegmentConfig, device: torch.device, todo: list[tuple[str,
         persistent_workers=False, worker_init_fn=functools.partial(exit_with_parent, os.getpid()),
         multiprocessing_context=loader_context() if workers else None)
     return headers, sampler, loader
+
+
+def refuse_slow_precision(dtype: str, device: str | torch.device) -> None:
+    """ConfigError for fp16 on the CPU: PyTorch has no fast fp16 convolutions there (its
+    dilated ones fall back to a plain loop), so one photograph took minutes, and a Ctrl-C
+    waited for the convolution under way."""
+    if dtype == "fp16" and torch.device(device).type == "cpu":
+        raise ConfigError("dtype='fp16' on the CPU: PyTorch has no fast fp16 convolutions there (a photograph "
+                          "takes minutes, against seconds in fp32); use --dtype fp32 (auto's choice on the CPU) or "
+                          "bf16, and fp16 on a GPU")
 
 
 def _full_max(config: SegmentConfig) -> int:
