@@ -244,9 +244,30 @@ def _same_labels(old: bytes, info: dict, out, path) -> bool:
     if differ:
         raise ConfigError(
             f"{out} holds masks made with other settings ({', '.join(differ)} differ: "
-            f"{', '.join(f'{k}={old.get(k)!r}' for k in differ[:2])}); use another --out, "
+            f"{', '.join(_described(differ, old, info))}); use another --out, "
             "or --overwrite to redo every image")
     return old == info
+
+
+def _described(differ: list[str], old: dict, info: dict, most: int = 3) -> list[str]:
+    """The first ``most`` differences, each the folder's value and this run's: of a
+    setting that is an object (preprocessing), only the entries that differ, and of a
+    list (the categories), the first entry that differs or the lengths, so a refusal says
+    which setting to turn back rather than printing the folder's whole settings."""
+    found = []
+    for key in differ:
+        was, now = old.get(key), info.get(key)
+        if isinstance(was, dict) and isinstance(now, dict):
+            found += [f"{key}.{k}={was.get(k)!r} (this run: {now.get(k)!r})"
+                      for k in {**was, **now} if was.get(k) != now.get(k)]
+        elif isinstance(was, list) and isinstance(now, list) and len(was) != len(now):
+            found.append(f"{key}: {len(was)} names (this run: {len(now)})")
+        elif isinstance(was, list) and isinstance(now, list):
+            i = next(i for i, (a, b) in enumerate(zip(was, now)) if a != b)
+            found.append(f"{key}[{i}]={was[i]!r} (this run: {now[i]!r})")
+        else:
+            found.append(f"{key}={was!r} (this run: {now!r})")
+    return found[:most]
 
 
 def _url_fs(url: str):

@@ -317,23 +317,25 @@ def test_labels_json_is_indented_refuses_other_weights_and_notes_the_same_weight
     assert write_labels(tmp_path, info) == path and path.stat().st_mtime_ns == 0, "the same labels: not rewritten"
     write_labels(tmp_path, {**info, "weights": "file /moved/w.pth"})
     assert json.loads(path.read_text())["weights"] == "file /moved/w.pth", "the same weights moved: noted"
-    for weights, sha, differ in (("file /moved/w.pth", "bb" * 32, f"weights_sha256 differ: weights_sha256='{'aa' * 32}'"),
-                                 ("random", None, f"weights, weights_sha256 differ: weights='file /moved/w.pth', "
-                                                  f"weights_sha256='{'aa' * 32}'")):
+    for weights, sha, differ in (("file /moved/w.pth", "bb" * 32, f"weights_sha256 differ: weights_sha256='{'aa' * 32}' "
+                                                                  f"(this run: '{'bb' * 32}')"),
+                                 ("random", None, "weights, weights_sha256 differ: weights='file /moved/w.pth' (this run: "
+                                                  f"'random'), weights_sha256='{'aa' * 32}' (this run: None)")):
         with pytest.raises(ConfigError) as err:
             write_labels(tmp_path, {**info, "weights": weights, "weights_sha256": sha})
         assert str(err.value) == (f"{tmp_path} holds masks made with other settings ({differ}); use another "
                                   "--out, or --overwrite to redo every image")
     legacy = {k: v for k, v in info.items() if k != "weights_sha256"}  # labels written before the sha256
     path.write_text(json.dumps(legacy))
-    with pytest.raises(ConfigError, match=r"\(weights differ: weights='file w.pth'\)"):
+    with pytest.raises(ConfigError, match=r"\(weights differ: weights='file w.pth' \(this run: 'file other.pth'\)\)"):
         write_labels(tmp_path, {**info, "weights": "file other.pth"})
     write_labels(tmp_path, info)
     assert json.loads(path.read_text()) == info, "the same source: the sha256 now recorded"
     path.write_text(json.dumps(info))
     other = {**info, "arch": "deeplabv3_resnet50", "num_classes": 3, "categories": ["bg", "x", "y"]}
     msg = (f"{tmp_path} holds masks made with other settings (arch, num_classes, categories differ: "
-           "arch='fcn_resnet50', num_classes=2); use another --out, or --overwrite to redo every image")
+           "arch='fcn_resnet50' (this run: 'deeplabv3_resnet50'), num_classes=2 (this run: 3), categories: 2 names "
+           "(this run: 3)); use another --out, or --overwrite to redo every image")
     with pytest.raises(ConfigError) as err:
         write_labels(tmp_path, other)
     assert str(err.value) == msg
@@ -367,12 +369,12 @@ def test_labels_json_at_a_url_is_one_put_and_guards_the_prefix(tmp_path, monkeyp
     assert write_labels(url, info) == f"{url}/labels.json" and file.stat().st_mtime_ns == 0
     write_labels(url, {**info, "weights": "file moved/random"})  # the same weights (None: random) moved
     assert json.loads(file.read_text())["weights"] == "file moved/random"
-    with pytest.raises(ConfigError, match=r"\(weights, weights_sha256 differ: weights='file moved/random', "
-                                          r"weights_sha256=None\)"):
+    with pytest.raises(ConfigError, match=r"\(weights, weights_sha256 differ: weights='file moved/random' \(this run: "
+                                          r"'file w.pth'\), weights_sha256=None \(this run: 'cccc"):
         write_labels(url, {**info, "weights": "file w.pth", "weights_sha256": "cc" * 32})
     other = {**info, "arch": "lraspp"}
     with pytest.raises(ConfigError, match=f"^{re.escape(url)} holds masks made with other settings "
-                                          r"\(arch differ: arch='fcn_resnet50'\)"):
+                                          r"\(arch differ: arch='fcn_resnet50' \(this run: 'lraspp'\)\)"):
         write_labels(url, other)
     write_labels(url, other, replace=True)
     assert json.loads(file.read_text())["arch"] == "lraspp"
@@ -542,3 +544,19 @@ def test_the_overlay_of_an_image_wider_than_a_jpeg_holds_is_scaled_down_and_the_
     assert overlay.format == "JPEG" and overlay.size == (65_500, 4)
     ov = np.asarray(overlay).astype(int)
     assert np.abs(ov[:, :30_000] - 200).max() < 12 and ov[:, 36_000:, 0].mean() < 180, "class 1 on the right"
+
+
+def test_a_refusal_names_the_settings_that_differ_with_the_folder_s_value_and_this_run_s(tmp_path):
+    """A resume with another --size or --resize named only the folder's whole preprocessing
+    (and the masks' text), not which setting differs nor this run's value."""
+    prep = {"resize": "fit", "size": 256, "max_size": None, "mean": [0.485, 0.456, 0.406]}
+    write_labels(tmp_path, labels_info("a", "random", ["bg", "cat"], prep, None))
+    other = labels_info("a", "random", ["bg", "dog"], {**prep, "resize": "short", "size": 300}, 40_000_000)
+    with pytest.raises(ConfigError) as err:
+        write_labels(tmp_path, other)
+    assert str(err.value) == (f"{tmp_path} holds masks made with other settings (categories, preprocessing, masks "
+                              "differ: categories[1]='cat' (this run: 'dog'), preprocessing.resize='fit' (this run: "
+                              "'short'), preprocessing.size=256 (this run: 300)); use another --out, or --overwrite "
+                              "to redo every image")
+    with pytest.raises(ConfigError, match=r"differ: preprocessing.max_size=None \(this run: 2080\)\)"):
+        write_labels(tmp_path, labels_info("a", "random", ["bg", "cat"], {**prep, "max_size": 2080}, None))
