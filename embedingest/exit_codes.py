@@ -2,8 +2,8 @@
 
 A job's summary carries its status as ``exit_code`` (from :func:`exit_code`); the CLI
 exits with it, with :data:`EXIT_INTERRUPTED` on Ctrl-C (:data:`EXIT_TERMINATED` on
-SIGTERM), and click exits with
-:data:`EXIT_ERROR` on an error.
+SIGTERM), and click exits with :data:`EXIT_ERROR` on an error and :data:`EXIT_USAGE`
+on a command line it refuses.
 """
 
 from __future__ import annotations
@@ -12,6 +12,9 @@ from __future__ import annotations
 EXIT_OK = 0
 # An error; its message says what to change (click.ClickException's status).
 EXIT_ERROR = 1
+# A command line refused before any work (an unknown option, an input that does not
+# exist): click's usage-error status.
+EXIT_USAGE = 2
 # The run finished, but some inputs were skipped (each listed in skipped.jsonl with why).
 EXIT_SKIPPED = 3
 # Interrupted (Ctrl-C): what was committed is kept, the same command resumes.
@@ -29,6 +32,7 @@ def exit_code(skipped: int) -> int:
 def exit_status_help(done: str, inputs: str, where: str) -> str:
     """The paragraph of a job command's help that says what each status means."""
     return (f"Exit status: {EXIT_OK} {done}; {EXIT_SKIPPED} finished, but some {inputs} were "
-            f"skipped (see skipped.jsonl in {where}); {EXIT_ERROR} error; {EXIT_INTERRUPTED} "
+            f"skipped (see skipped.jsonl in {where}); {EXIT_ERROR} error; {EXIT_USAGE} a command line "
+            f"refused before any work; {EXIT_INTERRUPTED} "
             f"interrupted, {EXIT_TERMINATED} stopped by SIGTERM (run the same command again to "
             "resume).")
