@@ -102,5 +102,6 @@ def passed_over_sentence(summary: dict) -> str:
     if not counts:
         return ""
     kinds = ", ".join(f"{suffix} {n}" for suffix, n in counts.items())
-    return (f" Passed over {sum(counts.values())} files of formats it does not read ({kinds}); "
+    total = sum(counts.values())
+    return (f" Passed over {total} {'file' if total == 1 else 'files'} of formats it does not read ({kinds}); "
             "the README lists the ones it does.")

@@ -30,6 +30,8 @@ def test_passed_over_counts_by_suffix_and_says_so():
     assert passed_over_sentence({"passed_over": counts}).startswith(
         " Passed over 4 files of formats it does not read (.pptx 2, (no suffix) 1, .docx 1)")
     assert passed_over_sentence({"passed_over": {}}) == ""
+    assert passed_over_sentence({"passed_over": {".txt": 1}}) == (
+        " Passed over 1 file of formats it does not read (.txt 1); the README lists the ones it does.")
 
 
 def test_earlier_runs_stay_in_the_report_each_entry_naming_its_run(tmp_path):

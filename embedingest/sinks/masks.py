@@ -163,9 +163,9 @@ def labels_info(arch: str, weights: str, categories: Sequence[str], preprocessin
                        "the argmax at model size, the pad cropped, scaled nearest-neighbour"}
     return {"arch": arch, "weights": weights, "weights_sha256": weights_sha256, "weights_preset": preset,
             "num_classes": n,
-            "categories": list(categories),
-            "palette": [VOC_PALETTE[3 * i:3 * i + 3] for i in range(n)],
-            "preprocessing": preprocessing, "masks": masks}
+            "categories": list(categories), "preprocessing": preprocessing,
+            "masks": masks,  # its format says "the palette below": the next key
+            "palette": [VOC_PALETTE[3 * i:3 * i + 3] for i in range(n)]}
 
 
 # What must agree for masks of one folder to mean the same: resuming into a folder made

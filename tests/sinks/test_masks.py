@@ -300,6 +300,7 @@ def test_labels_info_says_exactly_how_the_masks_were_made():
                               "resize": "the logits scaled bilinearly to the image's size, then the argmax "
                                         "(images over 40000000 pixels: the argmax at model size scaled "
                                         "nearest-neighbour)"}}
+    assert list(full)[-2:] == ["masks", "palette"], "the format's 'palette below' is the next key of the file"
     model = labels_info("a", "w", ["bg", "x"], {"size": 1}, None)
     assert model == {**full, "weights_preset": "", "weights_sha256": None,
                      "masks": {"format": fmt,
