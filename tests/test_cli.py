@@ -377,3 +377,13 @@ def test_search_gives_as_many_hits_as_the_library_and_serve_by_default(tmp_path)
     assert r.exit_code == 0, r.output
     with open_index(out) as index:
         assert len(json_mod.loads(r.output)) == len(index.search("cache entries")[0]) == DEFAULT_SEARCH_K == 10
+
+
+def test_a_bench_table_s_first_line_names_the_machine_without_empty_fields():
+    """On a machine without a GPU the text bench printed ``# CPU , torch ...``."""
+    from embedingest.cli.bench import machine_line
+
+    date = "2026-12-05 04:14 UTC"
+    assert machine_line({"torch": "2.9", "date": date}) == f"# CPU, torch 2.9, {date}"
+    assert machine_line({"gpu": "NVIDIA H200", "driver": "570.1", "torch": "2.9", "date": date}) == (
+        f"# NVIDIA H200 driver 570.1, torch 2.9, {date}")

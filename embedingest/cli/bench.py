@@ -8,6 +8,12 @@ from ..config import DTYPE_NAMES, SEGMENT_ARCHITECTURES
 from .common import library_errors
 
 
+def machine_line(info: dict) -> str:
+    """The table's first line: what it was measured on (``machine_info``)."""
+    where = info.get("gpu", "CPU") + (f" driver {info['driver']}" if info.get("driver") else "")
+    return f"# {where}, torch {info.get('torch')}, {info['date']}"
+
+
 @click.group()
 def bench() -> None:
     """Side-by-side benchmarks (the GPU parts need a CUDA GPU)."""
@@ -64,7 +70,7 @@ def bench_segmentation(steps, warmup, batch_size, image_size, consumers, slots, 
                                arch=arch, size=size, batch_size=batch_size or 16, device=device,
                                folder=photo_dir, trace=trace)
         info = machine_info()
-        click.echo(f"# {info.get('gpu', 'no GPU')}, torch {info.get('torch')}, {info['date']}")
+        click.echo(machine_line(info))
         result = run(cfg, log=lambda m: click.echo(m, err=True))
         click.echo(table(result))
         if json_path:
@@ -81,7 +87,7 @@ def bench_segmentation(steps, warmup, batch_size, image_size, consumers, slots, 
                          consumers=consumers, slots=slots, warmup=warmup, steps=steps)
     select = {s.strip() for s in only.split(",") if s.strip()} or None
     info = machine_info()
-    click.echo(f"# {info.get('gpu', '?')} driver {info.get('driver', '?')}, torch {info.get('torch')}, {info['date']}")
+    click.echo(machine_line(info))
     rows = run_all(cfg, select, log=lambda m: click.echo(m, err=True))
     click.echo(table(rows, "steps/s"))
     drawn = next((r for r in rows if r["name"] == "segment stage, bf16, logits, sink=devnull"), None)
@@ -164,7 +170,7 @@ def bench_text(corpus, docs, mb, copies, join_mb, jsonl, parquet, st_sample, bat
                           num_workers=num_workers, num_consumers=num_consumers, st_fp32=st_fp32,
                           compare_eager=compare_eager, trace=trace)
     info = machine_info()
-    click.echo(f"# {info.get('gpu', 'CPU')} {info.get('driver', '')}, torch {info.get('torch')}, {info['date']}")
+    click.echo(machine_line(info))
     rows = run_all(cfg, log=lambda m: click.echo(m, err=True))
     click.echo(table(rows, "docs/s", TEXT_COLUMNS))
     if json_path:
@@ -183,7 +189,7 @@ def _bench_documents(mb, copies, join_mb, st_sample, batch_size, device, dtype, 
                                batch_size=batch_size, st_sample=st_sample, build_options=build_options,
                                trace=trace)
     info = machine_info()
-    click.echo(f"# {info.get('gpu', 'CPU')} {info.get('driver', '')}, torch {info.get('torch')}, {info['date']}")
+    click.echo(machine_line(info))
     made, rows = run_documents(cfg, log=lambda m: click.echo(m, err=True))
     click.echo(table(rows, "chunks/s", DOCUMENTS_COLUMNS))
     if json_path:
