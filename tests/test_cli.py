@@ -387,3 +387,22 @@ def test_a_bench_table_s_first_line_names_the_machine_without_empty_fields():
     assert machine_line({"torch": "2.9", "date": date}) == f"# CPU, torch 2.9, {date}"
     assert machine_line({"gpu": "NVIDIA H200", "driver": "570.1", "torch": "2.9", "date": date}) == (
         f"# NVIDIA H200 driver 570.1, torch 2.9, {date}")
+
+
+@pytest.mark.parametrize("command", [
+    ["segment", "{images}", "--out", "{out}", "--random-weights", "--trace", "{missing}/t.json"],
+    ["build-index", "{images}", "--out", "{out}", "--timeline", "{missing}/t.png"],
+    ["bench", "text", "--docs", "10", "--device", "cpu", "--json", "{missing}/rows.json"],
+])
+def test_a_file_written_at_the_end_in_a_folder_that_does_not_exist_is_refused_before_any_work(tmp_path, command):
+    """A --trace, --timeline or bench --json in a folder that does not exist failed only
+    after the whole run, naming a temporary file (`.t.json.tmp-5924`), the summary lost."""
+    (tmp_path / "images").mkdir()
+    values = {"images": tmp_path / "images", "out": tmp_path / "out", "missing": tmp_path / "nope"}
+    r = CliRunner().invoke(main, [arg.format(**values) for arg in command])
+    option = next(a for a in command if a in ("--trace", "--timeline", "--json"))
+    target = next(a for a in command if a.startswith("{missing}")).format(**values)
+    assert r.exit_code == 2, r.output
+    assert r.output.endswith(f"Error: Invalid value for '{option}': '{target}': the folder "
+                             f"'{tmp_path / 'nope'}' does not exist; create it or give another path\n")
+    assert "Traceback" not in r.output and not (tmp_path / "out").exists()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from ..config import DTYPE_NAMES, SEGMENT_ARCHITECTURES
-from .common import library_errors
+from .common import in_existing_folder, library_errors
 
 
 def machine_line(info: dict) -> str:
@@ -31,9 +31,9 @@ def bench() -> None:
               help="DataLoader processes making the random images.")
 @click.option("--only", default="", metavar="GROUPS",
               help="Comma list of the row groups to run: bound, seed, engine.  [default: all]")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False),
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), callback=in_existing_folder,
               help="Also write the rows and the machine here, as JSON.")
-@click.option("--timeline", type=click.Path(dir_okay=False),
+@click.option("--timeline", type=click.Path(dir_okay=False), callback=in_existing_folder,
               help="PNG timeline of the segment stage's bf16 full-logits run.")
 @click.option("--photos", type=int, help="Instead: the segment job on this many real photographs "
                                          "(varied sizes and aspect ratios) against the forward "
@@ -49,7 +49,7 @@ def bench() -> None:
 @click.option("--size", default=520, show_default=True, help="With --photos: the short side.")
 @click.option("--device", default="auto", show_default=True, metavar="DEVICE",
               help="With --photos: auto, cuda, cuda:N or cpu (cpu to try it).")
-@click.option("--trace", type=click.Path(dir_okay=False),
+@click.option("--trace", type=click.Path(dir_okay=False), callback=in_existing_folder,
               help="Chrome trace (JSON) of the segment stage's bf16 full-logits run, every batch; "
               "with --photos, of the timed job.")
 @library_errors
@@ -144,9 +144,9 @@ def bench_segmentation(steps, warmup, batch_size, image_size, consumers, slots, 
               help="Also time sentence-transformers in fp32.  [default: on]")
 @click.option("--compare-eager/--no-compare-eager", default=True,
               help="On CUDA, also time the rows without CUDA graphs.  [default: on]")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False),
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), callback=in_existing_folder,
               help="Also write the rows and the machine here, as JSON.")
-@click.option("--trace", type=click.Path(dir_okay=False),
+@click.option("--trace", type=click.Path(dir_okay=False), callback=in_existing_folder,
               help="Chrome trace (JSON) of the build-index row: its phases and every batch.")
 @library_errors
 def bench_text(corpus, docs, mb, copies, join_mb, jsonl, parquet, st_sample, batch_size, device, dtype, model, num_workers,

@@ -149,6 +149,19 @@ def import_interruptibly(module: str):
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
+def in_existing_folder(ctx, param, value: str | None) -> str | None:
+    """A click callback for a file the command writes at its end (a timeline, a trace, a
+    benchmark's JSON): its folder must exist now, so a typo stops the command before its
+    work rather than losing the summary after it."""
+    if value is None:
+        return value
+    folder = os.path.dirname(os.path.abspath(value))
+    if not os.path.isdir(folder):
+        raise click.BadParameter(f"{value!r}: the folder {folder!r} does not exist; create it or give "
+                                 "another path", ctx=ctx, param=param)
+    return value
+
+
 def run_options(preset: str, timeline: str, trace: str):
     """The options of a job command beside its config fields: ``--config`` (a preset),
     ``--json``, ``--timeline`` and ``--trace``, with the help given."""
@@ -156,8 +169,8 @@ def run_options(preset: str, timeline: str, trace: str):
         click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
                      help=f"TOML preset of these options ({preset}); options given here win."),
         click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON."),
-        click.option("--timeline", type=click.Path(dir_okay=False), help=timeline),
-        click.option("--trace", type=click.Path(dir_okay=False), help=trace),
+        click.option("--timeline", type=click.Path(dir_okay=False), callback=in_existing_folder, help=timeline),
+        click.option("--trace", type=click.Path(dir_okay=False), callback=in_existing_folder, help=trace),
     ]
 
     def decorate(fn):
