@@ -1255,3 +1255,19 @@ def test_fp16_on_the_cpu_is_refused_before_anything_is_written(tmp_path, small):
     assert r.exit_code == 1 and r.output.startswith(f"Error: {message}") and r.output.count("\n") == 1, r.output
     bf16 = segment(config(images, tmp_path / "bf16", small, dtype="bf16"), progress=False)
     assert bf16["dtype"] == "bfloat16" and bf16["written"] == 1
+
+
+def test_an_out_that_cannot_be_made_is_one_error_naming_it(tmp_path, small):
+    """An --out below a file, or in /proc, gave `[Errno 20] Not a directory: ...` (a bare
+    OSError's text, saying nothing of --out)."""
+    images = tmp_path / "images"
+    images.mkdir()
+    Image.fromarray(noise(20, 30)).save(images / "a.png")
+    out = images / "a.png" / "masks"
+    with pytest.raises(ConfigError) as err:
+        segment(config(images, out, small), progress=False)
+    assert str(err.value) == (f"cannot make the output folder {str(out)!r}: Not a directory; give an --out where "
+                              "folders can be made")
+    if os.path.isdir("/proc/self"):
+        with pytest.raises(ConfigError, match="^cannot make the output folder '/proc/self/masks': "):
+            segment(config(images, "/proc/self/masks", small), progress=False)

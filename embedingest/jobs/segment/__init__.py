@@ -241,6 +241,9 @@ def _make_out(out: Path) -> list[Path]:
             raise ConfigError(f"out={str(out)!r} is a symbolic link to {os.readlink(out)!r}, which does not "
                               "exist; create that folder, or give another --out") from None
         raise
+    except OSError as exc:  # a parent that cannot hold folders (/proc), one not writable, a full disk
+        raise ConfigError(f"cannot make the output folder {str(out)!r}: {exc.strerror or exc}; give an --out "
+                          "where folders can be made") from None
 
 
 def _before_redoing(config: SegmentConfig, todo: list[tuple[str, str]]) -> None:
