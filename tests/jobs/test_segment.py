@@ -241,12 +241,15 @@ def test_masks_or_stats_without_labels_are_refused_unless_overwrite(tmp_path, sm
     (out / "0.png.png").unlink()
     with pytest.raises(ConfigError) as err:
         segment(config(images, out, small, stats=True), progress=False)
-    assert str(err.value) == (f"{str(out)!r} holds the masks of 2 images and {len(part_files(out))} --stats parts "
-                              "but no labels.json, which says the model that made them: pass --overwrite to "
-                              "redo every image, or give another --out")
-    for name in ("1.png.png", "2.png.png"):
-        (out / name).unlink()
-    with pytest.raises(ConfigError, match=r"holds \d+ --stats parts but no labels.json"):
+    parts = len(part_files(out))
+    assert str(err.value) == (f"{str(out)!r} holds the masks of 2 images and {parts} --stats "
+                              f"{'part' if parts == 1 else 'parts'} but no labels.json, which says the model that "
+                              "made them: pass --overwrite to redo every image, or give another --out")
+    (out / "1.png.png").unlink()
+    with pytest.raises(ConfigError, match=r"holds the masks of 1 image and \d+ --stats parts? but no labels.json"):
+        segment(config(images, out, small), progress=False)
+    (out / "2.png.png").unlink()
+    with pytest.raises(ConfigError, match=r"holds \d+ --stats parts? but no labels.json"):
         segment(config(images, out, small), progress=False)  # rows alone, and without --stats too
     redo = segment(config(images, out, small, stats=True, overwrite=True), progress=False)
     assert redo["written"] == 3 and (out / "labels.json").is_file()
@@ -367,6 +370,12 @@ def test_an_output_name_taken_by_a_folder_skips_that_image_and_a_stats_file_stop
                               "('2019' and more): pandas.read_parquet of the folder would read them as rows of "
                               "the table; move them out of it, or give another --out")
     assert sorted(p.name for p in (tmp_path / "o2" / "stats").iterdir()) == ["2019", "_SUCCESS", "sales.parquet"]
+    (tmp_path / "o2" / "stats" / "2019").rmdir()
+    with pytest.raises(ConfigError) as err:
+        segment(config(images, tmp_path / "o2", small, stats=True), progress=False)
+    assert str(err.value) == (f"{str(tmp_path / 'o2' / 'stats')!r} holds 1 entry that is not a --stats part "
+                              "('sales.parquet'): pandas.read_parquet of the folder would read it as rows of the "
+                              "table; move it out of the folder, or give another --out")
     shutil.rmtree(tmp_path / "o2" / "stats")
     (tmp_path / "o2" / "stats").symlink_to(tmp_path / "elsewhere")  # a run with nothing to do reads no link
     assert segment(config(images, tmp_path / "o2", small), progress=False)["already_done"] == 3

@@ -169,9 +169,9 @@ def _refuse_unlabelled(out: Path, done: int, images: str) -> None:
     parts = [] if (out / STATS_DIR).is_symlink() else part_files(out)  # a link: --stats refuses it
     other = None if done else first_output_file(out, images)
     if done or parts or other:
-        held = " and ".join(filter(None, [f"the masks of {done} images" if done else "",
+        held = " and ".join(filter(None, [f"the masks of {_count(done, 'image', 'images')}" if done else "",
                                           f"outputs of a run ({other!r} and maybe more)" if other else "",
-                                          f"{len(parts)} --stats parts" if parts else ""]))
+                                          _count(len(parts), "--stats part", "--stats parts") if parts else ""]))
         raise ConfigError(f"{str(out)!r} holds {held} but no {LABELS_FILE}, which says the model that made "
                           "them: pass --overwrite to redo every image, or give another --out")
 
@@ -202,9 +202,17 @@ def _refuse_stats_file(out: Path) -> None:
                           "name: move that file away, or drop --stats")
     foreign = foreign_entries(out)
     if foreign:
+        if len(foreign) == 1:
+            raise ConfigError(f"{str(path)!r} holds 1 entry that is not a --stats part ({foreign[0]!r}): "
+                              "pandas.read_parquet of the folder would read it as rows of the table; move it out "
+                              "of the folder, or give another --out")
         raise ConfigError(f"{str(path)!r} holds {len(foreign)} entries that are not --stats parts ({foreign[0]!r}"
-                          f"{' and more' if len(foreign) > 1 else ''}): pandas.read_parquet of the folder would "
-                          "read them as rows of the table; move them out of it, or give another --out")
+                          " and more): pandas.read_parquet of the folder would read them as rows of the table; move "
+                          "them out of it, or give another --out")
+
+
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
 
 
 def _remove_untouched(out: Path, parents: list[Path]) -> None:
