@@ -463,8 +463,10 @@ def test_segment_images_takes_file_paths_as_segment_reads_them(tmp_path, weights
     assert np.array_equal(masks[1], reference(tmp_path / "p.png")[0]) and np.array_equal(masks[1], masks[2])
     for one in (str(tmp_path), tmp_path / "p.png"):
         with pytest.raises(ConfigError, match=r"is one path, not a list of pictures: pass \[path\] for one image "
-                                              r"file, or call segment\(images=...\) for a folder"):
+                                              r"file, or call segment\(SegmentConfig\(images=..., out=...\)\) for a folder"):
             segment_images(one, weights=str(weights), size=SIZE, device="cpu")
+    with pytest.raises(TypeError):  # what the message once told to call
+        segment(images=str(tmp_path), out=str(tmp_path / "o"))
     (tmp_path / "notes.jpg").write_text("hello")
     with pytest.raises(ConfigError, match=rf"^image 1 \({tmp_path / 'notes.jpg'}\): not an image"):
         segment_images([pic, tmp_path / "notes.jpg"], weights=str(weights), size=SIZE, device="cpu")

@@ -298,7 +298,8 @@ def segment_images(images: Iterable, config: SegmentConfig | None = None, *,
     """
     if isinstance(images, (str, bytes, os.PathLike)):
         raise ConfigError(f"images={images!r} is one path, not a list of pictures: pass [path] for one "
-                          "image file, or call segment(images=...) for a folder (it writes the masks)")
+                          "image file, or call segment(SegmentConfig(images=..., out=...)) for a folder (it writes the "
+                          "masks)")
     values = {**dataclasses.asdict(config or SegmentConfig()), **overrides}
     config = load_config(SegmentConfig, None, **values)
     config.validate()
