@@ -560,3 +560,35 @@ def test_library_settings_out_of_range_or_unknown_are_refused_by_name(tmp_path):
                                           r"are the fields of IndexConfig: out, model, "):
         build_index([("a", "text")], out=str(tmp_path / "i"), device="cpu", batchsize=8)
     assert not (tmp_path / "i").exists()
+
+
+def _shards_with_rows(out: Path) -> dict[str, int]:
+    with ShardStore(out) as store:
+        return {s.name: s.count for s in store.shards()}
+
+
+def test_files_skipped_whole_rewrite_no_shard_of_vectors_on_an_unchanged_rerun(tmp_path):
+    """A file skipped whole (empty, binary) has no chunks and is read again by every run,
+    so every run first removes its finished-mark. That mark went into the shard of the
+    batch it finished in, beside other files' vectors: the re-run of an unchanged corpus
+    rewrote that shard (its Parquet rows and faiss vectors) just to drop the mark, and
+    every later run with new files did it again. Such marks go into the run's shard of
+    marks alone, a commit record without rows."""
+    corpus = make_corpus(tmp_path / "corpus")
+    (corpus / "empty.md").write_text("")
+    (corpus / "sub" / "bin.txt").write_bytes(bytes(range(256)) * 10)
+    out = tmp_path / "idx"
+    first = build_index(corpus, out=str(out), **FAST)
+    assert (first["exit_code"], first["skipped"], first["chunks"]) == (3, 2, 12)
+    shards = _shards_with_rows(out)
+    ids = set(all_ids(out).tolist())
+    again = build_index(corpus, out=str(out), **FAST)
+    assert (again["units_unchanged"], again["units_indexed"], again["skipped"]) == (4, 2, 2)
+    assert _shards_with_rows(out) == shards  # no shard of vectors rewritten
+    (corpus / "e.txt").write_text("Quantum computers use qubits that can be in superposition.")
+    added = build_index(corpus, out=str(out), **FAST)
+    assert (added["units_indexed"], added["chunks"], added["vectors_total"]) == (3, 1, 13)
+    shards = _shards_with_rows(out)
+    assert build_index(corpus, out=str(out), **FAST)["vectors_removed"] == 0
+    assert _shards_with_rows(out) == shards
+    assert set(all_ids(out).tolist()) >= ids and len(all_ids(out)) == 13

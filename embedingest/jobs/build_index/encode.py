@@ -103,7 +103,11 @@ def embed_steps(encoder: TextEncoder, device: str, done=None, marks: list | None
     batch's rows and finished units (and the hashes the loader made of them) as its
     :class:`~embedingest.index.shards.BatchMeta`. Units that finished in a batch without
     rows wait in ``marks`` ((unit_no, n_chunks, sha256 or None) triples) for the next
-    batch with rows; the caller commits those left at the end (:func:`commit_marks`)."""
+    batch with rows; the caller commits those left at the end (:func:`commit_marks`).
+
+    Units of no chunks (a file skipped whole) always wait for the end: every run reads
+    them again and first removes their marks, and a mark in a shard of vectors made that
+    shard be rewritten whole, by every re-run of an unchanged corpus."""
     marks = marks if marks is not None else []
 
     def send(item):
@@ -114,8 +118,8 @@ def embed_steps(encoder: TextEncoder, device: str, done=None, marks: list | None
 
     def forward(batch_no: int, item, on_device):
         marks.extend(finished(item))
-        meta = BatchMeta(batch_no, item["chunks"].data, *split_marks(marks))
-        marks.clear()
+        meta = BatchMeta(batch_no, item["chunks"].data, *split_marks([m for m in marks if m[1]]))
+        marks[:] = [m for m in marks if not m[1]]
         return [(meta, {"emb": encoder.forward(*on_device), "ids": item["ids"]})]
 
     def handed_over(item) -> None:
