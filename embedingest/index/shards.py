@@ -343,7 +343,7 @@ def read_commit(path: Path, text: bytes | str | None = None) -> Shard:
     shard when it is not a record embedingest wrote."""
     name = path.name[: -len(COMMIT_SUFFIX)]
     try:
-        data = json.loads(path.read_text(encoding="utf-8") if text is None else text)
+        data = json.loads(_record_text(path) if text is None else text)
         files = data["files"]
         if data.get("format") != FORMAT or data.get("name") != name or not isinstance(files, dict):
             raise ValueError("it is not a commit record of this shard in format 2")
@@ -374,6 +374,15 @@ def read_commit(path: Path, text: bytes | str | None = None) -> Shard:
 
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _record_text(path: Path) -> bytes:
+    """A local commit record's bytes, read without following a link or waiting on a pipe
+    (a record replaced by a named pipe, or a link to ``/dev/zero``, hung search and build)."""
+    from ..sources.files import open_regular
+
+    with open_regular(path, follow_links=False) as fh:
+        return fh.read()
 
 
 def _unit_hashes(hashes, units: tuple) -> tuple:

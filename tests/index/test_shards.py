@@ -124,6 +124,32 @@ def test_a_commit_record_that_is_not_one_is_a_config_error_naming_it(tmp_path):
         list_shards(folder / "shards")
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind", ["named pipe", "link to /dev/zero", "link to a record outside"])
+def test_a_commit_record_that_is_no_regular_file_is_refused_at_once_never_followed(tmp_path, kind):
+    """Before: a record replaced by a named pipe, or by a link to /dev/zero, hung search and
+    build for ever (read_text waited on the pipe, or read zeros without end); a link to a
+    record outside the index was read as the shard's."""
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=1, chunks=5, workers=1)
+    (shard,) = list_shards(folder / "shards")
+    path = shard.commit_path()
+    outside = tmp_path / "outside.commit.json"
+    outside.write_bytes(path.read_bytes())
+    path.unlink()
+    if kind == "named pipe":
+        os.mkfifo(path)
+    else:
+        path.symlink_to("/dev/zero" if kind == "link to /dev/zero" else outside)
+    what = "a named pipe (FIFO)" if kind == "named pipe" else "a symbolic link"
+    with pytest.raises(ConfigError) as err:
+        list_shards(folder / "shards")
+    assert str(err.value).startswith(f"cannot read the commit record {str(path)!r} (NotRegularFile: not a "
+                                     f"regular file: {what}); delete that shard's files")
+    assert f"{shard.name}.commit.json" in clean_shards(folder / "shards")  # the pipe or link, not its target
+    assert not os.path.lexists(path) and outside.is_file() and list_shards(folder / "shards") == []
+
+
 @pytest.mark.parametrize("change", ["sha256 gone", "sha256 not hex", "parquet entry gone", "faiss entry gone",
                                     "rows 0"])
 def test_a_record_without_a_file_s_hash_or_a_file_of_its_rows_is_refused(tmp_path, change):
