@@ -295,7 +295,8 @@ class SegmentConfig:
         metavar="LIST")
     num_workers: int = setting(
         -1, "DataLoader worker processes decoding images (0: decode in the main process; -1: the "
-            "usable cores but two, shared between device processes, and no more than the batches).")
+            "usable cores but two, shared between device processes, 1 to 32 each, and no more than the "
+            "batches).")
     decode_ahead: int = setting(
         4, "Chunks of images each decoding worker decodes ahead of the GPU (a chunk is a quarter "
            "batch with --resize short, a batch with fit). Chunks are taken as they finish and a "
