@@ -29,7 +29,7 @@ from ..sources.remote import is_remote
 from .formats import require_current
 from .lock import no_build_running
 from .shard_store import refuse_unfinished_overwrite
-from .shards import EMB_SUFFIX, SHARD_NAME, SHARDS_DIR, damaged, list_shards
+from .shards import EMB_SUFFIX, SHARD_NAME, SHARDS_DIR, damaged, list_shards, schema_problem
 from .store import IndexStore
 
 ROW_GROUP_ROWS = 65_536
@@ -133,6 +133,9 @@ def _export(index, to, embeddings: bool | None, overwrite: bool) -> dict:
             raise
         except (pa.ArrowException, ValueError, OSError) as exc:  # a record that names bad files
             raise damaged(shard, shard.folder, f"it cannot be read ({exc})") from exc
+        problem = schema_problem(table.schema)
+        if problem:
+            raise damaged(shard, shard.folder, f"its parquet file is not a shard's rows file ({problem})")
         if embeddings:
             if emb.shape[0] != table.num_rows:
                 raise ConfigError(f"{shard.name}{EMB_SUFFIX} holds {emb.shape[0]} vectors for "

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 
 from ..errors import ConfigError
 from ..outfiles import native_path
-from .shards import CHUNK_BITS, CHUNK_COLUMNS, COMMIT_SUFFIX, Shard
+from .shards import CHUNK_BITS, CHUNK_COLUMNS, COMMIT_SUFFIX, Shard, schema_problem
 from .store import Chunk
 
 class IndexChanged(ConfigError):
@@ -60,6 +60,11 @@ class ShardRows:
         for no, shard in enumerate(self.shards):
             pf = self._open(no)
             meta = pf.metadata
+            problem = schema_problem(pf.schema_arrow)
+            if problem:
+                raise ConfigError(f"{self._where(shard)!r} is not a shard's rows file ({problem}): the "
+                                  f"shard is damaged; delete its files ({shard.name}.*) and run "
+                                  "build-index again")
             if meta.num_rows != shard.rows or (ids is not None and len(ids[no]) != shard.rows):
                 raise ConfigError(f"{self._where(shard)!r} holds {meta.num_rows} rows, but "
                                   f"its commit record says {shard.rows}: the shard is damaged; "

@@ -27,11 +27,13 @@ from .shards import (
     FORMAT,
     PARQUET_SUFFIX,
     Shard,
+    damaged,
     delete_shard,
     faiss_name,
     hashes_record,
     list_shards,
     now,
+    schema_problem,
     shard_name,
     write_commit,
     write_hashed,
@@ -53,6 +55,9 @@ def remove_units(shards_dir: str | Path, unit_nos: Iterable[int], template: fais
         if shard.rows:
             with native_path(shard.path("parquet")) as name:
                 table = pq.read_table(name)
+            problem = schema_problem(table.schema)
+            if problem:  # rewritten as it is, the damage would pass to the shard replacing it
+                raise damaged(shard, folder, f"its parquet file is not a shard's rows file ({problem})")
         ids = table.column("id").to_numpy() if table is not None else np.empty(0, np.int64)
         drop = np.isin(ids >> CHUNK_BITS, units)
         marks = [(u, n) for u, n in shard.units if u not in gone]

@@ -74,6 +74,25 @@ records has record_id ""; span is the chunk's character range in its record's te
 CHUNK_COLUMNS = tuple(CHUNK_SCHEMA.names)
 
 
+def schema_problem(schema: pa.Schema) -> str | None:
+    """What makes ``schema`` (a shard's Parquet file's) other than :data:`CHUNK_SCHEMA`,
+    in words; None when it is that one. Rows are read by these names and types: a
+    column missing or of another type was a KeyError, or a number printed as a hit's text."""
+    found = {f.name: f.type for f in schema}
+    missing = [n for n in CHUNK_COLUMNS if n not in found]
+    if missing:
+        return f"it lacks the column{'s' if len(missing) > 1 else ''} {', '.join(missing)}"
+    extra = [n for n in found if n not in CHUNK_SCHEMA.names]
+    if extra or len(schema) != len(CHUNK_SCHEMA):
+        return f"it has columns a shard has not ({', '.join(extra) or 'one twice'})"
+    typed = next((f for f in CHUNK_SCHEMA if found[f.name] != f.type), None)
+    if typed is not None:
+        return f"its column {typed.name} is of type {found[typed.name]}, not {typed.type}"
+    if schema.names != CHUNK_SCHEMA.names:
+        return f"its columns are in the order {', '.join(schema.names)}, not {', '.join(CHUNK_COLUMNS)}"
+    return None
+
+
 def is_shard_file(name: str) -> bool:
     """Whether ``name`` is one a shard's files take (its vectors, rows, embeddings or
     commit record, of any generation)."""

@@ -263,3 +263,25 @@ def test_export_and_reindex_refuse_a_shards_folder_that_is_a_link(tmp_path):
         with pytest.raises(ConfigError, match=r"shards' is a symbolic link; embedingest never writes through links"):
             call()
     assert sorted(os.listdir(tmp_path / "moved")) == before and not (tmp_path / "out").exists()
+
+
+def test_export_refuses_a_rows_file_of_other_columns_whose_record_was_made_to_match(tmp_path):
+    """Before: exported as it was (a column missing, or one added), and _SUCCESS written."""
+    import hashlib
+    import json
+
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=2, chunks=5, workers=1)
+    (shard,) = list_shards(folder / "shards")
+    path = shard.path("parquet")
+    pq.write_table(pq.read_table(path).drop_columns(["text"]), path)
+    record = json.loads(shard.commit_path().read_text())
+    record["files"]["parquet"].update(size=path.stat().st_size, sha256=hashlib.sha256(path.read_bytes()).hexdigest())
+    shard.commit_path().write_text(json.dumps(record))
+    with pytest.raises(ConfigError) as err:
+        export_index(folder, tmp_path / "out")
+    assert str(err.value) == (f"shard {shard.name} in {str(folder / 'shards')!r} is damaged: its parquet file is "
+                              f"not a shard's rows file (it lacks the column text); delete that shard's files "
+                              f"(every file named {shard.name}.*) and run the same build-index command again: "
+                              "the units it held are redone")
+    assert not (tmp_path / "out" / "_SUCCESS").exists()

@@ -3,6 +3,7 @@
 import threading
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -433,3 +434,41 @@ def test_opening_with_the_callers_ids_reads_no_column(built, monkeypatch):
     for n, shard_ids in enumerate(ids):
         assert rows.shard_ids(n).tolist() == shard_ids.tolist()
     rows.close()
+
+
+def _rewrite_rows(shard, change):
+    """Write ``change(table)`` over a shard's rows file and give its record the new size
+    and hash: a rows file that passes every check but its columns'."""
+    import hashlib
+    import json
+
+    path = shard.path("parquet")
+    pq.write_table(change(pq.read_table(path)), path, row_group_size=8)
+    data = path.read_bytes()
+    record = json.loads(shard.commit_path().read_text())
+    record["files"]["parquet"].update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    shard.commit_path().write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize("change, problem", [
+    (lambda t: t.drop_columns(["text"]), "it lacks the column text"),
+    (lambda t: t.drop_columns(["source"]), "it lacks the column source"),
+    (lambda t: t.set_column(6, "text", pa.array(range(len(t)))),
+     "its column text is of type int64, not string"),
+    (lambda t: t.append_column("extra", pa.array(range(len(t)))),
+     "it has columns a shard has not (extra)"),
+])
+def test_a_rows_file_of_other_columns_is_named_never_a_traceback_or_a_number_as_text(tmp_path, change, problem):
+    """Before: a missing column was a KeyError traceback at the first hit ('Field "text"
+    does not exist in schema'), a text column of numbers gave hits whose text was an int
+    (search's output then failed with AttributeError)."""
+    from embedingest.errors import ConfigError
+
+    one = build_shards(tmp_path / "ix", n_units=2, chunks=5, workers=1)
+    (shard,) = list_shards(one.folder / "shards")
+    _rewrite_rows(shard, change)
+    (shard,) = list_shards(one.folder / "shards")
+    with pytest.raises(ConfigError) as err:
+        ShardRows([shard])
+    assert str(err.value) == (f"{str(shard.path('parquet'))!r} is not a shard's rows file ({problem}): the shard "
+                              f"is damaged; delete its files ({shard.name}.*) and run build-index again")

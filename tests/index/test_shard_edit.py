@@ -219,3 +219,25 @@ def test_a_rewritten_shard_keeps_the_hashes_of_the_units_it_still_finishes(tmp_p
     shards = list_shards(folder / "shards")
     assert finished_hashes(shards) == {8: "8" * 64}
     assert finished_units(shards) == {0: 5, 8: 0, 9: 0}
+
+
+def test_a_removal_refuses_a_rows_file_of_other_columns_instead_of_passing_it_on(tmp_path):
+    """Before: a rows file without its text column was rewritten as it was, under a new
+    shard's name and a fresh hash, so the damage passed to the replacing shard."""
+    import hashlib
+    import json
+
+    from embedingest.errors import ConfigError
+
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=3, chunks=5, commit_every=100, workers=1)
+    (shard,) = list_shards(folder / "shards")
+    path = shard.path("parquet")
+    pq.write_table(pq.read_table(path).drop_columns(["text"]), path)
+    record = json.loads(shard.commit_path().read_text())
+    record["files"]["parquet"].update(size=path.stat().st_size, sha256=hashlib.sha256(path.read_bytes()).hexdigest())
+    shard.commit_path().write_text(json.dumps(record))
+    with pytest.raises(ConfigError, match=rf"^shard {shard.name} in .* is damaged: its parquet file is not a "
+                                          r"shard's rows file \(it lacks the column text\); delete that shard's files"):
+        shard_edit.remove_units(folder / "shards", [1], run_id="x")
+    assert [s.name for s in list_shards(folder / "shards")] == [shard.name]  # nothing rewritten

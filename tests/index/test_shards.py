@@ -708,3 +708,22 @@ def test_a_records_bad_unit_hashes_are_named_word_for_word(tmp_path):
         with pytest.raises(ConfigError) as err:
             read_commit(path)
         assert str(err.value) == f"cannot read the commit record {str(path)!r} (ValueError: {why}); {redo}"
+
+
+def test_schema_problem_names_what_makes_a_rows_file_no_shard_s():
+    from embedingest.index.shards import CHUNK_SCHEMA, schema_problem
+
+    assert schema_problem(CHUNK_SCHEMA) is None
+    assert schema_problem(CHUNK_SCHEMA.remove(6)) == "it lacks the column text"
+    assert schema_problem(CHUNK_SCHEMA.remove(6).remove(1)) == "it lacks the columns source, text"
+    assert schema_problem(CHUNK_SCHEMA.append(pa.field("extra", pa.int64()))) == \
+        "it has columns a shard has not (extra)"
+    assert schema_problem(CHUNK_SCHEMA.set(6, pa.field("text", pa.int64()))) == \
+        "its column text is of type int64, not string"
+    assert schema_problem(CHUNK_SCHEMA.set(6, pa.field("text", pa.large_string()))) == \
+        "its column text is of type large_string, not string"
+    moved = pa.schema([CHUNK_SCHEMA.field(n) for n in ("source", "id", *CHUNK_COLUMNS[2:])])
+    assert schema_problem(moved) == ("its columns are in the order source, id, record_id, chunk_no, span_start, "
+                                     "span_end, text, not id, source, record_id, chunk_no, span_start, span_end, text")
+    twice = pa.schema([*CHUNK_SCHEMA, pa.field("text", pa.string())])
+    assert schema_problem(twice) == "it has columns a shard has not (one twice)"
