@@ -24,7 +24,7 @@ import numpy as np
 from ..config import DEFAULT_SEARCH_K
 from ..errors import ConfigError
 from ..outfiles import native_path, refuse_link
-from .faiss_factory import apply_search_params, read_index_file, search_params_text
+from .faiss_factory import METRICS, apply_search_params, metric_code, read_index_file, search_params_text
 from .lookup import ShardRows
 from .shard_store import answering_folder
 from ..sources.remote import is_remote
@@ -426,6 +426,13 @@ def _load_shards(shards: list, faiss_path, manifest: Manifest, params: str | Non
                 f"{shard.rows} rows (or other ids) and the manifest says dim {manifest.dim}: the "
                 f"shard is damaged; delete its files ({shard.name}.*) and run build-index again "
                 "to redo the units it held")
+        if index.metric_type != metric_code(manifest.metric):
+            found = next((k for k, v in METRICS.items() if v == index.metric_type), index.metric_type)
+            raise ConfigError(
+                f"{str(path)!r} holds vectors compared by metric {found!r}, but the manifest says "
+                f"{manifest.metric!r}: their scores cannot be merged (the hits would be ranked wrongly); "
+                f"the shard is damaged or the manifest was changed: put back the manifest's metric, "
+                f"or delete the shard's files ({shard.name}.*) and run build-index again")
         _set_params(index, params, shard.name, manifest)
         vectors.append(index)
         ids.append(faiss.vector_to_array(id_map))

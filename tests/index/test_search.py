@@ -1,3 +1,5 @@
+import json
+
 import numpy as np
 import pytest
 from index_fixtures import DIM, build_index, build_v1, unit_vectors
@@ -210,3 +212,32 @@ def test_while_overwrite_rebuilds_readers_are_answered_from_the_index_set_aside(
     drop_set_aside(tmp_path)  # the rebuild finished (with nothing in it, here)
     assert aside.moved and live.current().store.folder == tmp_path and live.current().ntotal == 0
     assert live.refresh() is live.current()
+
+
+def test_a_shard_of_another_metric_than_the_manifest_s_is_refused_not_ranked_wrongly(tmp_path):
+    """A shard's vectors file swapped for one of the same vectors and ids under L2 (the
+    same size: the record's check passes), or the manifest's metric edited. Before: the
+    shard's L2 distances were merged as inner products, the farthest chunks ranked first."""
+    import faiss
+
+    built = build_index(tmp_path, n_units=3, chunks=10, workers=1)
+    folder = built.store.folder
+    (path,) = sorted((folder / "shards").glob("*.faiss"))
+    index = faiss.read_index(str(path))
+    swapped = faiss.IndexIDMap(faiss.IndexFlatL2(DIM))
+    swapped.add_with_ids(index.index.reconstruct_n(0, index.ntotal), faiss.vector_to_array(index.id_map))
+    size = path.stat().st_size
+    faiss.write_index(swapped, str(path))
+    assert path.stat().st_size == size
+    name = path.name[: -len(".faiss")]
+    with pytest.raises(ConfigError) as err:
+        open_index(folder)
+    assert str(err.value) == (
+        f"{str(path)!r} holds vectors compared by metric 'l2', but the manifest says 'ip': their scores cannot "
+        "be merged (the hits would be ranked wrongly); the shard is damaged or the manifest was changed: put "
+        f"back the manifest's metric, or delete the shard's files ({name}.*) and run build-index again")
+    faiss.write_index(index, str(path))
+    manifest = json.loads((folder / "manifest.json").read_text())
+    (folder / "manifest.json").write_text(json.dumps(dict(manifest, metric="l2")))
+    with pytest.raises(ConfigError, match=r"holds vectors compared by metric 'ip', but the manifest says 'l2'"):
+        open_index(folder)
