@@ -96,6 +96,22 @@ def _refuse_untokenized(tokenizer, queries: list[str]) -> None:
                               "each query some words")
 
 
+def _refuse_a_prompt_that_fills_the_model(encoder, prompt: str) -> None:
+    """Refuse a query prompt that takes every token the model reads: each query is cut
+    off whole after it, so every query gets the prompt's vector and the same hits. An
+    encoder given by the caller may have no ``tokenizer`` or ``max_seq_length``: nothing
+    is checked then."""
+    tokenizer, limit = getattr(encoder, "tokenizer", None), getattr(encoder, "max_seq_length", None)
+    if not prompt or tokenizer is None or not isinstance(limit, int):
+        return
+    used = len(tokenizer([prompt])["input_ids"][0])  # with the model's own tokens ([CLS], [SEP])
+    if used >= limit:
+        shown = prompt if len(prompt) <= 60 else prompt[:60] + "..."
+        raise ConfigError(f"the query prompt {shown!r} is {used} tokens long (with the model's own), and the "
+                          f"model reads {limit}: no word of a query would be read, and every query would get "
+                          "the same hits; give a shorter prompt (--query-prompt, query_prompt=)")
+
+
 class Index:
     """A searchable index folder; see :func:`open_index`."""
 
@@ -116,6 +132,7 @@ class Index:
         self.query_runtime = query_runtime  # asked for; the encoder's runtime says which runs
         self._cache_dir = cache_dir
         self._pool = None
+        self._prompt_checked = None  # the encoder the query prompt was found to leave room in
         self._closed = False
 
     @property
@@ -230,6 +247,9 @@ class Index:
         with self._encode_lock:  # a tokenizer is not safe to share between threads
             vectors = encoder.encode(texts)  # first: it names a text that is not Unicode
             _refuse_untokenized(getattr(encoder, "tokenizer", None), queries)
+            if self._prompt_checked is not encoder:
+                _refuse_a_prompt_that_fills_the_model(encoder, self.query_prompt)
+                self._prompt_checked = encoder
         return self.search_vectors(vectors, k)
 
     def chunks(self, ids) -> dict:

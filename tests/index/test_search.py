@@ -172,6 +172,17 @@ def test_text_search_with_the_manifest_model(tmp_path):
         assert len(index.search(["cake \U0001f600"], k=1)[0]) == 1  # one word it knows is enough
     with open_index(tmp_path, device="cpu:0") as on_cpu0:  # safetensors refused the name: a traceback
         assert [h[0].text for h in on_cpu0.search(["baking a cake"], k=1)] == [texts[2]]
+    # a query prompt of all the model's 256 tokens ([CLS] + 254 + [SEP]): every query was cut off
+    # whole after it, each got the same hits, exit 0
+    with open_index(tmp_path, query_prompt="a " * 254) as crowded:
+        with pytest.raises(ConfigError) as err:
+            crowded.search(["baking a cake"])
+        assert str(err.value) == (
+            f"the query prompt {'a ' * 30 + '...'!r} is 256 tokens long (with the model's own), and the model "
+            "reads 256: no word of a query would be read, and every query would get the same hits; give a "
+            "shorter prompt (--query-prompt, query_prompt=)")
+    with open_index(tmp_path, query_prompt="a " * 253) as roomy:  # a token of the query is read
+        assert len(roomy.search(["cake"], k=1)[0]) == 1
 
 
 @pytest.mark.parametrize("given, message", [
