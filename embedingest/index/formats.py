@@ -88,6 +88,9 @@ def index_format(folder: str | os.PathLike) -> int | None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise ConfigError(f"{path}: format is {value!r}, not an integer: the "
                           "manifest was changed or damaged; rebuild the index with --overwrite")
+    if value < 1:  # else read as format 1, and refused as an index of metadata.sqlite it has not
+        raise ConfigError(f"{path}: format is {value!r}, not an index format (1, {CURRENT}, ...): the manifest "
+                          f"was changed or damaged; put back {CURRENT}, or rebuild the index with --overwrite")
     return value
 
 

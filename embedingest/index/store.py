@@ -150,8 +150,8 @@ _FIELD_TYPES = {
     "factory": (lambda v: isinstance(v, str) and v.strip() != "", "a faiss factory string"),
     "dtype": (lambda v: isinstance(v, str), "a string"),
     "segments": (lambda v: isinstance(v, list) and all(
-        isinstance(s, dict) and isinstance(s.get("name"), str) and _is_int(s.get("count")) for s in v),
-        "a list of {name, count}"),
+        isinstance(s, dict) and isinstance(s.get("name"), str) and _is_int(s.get("count")) and s["count"] >= 0
+        for s in v), "a list of {name, count}"),
     "corpus": (lambda v: v is None or isinstance(v, str), "a string or null"),
     "corpus_path": (lambda v: v is None or isinstance(v, str), "a string or null"),
     "prompts": (lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(t, str)

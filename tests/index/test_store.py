@@ -153,6 +153,9 @@ def test_train_index(tmp_path):
     ("segments", [{"name": "x"}], "a list"), ("format", "1", "an integer"), ("corpus", 3, "a string or null"),
     ("chunking", {"tokens": 16, "overlap": 16}, "an object"), ("chunking", {"tokens": "16", "overlap": 0}, "an object"),
     ("chunking", {"tokens": 16}, "an object"), ("chunking", [16, 4], "an object"),
+    # before: format 0 or -1 was refused as a format-1 index 'with chunk metadata in metadata.sqlite'
+    ("format", 0, "an index format"), ("format", -1, "an index format"),
+    ("segments", [{"name": "x", "count": -5}], "a list"),  # before: warned of as '-5 vectors' lost
 ])
 def test_a_manifest_field_of_the_wrong_type_is_a_clear_error(tmp_path, field, value, expected):
     store = ShardStore(tmp_path)
