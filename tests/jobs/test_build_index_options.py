@@ -537,3 +537,27 @@ def test_a_model_that_takes_fewer_tokens_than_the_index_s_chunks_is_named(tmp_pa
         with pytest.raises(ConfigError, match=r"cuts texts into chunks of 256 tokens, more than this model takes "
                                               r"\(128\): use the model it was built with, or --overwrite"):
             build_index(RECORDS, out=str(out), model=str(model), **given, **FAST)
+
+
+def test_save_embeddings_asked_of_an_index_that_kept_none_is_refused_before_the_work(tmp_path):
+    """An update given --save-embeddings of an index built without it saved the new
+    files' embeddings only, without a word: reindex and export still lacked the others.
+    It is refused, naming what to do; an index that keeps them keeps them for all."""
+    out = tmp_path / "idx"
+    build_index(RECORDS[:6], out=str(out), **FAST)
+    shards = sorted(p.name for p in (out / "shards").iterdir())
+    with pytest.raises(ConfigError, match=r"keeps no embeddings of its 6 vectors .*leave out "
+                                          r"--save-embeddings .* or --overwrite"):
+        build_index(RECORDS, out=str(out), save_embeddings=True, **FAST)
+    assert sorted(p.name for p in (out / "shards").iterdir()) == shards  # nothing indexed, nothing removed
+    s = build_index(RECORDS, out=str(out), **FAST)
+    assert (s["units_indexed"], s["units_unchanged"], s["vectors_total"]) == (len(RECORDS) - 6, 6, len(RECORDS))
+    with ShardStore(out) as store:
+        assert not any(shard.has_embeddings for shard in store.committed())
+    kept = tmp_path / "kept"
+    build_index(RECORDS[:6], out=str(kept), save_embeddings=True, **FAST)
+    assert build_index(RECORDS, out=str(kept), save_embeddings=True, **FAST)["vectors_total"] == len(RECORDS)
+    rebuilt = build_index(RECORDS, out=str(out), save_embeddings=True, overwrite=True, **FAST)
+    assert rebuilt["vectors_total"] == len(RECORDS)
+    with ShardStore(out) as store:
+        assert all(shard.has_embeddings for shard in store.committed() if shard.rows)

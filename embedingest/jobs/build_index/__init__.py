@@ -48,8 +48,8 @@ from ...stages.prompts import Prompts
 from .devices import SeveralDevices
 from .encode import OneDevice, needs_training
 from .plan import (apply_plan, check_search_params, corpus_path, default_out, file_candidates, fingerprint,
-                   plan_units, record_candidates, settled_chunking, settled_factory, settled_settings,
-                   stored_manifest, unit_key)
+                   plan_units, record_candidates, settled_chunking, settled_embeddings, settled_factory,
+                   settled_settings, stored_manifest, unit_key)
 
 __all__ = ["build_index", "default_out", "plan_units", "record_candidates", "unit_key"]
 
@@ -213,6 +213,7 @@ def _build_locked(corpus, cfg: IndexConfig, out: Path, model, built: list, where
                               f"remove from it: give this corpus an --out of its own, or --out "
                               f"{str(out)!r} to make it the index of this one")
         settings, cfg = settled_settings(manifest, cfg, model.max_seq_length, str(out))
+        cfg = settled_embeddings(store, cfg, str(out))
         settings["corpus_path"] = corpus_path(corpus, in_memory)
         chunk_tokens = cfg.chunk_tokens
         store.clean_garbage()

@@ -7,7 +7,6 @@ reads batches the same way.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -200,8 +199,6 @@ def shard_engine(store: ShardStore, out: str | Path, dim: int, cfg: IndexConfig,
                  trained: str | None, run_id: str | None = None) -> EgressEngine:
     """The encode step's egress engine, not started: its slots hold a batch of ``dim``-wide
     vectors and ids, its consumers write shards under ``out`` (:func:`shard_sinks`)."""
-    if not cfg.save_embeddings and any(s.has_embeddings for s in store.committed()):
-        cfg = dataclasses.replace(cfg, save_embeddings=True)  # an index that keeps them keeps all
     sinks = shard_sinks(out, dim, cfg, run_id or new_run_id(), trained, store.generation)
     return EgressEngine(sinks, num_consumers=cfg.num_consumers, num_slots=engine_slots(cfg, device),
                         device=device, slot_spec=vector_slots(cfg, dim))

@@ -379,6 +379,24 @@ def settled_settings(manifest: Manifest, cfg: IndexConfig, max_tokens: int, wher
                                          overlap=settings["chunking"]["overlap"])
 
 
+def settled_embeddings(store: ShardStore, cfg: IndexConfig, where: str) -> IndexConfig:
+    """``cfg`` with ``save_embeddings`` as the index at ``where`` (``store``) needs it: an
+    index that keeps its vectors' embeddings keeps them for every shard (``reindex`` and
+    ``export`` read them all). One whose vectors have none is refused them: the run would
+    save those of new files only, and the index could still be neither reindexed nor
+    exported with them."""
+    shards = [s for s in store.committed() if s.rows]
+    if any(s.has_embeddings for s in shards):
+        return dataclasses.replace(cfg, save_embeddings=True)
+    if cfg.save_embeddings and shards:
+        vectors = sum(s.rows for s in shards)
+        raise ConfigError(f"the index at {where!r} keeps no embeddings of its {vectors} vectors (it was built "
+                          "without --save-embeddings), and this run would save those of new files only: "
+                          "leave out --save-embeddings to update it, or --overwrite to rebuild it with "
+                          "every embedding saved")
+    return cfg
+
+
 def check_search_params(dim: int, factory: str, metric: str, params: str | None) -> str | None:
     """``--search-params`` ``params`` as the index keeps them (None, blank: none);
     ConfigError unless they apply to ``factory``: a build checks them before its first

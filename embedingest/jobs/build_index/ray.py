@@ -89,8 +89,8 @@ from ...stages.device import precision
 from ...stages.prefetch import thread_ahead
 from .encode import (chunk_batches, commit_marks, embed_steps, needs_training, shard_sinks, train_if_needed,
                      vector_slots)
-from .plan import (apply_plan, check_search_params, fingerprint, plan_units, settled_chunking, settled_factory,
-                   settled_settings, stored_manifest)
+from .plan import (apply_plan, check_search_params, fingerprint, plan_units, settled_chunking,
+                   settled_embeddings, settled_factory, settled_settings, stored_manifest)
 
 log = logging.getLogger("embedingest")
 
@@ -479,6 +479,7 @@ def plan_ray_index(dataset: ray.data.Dataset, out: str | os.PathLike,
                      chunking=settled_chunking(None, cfg, encoder.max_seq_length, str(out))),
             overwrite=cfg.overwrite)
         settings, cfg = settled_settings(manifest, cfg, encoder.max_seq_length, str(out))
+        cfg = settled_embeddings(store, cfg, str(out))
         chunk_tokens = cfg.chunk_tokens
         store.clean_garbage()
         candidates, duplicated_units, duplicate_ids = _candidates(_described(dataset, cfg), report, store)
