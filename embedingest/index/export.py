@@ -29,7 +29,8 @@ from ..sources.remote import is_remote
 from .formats import require_current
 from .lock import no_build_running
 from .shard_store import refuse_unfinished_overwrite
-from .shards import EMB_SUFFIX, SHARD_NAME, SHARDS_DIR, damaged, list_shards, schema_problem
+from .shards import (EMB_SUFFIX, SHARD_NAME, SHARDS_DIR, damaged, embeddings_problem, list_shards, read_embeddings,
+                     schema_problem)
 from .store import IndexStore
 
 ROW_GROUP_ROWS = 65_536
@@ -68,8 +69,13 @@ def _export(index, to, embeddings: bool | None, overwrite: bool) -> dict:
 
         def embeddings_of(shard):
             rel = f"{SHARDS_DIR}/{shard.files['emb']['name']}"
-            return np.load(io.BytesIO(remote.remote.read(rel)))
+            emb = np.load(io.BytesIO(remote.remote.read(rel)), allow_pickle=False)
+            problem = embeddings_problem(emb, shard.rows, dim)
+            if problem:
+                raise damaged(shard, remote.url, f"its emb object {rel!r} is not its vectors ({problem})")
+            return emb
 
+        dim = remote.manifest.dim
         where = index = remote.url
     else:
         index = Path(index)
@@ -79,7 +85,8 @@ def _export(index, to, embeddings: bool | None, overwrite: bool) -> dict:
         if Path(to).resolve() == index.resolve() or index.resolve() in Path(to).resolve().parents:
             raise ConfigError(f"export folder {str(to)!r} is inside the index {str(index)!r}: "
                               "choose a folder outside it")
-        generation = IndexStore(index).read_manifest().generation
+        manifest = IndexStore(index).read_manifest()
+        generation, dim = manifest.generation, manifest.dim
         refuse_link(index / SHARDS_DIR)  # a shard is read from inside the index folder only
         with_rows = [s for s in list_shards(index / SHARDS_DIR, generation=generation) if s.rows]
 
@@ -92,7 +99,7 @@ def _export(index, to, embeddings: bool | None, overwrite: bool) -> dict:
                 return pq.read_table(name)
 
         def embeddings_of(shard):
-            return np.load(shard.folder / f"{shard.name}{EMB_SUFFIX}", mmap_mode="r")
+            return read_embeddings(shard, dim)
 
         where = str(index)
     to = Path(to)

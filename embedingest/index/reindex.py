@@ -25,7 +25,7 @@ from .faiss_factory import apply_search_params, copy_index, faiss_message, parse
 from .formats import MANIFEST_NAME, rebuild_command, require_current
 from .lock import RunLock
 from .shard_store import refuse_unfinished_overwrite
-from .shards import EMB_SUFFIX, SHARDS_DIR, clean_shards, list_shards, read_ids, trained_name
+from .shards import SHARDS_DIR, clean_shards, damaged, list_shards, read_embeddings, read_ids, trained_name
 from .store import IndexStore
 
 log = logging.getLogger("embedingest")
@@ -74,7 +74,12 @@ def reindex(index: str | os.PathLike, factory: str, *, train_size: int = 50_000,
                                   save_embeddings=True))
         template = parse_factory(manifest.dim, factory, manifest.metric)
         generation = manifest.generation + 1
-        embs = [np.load(s.folder / f"{s.name}{EMB_SUFFIX}", mmap_mode="r") for s in shards]
+        embs = []
+        for shard in shards:  # every byte is read anyway: those that were not committed are refused
+            problem = shard.verify(("emb",), manifest.generation)
+            if problem:
+                raise damaged(shard, shard.folder, problem)
+            embs.append(read_embeddings(shard, manifest.dim))
         total = sum(len(e) for e in embs)
         trained_path = None
         written: list[Path] = []  # the new generation's files, deleted if the switch does not come

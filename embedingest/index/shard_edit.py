@@ -33,6 +33,7 @@ from .shards import (
     hashes_record,
     list_shards,
     now,
+    read_embeddings,
     schema_problem,
     shard_name,
     write_commit,
@@ -87,11 +88,11 @@ def _write_kept(folder: Path, name: str, shard: Shard, table, keep: np.ndarray,
                 template: faiss.Index | None, generation: int) -> dict:
     files = {"parquet": write_hashed(folder / f"{name}{PARQUET_SUFFIX}", lambda fh: pq.write_table(
         table.filter(keep), fh, row_group_size=ROW_GROUP_ROWS, **PARQUET_OPTIONS))}
+    index = read_index_file(shard.faiss_path(generation))
     if shard.has_embeddings:
-        emb = np.load(shard.path("emb"))[keep]
+        emb = np.asarray(read_embeddings(shard, index.d)[keep])
         files["emb"] = write_hashed(folder / f"{name}{EMB_SUFFIX}",
                                     lambda fh: np.lib.format.write_array(fh, emb, allow_pickle=False))
-    index = read_index_file(shard.faiss_path(generation))
     if not removes_in_place(index) and template is None:
         raise ValueError(f"removing vectors from {shard.name} needs the empty index template")
     index, kept = without(index, keep, template)

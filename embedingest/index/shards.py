@@ -510,6 +510,30 @@ def delete_shard(shard: Shard) -> None:
         _unlink(path)
 
 
+def embeddings_problem(emb, rows: int, dim: int) -> str | None:
+    """What makes ``emb`` (a shard's saved embeddings, as loaded) other than ``rows``
+    vectors of ``dim`` floats, in words; None when it is that."""
+    shape, dtype = getattr(emb, "shape", None), getattr(emb, "dtype", None)
+    if shape != (rows, dim) or dtype is None or dtype.kind != "f":
+        return f"it holds an array of shape {shape} and type {dtype}, not {rows} vectors of {dim} floats"
+    return None
+
+
+def read_embeddings(shard: Shard, dim: int) -> np.ndarray:
+    """A shard's saved embeddings, memory-mapped; a file that is not ``shard.rows``
+    vectors of ``dim`` floats is a damaged shard (ConfigError), not a faiss assertion."""
+    path = shard.path("emb")
+    try:
+        with native_path(path) as name:
+            emb = np.load(name, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:
+        raise damaged(shard, shard.folder, f"its emb file {path.name!r} cannot be read ({exc})") from exc
+    problem = embeddings_problem(emb, shard.rows, dim)
+    if problem:
+        raise damaged(shard, shard.folder, f"its emb file {path.name!r} is not its vectors ({problem})")
+    return emb
+
+
 # -- completeness --------------------------------------------------------------------------
 
 def read_ids(shard: Shard) -> np.ndarray:

@@ -319,3 +319,54 @@ def test_reindex_of_a_prefix_without_an_index_says_so(s3, tmp_path):
     s3.put("empty/x.txt", b"x")
     with pytest.raises(ConfigError, match="holds no embedingest index"):
         reindex(s3.url("empty"), "Flat")
+
+
+def _save_as_committed(shard, array):
+    """Write ``array`` as a shard's embeddings and give its record the new size and hash."""
+    import hashlib
+
+    path = shard.folder / f"{shard.name}{EMB_SUFFIX}"
+    np.save(path, array, allow_pickle=True)
+    data = path.read_bytes()
+    record = json.loads(shard.commit_path().read_text())
+    record["files"]["emb"].update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    shard.commit_path().write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize("array, problem", [
+    (lambda e: e.reshape(-1, DIM // 2), "it holds an array of shape (50, 8) and type float16, not 25 vectors of 16 floats"),
+    (lambda e: e[:-1], "it holds an array of shape (24, 16) and type float16, not 25 vectors of 16 floats"),
+    (lambda e: e.reshape(-1), "it holds an array of shape (400,) and type float16, not 25 vectors of 16 floats"),
+    (lambda e: e.astype(np.int16), "it holds an array of shape (25, 16) and type int16, not 25 vectors of 16 floats"),
+])
+def test_saved_embeddings_of_another_shape_are_a_damaged_shard_not_a_faiss_assertion(tmp_path, array, problem):
+    """Before: an AssertionError traceback from faiss (`assert d == self.d`, 'not same nb of
+    vectors as ids'), or integers added as vectors; export and a removal read them as well."""
+    from embedingest.index.export import export_index
+
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=1, chunks=25, commit_every=60, workers=1)
+    (shard,) = list_shards(folder / "shards")
+    _save_as_committed(shard, array(np.load(folder / "shards" / f"{shard.name}{EMB_SUFFIX}")))
+    before = sorted(os.listdir(folder / "shards"))
+    expected = (f"shard {shard.name} in {str(folder / 'shards')!r} is damaged: its emb file "
+                f"'{shard.name}{EMB_SUFFIX}' is not its vectors ({problem}); delete that shard's files")
+    for call in (lambda: reindex(folder, "HNSW8"), lambda: export_index(folder, tmp_path / "out")):
+        with pytest.raises(ConfigError) as err:
+            call()
+        assert str(err.value).startswith(expected)
+    assert sorted(os.listdir(folder / "shards")) == before and not (tmp_path / "out" / "_SUCCESS").exists()
+
+
+def test_reindex_refuses_embeddings_that_are_not_the_bytes_committed(tmp_path):
+    """Zeros over a shard's saved embeddings, at their size: before, reindexed as zero vectors."""
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=1, chunks=25, commit_every=60, workers=1)
+    (shard,) = list_shards(folder / "shards")
+    path = folder / "shards" / f"{shard.name}{EMB_SUFFIX}"
+    data = path.read_bytes()
+    path.write_bytes(data[:128] + bytes(len(data) - 128))
+    with pytest.raises(ConfigError, match=rf"^shard {shard.name} in .* is damaged: its emb file "
+                                          rf"'{shard.name}\.emb\.npy' does not hold the bytes that were committed"):
+        reindex(folder, "HNSW8")
+    assert json.loads((folder / "manifest.json").read_text())["generation"] == 0

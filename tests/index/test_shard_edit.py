@@ -241,3 +241,26 @@ def test_a_removal_refuses_a_rows_file_of_other_columns_instead_of_passing_it_on
                                           r"shard's rows file \(it lacks the column text\); delete that shard's files"):
         shard_edit.remove_units(folder / "shards", [1], run_id="x")
     assert [s.name for s in list_shards(folder / "shards")] == [shard.name]  # nothing rewritten
+
+
+def test_a_removal_refuses_saved_embeddings_of_another_shape(tmp_path):
+    """Before: half-width embeddings (their record made to match) were cut by the rows kept
+    and written into the replacing shard, which passed them on to reindex and export."""
+    import hashlib
+    import json
+
+    from embedingest.errors import ConfigError
+    from embedingest.index.shards import EMB_SUFFIX
+
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=3, chunks=5, commit_every=100, workers=1)
+    (shard,) = list_shards(folder / "shards")
+    path = folder / "shards" / f"{shard.name}{EMB_SUFFIX}"
+    np.save(path, np.load(path).reshape(-1, DIM // 2))
+    record = json.loads(shard.commit_path().read_text())
+    record["files"]["emb"].update(size=path.stat().st_size, sha256=hashlib.sha256(path.read_bytes()).hexdigest())
+    shard.commit_path().write_text(json.dumps(record))
+    with pytest.raises(ConfigError, match=rf"^shard {shard.name} in .* is damaged: its emb file '{shard.name}"
+                                          rf"\.emb\.npy' is not its vectors \(it holds an array of shape \(30, 8\)"):
+        shard_edit.remove_units(folder / "shards", [1], run_id="x")
+    assert [s.name for s in list_shards(folder / "shards")] == [shard.name]
