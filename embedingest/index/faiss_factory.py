@@ -153,13 +153,29 @@ def as_float32(emb: np.ndarray) -> np.ndarray:
 REDO_SHARD = "delete that shard's files and run build-index again to redo the units it held"
 
 
+_READ_LOCK = threading.Lock()  # faiss's bound on a vector read is one setting of the process
+
+
+def read_bounded(path: Path, flags: int = 0) -> faiss.Index:
+    """``faiss.read_index``, no vector in it taking more bytes than the file holds. faiss
+    believes the sizes a file gives: a header claiming billions of vectors made it
+    allocate and zero that much memory before finding the file short (16 GB for a shard
+    of 18 KB). Raises faiss's RuntimeError, or MemoryError, for a damaged file."""
+    with native_path(path) as name, _READ_LOCK:
+        before = faiss.get_deserialization_vector_byte_limit()
+        faiss.set_deserialization_vector_byte_limit(min(before, os.stat(name).st_size + 1))
+        try:
+            return faiss.read_index(name, flags)
+        finally:
+            faiss.set_deserialization_vector_byte_limit(before)
+
+
 def read_index_file(path: Path, flags: int = 0, redo: str = REDO_SHARD) -> faiss.Index:
     """``faiss.read_index``; a damaged file is a ConfigError naming it and saying how to
     redo it (``redo``), never a traceback of faiss."""
     try:
-        with native_path(path) as name:
-            return faiss.read_index(name, flags)
-    except RuntimeError as exc:
+        return read_bounded(path, flags)
+    except (RuntimeError, MemoryError) as exc:
         raise ConfigError(f"cannot read {str(path)!r} ({faiss_message(exc)}): the file is damaged; "
                           f"{redo}") from exc
 

@@ -23,8 +23,9 @@ import numpy as np
 
 from ..config import DEFAULT_SEARCH_K
 from ..errors import ConfigError
-from ..outfiles import native_path, refuse_link
-from .faiss_factory import METRICS, apply_search_params, metric_code, read_index_file, search_params_text
+from ..outfiles import refuse_link
+from .faiss_factory import (METRICS, apply_search_params, metric_code, read_bounded, read_index_file,
+                            search_params_text)
 from .lookup import ShardRows
 from .shard_store import answering_folder
 from ..sources.remote import is_remote
@@ -62,9 +63,8 @@ def read_shard(path: Path) -> faiss.Index:
     a damaged file is a ConfigError naming it."""
     for flags in _MMAP_FLAGS:
         try:
-            with native_path(path) as name:
-                return faiss.read_index(name, flags)
-        except RuntimeError:
+            return read_bounded(path, flags)
+        except (RuntimeError, MemoryError):
             continue
     return read_index_file(path)
 

@@ -230,3 +230,41 @@ def test_faiss_warnings_during_training_are_logged_once_each(caplog):
 def test_a_training_error_reaches_the_caller():
     with pytest.raises(RuntimeError, match="(?i)number of training points"):
         train(faiss.index_factory(DIM, "IVF64,Flat"), unit_vectors(10, seed=2))
+
+
+def test_a_file_whose_header_claims_more_vectors_than_it_holds_is_refused_without_the_memory(tmp_path):
+    """A shard of a few KB whose vectors' size field says 500 million floats: faiss
+    allocated and zeroed 2 GB before finding the file short (16 GB for 4e9, and the
+    search was killed), by the mmap reading of search as by a plain read."""
+    import struct
+
+    index = faiss.IndexIDMap(faiss.IndexFlatIP(DIM))
+    index.add_with_ids(unit_vectors(12), np.arange(12, dtype=np.int64))
+    data = bytearray(faiss.serialize_index(index).tobytes())
+    at = data.index(b"IxFI") + 37  # after d, ntotal, two dummies, is_trained and the metric: the codes' size
+    assert struct.unpack_from("<Q", data, at)[0] == 12 * DIM
+    struct.pack_into("<Q", data, at, 500_000_000)
+    path = tmp_path / "x.faiss"
+    path.write_bytes(bytes(data))
+    script = textwrap.dedent(f"""
+        import resource
+        from embedingest.errors import ConfigError
+        from embedingest.index.faiss_factory import read_index_file
+        from embedingest.index.search import read_shard
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        for read in (read_index_file, read_shard):
+            try:
+                read({str(path)!r})
+            except ConfigError as exc:
+                print(str(exc))
+        print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    *errors, grown_mb = out.splitlines()
+    assert len(errors) == 2 and all(e.startswith(f"cannot read {str(path)!r} (") and
+                                    e.endswith("): the file is damaged; delete that shard's files and run build-index "
+                                               "again to redo the units it held") for e in errors)
+    assert int(grown_mb) < 200, out
+    limit = faiss.get_deserialization_vector_byte_limit()
+    faiss.write_index(index, str(path))  # a whole file is read as before, and faiss's bound put back
+    assert read_index_file(path).ntotal == 12 and faiss.get_deserialization_vector_byte_limit() == limit
