@@ -57,6 +57,9 @@ class ShardRows:
         if ids is not None and len(ids) != len(self.shards):
             raise ValueError(f"{len(ids)} id arrays for {len(self.shards)} shards with rows")
         per_shard, group_starts = [], []
+        # which file each shard's rows were opened from: rows that are not the ones the
+        # vectors give are then damage, unless a build has replaced the file since
+        self._opened = [None if opener is not None else _identity(s.path("parquet")) for s in self.shards]
         for no, shard in enumerate(self.shards):
             pf = self._open(no)
             meta = pf.metadata
@@ -173,9 +176,9 @@ class ShardRows:
             pf, lock = self._file(no)
             with lock:
                 table = pf.read_row_groups(wanted.tolist(), columns=["id", *read], use_threads=False)
-            if table.column("id").take(pa.array(take)).to_pylist() != mine_ids:
-                raise IndexChanged(f"shard {self.shards[no].name} holds other rows than when the index was "
-                                   "opened: a build rewrote it; search again")
+            found = table.column("id").take(pa.array(take)).to_pylist()
+            if found != mine_ids:
+                self._refuse_other_rows(no, mine_ids, found)
             # only the rows asked for become Python values (Table.take would import pandas
             # on a first call)
             values = {c: table.column(c) for c in read}
@@ -186,6 +189,20 @@ class ShardRows:
                 row[c] = i & _CHUNK_MASK if c == "chunk_no" else values[c][k].as_py()
             out[i] = row
         return out
+
+    def _refuse_other_rows(self, no: int, wanted: list[int], found: list[int]) -> None:
+        """Rows read that are not those of the ids asked: :class:`IndexChanged` when a
+        build replaced the shard's file since it was opened, else the shard is damaged
+        (its rows are not in the order of its vectors: searching again finds the same)."""
+        shard = self.shards[no]
+        opened = self._opened[no]
+        if opened is not None and _identity(shard.path("parquet")) == opened:
+            bad = next(i for i, (w, f) in enumerate(zip(wanted, found)) if w != f)
+            raise ConfigError(f"the rows of shard {shard.name} in {self._where(shard)!r} are not in the order "
+                              f"of its vectors (the row of id {wanted[bad]} holds id {found[bad]}): the shard "
+                              f"is damaged; delete its files ({shard.name}.*) and run build-index again")
+        raise IndexChanged(f"shard {shard.name} holds other rows than when the index was "
+                           "opened: a build rewrote it; search again")
 
     def chunks(self, ids) -> dict[int, Chunk]:
         """The rows of ``ids`` as :class:`~embedingest.index.store.Chunk` (unknown ids absent)."""
@@ -200,6 +217,15 @@ class ShardRows:
             for pf, _ in self._files.values():
                 pf.close()
             self._files.clear()
+
+
+def _identity(path) -> tuple | None:
+    """Which file is at ``path`` (device, inode, size, change time); None when none is."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _group_starts(meta: pq.FileMetaData, shard: Shard) -> np.ndarray:

@@ -472,3 +472,25 @@ def test_a_rows_file_of_other_columns_is_named_never_a_traceback_or_a_number_as_
         ShardRows([shard])
     assert str(err.value) == (f"{str(shard.path('parquet'))!r} is not a shard's rows file ({problem}): the shard "
                               f"is damaged; delete its files ({shard.name}.*) and run build-index again")
+
+
+def test_rows_out_of_their_vectors_order_are_damage_not_a_change_to_search_again(tmp_path):
+    """Two rows of a row group swapped (the group's smallest and largest ids kept, so the
+    check at open passes) and the record made to match. Before: 'holds other rows than when
+    the index was opened: a build rewrote it; search again', for ever (serve: 503 'the
+    index is being updated'), though nothing was rebuilding it."""
+    from embedingest.index.shards import read_ids
+
+    one = build_shards(tmp_path / "ix", n_units=2, chunks=5, workers=1)
+    (shard,) = list_shards(one.folder / "shards")
+    ids = read_ids(shard)
+    _rewrite_rows(shard, lambda t: t.take(pa.array([1, 0, *range(2, len(t))])))
+    (shard,) = list_shards(one.folder / "shards")
+    rows = ShardRows([shard], ids=[ids])  # the ids as open_index has them: from the vectors file
+    assert rows.chunks([int(ids[3])])[int(ids[3])].chunk_no == 3  # rows in their place are read
+    with pytest.raises(ConfigError) as err:
+        rows.chunks([int(ids[0])])
+    assert not isinstance(err.value, lookup.IndexChanged)
+    assert str(err.value) == (f"the rows of shard {shard.name} in {str(shard.path('parquet'))!r} are not in the "
+                              f"order of its vectors (the row of id {ids[0]} holds id {ids[1]}): the shard is "
+                              f"damaged; delete its files ({shard.name}.*) and run build-index again")
