@@ -184,16 +184,19 @@ def refuse_output_as_input(out: str | os.PathLike, inputs: str | os.PathLike, fo
 def walk_files(root: str | os.PathLike, extensions: set[str] | None = None,
                on_skip: OnSkip = _noop, on_other: Callable[[str], None] | None = None,
                exclude: str | os.PathLike | None = None, outside_links: bool = False,
-               not_input: Callable[[str], str | None] | None = None) -> Iterator[Path]:
+               not_input: Callable[[str], str | None] | None = None,
+               on_unlisted: Callable[[str], None] | None = None) -> Iterator[Path]:
     """:func:`walk_paths`, each path as a :class:`~pathlib.Path`."""
-    for path in walk_paths(root, extensions, on_skip, on_other, exclude, outside_links, not_input):
+    for path in walk_paths(root, extensions, on_skip, on_other, exclude, outside_links, not_input,
+                           on_unlisted):
         yield Path(path)
 
 
 def walk_paths(root: str | os.PathLike, extensions: set[str] | None = None,
                on_skip: OnSkip = _noop, on_other: Callable[[str], None] | None = None,
                exclude: str | os.PathLike | None = None, outside_links: bool = False,
-               not_input: Callable[[str], str | None] | None = None) -> Iterator[str]:
+               not_input: Callable[[str], str | None] | None = None,
+               on_unlisted: Callable[[str], None] | None = None) -> Iterator[str]:
     """Yield the files under ``root`` whose suffix (lower case, with the dot; see
     :func:`has_extension`) is in ``extensions``; ``root`` itself when it is a file
     (whatever its suffix). Paths are strings (``root`` joined with the names below it):
@@ -209,6 +212,9 @@ def walk_paths(root: str | os.PathLike, extensions: set[str] | None = None,
     The folder ``exclude`` (a job's output inside its input) is not entered, under
     whatever path it is reached; nor a folder below ``root`` for which ``not_input(path)``
     gives a reason (a job's output of another run, say), which goes to ``on_skip``.
+    A folder (``root`` too) that exists but cannot be listed now (permissions, an I/O
+    error) also goes to ``on_unlisted(path)``: its files are unknown, not gone, and a
+    caller that remembers them keeps them.
     """
     root = os.fspath(root)
     if os.path.isfile(root):
@@ -234,6 +240,7 @@ def walk_paths(root: str | os.PathLike, extensions: set[str] | None = None,
             st = os.stat(folder)
         except OSError as exc:
             on_skip(folder, f"cannot stat folder: {exc.strerror or exc}")
+            _unlisted(folder, exc, on_unlisted)
             continue
         key = (st.st_dev, st.st_ino)
         if key == excluded:
@@ -250,6 +257,7 @@ def walk_paths(root: str | os.PathLike, extensions: set[str] | None = None,
             entries = sorted(os.scandir(folder), key=lambda e: e.name)
         except OSError as exc:
             on_skip(folder, f"cannot list folder: {exc.strerror or exc}")
+            _unlisted(folder, exc, on_unlisted)
             continue
         subdirs = []
         for entry in entries:
@@ -279,6 +287,13 @@ def walk_paths(root: str | os.PathLike, extensions: set[str] | None = None,
             elif on_other is not None:
                 on_other(entry.path)
         stack.extend(reversed(subdirs))
+
+
+def _unlisted(folder: str, exc: OSError, on_unlisted: Callable[[str], None] | None) -> None:
+    """Name ``folder`` to ``on_unlisted`` unless ``exc`` says it is gone (deleted, or
+    replaced by a file, since its parent was listed)."""
+    if on_unlisted is not None and exc.errno not in (errno.ENOENT, errno.ENOTDIR):
+        on_unlisted(folder)
 
 
 def _seen_reason(folder: str) -> str:

@@ -4,6 +4,7 @@ same content keeps its number (unchanged, or left half done), a changed one gets
 fresh number."""
 
 import hashlib
+import os
 
 import numpy as np
 from shard_fixtures import DIM, batches, meta_of, unit_vectors
@@ -258,3 +259,47 @@ def test_texts_alone_are_records_and_a_corpus_that_is_no_iterable_of_records_is_
             record_candidates(corpus, IndexConfig(), SkipReport())
         assert str(err.value) == (f"corpus of type {type(corpus).__name__}: give a folder, a file, a URL, or an "
                                   f"iterable of records ((id, text) pairs, dicts, or texts){hint}")
+
+
+def test_files_under_a_folder_that_cannot_be_listed_keep_their_vectors(tmp_path, monkeypatch):
+    """A folder of the corpus that cannot be listed on a re-run (its permissions changed,
+    an I/O error of a network file system) was taken for a folder of no files: every
+    vector of the files under it was removed, and all of them encoded again once it could
+    be read. Such files are kept as they were (counted unchanged) and the folder is
+    reported; a folder that is gone is gone, and a corpus folder that cannot be listed
+    keeps the whole index."""
+    import embedingest.sources.files as files
+    from embedingest import build_index
+    from test_build_index import FAST, all_ids
+
+    corpus = tmp_path / "corpus"
+    texts = {"a.txt": "Owls hunt at night over the meadow.", "locked/b.txt": "Foxes dig dens in the sand.",
+             "locked/deep/c.md": "Badgers sleep through the day underground.",
+             "gone/d.txt": "Herons wade in the shallow river."}
+    for rel, text in texts.items():
+        (corpus / rel).parent.mkdir(parents=True, exist_ok=True)
+        (corpus / rel).write_text(text)
+    out = tmp_path / "idx"
+    assert build_index(corpus, out=str(out), **FAST)["vectors_total"] == 4
+    ids = set(all_ids(out).tolist())
+    real = os.scandir
+    locked = {str(corpus / "locked")}
+    monkeypatch.setattr(files.os, "scandir",
+                        lambda path: (_ for _ in ()).throw(PermissionError(13, "Permission denied", path))
+                        if os.fspath(path) in locked else real(path))
+    (corpus / "gone" / "d.txt").unlink()
+    (corpus / "gone").rmdir()
+    s = build_index(corpus, out=str(out), **FAST)
+    assert (s["units_unchanged"], s["units_removed"], s["vectors_removed"], s["vectors_total"]) == (3, 1, 1, 3)
+    assert s["skipped_by_reason"] == {"cannot list folder": 1} and s["exit_code"] == 3
+    with ShardStore(out) as store:
+        assert sorted(store.units()) == ["a.txt", "locked/b.txt", "locked/deep/c.md"]
+    kept = set(all_ids(out).tolist())
+    assert len(kept) == 3 and kept < ids
+    locked.add(str(corpus))  # the corpus folder itself: nothing is taken for deleted
+    s = build_index(corpus, out=str(out), **FAST)
+    assert (s["units_unchanged"], s["units_removed"], s["vectors_total"]) == (3, 0, 3)
+    locked.clear()
+    s = build_index(corpus, out=str(out), **FAST)
+    assert (s["units_unchanged"], s["units_indexed"], s["chunks"], s["exit_code"]) == (3, 0, 0, 0)
+    assert set(all_ids(out).tolist()) == kept

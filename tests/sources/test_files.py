@@ -221,3 +221,35 @@ def test_the_input_folder_of_a_file_an_option_or_nothing_is_none(tmp_path):
     assert input_folder(tmp_path / "missing") is None
     with reads_within(None), open_regular(tmp_path / "one.txt") as fh:  # no check
         assert fh.read() == b"x"
+
+
+def test_a_folder_that_cannot_be_listed_now_is_reported_and_named_as_unlisted(tmp_path, monkeypatch):
+    """A folder whose listing fails (permissions, an I/O error) is not a folder of no
+    files: ``on_unlisted`` names it, so a caller keeps what it knew of it; a folder
+    that is gone by the time it is listed is gone, and is not named."""
+    import embedingest.sources.files as files
+
+    for rel in ("a.txt", "locked/b.txt", "locked/deep/c.txt", "gone/d.txt", "z.txt"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x")
+    real = os.scandir
+
+    def scandir(path):
+        if os.path.basename(path) == "locked":
+            raise PermissionError(13, "Permission denied", path)
+        if os.path.basename(path) == "gone":
+            raise FileNotFoundError(2, "No such file or directory", path)
+        return real(path)
+
+    monkeypatch.setattr(files.os, "scandir", scandir)
+    skipped, unlisted = [], []
+    found = list(walk_files(tmp_path, {".txt"}, on_skip=lambda p, r: skipped.append((os.path.basename(p), r)),
+                            on_unlisted=unlisted.append))
+    assert [p.relative_to(tmp_path).as_posix() for p in found] == ["a.txt", "z.txt"]
+    assert skipped == [("gone", "cannot list folder: No such file or directory"),
+                       ("locked", "cannot list folder: Permission denied")]
+    assert unlisted == [str(tmp_path / "locked")]
+    unlisted.clear()
+    monkeypatch.setattr(files.os, "scandir", lambda path: (_ for _ in ()).throw(OSError(5, "I/O error", path)))
+    assert list(walk_files(tmp_path, {".txt"}, on_unlisted=unlisted.append)) == []
+    assert unlisted == [str(tmp_path)]

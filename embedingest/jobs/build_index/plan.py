@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +33,8 @@ from ...sources.files import file_sha256, os_error_reason, reads_within, walk_pa
 from ...sources.names import has_extension, name_as_text
 from ...sources.remote import input_name, is_remote, walk_remote
 from ...sources.text import TEXT_EXTENSIONS, lone_surrogate
+
+log = logging.getLogger("embedingest")
 
 
 def default_out(corpus) -> Path:
@@ -73,23 +76,37 @@ def file_candidates(root: Path | str, report: SkipReport, out: Path,
                     outside_links: bool = False) -> Iterable[dict]:
     """The text files under ``root`` (``out`` left out) as candidate units, not yet hashed;
     ``root`` may be a URL (see :func:`remote_candidates`). Links out of ``root`` are
-    skipped unless ``outside_links`` (:func:`~...sources.files.walk_paths`)."""
+    skipped unless ``outside_links`` (:func:`~...sources.files.walk_paths`). A folder
+    that cannot be listed now, or a file that cannot be stat'ed, is reported and given
+    as ``{"unlisted": key}``: what the index holds below that key is unknown, not
+    deleted (:func:`plan_units` keeps it)."""
     if is_remote(root):
         yield from remote_candidates(root, report)
         return
     root = Path(root)
     base = root if root.is_dir() else root.parent
     prefix = os.path.join(str(base), "")  # the walk's paths start with it: no pathlib per file
+
+    def relative(name: str) -> str:
+        if name == str(base):
+            return ""
+        return name[len(prefix):] if name.startswith(prefix) else Path(name).relative_to(base).as_posix()
+
+    unlisted: list[str] = []
     for name in walk_paths(root, TEXT_EXTENSIONS, on_skip=lambda p, r: report.add(p, r, stage="list"),
                            on_other=report.pass_over, exclude=out, outside_links=outside_links,
-                           not_input=index_folder_reason):
+                           not_input=index_folder_reason, on_unlisted=unlisted.append):
+        yield from ({"unlisted": unit_key(relative(folder))} for folder in unlisted)
+        unlisted.clear()
         try:
             st = os.stat(name)
         except OSError as exc:
             report.add(name, f"unreadable: {exc.strerror or exc}", stage="list")
+            if not isinstance(exc, (FileNotFoundError, NotADirectoryError)):
+                yield {"unlisted": unit_key(relative(name))}
             continue
-        relative = name[len(prefix):] if name.startswith(prefix) else Path(name).relative_to(base).as_posix()
-        yield {"key": unit_key(relative), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "path": name}
+        yield {"key": unit_key(relative(name)), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "path": name}
+    yield from ({"unlisted": unit_key(relative(folder))} for folder in unlisted)
 
 
 def remote_candidates(url: str, report: SkipReport) -> Iterable[dict]:
@@ -190,12 +207,19 @@ def plan_units(store: ShardStore, candidates: Iterable[dict], report: SkipReport
     So the plan's cost is a stat per file, not a read, and a unit's hash is that of the
     bytes its vectors were made from. Without a hash to compare, an unfinished unit whose
     stamp is the same keeps its number; one whose stamp moved gets a fresh one.
+
+    A finished unit below a folder that could not be listed (a candidate
+    ``{"unlisted": key}``, see :func:`file_candidates`) is kept and counted unchanged:
+    unknown is not deleted.
     """
     known = store.units()
     incomplete = store.reconcile()
     todo, replaced, renumbered, seen, unchanged = [], [], [], set(), 0
-    touched, pending = [], []
+    touched, pending, unlisted = [], [], []
     for cand in candidates:
+        if "unlisted" in cand:
+            unlisted.append(cand["unlisted"])
+            continue
         key = cand["key"]
         if key in seen:  # two files or records under one key: keep the first, say so
             report.add(cand.get("path") or key, f"duplicate: the key {key!r} is given twice; "
@@ -230,10 +254,29 @@ def plan_units(store: ShardStore, candidates: Iterable[dict], report: SkipReport
         todo.append(cand)
     if touched:
         store.upsert_units(touched)
-    deleted = [u.unit_no for k, u in known.items() if k not in seen]
+    kept = _kept_unlisted(known, seen, unlisted, incomplete)
+    if kept:
+        log.warning("%d files indexed before are in folders that cannot be listed now (in the skip "
+                    "report); they are kept as they were until those folders can be read", len(kept))
+    unchanged += len(kept)
+    deleted = [u.unit_no for k, u in known.items() if k not in seen and k not in kept]
     known_nos = {u.unit_no for u in known.values()}
     stray = [u for u in incomplete if u not in known_nos]  # vectors of units with no row
-    return Plan(todo, unchanged, replaced + stray, deleted, len(seen), renumbered)
+    return Plan(todo, unchanged, replaced + stray, deleted, len(seen) + len(kept), renumbered)
+
+
+def _kept_unlisted(known: Mapping, seen: set[str], unlisted: list[str], incomplete: set[int]) -> set[str]:
+    """The keys of finished units not seen because they lie at or below a key of
+    ``unlisted`` (a folder that could not be listed, ``""`` the corpus folder): kept as
+    they are. A half-done one is removed as ever: it cannot be finished now."""
+    if not unlisted:
+        return set()
+    whole = "" in unlisted
+    prefixes = tuple(f"{u}/" for u in unlisted)
+    under = set(unlisted)
+    return {k for k, u in known.items()
+            if k not in seen and u.status == "done" and u.n_chunks and u.unit_no not in incomplete
+            and (whole or k in under or k.startswith(prefixes))}
 
 
 def _hashed(pending: list[tuple[dict, bool, bool]], report: SkipReport,
