@@ -406,3 +406,26 @@ def test_a_file_written_at_the_end_in_a_folder_that_does_not_exist_is_refused_be
     assert r.output.endswith(f"Error: Invalid value for '{option}': '{target}': the folder "
                              f"'{tmp_path / 'nope'}' does not exist; create it or give another path\n")
     assert "Traceback" not in r.output and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["segmentation", "--photos", "2", "--photo-sides", "100"],
+     "Invalid value for '--photo-sides': '100' is not MIN,MAX (two whole numbers of pixels, e.g. 240,1600)"),
+    (["segmentation", "--photos", "2", "--photo-sides", "300,200"],
+     "Invalid value for '--photo-sides': '300,200': MIN must be at least 16 and at most MAX"),
+    (["segmentation", "--photos", "0"], "Invalid value for '--photos': 0 is not in the range x>=1."),
+    (["segmentation", "--photo-odd-share", "2"], "Invalid value for '--photo-odd-share': 2.0 is not in the range"),
+    (["text", "--docs", "0"], "Invalid value for '--docs': 0 is not in the range x>=1."),
+    (["text", "--num-consumers", "0"], "Invalid value for '--num-consumers': 0 is not in the range x>=1."),
+    (["text", "--device", "foo", "--docs", "10"], "device='foo' is not a device; use auto, cuda, cuda:N or cpu"),
+    (["segmentation", "--photos", "2", "--device", "foo"], "device='foo' is not a device"),
+])
+def test_bench_options_out_of_range_are_one_error_line_before_any_work(args, message):
+    """--photo-sides 100 ended in a ValueError's traceback, --docs 0 in a ZeroDivisionError's
+    after the corpus was made, --photos 0 said the benchmark needs a GPU, and bench text
+    --device foo in torch's RuntimeError traceback."""
+    r = CliRunner().invoke(main, ["bench", *args])
+    assert r.exit_code in (1, 2) and message in r.output, r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit)
+    assert r.output.strip().splitlines()[-1].startswith("Error: ")
+    assert "# " not in r.output, "no table line before the error"

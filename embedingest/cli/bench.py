@@ -4,8 +4,26 @@ from __future__ import annotations
 
 import click
 
-from ..config import DTYPE_NAMES, SEGMENT_ARCHITECTURES
+from ..config import DTYPE_NAMES, MAX_SEGMENT_SIZE, SEGMENT_ARCHITECTURES
 from .common import in_existing_folder, library_errors
+
+
+class SideRange(click.ParamType):
+    """``MIN,MAX``: two whole numbers of pixels, 16 <= MIN <= MAX, as a tuple."""
+
+    name = "min,max"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        parts = str(value).split(",")
+        try:
+            low, high = (int(p) for p in parts)
+        except ValueError:
+            self.fail(f"{value!r} is not MIN,MAX (two whole numbers of pixels, e.g. 240,1600)", param, ctx)
+        if not 16 <= low <= high:
+            self.fail(f"{value!r}: MIN must be at least 16 and at most MAX", param, ctx)
+        return low, high
 
 
 def machine_line(info: dict) -> str:
@@ -20,14 +38,14 @@ def bench() -> None:
 
 
 @bench.command("segmentation")
-@click.option("--steps", default=30, show_default=True, help="Timed steps for the fast loops.")
-@click.option("--warmup", default=5, show_default=True, help="Steps before the clock starts.")
-@click.option("--batch-size", type=int, help="Images per step.  [default: 64; with --photos the job's 16]")
-@click.option("--image-size", default=512, show_default=True, help="Side of the square input images.")
-@click.option("--consumers", default=8, show_default=True,
+@click.option("--steps", type=click.IntRange(min=1), default=30, show_default=True, help="Timed steps for the fast loops.")
+@click.option("--warmup", type=click.IntRange(min=0), default=5, show_default=True, help="Steps before the clock starts.")
+@click.option("--batch-size", type=click.IntRange(min=1), help="Images per step.  [default: 64; with --photos the job's 16]")
+@click.option("--image-size", type=click.IntRange(min=32), default=512, show_default=True, help="Side of the square input images.")
+@click.option("--consumers", type=click.IntRange(min=1), default=8, show_default=True,
               help="Consumer processes (seed loops and engine alike).")
-@click.option("--slots", default=12, show_default=True, help="Engine host slots.")
-@click.option("--loader-workers", default=8, show_default=True,
+@click.option("--slots", type=click.IntRange(min=1), default=12, show_default=True, help="Engine host slots.")
+@click.option("--loader-workers", type=click.IntRange(min=0), default=8, show_default=True,
               help="DataLoader processes making the random images.")
 @click.option("--only", default="", metavar="GROUPS",
               help="Comma list of the row groups to run: bound, seed, engine.  [default: all]")
@@ -35,18 +53,18 @@ def bench() -> None:
               help="Also write the rows and the machine here, as JSON.")
 @click.option("--timeline", type=click.Path(dir_okay=False), callback=in_existing_folder,
               help="PNG timeline of the segment stage's bf16 full-logits run.")
-@click.option("--photos", type=int, help="Instead: the segment job on this many real photographs "
+@click.option("--photos", type=click.IntRange(min=1), help="Instead: the segment job on this many real photographs "
                                          "(varied sizes and aspect ratios) against the forward "
                                          "alone at the shapes it ran.")
-@click.option("--photo-sides", default="240,1600", show_default=True, metavar="MIN,MAX",
+@click.option("--photo-sides", type=SideRange(), default="240,1600", show_default=True, metavar="MIN,MAX",
               help="With --photos: the range of the photographs' long side, in pixels.")
-@click.option("--photo-odd-share", default=0.1, show_default=True,
+@click.option("--photo-odd-share", type=click.FloatRange(0, 1), default=0.1, show_default=True,
               help="With --photos: the share cropped to any ratio and size (each a shape of its own).")
 @click.option("--photo-dir", type=click.Path(file_okay=False),
               help="With --photos: keep the photographs here (reused when it holds as many).")
 @click.option("--arch", type=click.Choice(SEGMENT_ARCHITECTURES), default="deeplabv3_resnet50",
               show_default=True, metavar="NAME", help="With --photos: the segmentation model.")
-@click.option("--size", default=520, show_default=True, help="With --photos: the short side.")
+@click.option("--size", type=click.IntRange(32, MAX_SEGMENT_SIZE), default=520, show_default=True, help="With --photos: the short side.")
 @click.option("--device", default="auto", show_default=True, metavar="DEVICE",
               help="With --photos: auto, cuda, cuda:N or cpu (cpu to try it).")
 @click.option("--trace", type=click.Path(dir_okay=False), callback=in_existing_folder,
@@ -65,7 +83,10 @@ def bench_segmentation(steps, warmup, batch_size, image_size, consumers, slots, 
         from ..bench.report import machine_info, write_json
         from ..bench.segment_photos import PhotoBenchConfig, run, table
 
-        low, high = (int(v) for v in photo_sides.split(","))
+        from ..stages.device import resolve_device
+
+        resolve_device(device)  # a name torch does not know, or no GPU: one line, before any work
+        low, high = photo_sides
         cfg = PhotoBenchConfig(photos=photos, min_side=low, max_side=high, odd_share=photo_odd_share,
                                arch=arch, size=size, batch_size=batch_size or 16, device=device,
                                folder=photo_dir, trace=trace)
@@ -114,11 +135,11 @@ def bench_segmentation(steps, warmup, batch_size, image_size, consumers, slots, 
               help="paragraphs: --docs paragraphs of ~50 tokens, one chunk each; documents: the machine's "
                    "own documents (manual pages, package docs, the standard library), cut into many "
                    "chunks each, build-index run as a fresh command and timed from its start.")
-@click.option("--docs", default=200_000, show_default=True, help="Paragraphs (~50 tokens each).")
-@click.option("--mb", default=80.0, show_default=True, help="With --corpus documents: megabytes of documents.")
-@click.option("--copies", default=1, show_default=True,
+@click.option("--docs", type=click.IntRange(min=1), default=200_000, show_default=True, help="Paragraphs (~50 tokens each).")
+@click.option("--mb", type=click.FloatRange(min=0, min_open=True), default=80.0, show_default=True, help="With --corpus documents: megabytes of documents.")
+@click.option("--copies", type=click.IntRange(min=1), default=1, show_default=True,
               help="With --corpus documents: write each document this many times (a machine with few).")
-@click.option("--join-mb", default=0.0, show_default=True,
+@click.option("--join-mb", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="With --corpus documents: join documents into files of about this many MB (0: one each).")
 @click.option("--jsonl", is_flag=True,
               help="With --corpus documents: write the documents as records of one JSON lines file "
@@ -126,9 +147,9 @@ def bench_segmentation(steps, warmup, batch_size, image_size, consumers, slots, 
 @click.option("--parquet", is_flag=True,
               help="With --corpus documents: the same as --jsonl, as a Parquet file (pyarrow's default "
                    "row groups).")
-@click.option("--st-sample", default=20_000, show_default=True,
+@click.option("--st-sample", type=click.IntRange(min=0), default=20_000, show_default=True,
               help="With --corpus documents: chunks sentence-transformers encodes (0: no such row).")
-@click.option("--batch-size", type=int, default=None,
+@click.option("--batch-size", type=click.IntRange(min=1), default=None,
               help="Chunks per batch, the same for every row.  [default: 256; with --corpus documents "
                    "1024, for the forward alone (build-index picks its own)]")
 @click.option("--device", default="auto", show_default=True, metavar="DEVICE",
@@ -137,9 +158,9 @@ def bench_segmentation(steps, warmup, batch_size, image_size, consumers, slots, 
               help="Precision of the encoder; auto is fp16 on CUDA, fp32 on the CPU.")
 @click.option("--model", default=None, metavar="FOLDER|ID",
               help="Model folder or Hugging Face id in the local cache.  [default: the bundled all-MiniLM-L6-v2]")
-@click.option("--num-workers", default=-1, show_default=True,
+@click.option("--num-workers", type=click.IntRange(min=-1), default=-1, show_default=True,
               help="build-index's tokenizer processes; -1 picks from the CPU count.")
-@click.option("--num-consumers", default=2, show_default=True, help="build-index's consumer processes.")
+@click.option("--num-consumers", type=click.IntRange(min=1), default=2, show_default=True, help="build-index's consumer processes.")
 @click.option("--st-fp32/--no-st-fp32", default=True,
               help="Also time sentence-transformers in fp32.  [default: on]")
 @click.option("--compare-eager/--no-compare-eager", default=True,
@@ -158,8 +179,7 @@ def bench_text(corpus, docs, mb, copies, join_mb, jsonl, parquet, st_sample, bat
 
     from ..stages.device import precision, resolve_device
 
-    if device == "auto":
-        device = str(resolve_device(device))
+    device = str(resolve_device(device))  # a name torch does not know, or no GPU: one line, before any work
     dtype = precision(dtype, device.startswith("cuda"))
     if corpus == "documents":
         build_options = ["--num-workers", str(num_workers), "--num-consumers", str(num_consumers)]
