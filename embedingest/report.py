@@ -21,6 +21,7 @@ from pathlib import Path
 
 from .outfiles import atomic_write_bytes, new_run_id
 from .sources.files import open_regular
+from .terminal import counted
 
 log = logging.getLogger("embedingest")
 
@@ -102,6 +103,5 @@ def passed_over_sentence(summary: dict) -> str:
     if not counts:
         return ""
     kinds = ", ".join(f"{suffix} {n}" for suffix, n in counts.items())
-    total = sum(counts.values())
-    return (f" Passed over {total} {'file' if total == 1 else 'files'} of formats it does not read ({kinds}); "
+    return (f" Passed over {counted(sum(counts.values()), 'file')} of formats it does not read ({kinds}); "
             "the README lists the ones it does.")

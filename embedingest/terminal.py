@@ -33,6 +33,11 @@ class PrintableFormatter(logging.Formatter):
         return printable(super().formatMessage(record))
 
 
+def counted(n: int, one: str, many: str | None = None) -> str:
+    """``n`` and the noun for it, singular for one: '1 file', '2 files'."""
+    return f"{n} {one if n == 1 else (many or one + 's')}"
+
+
 def log_to_stderr(level: int) -> None:
     """The program's logging: ``level`` and up to standard error, one escaped line per
     record (as :func:`logging.basicConfig`, nothing changes if logging is set up already)."""

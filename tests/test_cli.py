@@ -429,3 +429,18 @@ def test_bench_options_out_of_range_are_one_error_line_before_any_work(args, mes
     assert r.exception is None or isinstance(r.exception, SystemExit)
     assert r.output.strip().splitlines()[-1].startswith("Error: ")
     assert "# " not in r.output, "no table line before the error"
+
+
+def test_build_index_closing_lines_say_one_of_a_kind_in_the_singular():
+    from embedingest.cli.index import _index_paragraph
+
+    one = {"skipped": 1, "skipped_by_reason": {"binary": 1}, "report": "idx/skipped.jsonl", "report_run": "r1",
+           "skipped_earlier": 1, "units_indexed": 1, "docs": 1, "chunks": 1, "seconds": 1.0, "docs_per_s": 1.0,
+           "chunks_per_s": 1.0, "device": "cpu", "dtype": "fp32", "units_unchanged": 1, "units_removed": 0,
+           "index": "idx", "vectors_total": 1, "segments": 1}
+    text = _index_paragraph(one)
+    assert text.startswith("Read 1 file (1 document, 1 chunk) in 1.0 s")
+    assert "1 file unchanged, 0 removed; 1 input skipped (binary: 1; reasons in idx/skipped.jsonl, run r1)" in text
+    assert "(1 skip of earlier runs kept in" in text and "holds 1 vector in 1 shard;" in text
+    two = _index_paragraph({**one, "skipped": 2, "units_indexed": 2, "docs": 3, "vectors_total": 4, "segments": 2})
+    assert two.startswith("Read 2 files (3 documents, 1 chunk)") and "holds 4 vectors in 2 shards;" in two

@@ -8,7 +8,7 @@ import sys
 from hypothesis import given
 from hypothesis import strategies as st
 
-from embedingest.terminal import PrintableFormatter, printable
+from embedingest.terminal import PrintableFormatter, counted, printable
 
 CONTROLS = {*range(0x20), *range(0x7F, 0xA0), *range(0x202A, 0x202F), *range(0x2066, 0x206A)}
 
@@ -41,3 +41,8 @@ def test_a_log_record_is_one_line_and_its_traceback_keeps_its_lines():
     lines = formatter.format(record).splitlines()
     assert lines[0] == "ERROR embedingest: failed\\x1b[2J"
     assert lines[1] == "Traceback (most recent call last):" and lines[-2:] == ["ValueError: line one", "line two"]
+
+
+def test_a_count_of_one_takes_the_singular_and_any_other_the_plural():
+    assert [counted(n, "file") for n in (0, 1, 2)] == ["0 files", "1 file", "2 files"]
+    assert counted(1, "entry", "entries") == "1 entry" and counted(3, "entry", "entries") == "3 entries"

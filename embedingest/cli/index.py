@@ -9,6 +9,7 @@ import click
 from ..config import IndexConfig, load_config
 from ..exit_codes import exit_status_help
 from ..report import passed_over_sentence
+from ..terminal import counted
 from .common import (IndexPath, InputPath, config_options, emit_json, library_errors, run_job, run_options,
                      stops_as_exits)
 
@@ -41,15 +42,16 @@ def build_index_cmd(corpus, config_path, as_json, timeline, trace, **options) ->
 
 
 def _index_paragraph(s: dict) -> str:
-    skipped = (f"{s['skipped']} inputs skipped ({', '.join(f'{k}: {v}' for k, v in s['skipped_by_reason'].items())}; "
+    skipped = (f"{counted(s['skipped'], 'input')} skipped ({', '.join(f'{k}: {v}' for k, v in s['skipped_by_reason'].items())}; "
                f"reasons in {s['report']}, run {s['report_run']})" if s["skipped"] else "nothing skipped")
     if s.get("skipped_earlier"):
-        skipped += f" ({s['skipped_earlier']} skips of earlier runs kept in {s['report']})"
-    return (f"Read {s['units_indexed']} files ({s['docs']} documents, {s['chunks']} chunks) in "
+        skipped += f" ({counted(s['skipped_earlier'], 'skip')} of earlier runs kept in {s['report']})"
+    return (f"Read {counted(s['units_indexed'], 'file')} ({counted(s['docs'], 'document')}, "
+            f"{counted(s['chunks'], 'chunk')}) in "
             f"{s['seconds']:.1f} s: {s['docs_per_s']:,.0f} docs/s, {s['chunks_per_s']:,.0f} chunks/s "
-            f"on {s['device']} ({s['dtype']}). {s['units_unchanged']} files unchanged, "
+            f"on {s['device']} ({s['dtype']}). {counted(s['units_unchanged'], 'file')} unchanged, "
             f"{s['units_removed']} removed; {skipped}.{passed_over_sentence(s)} The index at {s['index']} holds "
-            f"{s['vectors_total']} vectors in {s['segments']} shards; query it with: "
+            f"{counted(s['vectors_total'], 'vector')} in {counted(s['segments'], 'shard')}; query it with: "
             f"embedingest search {s['index']} \"your question\"")
 
 
@@ -75,7 +77,7 @@ def reindex(index_dir, factory, train_size, search_params, as_json) -> None:
     if as_json:
         emit_json(s)
         return
-    click.echo(f"{s['index']}: {s['vectors']} vectors in {s['shards']} shards are now {s['factory']!r} "
+    click.echo(f"{s['index']}: {counted(s['vectors'], 'vector')} in {counted(s['shards'], 'shard')} are now {s['factory']!r} "
                f"(were {s['previous_factory']!r}; generation {s['generation']})"
                + (f"; search defaults: {s['search_params']}" if s["search_params"] else ""))
 
@@ -100,5 +102,5 @@ def export(index_dir, to, embeddings, overwrite, as_json) -> None:
     if as_json:
         emit_json(s)
         return
-    click.echo(f"{s['rows']} rows in {s['files']} Parquet files in {s['to']}"
+    click.echo(f"{counted(s['rows'], 'row')} in {counted(s['files'], 'Parquet file')} in {s['to']}"
                + (" (with embeddings)" if s["embeddings"] else ""))

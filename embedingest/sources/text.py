@@ -738,7 +738,7 @@ def _parse_line(line: str, n: int):
     try:
         return json.loads(line[1:] if line.startswith("\ufeff") else line)
     except json.JSONDecodeError as exc:
-        return _Skip(f"json: line {n}: {exc.msg} at column {exc.colno}")
+        return _Skip(f"json: line {n}, column {exc.colno}: {exc.msg}")
     except ValueError as exc:
         return _Skip(f"json: line {n}: {exc}")
     except RecursionError:
@@ -923,7 +923,7 @@ def _read_json(path: Path, text_field, id_field, on_skip):
         if not isinstance(_parse_line(first, 1), _Skip):
             yield from _json_lines(_split_lines(text), text_field, id_field, path, on_skip)
             return
-        raise _Skip(f"json: line {exc.lineno}: {exc.msg} at column {exc.colno}") from None
+        raise _Skip(f"json: line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
     except ValueError as exc:
         raise _Skip(f"json: {exc}") from None
     if isinstance(doc, dict):

@@ -36,6 +36,7 @@ from torchvision.transforms import functional as TF
 from ..config import SEGMENT_ARCHITECTURES
 from ..errors import ConfigError
 from ..sources.image_decode import ImageMeta, Preprocessing
+from ..terminal import counted
 from . import fused_argmax
 from .device import resolve_dtype
 
@@ -225,7 +226,7 @@ def _misfit(expected: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tens
     kinds = {"missing": [k for k in expected if k not in state],
              "unexpected": [k for k in state if k not in expected],
              "of another shape": [k for k in expected if k in state and state[k].shape != expected[k].shape]}
-    return "; ".join(f"{len(keys)} keys {kind} ({', '.join(keys[:shown])}{', ...' if len(keys) > shown else ''})"
+    return "; ".join(f"{counted(len(keys), 'key')} {kind} ({', '.join(keys[:shown])}{', ...' if len(keys) > shown else ''})"
                      for kind, keys in kinds.items() if keys)
 
 

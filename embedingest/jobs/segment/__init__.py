@@ -51,6 +51,7 @@ from ...sources.remote import check_remote, is_remote, local_path
 from ...stages import fused_argmax
 from ...stages.device import resolve_device
 from ...stages.segmentation import Segmenter, SegmentationModel, load_segmentation_model
+from ...terminal import counted
 from .devices import segment_on_devices
 from .listing import first_output_file, list_inputs, remove_stale_tmp_files
 from .run import check_settings, load_model, refuse_slow_precision, segment_on_device
@@ -169,9 +170,9 @@ def _refuse_unlabelled(out: Path, done: int, images: str) -> None:
     parts = [] if (out / STATS_DIR).is_symlink() else part_files(out)  # a link: --stats refuses it
     other = None if done else first_output_file(out, images)
     if done or parts or other:
-        held = " and ".join(filter(None, [f"the masks of {_count(done, 'image', 'images')}" if done else "",
+        held = " and ".join(filter(None, [f"the masks of {counted(done, 'image')}" if done else "",
                                           f"outputs of a run ({other!r} and maybe more)" if other else "",
-                                          _count(len(parts), "--stats part", "--stats parts") if parts else ""]))
+                                          counted(len(parts), "--stats part") if parts else ""]))
         raise ConfigError(f"{str(out)!r} holds {held} but no {LABELS_FILE}, which says the model that made "
                           "them: pass --overwrite to redo every image, or give another --out")
 
@@ -209,10 +210,6 @@ def _refuse_stats_file(out: Path) -> None:
         raise ConfigError(f"{str(path)!r} holds {len(foreign)} entries that are not --stats parts ({foreign[0]!r}"
                           " and more): pandas.read_parquet of the folder would read them as rows of the table; move "
                           "them out of it, or give another --out")
-
-
-def _count(n: int, one: str, many: str) -> str:
-    return f"{n} {one if n == 1 else many}"
 
 
 def _remove_untouched(out: Path, parents: list[Path]) -> None:
