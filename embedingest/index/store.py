@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import sqlite3
+import stat
 import time
 import urllib.parse
 from collections.abc import Iterable, Mapping
@@ -32,6 +33,7 @@ import numpy as np
 from ..errors import ConfigError, EmbedingestError
 from ..outfiles import atomic_write_bytes, is_tmp_name, json_bytes, refuse_link, write_faiss_index
 from ..report import REPORT_NAME
+from ..sources.files import file_kind
 from .faiss_factory import (METRICS, empty_index, faiss_message, metric_code, parse_factory, read_index_file,
                             train)
 from .formats import CURRENT as FORMAT
@@ -220,6 +222,22 @@ def _sqlite_error(exc: sqlite3.Error, path: Path) -> Exception:
     return EmbedingestError(f"metadata database {str(path)!r}: {exc}")
 
 
+def _refuse_special(path: Path) -> None:
+    """ConfigError when ``path`` (the units database or a journal of it) is there but no
+    regular file: sqlite said only 'disk I/O error' of a named pipe in place of the
+    database (taken for a failing disk), waited for good, deaf to SIGTERM, on one in
+    place of its journal, and said 'unable to open database file' of a folder."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        kind = "a folder" if stat.S_ISDIR(mode) else file_kind(mode)
+        redone = " (the units it would name are redone)" if path.name == UNITS_NAME else ""
+        raise ConfigError(f"{str(path)!r} is {kind}, not a file of the index's units database: move it "
+                          f"away and run the same build-index command again{redone}")
+
+
 class IndexStore:
     """The manifest, units and training of one index folder. Not safe for two writers
     at once; a reader (search) opens it ``read_only``."""
@@ -341,6 +359,7 @@ class IndexStore:
         is refused (sqlite would write through it)."""
         for suffix in ("", "-wal", "-shm", "-journal"):
             refuse_link(self.folder / (self.metadata_path.name + suffix))
+            _refuse_special(self.folder / (self.metadata_path.name + suffix))
         if self.read_only and not self.metadata_path.is_file():
             raise ConfigError(
                 f"{str(self.metadata_path)!r} does not exist: the build of this index was stopped "

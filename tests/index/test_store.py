@@ -1,4 +1,5 @@
 import json
+import os
 
 import faiss
 import numpy as np
@@ -271,3 +272,24 @@ def test_upsert_numbers_new_keys_in_their_order_and_updates_known_ones(tmp_path)
     finally:
         store_module.MAX_UNIT_NO = old
     assert sorted(store.units()) == ["a", "b", "c", "d", "e"]
+
+
+@pytest.mark.parametrize("suffix", ["", "-wal", "-journal"])
+@pytest.mark.parametrize("kind", ["named pipe", "folder"])
+def test_a_units_database_that_is_a_pipe_or_a_folder_is_named_with_what_to_do(tmp_path, suffix, kind):
+    """Before: sqlite's 'disk I/O error', given as a failing disk ('[Errno 5] I/O error ...;
+    fix the cause'), for a named pipe, a build that waited for good (SIGTERM too) on a pipe
+    in place of the journal, and 'unable to open database file' for a folder."""
+    built = build_index(tmp_path / "ix", n_units=1, chunks=3)
+    built.store.close()
+    path = built.store.folder / f"units.sqlite{suffix}"
+    if path.exists():
+        path.unlink()
+    os.mkfifo(path) if kind == "named pipe" else path.mkdir()
+    said = "a named pipe (FIFO)" if kind == "named pipe" else "a folder"
+    for read_only in (False, True):
+        with pytest.raises(ConfigError) as err:
+            ShardStore(built.store.folder, read_only=read_only).units()
+        assert str(err.value) == (f"{str(path)!r} is {said}, not a file of the index's units database: move it "
+                                  "away and run the same build-index command again"
+                                  + (" (the units it would name are redone)" if not suffix else ""))
