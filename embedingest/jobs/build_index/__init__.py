@@ -213,10 +213,10 @@ def _build_locked(corpus, cfg: IndexConfig, out: Path, model, built: list, where
                               f"remove from it: give this corpus an --out of its own, or --out "
                               f"{str(out)!r} to make it the index of this one")
         settings, cfg = settled_settings(manifest, cfg, model.max_seq_length, str(out))
-        cfg = settled_embeddings(store, cfg, str(out))
         settings["corpus_path"] = corpus_path(corpus, in_memory)
         chunk_tokens = cfg.chunk_tokens
-        store.clean_garbage()
+        store.clean_garbage()  # damaged shards go first: the rule below reads the shards that stay
+        cfg = settled_embeddings(store, cfg, str(out))
         candidates = (corpus if in_memory
                       else file_candidates(corpus, report, out, cfg.follow_outside_links))
         within = None if in_memory else input_folder(corpus, cfg.follow_outside_links)

@@ -479,9 +479,9 @@ def plan_ray_index(dataset: ray.data.Dataset, out: str | os.PathLike,
                      chunking=settled_chunking(None, cfg, encoder.max_seq_length, str(out))),
             overwrite=cfg.overwrite)
         settings, cfg = settled_settings(manifest, cfg, encoder.max_seq_length, str(out))
-        cfg = settled_embeddings(store, cfg, str(out))
         chunk_tokens = cfg.chunk_tokens
-        store.clean_garbage()
+        store.clean_garbage()  # damaged shards go first: the rule below reads the shards that stay
+        cfg = settled_embeddings(store, cfg, str(out))
         candidates, duplicated_units, duplicate_ids = _candidates(_described(dataset, cfg), report, store)
         plan = plan_units(store, candidates, report)
         log.info("%s: %d records to index, %d unchanged, %d deleted", out, len(plan.todo),
