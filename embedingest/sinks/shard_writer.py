@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import ConfigError
-from ..index.faiss_factory import as_float32, copy_index, empty_index
+from ..index.faiss_factory import as_float32, copy_index, empty_index, read_index_file
 from ..index.lock import hold_writer_lock
 from ..index.shards import (
     CHUNK_SCHEMA,
@@ -53,7 +53,7 @@ from ..index.shards import (
     write_commit,
     write_hashed,
 )
-from ..outfiles import RUN_ID, atomic_file, native_path, new_run_id, write_streamed
+from ..outfiles import RUN_ID, atomic_file, new_run_id, write_streamed
 
 ROW_GROUP_ROWS = 32
 """Rows per Parquet row group: a lookup reads (and decompresses) one group per hit, so
@@ -104,8 +104,8 @@ class ShardWriterFactory:
     def load_trained(self) -> faiss.Index | None:
         if self.trained is None:
             return None
-        with native_path(self.trained) as name:
-            trained = faiss.read_index(name)
+        trained = read_index_file(Path(self.trained), redo="delete it and run build-index again "
+                                  "(it is trained again)")
         if trained.d != self.dim:
             raise ConfigError(f"trained index {self.trained!r} has dim {trained.d}, not {self.dim}")
         return trained

@@ -174,6 +174,21 @@ def test_trained_ivf_shards_and_a_trained_index_of_another_dim(tmp_path):
         ShardWriterFactory(tmp_path, 8, factory="IVF4,Flat", run_id="u", trained=trained)(0)
 
 
+def test_a_trained_index_whose_header_claims_more_vectors_than_the_file_holds_is_refused_small(tmp_path):
+    """A damaged trained.faiss (its centroid count raised, the file's size kept) is named,
+    read within the file's size: faiss would allocate what the header claims."""
+    trained = IndexStore(tmp_path).train_index("IVF4,Flat", DIM, "ip", unit_vectors(400, seed=1))
+    data = bytearray(trained.read_bytes())
+    count = (4 * DIM).to_bytes(8, "little")  # the quantizer's vector bytes: 4 centroids of DIM floats
+    at = data.find(count)
+    assert at > 0
+    data[at:at + 8] = (1 << 40).to_bytes(8, "little")
+    trained.write_bytes(bytes(data))
+    with pytest.raises(ConfigError, match=r"cannot read .*trained.* the file is damaged; delete it and run "
+                                          r"build-index again \(it is trained again\)"):
+        ShardWriterFactory(tmp_path, DIM, factory="IVF4,Flat", run_id="u", trained=trained)(0)
+
+
 def test_a_shards_folder_that_is_a_link_is_refused(tmp_path):
     outside = tmp_path / "outside"
     outside.mkdir()
