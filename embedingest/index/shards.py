@@ -374,9 +374,13 @@ def read_commit(path: Path, text: bytes | str | None = None) -> Shard:
                     or found.group(2) != _KIND_SUFFIX[kind] or not isinstance(info.get("size"), int)
                     or not _SHA256.fullmatch(str(info.get("sha256", "")))):
                 raise ValueError(f"its {kind!r} entry {info!r} is not a file of the shard")
-        if int(data["rows"]) and not {"faiss", "parquet"} <= files.keys():
+        for key in ("rows", "id_min", "id_max"):
+            value = data[key]
+            if not isinstance(value, int) or isinstance(value, bool) or (key == "rows" and value < 0):
+                raise ValueError(f"{key} {value!r} is not a whole number{' of rows' if key == 'rows' else ''}")
+        if data["rows"] and not {"faiss", "parquet"} <= files.keys():
             raise ValueError(f"it holds rows but names no {'parquet' if 'faiss' in files else 'faiss'} file")
-        if not int(data["rows"]) and files:  # a writer names files only with rows: the shard would be hidden
+        if not data["rows"] and files:  # a writer names files only with rows: the shard would be hidden
             raise ValueError("it says 0 rows but names files of them")
         generation = data.get("generation", 0)
         if not isinstance(generation, int) or isinstance(generation, bool) or generation < 0:
@@ -385,7 +389,7 @@ def read_commit(path: Path, text: bytes | str | None = None) -> Shard:
         replaces = tuple(data.get("replaces", ()))
         if not all(isinstance(r, str) and SHARD_NAME.fullmatch(r) for r in replaces):
             raise ValueError(f"replaces {replaces!r} is not a list of shard names")
-        return Shard(path.parent, name, int(data["rows"]), int(data["id_min"]), int(data["id_max"]),
+        return Shard(path.parent, name, data["rows"], data["id_min"], data["id_max"],
                      files, units, replaces, data, _unit_hashes(data.get("unit_sha256", {}), units))
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise ConfigError(f"cannot read the commit record {str(path)!r} ({type(exc).__name__}: "

@@ -3,6 +3,7 @@
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -181,6 +182,19 @@ def test_a_record_of_a_generation_that_is_no_number_is_refused(tmp_path, generat
     (shard,) = list_shards(folder / "shards")
     shard.commit_path().write_text(json.dumps(dict(shard.record, generation=generation)))
     with pytest.raises(ConfigError, match=r"generation .* is not a generation number"):
+        list_shards(folder / "shards")
+
+
+@pytest.mark.parametrize("key, value", [("rows", "5"), ("rows", 5.0), ("rows", -5), ("rows", True),
+                                        ("id_min", "0"), ("id_max", 4.5)])
+def test_a_record_whose_rows_or_ids_are_no_whole_numbers_is_refused(tmp_path, key, value):
+    """``"rows": "12"`` or ``12.5`` was read through ``int()`` as if a writer had written it."""
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=1, chunks=5, workers=1)
+    (shard,) = list_shards(folder / "shards")
+    shard.commit_path().write_text(json.dumps(dict(shard.record, **{key: value})))
+    with pytest.raises(ConfigError, match=rf"cannot read the commit record .*\(ValueError: {key} {re.escape(repr(value))} "
+                                          r"is not a whole number.*delete that shard's files"):
         list_shards(folder / "shards")
 
 
