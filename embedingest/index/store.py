@@ -33,7 +33,7 @@ import numpy as np
 from ..errors import ConfigError, EmbedingestError
 from ..outfiles import atomic_write_bytes, is_tmp_name, json_bytes, refuse_link, write_faiss_index
 from ..report import REPORT_NAME
-from ..sources.files import file_kind
+from ..sources.files import file_kind, open_regular
 from .faiss_factory import (METRICS, empty_index, faiss_message, metric_code, parse_factory, read_index_file,
                             train)
 from .formats import CURRENT as FORMAT
@@ -265,7 +265,9 @@ class IndexStore:
     # -- manifest -------------------------------------------------------------------------
 
     def exists(self) -> bool:
-        return self.manifest_path.is_file()
+        """Whether the folder has a manifest: anything of that name (a link or a pipe there is
+        refused when it is read, not taken for a folder with no index)."""
+        return os.path.lexists(self.manifest_path)
 
     def read_manifest(self) -> Manifest:
         """The manifest; ConfigError naming the folder when it is not an index, and the
@@ -275,7 +277,9 @@ class IndexStore:
             raise ConfigError(f"{str(self.folder)!r} is not an embedingest index "
                               f"(no {MANIFEST_NAME}); build one first or check the path")
         try:
-            data = json.loads(self.manifest_path.read_text(encoding="utf-8"))
+            # never through a link, never waiting on a pipe (one there held search for good)
+            with open_regular(self.manifest_path, follow_links=False) as fh:
+                data = json.loads(fh.read().decode("utf-8"))
         except (OSError, ValueError, RecursionError) as exc:
             raise ConfigError(f"cannot read {str(self.manifest_path)!r}: {exc}; "
                               "rebuild the index with --overwrite") from exc
@@ -291,7 +295,9 @@ class IndexStore:
         and temporary files: what :meth:`wipe` deletes (other files stay)."""
         names = [name + suffix for name in (MANIFEST_NAME, TRAINED_NAME, REPORT_NAME, UNITS_NAME, V1_METADATA)
                  for suffix in (("", "-wal", "-shm") if name.endswith(".sqlite") else ("",))]
-        found = [self.folder / n for n in names if (self.folder / n).is_symlink() or (self.folder / n).is_file()]
+        # anything of those names but a folder: a link, a file, a pipe put in a file's place
+        found = [self.folder / n for n in names
+                 if (self.folder / n).is_symlink() or os.path.lexists(self.folder / n) and not (self.folder / n).is_dir()]
         return found + self._tmp_files(self.folder)
 
     def wipe(self) -> None:

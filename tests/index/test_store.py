@@ -55,6 +55,30 @@ def test_not_an_index_names_the_folder(tmp_path):
         IndexStore(tmp_path).read_manifest()
 
 
+@pytest.mark.parametrize("kind", ["link", "pipe"])
+def test_a_manifest_that_is_a_link_or_a_pipe_is_refused_at_once_and_an_overwrite_replaces_it(tmp_path, kind):
+    """A manifest was read through a link (one pointing outside the index was taken for its
+    own) and one replaced by a named pipe was 'no manifest.json'."""
+    build_index(tmp_path / "ix", n_units=1, chunks=2, workers=1)
+    store = ShardStore(tmp_path / "ix")
+    real = store.manifest_path.read_bytes()
+    store.manifest_path.unlink()
+    if kind == "link":
+        (tmp_path / "elsewhere.json").write_bytes(real)
+        store.manifest_path.symlink_to(tmp_path / "elsewhere.json")
+    else:
+        os.mkfifo(store.manifest_path)
+    what = "a symbolic link" if kind == "link" else "a named pipe"
+    with pytest.raises(ConfigError, match=rf"cannot read .*manifest.json.*{what}.*rebuild the index with --overwrite"):
+        store.read_manifest()
+    with pytest.raises(ConfigError, match="manifest.json"):
+        open_index(store.folder)
+    store.create_or_open(manifest(), overwrite=True)
+    assert not store.manifest_path.is_symlink() and store.read_manifest().dim == DIM
+    if kind == "link":
+        assert (tmp_path / "elsewhere.json").read_bytes() == real
+
+
 def test_update_segments_and_wipe(tmp_path):
     built = build_index(tmp_path, n_units=3, chunks=20, commit_every=25)
     m = built.store.update_shards(corpus="fp")
