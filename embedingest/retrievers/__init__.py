@@ -11,7 +11,7 @@ and character span.
 
 from __future__ import annotations
 
-from ..index.search import Hit
+from ..index.search import Hit, Index
 
 
 def hit_metadata(hit: Hit) -> dict:
@@ -19,3 +19,13 @@ def hit_metadata(hit: Hit) -> dict:
     return {"score": hit.score, "rank": hit.rank, "id": hit.id, "source": hit.source,
             "record_id": hit.record_id, "chunk_no": hit.chunk_no, "char_start": hit.char_start,
             "char_end": hit.char_end}
+
+
+def open_index_given(index: object, retriever: str) -> Index:
+    """``index`` when it is an open :class:`Index`; else a TypeError saying how to make
+    ``retriever`` from a folder (a path given as ``index`` failed only at the first query,
+    deep in the framework's call)."""
+    if isinstance(index, Index):
+        return index
+    raise TypeError(f"{retriever} takes an open index (embedingest.open_index(folder)), not "
+                    f"{type(index).__name__} {index!r}: for an index folder use {retriever}.from_path(folder)")

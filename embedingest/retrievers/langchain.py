@@ -8,10 +8,10 @@ from typing import Any
 from langchain_core.callbacks import CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
-from pydantic import ConfigDict
+from pydantic import ConfigDict, field_validator
 
 from ..index.search import Index, open_index
-from . import hit_metadata
+from . import hit_metadata, open_index_given
 
 
 class EmbedingestRetriever(BaseRetriever):
@@ -26,6 +26,11 @@ class EmbedingestRetriever(BaseRetriever):
 
     index: Any
     k: int | None = None
+
+    @field_validator("index", mode="before")
+    @classmethod
+    def _open_index(cls, index: Any) -> Index:
+        return open_index_given(index, cls.__name__)
 
     @classmethod
     def from_path(cls, path: str | os.PathLike, k: int | None = None, **open_kwargs) -> EmbedingestRetriever:

@@ -8,7 +8,7 @@ from llama_index.core.retrievers import BaseRetriever
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
 from ..index.search import Index, open_index
-from . import hit_metadata
+from . import hit_metadata, open_index_given
 
 
 class EmbedingestNodeRetriever(BaseRetriever):
@@ -20,7 +20,7 @@ class EmbedingestNodeRetriever(BaseRetriever):
     """
 
     def __init__(self, index: Index, k: int | None = None, **kwargs):
-        self._index = index
+        self._index = open_index_given(index, type(self).__name__)
         self._k = k
         super().__init__(**kwargs)
 

@@ -75,3 +75,23 @@ def test_llama_index_retriever(index_dir):
     aretrieved = asyncio.run(retriever.aretrieve("whales breathing"))
     assert aretrieved[0].node.metadata["record_id"] == "whales"
     retriever.index.close()
+
+
+@pytest.mark.parametrize("framework", ["langchain", "llama_index"])
+def test_a_folder_given_as_the_index_is_refused_when_the_retriever_is_made(tmp_path, framework):
+    """A path passed as ``index`` was taken, and failed only at the first query, deep in
+    the framework's call ('str' object has no attribute 'search')."""
+    if framework == "langchain":
+        pytest.importorskip("langchain_core")
+        from embedingest.retrievers.langchain import EmbedingestRetriever as Retriever
+
+        make = lambda index: Retriever(index=index)  # noqa: E731
+    else:
+        pytest.importorskip("llama_index.core")
+        from embedingest.retrievers.llama_index import EmbedingestNodeRetriever as Retriever
+
+        make = Retriever
+    with pytest.raises(TypeError) as err:
+        make(str(tmp_path))
+    assert str(err.value) == (f"{Retriever.__name__} takes an open index (embedingest.open_index(folder)), not "
+                              f"str {str(tmp_path)!r}: for an index folder use {Retriever.__name__}.from_path(folder)")
