@@ -99,3 +99,15 @@ def parquet_reads(monkeypatch) -> list:
 
     monkeypatch.setattr(pq.ParquetFile, "read", spy)
     return reads
+
+
+def recommit_file(shard, kind: str) -> None:
+    """Give ``shard``'s commit record the size and sha256 of its ``kind`` file as it is now:
+    a file changed on disk (by a test playing an attacker) that passes the record's check."""
+    import hashlib
+    import json
+
+    data = (shard.folder / shard.record["files"][kind]["name"]).read_bytes()
+    record = json.loads(shard.commit_path().read_text())
+    record["files"][kind].update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    shard.commit_path().write_text(json.dumps(record))

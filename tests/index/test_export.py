@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
-from shard_fixtures import DIM, build_shards
+from shard_fixtures import DIM, build_shards, recommit_file
 
 from embedingest.errors import ConfigError
 from embedingest.index.export import export_index
@@ -267,17 +267,12 @@ def test_export_and_reindex_refuse_a_shards_folder_that_is_a_link(tmp_path):
 
 def test_export_refuses_a_rows_file_of_other_columns_whose_record_was_made_to_match(tmp_path):
     """Before: exported as it was (a column missing, or one added), and _SUCCESS written."""
-    import hashlib
-    import json
-
     folder = tmp_path / "ix"
     build_shards(folder, n_units=2, chunks=5, workers=1)
     (shard,) = list_shards(folder / "shards")
     path = shard.path("parquet")
     pq.write_table(pq.read_table(path).drop_columns(["text"]), path)
-    record = json.loads(shard.commit_path().read_text())
-    record["files"]["parquet"].update(size=path.stat().st_size, sha256=hashlib.sha256(path.read_bytes()).hexdigest())
-    shard.commit_path().write_text(json.dumps(record))
+    recommit_file(shard, "parquet")
     with pytest.raises(ConfigError) as err:
         export_index(folder, tmp_path / "out")
     assert str(err.value) == (f"shard {shard.name} in {str(folder / 'shards')!r} is damaged: its parquet file is "

@@ -10,7 +10,7 @@ import faiss
 import numpy as np
 import pytest
 from s3_fixtures import s3, s3_endpoint  # noqa: F401 (fixtures)
-from shard_fixtures import DIM, build_shards, unit_vectors
+from shard_fixtures import DIM, build_shards, recommit_file, unit_vectors
 
 import embedingest.index.reindex as reindex_mod
 from embedingest.errors import ConfigError
@@ -323,14 +323,9 @@ def test_reindex_of_a_prefix_without_an_index_says_so(s3, tmp_path):
 
 def _save_as_committed(shard, array):
     """Write ``array`` as a shard's embeddings and give its record the new size and hash."""
-    import hashlib
-
     path = shard.folder / f"{shard.name}{EMB_SUFFIX}"
     np.save(path, array, allow_pickle=True)
-    data = path.read_bytes()
-    record = json.loads(shard.commit_path().read_text())
-    record["files"]["emb"].update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
-    shard.commit_path().write_text(json.dumps(record))
+    recommit_file(shard, "emb")
 
 
 @pytest.mark.parametrize("array, problem", [

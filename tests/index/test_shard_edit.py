@@ -4,7 +4,7 @@ import faiss
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from shard_fixtures import DIM, build_shards, unit_vectors
+from shard_fixtures import DIM, build_shards, recommit_file, unit_vectors
 
 import embedingest.index.shard_edit as shard_edit
 from embedingest.index.lookup import ShardRows
@@ -224,9 +224,6 @@ def test_a_rewritten_shard_keeps_the_hashes_of_the_units_it_still_finishes(tmp_p
 def test_a_removal_refuses_a_rows_file_of_other_columns_instead_of_passing_it_on(tmp_path):
     """Before: a rows file without its text column was rewritten as it was, under a new
     shard's name and a fresh hash, so the damage passed to the replacing shard."""
-    import hashlib
-    import json
-
     from embedingest.errors import ConfigError
 
     folder = tmp_path / "ix"
@@ -234,9 +231,7 @@ def test_a_removal_refuses_a_rows_file_of_other_columns_instead_of_passing_it_on
     (shard,) = list_shards(folder / "shards")
     path = shard.path("parquet")
     pq.write_table(pq.read_table(path).drop_columns(["text"]), path)
-    record = json.loads(shard.commit_path().read_text())
-    record["files"]["parquet"].update(size=path.stat().st_size, sha256=hashlib.sha256(path.read_bytes()).hexdigest())
-    shard.commit_path().write_text(json.dumps(record))
+    recommit_file(shard, "parquet")
     with pytest.raises(ConfigError, match=rf"^shard {shard.name} in .* is damaged: its parquet file is not a "
                                           r"shard's rows file \(it lacks the column text\); delete that shard's files"):
         shard_edit.remove_units(folder / "shards", [1], run_id="x")
@@ -246,9 +241,6 @@ def test_a_removal_refuses_a_rows_file_of_other_columns_instead_of_passing_it_on
 def test_a_removal_refuses_saved_embeddings_of_another_shape(tmp_path):
     """Before: half-width embeddings (their record made to match) were cut by the rows kept
     and written into the replacing shard, which passed them on to reindex and export."""
-    import hashlib
-    import json
-
     from embedingest.errors import ConfigError
     from embedingest.index.shards import EMB_SUFFIX
 
@@ -257,9 +249,7 @@ def test_a_removal_refuses_saved_embeddings_of_another_shape(tmp_path):
     (shard,) = list_shards(folder / "shards")
     path = folder / "shards" / f"{shard.name}{EMB_SUFFIX}"
     np.save(path, np.load(path).reshape(-1, DIM // 2))
-    record = json.loads(shard.commit_path().read_text())
-    record["files"]["emb"].update(size=path.stat().st_size, sha256=hashlib.sha256(path.read_bytes()).hexdigest())
-    shard.commit_path().write_text(json.dumps(record))
+    recommit_file(shard, "emb")
     with pytest.raises(ConfigError, match=rf"^shard {shard.name} in .* is damaged: its emb file '{shard.name}"
                                           rf"\.emb\.npy' is not its vectors \(it holds an array of shape \(30, 8\)"):
         shard_edit.remove_units(folder / "shards", [1], run_id="x")
