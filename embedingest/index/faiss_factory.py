@@ -153,17 +153,21 @@ def as_float32(emb: np.ndarray) -> np.ndarray:
 REDO_SHARD = "delete that shard's files and run build-index again to redo the units it held"
 
 
+# faiss checks a transform's d_in x d_out floats against the same bound, stored or not (an
+# L2norm stores none): room for one of 4096 x 4096, and no claimed vector costs more memory
+TRANSFORM_ROOM = 4 * 4096 * 4096
 _READ_LOCK = threading.Lock()  # faiss's bound on a vector read is one setting of the process
 
 
 def read_bounded(path: Path, flags: int = 0) -> faiss.Index:
-    """``faiss.read_index``, no vector in it taking more bytes than the file holds. faiss
+    """``faiss.read_index``, no vector in it taking more bytes than the file holds (or
+    :data:`TRANSFORM_ROOM`, whichever is more). faiss
     believes the sizes a file gives: a header claiming billions of vectors made it
     allocate and zero that much memory before finding the file short (16 GB for a shard
     of 18 KB). Raises faiss's RuntimeError, or MemoryError, for a damaged file."""
     with native_path(path) as name, _READ_LOCK:
         before = faiss.get_deserialization_vector_byte_limit()
-        faiss.set_deserialization_vector_byte_limit(min(before, os.stat(name).st_size + 1))
+        faiss.set_deserialization_vector_byte_limit(min(before, max(os.stat(name).st_size + 1, TRANSFORM_ROOM)))
         try:
             return faiss.read_index(name, flags)
         finally:

@@ -232,6 +232,25 @@ def test_a_training_error_reaches_the_caller():
         train(faiss.index_factory(DIM, "IVF64,Flat"), unit_vectors(10, seed=2))
 
 
+@pytest.mark.parametrize("factory", ["L2norm,Flat", "L2norm,IVF4,Flat"])
+def test_an_index_with_a_transform_that_stores_no_matrix_is_read_whole(tmp_path, factory):
+    """faiss checks an L2norm's d x d against the bound on a vector read, though the file
+    holds no such matrix: read within the file's size, every L2norm index was 'damaged'."""
+    from embedingest.index.faiss_factory import read_bounded
+
+    dim = 384
+    index = faiss.index_factory(dim, factory)
+    vectors = np.random.default_rng(0).standard_normal((200, dim)).astype(np.float32)
+    index.train(vectors)
+    index.add(vectors)
+    path = tmp_path / "x.faiss"
+    faiss.write_index(index, str(path))
+    assert path.stat().st_size < 4 * dim * dim
+    got = read_bounded(path)
+    assert got.ntotal == 200 and got.d == dim
+    np.testing.assert_array_equal(got.search(vectors[:3], 1)[1].ravel(), [0, 1, 2])
+
+
 def test_a_file_whose_header_claims_more_vectors_than_it_holds_is_refused_without_the_memory(tmp_path):
     """A shard of a few KB whose vectors' size field says 500 million floats: faiss
     allocated and zeroed 2 GB before finding the file short (16 GB for 4e9, and the

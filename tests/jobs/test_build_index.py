@@ -396,7 +396,7 @@ def test_a_rerun_keeps_the_skip_report_of_earlier_runs(tmp_path):
     assert first["exit_code"] == 3 and first["skipped"] == 1 and first["skipped_earlier"] == 0
     r = CliRunner().invoke(main, ["build-index", str(corpus), "--out", str(out), "--num-workers", "0"])
     assert r.exit_code == 0, r.output  # nothing skipped this time
-    assert f"nothing skipped (1 skips of earlier runs kept in {out / 'skipped.jsonl'})" in r.output
+    assert f"nothing skipped (1 skip of earlier runs kept in {out / 'skipped.jsonl'})" in r.output
     again = build_index(corpus, out=str(out), **FAST)
     assert again["exit_code"] == 0 and again["skipped"] == 0 and again["skipped_earlier"] == 1
     assert again["report"] == str(out / "skipped.jsonl") and again["report_run"] != first["report_run"]
