@@ -45,6 +45,7 @@ import pyarrow as pa
 
 from ..errors import ConfigError
 from ..outfiles import atomic_file, atomic_write_bytes, ensure_folder, fsync_dir, is_tmp_name, native_path
+from ..sources.files import open_regular
 from .formats import SHARDS_DIR
 
 log = logging.getLogger("embedingest")
@@ -402,8 +403,6 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 def _record_text(path: Path) -> bytes:
     """A local commit record's bytes, read without following a link or waiting on a pipe
     (a record replaced by a named pipe, or a link to ``/dev/zero``, hung search and build)."""
-    from ..sources.files import open_regular
-
     with open_regular(path, follow_links=False) as fh:
         return fh.read()
 

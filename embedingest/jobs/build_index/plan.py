@@ -96,17 +96,15 @@ def file_candidates(root: Path | str, report: SkipReport, out: Path,
     for name in walk_paths(root, TEXT_EXTENSIONS, on_skip=lambda p, r: report.add(p, r, stage="list"),
                            on_other=report.pass_over, exclude=out, outside_links=outside_links,
                            not_input=index_folder_reason, on_unlisted=unlisted.append):
-        yield from ({"unlisted": unit_key(relative(folder))} for folder in unlisted)
-        unlisted.clear()
         try:
             st = os.stat(name)
         except OSError as exc:
             report.add(name, f"unreadable: {exc.strerror or exc}", stage="list")
             if not isinstance(exc, (FileNotFoundError, NotADirectoryError)):
-                yield {"unlisted": unit_key(relative(name))}
+                unlisted.append(name)
             continue
         yield {"key": unit_key(relative(name)), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "path": name}
-    yield from ({"unlisted": unit_key(relative(folder))} for folder in unlisted)
+    yield from ({"unlisted": unit_key(relative(name))} for name in unlisted)  # plan_units reads them last
 
 
 def remote_candidates(url: str, report: SkipReport) -> Iterable[dict]:
