@@ -97,19 +97,14 @@ def _refuse_untokenized(tokenizer, queries: list[str]) -> None:
 
 
 def _refuse_a_prompt_that_fills_the_model(encoder, prompt: str) -> None:
-    """Refuse a query prompt that takes every token the model reads: each query is cut
-    off whole after it, so every query gets the prompt's vector and the same hits. An
+    """:func:`~embedingest.stages.prompts.refuse_filling_query_prompt` for ``encoder``. An
     encoder given by the caller may have no ``tokenizer`` or ``max_seq_length``: nothing
     is checked then."""
+    from ..stages.prompts import refuse_filling_query_prompt  # torch: loaded with the encoder
+
     tokenizer, limit = getattr(encoder, "tokenizer", None), getattr(encoder, "max_seq_length", None)
-    if not prompt or tokenizer is None or not isinstance(limit, int):
-        return
-    used = len(tokenizer([prompt])["input_ids"][0])  # with the model's own tokens ([CLS], [SEP])
-    if used >= limit:
-        shown = prompt if len(prompt) <= 60 else prompt[:60] + "..."
-        raise ConfigError(f"the query prompt {shown!r} is {used} tokens long (with the model's own), and the "
-                          f"model reads {limit}: no word of a query would be read, and every query would get "
-                          "the same hits; give a shorter prompt (--query-prompt, query_prompt=)")
+    if tokenizer is not None and isinstance(limit, int):
+        refuse_filling_query_prompt(tokenizer, limit, prompt)
 
 
 class Index:

@@ -67,6 +67,21 @@ class Prompts:
         return {"document": self.for_role("document", document), "query": self.for_role("query", query)}
 
 
+def refuse_filling_query_prompt(tokenizer, limit: int, prompt: str) -> None:
+    """ConfigError for a query prompt that takes every one of the ``limit`` tokens the
+    model reads: each query is cut off whole after it, so every query gets the prompt's
+    vector and the same hits. build-index checks it before recording it, search before
+    using it."""
+    if not prompt:
+        return
+    used = len(tokenizer([prompt])["input_ids"][0])  # with the model's own tokens ([CLS], [SEP])
+    if used >= limit:
+        shown = prompt if len(prompt) <= 60 else prompt[:60] + "..."
+        raise ConfigError(f"the query prompt {shown!r} is {used} tokens long (with the model's own), and the "
+                          f"model reads {limit}: no word of a query would be read, and every query would get "
+                          "the same hits; give a shorter prompt (--query-prompt, query_prompt=)")
+
+
 @dataclass(frozen=True)
 class ChunkPrompt:
     """How chunks carry a prompt: its token ids, inserted after ``after`` leading special

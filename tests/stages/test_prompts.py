@@ -190,3 +190,22 @@ def test_a_prompt_longer_than_the_chunk_is_refused(tmp_path, folder):
     with pytest.raises(ConfigError, match="takes .* of the 16 tokens"):
         build_index([("1", "text")], out=str(tmp_path / "idx"), model=str(folder), chunk_tokens=16,
                     overlap=2, doc_prompt="a very long prompt " * 3, **FAST)
+
+
+def test_a_query_prompt_that_fills_the_model_is_refused_by_build_index(tmp_path, folder):
+    """Recorded before, it left an index whose every search was refused (or, before that,
+    gave every query the same hits); the build now refuses it before it writes anything."""
+    out = tmp_path / "idx"
+    with pytest.raises(ConfigError) as err:
+        build_index([("1", "text")], out=str(out), model=str(folder), query_prompt="a " * 254, **FAST)
+    assert str(err.value) == (
+        f"the query prompt {'a ' * 30 + '...'!r} is 256 tokens long (with the model's own), and the model "
+        "reads 256: no word of a query would be read, and every query would get the same hits; give a "
+        "shorter prompt (--query-prompt, query_prompt=)")
+    assert not (out / "manifest.json").exists()
+    r = CliRunner().invoke(main, ["build-index", str(tmp_path), "--out", str(out), "--model", str(folder),
+                                  "--query-prompt", "a " * 254])
+    assert r.exit_code == 1 and "is 256 tokens long" in r.output and not (out / "manifest.json").exists()
+    build_index([("1", "text")], out=str(out), model=str(folder), query_prompt="a " * 253, **FAST)
+    with open_index(out) as index:  # one token of a query is read
+        assert index.query_prompt == "a " * 253 and len(index.search(["text"], k=1)[0]) == 1

@@ -448,7 +448,7 @@ def plan_ray_index(dataset: ray.data.Dataset, out: str | os.PathLike,
     (:func:`build_index_ray` with an s3:// ``out``): the actors write in folders of their
     own and upload their shards there."""
     from ...stages.encoder import TextEncoder
-    from ...stages.prompts import Prompts
+    from ...stages.prompts import Prompts, refuse_filling_query_prompt
 
     cfg = dataclasses.replace(config or IndexConfig(), **overrides)
     cfg.validate()
@@ -468,11 +468,12 @@ def plan_ray_index(dataset: ray.data.Dataset, out: str | os.PathLike,
     settled_chunking(stored, cfg, encoder.max_seq_length, str(out))
     parse_factory(encoder.dim, cfg.index, cfg.metric)  # every option checked before the first write
     check_search_params(encoder.dim, cfg.index, cfg.metric, cfg.search_params)
+    wanted = Prompts.read(encoder.model_dir).resolve(cfg.doc_prompt, cfg.query_prompt)
+    refuse_filling_query_prompt(encoder.tokenizer, encoder.max_seq_length, wanted["query"])
     report = SkipReport()
     out.mkdir(parents=True, exist_ok=True)
     store = ShardStore(out)
     try:
-        wanted = Prompts.read(encoder.model_dir).resolve(cfg.doc_prompt, cfg.query_prompt)
         manifest = store.create_or_open(
             Manifest(model=encoder.info() | {"dtype": dtype}, dim=encoder.dim, metric=cfg.metric,
                      factory=cfg.index, dtype=dtype, prompts=wanted,
