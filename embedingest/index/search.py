@@ -212,7 +212,13 @@ class Index:
         dtype = self.manifest.dtype
         if dtype == "fp16" and str(self.device).startswith("cpu"):
             dtype = "fp32"
-        encoder = TextEncoder.load(path, self.device, dtype)
+        try:
+            encoder = TextEncoder.load(path, self.device, dtype)
+        except ConfigError as exc:  # its advice is a build's ("pass the folder ..."): a search's here
+            why = str(exc).split("; ")[0]
+            raise ConfigError(f"the model of {str(self.store.folder)!r} ({name!r}) cannot be loaded from "
+                              f"{path!r}, where the index was built with it ({why}): put the model back "
+                              "there, or pass encoder= or query vectors") from exc
         if encoder.info().get("name") != name or encoder.dim != self.manifest.dim:
             raise ConfigError(f"model at {path!r} is {encoder.info().get('name')!r} (dim "
                               f"{encoder.dim}), but the index was built with {name!r} (dim "

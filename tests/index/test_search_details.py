@@ -311,3 +311,26 @@ def test_the_store_of_an_open_index_is_a_reader_that_creates_nothing(tmp_path):
         f"{str(tmp_path / UNITS_NAME)!r} does not exist: the build of this index was stopped before it "
         "wrote any metadata, or the file was deleted; run the same build-index command again to finish it")
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_a_model_folder_emptied_after_the_build_is_refused_with_a_search_s_advice(tmp_path):
+    """The folder is still there but holds no model: the loader's message told a search user
+    to pass another folder (a build's advice); it now says what a search can do."""
+    import shutil
+
+    from model_fixtures import copy_model
+
+    from embedingest import build_index as build
+
+    model = copy_model(tmp_path / "mm")
+    build([("1", "hello world")], out=str(tmp_path / "idx"), model=str(model), num_workers=0, num_consumers=1)
+    shutil.rmtree(model)
+    model.mkdir()
+    with open_index(tmp_path / "idx") as index, pytest.raises(ConfigError) as err:
+        index.search("hello")
+    assert str(err.value) == (
+        f"the model of {str(tmp_path / 'idx')!r} ('mm') cannot be loaded from {str(model)!r}, where the index "
+        f"was built with it ({model} is not a model folder: it holds neither modules.json "
+        "(sentence-transformers) nor config.json (Hugging Face)): put the model back there, or pass encoder= "
+        "or query vectors")
+    assert isinstance(err.value.__cause__, ConfigError)
