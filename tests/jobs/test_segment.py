@@ -980,25 +980,42 @@ def test_num_classes_and_timeline_through_the_cli(tmp_path, small):
 
 
 @pytest.mark.parametrize("resize", ["short", "fit"])
-def test_the_masks_kernel_compiles_while_the_model_loads_where_masks_are_scaled(tmp_path, small, monkeypatch, resize):
-    """Scaled masks (``--resize short``) have their one-pass kernel compiled in a thread
-    from the start (for the scores' dtype and the weights' classes), in the job and in
-    ``segment_images``; letterboxed ones (``fit``) take the argmax at model size and start
-    no compile."""
+def test_the_masks_kernel_is_held_back_until_the_loop_runs_where_masks_are_scaled(tmp_path, small, monkeypatch,
+                                                                                 resize):
+    """Scaled masks (``--resize short``): the job holds their one-pass kernel back (for the
+    scores' dtype and the weights' classes) and starts its compile in a thread at batch
+    ``MASKS_KERNEL_AFTER``, not before (its first use in a process takes a second of Python
+    work, which slowed the first batches while the GPU had little queued); a job of fewer
+    batches starts none. ``segment_images`` starts it at once. Letterboxed masks (``fit``)
+    take the argmax at model size and start no compile."""
     from embedingest.jobs.segment import run as segment_run
 
-    asked = []
+    asked, held = [], []
     monkeypatch.setattr(segment_run.fused_argmax, "compile_ahead", lambda *a: asked.append(a) or False)
+    monkeypatch.setattr(segment_run.fused_argmax, "hold", lambda *a: held.append(a))
+    monkeypatch.setattr(segment_run, "MASKS_KERNEL_AFTER", 2)
+    batches = []
+    real_image_masks = segment_run.Segmenter.image_masks
+
+    def image_masks(segmenter, logits, metas, full_max_pixels):
+        batches.append(len(asked))  # compiles asked for before each batch's masks
+        return real_image_masks(segmenter, logits, metas, full_max_pixels)
+
+    monkeypatch.setattr(segment_run.Segmenter, "image_masks", image_masks)
     images = tmp_path / "images"
     images.mkdir()
-    Image.fromarray(noise(20, 30)).save(images / "a.png")
-    summary = segment(config(images, tmp_path / "out", small, resize=resize), progress=False)
-    assert summary["written"] == 1
+    for i in range(4):
+        Image.fromarray(noise(20, 30)).save(images / f"{i}.png")
     want = [(torch.device("cpu"), torch.float32, NUM_CLASSES)] if resize == "short" else []
-    assert asked == want
-    asked.clear()
+    summary = segment(config(images, tmp_path / "out", small, resize=resize, batch_size=1), progress=False)
+    assert summary["written"] == 4
+    assert held == want and asked == want
+    assert batches == ([0, 0, 1, 1] if resize == "short" else [0, 0, 0, 0])
+    asked.clear(), held.clear()
+    small_job = segment(config(images, tmp_path / "out2", small, resize=resize, batch_size=2), progress=False)
+    assert small_job["written"] == 4 and held == want and asked == [], "two batches: no compile"
     [mask] = segment_images([noise(20, 30)], config(images, tmp_path / "out", small, resize=resize))
-    assert mask.shape == (20, 30) and asked == want, "segment_images() too"
+    assert mask.shape == (20, 30) and asked == want, "segment_images() starts it at once"
 
 
 def test_each_forward_is_marked_for_the_profiler(tmp_path, small, monkeypatch):
