@@ -206,6 +206,10 @@ def test_a_query_prompt_that_fills_the_model_is_refused_by_build_index(tmp_path,
     r = CliRunner().invoke(main, ["build-index", str(tmp_path), "--out", str(out), "--model", str(folder),
                                   "--query-prompt", "a " * 254])
     assert r.exit_code == 1 and "is 256 tokens long" in r.output and not (out / "manifest.json").exists()
+    with pytest.raises(ConfigError, match="is 256 tokens long"):  # the parent holds no encoder then
+        build_index([("1", "text")], out=str(out), model=str(folder), query_prompt="a " * 254,
+                    devices="cpu,cpu", **FAST)
+    assert not (out / "manifest.json").exists()
     build_index([("1", "text")], out=str(out), model=str(folder), query_prompt="a " * 253, **FAST)
     with open_index(out) as index:  # one token of a query is read
         assert index.query_prompt == "a " * 253 and len(index.search(["text"], k=1)[0]) == 1

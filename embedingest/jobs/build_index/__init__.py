@@ -45,6 +45,7 @@ from ...sources.text_dataset import Unit
 from ...stages.device import precision, resolve_device
 from ...stages.encoder import ModelFacts
 from ...stages.prompts import Prompts, refuse_filling_query_prompt
+from ...stages.tokenizer import load_tokenizer
 from .devices import SeveralDevices
 from .encode import OneDevice, needs_training
 from .plan import (apply_plan, check_search_params, corpus_path, default_out, file_candidates, fingerprint,
@@ -165,7 +166,9 @@ def _open_index(store: ShardStore, model, cfg: IndexConfig, dtype: str, corpus, 
     checked against the folder's (:meth:`ShardStore.create_or_open`). A new one records
     its chunking from the start: a run killed before its end leaves shards of that cut."""
     wanted = Prompts.read(model.info()["path"]).resolve(cfg.doc_prompt, cfg.query_prompt)
-    refuse_filling_query_prompt(model.tokenizer, model.max_seq_length, wanted["query"])
+    if wanted["query"]:  # the encoder of several devices is in their processes: its tokenizer read here
+        tokenizer = getattr(model, "tokenizer", None) or load_tokenizer(model.info()["path"])
+        refuse_filling_query_prompt(tokenizer, model.max_seq_length, wanted["query"])
     return store.create_or_open(
         Manifest(model=model.info(), dim=model.dim, metric=cfg.metric, factory=cfg.index,
                  dtype=dtype, prompts=wanted, corpus_path=corpus_path(corpus, in_memory),
