@@ -762,7 +762,14 @@ def test_without_a_c_compiler_for_triton_the_masks_take_the_two_steps(tree, tmp_
     import sys
 
     images, sizes, bad = tree
-    args = [sys.executable, "-m", "embedingest", "segment", str(images), "--weights", str(weights),
+    # The job compiles the kernel from its first batch here (MASKS_KERNEL_AFTER: batch 16
+    # otherwise, which this small tree never reaches), and the process waits for the
+    # compile before it exits, so a failed one is reported within the run.
+    prelude = ("import atexit, sys; from embedingest.jobs.segment import run; run.MASKS_KERNEL_AFTER = 0; "
+               "from embedingest.stages import fused_argmax; "
+               "atexit.register(lambda: [c.thread.join(300) for c in list(fused_argmax._compiles.values()) "
+               "if c.thread]); from embedingest.cli import main; sys.argv[0] = 'embedingest'; main()")
+    args = [sys.executable, "-c", prelude, "segment", str(images), "--weights", str(weights),
             "--size", str(SIZE), "--batch-size", "3", "--device", "cuda", "--json"]
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton-cache"), "CC": str(tmp_path / "no-cc")}
     run = subprocess.run([*args, "--out", str(tmp_path / "two-steps")], env=env, capture_output=True,
