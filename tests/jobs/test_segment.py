@@ -733,7 +733,7 @@ def test_cli_options_match_the_config_fields():
 
 
 @pytest.mark.needs_cuda
-def test_segment_on_cuda_matches_cpu(tree, tmp_path, weights, no_leaks):
+def test_segment_on_cuda_matches_cpu(tree, tmp_path, weights, no_leaks, monkeypatch):
     images, sizes, bad = tree
     gpu = segment(config(images, tmp_path / "gpu", weights, device="cuda", dtype="fp32",
                          save_logits=True), progress=False)
@@ -745,9 +745,12 @@ def test_segment_on_cuda_matches_cpu(tree, tmp_path, weights, no_leaks):
         a = np.asarray(Image.open(output_paths(tmp_path / "gpu", rel)["mask"]))
         b = np.asarray(Image.open(output_paths(tmp_path / "cpu", rel)["mask"]))
         assert a.shape == (h, w) and (a == b).mean() > 0.99, rel
+    from embedingest.jobs.segment import run as segment_run
+    from embedingest.stages import fused_argmax
+
+    monkeypatch.setattr(segment_run, "MASKS_KERNEL_AFTER", 0)  # this tree is a few batches
     fp16 = segment(config(images, tmp_path / "fp16", weights, device="cuda"), progress=False)
     assert fp16["dtype"] == "float16" and fp16["written"] == len(sizes)
-    from embedingest.stages import fused_argmax
 
     compiled = fused_argmax._compiles[(torch.device("cuda", torch.cuda.current_device()), torch.float16, NUM_CLASSES)]
     assert compiled.done.wait(120) and compiled.ok, "the masks' kernel, compiled in the job's thread"
@@ -1023,6 +1026,36 @@ def test_the_masks_kernel_is_held_back_until_the_loop_runs_where_masks_are_scale
     assert small_job["written"] == 4 and held == want and asked == [], "two batches: no compile"
     [mask] = segment_images([noise(20, 30)], config(images, tmp_path / "out", small, resize=resize))
     assert mask.shape == (20, 30) and asked == want, "segment_images() starts it at once"
+
+
+def test_the_masks_kernel_starts_where_its_batch_held_only_unreadable_images(tree, tmp_path, small, monkeypatch):
+    """A batch of unreadable images never reaches the forward: where it has the number
+    ``MASKS_KERNEL_AFTER``, the compile starts at the next batch that runs (it was never
+    started: the whole run took the two steps)."""
+    from embedingest.jobs.segment import run as segment_run
+
+    images, sizes, bad = tree
+    asked, numbers = [], []
+    monkeypatch.setattr(segment_run.fused_argmax, "compile_ahead", lambda *a: asked.append(numbers[-1]) or False)
+    real_run_batches = segment_run.run_batches
+
+    def run_batches(sinks, batches, steps, **kw):
+        def forward(batch_no, item, on_device):
+            numbers.append(batch_no)
+            return real_forward(batch_no, item, on_device)
+
+        real_forward = steps.forward
+        return real_run_batches(sinks, batches, dataclasses.replace(steps, forward=forward), **kw)
+
+    monkeypatch.setattr(segment_run, "run_batches", run_batches)
+    segment(config(images, tmp_path / "first", small, batch_size=2), progress=False)
+    gaps = sorted(set(range(numbers[-1])) - set(numbers))
+    assert gaps, f"no batch of unreadable images only among {numbers}"
+    monkeypatch.setattr(segment_run, "MASKS_KERNEL_AFTER", gaps[0])
+    numbers.clear(), asked.clear()
+    summary = segment(config(images, tmp_path / "second", small, batch_size=2), progress=False)
+    assert summary["written"] == len(sizes) and summary["skipped"] == len(bad)
+    assert asked == [min(n for n in numbers if n > gaps[0])]
 
 
 def test_each_forward_is_marked_for_the_profiler(tmp_path, small, monkeypatch):

@@ -10,6 +10,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from tqdm import tqdm
@@ -155,31 +156,35 @@ def _model_and_engine(config: SegmentConfig, device: torch.device, full_max: int
     loaded = loaded if loaded is not None else load_model(config)
     if full_max:  # masks scaled to the images' sizes: their kernel compiles once the loop runs
         fused_argmax.hold(device, resolve_dtype(config.dtype, device), loaded.num_classes)
-    _write_labels(config, loaded)
-    if before_writes is not None:
-        before_writes()
-    factory = MaskSinkFactory(str(config.out), config.save_logits, config.overlay,
-                              config.overlay_alpha, config.max_pixels or None,
-                              num_classes=loaded.num_classes, stats=config.stats,
-                              categories=tuple(loaded.categories),
-                              stats_commit_seconds=config.stats_commit_seconds,
-                              within=input_folder(config.images, config.follow_outside_links),
-                              drop_earlier=config.overwrite)
-    spec = slot_spec(config, loaded.num_classes, images)
-    built = time.perf_counter() - t0
-    engine = EgressEngine(factory, num_consumers=config.num_consumers, num_slots=config.num_slots or None,
-                          device=str(device), slot_spec=spec).start()
-    t_moving = time.perf_counter()
-    try:
-        # cuDNN's algorithm search (torch.backends.cudnn.benchmark) stays off: on an H200 it
-        # found no faster kernels for DeepLabV3-ResNet50 at batch 16 (fp16 741 against 739
-        # images/s, fp32 392 against 392) and cost 1.6-3.6 s (fp16) and 12 s (fp32) at the
-        # start of every process, and it would search again for every new input shape.
-        segmenter = Segmenter(loaded, device, config.dtype)
-    except BaseException:
-        engine.stop()
-        raise
-    return loaded, segmenter, engine, spec, built + time.perf_counter() - t_moving
+    # The weights go to the device in a thread while the labels are checked and the engine
+    # starts (its pool, stream and consumers): the copies and casts run in PyTorch without
+    # the GIL. cuDNN's algorithm search (torch.backends.cudnn.benchmark) stays off: on an
+    # H200 it found no faster kernels for DeepLabV3-ResNet50 at batch 16 (fp16 741 against
+    # 739 images/s, fp32 392 against 392) and cost 1.6-3.6 s (fp16) and 12 s (fp32) at the
+    # start of every process, and it would search again for every new input shape.
+    with ThreadPoolExecutor(1, thread_name_prefix="embedingest-to-device") as pool:
+        moving = pool.submit(Segmenter, loaded, device, config.dtype)
+        _write_labels(config, loaded)
+        if before_writes is not None:
+            before_writes()
+        factory = MaskSinkFactory(str(config.out), config.save_logits, config.overlay,
+                                  config.overlay_alpha, config.max_pixels or None,
+                                  num_classes=loaded.num_classes, stats=config.stats,
+                                  categories=tuple(loaded.categories),
+                                  stats_commit_seconds=config.stats_commit_seconds,
+                                  within=input_folder(config.images, config.follow_outside_links),
+                                  drop_earlier=config.overwrite)
+        spec = slot_spec(config, loaded.num_classes, images)
+        t_engine = time.perf_counter()
+        engine = EgressEngine(factory, num_consumers=config.num_consumers, num_slots=config.num_slots or None,
+                              device=str(device), slot_spec=spec).start()
+        engine_s = time.perf_counter() - t_engine
+        try:
+            segmenter = moving.result()
+        except BaseException:
+            engine.stop()
+            raise
+    return loaded, segmenter, engine, spec, time.perf_counter() - t0 - engine_s
 
 
 def segment_on_device(config: SegmentConfig, device: torch.device, todo: list[tuple[str, str]],
@@ -216,6 +221,7 @@ def segment_on_device(config: SegmentConfig, device: torch.device, todo: list[tu
         raise
     timing = {"load_model_s": loading}
     shapes: Counter = Counter()
+    kernel_held = bool(full_max)  # the masks kernel, until its compile starts
 
     def send(batch: ImageBatch) -> torch.Tensor | None:
         if not batch.groups:
@@ -224,11 +230,14 @@ def segment_on_device(config: SegmentConfig, device: torch.device, todo: list[tu
 
     def forward(batch_no: int, batch: ImageBatch, pixels: torch.Tensor):
         """The masks (and logits) of a batch, in as few parts as fit a host slot."""
+        nonlocal kernel_held
         shapes[tuple(pixels.shape[:1]) + tuple(pixels.shape[2:])] += 1
         # a shape has one short batch, after its full ones: its size at that shape is
         # run once, so a convolution set-up for it would not pay
         once = len(batch) < config.batch_size
-        if full_max and batch_no == MASKS_KERNEL_AFTER:
+        # >=: a batch of unreadable images only never reaches forward, its number is passed over
+        if kernel_held and batch_no >= MASKS_KERNEL_AFTER:
+            kernel_held = False
             fused_argmax.compile_ahead(device, segmenter.dtype, segmenter.num_classes)
         with annotate("segment forward", "compute"):
             logits = segmenter.logits(pixels, once=once)
