@@ -368,7 +368,7 @@ def test_an_output_name_taken_by_a_folder_skips_that_image_and_a_stats_file_stop
         segment(config(images, tmp_path / "o2", small, stats=True, overwrite=True), progress=False)
     assert str(err.value) == (f"{str(tmp_path / 'o2' / 'stats')!r} holds 2 entries that are not --stats parts "
                               "('2019' and more): pandas.read_parquet of the folder would read them as rows of "
-                              "the table; move them out of it, or give another --out")
+                              "the table; move them out of the folder, or give another --out")
     assert sorted(p.name for p in (tmp_path / "o2" / "stats").iterdir()) == ["2019", "_SUCCESS", "sales.parquet"]
     (tmp_path / "o2" / "stats" / "2019").rmdir()
     with pytest.raises(ConfigError) as err:

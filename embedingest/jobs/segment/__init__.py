@@ -203,13 +203,12 @@ def _refuse_stats_file(out: Path) -> None:
                           "name: move that file away, or drop --stats")
     foreign = foreign_entries(out)
     if foreign:
-        if len(foreign) == 1:
-            raise ConfigError(f"{str(path)!r} holds 1 entry that is not a --stats part ({foreign[0]!r}): "
-                              "pandas.read_parquet of the folder would read it as rows of the table; move it out "
-                              "of the folder, or give another --out")
-        raise ConfigError(f"{str(path)!r} holds {len(foreign)} entries that are not --stats parts ({foreign[0]!r}"
-                          " and more): pandas.read_parquet of the folder would read them as rows of the table; move "
-                          "them out of it, or give another --out")
+        one = len(foreign) == 1
+        raise ConfigError(f"{str(path)!r} holds {counted(len(foreign), 'entry', 'entries')} that "
+                          f"{'is not a --stats part' if one else 'are not --stats parts'} ({foreign[0]!r}"
+                          f"{'' if one else ' and more'}): pandas.read_parquet of the folder would read "
+                          f"{'it' if one else 'them'} as rows of the table; move {'it' if one else 'them'} out "
+                          "of the folder, or give another --out")
 
 
 def _remove_untouched(out: Path, parents: list[Path]) -> None:
