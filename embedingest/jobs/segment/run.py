@@ -10,7 +10,6 @@ import os
 import time
 from collections import Counter
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from tqdm import tqdm
@@ -156,35 +155,31 @@ def _model_and_engine(config: SegmentConfig, device: torch.device, full_max: int
     loaded = loaded if loaded is not None else load_model(config)
     if full_max:  # masks scaled to the images' sizes: their kernel compiles once the loop runs
         fused_argmax.hold(device, resolve_dtype(config.dtype, device), loaded.num_classes)
-    # The weights go to the device in a thread while the labels are checked and the engine
-    # starts (its pool, stream and consumers): the copies and casts run in PyTorch without
-    # the GIL. cuDNN's algorithm search (torch.backends.cudnn.benchmark) stays off: on an
-    # H200 it found no faster kernels for DeepLabV3-ResNet50 at batch 16 (fp16 741 against
-    # 739 images/s, fp32 392 against 392) and cost 1.6-3.6 s (fp16) and 12 s (fp32) at the
-    # start of every process, and it would search again for every new input shape.
-    with ThreadPoolExecutor(1, thread_name_prefix="embedingest-to-device") as pool:
-        moving = pool.submit(Segmenter, loaded, device, config.dtype)
-        _write_labels(config, loaded)
-        if before_writes is not None:
-            before_writes()
-        factory = MaskSinkFactory(str(config.out), config.save_logits, config.overlay,
-                                  config.overlay_alpha, config.max_pixels or None,
-                                  num_classes=loaded.num_classes, stats=config.stats,
-                                  categories=tuple(loaded.categories),
-                                  stats_commit_seconds=config.stats_commit_seconds,
-                                  within=input_folder(config.images, config.follow_outside_links),
-                                  drop_earlier=config.overwrite)
-        spec = slot_spec(config, loaded.num_classes, images)
-        t_engine = time.perf_counter()
-        engine = EgressEngine(factory, num_consumers=config.num_consumers, num_slots=config.num_slots or None,
-                              device=str(device), slot_spec=spec).start()
-        engine_s = time.perf_counter() - t_engine
-        try:
-            segmenter = moving.result()
-        except BaseException:
-            engine.stop()
-            raise
-    return loaded, segmenter, engine, spec, time.perf_counter() - t0 - engine_s
+    _write_labels(config, loaded)
+    if before_writes is not None:
+        before_writes()
+    factory = MaskSinkFactory(str(config.out), config.save_logits, config.overlay,
+                              config.overlay_alpha, config.max_pixels or None,
+                              num_classes=loaded.num_classes, stats=config.stats,
+                              categories=tuple(loaded.categories),
+                              stats_commit_seconds=config.stats_commit_seconds,
+                              within=input_folder(config.images, config.follow_outside_links),
+                              drop_earlier=config.overwrite)
+    spec = slot_spec(config, loaded.num_classes, images)
+    built = time.perf_counter() - t0
+    engine = EgressEngine(factory, num_consumers=config.num_consumers, num_slots=config.num_slots or None,
+                          device=str(device), slot_spec=spec).start()
+    t_moving = time.perf_counter()
+    try:
+        # cuDNN's algorithm search (torch.backends.cudnn.benchmark) stays off: on an H200 it
+        # found no faster kernels for DeepLabV3-ResNet50 at batch 16 (fp16 741 against 739
+        # images/s, fp32 392 against 392) and cost 1.6-3.6 s (fp16) and 12 s (fp32) at the
+        # start of every process, and it would search again for every new input shape.
+        segmenter = Segmenter(loaded, device, config.dtype)
+    except BaseException:
+        engine.stop()
+        raise
+    return loaded, segmenter, engine, spec, built + time.perf_counter() - t_moving
 
 
 def segment_on_device(config: SegmentConfig, device: torch.device, todo: list[tuple[str, str]],
