@@ -204,11 +204,10 @@ def _refuse_stats_file(out: Path) -> None:
     foreign = foreign_entries(out)
     if foreign:
         one = len(foreign) == 1
-        raise ConfigError(f"{str(path)!r} holds {counted(len(foreign), 'entry', 'entries')} that "
-                          f"{'is not a --stats part' if one else 'are not --stats parts'} ({foreign[0]!r}"
-                          f"{'' if one else ' and more'}): pandas.read_parquet of the folder would read "
-                          f"{'it' if one else 'them'} as rows of the table; move {'it' if one else 'them'} out "
-                          "of the folder, or give another --out")
+        it, are_not = ("it", "is not a --stats part") if one else ("them", "are not --stats parts")
+        raise ConfigError(f"{str(path)!r} holds {counted(len(foreign), 'entry', 'entries')} that {are_not} "
+                          f"({foreign[0]!r}{'' if one else ' and more'}): pandas.read_parquet of the folder "
+                          f"would read {it} as rows of the table; move {it} out of the folder, or give another --out")
 
 
 def _remove_untouched(out: Path, parents: list[Path]) -> None:
