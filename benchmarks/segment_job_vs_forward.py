@@ -4,6 +4,9 @@ photographs against the model's forward alone on the job's batches in its order
 device call with little time left), as one JSON line.
 
     python benchmarks/segment_job_vs_forward.py --photos 8192 --photo-dir /tmp/photos
+
+``--masks-kernel-after N`` starts the masks kernel's compile at batch N instead of the job's
+own choice (``run.MASKS_KERNEL_AFTER``), to measure where its start costs least.
 """
 import argparse
 import json
@@ -13,6 +16,7 @@ from pathlib import Path
 
 from embedingest.bench.report import HostCpu
 from embedingest.bench.segment_photos import PhotoBenchConfig, _Calls, forward_alone, warmed_job
+from embedingest.jobs.segment import run as segment_run
 from embedingest.jobs.segment import segment
 from embedingest.stages.device import resolve_device
 
@@ -20,7 +24,10 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--photos", type=int, default=8192)
     ap.add_argument("--photo-dir", default="/tmp/photos")
+    ap.add_argument("--masks-kernel-after", type=int, default=None)
     args = ap.parse_args()
+    if args.masks_kernel_after is not None:
+        segment_run.MASKS_KERNEL_AFTER = args.masks_kernel_after
     cfg = PhotoBenchConfig(photos=args.photos)
     device = resolve_device(cfg.device)
     with tempfile.TemporaryDirectory() as tmp:
@@ -35,6 +42,7 @@ if __name__ == "__main__":
     engine = summary["engine"]
     print(json.dumps({
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "photos": made, "images": images,
+        "masks_kernel_after": segment_run.MASKS_KERNEL_AFTER,
         "job_s": summary["seconds"], "steady_s": engine["wall_seconds"], "forward_alone_s": alone["seconds"],
         "forward_alone_warm_s": alone["warm_seconds"],
         "job_vs_forward": (images / summary["seconds"]) / alone["images_per_s"],
