@@ -14,13 +14,18 @@ import tempfile
 import time
 from pathlib import Path
 
-from embedingest.bench.report import HostCpu
-from embedingest.bench.segment_photos import PhotoBenchConfig, _Calls, forward_alone, warmed_job
-from embedingest.jobs.segment import run as segment_run
-from embedingest.jobs.segment import segment
-from embedingest.stages.device import resolve_device
 
-if __name__ == "__main__":
+def main() -> None:
+    """Imported here, not at the top: the job's consumers are spawned, and a spawned process
+    imports the main script first; the package's imports at the top would have each consumer
+    import torch too, which delayed their start by seconds (the loop blocked on full slots),
+    where the command line's consumers import neither."""
+    from embedingest.bench.report import HostCpu
+    from embedingest.bench.segment_photos import PhotoBenchConfig, _Calls, forward_alone, warmed_job
+    from embedingest.jobs.segment import run as segment_run
+    from embedingest.jobs.segment import segment
+    from embedingest.stages.device import resolve_device
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--photos", type=int, default=8192)
     ap.add_argument("--photo-dir", default="/tmp/photos")
@@ -42,7 +47,7 @@ if __name__ == "__main__":
     engine = summary["engine"]
     print(json.dumps({
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "photos": made, "images": images,
-        "masks_kernel_after": segment_run.MASKS_KERNEL_AFTER,
+        "masks_kernel_after": getattr(segment_run, "MASKS_KERNEL_AFTER", None),
         "job_s": summary["seconds"], "steady_s": engine["wall_seconds"], "forward_alone_s": alone["seconds"],
         "forward_alone_warm_s": alone["warm_seconds"],
         "job_vs_forward": (images / summary["seconds"]) / alone["images_per_s"],
@@ -50,3 +55,7 @@ if __name__ == "__main__":
         "timing": summary["timing"], "phases": summary["phases"], "gpu_idle": engine.get("gpu_idle_fraction"),
         "producer_blocked_s": engine.get("producer_blocked_seconds"), "host_busy": cpu.result()["busy"],
         "batch_shapes": summary["batch_shapes"]}))
+
+
+if __name__ == "__main__":
+    main()
