@@ -20,6 +20,7 @@ from multiprocessing.connection import wait
 from ..errors import EngineError
 from ..interrupts import children_ignore_sigint
 from .consumers import consumer_process
+from .lean_spawn import needs_main, spawning_without_main
 from .messages import Closed, Done, Skipped, Task
 from .pool import PoolHandle
 
@@ -36,7 +37,8 @@ class ConsumerGroup:
     ``on_message(msg)`` gets every answer (in the collector thread); ``on_death(worker,
     process, seq, exitcode)`` is called when a consumer ends without having closed its sink, or
     with batches it never ran (stopped by someone else's SIGTERM), with the oldest batch it
-    held (-1 when idle).
+    held (-1 when idle). ``imports_main``: whether the consumers import the parent's main
+    script (only where the sink factory needs it: :mod:`.lean_spawn`).
     """
 
     def __init__(self, sink_factory, num_consumers: int, handle: PoolHandle,
@@ -53,12 +55,13 @@ class ConsumerGroup:
         self._lock = threading.Lock()
         self._reap_lock = threading.Lock()
         self._collector: threading.Thread | None = None
+        self.imports_main = needs_main(sink_factory)
         for w in range(num_consumers):
             mine, theirs = ctx.Pipe(duplex=True)
             p = ctx.Process(target=consumer_process, name=f"embedingest-consumer-{w}", daemon=True,
                             args=(w, sink_factory, handle, theirs, self.abort, os.getpid()))
             try:
-                with children_ignore_sigint():
+                with children_ignore_sigint(), spawning_without_main(not self.imports_main):
                     p.start()
             except Exception as exc:
                 mine.close()

@@ -357,10 +357,12 @@ class EgressEngine:
         held = f"while holding batch {batch!r} (seq {seq})" if seq >= 0 else "while idle"
         cause = ""
         if w not in self._ready and code is not None and code > 0:
-            main = getattr(sys.modules.get("__main__"), "__file__", None) or "the main module"
-            cause = (f"; it ended before it started (its error is printed above). A spawned "
-                     f"process imports the main module first: if {main} starts the run "
-                     f"outside `if __name__ == \"__main__\":`, put it under that guard")
+            cause = "; it ended before it started (its error is printed above)"
+            # the collector may report a death before the group is assigned: it imported main
+            if self._consumers is None or self._consumers.imports_main:
+                main = getattr(sys.modules.get("__main__"), "__file__", None) or "the main module"
+                cause += (f". A spawned process imports the main module first: if {main} starts "
+                          f"the run outside `if __name__ == \"__main__\":`, put it under that guard")
         self._fail(ConsumerDied(
             f"consumer {w} (pid {p.pid}) {how} {held}{cause}; the run was stopped. Outputs "
             "written before are kept; re-run to redo the rest", worker=w, exitcode=code,

@@ -11,6 +11,7 @@ import sys
 import textwrap
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -295,10 +296,11 @@ def test_a_sink_factory_that_cannot_be_pickled_is_refused_saying_why(no_leaks):
 
 def test_a_consumer_that_cannot_start_stops_those_started_before_it(no_leaks, monkeypatch):
     """Consumer 0 starts, consumer 1 cannot (its factory does not pickle): the error says
-    so, and consumer 0 is stopped, not left running (``no_leaks`` counts the children)."""
+    so, and consumer 0 is stopped, not left running (``no_leaks`` counts the children).
+    Two pickles pass: the first is the check whether the consumers need the main script."""
     from engine_sinks import PicklesOnce
 
-    monkeypatch.setattr(PicklesOnce, "allowed", 1)
+    monkeypatch.setattr(PicklesOnce, "allowed", 2)
     with pytest.raises(EngineError, match=r"^cannot start consumer 1: cannot pickle this factory twice"):
         with EgressEngine(PicklesOnce(), num_consumers=3, device="cpu") as e:
             e.submit(0, {"x": np.zeros(2, np.float32)})  # no_leaks: consumer 0 was stopped
@@ -702,11 +704,13 @@ class _Dead:
     pid = 4242
 
 
-def _died(ready, w, seq, code, inflight=None):
-    """``EgressEngine._consumer_died`` on a stand-in engine: the error it reports."""
+def _died(ready, w, seq, code, inflight=None, imports_main=None):
+    """``EgressEngine._consumer_died`` on a stand-in engine: the error it reports
+    (``imports_main``: its consumers', None: no group yet)."""
     failures = []
     stub = type("Stub", (), {})()
     stub._lock, stub._inflight, stub._ready = threading.Condition(), inflight or {}, set(ready)
+    stub._consumers = None if imports_main is None else types.SimpleNamespace(imports_main=imports_main)
     stub._fail = failures.append
     EgressEngine._consumer_died(stub, w, _Dead(), seq, code)
     (err,) = failures
@@ -731,6 +735,12 @@ def test_a_consumer_that_ends_before_it_started_points_at_the_main_module_guard(
     assert str(_died((), 0, -1, 2)) == ("consumer 0 (pid 4242) exited with code 2 while idle"
                                         + guard.format("the main module") + end)
     # started (its Ready came), killed, or a clean exit: no such cause
+    assert str(_died((), 1, -1, 1, imports_main=True)) == ("consumer 1 (pid 4242) exited with code 1 while "
+                                                           "idle" + guard.format("the main module") + end)
+    # consumers that never imported the main script: the guard is no cause
+    assert str(_died((), 1, -1, 1, imports_main=False)) == (
+        "consumer 1 (pid 4242) exited with code 1 while idle; it ended before it started (its error "
+        "is printed above)" + end)
     assert str(_died({1}, 1, -1, 1)) == "consumer 1 (pid 4242) exited with code 1 while idle" + end
     assert str(_died((), 1, -1, -9)) == "consumer 1 (pid 4242) was killed by SIGKILL while idle" + end
     assert str(_died((), 1, -1, 0)) == "consumer 1 (pid 4242) exited with code 0 while idle" + end
