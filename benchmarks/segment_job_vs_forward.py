@@ -4,9 +4,6 @@ photographs against the model's forward alone on the job's batches in its order
 device call with little time left), as one JSON line.
 
     python benchmarks/segment_job_vs_forward.py --photos 8192 --photo-dir /tmp/photos
-
-``--masks-kernel-after N`` starts the masks kernel's compile at batch N instead of the job's
-own choice (``run.MASKS_KERNEL_AFTER``), to measure where its start costs least.
 """
 import argparse
 import json
@@ -22,17 +19,13 @@ def main() -> None:
     where the command line's consumers import neither."""
     from embedingest.bench.report import HostCpu
     from embedingest.bench.segment_photos import PhotoBenchConfig, _Calls, forward_alone, warmed_job
-    from embedingest.jobs.segment import run as segment_run
     from embedingest.jobs.segment import segment
     from embedingest.stages.device import resolve_device
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--photos", type=int, default=8192)
     ap.add_argument("--photo-dir", default="/tmp/photos")
-    ap.add_argument("--masks-kernel-after", type=int, default=None)
     args = ap.parse_args()
-    if args.masks_kernel_after is not None:
-        segment_run.MASKS_KERNEL_AFTER = args.masks_kernel_after
     cfg = PhotoBenchConfig(photos=args.photos)
     device = resolve_device(cfg.device)
     with tempfile.TemporaryDirectory() as tmp:
@@ -47,7 +40,6 @@ def main() -> None:
     engine = summary["engine"]
     print(json.dumps({
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "photos": made, "images": images,
-        "masks_kernel_after": getattr(segment_run, "MASKS_KERNEL_AFTER", None),
         "job_s": summary["seconds"], "steady_s": engine["wall_seconds"], "forward_alone_s": alone["seconds"],
         "forward_alone_warm_s": alone["warm_seconds"],
         "job_vs_forward": (images / summary["seconds"]) / alone["images_per_s"],

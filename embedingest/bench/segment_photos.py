@@ -25,9 +25,8 @@ Rows, in order:
 A warm-up on images of one shape no photograph has runs first in both, so CUDA's start-up
 is in no row, while every shape the job meets costs it and the forward alone the same
 first call (cuDNN's set-up for a new input shape). The warm-up leaves its masks at the
-model's size, so the masks kernel's first use in the process (its compile on an empty
-Triton cache, seconds; Triton's own set-up, about a second, from a warm one) falls in the
-timed job, in a thread, as in a fresh process.
+model's size, so the masks kernel's compile (on an empty Triton cache, seconds) starts in
+the timed job, in a thread, as in a fresh process.
 """
 
 from __future__ import annotations
@@ -244,10 +243,10 @@ def random_weights_file(cfg: PhotoBenchConfig, path: Path) -> Path:
 
 def warm_up_config(job, images: Path, out: Path):
     """The warm-up job: the timed job's settings on ``images``, its masks left at the model's
-    size. Masks at the images' sizes would have the masks kernel compiled in this process
-    (``fused_argmax.compile_ahead``, by a longer warm-up or by ``segment_images``), sparing
-    the timed job what a fresh process pays; and a compile still under way would hold up the
-    timed job's decoders' fork (a fork waits for it). The timed job starts it itself."""
+    size. Masks at the images' sizes would start the masks kernel's compile in a thread
+    (``fused_argmax.compile_ahead``); on an empty Triton cache that outlives the short
+    warm-up, and the timed job's decoders, forked next, would wait for it (a fork waits for
+    a compile under way). The timed job starts the compile itself, as a fresh process does."""
     return dataclasses.replace(job, images=str(images), out=str(out), upsample_max_pixels=0)
 
 

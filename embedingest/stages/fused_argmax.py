@@ -23,10 +23,7 @@ own cache (``~/.triton/cache``, or ``TRITON_CACHE_DIR``), as it does for PyTorch
 compiled code. A job starts the compile in a thread (:func:`compile_ahead`) and makes its
 first masks in two steps until it is done, so a machine with an empty cache never waits
 for it; a kernel that does not compile (no C compiler, say) is reported once and the two
-steps run (:func:`usable`). Even with a warm cache the first use in a process costs about
-a second of Python work (Triton hashes its own installation for the cache key), which
-slows a thread that drives the GPU while the GPU has little queued: a job holds the
-kernel back (:func:`hold`) and starts the compile once its loop runs ahead of the GPU.
+steps run (:func:`usable`).
 """
 
 from __future__ import annotations
@@ -131,11 +128,10 @@ def handles(logits: torch.Tensor, size: tuple[int, int]) -> bool:
 class _Compile:
     """One kernel's compile for (device, dtype, classes): done, and whether it worked."""
 
-    def __init__(self, held: bool = False) -> None:
+    def __init__(self) -> None:
         self.done = threading.Event()
         self.ok = False
         self.thread: threading.Thread | None = None  # the background compile, if any
-        self.held = held  # not to be compiled until compile_ahead is called (see hold)
 
 
 _compiles: dict[tuple, _Compile] = {}
@@ -178,11 +174,9 @@ def _start(device: torch.device, dtype: torch.dtype, classes: int, background: b
     key = _key(device, dtype, classes)
     with _compiles_lock:
         state = _compiles.get(key)
-        if state is not None and not (state.held and background):
+        if state is not None:
             return state
-        if state is None:
-            state = _compiles[key] = _Compile()
-        state.held = False
+        state = _compiles[key] = _Compile()
     if background:
         state.thread = threading.Thread(target=_compile, args=(device, dtype, classes, state),
                                         daemon=True, name="embedingest-masks-kernel")
@@ -222,22 +216,11 @@ def compile_ahead(device: str | torch.device, dtype: torch.dtype, classes: int) 
     return True
 
 
-def hold(device: str | torch.device, dtype: torch.dtype, classes: int) -> None:
-    """Until :func:`compile_ahead` is called for these scores, :func:`usable` says no
-    without compiling: the masks take the two steps. A kernel compiled or compiling
-    already is not held back."""
-    device = torch.device(device)
-    if device.type != "cuda" or dtype not in HALF or not 1 <= classes <= 256:
-        return
-    with _compiles_lock:
-        _compiles.setdefault(_key(device, dtype, classes), _Compile(held=True))
-
-
 def usable(logits: torch.Tensor, size: tuple[int, int]) -> bool:
     """Whether to take ``logits`` to ``size`` in one pass now: :func:`handles` them and the
     kernel is compiled for them. The first call compiles it here unless
-    :func:`compile_ahead` is at it or :func:`hold` holds it back (False meanwhile); False
-    for good where it did not compile (reported once)."""
+    :func:`compile_ahead` is at it (False meanwhile); False for good where it did not
+    compile (reported once)."""
     if not handles(logits, size):
         return False
     state = _start(logits.device, logits.dtype, logits.shape[1], background=False)

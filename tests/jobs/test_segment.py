@@ -733,7 +733,7 @@ def test_cli_options_match_the_config_fields():
 
 
 @pytest.mark.needs_cuda
-def test_segment_on_cuda_matches_cpu(tree, tmp_path, weights, no_leaks, monkeypatch):
+def test_segment_on_cuda_matches_cpu(tree, tmp_path, weights, no_leaks):
     images, sizes, bad = tree
     gpu = segment(config(images, tmp_path / "gpu", weights, device="cuda", dtype="fp32",
                          save_logits=True), progress=False)
@@ -745,12 +745,9 @@ def test_segment_on_cuda_matches_cpu(tree, tmp_path, weights, no_leaks, monkeypa
         a = np.asarray(Image.open(output_paths(tmp_path / "gpu", rel)["mask"]))
         b = np.asarray(Image.open(output_paths(tmp_path / "cpu", rel)["mask"]))
         assert a.shape == (h, w) and (a == b).mean() > 0.99, rel
-    from embedingest.jobs.segment import run as segment_run
-    from embedingest.stages import fused_argmax
-
-    monkeypatch.setattr(segment_run, "MASKS_KERNEL_AFTER", 0)  # this tree is a few batches
     fp16 = segment(config(images, tmp_path / "fp16", weights, device="cuda"), progress=False)
     assert fp16["dtype"] == "float16" and fp16["written"] == len(sizes)
+    from embedingest.stages import fused_argmax
 
     compiled = fused_argmax._compiles[(torch.device("cuda", torch.cuda.current_device()), torch.float16, NUM_CLASSES)]
     assert compiled.done.wait(120) and compiled.ok, "the masks' kernel, compiled in the job's thread"
@@ -765,14 +762,7 @@ def test_without_a_c_compiler_for_triton_the_masks_take_the_two_steps(tree, tmp_
     import sys
 
     images, sizes, bad = tree
-    # The job compiles the kernel from its first batch here (MASKS_KERNEL_AFTER: batch 16
-    # otherwise, which this small tree never reaches), and the process waits for the
-    # compile before it exits, so a failed one is reported within the run.
-    prelude = ("import atexit, sys; from embedingest.jobs.segment import run; run.MASKS_KERNEL_AFTER = 0; "
-               "from embedingest.stages import fused_argmax; "
-               "atexit.register(lambda: [c.thread.join(300) for c in list(fused_argmax._compiles.values()) "
-               "if c.thread]); from embedingest.cli import main; sys.argv[0] = 'embedingest'; main()")
-    args = [sys.executable, "-c", prelude, "segment", str(images), "--weights", str(weights),
+    args = [sys.executable, "-m", "embedingest", "segment", str(images), "--weights", str(weights),
             "--size", str(SIZE), "--batch-size", "3", "--device", "cuda", "--json"]
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton-cache"), "CC": str(tmp_path / "no-cc")}
     run = subprocess.run([*args, "--out", str(tmp_path / "two-steps")], env=env, capture_output=True,
@@ -990,72 +980,25 @@ def test_num_classes_and_timeline_through_the_cli(tmp_path, small):
 
 
 @pytest.mark.parametrize("resize", ["short", "fit"])
-def test_the_masks_kernel_is_held_back_until_the_loop_runs_where_masks_are_scaled(tmp_path, small, monkeypatch,
-                                                                                 resize):
-    """Scaled masks (``--resize short``): the job holds their one-pass kernel back (for the
-    scores' dtype and the weights' classes) and starts its compile in a thread at batch
-    ``MASKS_KERNEL_AFTER``, not before (its first use in a process takes a second of Python
-    work, which slowed the first batches while the GPU had little queued); a job of fewer
-    batches starts none. ``segment_images`` starts it at once. Letterboxed masks (``fit``)
-    take the argmax at model size and start no compile."""
+def test_the_masks_kernel_compiles_while_the_model_loads_where_masks_are_scaled(tmp_path, small, monkeypatch, resize):
+    """Scaled masks (``--resize short``) have their one-pass kernel compiled in a thread
+    from the start (for the scores' dtype and the weights' classes), in the job and in
+    ``segment_images``; letterboxed ones (``fit``) take the argmax at model size and start
+    no compile."""
     from embedingest.jobs.segment import run as segment_run
 
-    asked, held = [], []
+    asked = []
     monkeypatch.setattr(segment_run.fused_argmax, "compile_ahead", lambda *a: asked.append(a) or False)
-    monkeypatch.setattr(segment_run.fused_argmax, "hold", lambda *a: held.append(a))
-    monkeypatch.setattr(segment_run, "MASKS_KERNEL_AFTER", 2)
-    batches = []
-    real_image_masks = segment_run.Segmenter.image_masks
-
-    def image_masks(segmenter, logits, metas, full_max_pixels):
-        batches.append(len(asked))  # compiles asked for before each batch's masks
-        return real_image_masks(segmenter, logits, metas, full_max_pixels)
-
-    monkeypatch.setattr(segment_run.Segmenter, "image_masks", image_masks)
     images = tmp_path / "images"
     images.mkdir()
-    for i in range(4):
-        Image.fromarray(noise(20, 30)).save(images / f"{i}.png")
+    Image.fromarray(noise(20, 30)).save(images / "a.png")
+    summary = segment(config(images, tmp_path / "out", small, resize=resize), progress=False)
+    assert summary["written"] == 1
     want = [(torch.device("cpu"), torch.float32, NUM_CLASSES)] if resize == "short" else []
-    summary = segment(config(images, tmp_path / "out", small, resize=resize, batch_size=1), progress=False)
-    assert summary["written"] == 4
-    assert held == want and asked == want
-    assert batches == ([0, 0, 1, 1] if resize == "short" else [0, 0, 0, 0])
-    asked.clear(), held.clear()
-    small_job = segment(config(images, tmp_path / "out2", small, resize=resize, batch_size=2), progress=False)
-    assert small_job["written"] == 4 and held == want and asked == [], "two batches: no compile"
+    assert asked == want
+    asked.clear()
     [mask] = segment_images([noise(20, 30)], config(images, tmp_path / "out", small, resize=resize))
-    assert mask.shape == (20, 30) and asked == want, "segment_images() starts it at once"
-
-
-def test_the_masks_kernel_starts_where_its_batch_held_only_unreadable_images(tree, tmp_path, small, monkeypatch):
-    """A batch of unreadable images never reaches the forward: where it has the number
-    ``MASKS_KERNEL_AFTER``, the compile starts at the next batch that runs (it was never
-    started: the whole run took the two steps)."""
-    from embedingest.jobs.segment import run as segment_run
-
-    images, sizes, bad = tree
-    asked, numbers = [], []
-    monkeypatch.setattr(segment_run.fused_argmax, "compile_ahead", lambda *a: asked.append(numbers[-1]) or False)
-    real_run_batches = segment_run.run_batches
-
-    def run_batches(sinks, batches, steps, **kw):
-        def forward(batch_no, item, on_device):
-            numbers.append(batch_no)
-            return real_forward(batch_no, item, on_device)
-
-        real_forward = steps.forward
-        return real_run_batches(sinks, batches, dataclasses.replace(steps, forward=forward), **kw)
-
-    monkeypatch.setattr(segment_run, "run_batches", run_batches)
-    segment(config(images, tmp_path / "first", small, batch_size=2), progress=False)
-    gaps = sorted(set(range(numbers[-1])) - set(numbers))
-    assert gaps, f"no batch of unreadable images only among {numbers}"
-    monkeypatch.setattr(segment_run, "MASKS_KERNEL_AFTER", gaps[0])
-    numbers.clear(), asked.clear()
-    summary = segment(config(images, tmp_path / "second", small, batch_size=2), progress=False)
-    assert summary["written"] == len(sizes) and summary["skipped"] == len(bad)
-    assert asked == [min(n for n in numbers if n > gaps[0])]
+    assert mask.shape == (20, 30) and asked == want, "segment_images() too"
 
 
 def test_each_forward_is_marked_for_the_profiler(tmp_path, small, monkeypatch):

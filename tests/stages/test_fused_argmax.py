@@ -279,32 +279,3 @@ def test_a_compile_that_hangs_holds_a_fork_up_only_so_long(monkeypatch, no_compi
     finally:
         release.set()
         state.thread.join(30)
-
-
-def test_a_held_kernel_is_not_compiled_until_compile_ahead_starts_it(monkeypatch, no_compiles):
-    """``hold``: the masks take the two steps and nothing compiles (not even on the first
-    ``usable``, which otherwise compiles in its caller) until ``compile_ahead`` starts the
-    compile in a thread; a kernel compiled already is not held back."""
-    runs, kernel_sizes = [], []
-    monkeypatch.setattr(fused_argmax, "_first_run", lambda *args: runs.append(args))
-    monkeypatch.setattr(fused_argmax, "available", lambda: True)
-    monkeypatch.setattr(fused_argmax, "handles", lambda logits, size: True)
-    monkeypatch.setattr(fused_argmax, "_key", lambda device, dtype, classes: ("gpu", classes))
-    monkeypatch.setattr(fused_argmax, "scaled_argmax",
-                        lambda logits, size: kernel_sizes.append(size) or reference(logits, size))
-    logits = torch.randn((2, 7, 5, 5))
-    fused_argmax.hold("cuda:0", torch.float16, 7)
-    for _ in range(3):
-        assert not fused_argmax.usable(logits, (8, 8))
-        assert torch.equal(upsampled_argmax(logits, (8, 8)), reference(logits, (8, 8)))
-    assert runs == [] and kernel_sizes == []
-    assert fused_argmax.compile_ahead("cuda:0", torch.float16, 7)
-    assert fused_argmax._compiles[("gpu", 7)].done.wait(30)
-    assert runs == [(torch.device("cuda", 0), torch.float16, 7)]
-    assert fused_argmax.usable(logits, (8, 8))
-    assert torch.equal(upsampled_argmax(logits, (8, 8)), reference(logits, (8, 8))) and kernel_sizes == [(8, 8)]
-    fused_argmax.hold("cuda:0", torch.float16, 7)  # compiled: held back no more
-    assert fused_argmax.usable(logits, (8, 8)) and len(runs) == 1
-    fused_argmax.hold("cpu", torch.float16, 7)  # where the kernel never runs: nothing recorded
-    fused_argmax.hold("cuda:0", torch.float32, 7)
-    assert list(fused_argmax._compiles) == [("gpu", 7)]

@@ -135,26 +135,18 @@ def check_settings(config: SegmentConfig, loaded: SegmentationModel) -> None:
     _write_labels(config, loaded)
 
 
-# The batch at which the masks kernel starts to compile (in a thread; the masks take two
-# steps until it is done). Its first use in a process costs about a second of Python work
-# (fused_argmax), which at the start, while the GPU has little queued, slowed the first
-# batches several times over; a few batches in, the loop runs ahead of the GPU.
-MASKS_KERNEL_AFTER = 16
-
-
 def _model_and_engine(config: SegmentConfig, device: torch.device, full_max: int, images: int,
                       before_writes=None, loaded: SegmentationModel | None = None
                       ) -> tuple[SegmentationModel, Segmenter, EgressEngine, dict, float]:
     """The model (``loaded``, or loaded now) on ``device``, labels.json written,
     ``before_writes()`` called (what a run deletes is deleted only once the model and the
     folder's labels agree), and the engine started (its consumers start while the weights
-    go to the device); where masks are scaled to the images' sizes (``full_max``), their
-    kernel is held back until batch :data:`MASKS_KERNEL_AFTER`. Returns the engine's slot
-    spec and the seconds the model took too."""
+    go to the device, and the masks' kernel compiles in a thread where masks are scaled to
+    the images' sizes: ``full_max``); the engine's slot spec and the seconds the model took."""
     t0 = time.perf_counter()
     loaded = loaded if loaded is not None else load_model(config)
-    if full_max:  # masks scaled to the images' sizes: their kernel compiles once the loop runs
-        fused_argmax.hold(device, resolve_dtype(config.dtype, device), loaded.num_classes)
+    if full_max:  # masks scaled to the images' sizes: their kernel compiles meanwhile
+        fused_argmax.compile_ahead(device, resolve_dtype(config.dtype, device), loaded.num_classes)
     _write_labels(config, loaded)
     if before_writes is not None:
         before_writes()
@@ -216,7 +208,6 @@ def segment_on_device(config: SegmentConfig, device: torch.device, todo: list[tu
         raise
     timing = {"load_model_s": loading}
     shapes: Counter = Counter()
-    kernel_held = bool(full_max)  # the masks kernel, until its compile starts
 
     def send(batch: ImageBatch) -> torch.Tensor | None:
         if not batch.groups:
@@ -225,15 +216,10 @@ def segment_on_device(config: SegmentConfig, device: torch.device, todo: list[tu
 
     def forward(batch_no: int, batch: ImageBatch, pixels: torch.Tensor):
         """The masks (and logits) of a batch, in as few parts as fit a host slot."""
-        nonlocal kernel_held
         shapes[tuple(pixels.shape[:1]) + tuple(pixels.shape[2:])] += 1
         # a shape has one short batch, after its full ones: its size at that shape is
         # run once, so a convolution set-up for it would not pay
         once = len(batch) < config.batch_size
-        # >=: a batch of unreadable images only never reaches forward, its number is passed over
-        if kernel_held and batch_no >= MASKS_KERNEL_AFTER:
-            kernel_held = False
-            fused_argmax.compile_ahead(device, segmenter.dtype, segmenter.num_classes)
         with annotate("segment forward", "compute"):
             logits = segmenter.logits(pixels, once=once)
             masks, metas = segmenter.image_masks(logits, batch.items, full_max)
