@@ -68,3 +68,38 @@ def test_labels_of_other_settings_and_stats_are_refused(s3, tmp_path, small):
         segment(segment_config(images, s3.url("m"), small, stats=True), progress=False)
     with pytest.raises(ConfigError, match="cannot list 's3://no-such-bucket-here'"):
         segment(segment_config(images, "s3://no-such-bucket-here/m", small), progress=False)
+
+
+def test_an_unfinished_overwrite_into_a_bucket_is_finished_by_an_overwrite_only(s3, tmp_path, small, monkeypatch):
+    """The local folder's rule in object storage: an --overwrite stopped part-way leaves
+    its mark object, a resume is refused (it would keep the masks made before as done),
+    and the overwrite that redoes every image removes the mark."""
+    import embedingest.jobs.segment as job
+    from embedingest.jobs.segment.overwrite_mark import OVERWRITING
+
+    images = tmp_path / "images"
+    sizes = image_tree(images)
+    url = s3.url("masks/over")
+    mark = f"{s3.name}/masks/over/{OVERWRITING}"
+    assert segment(segment_config(images, url, small), progress=False)["written"] == len(sizes)
+    real = job.segment_on_device
+
+    def stopped(config, *args, before_writes=None, **kw):
+        before_writes()
+        raise KeyboardInterrupt  # after the labels and the mark, before the images are all redone
+
+    monkeypatch.setattr(job, "segment_on_device", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        segment(segment_config(images, url, small, overwrite=True), progress=False)
+    monkeypatch.setattr(job, "segment_on_device", real)
+    s3.fs.invalidate_cache()
+    assert s3.fs.exists(mark)
+    with pytest.raises(ConfigError) as err:
+        segment(segment_config(images, url, small), progress=False)
+    assert str(err.value) == (f"a segment --overwrite run into {url!r} stopped before it redid every image, "
+                              "so masks made with the settings before it may remain beside its own: run it "
+                              "again with --overwrite")
+    assert segment(segment_config(images, url, small, overwrite=True), progress=False)["written"] == len(sizes)
+    s3.fs.invalidate_cache()
+    assert not s3.fs.exists(mark)
+    assert segment(segment_config(images, url, small), progress=False)["already_done"] == len(sizes)

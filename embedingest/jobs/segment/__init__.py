@@ -38,7 +38,6 @@ from ...config import SegmentConfig, load_config
 from ...errors import ConfigError
 from ...exit_codes import exit_code
 from ...index.lock import RUN_LOCK, RunLock
-from ...outfiles import atomic_write_bytes
 from ...report import REPORT_NAME, SkipReport
 from ...scaleout.devices import devices_of
 from ...sinks.mask_stats import (STATS_DIR, drop_stats_rows, foreign_entries, part_files, remove_parts,
@@ -54,6 +53,7 @@ from ...stages.segmentation import Segmenter, SegmentationModel, load_segmentati
 from ...terminal import counted
 from .devices import segment_on_devices
 from .listing import first_output_file, list_inputs, remove_stale_tmp_files
+from .overwrite_mark import OVERWRITING, clear_mark, refuse_unfinished, set_mark
 from .run import check_settings, load_model, refuse_slow_precision, segment_on_device
 
 __all__ = ["SegmentConfig", "list_inputs", "segment", "segment_images"]
@@ -111,8 +111,8 @@ def _run(config: SegmentConfig, out: Path, remote_out: bool, devices: list, devi
     with (contextlib.nullcontext() if remote_out else
           RunLock(out, job="segment run", resumes="every mask written so far is kept", writers=False)):
         try:
-            if not remote_out and not config.overwrite:
-                _refuse_unfinished_overwrite(out)
+            if not config.overwrite:
+                refuse_unfinished(config.out)
             # The weights are read and the model built while the images are listed, in a
             # thread that ends before any process is forked; with several devices only
             # checked (on the meta device), each device process loads its own.
@@ -126,8 +126,8 @@ def _run(config: SegmentConfig, out: Path, remote_out: bool, devices: list, devi
                 if not remote_out:  # an object is whole or absent: nothing half-written to delete
                     remove_stale_tmp_files(out, todo)
             loaded = loading.result()
-            if config.overwrite and not remote_out:  # the weights read: from here the folder changes
-                atomic_write_bytes(out / OVERWRITING, f"{os.getpid()}\n".encode())
+            if config.overwrite:  # the weights read: from here the folder changes
+                set_mark(config.out)
             phases["list_s"] = time.perf_counter() - t0
             # images found: those to do, those done, and those the listing skipped (named
             # outputs taken, links out of the folder): so written + done + skipped add up
@@ -142,8 +142,8 @@ def _run(config: SegmentConfig, out: Path, remote_out: bool, devices: list, devi
             elif todo:
                 summary.update(segment_on_device(config, device, todo, report, progress, timeline, trace=trace,
                                                  before_writes=redo, loaded=loaded))
-            if config.overwrite and not remote_out:
-                (out / OVERWRITING).unlink(missing_ok=True)  # every image redone: the folder is whole
+            if config.overwrite:
+                clear_mark(config.out)
             phases["segment_s"] = time.perf_counter() - t0 - phases["list_s"]
         finally:
             report_path = _write_report(report, config.out) if remote_out else report.write(out)
@@ -175,21 +175,6 @@ def _refuse_unlabelled(out: Path, done: int, images: str) -> None:
                                           counted(len(parts), "--stats part") if parts else ""]))
         raise ConfigError(f"{str(out)!r} holds {held} but no {LABELS_FILE}, which says the model that made "
                           "them: pass --overwrite to redo every image, or give another --out")
-
-
-# Written by an --overwrite run before it replaces labels.json, deleted once it redid every
-# image: while it is there, the folder may hold masks of the settings before that run.
-OVERWRITING = ".overwrite-unfinished"
-
-
-def _refuse_unfinished_overwrite(out: Path) -> None:
-    """Refuse a folder an --overwrite run left unfinished (killed, stopped, failed): its
-    labels are the new settings', but the images it had not redone still have masks of
-    the old ones, which a resume would keep as done."""
-    if os.path.lexists(out / OVERWRITING):
-        raise ConfigError(f"a segment --overwrite run into {str(out)!r} stopped before it redid every image, "
-                          "so masks made with the settings before it may remain beside its own: run it "
-                          "again with --overwrite")
 
 
 def _refuse_stats_file(out: Path) -> None:
