@@ -203,14 +203,14 @@ def test_resume_skips_done_images_and_overwrite_redoes_them(tmp_path, small):
     first = segment(config(images, out, small), progress=False)
     assert first["written"] == 3 and first["skipped"] == 1
     done = output_paths(out, "a.png")["mask"]
-    os.utime(done, (1, 1))
+    kept = done.stat().st_ino  # a mask written again is a new file (written aside, then replaced)
     output_paths(out, "sub/c.webp")["mask"].unlink()
     again = segment(config(images, out, small), progress=False)
     assert again["already_done"] == 2 and again["written"] == 1
     assert again["skipped"] == 1, "bad files are retried and reported again"
-    assert done.stat().st_mtime == 1
+    assert done.stat().st_ino == kept
     redo = segment(config(images, out, small, overwrite=True), progress=False)
-    assert redo["written"] == 3 and done.stat().st_mtime != 1
+    assert redo["written"] == 3 and done.stat().st_ino != kept
     (images / "bad.png").unlink()
     nothing = segment(config(images, out, small), progress=False)
     assert nothing["written"] == 0 and nothing["already_done"] == 3
@@ -282,6 +282,32 @@ def test_an_unfinished_overwrite_is_finished_by_an_overwrite_only(tmp_path, smal
     assert segment(config(images, out, small, overwrite=True), progress=False)["written"] == 3
     assert hidden_files(out) == []  # the mark goes once every image is redone
     assert segment(config(images, out, small), progress=False)["already_done"] == 3
+
+
+def test_a_photograph_replaced_since_its_mask_is_redone_even_with_an_older_mtime(tmp_path, small, caplog):
+    """A photograph replaced by another of the same name kept the first one's mask (and
+    statistics row) on every resume. Now it is redone, also where the copy kept an older
+    modification time (``cp -p``): its status-change time is what is compared."""
+    import logging
+
+    import pandas as pd
+
+    images, out = three_images(tmp_path)
+    segment(config(images, out, small, stats=True), progress=False)
+    untouched = output_paths(out, "0.png")["mask"].stat().st_ino
+    replaced = images / "1.png"
+    Image.fromarray(noise(41, 17, seed=9)).save(tmp_path / "new.png")
+    os.replace(tmp_path / "new.png", replaced)
+    os.utime(replaced, (1, 1))  # older than every mask
+    with caplog.at_level(logging.INFO, logger="embedingest"):
+        again = segment(config(images, out, small, stats=True), progress=False)
+    assert (again["written"], again["already_done"]) == (1, 2)
+    assert "1 image changed since its mask was written: redone" in caplog.text
+    assert np.asarray(Image.open(output_paths(out, "1.png")["mask"])).shape == (41, 17)
+    assert output_paths(out, "0.png")["mask"].stat().st_ino == untouched
+    table = pd.read_parquet(out / "stats").set_index("source")
+    assert len(table) == 3 and tuple(table.loc["1.png", ["width", "height"]]) == (17, 41)
+    assert segment(config(images, out, small, stats=True), progress=False)["already_done"] == 3
 
 
 def test_overwrite_drops_each_image_s_earlier_overlay_and_logits(tmp_path, small):

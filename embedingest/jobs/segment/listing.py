@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import posixpath
 from collections.abc import Iterable, Iterator
@@ -20,6 +21,9 @@ from ...sources.files import walk_files
 from ...sources.names import has_extension, name_as_text
 from ...sources.remote import is_remote, walk_remote
 from ...sources.image_decode import IMAGE_EXTENSIONS
+from ...terminal import counted
+
+log = logging.getLogger("embedingest")
 
 
 def list_inputs(config: SegmentConfig, report: SkipReport) -> tuple[list[tuple[str, str]], int]:
@@ -35,7 +39,10 @@ def list_inputs(config: SegmentConfig, report: SkipReport) -> tuple[list[tuple[s
     with_row = ({source for source, n in row_counts(out).items() if n == 1}
                 if config.stats and not config.overwrite else set())
     local = not is_remote(config.out)
-    todo, done = [], 0
+    # a done image whose file changed since is redone: local files only (an object's
+    # listing has no status-change time)
+    stamps = local and not is_remote(config.images)
+    todo, done, changed = [], 0, 0
     images = list(_images(config.images, report, out, config.follow_outside_links))
     folders = _output_folders(rel for rel, _ in images)
     input_below = None if is_remote(config.out) else input_under_out(config.images, out)
@@ -53,10 +60,28 @@ def list_inputs(config: SegmentConfig, report: SkipReport) -> tuple[list[tuple[s
             continue
         if (not config.overwrite and all(present.has(folder, name + s) for s in suffixes)
                 and (not config.stats or name_as_text(rel) in with_row)):
-            done += 1
+            if stamps and changed_since_mask(full, os.path.join(out, rel + MASK_SUFFIX)):
+                changed += 1
+                todo.append((rel, full))
+            else:
+                done += 1
         else:
             todo.append((rel, full))
+    if changed:
+        log.info("%s changed since %s written: redone", counted(changed, "image"),
+                 "its mask was" if changed == 1 else "their masks were")
     return todo, done
+
+
+def changed_since_mask(image: str, mask: str) -> bool:
+    """Whether the file at ``image`` changed after its ``mask`` was written. Its status-change
+    time is compared, not its modification time: a photograph replaced or rewritten has a
+    later one even where the copy kept an older modification time (``cp -p``, ``rsync -a``),
+    which no tool can set back. A status change alone (``chmod``, a rename) redoes it once."""
+    try:
+        return os.stat(image).st_ctime_ns > os.stat(mask, follow_symlinks=False).st_mtime_ns
+    except OSError:  # gone or unreadable: the run reports it where it reads it
+        return False
 
 
 # The job's own names at the top of the output folder: an input folder of one of these
