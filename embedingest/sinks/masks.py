@@ -49,7 +49,7 @@ from ..errors import ConfigError
 from ..outfiles import atomic_write_bytes, ensure_folder
 from ..sources.files import NotRegularFile, open_regular, reads_within
 from ..sources.image_decode import ImageMeta, ImageRejected, open_rgb
-from ..sources.remote import is_remote
+from ..sources.remote import is_remote, url_fs
 
 LABELS_FILE = "labels.json"
 MASK_SUFFIX = ".png"
@@ -191,7 +191,7 @@ def write_labels(out: str | os.PathLike, info: dict, replace: bool = False) -> P
     whose labels differ, unless ``replace``."""
     data = (json.dumps(info, indent=2) + "\n").encode()
     if is_remote(out):
-        fs, root = _url_fs(out)
+        fs, root = url_fs(out)
         path = f"{root}/{LABELS_FILE}"
         try:
             old = fs.cat_file(path)
@@ -270,14 +270,6 @@ def _described(differ: list[str], old: dict, info: dict, most: int = 3) -> list[
     return found[:most]
 
 
-def _url_fs(url: str):
-    """(fsspec filesystem, root path) of an output URL."""
-    import fsspec
-
-    fs, root = fsspec.core.url_to_fs(str(url).rstrip("/"))
-    return fs, root.rstrip("/")
-
-
 @dataclass
 class MaskSinkFactory:
     """Picklable: the engine sends it to each consumer and calls it there once."""
@@ -324,7 +316,7 @@ class MaskSink:
         self._remote = None  # (filesystem, root path) where ``out`` is a URL
         self._stage = Path(factory.out)
         if is_remote(factory.out):
-            self._remote = _url_fs(factory.out)
+            self._remote = url_fs(factory.out)
             self._stage = Path(tempfile.mkdtemp(prefix="embedingest-masks-"))
         self.stats = None
         if factory.stats:

@@ -95,6 +95,14 @@ def _fs(url: str):
                           f"such as s3://bucket/prefix") from exc
 
 
+def url_fs(url: str):
+    """(fsspec filesystem, root path without a trailing slash) of an output URL or prefix."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(str(url).rstrip("/"))
+    return fs, root.rstrip("/")
+
+
 def access_error(url: str, exc: BaseException) -> ConfigError:
     """The error for a URL that cannot be listed at all: which URL, what was wrong, what
     to do."""

@@ -46,7 +46,7 @@ from ...sinks.masks import LABELS_FILE, restore_mask
 from ...sources.files import refuse_output_as_input
 from ...sources.image_decode import ImageRejected
 from ...sources.images import input_shape, prepare_file, prepare_picture
-from ...sources.remote import check_remote, is_remote, local_path
+from ...sources.remote import check_remote, is_remote, local_path, url_fs
 from ...stages import fused_argmax
 from ...stages.device import resolve_device
 from ...stages.segmentation import Segmenter, SegmentationModel, load_segmentation_model
@@ -252,10 +252,8 @@ def _write_report(report: SkipReport, url: str) -> str:
     temporary folder, uploaded in one PUT); its URL."""
     import tempfile
 
-    import fsspec
-
-    fs, root = fsspec.core.url_to_fs(url.rstrip("/"))
-    path = f"{root.rstrip('/')}/{REPORT_NAME}"
+    fs, root = url_fs(url)
+    path = f"{root}/{REPORT_NAME}"
     with tempfile.TemporaryDirectory(prefix="embedingest-report-") as folder:
         try:
             fs.get_file(path, os.path.join(folder, REPORT_NAME))

@@ -19,7 +19,7 @@ from ...sinks.mask_stats import STATS_DIR, row_counts
 from ...sinks.masks import LABELS_FILE, LOGITS_SUFFIX, MASK_SUFFIX, OVERLAY_SUFFIX
 from ...sources.files import walk_files
 from ...sources.names import has_extension, name_as_text
-from ...sources.remote import is_remote, walk_remote
+from ...sources.remote import is_remote, url_fs, walk_remote
 from ...sources.image_decode import IMAGE_EXTENSIONS
 from ...terminal import counted
 
@@ -269,9 +269,7 @@ class _RemoteNames(_FolderNames):
     def has(self, folder: str, name: str) -> bool:
         names = self.names.get(folder)
         if names is None:
-            import fsspec
-
-            fs, root = fsspec.core.url_to_fs(posixpath.join(self.out.rstrip("/"), folder).rstrip("/"))
+            fs, root = url_fs(posixpath.join(self.out.rstrip("/"), folder))
             try:
                 names = frozenset(e["name"].rstrip("/").rsplit("/", 1)[-1]
                                   for e in fs.ls(root, detail=True, refresh=True) if e.get("type") == "file")

@@ -9,17 +9,15 @@ from pathlib import Path
 
 from ...errors import ConfigError
 from ...outfiles import atomic_write_bytes
-from ...sources.remote import is_remote
+from ...sources.remote import is_remote, url_fs
 
 OVERWRITING = ".overwrite-unfinished"
 
 
 def _object(out: str):
     """(fsspec filesystem, the mark's path) of an output URL."""
-    import fsspec
-
-    fs, root = fsspec.core.url_to_fs(str(out).rstrip("/"))
-    return fs, f"{root.rstrip('/')}/{OVERWRITING}"
+    fs, root = url_fs(out)
+    return fs, f"{root}/{OVERWRITING}"
 
 
 def refuse_unfinished(out: str) -> None:
