@@ -780,6 +780,46 @@ def test_segment_on_cuda_matches_cpu(tree, tmp_path, weights, no_leaks):
 
 
 @pytest.mark.needs_cuda
+def test_each_full_batch_shape_is_warmed_ahead_and_the_masks_do_not_change(tmp_path, weights, monkeypatch):
+    """On CUDA every full batch's shape is run once ahead, in the warming thread, before
+    the loop's batch of it (cuDNN's set-up off the loop); no short batch's; the masks are
+    those of a run that warms nothing, byte for byte."""
+    import threading
+
+    images = tmp_path / "photos"
+    sizes = photo_set(images)
+    warm, logits, calls, warmed = Segmenter.warm, Segmenter.logits, [], threading.Condition()
+
+    def warm_and_tell(self, shape):
+        warm(self, shape)
+        with warmed:
+            calls.append((shape, threading.current_thread().name))
+            warmed.notify_all()
+
+    def loop_waits_for_its_warm_up(self, x, once=False):
+        """The loop's full batch goes once its shape is warmed (a run this small would
+        otherwise end before the thread got to every shape)."""
+        if threading.current_thread() is threading.main_thread() and not once:
+            shape = (x.shape[0], x.shape[2], x.shape[3])
+            with warmed:
+                assert warmed.wait_for(lambda: shape in [c for c, _ in calls], 120), (shape, calls)
+        return logits(self, x, once)
+
+    monkeypatch.setattr(Segmenter, "warm", warm_and_tell)
+    monkeypatch.setattr(Segmenter, "logits", loop_waits_for_its_warm_up)
+    summary = segment(config(images, tmp_path / "warmed", weights, batch_size=4, device="cuda"), progress=False)
+    full = sorted((n, h, w) for n, h, w, _ in summary["batch_shapes"] if n == 4)
+    assert full and sorted(shape for shape, _ in calls) == full, (calls, summary["batch_shapes"])
+    assert {name for _, name in calls} == {"embedingest-warm-ahead"}
+    monkeypatch.setattr(Segmenter, "logits", logits)
+    monkeypatch.setattr(Segmenter, "warm", lambda self, shape: None)
+    cold = segment(config(images, tmp_path / "cold", weights, batch_size=4, device="cuda"), progress=False)
+    assert cold["written"] == summary["written"] == len(sizes)
+    for rel in sizes:
+        assert np.array_equal(mask_of(tmp_path / "warmed", rel), mask_of(tmp_path / "cold", rel)), rel
+
+
+@pytest.mark.needs_cuda
 def test_without_a_c_compiler_for_triton_the_masks_take_the_two_steps(tree, tmp_path, weights):
     """Triton builds its launcher with the system's C compiler; on a machine without one
     (``CC`` pointing nowhere, an empty Triton cache) the command still ends 0, says once

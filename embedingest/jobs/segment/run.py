@@ -32,6 +32,7 @@ from ...stages import fused_argmax
 from ...stages.device import resolve_dtype
 from ...stages.segmentation import (Segmenter, SegmentationModel, load_segmentation_model,
                                     preset_preprocessing)
+from ...stages.warm_ahead import WarmAhead
 
 
 def slot_spec(config: SegmentConfig, num_classes: int, images: int) -> dict:
@@ -72,8 +73,9 @@ def _parts(metas: list[ImageMeta], masks: list[torch.Tensor], logits: list[torch
 
 
 def _decoders(config: SegmentConfig, device: torch.device, todo: list[tuple[str, str]], prep,
-              workers: int) -> tuple[HeaderReaders, ShapeBatchSampler, WorkerLoader]:
-    """The header readers, the batch plan and the DataLoader that decodes the images."""
+              workers: int, on_batch=None) -> tuple[HeaderReaders, ShapeBatchSampler, WorkerLoader]:
+    """The header readers, the batch plan (``on_batch(size, shape)`` told of each batch
+    planned) and the DataLoader that decodes the images."""
     # Headers are read by processes of their own (a few per cent of the decoding's work), so
     # this process, which drives the GPU, does nothing per image.
     headers = HeaderReaders(max(1, workers // 8) if workers and config.resize != "fit" else 0,
@@ -81,7 +83,7 @@ def _decoders(config: SegmentConfig, device: torch.device, todo: list[tuple[str,
     # batches of one shape planned from the headers; regroup joins their chunks, taken as
     # the workers finish them (in order, one slow chunk would hold back every batch behind
     # it while the other workers sat finished)
-    sampler = ShapeBatchSampler(todo, prep, config.batch_size, read_sizes=headers)
+    sampler = ShapeBatchSampler(todo, prep, config.batch_size, read_sizes=headers, on_batch=on_batch)
     loader = WorkerLoader(
         ImageFileDataset(todo, prep, config.max_pixels or None,
                          input_folder(config.images, config.follow_outside_links)),
@@ -194,7 +196,15 @@ def segment_on_device(config: SegmentConfig, device: torch.device, todo: list[tu
     # device, read while the images were listed) and the engine's consumers start.
     prep = preset_preprocessing(config.arch, config.resize, config.size)
     workers = min(share_of_cpus(config.num_workers, processes), -(-len(todo) // config.batch_size))
-    headers, sampler, loader = _decoders(config, device, todo, prep, workers)
+    # cuDNN's set-up for each new shape of a full batch (a short one runs without cuDNN, see
+    # ``forward``) is made in a thread as the batch is planned, long before it is decoded
+    warm = WarmAhead(lambda shape: segmenter.warm(shape)) if device.type == "cuda" else None
+
+    def planned(size: int, shape: tuple[int, int] | None) -> None:
+        if warm is not None and shape is not None and size == config.batch_size:
+            warm.add((size, *shape))
+
+    headers, sampler, loader = _decoders(config, device, todo, prep, workers, planned)
     headers.start()
     sampler.read_ahead()  # the readers read while the decoders fork
     batches = regroup(iter(loader), sampler.chunk_batch)
@@ -206,6 +216,8 @@ def segment_on_device(config: SegmentConfig, device: torch.device, todo: list[tu
         batches.close()  # the decoders' iterator goes with it: they are shut down
         headers.close()
         raise
+    if warm is not None:
+        warm.start()
     timing = {"load_model_s": loading}
     shapes: Counter = Counter()
 
@@ -230,8 +242,9 @@ def segment_on_device(config: SegmentConfig, device: torch.device, todo: list[tu
         return _parts(metas, masks, crops, spec)
 
     # disable=None: a bar on a terminal only, never in logs or pipes.
-    with headers, tqdm(total=len(todo), unit="img", desc="segment", dynamic_ncols=True,
-                       disable=None if progress else True) as bar:
+    with headers, warm or contextlib.nullcontext(), tqdm(total=len(todo), unit="img", desc="segment",
+                                                         dynamic_ncols=True,
+                                                         disable=None if progress else True) as bar:
 
         def done(batch: ImageBatch) -> None:
             bar.update(len(batch) + len(batch.bad))
