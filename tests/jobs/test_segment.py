@@ -780,38 +780,32 @@ def test_segment_on_cuda_matches_cpu(tree, tmp_path, weights, no_leaks):
 
 
 @pytest.mark.needs_cuda
-def test_each_full_batch_shape_is_warmed_ahead_and_the_masks_do_not_change(tmp_path, weights, monkeypatch):
-    """On CUDA every full batch's shape is run once ahead, in the warming thread, before
-    the loop's batch of it (cuDNN's set-up off the loop); no short batch's; the masks are
-    those of a run that warms nothing, byte for byte."""
+def test_each_full_batch_shape_is_set_up_once_ahead_and_the_masks_do_not_change(tmp_path, weights, monkeypatch):
+    """On CUDA each full batch's shape is set up once: in the warming thread, ahead of the
+    loop (here while the engine starts, made slow), or by the loop where the thread had not
+    got to it; no short batch's shape; the masks are those of a run that warms nothing,
+    byte for byte."""
     import threading
+
+    from embedingest.engine import EgressEngine
+    from embedingest.stages.warm_ahead import WarmAhead
 
     images = tmp_path / "photos"
     sizes = photo_set(images)
-    warm, logits, calls, warmed = Segmenter.warm, Segmenter.logits, [], threading.Condition()
-
-    def warm_and_tell(self, shape):
-        warm(self, shape)
-        with warmed:
-            calls.append((shape, threading.current_thread().name))
-            warmed.notify_all()
-
-    def loop_waits_for_its_warm_up(self, x, once=False):
-        """The loop's full batch goes once its shape is warmed (a run this small would
-        otherwise end before the thread got to every shape)."""
-        if threading.current_thread() is threading.main_thread() and not once:
-            shape = (x.shape[0], x.shape[2], x.shape[3])
-            with warmed:
-                assert warmed.wait_for(lambda: shape in [c for c, _ in calls], 120), (shape, calls)
-        return logits(self, x, once)
-
-    monkeypatch.setattr(Segmenter, "warm", warm_and_tell)
-    monkeypatch.setattr(Segmenter, "logits", loop_waits_for_its_warm_up)
+    warm, claim, start = Segmenter.warm, WarmAhead.claim, EgressEngine.start
+    warmed, claimed = [], []
+    monkeypatch.setattr(Segmenter, "warm", lambda self, shape: (
+        warmed.append((shape, threading.current_thread().name)), warm(self, shape))[1])
+    monkeypatch.setattr(WarmAhead, "claim", lambda self, key, **kw: (
+        claimed.append((key, self._state.get(key))), claim(self, key, **kw))[1])
+    monkeypatch.setattr(EgressEngine, "start", lambda self: (time.sleep(3), start(self))[1])
     summary = segment(config(images, tmp_path / "warmed", weights, batch_size=4, device="cuda"), progress=False)
     full = sorted((n, h, w) for n, h, w, _ in summary["batch_shapes"] if n == 4)
-    assert full and sorted(shape for shape, _ in calls) == full, (calls, summary["batch_shapes"])
-    assert {name for _, name in calls} == {"embedingest-warm-ahead"}
-    monkeypatch.setattr(Segmenter, "logits", logits)
+    by_loop = [key for key, state in claimed if state in ("queued", None)]
+    assert full and sorted({key for key, _ in claimed}) == full, (claimed, summary["batch_shapes"])
+    assert sorted([shape for shape, _ in warmed] + by_loop) == full, "each set up once"
+    assert {name for _, name in warmed} == {"embedingest-warm-ahead"}
+    assert claimed[0][1] == "done", "the first shape was warmed while the engine started"
     monkeypatch.setattr(Segmenter, "warm", lambda self, shape: None)
     cold = segment(config(images, tmp_path / "cold", weights, batch_size=4, device="cuda"), progress=False)
     assert cold["written"] == summary["written"] == len(sizes)
