@@ -203,27 +203,20 @@ def _forward_alone(cfg: PhotoBenchConfig, device: str, calls: list[list], masks:
 
 
 class _Calls:
-    """Records ``Segmenter.logits``'s calls ([n, h, w, once] each) made by this thread (the
-    job's loop; not the calls a warming thread makes ahead, see ``stages.warm_ahead``)
-    while the block runs, and with each the sizes its ``image_masks`` call was given
-    ([width, height, content_width, content_height] per image) and its ``full_max_pixels``."""
+    """Records ``Segmenter.logits``'s calls ([n, h, w, once] each) while the block runs,
+    and with each the sizes its ``image_masks`` call was given ([width, height,
+    content_width, content_height] per image) and its ``full_max_pixels``."""
 
     def __enter__(self) -> list:
-        import threading
-
         from ..stages.segmentation import Segmenter
 
         self.real, self.real_masks, self.calls = Segmenter.logits, Segmenter.image_masks, []
-        loop = threading.current_thread()
 
         def logits(segmenter, pixels, once=False):
-            if threading.current_thread() is loop:
-                self.calls.append([pixels.shape[0], pixels.shape[2], pixels.shape[3], bool(once)])
+            self.calls.append([pixels.shape[0], pixels.shape[2], pixels.shape[3], bool(once)])
             return self.real(segmenter, pixels, once)
 
         def image_masks(segmenter, logits, metas, full_max_pixels):
-            if threading.current_thread() is not loop:
-                return self.real_masks(segmenter, logits, metas, full_max_pixels)
             self.calls[-1].append(([[m.width, m.height, m.content_width, m.content_height] for m in metas],
                                    full_max_pixels))
             return self.real_masks(segmenter, logits, metas, full_max_pixels)

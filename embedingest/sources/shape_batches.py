@@ -174,15 +174,11 @@ class ShapeBatchSampler:
     Runs in the process iterating the DataLoader, as it asks for more batches, taking
     every header already read each time (so the end of the headers, and with it every
     short batch, is known early) and waiting for more only when no batch is ready.
-    A shape's short batch goes after its full ones. ``on_batch(size, shape)`` is told of
-    each batch as it is planned (its model input (height, width), None for a file whose
-    header could not be read), well before its images are decoded: a caller may prepare
-    the model for the shape meanwhile.
+    A shape's short batch goes after its full ones.
     """
 
     def __init__(self, files: Sequence[tuple[str, str]], prep: Preprocessing, batch_size: int,
-                 chunk_size: int | None = None, read_sizes: SizeReader = read_here,
-                 on_batch: Callable[[int, tuple[int, int] | None], None] | None = None):
+                 chunk_size: int | None = None, read_sizes: SizeReader = read_here):
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size}: must be at least 1")
         self.files = files
@@ -190,7 +186,6 @@ class ShapeBatchSampler:
         self.batch_size = batch_size
         self.chunk_size = chunk_size or (batch_size if prep.resize == "fit" else max(1, batch_size // 4))
         self.read_sizes = read_sizes
-        self.on_batch = on_batch
         # each list yielded and not yet asked about, by its first index
         self._places: dict[int, ChunkPlace] = {}
         self._ahead: SizeStream | None = None  # headers asked for before the first iteration
@@ -216,16 +211,14 @@ class ShapeBatchSampler:
 
     def __iter__(self) -> Iterator[list[int]]:
         self._places.clear()
-        for number, (batch, shape) in enumerate(self._batches()):
-            if self.on_batch is not None:
-                self.on_batch(len(batch), shape)
+        for number, batch in enumerate(self._batches()):
             parts = -(-len(batch) // self.chunk_size)
             for part in range(parts):
                 chunk = batch[part * self.chunk_size:(part + 1) * self.chunk_size]
                 self._places[chunk[0]] = ChunkPlace(number, part, parts)
                 yield chunk
 
-    def _batches(self) -> Iterator[tuple[list[int], tuple[int, int] | None]]:
+    def _batches(self) -> Iterator[list[int]]:
         stream = self._ahead if self._ahead is not None else self.shapes()
         self._ahead = None
         waiting: dict[tuple[int, int], list[int]] = {}
@@ -253,7 +246,7 @@ class ShapeBatchSampler:
             if full:
                 batch, shape = full.popleft()
                 ahead[shape] -= 1
-                yield batch, shape
+                yield batch
                 continue
             shapes = stream.next()
             if shapes is None:
@@ -261,7 +254,7 @@ class ShapeBatchSampler:
             add(shapes)
         # the short batches (the fullest first), spread over the full ones still to go
         shorts = sorted(waiting.items(), key=lambda item: len(item[1]), reverse=True)
-        free = deque((batch, shape) for shape, batch in shorts if not ahead[shape])
+        free = deque(batch for shape, batch in shorts if not ahead[shape])
         held = {shape: batch for shape, batch in shorts if ahead[shape]}
         total_full, total_short, sent_full, sent_short = len(full), len(shorts), 0, 0
         while full or free or held:
@@ -271,15 +264,15 @@ class ShapeBatchSampler:
                 yield free.popleft()
                 continue
             if not full:  # only held ones left: their shapes' full batches are all out
-                free.extend((batch, shape) for shape, batch in held.items())
+                free.extend(held.values())
                 held.clear()
                 continue
             batch, shape = full.popleft()
             sent_full += 1
             ahead[shape] -= 1
-            yield batch, shape
+            yield batch
             if shape in held and not ahead[shape]:
-                free.append((held.pop(shape), shape))
+                free.append(held.pop(shape))
 
 
 class _Fixed:

@@ -350,14 +350,6 @@ class Segmenter:
                 return self.model(self.preprocess(pixels))["out"]
         return self.model(self.preprocess(pixels))["out"]
 
-    def warm(self, shape: tuple[int, int, int]) -> None:
-        """One forward on zeros at model input ``shape`` (batch, height, width), on this
-        thread's current stream, nothing kept or waited for: on CUDA, cuDNN's set-up for
-        the shape is then cached for the batch that comes with it (:mod:`.warm_ahead`)."""
-        n, h, w = shape
-        with torch.inference_mode():
-            self.logits(torch.zeros((n, 3, h, w), dtype=torch.uint8, device=self.device))
-
     @staticmethod
     def masks(logits: torch.Tensor) -> torch.Tensor:
         """Argmax over classes where the logits are (the GPU): uint8 [B, H, W], a C-th of the bytes."""

@@ -82,10 +82,8 @@ def test_the_warm_up_is_the_timed_job_with_masks_at_the_model_s_size(tmp_path):
 
 
 def test_the_calls_recorded_replay_the_jobs_masks(monkeypatch):
-    """_Calls keeps each batch's image sizes (the loop's calls only), and the replay with
-    ``masks`` computes each batch's masks at those sizes, as the job did."""
-    import threading
-
+    """_Calls keeps each batch's image sizes, and the replay with ``masks`` computes
+    each batch's masks at those sizes, as the job did."""
     import torch
 
     from embedingest.bench import segment_photos
@@ -98,10 +96,6 @@ def test_the_calls_recorded_replay_the_jobs_masks(monkeypatch):
     with segment_photos._Calls() as calls:
         logits = segmenter.logits(torch.zeros((2, 3, 26, 32), dtype=torch.uint8), once=True)
         masks, _ = segmenter.image_masks(logits, metas, 4000)
-        # a warming thread's forward (stages.warm_ahead) is not one of the job's batches
-        ahead = threading.Thread(target=segmenter.warm, args=((4, 26, 32),))
-        ahead.start()
-        ahead.join()
     assert calls == [[2, 26, 32, True, ([[50, 40, 32, 26], [100, 80, 32, 26]], 4000)]]
     assert [tuple(m.shape) for m in masks] == [(40, 50), (26, 32)]  # the second is over 4000 pixels
     seen = []

@@ -780,40 +780,6 @@ def test_segment_on_cuda_matches_cpu(tree, tmp_path, weights, no_leaks):
 
 
 @pytest.mark.needs_cuda
-def test_each_full_batch_shape_is_set_up_once_ahead_and_the_masks_do_not_change(tmp_path, weights, monkeypatch):
-    """On CUDA each full batch's shape is set up once: in the warming thread, ahead of the
-    loop (here while the engine starts, made slow), or by the loop where the thread had not
-    got to it; no short batch's shape; the masks are those of a run that warms nothing,
-    byte for byte."""
-    import threading
-
-    from embedingest.engine import EgressEngine
-    from embedingest.stages.warm_ahead import WarmAhead
-
-    images = tmp_path / "photos"
-    sizes = photo_set(images)
-    warm, claim, start = Segmenter.warm, WarmAhead.claim, EgressEngine.start
-    warmed, claimed = [], []
-    monkeypatch.setattr(Segmenter, "warm", lambda self, shape: (
-        warmed.append((shape, threading.current_thread().name)), warm(self, shape))[1])
-    monkeypatch.setattr(WarmAhead, "claim", lambda self, key, **kw: (
-        claimed.append((key, self._state.get(key))), claim(self, key, **kw))[1])
-    monkeypatch.setattr(EgressEngine, "start", lambda self: (time.sleep(3), start(self))[1])
-    summary = segment(config(images, tmp_path / "warmed", weights, batch_size=4, device="cuda"), progress=False)
-    full = sorted((n, h, w) for n, h, w, _ in summary["batch_shapes"] if n == 4)
-    by_loop = [key for key, state in claimed if state in ("queued", None)]
-    assert full and sorted({key for key, _ in claimed}) == full, (claimed, summary["batch_shapes"])
-    assert sorted([shape for shape, _ in warmed] + by_loop) == full, "each set up once"
-    assert {name for _, name in warmed} == {"embedingest-warm-ahead"}
-    assert claimed[0][1] == "done", "the first shape was warmed while the engine started"
-    monkeypatch.setattr(Segmenter, "warm", lambda self, shape: None)
-    cold = segment(config(images, tmp_path / "cold", weights, batch_size=4, device="cuda"), progress=False)
-    assert cold["written"] == summary["written"] == len(sizes)
-    for rel in sizes:
-        assert np.array_equal(mask_of(tmp_path / "warmed", rel), mask_of(tmp_path / "cold", rel)), rel
-
-
-@pytest.mark.needs_cuda
 def test_without_a_c_compiler_for_triton_the_masks_take_the_two_steps(tree, tmp_path, weights):
     """Triton builds its launcher with the system's C compiler; on a machine without one
     (``CC`` pointing nowhere, an empty Triton cache) the command still ends 0, says once

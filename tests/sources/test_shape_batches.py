@@ -72,9 +72,8 @@ class _Stream(SizeStream):
 class _Planned(ShapeBatchSampler):
     """The sampler with the shapes given instead of read, and the files it looked at."""
 
-    def __init__(self, shapes, batch_size, chunk_size=None, ready_after=None, on_batch=None):
-        super().__init__([(str(i), str(i)) for i in range(len(shapes))], SHORT, batch_size, chunk_size,
-                         on_batch=on_batch)
+    def __init__(self, shapes, batch_size, chunk_size=None, ready_after=None):
+        super().__init__([(str(i), str(i)) for i in range(len(shapes))], SHORT, batch_size, chunk_size)
         self.stream = _Stream(shapes, ready_after)
 
     @property
@@ -138,28 +137,6 @@ def test_short_batches_come_after_their_full_ones_whenever_the_headers_end(shape
         shape = shapes[batch[0]]
         if shape is not None and len(batch) < batch_size:
             assert all(len(b) < batch_size or shapes[b[0]] != shape for b in batches[k + 1:])
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.sampled_from([(4, 6), (6, 4), (5, 5), (4, 7), None]), max_size=60),
-       st.integers(1, 6), st.integers(1, 6), st.dictionaries(st.integers(0, 60), st.integers(0, 60), max_size=4))
-def test_each_batch_is_announced_with_its_size_and_shape_before_its_first_list(shapes, batch_size, chunk,
-                                                                                ahead):
-    """``on_batch(size, shape)`` comes once a batch, in the batches' order, before the
-    batch's first list is handed out (so a caller can prepare its shape while the
-    earlier ones decode); the shape is the model input's, None for an unreadable header."""
-    told = []
-    sampler = _Planned(shapes, batch_size, chunk, ready_after=ahead,
-                       on_batch=lambda size, shape: told.append((size, shape)))
-    firsts = []
-    for piece in sampler:
-        place = sampler.chunk_batch(piece[0])
-        if place.part == 0:
-            assert len(told) == place.batch + 1, "announced before its first list"
-            firsts.append(piece[0])
-    batches = _batches(_Planned(shapes, batch_size, chunk, ready_after=ahead))
-    assert told == [(len(b), shapes[b[0]]) for b in batches]
-    assert firsts == [b[0] for b in batches]
 
 
 def test_short_batches_are_spread_between_the_full_ones_once_the_headers_are_read():

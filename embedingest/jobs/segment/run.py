@@ -32,7 +32,6 @@ from ...stages import fused_argmax
 from ...stages.device import resolve_dtype
 from ...stages.segmentation import (Segmenter, SegmentationModel, load_segmentation_model,
                                     preset_preprocessing)
-from ...stages.warm_ahead import WarmAhead
 
 
 def slot_spec(config: SegmentConfig, num_classes: int, images: int) -> dict:
@@ -73,9 +72,8 @@ def _parts(metas: list[ImageMeta], masks: list[torch.Tensor], logits: list[torch
 
 
 def _decoders(config: SegmentConfig, device: torch.device, todo: list[tuple[str, str]], prep,
-              workers: int, on_batch=None) -> tuple[HeaderReaders, ShapeBatchSampler, WorkerLoader]:
-    """The header readers, the batch plan (``on_batch(size, shape)`` told of each batch
-    planned) and the DataLoader that decodes the images."""
+              workers: int) -> tuple[HeaderReaders, ShapeBatchSampler, WorkerLoader]:
+    """The header readers, the batch plan and the DataLoader that decodes the images."""
     # Headers are read by processes of their own (a few per cent of the decoding's work), so
     # this process, which drives the GPU, does nothing per image.
     headers = HeaderReaders(max(1, workers // 8) if workers and config.resize != "fit" else 0,
@@ -83,7 +81,7 @@ def _decoders(config: SegmentConfig, device: torch.device, todo: list[tuple[str,
     # batches of one shape planned from the headers; regroup joins their chunks, taken as
     # the workers finish them (in order, one slow chunk would hold back every batch behind
     # it while the other workers sat finished)
-    sampler = ShapeBatchSampler(todo, prep, config.batch_size, read_sizes=headers, on_batch=on_batch)
+    sampler = ShapeBatchSampler(todo, prep, config.batch_size, read_sizes=headers)
     loader = WorkerLoader(
         ImageFileDataset(todo, prep, config.max_pixels or None,
                          input_folder(config.images, config.follow_outside_links)),
@@ -138,15 +136,13 @@ def check_settings(config: SegmentConfig, loaded: SegmentationModel) -> None:
 
 
 def _model_and_engine(config: SegmentConfig, device: torch.device, full_max: int, images: int,
-                      before_writes=None, loaded: SegmentationModel | None = None,
-                      warm: WarmAhead | None = None
+                      before_writes=None, loaded: SegmentationModel | None = None
                       ) -> tuple[SegmentationModel, Segmenter, EgressEngine, dict, float]:
     """The model (``loaded``, or loaded now) on ``device``, labels.json written,
     ``before_writes()`` called (what a run deletes is deleted only once the model and the
-    folder's labels agree), ``warm`` started once the model is on the device (it sets the
-    first shapes up while the engine starts), and the engine started (the masks' kernel
-    compiles in a thread where masks are scaled to the images' sizes: ``full_max``); the
-    engine's slot spec and the seconds the model took."""
+    folder's labels agree), and the engine started (its consumers start while the weights
+    go to the device, and the masks' kernel compiles in a thread where masks are scaled to
+    the images' sizes: ``full_max``); the engine's slot spec and the seconds the model took."""
     t0 = time.perf_counter()
     loaded = loaded if loaded is not None else load_model(config)
     if full_max:  # masks scaled to the images' sizes: their kernel compiles meanwhile
@@ -162,17 +158,20 @@ def _model_and_engine(config: SegmentConfig, device: torch.device, full_max: int
                               within=input_folder(config.images, config.follow_outside_links),
                               drop_earlier=config.overwrite)
     spec = slot_spec(config, loaded.num_classes, images)
-    # cuDNN's algorithm search (torch.backends.cudnn.benchmark) stays off: on an H200 it
-    # found no faster kernels for DeepLabV3-ResNet50 at batch 16 (fp16 741 against 739
-    # images/s, fp32 392 against 392) and cost 1.6-3.6 s (fp16) and 12 s (fp32) at the
-    # start of every process, and it would search again for every new input shape.
-    segmenter = Segmenter(loaded, device, config.dtype)
-    if warm is not None:
-        warm.start(segmenter.warm)
     built = time.perf_counter() - t0
     engine = EgressEngine(factory, num_consumers=config.num_consumers, num_slots=config.num_slots or None,
                           device=str(device), slot_spec=spec).start()
-    return loaded, segmenter, engine, spec, built
+    t_moving = time.perf_counter()
+    try:
+        # cuDNN's algorithm search (torch.backends.cudnn.benchmark) stays off: on an H200 it
+        # found no faster kernels for DeepLabV3-ResNet50 at batch 16 (fp16 741 against 739
+        # images/s, fp32 392 against 392) and cost 1.6-3.6 s (fp16) and 12 s (fp32) at the
+        # start of every process, and it would search again for every new input shape.
+        segmenter = Segmenter(loaded, device, config.dtype)
+    except BaseException:
+        engine.stop()
+        raise
+    return loaded, segmenter, engine, spec, built + time.perf_counter() - t_moving
 
 
 def segment_on_device(config: SegmentConfig, device: torch.device, todo: list[tuple[str, str]],
@@ -195,27 +194,17 @@ def segment_on_device(config: SegmentConfig, device: torch.device, todo: list[tu
     # device, read while the images were listed) and the engine's consumers start.
     prep = preset_preprocessing(config.arch, config.resize, config.size)
     workers = min(share_of_cpus(config.num_workers, processes), -(-len(todo) // config.batch_size))
-    # cuDNN's set-up for each new shape of a full batch (a short one runs without cuDNN, see
-    # ``forward``) is made in a thread as the batch is planned, long before it is decoded
-    warm = WarmAhead() if device.type == "cuda" else None
-
-    def planned(size: int, shape: tuple[int, int] | None) -> None:
-        if warm is not None and shape is not None and size == config.batch_size:
-            warm.add((size, *shape))
-
-    headers, sampler, loader = _decoders(config, device, todo, prep, workers, planned)
+    headers, sampler, loader = _decoders(config, device, todo, prep, workers)
     headers.start()
     sampler.read_ahead()  # the readers read while the decoders fork
     batches = regroup(iter(loader), sampler.chunk_batch)
     full_max = _full_max(config)
     try:
-        loaded, segmenter, engine, spec, loading = _model_and_engine(
-            config, device, full_max, len(todo), before_writes, loaded, warm)
+        loaded, segmenter, engine, spec, loading = _model_and_engine(config, device, full_max, len(todo),
+                                                                     before_writes, loaded)
     except BaseException:
         batches.close()  # the decoders' iterator goes with it: they are shut down
         headers.close()
-        if warm is not None:
-            warm.close()
         raise
     timing = {"load_model_s": loading}
     shapes: Counter = Counter()
@@ -231,8 +220,6 @@ def segment_on_device(config: SegmentConfig, device: torch.device, todo: list[tu
         # a shape has one short batch, after its full ones: its size at that shape is
         # run once, so a convolution set-up for it would not pay
         once = len(batch) < config.batch_size
-        if warm is not None and not once:  # its shape's set-up: made ahead, under way, or made here
-            warm.claim((pixels.shape[0], *pixels.shape[2:]))
         with annotate("segment forward", "compute"):
             logits = segmenter.logits(pixels, once=once)
             masks, metas = segmenter.image_masks(logits, batch.items, full_max)
@@ -243,9 +230,8 @@ def segment_on_device(config: SegmentConfig, device: torch.device, todo: list[tu
         return _parts(metas, masks, crops, spec)
 
     # disable=None: a bar on a terminal only, never in logs or pipes.
-    with headers, warm or contextlib.nullcontext(), tqdm(total=len(todo), unit="img", desc="segment",
-                                                         dynamic_ncols=True,
-                                                         disable=None if progress else True) as bar:
+    with headers, tqdm(total=len(todo), unit="img", desc="segment", dynamic_ncols=True,
+                       disable=None if progress else True) as bar:
 
         def done(batch: ImageBatch) -> None:
             bar.update(len(batch) + len(batch.bad))
