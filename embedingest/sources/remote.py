@@ -24,6 +24,7 @@ import hashlib
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from ..errors import ConfigError
 from .names import has_extension
@@ -147,6 +148,13 @@ def stamp(info: dict) -> int | None:
         digest = hashlib.blake2b(str(version).encode("utf-8", "replace"), digest_size=8).digest()
         extra = int.from_bytes(digest, "big") % 1_000_000_000
     return seconds * 1_000_000_000 + extra
+
+
+def same_store(a: str, b: str) -> bool:
+    """Whether two URLs name objects of one store and bucket (one protocol, one host or
+    bucket), so that the times the store gives their objects come from one clock."""
+    pa, pb = (urlsplit(url.split("::")[-1]) for url in (a, b))
+    return pa.scheme.lower() == pb.scheme.lower() and pa.netloc == pb.netloc
 
 
 def check_remote(url: str) -> dict:

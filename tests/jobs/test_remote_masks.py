@@ -10,7 +10,7 @@ import json
 import pytest
 from s3_fixtures import s3, s3_endpoint  # noqa: F401 (fixtures)
 from segment_fixtures import small  # noqa: F401 (fixture)
-from segment_fixtures import bad_files, image_tree, noise, small_config
+from segment_fixtures import SIZE, bad_files, image_tree, noise, small_config
 
 from embedingest import segment
 from embedingest.errors import ConfigError
@@ -103,3 +103,40 @@ def test_an_unfinished_overwrite_into_a_bucket_is_finished_by_an_overwrite_only(
     s3.fs.invalidate_cache()
     assert not s3.fs.exists(mark)
     assert segment(segment_config(images, url, small), progress=False)["already_done"] == len(sizes)
+
+
+def test_a_photograph_replaced_in_the_bucket_is_redone_on_a_resume(s3, tmp_path, small):
+    """Photographs and masks in one bucket, whose store stamps both: a photograph uploaded
+    again after its mask was written (another picture under the same name) is redone on
+    the next run and its mask replaced; the other masks are not written again."""
+    import io
+    import time
+
+    import numpy as np
+    from PIL import Image
+
+    images = tmp_path / "images"
+    sizes = image_tree(images)
+    url, out = s3.upload(images, "photos"), s3.url("masks/run")
+    assert segment(segment_config(url, out, small), progress=False)["written"] == len(sizes)
+
+    def masks() -> dict[str, str]:
+        s3.fs.invalidate_cache()
+        return {p: s3.fs.info(p)["LastModified"] for p in s3.fs.find(f"{s3.name}/masks/run")
+                if p.endswith((".png.png", ".jpg.png", ".webp.png", ".bmp.png", ".tif.png"))}
+
+    before = masks()
+    assert len(before) == len(sizes)
+    time.sleep(1.1)  # the store keeps times to the second
+    new = io.BytesIO()
+    Image.fromarray(np.full((SIZE, SIZE, 3), 200, np.uint8)).save(new, "PNG")  # rgb.png was noise
+    s3.put("photos/rgb.png", new.getvalue())
+    again = segment(segment_config(url, out, small), progress=False)
+    assert (again["written"], again["already_done"]) == (1, len(sizes) - 1)
+    after = masks()
+    replaced = f"{s3.name}/masks/run/rgb.png.png"
+    assert after[replaced] > before[replaced], "written again"
+    assert {p: e for p, e in after.items() if p != replaced} == {p: e for p, e in before.items() if p != replaced}
+    mask = np.asarray(Image.open(io.BytesIO(s3.fs.cat_file(replaced))))
+    assert mask.shape == (SIZE, SIZE) and len(np.unique(mask)) == 1  # one colour in, one class out
+    assert segment(segment_config(url, out, small), progress=False)["written"] == 0

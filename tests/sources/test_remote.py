@@ -21,8 +21,8 @@ from segment_fixtures import bad_files, image_tree
 from embedingest.errors import ConfigError
 from embedingest.sources.files import walk_files
 from embedingest.sources.image_decode import ImageRejected, header_size, open_rgb
-from embedingest.sources.remote import (RemoteFile, access_error, is_remote, local_path, stamp,
-                                        walk_remote)
+from embedingest.sources.remote import (RemoteFile, access_error, is_remote, local_path, same_store,
+                                        stamp, walk_remote)
 from embedingest.sources.text import TEXT_EXTENSIONS, iter_records
 
 
@@ -157,3 +157,13 @@ def test_images_in_a_bucket_decode_as_on_disk(s3, tmp_path):
     assert header_size(f"{url}/not-there.png") is None
     assert isinstance(next(walk_remote(f"{url}/rgb.png")), RemoteFile)
     assert Image.open(tmp_path / "rgb.png").size == sizes["rgb.png"]
+
+
+def test_same_store_is_one_protocol_and_one_bucket():
+    """Objects whose store times come from one clock: one protocol, one bucket (or host)."""
+    assert same_store("s3://photos/2024/", "s3://photos/masks")
+    assert same_store("S3://photos/a", "s3://photos/b")
+    assert same_store("simplecache::s3://photos/a", "s3://photos/b")
+    assert not same_store("s3://photos/a", "s3://masks/a")
+    assert not same_store("s3://photos/a", "gs://photos/a")
+    assert not same_store("s3://photos/a", "/data/photos")

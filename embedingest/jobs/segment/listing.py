@@ -19,7 +19,7 @@ from ...sinks.mask_stats import STATS_DIR, row_counts
 from ...sinks.masks import LABELS_FILE, LOGITS_SUFFIX, MASK_SUFFIX, OVERLAY_SUFFIX
 from ...sources.files import walk_files
 from ...sources.names import has_extension, name_as_text
-from ...sources.remote import is_remote, url_fs, walk_remote
+from ...sources.remote import is_remote, same_store, stamp, url_fs, walk_remote
 from ...sources.image_decode import IMAGE_EXTENSIONS
 from ...terminal import counted
 
@@ -39,14 +39,16 @@ def list_inputs(config: SegmentConfig, report: SkipReport) -> tuple[list[tuple[s
     with_row = ({source for source, n in row_counts(out).items() if n == 1}
                 if config.stats and not config.overwrite else set())
     local = not is_remote(config.out)
-    # a done image whose file changed since is redone: local files only (an object's
-    # listing has no status-change time)
+    # a done image whose photograph changed since is redone, where both times come from
+    # one clock: files on disk (their status-change time), or photographs and masks in one
+    # bucket (the store's times of both objects); not across the two
     stamps = local and not is_remote(config.images)
+    store_times = not local and is_remote(config.images) and same_store(config.images, config.out)
     todo, done, changed = [], 0, 0
     images = list(_images(config.images, report, out, config.follow_outside_links))
-    folders = _output_folders(rel for rel, _ in images)
+    folders = _output_folders(rel for rel, _, _ in images)
     input_below = None if is_remote(config.out) else input_under_out(config.images, out)
-    for rel, full in images:
+    for rel, full, written in images:
         reason = (name_taken(rel, folders) or output_in_input(rel, input_below, config.images) or
                   local and next(filter(None, (too_long(os.path.join(out, rel + s)) for s in suffixes)), None))
         if reason:  # its outputs could not be written: reported, the others go on
@@ -60,7 +62,8 @@ def list_inputs(config: SegmentConfig, report: SkipReport) -> tuple[list[tuple[s
             continue
         if (not config.overwrite and all(present.has(folder, name + s) for s in suffixes)
                 and (not config.stats or name_as_text(rel) in with_row)):
-            if stamps and changed_since_mask(full, os.path.join(out, rel + MASK_SUFFIX)):
+            if (stamps and changed_since_mask(full, os.path.join(out, rel + MASK_SUFFIX))
+                    or store_times and present.changed_since(folder, name + MASK_SUFFIX, written)):
                 changed += 1
                 todo.append((rel, full))
             else:
@@ -203,13 +206,14 @@ def masks_folder_reason(folder: str) -> str | None:
 
 
 def _images(images: str, report: SkipReport, out: Path,
-            outside_links: bool = False) -> Iterator[tuple[str, str]]:
-    """``(rel_path, path)`` of every image under ``images``: a folder, a file, or a URL
-    (an object, or a prefix listed as a folder is walked)."""
+            outside_links: bool = False) -> Iterator[tuple[str, str, int | None]]:
+    """``(rel_path, path, seconds)`` of every image under ``images``: a folder, a file, or
+    a URL (an object, or a prefix listed as a folder is walked); ``seconds``: the store's
+    time of an object (None for a file on disk, or where the store gives none)."""
     if is_remote(images):
         for obj in walk_remote(images, set(IMAGE_EXTENSIONS), on_skip=report.add,
                                on_other=report.pass_over):
-            yield obj.rel, obj.url
+            yield obj.rel, obj.url, _seconds(obj.mtime_ns)
         return
     root = Path(images)
     single = root.is_file()
@@ -226,7 +230,13 @@ def _images(images: str, report: SkipReport, out: Path,
             rel = full[len(prefix):].replace(os.sep, "/")
         else:
             rel = path.relative_to(root).as_posix()
-        yield rel, full
+        yield rel, full, None
+
+
+def _seconds(stamp_ns: int | None) -> int | None:
+    """The whole seconds of a :func:`~embedingest.sources.remote.stamp` (its sub-second
+    part carries a digest of the object's version, not a time)."""
+    return None if stamp_ns is None else stamp_ns // 1_000_000_000
 
 
 class _FolderNames:
@@ -264,19 +274,30 @@ class _FolderNames:
 
 
 class _RemoteNames(_FolderNames):
-    """The same, for an output URL: each prefix listed once (an object is whole or absent)."""
+    """The same, for an output URL: each prefix listed once (an object is whole or absent),
+    with the store's time of each object."""
 
-    def has(self, folder: str, name: str) -> bool:
-        names = self.names.get(folder)
-        if names is None:
-            fs, root = url_fs(posixpath.join(self.out.rstrip("/"), folder))
-            try:
-                names = frozenset(e["name"].rstrip("/").rsplit("/", 1)[-1]
-                                  for e in fs.ls(root, detail=True, refresh=True) if e.get("type") == "file")
-            except FileNotFoundError:  # nothing written there yet
-                names = frozenset()
-            self.names[folder] = names
-        return name in names
+    def __init__(self, out: str):
+        super().__init__(out)
+        self.times: dict[str, dict[str, int | None]] = {}  # each object's store time, in seconds
+
+    def _list(self, folder: str) -> None:
+        fs, root = url_fs(posixpath.join(self.out.rstrip("/"), folder))
+        try:
+            times = {e["name"].rstrip("/").rsplit("/", 1)[-1]: _seconds(stamp(e))
+                     for e in fs.ls(root, detail=True, refresh=True) if e.get("type") == "file"}
+        except FileNotFoundError:  # nothing written there yet
+            times = {}
+        self.names[folder], self.times[folder] = frozenset(times), times
+
+    def changed_since(self, folder: str, name: str, seconds: int | None) -> bool:
+        """Whether an object whose store time is ``seconds`` was written after the object
+        ``name`` (its mask) was: a later whole second. An object replaced within the second
+        its mask was written in looks unchanged; the store keeps times to the second."""
+        if folder not in self.times:
+            self._list(folder)
+        written = self.times[folder].get(name)
+        return seconds is not None and written is not None and seconds > written
 
     def is_folder(self, folder: str, name: str) -> bool:
         return False  # object storage has no folders an object could not replace
