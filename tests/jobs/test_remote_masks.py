@@ -105,6 +105,29 @@ def test_an_unfinished_overwrite_into_a_bucket_is_finished_by_an_overwrite_only(
     assert segment(segment_config(images, url, small), progress=False)["already_done"] == len(sizes)
 
 
+def test_objects_below_the_marks_name_are_refused_and_left_alone(s3, tmp_path, small):
+    """A tampered prefix: objects below ``OUT/.overwrite-unfinished/``. Before, every resume
+    was refused as an unfinished overwrite and an --overwrite never cleared it (it removed
+    its own mark object only). Now both say what it is and what to do; the objects stay."""
+    from embedingest.jobs.segment.overwrite_mark import OVERWRITING
+
+    images = tmp_path / "images"
+    sizes = image_tree(images)
+    url = s3.url("masks/tampered")
+    assert segment(segment_config(images, url, small), progress=False)["written"] == len(sizes)
+    s3.put(f"masks/tampered/{OVERWRITING}/notes.txt", b"mine")
+    want = (f"{url}/{OVERWRITING} is a prefix with objects below it, not the mark (an object) that segment "
+            "--overwrite keeps there while it redoes the images: move or delete it, then run again")
+    for overwrite in (False, True):
+        with pytest.raises(ConfigError) as err:
+            segment(segment_config(images, url, small, overwrite=overwrite), progress=False)
+        assert str(err.value) == want
+    s3.fs.invalidate_cache()
+    assert s3.fs.cat_file(f"{s3.name}/masks/tampered/{OVERWRITING}/notes.txt") == b"mine"
+    s3.fs.rm_file(f"{s3.name}/masks/tampered/{OVERWRITING}/notes.txt")
+    assert segment(segment_config(images, url, small), progress=False)["already_done"] == len(sizes)
+
+
 def test_a_photograph_replaced_in_the_bucket_is_redone_on_a_resume(s3, tmp_path, small):
     """Photographs and masks in one bucket, whose store stamps both: a photograph uploaded
     again after its mask was written (another picture under the same name) is redone on

@@ -284,6 +284,36 @@ def test_an_unfinished_overwrite_is_finished_by_an_overwrite_only(tmp_path, smal
     assert segment(config(images, out, small), progress=False)["already_done"] == 3
 
 
+@pytest.mark.parametrize("kind", ["folder", "link"])
+def test_a_folder_or_link_with_the_marks_name_is_refused_and_left_alone(tmp_path, small, kind):
+    """Something else under the overwrite mark's name (a tampered folder): a resume and an
+    --overwrite are refused with what to do, and nothing there is removed or followed (an
+    --overwrite wrote its mark over a folder or through a link)."""
+    from embedingest.jobs.segment.overwrite_mark import OVERWRITING
+
+    images, out = three_images(tmp_path)
+    segment(config(images, out, small), progress=False)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("mine")
+    if kind == "folder":
+        (out / OVERWRITING).mkdir()
+        (out / OVERWRITING / "keep.txt").write_text("mine")
+    else:
+        (out / OVERWRITING).symlink_to(outside / "keep.txt")
+    want = (f"{out}/{OVERWRITING} is a {kind}, not the mark (a file) that segment --overwrite keeps there "
+            "while it redoes the images: move or delete it, then run again")
+    for overwrite in (False, True):
+        with pytest.raises(ConfigError) as err:
+            segment(config(images, out, small, overwrite=overwrite), progress=False)
+        assert str(err.value) == want
+    assert (outside / "keep.txt").read_text() == "mine"
+    assert kind == "link" or (out / OVERWRITING / "keep.txt").read_text() == "mine"
+    assert sorted(p.name for p in outside.iterdir()) == ["keep.txt"]
+    (out / OVERWRITING).unlink() if kind == "link" else shutil.rmtree(out / OVERWRITING)
+    assert segment(config(images, out, small), progress=False)["already_done"] == 3
+
+
 def test_a_photograph_replaced_since_its_mask_is_redone_even_with_an_older_mtime(tmp_path, small, caplog):
     """A photograph replaced by another of the same name kept the first one's mask (and
     statistics row) on every resume. Now it is redone, also where the copy kept an older

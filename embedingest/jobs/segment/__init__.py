@@ -111,8 +111,7 @@ def _run(config: SegmentConfig, out: Path, remote_out: bool, devices: list, devi
     with (contextlib.nullcontext() if remote_out else
           RunLock(out, job="segment run", resumes="every mask written so far is kept", writers=False)):
         try:
-            if not config.overwrite:
-                refuse_unfinished(config.out)
+            refuse_unfinished(config.out, config.overwrite)
             # The weights are read and the model built while the images are listed, in a
             # thread that ends before any process is forked; with several devices only
             # checked (on the meta device), each device process loads its own.

@@ -5,6 +5,7 @@ folder may hold masks of the settings before that run, which a resume would keep
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 from ...errors import ConfigError
@@ -20,15 +21,37 @@ def _object(out: str):
     return fs, f"{root}/{OVERWRITING}"
 
 
-def refuse_unfinished(out: str) -> None:
-    """ConfigError where an --overwrite run into ``out`` left its mark (killed, stopped, failed)."""
+def _found(out: str) -> str | None:
+    """What has the mark's name in ``out``: ``"mark"`` (a file, an object), ``"folder"``
+    (a folder, or objects below the name), ``"link"``, or None."""
     if is_remote(out):
         fs, path = _object(out)
         fs.invalidate_cache(path.rsplit("/", 1)[0])  # a listing of this process is no answer
-        unfinished = fs.exists(path)
-    else:
-        unfinished = os.path.lexists(Path(out) / OVERWRITING)
-    if unfinished:
+        fs.invalidate_cache(path)
+        if fs.isdir(path):
+            return "folder"
+        return "mark" if fs.isfile(path) else None
+    try:
+        mode = os.lstat(Path(out) / OVERWRITING).st_mode
+    except FileNotFoundError:
+        return None
+    if stat.S_ISREG(mode):
+        return "mark"
+    return "link" if stat.S_ISLNK(mode) else "folder"
+
+
+def refuse_unfinished(out: str, overwrite: bool = False) -> None:
+    """ConfigError where an --overwrite run into ``out`` left its mark (killed, stopped,
+    failed) and this run is no ``overwrite``; and for any run where something else has the
+    mark's name (a folder, objects below the name, a link: not the job's, so never removed
+    or followed here), since no run could then keep or clear the mark."""
+    found = _found(out)
+    if found in ("folder", "link"):
+        what = ("a prefix with objects below it, not the mark (an object)" if is_remote(out)
+                else f"a {found}, not the mark (a file)")
+        raise ConfigError(f"{str(out).rstrip('/')}/{OVERWRITING} is {what} that segment --overwrite keeps "
+                          "there while it redoes the images: move or delete it, then run again")
+    if found == "mark" and not overwrite:
         raise ConfigError(f"a segment --overwrite run into {str(out)!r} stopped before it redid every image, "
                           "so masks made with the settings before it may remain beside its own: run it "
                           "again with --overwrite")
