@@ -172,8 +172,8 @@ class IndexConfig:
               "tokenizer's (the same chunks, spans and vectors, for far less tokenizer time); off: "
               "the model's own tokenizer for every text.")
     split_files: bool = setting(
-        True, "Read a large uncompressed JSON lines or Parquet file in parts, one per tokenizer "
-              "worker (byte ranges cut at line starts; ranges of rows), so one big file does not hold "
+        True, "Read a large uncompressed JSON lines, Parquet or PDF file in parts, one per tokenizer "
+              "worker (byte ranges cut at line starts; ranges of rows; ranges of pages), so one big file does not hold "
               "the GPU to one core's pace; off: one worker a file (its chunk numbers then follow "
               "the file's order, and an id repeated anywhere in it is caught, not only within a part).")
     text_field: str = setting(

@@ -1,4 +1,4 @@
-"""One large JSON lines or Parquet file read by several loader workers, a part each.
+"""One large JSON lines, Parquet or PDF file read by several loader workers, a part each.
 
 A file is one unit, and a unit went to one loader worker: a corpus given as one large
 ``corpus.jsonl`` or ``train.parquet`` was tokenized on one core while the GPU waited.
@@ -10,10 +10,12 @@ Such a file is now cut into parts (:func:`part_count`), one per worker:
   between records);
 * a Parquet file by rows: part ``p`` takes the ``p``-th ``parts``-th of them, and reads
   only the row groups that hold them (a file written in one row group, as pandas and
-  pyarrow write up to a million rows, can be read in parts too).
+  pyarrow write up to a million rows, can be read in parts too);
+* a PDF by pages: each part parses the file and takes the ``p``-th ``parts``-th of its
+  pages (their text is most of the work), in parts of at least :data:`PDF_PART_BYTES`.
 
-Which files can be (``sources.text.splittable``): an uncompressed JSON lines or Parquet
-file on this machine; a file in UTF-16 (seen at its start) is read whole by part 0. Part 0 hashes the file and reports what is wrong
+Which files can be (``sources.text.splittable``): an uncompressed JSON lines, Parquet or
+PDF file on this machine; a file in UTF-16 (seen at its start) is read whole by part 0. Part 0 hashes the file and reports what is wrong
 with it as a whole (empty, binary, no text column); the other parts say nothing of it.
 The parts are cut from the size the file had when they were planned, and read to it, and
 part 0 hashes those bytes: lines appended meanwhile are left to the next run, which sees
@@ -27,19 +29,24 @@ import os
 # Cut a file in parts of at least this many bytes: smaller parts would cost their
 # workers more in opening and counting lines than they save.
 PART_BYTES = 4 * 2**20
+# A PDF's bytes hold far more work: pypdf takes milliseconds a page to find its text, and
+# a page is a few kilobytes, so a part of this many (a hundred pages or so) pays its
+# parse of the file (the cross-reference table and the page tree) many times over.
+PDF_PART_BYTES = 2**18
 # At most this many parts a file (chunk numbers stay within the id's 31 bits anyway).
 MAX_PARTS = 64
 _BLOCK = 2**20
 
 
-def part_count(size: int, workers: int, share: int) -> int:
+def part_count(size: int, workers: int, share: int, pdf: bool = False) -> int:
     """How many parts a splittable file of ``size`` bytes is read in by
     ``workers`` workers, when each should get about ``share`` bytes of such files (their
-    sum over the workers): none smaller than :data:`PART_BYTES`, so many large files
-    are read whole, a worker each, and one large file by every worker."""
+    sum over the workers): none smaller than :data:`PART_BYTES` (a ``pdf``:
+    :data:`PDF_PART_BYTES`), so many large files are read whole, a worker each, and one
+    large file by every worker."""
     if workers < 2:
         return 1
-    return max(1, min(workers, MAX_PARTS, size // max(PART_BYTES, share)))
+    return max(1, min(workers, MAX_PARTS, size // max(PDF_PART_BYTES if pdf else PART_BYTES, share)))
 
 
 def line_start(fd: int, pos: int, size: int) -> int:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 
 MAX_PDF_BYTES = 2**28  # the whole file is parsed, and its objects kept while it is read
 MAX_PAGE_CHARS = 2**26  # as a JSON line or a CSV field
+NEEDS_OCR = "a scanned PDF needs OCR first"
 _SURROGATES = re.compile("[\ud800-\udfff]")
 _SPACES = re.compile(r"[ \t\r\f\v]+")
 _BLANK_LINES = re.compile(r"\n\s*\n\s*")
@@ -80,11 +81,16 @@ def _extract(reader, n: int) -> str:
         return reader.pages[n - 1].extract_text()
 
 
-def pdf_pages(data: bytes, on_page_skip: Callable[[int, str], None]) -> Iterator[tuple[str, str]]:
+def pdf_pages(data: bytes, on_page_skip: Callable[[int, str], None],
+              part: tuple[int, int] | None = None) -> Iterator[tuple[str, str]]:
     """``(f"page-{n}", text)`` for each page of the PDF ``data`` with text. A page pypdf
     fails on, or of more than :data:`MAX_PAGE_CHARS`, goes to ``on_page_skip(n, reason)``
     and the others are read. Raises :class:`PdfSkip` for the whole file. (pypdf is kept
-    quiet only while it works, not while the caller holds a page.)"""
+    quiet only while it works, not while the caller holds a page.)
+
+    ``part``: ``(p, parts)``, the pages of the ``p``-th ``parts``-th only (a large PDF read
+    by several workers, see :mod:`.file_parts`); a part with no text is no skip, since
+    the file as a whole may have text in another (the reader of the parts says so)."""
     with _quiet_pypdf():
         reader = _reader(data)
         try:
@@ -93,8 +99,9 @@ def pdf_pages(data: bytes, on_page_skip: Callable[[int, str], None]) -> Iterator
             raise PdfSkip(f"pdf: its page tree cannot be read ({_problem(exc)}); the file is damaged") from None
     if not pages:
         raise PdfSkip("empty: the PDF has no pages")
+    p, parts = part or (0, 1)
     found = failed = 0
-    for n in range(1, pages + 1):
+    for n in range(pages * p // parts + 1, pages * (p + 1) // parts + 1):
         try:
             text = _extract(reader, n)
         except Exception as exc:
@@ -109,5 +116,5 @@ def pdf_pages(data: bytes, on_page_skip: Callable[[int, str], None]) -> Iterator
         if text:
             found += 1
             yield f"page-{n}", text
-    if not found and not failed:
-        raise PdfSkip(f"empty: no text on any of its {pages} page(s); a scanned PDF needs OCR first")
+    if not found and not failed and part is None:
+        raise PdfSkip(f"empty: no text on any of its {pages} page(s); {NEEDS_OCR}")

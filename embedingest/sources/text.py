@@ -281,11 +281,20 @@ def _decode(data: bytes) -> str:
 
 def splittable(path: str | Path) -> bool:
     """Whether the file at ``path`` can be read in parts (:mod:`.file_parts`): an
-    uncompressed JSON lines or Parquet file on this machine."""
+    uncompressed JSON lines, Parquet or PDF file on this machine."""
     if is_remote(path):
         return False
     fmt, compression = text_format(path)
-    return compression is None and (fmt in JSONL_EXTENSIONS or fmt == ".parquet")
+    return compression is None and (fmt in JSONL_EXTENSIONS or fmt in (".parquet", ".pdf"))
+
+
+def empty_reason(path: str | Path) -> str:
+    """The reason for a file read in parts none of which met a record or a problem."""
+    if text_format(path)[0] == ".pdf":
+        from .pdf import NEEDS_OCR
+
+        return f"empty: no text on any of its pages; {NEEDS_OCR}"
+    return "empty: no records"
 
 
 def text_format(path: str | Path) -> tuple[str, str | None]:
@@ -877,15 +886,25 @@ def _packed_file(path: Path, limit: int, what: str) -> bytes:
     return data
 
 
-def _read_pdf(path: Path, text_field, id_field, on_skip):
-    """A record a page with text, id ``page-N`` (:mod:`.pdf`)."""
+def _read_pdf(path: Path, text_field, id_field, on_skip, part=None):
+    """A record a page with text, id ``page-N`` (:mod:`.pdf`). With ``part`` (``(p, parts,
+    size)``, see :mod:`.file_parts`) the pages of part ``p`` only: every part parses the
+    file, and what is wrong with it as a whole is part 0's to say."""
     from .pdf import MAX_PDF_BYTES, PdfSkip, pdf_pages
 
-    data = _packed_file(path, MAX_PDF_BYTES, "PDF")
+    first = part is None or part[0] == 0
     try:
-        yield from pdf_pages(data, lambda n, reason: on_skip(f"{path}:page {n}", reason))
+        data = _packed_file(path, MAX_PDF_BYTES, "PDF")
+    except (_Skip, OSError):
+        if first:
+            raise
+        return
+    try:
+        yield from pdf_pages(data, lambda n, reason: on_skip(f"{path}:page {n}", reason),
+                             part=None if part is None else part[:2])
     except PdfSkip as skip:
-        raise _Skip(str(skip)) from None
+        if first:
+            raise _Skip(str(skip)) from None
 
 
 def _read_docx(path: Path, text_field, id_field, on_skip):

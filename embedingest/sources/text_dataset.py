@@ -63,7 +63,7 @@ from ..stages.fast_chunker import FastChunker
 from ..stages.tokenizer import load_tokenizer
 from .file_parts import part_count
 from .files import file_sha256, os_error_reason, reads_within
-from .text import iter_records, lone_surrogate, splittable
+from .text import empty_reason, iter_records, lone_surrogate, splittable, text_format
 
 log = logging.getLogger("embedingest")
 
@@ -178,7 +178,8 @@ def plan_parts(units: Sequence[Unit], max_parts: int) -> dict[int, tuple[int, in
             except OSError:
                 continue  # its worker reports it
     share = sum(sizes.values()) // max_parts
-    counts = {u: (part_count(size, max_parts, share), size) for u, size in sizes.items()}
+    pdfs = {unit.unit_no for unit in units if unit.unit_no in sizes and text_format(unit.path)[0] == ".pdf"}
+    counts = {u: (part_count(size, max_parts, share, pdf=u in pdfs), size) for u, size in sizes.items()}
     return {u: c for u, c in counts.items() if c[0] > 1}
 
 
@@ -187,7 +188,7 @@ def merge_parts(items: Iterable[dict]) -> Iterator[dict]:
     file's ``(unit_no, n_chunks)`` (and the hash its part 0 made) join ``units_done``
     (``unit_hashes``) of the item that brings the last of its parts' ends, so it finishes
     once, after all its chunks, as any unit does; a file none of whose parts met a
-    record or a problem is reported ``empty: no records``, as one read whole is."""
+    record or a problem is reported empty (:func:`~.text.empty_reason`), as one read whole is."""
     pending: dict[int, list] = {}
     for item in items:
         for unit_no, _, parts, n, seen, path, sha in item.pop("parts_done", ()):
@@ -201,7 +202,7 @@ def merge_parts(items: Iterable[dict]) -> Iterator[dict]:
             if got[3]:
                 item["unit_hashes"] = [*item["unit_hashes"], (int(unit_no), got[3])]
             if not got[2]:
-                item["skipped"] = [*item["skipped"], (str(path), "empty: no records")]
+                item["skipped"] = [*item["skipped"], (str(path), empty_reason(path))]
         yield item
 
 

@@ -508,6 +508,41 @@ def test_a_large_jsonl_read_in_parts_indexes_what_one_worker_does(tmp_path, monk
         np.testing.assert_allclose(vec, runs[False][key], atol=1e-5)
 
 
+def test_a_large_pdf_read_in_parts_indexes_what_one_worker_does(tmp_path, monkeypatch):
+    """A PDF read by two tokenizer workers, a page range each, gives the index the same
+    chunks (page, span, text) and vectors as one worker reading it whole, and a re-run
+    finds it unchanged."""
+    from pdf_fixtures import make_pdf
+
+    from embedingest.jobs.build_index import encode
+    from embedingest.sources import file_parts
+
+    monkeypatch.setattr(file_parts, "PDF_PART_BYTES", 512)
+    planned = []
+    plan = encode.plan_parts
+    monkeypatch.setattr(encode, "plan_parts", lambda units, n: planned.append(plan(units, n)) or planned[-1])
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "book.pdf").write_bytes(make_pdf([PARAGRAPHS[i % len(PARAGRAPHS)] for i in range(20)]))
+    runs = {}
+    for split in (True, False):
+        out = tmp_path / f"idx-{split}"
+        s = build_index(corpus, out=str(out), num_workers=2, num_consumers=2, batch_size=8, split_files=split)
+        assert s["exit_code"] == 0 and s["chunks"] >= 20
+        found = vectors_by_id(out)
+        rows = chunk_rows(out, list(found))
+        assert sorted(r[2] for r in rows.values()) == list(range(len(found)))  # chunk numbers 0..n-1
+        runs[split] = {rows[i][1:2] + rows[i][3:]: found[i] for i in found}
+        if split:
+            assert planned and all(p and next(iter(p.values()))[0] == 2 for p in planned)
+        again = build_index(corpus, out=str(out), num_workers=2, batch_size=8, split_files=split)
+        assert again["units_unchanged"] == 1 and again["units_indexed"] == 0
+    assert runs[True].keys() == runs[False].keys()
+    assert {r[0] for r in runs[True]} == {f"page-{n}" for n in range(1, 21)}
+    for key, vec in runs[True].items():
+        np.testing.assert_allclose(vec, runs[False][key], atol=1e-5)
+
+
 def test_a_default_out_shared_by_two_corpora_is_refused_never_emptied(tmp_path, monkeypatch):
     """Records without out= all went to one default folder, and each call removed the
     records of the one before; two folders of the same name (a/docs, b/docs) shared

@@ -100,3 +100,34 @@ def test_random_and_mutated_bytes_are_records_or_reasons(junk, at):
             continue
         assert all(rid.startswith("page-") and text for rid, text in pages)
         assert all(reason.split(":")[0] in ("pdf", "too-large") for _, reason in skips)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.one_of(st.none(), st.sampled_from(["alpha", "beta gamma", "delta\nepsilon"])), min_size=1,
+                max_size=12), st.integers(1, 5))
+def test_the_parts_pages_together_are_the_whole_files(pages, parts):
+    """A PDF read in parts (a page range each): their pages, in part order, are the pages
+    read whole; no part says the file is empty (another part may have the text)."""
+    data = make_pdf(pages)
+    got = []
+    for p in range(parts):
+        skips: list = []
+        got += list(pdf_pages(data, lambda n, reason: skips.append(n), part=(p, parts)))
+        assert skips == []
+    if any(pages):
+        assert got == _read(data)[0]
+    else:
+        assert got == []
+        with pytest.raises(PdfSkip, match="empty: no text on any of its"):
+            _read(data)
+
+
+def test_a_bad_page_is_told_by_the_part_that_holds_it():
+    data = _with_page_contents(make_pdf(["one", "two", "three", "four"]), 2, zlib.compress(b"\0" * 200_000_000, 9))
+    told = {}
+    for p in range(2):
+        skips: list = []
+        list(pdf_pages(data, lambda n, reason: skips.append(n), part=(p, 2)))
+        told[p] = skips
+    whole = _read(data)[1]
+    assert [n for n, _ in whole] == told[1] == [3] and told[0] == []

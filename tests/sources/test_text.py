@@ -926,3 +926,26 @@ def test_past_the_ids_kept_a_file_s_later_ids_are_checked_against_the_first_ones
     assert [w for w, _ in skipped] == [f"{path}:line 5"]
     assert [r.getMessage() for r in caplog.records] == [
         f"{path}: more than 3 records; the ids of later records are checked against those of the first 3 only"]
+
+
+def test_a_pdf_read_in_parts_gives_its_pages_once_and_its_problems_once(tmp_path):
+    """A PDF is splittable: its parts' pages in order are the whole file's, and what is
+    wrong with the file as a whole (damaged, locked, too large) is told by part 0 only."""
+    from pdf_fixtures import make_pdf
+
+    from embedingest.sources.text import splittable
+
+    path = write(tmp_path, "book.pdf", make_pdf([f"Chapter {i} of the river." if i % 3 else None
+                                                 for i in range(10)]))
+    assert splittable(path) and not splittable(tmp_path / "book.pdf.gz")
+    size = path.stat().st_size
+    whole = read(path)
+    parts = [read(path, part=(p, 3, size)) for p in range(3)]
+    assert [r for records, _ in parts for r in records] == whole[0] and len(whole[0]) == 6
+    assert all(s == [] for _, s in parts)
+    damaged = write(tmp_path, "cut.pdf", make_pdf(["cut short"])[:200])
+    locked = write(tmp_path, "locked.pdf", make_pdf(["x"], user_password="secret", owner_password="o"))
+    for bad in (damaged, locked):
+        told = [read(bad, part=(p, 3, 1000)) for p in range(3)]
+        assert told[0][0] == [] and [r.split(":")[0] for _, r in told[0][1]] == [read(bad)[1][0][1].split(":")[0]]
+        assert told[1] == told[2] == ([], [])

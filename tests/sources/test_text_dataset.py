@@ -473,3 +473,37 @@ def test_parts_are_planned_at_the_size_the_run_planned(tmp_path, monkeypatch):
     assert text_dataset.plan_parts([Unit(0, "a.jsonl", path=str(path), size=8000)], 4) == {0: (4, 8000)}
     assert text_dataset.plan_parts([Unit(0, "gone.jsonl", path=str(tmp_path / "gone.jsonl"), size=8000)],
                                    4) == {0: (4, 8000)}
+
+
+def test_a_large_pdf_read_in_parts_gives_the_pages_chunks_once(tmp_path, monkeypatch):
+    """A PDF read by two workers, a page range each: the same chunks (page, span, text) as
+    read whole, numbered 0..n-1 once; it finishes once with its hash; a PDF with no text
+    read in parts is told empty once, with what to do."""
+    import hashlib
+
+    from pdf_fixtures import make_pdf
+
+    from embedingest.sources import file_parts
+
+    monkeypatch.setattr(file_parts, "PDF_PART_BYTES", 512)
+    book = tmp_path / "book.pdf"
+    book.write_bytes(make_pdf([f"Page {i}: the river rose {'high ' * (i % 7)}and fell." for i in range(24)]))
+    scan = tmp_path / "scan.pdf"
+    scan.write_bytes(make_pdf([None] * 12))
+    units = [Unit(0, "book.pdf", path=str(book))]
+    parts, items = run_in_parts(units, 2, monkeypatch)
+    assert parts == {0: (2, book.stat().st_size)}
+
+    def rows(its):
+        return sorted((c["record_id"], c["char_start"], c["char_end"], c["text"]) for item in its
+                      for c in item["chunks"])
+
+    assert rows(items) == rows(run(units)) and len({r[0] for r in rows(items)}) == 24
+    assert sorted(c["id"] & 0xFFFFFFFF for item in items for c in item["chunks"]) == list(range(len(rows(items))))
+    assert [tuple(d)[0] for item in items for d in item["units_done"]] == [0]
+    assert [tuple(h) for item in items for h in item["unit_hashes"]] == [
+        (0, hashlib.sha256(book.read_bytes()).hexdigest())]
+    parts, items = run_in_parts([Unit(0, "scan.pdf", path=str(scan))], 2, monkeypatch)
+    assert parts == {0: (2, scan.stat().st_size)}
+    assert [(w, r) for item in items for w, r in item["skipped"]] == [
+        (str(scan), "empty: no text on any of its pages; a scanned PDF needs OCR first")]
