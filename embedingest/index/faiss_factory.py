@@ -150,9 +150,6 @@ def as_float32(emb: np.ndarray) -> np.ndarray:
                       "send float32, float16 or bfloat16")
 
 
-REDO_SHARD = "delete that shard's files and run build-index again to redo the units it held"
-
-
 # faiss checks a transform's d_in x d_out floats against the same bound, stored or not (an
 # L2norm stores none): room for one of 4096 x 4096, and no claimed vector costs more memory
 TRANSFORM_ROOM = 4 * 4096 * 4096
@@ -174,7 +171,7 @@ def read_bounded(path: Path, flags: int = 0) -> faiss.Index:
             faiss.set_deserialization_vector_byte_limit(before)
 
 
-def read_index_file(path: Path, flags: int = 0, redo: str = REDO_SHARD) -> faiss.Index:
+def read_index_file(path: Path, flags: int = 0, *, redo: str) -> faiss.Index:
     """``faiss.read_index``; a damaged file is a ConfigError naming it and saying how to
     redo it (``redo``), never a traceback of faiss."""
     try:

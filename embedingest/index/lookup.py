@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 
 from ..errors import ConfigError
 from ..outfiles import native_path
-from .shards import CHUNK_BITS, CHUNK_COLUMNS, COMMIT_SUFFIX, Shard, schema_problem
+from .shards import CHUNK_BITS, CHUNK_COLUMNS, COMMIT_SUFFIX, Shard, redo_advice, schema_problem
 from .store import Chunk
 
 class IndexChanged(ConfigError):
@@ -66,17 +66,16 @@ class ShardRows:
             problem = schema_problem(pf.schema_arrow)
             if problem:
                 raise ConfigError(f"{self._where(shard)!r} is not a shard's rows file ({problem}): the "
-                                  f"shard is damaged; delete its files ({shard.name}.*) and run "
-                                  "build-index again")
+                                  f"shard is damaged; {redo_advice(shard.name)}")
             if meta.num_rows != shard.rows or (ids is not None and len(ids[no]) != shard.rows):
                 raise ConfigError(f"{self._where(shard)!r} holds {meta.num_rows} rows, but "
                                   f"its commit record says {shard.rows}: the shard is damaged; "
-                                  f"delete its files ({shard.name}.*) and run build-index again")
+                                  f"{redo_advice(shard.name)}")
             group_starts.append(_group_starts(meta, shard))
             if ids is not None and not _groups_match(meta, group_starts[-1], ids[no]):
                 raise ConfigError(f"the vectors of shard {shard.name} are not in the order of its "
                                   f"rows in {self._where(shard)!r}: the shard is damaged; "
-                                  f"delete its files ({shard.name}.*) and run build-index again")
+                                  f"{redo_advice(shard.name)}")
             per_shard.append(ids[no] if ids is not None else
                              pf.read(columns=["id"], use_threads=False).column(0).to_numpy())
             if no < OPEN_FILES:  # kept open for the first lookups
@@ -124,8 +123,7 @@ class ShardRows:
                 raise IndexChanged(f"shard {shard.name} was removed since the index was opened: a build "
                                    "is updating it; search again") from exc
             raise ConfigError(f"cannot read {self._where(shard)!r} ({exc}): the shard is "
-                              f"damaged; delete its files ({shard.name}.*) and run build-index "
-                              "again to redo the units it held") from exc
+                              f"damaged; {redo_advice(shard.name)}") from exc
 
     def _file(self, no: int) -> tuple[pq.ParquetFile, threading.Lock]:
         with self._files_lock:
@@ -200,7 +198,7 @@ class ShardRows:
             bad = next(i for i, (w, f) in enumerate(zip(wanted, found)) if w != f)
             raise ConfigError(f"the rows of shard {shard.name} in {self._where(shard)!r} are not in the order "
                               f"of its vectors (the row of id {wanted[bad]} holds id {found[bad]}): the shard "
-                              f"is damaged; delete its files ({shard.name}.*) and run build-index again")
+                              f"is damaged; {redo_advice(shard.name)}")
         raise IndexChanged(f"shard {shard.name} holds other rows than when the index was "
                            "opened: a build rewrote it; search again")
 

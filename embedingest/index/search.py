@@ -30,7 +30,7 @@ from .lookup import ShardRows
 from .shard_store import answering_folder
 from ..sources.remote import is_remote
 from ..stages.device_name import device_name
-from .shards import SHARDS_DIR, list_shards
+from .shards import SHARDS_DIR, list_shards, redo_advice
 from .store import IndexStore, Manifest
 
 PARALLEL_FROM = 20_000  # vectors; below, threads cost more than the scan
@@ -58,15 +58,15 @@ class Hit:
     text: str | None
 
 
-def read_shard(path: Path) -> faiss.Index:
-    """Read a shard memory-mapped where faiss supports it for its kind, else into memory;
-    a damaged file is a ConfigError naming it."""
+def read_shard(path: Path, name: str) -> faiss.Index:
+    """Read the file of shard ``name`` memory-mapped where faiss supports it for its kind,
+    else into memory; a damaged file is a ConfigError naming it and how to redo it."""
     for flags in _MMAP_FLAGS:
         try:
             return read_bounded(path, flags)
         except (RuntimeError, MemoryError):
             continue
-    return read_index_file(path)
+    return read_index_file(path, redo=redo_advice(name))
 
 
 def blank_query(text: str) -> bool:
@@ -438,22 +438,21 @@ def _load_shards(shards: list, faiss_path, manifest: Manifest, params: str | Non
     vectors, ids = [], []
     for shard in shards:
         path = faiss_path(shard)
-        index = read_shard(path)
+        index = read_shard(path, shard.name)
         id_map = getattr(index, "id_map", None)
         if index.ntotal != shard.rows or index.d != manifest.dim or id_map is None \
                 or not _ends_match(id_map, shard):
             raise ConfigError(
                 f"{str(path)!r} holds {index.ntotal} vectors of dim {index.d}, but its shard has "
                 f"{shard.rows} rows (or other ids) and the manifest says dim {manifest.dim}: the "
-                f"shard is damaged; delete its files ({shard.name}.*) and run build-index again "
-                "to redo the units it held")
+                f"shard is damaged; {redo_advice(shard.name)}")
         if index.metric_type != metric_code(manifest.metric):
             found = next((k for k, v in METRICS.items() if v == index.metric_type), index.metric_type)
             raise ConfigError(
                 f"{str(path)!r} holds vectors compared by metric {found!r}, but the manifest says "
                 f"{manifest.metric!r}: their scores cannot be merged (the hits would be ranked wrongly); "
                 f"the shard is damaged or the manifest was changed: put back the manifest's metric, "
-                f"or delete the shard's files ({shard.name}.*) and run build-index again")
+                f"or {redo_advice(shard.name)}")
         _set_params(index, params, shard.name, manifest)
         vectors.append(index)
         ids.append(faiss.vector_to_array(id_map))

@@ -34,6 +34,7 @@ from .shards import (
     list_shards,
     now,
     read_embeddings,
+    redo_advice,
     schema_problem,
     shard_name,
     write_commit,
@@ -88,7 +89,7 @@ def _write_kept(folder: Path, name: str, shard: Shard, table, keep: np.ndarray,
                 template: faiss.Index | None, generation: int) -> dict:
     files = {"parquet": write_hashed(folder / f"{name}{PARQUET_SUFFIX}", lambda fh: pq.write_table(
         table.filter(keep), fh, row_group_size=ROW_GROUP_ROWS, **PARQUET_OPTIONS))}
-    index = read_index_file(shard.faiss_path(generation))
+    index = read_index_file(shard.faiss_path(generation), redo=redo_advice(shard.name))
     if shard.has_embeddings:
         emb = np.asarray(read_embeddings(shard, index.d)[keep])
         files["emb"] = write_hashed(folder / f"{name}{EMB_SUFFIX}",

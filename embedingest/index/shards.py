@@ -347,14 +347,17 @@ class Shard:
         return None
 
 
-_REDO = ("delete that shard's files (every file named {name}.*) and run the same build-index "
-         "command again: the units it held are redone")
+def redo_advice(name: str) -> str:
+    """How to redo the shard ``name`` when it is damaged: every message that finds one
+    ends with it."""
+    return (f"delete that shard's files (every file named {name}.*) and run the same build-index "
+            "command again: the units it held are redone")
 
 
 def damaged(shard: Shard, folder: str | os.PathLike, problem: str) -> ConfigError:
     """The error for ``shard`` of the index's shards folder ``folder``, damaged as
     ``problem`` says, with how to redo it."""
-    return ConfigError(f"shard {shard.name} in {str(folder)!r} is damaged: {problem}; " + _REDO.format(name=shard.name))
+    return ConfigError(f"shard {shard.name} in {str(folder)!r} is damaged: {problem}; " + redo_advice(shard.name))
 
 
 def read_commit(path: Path, text: bytes | str | None = None) -> Shard:
@@ -394,7 +397,7 @@ def read_commit(path: Path, text: bytes | str | None = None) -> Shard:
                      files, units, replaces, data, _unit_hashes(data.get("unit_sha256", {}), units))
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise ConfigError(f"cannot read the commit record {str(path)!r} ({type(exc).__name__}: "
-                          f"{exc}); {_REDO.format(name=name)}") from exc
+                          f"{exc}); {redo_advice(name)}") from exc
 
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")

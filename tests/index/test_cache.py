@@ -287,8 +287,9 @@ def test_a_parquet_object_of_the_committed_size_that_is_not_parquet_is_named_by_
     with pytest.raises(ConfigError) as err:
         open_index(url, cache_dir=tmp_path / "cache")
     assert str(err.value).startswith(f"cannot read '{url}/shards/{name}' (")
-    assert str(err.value).endswith(f"): the shard is damaged; delete its files ({shard.name}.*) and run "
-                                   "build-index again to redo the units it held")
+    assert str(err.value).endswith(f"): the shard is damaged; delete that shard's files (every file named "
+                                   f"{shard.name}.*) and run the same build-index command again: the units it "
+                                   "held are redone")
 
 
 def test_a_cached_vectors_file_is_used_again_only_when_whole_and_a_reindexed_one_too(s3, tmp_path):

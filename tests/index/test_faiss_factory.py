@@ -67,15 +67,14 @@ def test_a_damaged_index_file_is_named_with_how_to_redo_it(tmp_path):
     path = tmp_path / "x.faiss"
     path.write_bytes(b"garbage" * 10)
     with pytest.raises(ConfigError) as err:
-        read_index_file(path)
+        read_index_file(path, redo="delete it")
     assert str(err.value).startswith(f"cannot read {str(path)!r} (")
-    assert str(err.value).endswith("): the file is damaged; delete that shard's files and run "
-                                   "build-index again to redo the units it held")
+    assert str(err.value).endswith("): the file is damaged; delete it")
     with pytest.raises(ConfigError, match="damaged; do this$"):
         read_index_file(path, redo="do this")
     good = tmp_path / "good.faiss"
     faiss.write_index(faiss.IndexFlatL2(DIM), str(good))
-    assert read_index_file(good).d == DIM
+    assert read_index_file(good, redo="delete it").d == DIM
 
 
 def test_as_float32_of_each_dtype():
@@ -271,7 +270,7 @@ def test_a_file_whose_header_claims_more_vectors_than_it_holds_is_refused_withou
         from embedingest.index.faiss_factory import read_index_file
         from embedingest.index.search import read_shard
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        for read in (read_index_file, read_shard):
+        for read in (lambda p: read_index_file(p, redo="delete it"), lambda p: read_shard(p, "s0")):
             try:
                 read({str(path)!r})
             except ConfigError as exc:
@@ -280,10 +279,11 @@ def test_a_file_whose_header_claims_more_vectors_than_it_holds_is_refused_withou
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     *errors, grown_mb = out.splitlines()
-    assert len(errors) == 2 and all(e.startswith(f"cannot read {str(path)!r} (") and
-                                    e.endswith("): the file is damaged; delete that shard's files and run build-index "
-                                               "again to redo the units it held") for e in errors)
+    assert len(errors) == 2 and all(e.startswith(f"cannot read {str(path)!r} (") for e in errors)
+    assert errors[0].endswith("): the file is damaged; delete it")
+    assert errors[1].endswith("): the file is damaged; delete that shard's files (every file named s0.*) and run "
+                              "the same build-index command again: the units it held are redone")
     assert int(grown_mb) < 200, out
     limit = faiss.get_deserialization_vector_byte_limit()
     faiss.write_index(index, str(path))  # a whole file is read as before, and faiss's bound put back
-    assert read_index_file(path).ntotal == 12 and faiss.get_deserialization_vector_byte_limit() == limit
+    assert read_index_file(path, redo="delete it").ntotal == 12 and faiss.get_deserialization_vector_byte_limit() == limit

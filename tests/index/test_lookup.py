@@ -242,8 +242,8 @@ def test_ids_given_by_the_caller_are_checked_against_the_row_groups(built):
             ShardRows(shards, ids=bad)
         assert str(err.value) == (
             f"the vectors of shard {shards[no].name} are not in the order of its rows in "
-            f"{str(shards[no].path('parquet'))!r}: the shard is damaged; delete its files "
-            f"({shards[no].name}.*) and run build-index again")
+            f"{str(shards[no].path('parquet'))!r}: the shard is damaged; delete that shard's files (every file "
+            f"named {shards[no].name}.*) and run the same build-index command again: the units it held are redone")
     with pytest.raises(ValueError, match=f"^{len(shards) - 1} id arrays for {len(shards)} shards with rows$"):
         ShardRows(shards, ids=ids[1:])
     short = [a.copy() for a in ids]
@@ -264,7 +264,8 @@ def test_a_shard_whose_rows_are_not_its_records_count_is_named(built):
         ShardRows([shards[0], wrong])
     assert str(err.value) == (
         f"{str(wrong.path('parquet'))!r} holds {shards[1].rows} rows, but its commit record says "
-        f"{wrong.rows}: the shard is damaged; delete its files ({wrong.name}.*) and run build-index again")
+        f"{wrong.rows}: the shard is damaged; delete that shard's files (every file named {wrong.name}.*) and run "
+        "the same build-index command again: the units it held are redone")
 
 
 def test_a_file_that_is_not_parquet_is_named_with_what_to_do(tmp_path):
@@ -278,8 +279,8 @@ def test_a_file_that_is_not_parquet_is_named_with_what_to_do(tmp_path):
         ShardRows([shard])
     message = str(err.value)
     assert message.startswith(f"cannot read {str(path)!r} (")
-    assert message.endswith(f"): the shard is damaged; delete its files ({shard.name}.*) and run build-index "
-                            "again to redo the units it held")
+    assert message.endswith(f"): the shard is damaged; delete that shard's files (every file named {shard.name}.*) "
+                            "and run the same build-index command again: the units it held are redone")
 
 
 def test_files_read_through_an_opener_are_named_by_where(built):
@@ -465,7 +466,8 @@ def test_a_rows_file_of_other_columns_is_named_never_a_traceback_or_a_number_as_
     with pytest.raises(ConfigError) as err:
         ShardRows([shard])
     assert str(err.value) == (f"{str(shard.path('parquet'))!r} is not a shard's rows file ({problem}): the shard "
-                              f"is damaged; delete its files ({shard.name}.*) and run build-index again")
+                              f"is damaged; delete that shard's files (every file named {shard.name}.*) and run the "
+                              "same build-index command again: the units it held are redone")
 
 
 def test_rows_out_of_their_vectors_order_are_damage_not_a_change_to_search_again(tmp_path):
@@ -487,4 +489,5 @@ def test_rows_out_of_their_vectors_order_are_damage_not_a_change_to_search_again
     assert not isinstance(err.value, lookup.IndexChanged)
     assert str(err.value) == (f"the rows of shard {shard.name} in {str(shard.path('parquet'))!r} are not in the "
                               f"order of its vectors (the row of id {ids[0]} holds id {ids[1]}): the shard is "
-                              f"damaged; delete its files ({shard.name}.*) and run build-index again")
+                              f"damaged; delete that shard's files (every file named {shard.name}.*) and run the "
+                              "same build-index command again: the units it held are redone")

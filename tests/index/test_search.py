@@ -76,7 +76,7 @@ def test_ivf_and_hnsw_with_search_params_equal_brute_force(tmp_path, factory, pa
 def test_segments_are_memory_mapped_where_faiss_can(tmp_path):
     built = build_index(tmp_path, n_units=2, chunks=10)
     path = built.store.shards()[0].path
-    index = read_shard(path)
+    index = read_shard(path, "s0")
     maps = open("/proc/self/maps").read()
     assert str(path) in maps and index.ntotal > 0
 
@@ -246,7 +246,8 @@ def test_a_shard_of_another_metric_than_the_manifest_s_is_refused_not_ranked_wro
     assert str(err.value) == (
         f"{str(path)!r} holds vectors compared by metric 'l2', but the manifest says 'ip': their scores cannot "
         "be merged (the hits would be ranked wrongly); the shard is damaged or the manifest was changed: put "
-        f"back the manifest's metric, or delete the shard's files ({name}.*) and run build-index again")
+        f"back the manifest's metric, or delete that shard's files (every file named {name}.*) and run the same "
+        "build-index command again: the units it held are redone")
     faiss.write_index(index, str(path))
     manifest = json.loads((folder / "manifest.json").read_text())
     (folder / "manifest.json").write_text(json.dumps(dict(manifest, metric="l2")))

@@ -44,10 +44,10 @@ def test_read_segment_tries_each_mmap_mode_then_reads_into_memory(tmp_path, monk
 
     first, second = search_mod._MMAP_FLAGS
     monkeypatch.setattr(faiss, "read_index", lambda n, *f: flaky(n, *f, refuse=(first,)))
-    assert read_shard(path).ntotal == n and calls == [(first,), (second,)]
+    assert read_shard(path, "s0").ntotal == n and calls == [(first,), (second,)]
     calls.clear()
     monkeypatch.setattr(faiss, "read_index", lambda n, *f: flaky(n, *f, refuse=(first, second)))
-    assert read_shard(path).ntotal == n and calls == [(first,), (second,), (0,)]  # 0: into memory
+    assert read_shard(path, "s0").ntotal == n and calls == [(first,), (second,), (0,)]  # 0: into memory
 
 
 def test_defaults_device_and_close(tmp_path):

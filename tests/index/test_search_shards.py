@@ -78,8 +78,8 @@ def test_vectors_whose_highest_id_is_not_the_shard_s_are_a_damaged_shard(tmp_pat
         open_index(tmp_path / "ix")
     assert str(err.value) == (
         f"{str(path)!r} holds 20 vectors of dim {DIM}, but its shard has 20 rows (or other ids) and the "
-        f"manifest says dim {DIM}: the shard is damaged; delete its files ({shard.name}.*) and run "
-        "build-index again to redo the units it held")
+        f"manifest says dim {DIM}: the shard is damaged; delete that shard's files (every file named "
+        f"{shard.name}.*) and run the same build-index command again: the units it held are redone")
 
 
 @pytest.mark.parametrize("kind", ["no id map", "other dim"])
@@ -107,8 +107,8 @@ def test_a_vectors_file_without_ids_or_of_another_dim_is_a_damaged_shard(tmp_pat
         search_mod._load_shards([shard], lambda s: path, manifest, None)
     assert str(err.value) == (
         f"{str(path)!r} holds 20 vectors of dim {dim}, but its shard has 20 rows (or other ids) and the "
-        f"manifest says dim {DIM}: the shard is damaged; delete its files ({shard.name}.*) and run "
-        "build-index again to redo the units it held")
+        f"manifest says dim {DIM}: the shard is damaged; delete that shard's files (every file named "
+        f"{shard.name}.*) and run the same build-index command again: the units it held are redone")
 
 
 def test_a_shard_the_manifest_names_gone_without_a_replacement_is_warned_of(tmp_path, caplog):
