@@ -471,41 +471,51 @@ def test_a_link_out_of_the_corpus_is_not_indexed_unless_asked(tmp_path):
     assert (hit.text, hit.source) == (text, "sub/planted.txt")
 
 
+def indexed_in_parts_and_whole(tmp_path, monkeypatch, corpus, workers: int, least: str, chunks=None) -> dict:
+    """build-index of ``corpus`` by ``workers`` tokenizer workers with its large file read in
+    parts (parts of at least 512 bytes: ``file_parts.<least>``) and read whole: each run's
+    {(record id, span, text): vector}, after checking that the chunk numbers are 0..n-1,
+    that the split run planned ``workers`` parts or more, and that a re-run finds the
+    file unchanged."""
+    from embedingest.jobs.build_index import encode
+    from embedingest.sources import file_parts
+
+    monkeypatch.setattr(file_parts, least, 512)
+    planned = []
+    plan = encode.plan_parts
+    monkeypatch.setattr(encode, "plan_parts", lambda units, n: planned.append(plan(units, n)) or planned[-1])
+    runs = {}
+    for split in (True, False):
+        out = tmp_path / f"idx-{split}"
+        s = build_index(corpus, out=str(out), num_workers=workers, num_consumers=2, batch_size=8, split_files=split)
+        assert s["exit_code"] == 0 and (chunks is None or s["chunks"] == chunks)
+        found = vectors_by_id(out)
+        rows = chunk_rows(out, list(found))
+        assert sorted(r[2] for r in rows.values()) == list(range(len(found)))  # chunk numbers 0..n-1
+        runs[split] = {rows[i][1:2] + rows[i][3:]: found[i] for i in found}
+        if split:  # read in parts, one per worker (the loader's workers: their share here)
+            assert planned and all(p and next(iter(p.values()))[0] >= 2 for p in planned)
+        again = build_index(corpus, out=str(out), num_workers=workers, batch_size=8, split_files=split)
+        assert again["units_unchanged"] == 1 and again["units_indexed"] == 0
+    assert runs[True].keys() == runs[False].keys()
+    for key, vec in runs[True].items():
+        np.testing.assert_allclose(vec, runs[False][key], atol=1e-5)
+    return runs[True]
+
+
 def test_a_large_jsonl_read_in_parts_indexes_what_one_worker_does(tmp_path, monkeypatch):
     """One JSON lines file, read by three tokenizer workers in parts, gives the index the
     same chunks (record, span, text) and vectors as one worker reading it whole; the
     index's check of every unit (chunks 0..n-1 once each) passes, and a re-run finds
     the file unchanged."""
-    from embedingest.jobs.build_index import encode
-    from embedingest.sources import file_parts
-
-    monkeypatch.setattr(file_parts, "PART_BYTES", 512)
-    planned = []
-    plan = encode.plan_parts
-    monkeypatch.setattr(encode, "plan_parts", lambda units, n: planned.append(plan(units, n)) or planned[-1])
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     with open(corpus / "all.jsonl", "w", newline="") as fh:
         for i, p in enumerate(PARAGRAPHS * 2):
             rec = {"id": f"p{i}", "text": p} if i % 4 else {"text": p}
             fh.write(json.dumps(rec) + ("\r\n" if i % 3 == 0 else "\n"))
-    runs = {}
-    for split in (True, False):
-        out = tmp_path / f"idx-{split}"
-        s = build_index(corpus, out=str(out), num_workers=3, num_consumers=2, batch_size=8, split_files=split)
-        assert s["exit_code"] == 0 and s["chunks"] == len(PARAGRAPHS) * 2
-        found = vectors_by_id(out)
-        rows = chunk_rows(out, list(found))
-        assert sorted(r[2] for r in rows.values()) == list(range(len(found)))  # chunk numbers 0..n-1
-        runs[split] = {rows[i][1:2] + rows[i][3:]: found[i] for i in found}
-        if split:  # read in parts, one per worker (the loader's workers: the share of 3 here)
-            assert planned and all(p and next(iter(p.values()))[0] >= 2 for p in planned)
-        again = build_index(corpus, out=str(out), num_workers=3, batch_size=8, split_files=split)
-        assert again["units_unchanged"] == 1 and again["units_indexed"] == 0
-    assert runs[True].keys() == runs[False].keys()
-    assert {r[0] for r in runs[True]} == {f"p{i}" if i % 4 else f"line-{i + 1}" for i in range(len(PARAGRAPHS) * 2)}
-    for key, vec in runs[True].items():
-        np.testing.assert_allclose(vec, runs[False][key], atol=1e-5)
+    split = indexed_in_parts_and_whole(tmp_path, monkeypatch, corpus, 3, "PART_BYTES", chunks=len(PARAGRAPHS) * 2)
+    assert {r[0] for r in split} == {f"p{i}" if i % 4 else f"line-{i + 1}" for i in range(len(PARAGRAPHS) * 2)}
 
 
 def test_a_large_pdf_read_in_parts_indexes_what_one_worker_does(tmp_path, monkeypatch):
@@ -514,33 +524,11 @@ def test_a_large_pdf_read_in_parts_indexes_what_one_worker_does(tmp_path, monkey
     finds it unchanged."""
     from pdf_fixtures import make_pdf
 
-    from embedingest.jobs.build_index import encode
-    from embedingest.sources import file_parts
-
-    monkeypatch.setattr(file_parts, "PDF_PART_BYTES", 512)
-    planned = []
-    plan = encode.plan_parts
-    monkeypatch.setattr(encode, "plan_parts", lambda units, n: planned.append(plan(units, n)) or planned[-1])
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "book.pdf").write_bytes(make_pdf([PARAGRAPHS[i % len(PARAGRAPHS)] for i in range(20)]))
-    runs = {}
-    for split in (True, False):
-        out = tmp_path / f"idx-{split}"
-        s = build_index(corpus, out=str(out), num_workers=2, num_consumers=2, batch_size=8, split_files=split)
-        assert s["exit_code"] == 0 and s["chunks"] >= 20
-        found = vectors_by_id(out)
-        rows = chunk_rows(out, list(found))
-        assert sorted(r[2] for r in rows.values()) == list(range(len(found)))  # chunk numbers 0..n-1
-        runs[split] = {rows[i][1:2] + rows[i][3:]: found[i] for i in found}
-        if split:
-            assert planned and all(p and next(iter(p.values()))[0] == 2 for p in planned)
-        again = build_index(corpus, out=str(out), num_workers=2, batch_size=8, split_files=split)
-        assert again["units_unchanged"] == 1 and again["units_indexed"] == 0
-    assert runs[True].keys() == runs[False].keys()
-    assert {r[0] for r in runs[True]} == {f"page-{n}" for n in range(1, 21)}
-    for key, vec in runs[True].items():
-        np.testing.assert_allclose(vec, runs[False][key], atol=1e-5)
+    split = indexed_in_parts_and_whole(tmp_path, monkeypatch, corpus, 2, "PDF_PART_BYTES")
+    assert {r[0] for r in split} == {f"page-{n}" for n in range(1, 21)}
 
 
 def test_a_default_out_shared_by_two_corpora_is_refused_never_emptied(tmp_path, monkeypatch):
