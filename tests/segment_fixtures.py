@@ -154,3 +154,13 @@ def small_config(images, out, weights, **kw):
 
     return SegmentConfig(**{**dict(images=str(images), out=str(out), weights=str(weights), size=SIZE,
                                    batch_size=3, device="cpu", arch=SMALL), **kw})
+
+
+def refused_either_way(run, want: str) -> None:
+    """``run(overwrite)`` refuses with ``want`` (a ConfigError), with ``--overwrite`` or without."""
+    from embedingest.errors import ConfigError
+
+    for overwrite in (False, True):
+        with pytest.raises(ConfigError) as err:
+            run(overwrite)
+        assert str(err.value) == want

@@ -10,7 +10,7 @@ import json
 import pytest
 from s3_fixtures import s3, s3_endpoint  # noqa: F401 (fixtures)
 from segment_fixtures import small  # noqa: F401 (fixture)
-from segment_fixtures import SIZE, bad_files, image_tree, noise, small_config
+from segment_fixtures import SIZE, bad_files, image_tree, noise, refused_either_way, small_config
 
 from embedingest import segment
 from embedingest.errors import ConfigError
@@ -118,10 +118,8 @@ def test_objects_below_the_marks_name_are_refused_and_left_alone(s3, tmp_path, s
     s3.put(f"masks/tampered/{OVERWRITING}/notes.txt", b"mine")
     want = (f"{url}/{OVERWRITING} is a prefix with objects below it, not the mark (an object) that segment "
             "--overwrite keeps there while it redoes the images: move or delete it, then run again")
-    for overwrite in (False, True):
-        with pytest.raises(ConfigError) as err:
-            segment(segment_config(images, url, small, overwrite=overwrite), progress=False)
-        assert str(err.value) == want
+    refused_either_way(lambda overwrite: segment(segment_config(images, url, small, overwrite=overwrite),
+                                                 progress=False), want)
     s3.fs.invalidate_cache()
     assert s3.fs.cat_file(f"{s3.name}/masks/tampered/{OVERWRITING}/notes.txt") == b"mine"
     s3.fs.rm_file(f"{s3.name}/masks/tampered/{OVERWRITING}/notes.txt")
