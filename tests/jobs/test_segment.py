@@ -284,7 +284,7 @@ def test_an_unfinished_overwrite_is_finished_by_an_overwrite_only(tmp_path, smal
     assert segment(config(images, out, small), progress=False)["already_done"] == 3
 
 
-@pytest.mark.parametrize("kind", ["folder", "link"])
+@pytest.mark.parametrize("kind", ["folder", "link", "special file"])
 def test_a_folder_or_link_with_the_marks_name_is_refused_and_left_alone(tmp_path, small, kind):
     """Something else under the overwrite mark's name (a tampered folder): a resume and an
     --overwrite are refused with what to do, and nothing there is removed or followed (an
@@ -299,16 +299,18 @@ def test_a_folder_or_link_with_the_marks_name_is_refused_and_left_alone(tmp_path
     if kind == "folder":
         (out / OVERWRITING).mkdir()
         (out / OVERWRITING / "keep.txt").write_text("mine")
-    else:
+    elif kind == "link":
         (out / OVERWRITING).symlink_to(outside / "keep.txt")
+    else:
+        os.mkfifo(out / OVERWRITING)  # opened, it would hang the run
     want = (f"{out}/{OVERWRITING} is a {kind}, not the mark (a file) that segment --overwrite keeps there "
             "while it redoes the images: move or delete it, then run again")
     refused_either_way(lambda overwrite: segment(config(images, out, small, overwrite=overwrite), progress=False),
                        want)
     assert (outside / "keep.txt").read_text() == "mine"
-    assert kind == "link" or (out / OVERWRITING / "keep.txt").read_text() == "mine"
+    assert kind != "folder" or (out / OVERWRITING / "keep.txt").read_text() == "mine"
     assert sorted(p.name for p in outside.iterdir()) == ["keep.txt"]
-    (out / OVERWRITING).unlink() if kind == "link" else shutil.rmtree(out / OVERWRITING)
+    shutil.rmtree(out / OVERWRITING) if kind == "folder" else (out / OVERWRITING).unlink()
     assert segment(config(images, out, small), progress=False)["already_done"] == 3
 
 

@@ -48,7 +48,7 @@ def list_inputs(config: SegmentConfig, report: SkipReport) -> tuple[list[tuple[s
     images = list(_images(config.images, report, out, config.follow_outside_links))
     folders = _output_folders(rel for rel, _, _ in images)
     input_below = None if is_remote(config.out) else input_under_out(config.images, out)
-    for rel, full, written in images:
+    for rel, full, stamped in images:
         reason = (name_taken(rel, folders) or output_in_input(rel, input_below, config.images) or
                   local and next(filter(None, (too_long(os.path.join(out, rel + s)) for s in suffixes)), None))
         if reason:  # its outputs could not be written: reported, the others go on
@@ -63,7 +63,7 @@ def list_inputs(config: SegmentConfig, report: SkipReport) -> tuple[list[tuple[s
         if (not config.overwrite and all(present.has(folder, name + s) for s in suffixes)
                 and (not config.stats or name_as_text(rel) in with_row)):
             if (stamps and changed_since_mask(full, os.path.join(out, rel + MASK_SUFFIX))
-                    or store_times and present.changed_since(folder, name + MASK_SUFFIX, written)):
+                    or store_times and present.changed_since(folder, name + MASK_SUFFIX, stamped)):
                 changed += 1
                 todo.append((rel, full))
             else:

@@ -23,7 +23,8 @@ def _object(out: str):
 
 def _found(out: str) -> str | None:
     """What has the mark's name in ``out``: ``"mark"`` (a file, an object), ``"folder"``
-    (a folder, or objects below the name), ``"link"``, or None."""
+    (a folder, or objects below the name), ``"link"``, ``"special file"`` (a pipe, a
+    socket, a device), or None."""
     if is_remote(out):
         fs, path = _object(out)
         fs.invalidate_cache(path.rsplit("/", 1)[0])  # a listing of this process is no answer
@@ -37,7 +38,9 @@ def _found(out: str) -> str | None:
         return None
     if stat.S_ISREG(mode):
         return "mark"
-    return "link" if stat.S_ISLNK(mode) else "folder"
+    if stat.S_ISDIR(mode):
+        return "folder"
+    return "link" if stat.S_ISLNK(mode) else "special file"
 
 
 def refuse_unfinished(out: str, overwrite: bool = False) -> None:
@@ -46,7 +49,7 @@ def refuse_unfinished(out: str, overwrite: bool = False) -> None:
     mark's name (a folder, objects below the name, a link: not the job's, so never removed
     or followed here), since no run could then keep or clear the mark."""
     found = _found(out)
-    if found in ("folder", "link"):
+    if found not in (None, "mark"):
         what = ("a prefix with objects below it, not the mark (an object)" if is_remote(out)
                 else f"a {found}, not the mark (a file)")
         raise ConfigError(f"{str(out).rstrip('/')}/{OVERWRITING} is {what} that segment --overwrite keeps "
