@@ -1,5 +1,5 @@
 """Where the segment job's main thread spends its time: the bench's timed job (after its
-warm-up, in the same process) sampled by py-spy (native frames, idle samples kept), with
+warm-up, in the same process) sampled by py-spy (without pausing it; --native: native frames too, pausing it at each sample; idle samples kept), with
 the job's Chrome trace beside it, then the main thread's samples summed by step.
 
     python benchmarks/segment_host_samples.py --photos 8192 --photo-dir /tmp/photos \\
@@ -74,6 +74,7 @@ if __name__ == "__main__":
     ap.add_argument("--py-spy", default="py-spy")
     ap.add_argument("--rate", type=int, default=200)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--native", action="store_true", help="native frames too (pauses the job at each sample)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -82,7 +83,8 @@ if __name__ == "__main__":
         allow_ptrace()
         raw = out / "samples.speedscope.json"
         spy = subprocess.Popen([args.py_spy, "record", "--pid", str(os.getpid()), "--rate", str(args.rate),
-                                "--idle", "--threads", "--native", "--format", "speedscope", "--output", str(raw)])
+                                "--idle", "--threads", "--format", "speedscope", "--output", str(raw)]
+                               + (["--native"] if args.native else ["--nonblocking"]))
         time.sleep(2.0)  # py-spy attaches
         t0 = time.perf_counter()
         summary = segment(job, progress=False, trace=str(out / "trace.json"))
