@@ -171,14 +171,16 @@ def plan_parts(units: Sequence[Unit], max_parts: int) -> dict[int, tuple[int, in
     if max_parts < 2:
         return {}
     sizes: dict[int, int] = {}
+    pdfs: set[int] = set()
     for unit in units:
         if unit.path is not None and splittable(unit.path):
             try:
                 sizes[unit.unit_no] = unit.size if unit.size is not None else os.stat(unit.path).st_size
             except OSError:
                 continue  # its worker reports it
+            if text_format(unit.path)[0] == ".pdf":
+                pdfs.add(unit.unit_no)
     share = sum(sizes.values()) // max_parts
-    pdfs = {unit.unit_no for unit in units if unit.unit_no in sizes and text_format(unit.path)[0] == ".pdf"}
     counts = {u: (part_count(size, max_parts, share, pdf=u in pdfs), size) for u, size in sizes.items()}
     return {u: c for u, c in counts.items() if c[0] > 1}
 

@@ -46,8 +46,8 @@ def _found(out: str) -> str | None:
 def refuse_unfinished(out: str, overwrite: bool = False) -> None:
     """ConfigError where an --overwrite run into ``out`` left its mark (killed, stopped,
     failed) and this run is no ``overwrite``; and for any run where something else has the
-    mark's name (a folder, objects below the name, a link: not the job's, so never removed
-    or followed here), since no run could then keep or clear the mark."""
+    mark's name (a folder, objects below the name, a link, a pipe: not the job's, so never
+    removed, opened or followed here), since no run could then keep or clear the mark."""
     found = _found(out)
     if found not in (None, "mark"):
         what = ("a prefix with objects below it, not the mark (an object)" if is_remote(out)
