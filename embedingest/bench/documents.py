@@ -117,6 +117,15 @@ def document_texts(folder: Path) -> list[str]:
     return texts
 
 
+def _pss(pid: int) -> int:
+    """Bytes of one process's PSS (Linux /proc; 0 where it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as fh:
+            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("Pss:"))
+    except (OSError, StopIteration, ValueError):
+        return 0
+
+
 def _tree_pss(root: int) -> int:
     """Bytes of PSS summed over ``root`` and its descendants (Linux /proc; 0 elsewhere)."""
     children: dict[int, list[int]] = {}
@@ -132,11 +141,7 @@ def _tree_pss(root: int) -> int:
     while todo:
         pid = todo.pop()
         todo += children.get(pid, [])
-        try:
-            with open(f"/proc/{pid}/smaps_rollup") as fh:
-                total += next(int(line.split()[1]) * 1024 for line in fh if line.startswith("Pss:"))
-        except (OSError, StopIteration, ValueError):
-            pass
+        total += _pss(pid)
     return total
 
 
