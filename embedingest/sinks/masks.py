@@ -383,6 +383,10 @@ class MaskSink:
             self.failed.append((meta.path, f"overlay source changed: now {size[0]}x{size[1]}, "
                                             f"was {meta.width}x{meta.height}"))
             return
+        if original.size != mask.shape[::-1]:  # a decoder that turns a picture its own way: named, not a crash
+            self.failed.append((meta.path, f"overlay: the picture decodes at {original.size[0]}x{original.size[1]}, "
+                                            f"its mask is {mask.shape[1]}x{mask.shape[0]}"))
+            return
         atomic_write_bytes(path, _encode(jpeg_sized(overlay_image(original, mask, self.cfg.overlay_alpha)),
                                          "JPEG", quality=90))
 

@@ -248,13 +248,15 @@ def open_rgb(path: str | os.PathLike, max_pixels: int | None = DEFAULT_MAX_PIXEL
                     raise ImageRejected(
                         f"too large: {width}x{height} = {width * height} pixels is over "
                         f"max_pixels={max_pixels}; raise --max-pixels to read it")
-                if im.getexif().get(ExifTags.Base.Orientation) in _ROTATED:
-                    width, height = height, width
+                width, height = _upright_size(im)
+                drafted = False
                 if fit:
                     cw, ch = content_size(im.width, im.height, fit)
-                    im.draft(None, (cw, ch))
+                    drafted = im.draft(None, (cw, ch)) is not None
                 im.load()
                 ImageOps.exif_transpose(im, in_place=True)  # an upright picture is not copied
+                if not drafted:  # the pixels say it: a PNG's EXIF may come after them
+                    width, height = im.size
                 return to_rgb(im), (width, height)
     except ImageRejected:
         raise
@@ -291,6 +293,20 @@ def _opened(path: str | os.PathLike):
         yield fh, remote_size(fh)
 
 
+def _upright_size(im: Image.Image) -> tuple[int, int]:
+    """The (width, height) ``im`` has once its EXIF orientation is applied, from its header.
+
+    A TIFF's size is taken from its own tags, as stored: Pillow 11.2 and later report a
+    rotated TIFF's size already turned upright (and turn its pixels on load), earlier
+    versions as stored, so ``im.size`` alone would be turned twice on one of them."""
+    tags = getattr(im, "tag_v2", None)
+    stored = (tags.get(256), tags.get(257)) if tags is not None else (None, None)
+    width, height = stored if all(isinstance(n, int) for n in stored) else im.size
+    if im.getexif().get(ExifTags.Base.Orientation) in _ROTATED:
+        width, height = height, width
+    return width, height
+
+
 def header_size(path: str | os.PathLike) -> tuple[int, int] | None:
     """The (width, height) :func:`open_rgb` will return for ``path``, read from the file's
     header without decoding the pixels (tens of microseconds), or None when the header
@@ -303,11 +319,8 @@ def header_size(path: str | os.PathLike) -> tuple[int, int] | None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             with _opened(path) as (source, _), Image.open(source) as im:
-                width, height = im.size
                 lazy_exif = im.format == "PNG" and not {"exif", "XML:com.adobe.xmp"} & set(im.info)
-                if not lazy_exif and im.getexif().get(ExifTags.Base.Orientation) in _ROTATED:
-                    width, height = height, width
-                return width, height
+                return im.size if lazy_exif else _upright_size(im)
     except Exception:
         return None
 
@@ -331,6 +344,10 @@ def picture_rgb(picture) -> Image.Image:
     EXIF rotation is applied), or a uint8 or uint16 array shaped H x W, H x W x 3 or H x W x 4."""
     if not isinstance(picture, Image.Image):
         a = np.asarray(picture)
+        if a.dtype == object and a.ndim == 0:
+            opened = " (an open file: pass PIL.Image.open(it))" if hasattr(picture, "read") else ""
+            raise ImageRejected(f"a {type(picture).__name__} is not a picture{opened}; pass a PIL image, a uint8 "
+                                "or uint16 array, or an image file's path")
         if a.dtype == np.uint16:
             a = np.rint(a / 257.0).astype(np.uint8)
         if a.dtype != np.uint8 or a.ndim not in (2, 3) or (a.ndim == 3 and a.shape[2] not in (3, 4)):

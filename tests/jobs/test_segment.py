@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import shutil
@@ -528,6 +529,26 @@ def test_segment_images_takes_file_paths_as_segment_reads_them(tmp_path, weights
         segment_images([pic, tmp_path / "notes.jpg"], weights=str(weights), size=SIZE, device="cpu")
     with pytest.raises(ConfigError, match=rf"^image 0 \({tmp_path / 'gone.jpg'}\): "):
         segment_images([tmp_path / "gone.jpg"], weights=str(weights), size=SIZE, device="cpu")
+
+
+def test_an_encoded_image_a_file_object_or_none_is_named_as_no_picture(tmp_path, weights):
+    """An uploaded JPEG's bytes were taken for a path: a message holding the whole file,
+    ending 'embedded null byte'; a BytesIO or None was 'unsupported array: dtype object'."""
+    buf = io.BytesIO()
+    Image.fromarray(noise(20, 30)).save(buf, "JPEG")
+    data = buf.getvalue()
+    with pytest.raises(ConfigError) as err:
+        segment_images([noise(20, 30), data], weights=str(weights), size=SIZE, device="cpu")
+    assert str(err.value) == (f"image 1: {len(data)} bytes that are no file's path (bytes are taken as a path); "
+                              "for an encoded image held in memory pass PIL.Image.open(io.BytesIO(data))")
+    with pytest.raises(ConfigError, match=r"^image 0: a BytesIO is not a picture \(an open file: pass "
+                                          r"PIL.Image.open\(it\)\); pass a PIL image, a uint8 or uint16 array, or an "
+                                          r"image file's path$"):
+        segment_images([io.BytesIO(data)], weights=str(weights), size=SIZE, device="cpu")
+    with pytest.raises(ConfigError, match=r"^image 0: a NoneType is not a picture; pass a PIL image"):
+        segment_images([None], weights=str(weights), size=SIZE, device="cpu")
+    [mask] = segment_images([Image.open(io.BytesIO(data))], weights=str(weights), size=SIZE, device="cpu")
+    assert mask.shape == (20, 30)
 
 
 @pytest.mark.parametrize("picture, size", [(np.zeros((0, 40, 3), np.uint8), "40x0"),

@@ -16,6 +16,7 @@ import pytest
 from PIL import Image
 from segment_fixtures import noise
 
+import embedingest.sinks.masks as masks_module
 from embedingest.errors import ConfigError
 from embedingest.sinks.mask_stats import (StatsWriter, drop_stats_rows, part_files, stats_columns,
                                           row_counts)
@@ -133,6 +134,20 @@ def test_overlay_source_gone_is_reported_and_the_mask_still_written(tmp_path):
     assert result["written"] == 1 and (tmp_path / "gone.jpg.png").exists()
     [(path, reason)] = result["failed"]
     assert path == meta.path and reason.startswith("overlay source unreadable")
+
+
+def test_a_picture_decoded_at_another_size_than_its_mask_is_reported_not_a_crash(tmp_path, monkeypatch):
+    """A decoder that turns a picture its own way (a rotated TIFF's size turned twice)
+    stopped the run at ``Image.blend``: ``ValueError: images do not match``."""
+    src = tmp_path / "r.png"
+    Image.fromarray(np.full((8, 16, 3), 200, np.uint8)).save(src)
+    meta = ImageMeta("r.png", str(src), 16, 8, 8, 4)
+    monkeypatch.setattr(masks_module, "open_rgb", lambda path, max_pixels=None: (
+        Image.new("RGB", (8, 16)), (16, 8)))
+    result = run_sink(MaskSinkFactory(str(tmp_path), overlay=True), [meta], {"mask": content()})
+    assert result["written"] == 1 and (tmp_path / "r.png.png").exists()
+    assert result["failed"] == [(str(src), "overlay: the picture decodes at 8x16, its mask is 16x8")]
+    assert not (tmp_path / "r.png.overlay.jpg").exists()
 
 
 def test_an_original_swapped_for_a_link_out_of_the_input_folder_gets_no_overlay(tmp_path):

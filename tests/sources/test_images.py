@@ -3,6 +3,7 @@ bad files as reasons, regrouping by shape."""
 
 from __future__ import annotations
 
+import io
 import os
 
 import numpy as np
@@ -10,14 +11,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from PIL import Image
+from PIL import Image, ImageOps
 from segment_fixtures import SIZE, bad_files, exif_rotated_jpeg, image_tensor, image_tree, noise
 from torch.utils.data import DataLoader
 from torchvision.transforms import functional as TF
 from torchvision.transforms.functional import _compute_resized_output_size
 
 from embedingest.sources.image_decode import (LONG_SIDE_LIMIT, PAD_RGB, ImageMeta, ImageRejected,
-                                              Preprocessing, content_size, open_rgb,
+                                              Preprocessing, content_size, header_size, open_rgb,
                                               short_side_size, to_rgb)
 from embedingest.sources.images import (IMAGE_EXTENSIONS, BadImage, BatchJoiner, ChunkPlace, ImageBatch,
                                         ImageFileDataset, LoadedImage, collate_images, prepare_file,
@@ -158,6 +159,32 @@ def test_exif_rotation_is_applied(tmp_path):
     top, bottom = pixels[4, 16].astype(int), pixels[60, 16].astype(int)
     assert top[0] > 200 and top[2] < 60, "orientation 6 turns the red left half to the top"
     assert bottom[2] > 200 and bottom[0] < 60
+
+
+@pytest.mark.parametrize("orientation", [1, 3, 5, 6, 7, 8])
+def test_a_rotated_tiff_keeps_its_upright_size(tmp_path, orientation):
+    """Pillow 11.2+ reports a rotated TIFF's size already upright and turns its pixels on
+    load; the size was turned a second time, so a 160x90 TIFF of orientation 6 (shown
+    90x160) got a 160x90 mask and its overlay stopped the run."""
+    a = np.zeros((90, 160, 3), np.uint8)
+    a[:, :80] = (255, 0, 0)
+    Image.fromarray(a).save(tmp_path / "r.tif", tiffinfo={0x0112: orientation})
+    upright = _turned(a, orientation)
+    im, size = open_rgb(tmp_path / "r.tif")
+    assert size == im.size == header_size(tmp_path / "r.tif") == upright.shape[1::-1]
+    assert np.array_equal(np.asarray(im), upright)
+    _, meta = prepare_file("r.tif", str(tmp_path / "r.tif"), SHORT)
+    assert (meta.width, meta.height) == upright.shape[1::-1]
+
+
+def _turned(a: np.ndarray, orientation: int) -> np.ndarray:
+    """``a`` as a viewer shows it under EXIF ``orientation`` (from a JPEG's, which Pillow
+    turns after load in every version)."""
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    buf = io.BytesIO()
+    Image.fromarray(a).save(buf, "PNG", exif=exif.tobytes())
+    return np.asarray(ImageOps.exif_transpose(Image.open(buf)))
 
 
 def test_large_jpeg_keeps_its_full_size_when_drafted(tmp_path):

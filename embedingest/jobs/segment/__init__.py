@@ -309,6 +309,9 @@ def segment_images(images: Iterable, config: SegmentConfig | None = None, *,
 
 
 def _prepare(picture, prep, index: int, max_pixels: int):
+    if isinstance(picture, bytes) and (b"\0" in picture or len(picture) > 4096):
+        raise ConfigError(f"image {index}: {len(picture)} bytes that are no file's path (bytes are taken as a path); "
+                          "for an encoded image held in memory pass PIL.Image.open(io.BytesIO(data))")
     path = os.fsdecode(picture) if isinstance(picture, (str, bytes, os.PathLike)) else None
     try:
         if path is not None:
