@@ -114,8 +114,16 @@ def json_bytes(obj, indent: int | None = 2) -> bytes:
     return (json.dumps(obj, indent=indent, ensure_ascii=False) + "\n").encode("utf-8", "backslashreplace")
 
 
-def is_tmp_name(name: str) -> bool:
-    return name.startswith(".") and ".tmp-" in name
+# What tmp_path makes: ".<name>.tmp-<pid>", or ".<head>~<digest>.tmp-<pid>" for a long name.
+_TMP_NAME = re.compile(r"\.(?P<name>.+?)(?P<digest>~[0-9a-f]{16})?\.tmp-[0-9]+")
+
+
+def is_tmp_name(name: str, of: Callable[[str], bool] | None = None) -> bool:
+    """Whether ``name`` is a temporary name :func:`tmp_path` makes (``of``: of a file for
+    whose name ``of(name)`` holds; a shortened name's digest is taken as such): a user's
+    ``.draft.tmp-3.txt`` or ``.mine.tmp-2`` beside the outputs is not one to delete."""
+    match = _TMP_NAME.fullmatch(name)
+    return match is not None and (of is None or match["digest"] is not None or of(match["name"]))
 
 
 def fsync_dir(folder: Path) -> None:

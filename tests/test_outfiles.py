@@ -257,6 +257,18 @@ def test_a_name_that_fits_can_be_written_however_long(tmp_path, name):
     assert target.read_bytes() == b"data" and os.listdir(tmp_path) == [name]
 
 
+def test_only_the_names_tmp_path_makes_are_temporary_names():
+    """Any name starting with "." and holding ".tmp-" was one: a user's ``.draft.tmp-3.txt``
+    or ``.mine.tmp-2`` in an output folder was deleted as a killed run's leftover."""
+    png = str.endswith  # of masks: names ending .png
+    assert is_tmp_name(".a.png.tmp-12") and is_tmp_name(".a.png.tmp-12", of=lambda n: png(n, ".png"))
+    assert is_tmp_name(".mine.tmp-2") and not is_tmp_name(".mine.tmp-2", of=lambda n: png(n, ".png"))
+    for name in (".draft.tmp-3.txt", ".tmp-3", "..tmp-3", "a.png.tmp-3", ".a.png.tmp-", ".a.png.tmp-x1"):
+        assert not is_tmp_name(name), name
+    long = outfiles.tmp_path(pathlib.Path("x" * 250 + ".png")).name
+    assert "~" in long and is_tmp_name(long, of=lambda n: False)  # a digest stands for the name
+
+
 def test_long_names_get_distinct_temporary_names_and_short_ones_keep_theirs(tmp_path):
     a, b = tmp_path / ("n" * 250 + "1"), tmp_path / ("n" * 250 + "2")
     assert outfiles.tmp_path(a) != outfiles.tmp_path(b)

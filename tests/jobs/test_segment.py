@@ -956,8 +956,12 @@ def test_stats_rows_are_the_masks_shares_and_resume_exactly_once(tmp_path, small
     parts[0].unlink()
     stale = out / "stats" / f".{parts[0].name}.tmp-99999"  # what a writer killed mid-commit leaves
     stale.write_bytes(b"PAR1 half")
+    mine = [out / ".mine.tmp-2", out / ".draft.tmp-3.txt", out / "stats" / ".notes.tmp-7"]  # the user's own
+    for path in mine:
+        path.write_text("precious")
     again = segment(config(images, out, small, stats=True), progress=False)
     assert not stale.exists()
+    assert [p.read_text() for p in mine] == ["precious"] * 3
     assert again["written"] == len(lost) and again["already_done"] == len(sizes) - len(lost)
     sources = [r["source"] for r in stats_rows(out)]
     assert sorted(sources) == sorted(sizes), "each image exactly once"

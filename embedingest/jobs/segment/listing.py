@@ -22,6 +22,7 @@ from ...sources.names import has_extension, name_as_text
 from ...sources.remote import is_remote, same_store, stamp, url_fs, walk_remote
 from ...sources.image_decode import IMAGE_EXTENSIONS
 from ...terminal import counted
+from .overwrite_mark import OVERWRITING
 
 log = logging.getLogger("embedingest")
 
@@ -303,6 +304,13 @@ class _RemoteNames(_FolderNames):
         return False  # object storage has no folders an object could not replace
 
 
+def _written_here(name: str) -> bool:
+    """Whether a run writes files named ``name`` (masks, overlays, logits, labels.json, the
+    skip report, stats parts, the overwrite mark), so its temporary file is one to delete."""
+    return name.endswith((MASK_SUFFIX, OVERLAY_SUFFIX, LOGITS_SUFFIX, ".parquet")) or name in (
+        LABELS_FILE, REPORT_NAME, OVERWRITING)
+
+
 def remove_stale_tmp_files(out: Path, todo: list[tuple[str, str]]) -> None:
     """Delete the temporary files (``.<name>.tmp-<pid>``, see ``atomic_write_bytes``) that a
     killed run left half-written in ``out`` and in the folders of the images still to do
@@ -317,7 +325,7 @@ def remove_stale_tmp_files(out: Path, todo: list[tuple[str, str]]) -> None:
         except OSError:
             continue
         for entry in entries:
-            if is_tmp_name(entry.name) and entry.is_file(follow_symlinks=False):
+            if is_tmp_name(entry.name, of=_written_here) and entry.is_file(follow_symlinks=False):
                 with contextlib.suppress(OSError):
                     os.unlink(entry.path)
 
