@@ -240,6 +240,9 @@ def _same_labels(old: bytes, info: dict, out, path) -> bool:
     if not isinstance(old, dict):
         raise ConfigError(f"{path} holds a JSON {_JSON_KINDS.get(type(old), type(old).__name__)}, not the object "
                           "of labels segment writes; remove it or pass --overwrite")
+    if not {"arch", "categories"} & set(old):
+        raise ConfigError(f"{path} holds a JSON object without segment's labels (no 'arch', no 'categories'): "
+                          "another program's file; move it out of the folder, or pass --overwrite")
     differ = _differences(old, info)
     if differ:
         raise ConfigError(

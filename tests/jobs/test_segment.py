@@ -1058,6 +1058,15 @@ def test_num_classes_and_timeline_through_the_cli(tmp_path, small):
     assert random.exit_code == 0, random.output
     assert json.loads(random.output)["num_classes"] == 3
     assert json.loads((tmp_path / "r" / "labels.json").read_text())["categories"] == ["class_0", "class_1", "class_2"]
+    # a report file inside --out replaced a mask, or labels.json, for good (the next run: "already done")
+    before = {p: p.read_bytes() for p in (tmp_path / "o").rglob("*") if p.is_file()}
+    for option, inside in (("--timeline", tmp_path / "o" / "a0.jpg.png"), ("--trace", tmp_path / "o" / "labels.json"),
+                           ("--trace", tmp_path / "o" / "sub" / ".." / "t.json")):
+        refused = CliRunner().invoke(segment_command, [*args, "--num-classes", str(NUM_CLASSES), option, str(inside)])
+        assert refused.exit_code == 1 and refused.output == (
+            f"Error: {option} {str(inside)!r} is inside the output folder {str(tmp_path / 'o')!r}, whose files the "
+            "run writes and reads back; write it elsewhere (beside the folder)\n"), refused.output
+    assert {p: p.read_bytes() for p in (tmp_path / "o").rglob("*") if p.is_file()} == before
 
 
 @pytest.mark.parametrize("resize", ["short", "fit"])

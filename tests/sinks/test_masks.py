@@ -364,6 +364,11 @@ def test_labels_json_is_indented_refuses_other_weights_and_notes_the_same_weight
             write_labels(tmp_path, info)
         assert str(err.value) == (f"{path} holds a JSON {kind}, not the object of labels segment writes; "
                                   "remove it or pass --overwrite")
+    path.write_text(json.dumps({"traceEvents": []}))  # a trace written there: was "other settings (arch=None ...)"
+    with pytest.raises(ConfigError) as err:
+        write_labels(tmp_path, info)
+    assert str(err.value) == (f"{path} holds a JSON object without segment's labels (no 'arch', no 'categories'): "
+                              "another program's file; move it out of the folder, or pass --overwrite")
     path.unlink()
     path.mkdir()  # there, but not readable as a file
     with pytest.raises(ConfigError, match=f"^{re.escape(str(path))} is unreadable .*; remove it or pass --overwrite$"):

@@ -38,6 +38,7 @@ from ...config import SegmentConfig, load_config
 from ...errors import ConfigError
 from ...exit_codes import exit_code
 from ...index.lock import RUN_LOCK, RunLock
+from ...outfiles import refuse_report_in_out
 from ...report import REPORT_NAME, SkipReport
 from ...scaleout.devices import devices_of
 from ...sinks.mask_stats import (STATS_DIR, drop_stats_rows, foreign_entries, part_files, remove_parts,
@@ -90,6 +91,8 @@ def segment(config: SegmentConfig, progress: bool = True, timeline: str | None =
         check_remote(config.images)  # a missing bucket or credential stops before any write
     elif not remote_out:
         refuse_output_as_input(config.out, config.images, "input folder", "the PNG masks")
+    if not remote_out:
+        refuse_report_in_out(config.out, {"--timeline": timeline, "--trace": trace})
     out = Path(config.out)
     made = [] if remote_out else _make_out(out)
     try:
