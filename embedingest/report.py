@@ -28,6 +28,10 @@ log = logging.getLogger("embedingest")
 REPORT_NAME = "skipped.jsonl"
 
 
+# The passed_over key of hidden files and folders (a name starting with "."), not entered.
+HIDDEN = "(hidden)"
+
+
 @dataclass
 class SkipReport:
     """Collects skipped inputs; thread-safe, cheap, written once at the end of a run."""
@@ -44,7 +48,8 @@ class SkipReport:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def pass_over(self, path: str | os.PathLike) -> None:
-        self.passed_over[Path(path).suffix.lower() or "(no suffix)"] += 1
+        name = Path(path).name
+        self.passed_over[HIDDEN if name.startswith(".") else Path(name).suffix.lower() or "(no suffix)"] += 1
 
     def add(self, path: str, reason: str, stage: str = "read", **extra) -> None:
         entry = {"path": str(path), "reason": reason, "stage": stage, **extra}
@@ -98,10 +103,16 @@ def _read_lines(path: Path) -> list[tuple[str, dict]]:
 
 
 def passed_over_sentence(summary: dict) -> str:
-    """The sentence of a run's summary on files of formats the job does not read, or ''."""
-    counts = summary.get("passed_over") or {}
-    if not counts:
-        return ""
-    kinds = ", ".join(f"{suffix} {n}" for suffix, n in counts.items())
-    return (f" Passed over {counted(sum(counts.values()), 'file')} of formats it does not read ({kinds}); "
-            "the README lists the ones it does.")
+    """The sentence of a run's summary on files of formats the job does not read, and on
+    hidden files and folders, or ''."""
+    counts = dict(summary.get("passed_over") or {})
+    hidden = counts.pop(HIDDEN, 0)
+    said = ""
+    if counts:
+        kinds = ", ".join(f"{suffix} {n}" for suffix, n in counts.items())
+        said = (f" Passed over {counted(sum(counts.values()), 'file')} of formats it does not read ({kinds}); "
+                "the README lists the ones it does.")
+    if hidden:
+        said += (f" Passed over {hidden} hidden {'entry' if hidden == 1 else 'entries'} (a name starting with '.'; "
+                 "a folder's files not counted): give one as the input itself to read it.")
+    return said

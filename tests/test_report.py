@@ -34,6 +34,22 @@ def test_passed_over_counts_by_suffix_and_says_so():
         " Passed over 1 file of formats it does not read (.txt 1); the README lists the ones it does.")
 
 
+def test_hidden_files_and_folders_are_counted_apart_from_formats():
+    """Hidden images (``.photo.jpg``, ``.cache/``) were dropped without a word."""
+    report = SkipReport()
+    for name in ("/p/.photo.jpg", "/p/.cache", "/p/a.heic"):
+        report.pass_over(name)
+    counts = dict(report.passed_over.most_common())
+    assert counts == {"(hidden)": 2, ".heic": 1}
+    assert passed_over_sentence({"passed_over": counts}) == (
+        " Passed over 1 file of formats it does not read (.heic 1); the README lists the ones it does."
+        " Passed over 2 hidden entries (a name starting with '.'; a folder's files not counted): give one as the "
+        "input itself to read it.")
+    assert passed_over_sentence({"passed_over": {"(hidden)": 1}}) == (
+        " Passed over 1 hidden entry (a name starting with '.'; a folder's files not counted): give one as the "
+        "input itself to read it.")
+
+
 def test_earlier_runs_stay_in_the_report_each_entry_naming_its_run(tmp_path):
     first = SkipReport()
     first.add("/data/a.jsonl:line 2", "json: bad")

@@ -202,7 +202,8 @@ def walk_paths(root: str | os.PathLike, extensions: set[str] | None = None,
     (whatever its suffix). Paths are strings (``root`` joined with the names below it):
     a corpus of millions of files pays no object per file beyond that.
 
-    Hidden files and folders (name starting with '.') are passed over. Symbolic links
+    Hidden files and folders (name starting with '.') are passed over (each told to
+    ``on_other``, a folder not entered). Symbolic links
     are followed, but a folder is entered once only, so a link loop ends; a link to a file
     or folder outside ``root`` is skipped (``on_skip``) unless ``outside_links``: a link
     planted in a corpus must not pull other files of the machine into an index that is
@@ -262,6 +263,8 @@ def walk_paths(root: str | os.PathLike, extensions: set[str] | None = None,
         subdirs = []
         for entry in entries:
             if entry.name.startswith("."):
+                if on_other is not None:
+                    on_other(entry.path)
                 continue
             if inside is not None and entry.is_symlink():
                 reason = _link_out_of(entry, inside, extensions)

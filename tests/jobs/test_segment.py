@@ -449,6 +449,13 @@ def test_output_inside_the_input_is_not_read_back(tmp_path, small):
     assert second["images"] == 1 and second["written"] == 1
     assert sorted(p.name for p in out.iterdir()) == [RUN_LOCK, "a.png.png", "labels.json", "skipped.jsonl"]
     assert second["passed_over"] == {".heic": 1}  # the run's own skipped.jsonl is not counted
+    Image.fromarray(noise(20, 30)).save(images / ".hidden.png")
+    (images / ".cache").mkdir()
+    Image.fromarray(noise(20, 30)).save(images / ".cache" / "b.png")
+    hidden = segment(config(images, out, small), progress=False)
+    assert hidden["images"] == 1 and hidden["passed_over"] == {".heic": 1, "(hidden)": 2}
+    (images / ".hidden.png").unlink()
+    shutil.rmtree(images / ".cache")
     # a second output folder in the input (another model's, say): the first is another
     # run's output, by its labels.json, skipped and named, not segmented as photographs
     other = segment(config(images, images / "masks2", small), progress=False)
