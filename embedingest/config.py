@@ -325,6 +325,9 @@ class SegmentConfig:
         DEFAULT_MAX_PIXELS, "Images with more pixels are skipped with a reason (0: no limit).")
 
     def validate(self) -> None:
+        if isinstance(self.images, (list, tuple)):
+            raise ConfigError(f"images={self.images!r:.200}: a list; images is one folder or file (a list of "
+                              "pictures or paths goes to segment_images(...), which returns their masks)")
         check_types(self)
         checks = [
             (self.size >= 32, f"size={self.size}: must be at least 32 (the models downsample 8x or more)"),

@@ -1344,6 +1344,26 @@ def test_an_out_that_is_a_link_to_nowhere_is_named(tmp_path, small):
                               "not exist; create that folder, or give another --out")
 
 
+def test_an_out_that_is_a_file_or_a_list_of_images_is_named(tmp_path, small):
+    """The library's out= naming a file stopped with a bare FileExistsError; images= a
+    list was 'must be text or none'."""
+    images = tmp_path / "images"
+    images.mkdir()
+    Image.fromarray(noise(20, 30)).save(images / "a.png")
+    (tmp_path / "afile").write_text("mine")
+    with pytest.raises(ConfigError) as err:
+        segment(config(images, tmp_path / "afile", small), progress=False)
+    assert str(err.value) == (f"out='{tmp_path / 'afile'}': '{tmp_path / 'afile'}' is a file, not a folder; give an "
+                              "--out folder (it is made where missing)")
+    assert (tmp_path / "afile").read_text() == "mine"
+    with pytest.raises(ConfigError) as err:
+        segment(dataclasses.replace(config(images, tmp_path / "o", small), images=[str(images / "a.png")]),
+                progress=False)
+    assert str(err.value) == (f"images={[str(images / 'a.png')]!r}: a list; images is one folder or file (a list of "
+                              "pictures or paths goes to segment_images(...), which returns their masks)")
+    assert not (tmp_path / "o").exists()
+
+
 def test_fp16_on_the_cpu_is_refused_before_anything_is_written(tmp_path, small):
     """PyTorch's fp16 convolutions on the CPU fall back to a plain loop: a photograph took
     minutes, and Ctrl-C waited for the convolution under way. The run, the library call

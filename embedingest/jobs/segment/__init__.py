@@ -230,7 +230,9 @@ def _make_out(out: Path) -> list[Path]:
         if os.path.islink(out) and not out.exists():
             raise ConfigError(f"out={str(out)!r} is a symbolic link to {os.readlink(out)!r}, which does not "
                               "exist; create that folder, or give another --out") from None
-        raise
+        taken = next((f for f in (out, *out.parents) if os.path.lexists(f) and not os.path.isdir(f)), out)
+        raise ConfigError(f"out={str(out)!r}: {str(taken)!r} is a file, not a folder; give an --out folder "
+                          "(it is made where missing)") from None
     except OSError as exc:  # a parent that cannot hold folders (/proc), one not writable, a full disk
         raise ConfigError(f"cannot make the output folder {str(out)!r}: {exc.strerror or exc}; give an --out "
                           "where folders can be made") from None
