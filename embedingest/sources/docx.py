@@ -4,8 +4,8 @@ A .docx is a zip of XML parts; the body is ``word/document.xml``. It is streamed
 the standard library's XML parser (which resolves no external entity and, with expat
 2.4 and later, refuses entity-expansion bombs), keeping only text: runs (``w:t``), tabs
 and breaks, a line a paragraph, a tab between table cells. Deleted tracked changes
-(``w:delText``) and field codes (``w:instrText``) are not text a reader sees, so they
-are left out. The part's declared size bounds what is decompressed (zipfile stops there
+(``w:del``, ``w:delText``), the old place of moved text (``w:moveFrom``) and field codes
+(``w:instrText``) are not text a reader sees, so they are left out. The part's declared size bounds what is decompressed (zipfile stops there
 and a zip bomb's lie fails its CRC), so a small file cannot unpack into gigabytes.
 
 A leaf: :mod:`.text` owns the reasons' wording for the file and calls this.
@@ -60,6 +60,10 @@ def _body(data: bytes) -> tuple[zipfile.ZipFile, zipfile.ZipInfo]:
 _ENDS = {_W + "tab": "\t", _W + "br": "\n", _W + "cr": "\n", _W + "p": "\n", _W + "tc": "\t", _W + "tr": "\n"}
 _CLEARED = {_W + "p", _W + "tbl", _W + "body"}
 _FALLBACK = "{http://schemas.openxmlformats.org/markup-compatibility/2006}Fallback"
+# Text no reader sees: a text box's copy for older readers (mc:Fallback, beside its
+# mc:Choice), a tracked deletion (w:del) and the old place of moved text (w:moveFrom,
+# whose runs keep w:t: its new place, w:moveTo, is read).
+_UNSEEN = {_FALLBACK, _W + "del", _W + "moveFrom"}
 
 
 def docx_text(data: bytes) -> str:
@@ -67,13 +71,13 @@ def docx_text(data: bytes) -> str:
     to take."""
     archive, info = _body(data)
     pieces: list[str] = []
-    fallback = 0  # inside mc:Fallback: a text box's copy for older readers, beside its mc:Choice
+    unseen = 0  # depth inside _UNSEEN elements
     try:
         with archive, archive.open(info) as body:
             for event, el in ElementTree.iterparse(body, events=("start", "end")):
-                if el.tag == _FALLBACK:
-                    fallback += 1 if event == "start" else -1
-                if event == "start" or fallback:
+                if el.tag in _UNSEEN:
+                    unseen += 1 if event == "start" else -1
+                if event == "start" or unseen:
                     continue
                 if el.tag == _W + "t":
                     pieces.append(el.text or "")

@@ -29,6 +29,16 @@ def test_deleted_changes_field_codes_and_a_text_box_s_fallback_copy_are_not_read
     assert docx_text(make_docx(body)) == "inserted\nin a box"
 
 
+def test_moved_text_is_read_at_its_new_place_only():
+    """The old place of moved text (w:moveFrom) keeps its runs' w:t: it was read too,
+    'P12 moved toMOVEDFROM'; a deletion whose runs hold w:t is not read either."""
+    body = document(
+        "<w:p><w:r><w:t>P12 </w:t></w:r><w:moveTo><w:r><w:t>moved to</w:t></w:r></w:moveTo>"
+        "<w:moveFrom><w:r><w:t>MOVEDFROM</w:t></w:r></w:moveFrom></w:p>"
+        "<w:p><w:r><w:rPr><w:del/></w:rPr><w:t>kept</w:t></w:r><w:del><w:r><w:t>gone</w:t></w:r></w:del></w:p>")
+    assert docx_text(make_docx(body)) == "P12 moved to\nkept"
+
+
 def test_a_docx_is_one_record_through_iter_records(tmp_path):
     (tmp_path / "a.docx").write_bytes(make_docx(document(para("alpha beta"))))
     skips: list = []
