@@ -69,12 +69,15 @@ def is_remote(path) -> bool:
 
 def local_path(path):
     """``path`` with a ``file://`` prefix taken off (fsspec's reading of it: the path
-    made absolute); anything else unchanged. Local files are then read by the local code,
+    made absolute) and its percent escapes decoded (``Path.as_uri()`` writes a space as
+    ``%20``); anything else unchanged. Local files are then read by the local code,
     with its safety checks (no link followed out of a folder, no pipe opened)."""
     if isinstance(path, str) and path.startswith("file://"):
+        from urllib.parse import unquote
+
         from fsspec.implementations.local import LocalFileSystem
 
-        return LocalFileSystem._strip_protocol(path)
+        return LocalFileSystem._strip_protocol("file://" + unquote(path[len("file://"):], errors="surrogateescape"))
     return path
 
 

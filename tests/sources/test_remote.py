@@ -8,6 +8,7 @@ import bz2
 import gzip
 import json
 import os
+import pathlib
 
 import numpy as np
 import pyarrow as pa
@@ -59,6 +60,9 @@ def test_urls_and_local_paths():
     assert not is_remote("file:///tmp/x") and not is_remote("/tmp/x") and not is_remote("c:/x")
     assert not is_remote(os.path.join("s3:", "x"))
     assert local_path("file:///tmp/corpus") == "/tmp/corpus" and local_path("rel/x") == "rel/x"
+    for path in ("/tmp/sp ace/ü", "/tmp/100%", "/tmp/caf\udce9"):  # as Path.as_uri() writes them
+        assert local_path(pathlib.PurePosixPath(path).as_uri()) == path
+    assert local_path("file:///tmp/sp ace") == "/tmp/sp ace"
 
 
 def test_a_prefix_lists_as_its_folder_walks_and_reads_the_same(s3, tmp_path):
