@@ -35,3 +35,8 @@ class WorkerLoader(DataLoader):
     def __iter__(self):
         with frozen_gc():
             return super().__iter__()
+
+    def check_worker_number_rationality(self) -> None:
+        """Say nothing: the jobs size their workers from the cores they are given, or as
+        the user asked (``--num-workers``), and torch's warning, printed raw to stderr
+        twice, would only repeat that choice back."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import os
 
 import pytest
 from torch.utils.data import Dataset
@@ -73,3 +74,12 @@ def test_frozen_gc_freezes_inside_its_block_only(unfrozen):
     with pytest.raises(KeyError), frozen_gc():
         raise KeyError("a failure in the block")
     assert gc.get_freeze_count() == 0
+
+
+def test_more_workers_than_cores_are_started_without_torch_s_warning(unfrozen, recwarn):
+    """torch printed 'This DataLoader will create 4 worker processes in total. Our
+    suggested max ...' raw to stderr, twice, for a --num-workers the user chose."""
+    loader = WorkerLoader(FreezeCounts(), batch_size=None, num_workers=(os.cpu_count() or 1) + 2,
+                          multiprocessing_context=multiprocessing.get_context("fork"))
+    assert len(list(loader)) == 3
+    assert [str(w.message) for w in recwarn if "DataLoader will create" in str(w.message)] == []
