@@ -275,8 +275,9 @@ def segment_images(images: Iterable, config: SegmentConfig | None = None, *,
 
     For a handful of images in a notebook or a service: it runs in this process, with
     no engine and no files. Settings come from ``config`` and ``overrides`` (field names
-    of :class:`SegmentConfig`); pass ``model`` (from ``load_segmentation_model``) to
-    reuse a loaded model across calls.
+    of :class:`SegmentConfig`; ``max_pixels`` bounds what a file may decode to, a picture
+    given in memory is decoded already); pass ``model`` (from ``load_segmentation_model``)
+    to reuse a loaded model across calls.
     """
     if isinstance(images, (str, bytes, os.PathLike)):
         raise ConfigError(f"images={images!r} is one path, not a list of pictures: pass [path] for one "
