@@ -183,7 +183,8 @@ def walk_remote(url: str, extensions: set[str] | frozenset[str] | None = None,
                 on_other: Callable[[str], None] | None = None) -> Iterator[RemoteFile]:
     """The objects below ``url`` whose names end in one of ``extensions`` (see
     :func:`~.names.has_extension`; all when None), or the one object ``url`` names
-    (whatever its name); others go to ``on_other(url)``.
+    (whatever its name); others go to ``on_other(url)``, hidden ones too (a name starting
+    with ".", a folder not entered), as :func:`~.files.walk_paths` tells them.
 
     A URL that cannot be listed at all (no such bucket, no credentials, no network) is a
     :class:`ConfigError` saying what to do; a folder below it that cannot be listed goes
@@ -209,13 +210,16 @@ def walk_remote(url: str, extensions: set[str] | frozenset[str] | None = None,
         files, subdirs = {}, {}
         for entry in entries:
             name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
-            if not name or name.startswith(".") or entry["name"].rstrip("/") == folder:
+            if not name or entry["name"].rstrip("/") == folder:
                 continue
-            (subdirs if entry.get("type") == "directory" else files)[name] = entry
+            (subdirs if entry.get("type") == "directory" and not name.startswith(".") else files)[name] = entry
         for name in sorted(files):
             rel = f"{rel_folder}{name}"
             entry = files[name]
-            if extensions is None or has_extension(name, set(extensions)):
+            if name.startswith("."):  # hidden, as on disk: told, a folder not entered
+                if on_other is not None:
+                    on_other(_url_of(base_url, rel))
+            elif extensions is None or has_extension(name, set(extensions)):
                 yield RemoteFile(_url_of(base_url, rel), rel, int(entry.get("size") or 0), stamp(entry))
             elif on_other is not None:
                 on_other(_url_of(base_url, rel))
