@@ -53,6 +53,8 @@ CHUNK_TOKENS = 256  # build-index's chunk size and overlap where neither the run
 FACTORY = "Flat"  # and its faiss factory and metric
 METRIC = "ip"
 OVERLAP = 32
+TEXT_FIELD = "text"  # and the record fields it reads texts and ids from
+ID_FIELD = "id"
 
 _KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "text"}
 
@@ -176,10 +178,13 @@ class IndexConfig:
               "worker (byte ranges cut at line starts; ranges of rows; ranges of pages), so one big file does not hold "
               "the GPU to one core's pace; off: one worker a file (its chunk numbers then follow "
               "the file's order, and an id repeated anywhere in it is caught, not only within a part).")
-    text_field: str = setting(
-        "text", "Field holding the text in .jsonl, .json, .csv and .parquet records.", metavar="NAME")
-    id_field: str = setting(
-        "id", "Field holding the record id (optional; line or row numbers otherwise).", metavar="NAME")
+    text_field: str | None = setting(
+        None, "Field holding the text in .jsonl, .json, .csv and .parquet records (and records "
+              "given as dicts). An update takes the index's.", metavar="NAME",
+        shown=f"{TEXT_FIELD}, or the index's when it updates one")
+    id_field: str | None = setting(
+        None, "Field holding the record id (optional; line or row numbers otherwise). An update "
+              "takes the index's.", metavar="NAME", shown=f"{ID_FIELD}, or the index's when it updates one")
     num_workers: int = setting(-1, "Tokenizer worker processes; -1 picks from the CPU count.")
     num_consumers: int = setting(2, "Consumer processes, each writing its own FAISS shards.")
     num_slots: int = setting(0, "Host buffer slots of the egress engine; 0 is 8 per consumer on a GPU, "
@@ -226,8 +231,18 @@ class IndexConfig:
         return (self.chunk_tokens if self.chunk_tokens is not None else stored.get("tokens", CHUNK_TOKENS),
                 self.overlap if self.overlap is not None else stored.get("overlap", OVERLAP))
 
+    def record_fields(self, stored: Mapping | None = None) -> dict[str, str]:
+        """The record fields asked for, ``{"text", "id"}``: those given, else ``stored`` (an
+        index's), else the defaults."""
+        stored = stored or {}
+        return {"text": self.text_field if self.text_field is not None else stored.get("text", TEXT_FIELD),
+                "id": self.id_field if self.id_field is not None else stored.get("id", ID_FIELD)}
+
     def validate(self) -> None:
         check_types(self)
+        for name in ("text_field", "id_field"):
+            if getattr(self, name) == "":
+                raise ConfigError(f"{name.replace('_', '-')}='': give the name of a field of the records")
         if self.batch_size < 0:
             raise ConfigError(f"batch-size={self.batch_size}: must be at least 1, or 0 (auto)")
         for name in ("chunk_tokens", "num_consumers", "sort_window", "commit_every",

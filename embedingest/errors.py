@@ -19,6 +19,11 @@ class ConfigError(EmbedingestError, ValueError):
     """A setting or argument has a value embedingest cannot use; the message names it."""
 
 
+class SettingError(ConfigError):
+    """A setting refused before any work, as a bad option is: the CLI exits with the usage
+    status (2), not the error status of a run that failed."""
+
+
 class EngineError(EmbedingestError, RuntimeError):
     """The egress engine failed (a consumer died, the pool could not be made, ...)."""
 

@@ -444,3 +444,20 @@ def test_build_index_closing_lines_say_one_of_a_kind_in_the_singular():
     assert "(1 skip of earlier runs kept in" in text and "holds 1 vector in 1 shard;" in text
     two = _index_paragraph({**one, "skipped": 2, "units_indexed": 2, "docs": 3, "vectors_total": 4, "segments": 2})
     assert two.startswith("Read 2 files (3 documents, 1 chunk)") and "holds 4 vectors in 2 shards;" in two
+
+
+def test_build_index_closing_hint_is_a_command_the_shell_runs_as_shown():
+    """The search hint named an --out folder with a space unquoted (`search o ut/ü "your
+    question"`), which the shell splits in two; reindex's hint was quoted."""
+    import shlex
+
+    from embedingest.cli.index import _index_paragraph
+
+    s = {"skipped": 0, "skipped_by_reason": {}, "report": "o ut/ü/skipped.jsonl", "report_run": "r1",
+         "units_indexed": 1, "docs": 1, "chunks": 1, "seconds": 1.0, "docs_per_s": 1.0, "chunks_per_s": 1.0,
+         "device": "cpu", "dtype": "fp32", "units_unchanged": 0, "units_removed": 0, "index": "o ut/ü",
+         "vectors_total": 1, "segments": 1}
+    hint = _index_paragraph(s).split("query it with: ", 1)[1]
+    assert hint == "embedingest search 'o ut/ü' \"your question\""
+    assert shlex.split(hint) == ["embedingest", "search", "o ut/ü", "your question"]
+    assert _index_paragraph({**s, "index": "idx"}).endswith("query it with: embedingest search idx \"your question\"")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 
 import click
 
 from ..config import IndexConfig, load_config
+from ..errors import SettingError
 from ..exit_codes import exit_status_help
 from ..report import passed_over_sentence
 from ..terminal import counted
@@ -30,10 +32,15 @@ from .common import (IndexPath, InputPath, config_options, emit_json, library_er
 @library_errors
 def build_index_cmd(corpus, config_path, as_json, timeline, trace, **options) -> None:
     cfg = load_config(IndexConfig, config_path, **options)
-    run_job("embedingest.jobs.build_index",
-            lambda job: job.build_index(corpus, cfg, progress=not as_json and sys.stderr.isatty(),
-                                        timeline=timeline, trace=trace),
-            as_json=as_json, paragraph=_index_paragraph,
+
+    def build(job) -> dict:
+        try:
+            return job.build_index(corpus, cfg, progress=not as_json and sys.stderr.isatty(),
+                                   timeline=timeline, trace=trace)
+        except SettingError as exc:  # refused before any work, as a bad option is: status 2
+            raise click.UsageError(str(exc)) from exc
+
+    run_job("embedingest.jobs.build_index", build, as_json=as_json, paragraph=_index_paragraph,
             interrupted=("the index is as it was before this run (--overwrite puts the old one back "
                          "when a rebuild stops); run the same command again to rebuild it"
                          if cfg.overwrite else
@@ -52,7 +59,7 @@ def _index_paragraph(s: dict) -> str:
             f"on {s['device']} ({s['dtype']}). {counted(s['units_unchanged'], 'file')} unchanged, "
             f"{s['units_removed']} removed; {skipped}.{passed_over_sentence(s)} The index at {s['index']} holds "
             f"{counted(s['vectors_total'], 'vector')} in {counted(s['segments'], 'shard')}; query it with: "
-            f"embedingest search {s['index']} \"your question\"")
+            f"embedingest search {shlex.quote(s['index'])} \"your question\"")
 
 
 @click.command()

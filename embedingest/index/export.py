@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +38,24 @@ ROW_GROUP_ROWS = 65_536
 SUCCESS_NAME = "_SUCCESS"
 
 
+def is_export_folder(folder: str | os.PathLike) -> bool:
+    """Whether ``folder`` holds an export's files: a ``_SUCCESS`` file and Parquet files,
+    every one of them named as a shard is (:data:`SHARD_NAME`). A Spark job's output
+    (``part-*.parquet``) or a folder of other Parquet files is not one; nor is one with
+    no Parquet file, which holds no rows to read back. Names only: nothing is opened, and
+    a folder without ``_SUCCESS`` costs one stat (the walk asks of every folder)."""
+    try:
+        if not stat.S_ISREG(os.lstat(os.path.join(folder, SUCCESS_NAME)).st_mode):
+            return False
+        with os.scandir(folder) as entries:
+            parquet = [e.name for e in entries if e.name.lower().endswith(".parquet")]
+    except OSError:
+        return False
+    # every one as export names them (a .PARQUET too is read as Parquet, and named by no export)
+    return bool(parquet) and all(n.endswith(".parquet") and SHARD_NAME.fullmatch(n[:-len(".parquet")])
+                                 for n in parquet)
+
+
 def export_index(index: str | os.PathLike, to: str | os.PathLike, *, embeddings: bool | None = None,
                  overwrite: bool = False) -> dict:
     """Write the rows of the index at ``index`` to Parquet files in ``to``; return a
@@ -54,6 +73,19 @@ def export_index(index: str | os.PathLike, to: str | os.PathLike, *, embeddings:
     with no_build_running(index, "export"):
         refuse_unfinished_overwrite(index, "export")
         return _export(index, to, embeddings, overwrite)
+
+
+def _refuse_inside_corpus(to, corpus: str | None, where: str) -> None:
+    """ConfigError when ``to`` is the corpus folder of the index at ``where`` (its
+    manifest's ``corpus_path``) or inside it: the next build-index of that corpus would
+    index the export's rows as documents, every hit twice."""
+    if not corpus or is_remote(corpus):
+        return
+    folder, real = Path(corpus).resolve(), Path(to).resolve()
+    if real == folder or folder in real.parents:
+        raise ConfigError(f"export folder {str(to)!r} is inside {corpus!r}, the corpus folder of the index "
+                          f"{where!r}: its next build-index would read the export's rows as documents; "
+                          "choose a folder outside the corpus")
 
 
 def _export(index, to, embeddings: bool | None, overwrite: bool) -> dict:
@@ -77,6 +109,7 @@ def _export(index, to, embeddings: bool | None, overwrite: bool) -> dict:
 
         dim = remote.manifest.dim
         where = index = remote.url
+        _refuse_inside_corpus(to, remote.manifest.corpus_path, where)
     else:
         index = Path(index)
         require_current(index)
@@ -86,6 +119,7 @@ def _export(index, to, embeddings: bool | None, overwrite: bool) -> dict:
             raise ConfigError(f"export folder {str(to)!r} is inside the index {str(index)!r}: "
                               "choose a folder outside it")
         manifest = IndexStore(index).read_manifest()
+        _refuse_inside_corpus(to, manifest.corpus_path, str(index))
         generation, dim = manifest.generation, manifest.dim
         refuse_link(index / SHARDS_DIR)  # a shard is read from inside the index folder only
         with_rows = [s for s in list_shards(index / SHARDS_DIR, generation=generation) if s.rows]

@@ -12,9 +12,11 @@ import json
 import os
 import re
 import shlex
+from collections.abc import Iterable
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..sources.files import open_regular
 
 MANIFEST_NAME = "manifest.json"
 V1_METADATA = "metadata.sqlite"
@@ -25,6 +27,9 @@ CURRENT = 2
 # What an index of the current format keeps beside its manifest (store.py, shards.py).
 UNITS_NAME = "units.sqlite"
 SHARDS_DIR = "shards"
+# An index's manifest read to tell it from a dataset's (holds_index) is at most this long:
+# its shard list is some 60 bytes a shard, so a quarter of a million shards.
+MANIFEST_PEEK_BYTES = 16 << 20
 
 
 def _holds_v1_segments(folder: Path) -> bool:
@@ -63,6 +68,39 @@ def _refuse_foreign(folder: Path, what: str) -> None:
                           "file away")
 
 
+def _foreign_problem(data) -> str | None:
+    """What makes the JSON ``data`` of a manifest.json no index's manifest, or None: an
+    index's describes its model and width."""
+    if not isinstance(data, dict):
+        return "is not a JSON object"
+    if not {"model", "dim"} <= data.keys():
+        return "has no 'model' and 'dim'"
+    if not isinstance(data["model"], dict):
+        return "has a 'model' that is no model's description"
+    return None
+
+
+def holds_index(folder: str | os.PathLike) -> bool:
+    """Whether ``folder`` (one of a corpus, say) holds an embedingest index: its manifest
+    is an index's (:func:`index_format`'s test), or index files are beside one that is not
+    (a damaged index). A dataset's own ``manifest.json`` and ``shards/`` are no index. The
+    manifest is read as a corpus file is: never through a link, never waiting on a pipe,
+    at most :data:`MANIFEST_PEEK_BYTES` (a larger one is judged by the files beside it)."""
+    folder = Path(folder)
+    try:
+        with open_regular(folder / MANIFEST_NAME, follow_links=False) as fh:
+            raw = fh.read(MANIFEST_PEEK_BYTES + 1)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return _holds_index_files(folder)
+    try:
+        data = json.loads(raw.decode("utf-8")) if len(raw) <= MANIFEST_PEEK_BYTES else None
+    except (ValueError, RecursionError):
+        data = None
+    return (data is not None and _foreign_problem(data) is None) or _holds_index_files(folder)
+
+
 def index_format(folder: str | os.PathLike) -> int | None:
     """The format of the index at ``folder``: 1 or 2 (or what a newer manifest says);
     None when the folder holds no index. A manifest without a format field is format 1
@@ -80,10 +118,9 @@ def index_format(folder: str | os.PathLike) -> int | None:
         raise ConfigError(f"cannot read {str(path)!r}: {exc}; rebuild the index with --overwrite") from exc
     except OSError as exc:
         raise ConfigError(f"cannot read {str(path)!r}: {exc}; rebuild the index with --overwrite") from exc
-    if not isinstance(data, dict) or not {"model", "dim"} <= data.keys() or not isinstance(data["model"], dict):
-        _refuse_foreign(folder, "is not a JSON object" if not isinstance(data, dict) else
-                        "has no 'model' and 'dim'" if not {"model", "dim"} <= data.keys() else
-                        "has a 'model' that is no model's description")
+    problem = _foreign_problem(data)
+    if problem:
+        _refuse_foreign(folder, problem)
     value = data.get("format", 1) if isinstance(data, dict) else None
     if not isinstance(value, int) or isinstance(value, bool):
         raise ConfigError(f"{path}: format is {value!r}, not an integer: the "
@@ -95,9 +132,10 @@ def index_format(folder: str | os.PathLike) -> int | None:
 
 
 def rebuild_command(folder: str | os.PathLike, manifest: dict | None = None,
-                    save_embeddings: bool = False) -> str:
+                    save_embeddings: bool = False, options: Iterable[str] = ()) -> str:
     """The command that rebuilds the index at ``folder`` in the current format, from what
-    its manifest says (corpus folder, model, factory, metric)."""
+    its manifest says (corpus folder, model, factory, metric), with ``options`` (further
+    build-index options, shell-quoted) before ``--overwrite``."""
     def text(mapping, key) -> str | None:  # a damaged manifest's fields may be anything
         value = mapping.get(key) if isinstance(mapping, dict) else None
         return value if isinstance(value, str) and value else None
@@ -114,6 +152,7 @@ def rebuild_command(folder: str | os.PathLike, manifest: dict | None = None,
         parts += ["--index", shlex.quote(manifest["factory"])]
     if text(manifest, "metric") and manifest["metric"] != "ip":
         parts += ["--metric", shlex.quote(manifest["metric"])]
+    parts += options
     if save_embeddings:
         parts.append("--save-embeddings")
     parts.append("--overwrite")

@@ -13,11 +13,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shlex
 from pathlib import Path
 
 import faiss
 import numpy as np
 
+from ..config import CHUNK_TOKENS, ID_FIELD, OVERLAP, TEXT_FIELD
 from ..errors import ConfigError
 from ..outfiles import refuse_link, write_faiss_index
 from ..sources.remote import is_remote
@@ -26,7 +28,7 @@ from .formats import MANIFEST_NAME, rebuild_command, require_current
 from .lock import RunLock
 from .shard_store import refuse_unfinished_overwrite
 from .shards import SHARDS_DIR, clean_shards, damaged, list_shards, read_embeddings, read_ids, trained_name
-from .store import IndexStore
+from .store import IndexStore, Manifest
 
 log = logging.getLogger("embedingest")
 
@@ -64,6 +66,8 @@ def reindex(index: str | os.PathLike, factory: str, *, train_size: int = 50_000,
         refuse_link(folder / SHARDS_DIR)  # the new vectors are written inside the index folder only
         manifest = store.read_manifest()
         shards = [s for s in list_shards(folder / SHARDS_DIR, generation=manifest.generation) if s.rows]
+        template = parse_factory(manifest.dim, factory, manifest.metric)
+        params = _settled_params(manifest, template, search_params)
         missing = [s.name for s in shards if not s.has_embeddings]
         if missing:
             raise ConfigError(
@@ -71,8 +75,7 @@ def reindex(index: str | os.PathLike, factory: str, *, train_size: int = 50_000,
                 f"shards (e.g. {missing[0]}): it was built without --save-embeddings, so it cannot be "
                 f"reindexed without the model; rebuild it with:\n  "
                 + rebuild_command(folder, dataclasses.asdict(manifest) | {"factory": factory},
-                                  save_embeddings=True))
-        template = parse_factory(manifest.dim, factory, manifest.metric)
+                                  save_embeddings=True, options=kept_options(manifest, params)))
         generation = manifest.generation + 1
         embs = []
         for shard in shards:  # every byte is read anyway: those that were not committed are refused
@@ -95,7 +98,6 @@ def reindex(index: str | os.PathLike, factory: str, *, train_size: int = 50_000,
                 trained_path = folder / trained_name(generation)
                 write_faiss_index(template, trained_path)
                 written.append(trained_path)
-            params = _settled_params(manifest, template, search_params)
             for shard, emb in zip(shards, embs):
                 ids = read_ids(shard)
                 index_ = faiss.IndexIDMap(copy_index(template))
@@ -122,6 +124,46 @@ def reindex(index: str | os.PathLike, factory: str, *, train_size: int = 50_000,
     return {"index": str(folder), "factory": factory, "previous_factory": old[0],
             "generation": generation, "shards": len(shards), "vectors": total,
             "trained": trained_path is not None, "search_params": params}
+
+
+def kept_options(manifest: Manifest, params: str | None) -> list[str]:
+    """The build-index options (shell-quoted) that give a rebuild of the index what its
+    manifest keeps besides model, factory and metric, where it is not what a plain build
+    gives: chunking, prompts, the search defaults (``params``: the parameters the new
+    factory keeps) and the record fields. Without them the rebuild's chunks, vectors and
+    searches would not be the index's."""
+    options = []
+    limit = manifest.model.get("max_seq_length")
+    tokens = min(CHUNK_TOKENS, limit) if isinstance(limit, int) else CHUNK_TOKENS
+    if manifest.chunking and (manifest.chunking["tokens"], manifest.chunking["overlap"]) != (tokens, OVERLAP):
+        options += ["--chunk-tokens", str(manifest.chunking["tokens"]), "--overlap", str(manifest.chunking["overlap"])]
+    declared = _declared_prompts(manifest.model)
+    for role, option in (("document", "--doc-prompt"), ("query", "--query-prompt")):
+        prompt = manifest.prompts.get(role, "")
+        if prompt != declared[role]:
+            options += [option, shlex.quote(prompt)]
+    if params:
+        options += ["--search-params", shlex.quote(params)]
+    if manifest.search.get("k") is not None:
+        options += ["--search-k", str(manifest.search["k"])]
+    for role, option, default in (("text", "--text-field", TEXT_FIELD), ("id", "--id-field", ID_FIELD)):
+        if manifest.record_fields.get(role, default) != default:
+            options += [option, shlex.quote(manifest.record_fields[role])]
+    return options
+
+
+def _declared_prompts(model: dict) -> dict:
+    """The prompts a build with the index's model folder takes when given none (those it
+    declares); none where the folder cannot be read (a prompt the index has is then given)."""
+    path = model.get("path")
+    if isinstance(path, str) and Path(path).is_dir():
+        from ..stages.prompts import Prompts  # torch: only for this message
+
+        try:
+            return Prompts.read(path).resolve()
+        except ConfigError:
+            pass
+    return {"document": "", "query": ""}
 
 
 def _drop_unswitched(store: IndexStore, generation: int, written: list[Path]) -> None:

@@ -187,7 +187,7 @@ class ShardStore(IndexStore):
         shards = self.committed()
         done, hashes = finished_units(shards), finished_hashes(shards)
         return {k: Unit(u.unit_no, u.key, u.size, u.mtime_ns, u.sha256 or hashes.get(u.unit_no),
-                        done.get(u.unit_no, 0), "done" if u.unit_no in done else "pending")
+                        done.get(u.unit_no, 0), "done" if u.unit_no in done else "pending", u.ctime_ns)
                 for k, u in rows.items()}
 
     @_sqlite_errors

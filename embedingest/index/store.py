@@ -48,9 +48,10 @@ MAX_UNIT_NO = 2**31 - 1  # ids stay positive int64 (faiss uses -1 for "no result
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS units(
     unit_no INTEGER PRIMARY KEY AUTOINCREMENT, key TEXT UNIQUE NOT NULL, size INT,
-    mtime_ns INT, sha256 TEXT, n_chunks INT, status TEXT);
+    mtime_ns INT, sha256 TEXT, n_chunks INT, status TEXT, ctime_ns INT);
 """
-_UNIT_COLUMNS = ("key", "size", "mtime_ns", "sha256", "n_chunks", "status")
+# ctime_ns came later: a units table made before it gets the column, NULL in its rows.
+_UNIT_COLUMNS = ("key", "size", "mtime_ns", "sha256", "n_chunks", "status", "ctime_ns")
 _QUERY_BATCH = 500
 
 
@@ -100,6 +101,10 @@ class Manifest:
     # kept); every update cuts the same way.
     chunking: dict = field(default_factory=dict)
     search: dict = field(default_factory=dict)  # search defaults: {"params": "nprobe=16", "k": 10}
+    # {"text", "id"}: the fields records' texts and ids are read from (empty: an index from
+    # before they were kept, read with the defaults until a run records its own); every
+    # update reads the same ones.
+    record_fields: dict = field(default_factory=dict)
     version: str = field(default_factory=package_version)
     created: str = field(default_factory=_now)
     updated: str = field(default_factory=_now)
@@ -166,6 +171,9 @@ _FIELD_TYPES = {
     "search": (lambda v: isinstance(v, dict) and (v.get("params") is None or isinstance(v["params"], str))
                and (v.get("k") is None or (_is_int(v["k"]) and v["k"] >= 1)),
                "an object with a string params and a positive integer k"),
+    "record_fields": (lambda v: isinstance(v, dict) and (not v or (
+        set(v) == {"text", "id"} and all(isinstance(f, str) and f for f in v.values()))),
+        "an object {\"text\": FIELD, \"id\": FIELD} of field names"),
     "version": (lambda v: isinstance(v, str), "a string"),
     "created": (lambda v: isinstance(v, str), "a string"),
     "updated": (lambda v: isinstance(v, str), "a string"),
@@ -183,6 +191,7 @@ class Unit:
     sha256: str | None
     n_chunks: int | None
     status: str | None
+    ctime_ns: int | None = None  # the file's inode change time; None in rows made before it was kept
 
 
 @dataclass(frozen=True)
@@ -383,13 +392,15 @@ class IndexStore:
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
         db.executescript(_SCHEMA)
+        if "ctime_ns" not in {row[1] for row in db.execute("PRAGMA table_info(units)")}:
+            db.execute("ALTER TABLE units ADD COLUMN ctime_ns INT")
         return db
 
     @_sqlite_errors
     def upsert_units(self, rows: Iterable[Mapping]) -> dict[str, int]:
         """Insert or update units by key (one transaction); return {key: unit_no}.
 
-        Each row gives key and any of size, mtime_ns, sha256, n_chunks, status; fields left
+        Each row gives key and any of size, mtime_ns, sha256, n_chunks, status, ctime_ns; fields left
         out (or None) keep the value stored. unit_no is never reused (AUTOINCREMENT), so
         stray vectors of a deleted unit cannot be taken for those of a new one; an existing
         key is updated, not upserted: sqlite's upsert spends a number even when it updates.
@@ -405,7 +416,7 @@ class IndexStore:
         keys = list(merged)
         update = ("UPDATE units SET " + ", ".join(f"{c}=COALESCE(?, {c})" for c in _UNIT_COLUMNS[1:])
                   + " WHERE key=?")
-        insert = f"INSERT INTO units({', '.join(_UNIT_COLUMNS)}) VALUES (?, ?, ?, ?, ?, ?)"
+        insert = f"INSERT INTO units({', '.join(_UNIT_COLUMNS)}) VALUES ({', '.join('?' * len(_UNIT_COLUMNS))})"
         with self.db as db:
             found = self._unit_nos(db, keys)
             db.executemany(update, (v[1:] + v[:1] for v in merged.values() if v[0] in found))

@@ -671,7 +671,8 @@ class _FirstIds:
         return None
 
 
-def _fields(keys) -> str:
+def field_names(keys) -> str:
+    """Names of a record's fields (or columns) as a reason lists them: the first ten, quoted."""
     names = list(keys)
     if not names:
         return "none"
@@ -692,7 +693,7 @@ def _text_of(obj, text_field: str, loc: str) -> str:
     if not isinstance(obj, dict):
         raise _Skip(f"json: {loc}: expected a JSON object, got {type(obj).__name__}")
     if text_field not in obj:
-        raise _Skip(f"field: {loc}: no {text_field!r} field (fields: {_fields(obj)}); "
+        raise _Skip(f"field: {loc}: no {text_field!r} field (fields: {field_names(obj)}); "
                     f"choose the text field with --text-field (text_field= in the library)")
     text = obj[text_field]
     if not isinstance(text, str):
@@ -1077,11 +1078,11 @@ def _read_csv(path: Path, text_field, id_field, on_skip):
         if not columns:
             raise _Skip("empty: no header row")
         if text_field not in columns:
-            raise _Skip(f"field: no {text_field!r} column (columns: {_fields(columns)}); "
+            raise _Skip(f"field: no {text_field!r} column (columns: {field_names(columns)}); "
                         f"choose the text column with --text-field (text_field= in the library)")
         twice = [c for c in dict.fromkeys((text_field, id_field)) if columns.count(c) > 1]
         if twice:
-            raise _Skip(f"field: the header names {_fields(twice)} more than once; rename the "
+            raise _Skip(f"field: the header names {field_names(twice)} more than once; rename the "
                         f"columns so each is named once")
         ids, rows, n = _FirstIds(path), iter(reader), 0
         while True:
@@ -1203,7 +1204,7 @@ def _parquet_rows(path: Path, text_field, id_field, on_skip, part):
             raise _Skip(f"parquet: {exc}") from None
         schema = pf.schema_arrow
         if text_field not in schema.names:
-            raise _Skip(f"field: no {text_field!r} column (columns: {_fields(schema.names)}); "
+            raise _Skip(f"field: no {text_field!r} column (columns: {field_names(schema.names)}); "
                         f"choose the text column with --text-field (text_field= in the library)")
         kind = schema.field(text_field).type
         if not _is_text_type(kind):

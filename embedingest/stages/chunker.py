@@ -266,6 +266,14 @@ def _word_breaks(backend) -> re.Pattern | None:
     return re.compile(f".*[{re.escape(breaks)}]", re.DOTALL) if breaks else None
 
 
+def special_token_count(tokenizer) -> int:
+    """How many special tokens the model puts around every chunk (BERT's [CLS] and [SEP]:
+    2), which :class:`Chunker` counts against ``max_tokens``: build-index checks its
+    chunk size against it before the first write, not in a loader worker."""
+    prefix, suffix = _special_tokens(tokenizer.backend_tokenizer)
+    return len(prefix) + len(suffix)
+
+
 def _special_tokens(backend) -> tuple[list[int], list[int]]:
     """The ids the post-processor puts before and after a single sequence."""
     tok = _plain_copy(backend)

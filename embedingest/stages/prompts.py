@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import IterableDataset
 
-from ..errors import ConfigError
+from ..errors import ConfigError, SettingError
 
 ST_CONFIG_FILE = "config_sentence_transformers.json"
 DOCUMENT_PROMPT_NAMES = ("document", "passage", "corpus")  # sentence-transformers' order
@@ -67,6 +67,11 @@ class Prompts:
         return {"document": self.for_role("document", document), "query": self.for_role("query", query)}
 
 
+def _shown(prompt: str) -> str:
+    """A prompt as a message names it: its first 60 characters."""
+    return prompt if len(prompt) <= 60 else prompt[:60] + "..."
+
+
 def refuse_filling_query_prompt(tokenizer, limit: int, prompt: str) -> None:
     """ConfigError for a query prompt that takes every one of the ``limit`` tokens the
     model reads: each query is cut off whole after it, so every query gets the prompt's
@@ -76,8 +81,7 @@ def refuse_filling_query_prompt(tokenizer, limit: int, prompt: str) -> None:
         return
     used = len(tokenizer([prompt])["input_ids"][0])  # with the model's own tokens ([CLS], [SEP])
     if used >= limit:
-        shown = prompt if len(prompt) <= 60 else prompt[:60] + "..."
-        raise ConfigError(f"the query prompt {shown!r} is {used} tokens long (with the model's own), and the "
+        raise ConfigError(f"the query prompt {_shown(prompt)!r} is {used} tokens long (with the model's own), and the "
                           f"model reads {limit}: no word of a query would be read, and every query would get "
                           "the same hits; give a shorter prompt (--query-prompt, query_prompt=)")
 
@@ -92,6 +96,40 @@ class ChunkPrompt:
     max_tokens: int
 
 
+def refuse_unfit_chunks(tokenizer, tokens: int, overlap: int, prompt: str, limit: int) -> None:
+    """ConfigError naming a change that works unless a chunk of ``tokens`` tokens holds the
+    model's special tokens, the document ``prompt``'s, the ``overlap`` it shares with the
+    one before and a token of new text. build-index checks it before it writes anything:
+    the chunker refused it only in a loader worker, after the index folder was made and
+    its manifest recorded the chunking. ``limit`` is what the model reads, so a larger
+    chunk is advised only where one fits."""
+    from .chunker import special_token_count
+
+    special = special_token_count(tokenizer)
+    used = len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) if prompt else 0
+    least = special + used + overlap + 1
+    if tokens >= least:
+        return
+    shared = f" and the {overlap} it shares with the one before (--overlap)" if overlap else ""
+    if not used:
+        fix = (f"give --chunk-tokens {least} or more" if least <= limit else
+               f"give --overlap {tokens - special - 1} or less (the model reads at most {limit} tokens)")
+        raise SettingError(f"--chunk-tokens {tokens} leaves no token of a chunk for text: each chunk holds "
+                          f"the {special} special tokens the model adds{shared}; {fix}")
+    room = limit - special - overlap - 1  # the longest prompt a chunk of the model's length holds
+    if least <= limit:
+        fix = f"raise --chunk-tokens to {least} or more, or shorten the prompt (--doc-prompt)"
+    elif room >= 1:
+        fix = (f"shorten the prompt (--doc-prompt) to at most {room} tokens{' or lower --overlap' if overlap else ''}: "
+               f"the model reads at most {limit} tokens, so no --chunk-tokens makes room for it")
+    else:
+        fix = (f"lower --overlap and shorten the prompt (--doc-prompt): the model reads at most {limit} "
+               "tokens, so no --chunk-tokens makes room for it")
+    raise SettingError(f"the document prompt {_shown(prompt)!r} takes {used} of the {tokens} tokens of a chunk, "
+                      f"leaving no token for new text (a chunk also holds the {special} special tokens the model "
+                      f"adds{shared}); {fix}")
+
+
 def chunk_prompt(tokenizer, prompt: str, chunk_tokens: int, overlap: int) -> ChunkPrompt:
     """The :class:`ChunkPrompt` of ``prompt`` for chunks of ``chunk_tokens`` tokens."""
     from .chunker import Chunker
@@ -99,14 +137,10 @@ def chunk_prompt(tokenizer, prompt: str, chunk_tokens: int, overlap: int) -> Chu
     ids = tuple(tokenizer(prompt, add_special_tokens=False)["input_ids"]) if prompt else ()
     if not ids:
         return ChunkPrompt((), 0, chunk_tokens)
-    prefix = Chunker(tokenizer, chunk_tokens, 0).prefix
-    max_tokens = chunk_tokens - len(ids)
     # The chunker itself needs room for its special tokens and the overlap.
-    if max_tokens <= overlap + len(prefix) + 1:
-        raise ConfigError(f"the document prompt {prompt!r} takes {len(ids)} of the {chunk_tokens} "
-                          f"tokens of a chunk, leaving too few for the text (overlap {overlap}); "
-                          f"raise --chunk-tokens or shorten the prompt (--doc-prompt)")
-    return ChunkPrompt(ids, len(prefix), max_tokens)
+    refuse_unfit_chunks(tokenizer, chunk_tokens, overlap, prompt, chunk_tokens)
+    prefix = Chunker(tokenizer, chunk_tokens, 0).prefix
+    return ChunkPrompt(ids, len(prefix), chunk_tokens - len(ids))
 
 
 class PromptedBatches(IterableDataset):

@@ -280,3 +280,52 @@ def test_export_refuses_a_rows_file_of_other_columns_whose_record_was_made_to_ma
                               f"(every file named {shard.name}.*) and run the same build-index command again: "
                               "the units it held are redone")
     assert not (tmp_path / "out" / "_SUCCESS").exists()
+
+
+def test_export_refuses_a_folder_inside_the_index_s_corpus(tmp_path):
+    """``export --to`` inside the corpus folder the manifest records: the next build-index
+    of that corpus read the export's Parquet rows as documents (34 vectors for 17, every
+    hit twice). Refused, as one inside the index is, before anything is written."""
+    from dataclasses import replace
+
+    from embedingest.index.store import IndexStore
+
+    build_shards(tmp_path / "ix", n_units=1, chunks=3, workers=1)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    store = IndexStore(tmp_path / "ix")
+    store.write_manifest(replace(store.read_manifest(), corpus_path=str(corpus)))
+    for to in (corpus, corpus / "exported", corpus / "a" / "b"):
+        with pytest.raises(ConfigError) as err:
+            export_index(tmp_path / "ix", to)
+        assert str(err.value) == (
+            f"export folder {str(to)!r} is inside {str(corpus)!r}, the corpus folder of the index "
+            f"{str(tmp_path / 'ix')!r}: its next build-index would read the export's rows as documents; "
+            "choose a folder outside the corpus")
+    assert sorted(p.name for p in corpus.iterdir()) == []
+    assert export_index(tmp_path / "ix", tmp_path / "beside")["rows"] == 3
+
+
+def test_an_export_folder_is_told_from_a_spark_output_by_its_files_names(tmp_path):
+    """What build-index passes over as an export: ``_SUCCESS`` and Parquet files all named
+    as shards are. Spark writes ``_SUCCESS`` too, beside ``part-*.parquet``."""
+    from embedingest.index.export import is_export_folder
+
+    build_shards(tmp_path / "ix", n_units=1, chunks=3, workers=1)
+    export_index(tmp_path / "ix", tmp_path / "out")
+    assert is_export_folder(tmp_path / "out")
+    (tmp_path / "out" / "notes.txt").write_text("a user's file beside: still an export")
+    assert is_export_folder(tmp_path / "out")
+    (tmp_path / "out" / "PART.PARQUET").write_bytes(b"PAR1")
+    assert not is_export_folder(tmp_path / "out")
+    spark = tmp_path / "spark"
+    spark.mkdir()
+    (spark / "_SUCCESS").write_bytes(b"")
+    (spark / "part-00000-1f2e.snappy.parquet").write_bytes(b"PAR1")
+    assert not is_export_folder(spark)
+    stopped = tmp_path / "stopped"  # no _SUCCESS, no Parquet: neither is an export
+    stopped.mkdir()
+    (stopped / "shard-r-w0-00000.parquet").write_bytes(b"PAR1")
+    assert not is_export_folder(stopped) and not is_export_folder(tmp_path / "nothing")
+    (spark / "part-00000-1f2e.snappy.parquet").unlink()
+    assert not is_export_folder(spark)

@@ -4,15 +4,18 @@ import errno
 import json
 import logging
 import os
+import shlex
 import shutil
 
 import faiss
 import numpy as np
 import pytest
+from click.testing import CliRunner
 from s3_fixtures import s3, s3_endpoint  # noqa: F401 (fixtures)
 from shard_fixtures import DIM, build_shards, recommit_file, unit_vectors
 
 import embedingest.index.reindex as reindex_mod
+from embedingest.cli import main
 from embedingest.errors import ConfigError
 from embedingest.index.faiss_factory import faiss_message
 from embedingest.index.reindex import reindex
@@ -137,6 +140,55 @@ def test_an_index_without_embeddings_is_refused_with_the_rebuild_command(tmp_pat
         f"(e.g. {shards[0].name}): it was built without --save-embeddings, so it cannot be reindexed "
         f"without the model; rebuild it with:\n  embedingest build-index /data/corpus --out {folder} "
         "--model test-model --index HNSW16 --save-embeddings --overwrite")
+
+
+def test_the_rebuild_command_keeps_every_setting_the_index_records(tmp_path):
+    """The command suggested for an index without embeddings dropped its chunking, prompts,
+    search defaults and record fields: the rebuild cut, embedded and searched otherwise.
+    It is run here as printed (shell-split) and the rebuilt manifest compared."""
+    corpus, out = tmp_path / "the corpus", tmp_path / "IDX"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("Bread rises because yeast ferments sugars in the dough.")
+    (corpus / "b.jsonl").write_text("".join(json.dumps({"key": f"k{i}", "body": t}) + "\n" for i, t in
+                                            enumerate(["Whales breathe air.", "Magma reaches the surface."])))
+    fast = ["--device", "cpu", "--num-workers", "0"]
+    built = CliRunner().invoke(main, ["build-index", str(corpus), "--out", str(out), "--chunk-tokens", "64",
+                                      "--overlap", "8", "--doc-prompt", "passage: ", "--query-prompt",
+                                      "query: it's", "--metric", "l2", "--index", "HNSW16", "--search-params",
+                                      "efSearch=64", "--search-k", "3", "--text-field", "body", "--id-field",
+                                      "key", *fast])
+    assert built.exit_code == 0, built.output
+    refused = CliRunner().invoke(main, ["reindex", str(out), "--index", "HNSW32"])
+    assert refused.exit_code == 1
+    command = refused.output.strip().splitlines()[-1].strip()
+    assert command == (f"embedingest build-index {shlex.quote(str(corpus))} --out {out} --model "
+                       "sentence-transformers/all-MiniLM-L6-v2 --index HNSW32 --metric l2 --chunk-tokens 64 "
+                       "--overlap 8 --doc-prompt 'passage: ' --query-prompt 'query: it'\"'\"'s' --search-params "
+                       "efSearch=64 --search-k 3 --text-field body --id-field key --save-embeddings --overwrite")
+    program, *args = shlex.split(command)
+    rebuilt = CliRunner().invoke(main, [*args, *fast])
+    assert program == "embedingest" and rebuilt.exit_code == 0, rebuilt.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert {k: manifest[k] for k in ("factory", "metric", "chunking", "prompts", "search", "record_fields")} == {
+        "factory": "HNSW32", "metric": "l2", "chunking": {"tokens": 64, "overlap": 8},
+        "prompts": {"document": "passage: ", "query": "query: it's"}, "search": {"params": "efSearch=64", "k": 3},
+        "record_fields": {"text": "body", "id": "key"}}
+    assert reindex(out, "Flat")["vectors"] == 3  # the embeddings are kept now
+
+
+def test_the_rebuild_command_leaves_out_the_defaults(tmp_path):
+    """A plain index's command stays plain: the bundled model declares no prompts, and its
+    chunking, search defaults and record fields are those a build takes when given none."""
+    corpus, out = tmp_path / "c", tmp_path / "ix"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("Bread rises because yeast ferments sugars in the dough.")
+    assert CliRunner().invoke(main, ["build-index", str(corpus), "--out", str(out), "--device", "cpu",
+                                     "--num-workers", "0"]).exit_code == 0
+    with pytest.raises(ConfigError) as err:
+        reindex(out, "HNSW32")
+    assert str(err.value).splitlines()[-1] == (
+        f"  embedingest build-index {corpus} --out {out} --model sentence-transformers/all-MiniLM-L6-v2 "
+        "--index HNSW32 --save-embeddings --overwrite")
 
 
 def test_bad_factories_and_parameters_are_config_errors(tmp_path):

@@ -261,3 +261,32 @@ def test_an_unguarded_script_builds_as_the_guarded_one(tmp_path):
     hits = run.stdout.splitlines()
     assert len(hits) == len(TEXTS) and hits[0].startswith("1 ")
     assert {line.split()[2] for line in hits} == {f"d{i}.txt" for i in range(len(TEXTS))}
+
+
+def test_a_corpus_inside_the_index_s_own_folders_is_refused_before_any_work(tmp_path):
+    """``build-index p7/shards --out p7`` read the shard files it had written as documents:
+    4, 8, 12, 16 vectors on four runs, every hit more than once. A corpus that is, or is
+    inside, a folder the index writes (shards/, .overwritten/) is refused, naming both,
+    before anything is written; a folder of the user's inside the index folder is a
+    corpus as any other."""
+    from embedingest.jobs.build_index.plan import refuse_corpus_in_index
+
+    out = tmp_path / "p7"
+    for corpus in (out / "shards", out / "shards" / "sub", out / ".overwritten" / "shards"):
+        corpus.mkdir(parents=True, exist_ok=True)
+        (corpus / "a.txt").write_text(TEXTS[0])
+    cases = [(out / "shards", "is", "shards"), (out / "shards" / "sub", "is inside", "shards"),
+             (out / "shards" / "a.txt", "is inside", "shards"),
+             (out / ".overwritten" / "shards", "is inside", ".overwritten")]
+    for corpus, where, folder in cases:
+        with pytest.raises(ConfigError) as err:
+            build_index(str(corpus), out=str(out), **FAST)
+        assert str(err.value) == (
+            f"corpus {str(corpus)!r} {where} {str(out / folder)!r}, a folder the index {str(out)!r} writes: its "
+            "shard files would be read as documents on every run; move the documents to a folder of their "
+            "own, or give another --out")
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == [
+        ".overwritten", ".overwritten/shards", ".overwritten/shards/a.txt", "shards", "shards/a.txt", "shards/sub",
+        "shards/sub/a.txt"]
+    (out / "docs").mkdir()
+    refuse_corpus_in_index(out / "docs", out)  # no error

@@ -210,6 +210,15 @@ def test_timeline_draws_the_run(tmp_path):
     # input, where one in the drawn batches' window was over WAIT_SPAN_MIN
     assert img.height in (50 + 34 * 8 + 40, 50 + 34 * 9 + 40)
     assert len(img.getcolors(maxcolors=1 << 16)) > 5
+    # a report inside the index folder (named manifest.json, it replaced the manifest) is refused first
+    before = {p: p.read_bytes() for p in (tmp_path / "idx").rglob("*") if p.is_file()}
+    for option, name in (("--timeline", "manifest.json"), ("--trace", "notes.json")):
+        inside = tmp_path / "idx" / name
+        r = CliRunner().invoke(main, ["build-index", str(corpus), "--out", str(tmp_path / "idx"), option, str(inside)])
+        assert r.exit_code == 1 and r.output == (
+            f"Error: {option} {str(inside)!r} is inside the output folder {str(tmp_path / 'idx')!r}, whose files the "
+            "run writes and reads back; write it elsewhere (beside the folder)\n"), r.output
+    assert {p: p.read_bytes() for p in (tmp_path / "idx").rglob("*") if p.is_file()} == before
 
 
 def test_json_phases_and_timing_add_up(tmp_path):
@@ -430,6 +439,122 @@ def test_a_chunking_the_model_cannot_take_is_refused_before_the_folder_is_made(t
                                           r"the model takes at most 256\)"):
         build_index(RECORDS, out=str(out), chunk_tokens=1000, overlap=300, **FAST)
     assert not out.exists()
+
+
+def _files(out) -> dict:
+    """Every file of an index folder with its modification time (the run lock aside)."""
+    return {p.relative_to(out).as_posix(): p.stat().st_mtime_ns for p in out.rglob("*")
+            if p.is_file() and p.name != "index.lock"}
+
+
+def test_chunk_tokens_that_leave_no_room_for_text_are_refused_before_the_folder_is_made(tmp_path):
+    """--chunk-tokens 2 (MiniLM adds [CLS] and [SEP]) was refused in a DataLoader worker's
+    traceback after the manifest had recorded it, so every later run failed or was refused
+    until --overwrite. The count of special tokens is the tokenizer's own."""
+    corpus, out, idx = make_corpus(tmp_path / "docs"), tmp_path / "ick", tmp_path / "idx"
+    with pytest.raises(ConfigError) as err:
+        build_index(RECORDS, out=str(out), chunk_tokens=2, overlap=0, **FAST)
+    assert str(err.value) == ("--chunk-tokens 2 leaves no token of a chunk for text: each chunk holds the 2 "
+                              "special tokens the model adds; give --chunk-tokens 3 or more")
+    with pytest.raises(ConfigError) as err:  # the overlap counts too
+        build_index(RECORDS, out=str(out), chunk_tokens=10, overlap=8, **FAST)
+    assert str(err.value) == ("--chunk-tokens 10 leaves no token of a chunk for text: each chunk holds the 2 "
+                              "special tokens the model adds and the 8 it shares with the one before "
+                              "(--overlap); give --chunk-tokens 11 or more")
+    r = CliRunner().invoke(main, ["build-index", str(corpus), "--out", str(out), "--device", "cpu",
+                                  "--chunk-tokens", "2", "--overlap", "0"])
+    assert r.exit_code == 2, r.output
+    assert r.output.strip().splitlines()[-1] == (
+        "Error: --chunk-tokens 2 leaves no token of a chunk for text: each chunk holds the 2 special tokens "
+        "the model adds; give --chunk-tokens 3 or more")
+    assert not out.exists()
+    build_index(corpus, out=str(idx), chunk_tokens=3, overlap=0, **FAST)  # the smallest allowed builds
+    before = _files(idx)
+    r = CliRunner().invoke(main, ["build-index", str(corpus), "--out", str(idx), "--chunk-tokens", "2",
+                                  "--overlap", "0", "--overwrite"])
+    assert r.exit_code == 2 and "give --chunk-tokens 3 or more" in r.output and _files(idx) == before
+
+
+def test_a_document_prompt_longer_than_a_chunk_is_refused_before_the_folder_is_made(tmp_path):
+    """A refused --doc-prompt still wrote manifest.json (recording it), shards/ and
+    units.sqlite, so the next run without it was refused; and its advice, "raise
+    --chunk-tokens", could not work for a prompt longer than the model reads."""
+    corpus, out = make_corpus(tmp_path / "docs"), tmp_path / "idp"
+    long = "represent this passage for retrieval " * 60  # 300 tokens; MiniLM reads 256
+    for given in ({}, {"chunk_tokens": 512}):
+        with pytest.raises(ConfigError) as err:
+            build_index(corpus, out=str(out), doc_prompt=long, **given, **FAST)
+        assert str(err.value) == (
+            f"the document prompt {long[:60] + '...'!r} takes 300 of the 256 tokens of a chunk, leaving no token "
+            "for new text (a chunk also holds the 2 special tokens the model adds and the 32 it shares with the "
+            "one before (--overlap)); shorten the prompt (--doc-prompt) to at most 221 tokens or lower --overlap: "
+            "the model reads at most 256 tokens, so no --chunk-tokens makes room for it")
+    assert not out.exists()
+    short = "represent this passage for retrieval "  # 5 tokens: a larger chunk makes room
+    r = CliRunner().invoke(main, ["build-index", str(corpus), "--out", str(out), "--doc-prompt", short,
+                                  "--chunk-tokens", "10", "--overlap", "4"])
+    assert r.exit_code == 2, r.output
+    assert r.output.strip().splitlines()[-1] == (
+        f"Error: the document prompt {short!r} takes 5 of the 10 tokens of a chunk, leaving no token for new "
+        "text (a chunk also holds the 2 special tokens the model adds and the 4 it shares with the one before "
+        "(--overlap)); raise --chunk-tokens to 12 or more, or shorten the prompt (--doc-prompt)")
+    assert not out.exists()
+    s = build_index(corpus, out=str(out), doc_prompt=short, chunk_tokens=12, overlap=4, **FAST)  # as advised
+    assert s["chunks"] > s["docs"] and s["skipped"] == 0
+    assert build_index(corpus, out=str(out), **FAST)["units_unchanged"] == 4  # the index's prompt, kept
+
+
+def test_the_record_fields_are_kept_and_another_one_is_refused(tmp_path):
+    """--text-field/--id-field were not recorded: a later run with another field kept the
+    unchanged files read with the old one and read new files with the new one, mixing two
+    fields in one index without a word."""
+    corpus, out = tmp_path / "corpus", tmp_path / "idx"
+    corpus.mkdir()
+
+    def write(name, rows):
+        with open(corpus / name, "w") as fh:
+            fh.writelines(json.dumps({"key": f"{name}{i}", "text": p, "body": p.upper()}) + "\n"
+                          for i, p in enumerate(rows))
+
+    write("a.jsonl", PARAGRAPHS[:3])
+    build_index(corpus, out=str(out), id_field="key", **FAST)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["record_fields"] == {"text": "text", "id": "key"}
+    write("b.jsonl", PARAGRAPHS[3:5])
+    before = _files(out)
+    with pytest.raises(ConfigError) as err:
+        build_index(corpus, out=str(out), text_field="body", **FAST)
+    assert str(err.value) == (f"the index at {str(out)!r} reads the text of its records from the field 'text', "
+                              "not 'body': leave out --text-field (or give --text-field text) to update it, or "
+                              "--overwrite to rebuild it with the new field")
+    with pytest.raises(ConfigError, match="reads the id of its records from the field 'key', not 'id': leave out "
+                                          "--id-field"):
+        build_index([{"id": "r", "text": "a record"}], out=str(out), id_field="id", **FAST)
+    r = CliRunner().invoke(main, ["build-index", str(corpus), "--out", str(out), "--text-field", "body"])
+    assert r.exit_code == 1 and "not 'body': leave out --text-field" in r.output
+    assert _files(out) == before  # refused before anything was written
+    s = build_index(corpus, out=str(out), **FAST)  # none given: the index's
+    assert (s["units_indexed"], s["units_unchanged"]) == (1, 1)
+    with open_index(out) as index:
+        hits = {h[0].record_id: h[0].text for h in index.search(PARAGRAPHS[:5], k=1)}
+    assert hits == {f"{n}{i}": p for n, rows in (("a.jsonl", PARAGRAPHS[:3]), ("b.jsonl", PARAGRAPHS[3:5]))
+                    for i, p in enumerate(rows)}  # every text the 'text' field's, every id the 'key' field's
+    s = build_index(corpus, out=str(out), text_field="body", overwrite=True, **FAST)
+    assert s["units_indexed"] == 2
+    assert json.loads((out / "manifest.json").read_text())["record_fields"] == {"text": "body", "id": "id"}
+
+
+def test_an_index_from_before_the_record_fields_were_kept_opens_and_updates(tmp_path):
+    out = tmp_path / "idx"
+    build_index(RECORDS[:6], out=str(out), **FAST)
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["record_fields"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with open_index(out) as index:
+        assert index.search([RECORDS[0]["text"]], k=1)[0][0].record_id == "r0"
+    s = build_index(RECORDS, out=str(out), **FAST)  # the defaults, recorded from now on
+    assert (s["units_indexed"], s["units_unchanged"]) == (6, 6)
+    assert json.loads((out / "manifest.json").read_text())["record_fields"] == {"text": "text", "id": "id"}
 
 
 def test_an_index_from_before_chunking_was_kept_takes_the_runs_and_keeps_it(tmp_path):

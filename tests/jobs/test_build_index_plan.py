@@ -7,7 +7,7 @@ import hashlib
 import os
 
 import numpy as np
-from shard_fixtures import DIM, batches, meta_of, unit_vectors
+from shard_fixtures import DIM, batches, meta_of, unit_vectors, write_manifest
 
 from embedingest.index.shard_store import ShardStore
 from embedingest.index.store import Manifest
@@ -215,7 +215,7 @@ def test_an_index_folder_inside_the_corpus_is_reported_not_read(tmp_path):
 
     corpus = tmp_path / "corpus"
     (corpus / "old-index" / "shards").mkdir(parents=True)
-    (corpus / "old-index" / "manifest.json").write_text("{}")
+    (corpus / "old-index" / "manifest.json").write_text('{"format": 2, "model": {"name": "m"}, "dim": 8}')
     (corpus / "old-index" / "shards" / "shard-r-w0-00000.parquet").write_bytes(b"PAR1")
     (corpus / "app").mkdir()
     (corpus / "app" / "manifest.json").write_text('{"name": "an app"}')
@@ -242,6 +242,15 @@ def test_texts_alone_are_records_and_a_corpus_that_is_no_iterable_of_records_is_
     assert [(c["record_id"], c["text"]) for c in got] == [("0", "first text"), ("k", "keyed text"),
                                                           ("2", "third text")]
     assert report.entries == []
+    # a dict without the text field is named as such, with its fields (it was "'text' is not a string")
+    got = record_candidates([{"id": "x", "body": "hello"}, {"id": "y", "text": None}, {"id": "z", "body": "b"}],
+                            IndexConfig(), report)
+    assert got == [] and [(e["path"], e["reason"]) for e in report.entries] == [
+        ("record x", "field: no 'text' field (fields: 'id', 'body'); choose the text field with text_field="),
+        ("record y", "field: 'text' is not a string"),
+        ("record z", "field: no 'text' field (fields: 'id', 'body'); choose the text field with text_field=")]
+    got = record_candidates([{"id": "x", "body": "hello"}], IndexConfig(text_field="body"), SkipReport())
+    assert [(c["record_id"], c["text"]) for c in got] == [("x", "hello")]
 
     class Frame:  # what a DataFrame shows of itself
         columns = ["id", "text"]
@@ -303,3 +312,165 @@ def test_files_under_a_folder_that_cannot_be_listed_keep_their_vectors(tmp_path,
     s = build_index(corpus, out=str(out), **FAST)
     assert (s["units_unchanged"], s["units_indexed"], s["chunks"], s["exit_code"]) == (3, 0, 0, 0)
     assert set(all_ids(out).tolist()) == kept
+
+
+def test_a_dataset_folder_with_a_manifest_and_shards_of_its_own_is_read(tmp_path):
+    """A user's dataset inside the corpus with its own manifest.json and shards/ was passed
+    over whole as an embedingest index, its documents with it. An index is told by its
+    manifest (a model and a width) or, where that is damaged, by the index files beside
+    it; the manifest is never read through a link or from a pipe."""
+    from embedingest.jobs.build_index.plan import file_candidates
+
+    corpus = tmp_path / "corpus"
+    (corpus / "data" / "shards").mkdir(parents=True)
+    (corpus / "data" / "docs").mkdir()
+    (corpus / "data" / "manifest.json").write_text('{"name": "my dataset", "version": 1}')
+    (corpus / "data" / "shards" / "part-0.jsonl").write_text('{"id": "a", "text": "about zebras"}\n')
+    (corpus / "data" / "docs" / "k.txt").write_text("important doc about kangaroos")
+    damaged = corpus / "damaged-index"  # a manifest cut short, its units beside it
+    (damaged / "shards").mkdir(parents=True)
+    (damaged / "manifest.json").write_text('{"format": 2, "mod')
+    (damaged / "units.sqlite").write_bytes(b"")
+    (damaged / "shards" / "notes.txt").write_text("an index's file")
+    piped = corpus / "piped"  # a pipe where the manifest is: read would wait for ever
+    (piped / "shards").mkdir(parents=True)
+    os.mkfifo(piped / "manifest.json")
+    (piped / "p.txt").write_text("beside a pipe")
+    linked = corpus / "linked"  # a link to an index's manifest: not followed, no index files here
+    (linked / "shards").mkdir(parents=True)
+    (tmp_path / "real.json").write_text('{"model": {"name": "m"}, "dim": 8}')
+    (linked / "manifest.json").symlink_to(tmp_path / "real.json")
+    (linked / "l.txt").write_text("beside a link")
+    write_manifest(corpus / "real-index")  # an index's manifest, no shards yet: still an index
+    (corpus / "real-index" / "r.txt").write_text("inside an index")
+    report = SkipReport()
+    keys = sorted(c["key"] for c in file_candidates(corpus, report, tmp_path / "ix"))
+    assert keys == ["data/docs/k.txt", "data/manifest.json", "data/shards/part-0.jsonl", "linked/l.txt",
+                    "piped/p.txt"]
+    assert [(e["path"], e["reason"]) for e in report.entries] == [
+        (str(damaged), "index: an embedingest index, not documents (its corpus is what to index); move it out "
+                       "of the corpus folder"),
+        (str(linked / "manifest.json"), "symbolic link out of the input folder: to "
+                                        f"{tmp_path / 'real.json'}, not read (--follow-outside-links reads it)"),
+        (str(piped / "manifest.json"), "not a regular file: a named pipe (FIFO)"),
+        (str(corpus / "real-index"), "index: an embedingest index, not documents (its corpus is what to index); "
+                                     "move it out of the corpus folder")]
+
+
+def test_an_export_folder_inside_the_corpus_is_reported_not_read_and_a_spark_output_is(tmp_path):
+    """``export --to`` inside the corpus: the next build read the export's Parquet rows as
+    documents (every hit twice). A folder holding what export writes (``_SUCCESS`` and
+    Parquet files all named as shards) is passed over with a reason; a Spark job's output
+    (``_SUCCESS`` and ``part-*.parquet``), or an export folder the user added Parquet
+    files of their own to, is read."""
+    from shard_fixtures import build_shards
+
+    from embedingest.index.export import export_index
+    from embedingest.jobs.build_index.plan import file_candidates
+
+    corpus = tmp_path / "corpus"
+    build_shards(tmp_path / "ix", n_units=2, chunks=3, workers=1)
+    export_index(tmp_path / "ix", corpus / "exported")
+    (corpus / "spark").mkdir()
+    (corpus / "spark" / "_SUCCESS").write_bytes(b"")
+    (corpus / "spark" / "part-00000-1f2e.snappy.parquet").write_bytes(b"PAR1")
+    export_index(tmp_path / "ix", corpus / "mixed")
+    (corpus / "mixed" / "mine.parquet").write_bytes(b"PAR1")
+    report = SkipReport()
+    keys = sorted(c["key"] for c in file_candidates(corpus, report, tmp_path / "out"))
+    shard = next((corpus / "mixed").glob("shard-*.parquet")).name
+    assert keys == ["mixed/mine.parquet", f"mixed/{shard}", "spark/part-00000-1f2e.snappy.parquet"]
+    assert [(e["path"], e["reason"]) for e in report.entries] == [(
+        str(corpus / "exported"), "export: an embedingest export (_SUCCESS and Parquet files named as shards), "
+                                  "not documents (its index's corpus is what to index); move it out of the "
+                                  "corpus folder")]
+
+
+def _rewrite_keeping_stamp(path, text: str) -> None:
+    """Write ``text`` (as long as what ``path`` holds) and set its mtime back, as ``cp -p``,
+    ``rsync -a`` or ``touch -r`` leave a file; wait until its ctime moved (a coarse clock
+    can give two writes one tick)."""
+    import time
+
+    before = os.stat(path)
+    assert len(text.encode()) == before.st_size
+    while os.stat(path).st_ctime_ns == before.st_ctime_ns:
+        time.sleep(0.005)
+        path.write_text(text)
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(path)
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+
+
+def _indexed_corpus(tmp_path, texts: dict):
+    """A corpus of ``texts``, planned into an index whose units are finished, each row
+    with its file's hash (as a finished run leaves them)."""
+    from embedingest.jobs.build_index.plan import file_candidates
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name, text in texts.items():
+        (corpus / name).write_text(text)
+    store = ShardStore(tmp_path / "ix")
+    store.create_or_open(Manifest(model={"name": "m", "path": "/nowhere"}, dim=DIM))
+    nos = apply_plan(store, plan_units(store, file_candidates(corpus, SkipReport(), tmp_path / "ix"),
+                                       SkipReport()))[1]
+    write_units(tmp_path / "ix", sorted(nos.values()), 2, "r1")
+    store.upsert_units([{"key": k, "sha256": hashlib.sha256(t.encode()).hexdigest()} for k, t in texts.items()])
+    return corpus, store
+
+
+def test_a_rewrite_that_keeps_size_and_mtime_is_redone_and_a_chmod_is_only_hashed(tmp_path):
+    """A file rewritten with another text of its size, its mtime set back, was counted
+    unchanged for good (search showed the old text). Its inode change time moved, so it
+    is hashed and, its content changed, indexed again under a fresh number; a chmod (or
+    a hard link) moves the ctime alone: the hash is the row's, the unit stays, and its
+    row takes the new ctime, so the next run hashes nothing."""
+    from embedingest.jobs.build_index.plan import file_candidates
+
+    corpus, store = _indexed_corpus(tmp_path, {"a.txt": "the cat sat on the mat", "b.txt": "owls hunt at night"})
+    plan = plan_units(store, file_candidates(corpus, SkipReport(), tmp_path / "ix"), SkipReport())
+    assert (plan.todo, plan.unchanged) == ([], 2)
+    _rewrite_keeping_stamp(corpus / "a.txt", "the dog sat on the rug")
+    mode = 0o600
+    while os.stat(corpus / "b.txt").st_ctime_ns == store.units()["b.txt"].ctime_ns:  # one clock tick
+        os.chmod(corpus / "b.txt", mode)
+        mode ^= 0o040
+    time_of_b = os.stat(corpus / "b.txt").st_ctime_ns
+    plan = plan_units(store, file_candidates(corpus, SkipReport(), tmp_path / "ix"), SkipReport())
+    assert [(c["key"], c["sha256"]) for c in plan.todo] == [
+        ("a.txt", hashlib.sha256(b"the dog sat on the rug").hexdigest())]
+    assert (plan.unchanged, plan.replaced, plan.renumbered) == (1, [1], [1])
+    assert store.units()["b.txt"].ctime_ns == time_of_b
+    apply_plan(store, plan)
+    assert store.units()["a.txt"].ctime_ns == os.stat(corpus / "a.txt").st_ctime_ns
+
+
+def test_a_units_row_made_before_ctimes_were_kept_is_judged_as_then_and_given_one(tmp_path, monkeypatch):
+    """An index whose units.sqlite has no ctime_ns column (an older embedingest's) is read
+    as it was (a reader sees ctime None), its rows judged by size and mtime: an unchanged
+    file is not hashed. The writer adds the column, the plan stores each file's ctime, and
+    from then on a same-size, same-mtime rewrite is caught."""
+    import sqlite3
+
+    from embedingest.jobs.build_index import plan as plan_module
+
+    corpus, store = _indexed_corpus(tmp_path, {"a.txt": "the cat sat on the mat", "b.txt": "owls hunt at night"})
+    store.close()
+    with sqlite3.connect(tmp_path / "ix" / "units.sqlite") as db:
+        db.execute("ALTER TABLE units DROP COLUMN ctime_ns")  # the table as an older version made it
+    with ShardStore(tmp_path / "ix", read_only=True) as reader:
+        assert {k: (u.unit_no, u.ctime_ns, u.status) for k, u in reader.units().items()} == {
+            "a.txt": (1, None, "done"), "b.txt": (2, None, "done")}
+    store = ShardStore(tmp_path / "ix")
+    hashed = []
+    monkeypatch.setattr(plan_module, "file_sha256", lambda path: hashed.append(path) or "0" * 64)
+    plan = plan_units(store, plan_module.file_candidates(corpus, SkipReport(), tmp_path / "ix"), SkipReport())
+    assert (plan.todo, plan.unchanged, hashed) == ([], 2, [])
+    assert {k: u.ctime_ns for k, u in store.units().items()} == {
+        name: os.stat(corpus / name).st_ctime_ns for name in ("a.txt", "b.txt")}
+    monkeypatch.undo()
+    _rewrite_keeping_stamp(corpus / "b.txt", "owls fish at night")
+    plan = plan_units(store, plan_module.file_candidates(corpus, SkipReport(), tmp_path / "ix"), SkipReport())
+    assert [(c["key"], c["sha256"]) for c in plan.todo] == [
+        ("b.txt", hashlib.sha256(b"owls fish at night").hexdigest())]

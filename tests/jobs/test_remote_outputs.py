@@ -201,3 +201,14 @@ def test_missing_credentials_name_the_url_and_the_variables(s3, tmp_path, monkey
         message = str(info.value)
         assert message.startswith(f"cannot list '{s3.url('ix')}': no credentials found"), message
         assert "AWS_ACCESS_KEY_ID" in message and "AWS_PROFILE" in message
+
+
+def test_chunks_with_no_room_for_text_are_refused_before_the_bucket_gets_an_index(s3, tmp_path):
+    """Checked under the index's lease before the manifest is made: the working folder's
+    manifest would be committed to the bucket as the build ends, error or not."""
+    docs = corpus(tmp_path / "corpus", names=[0])
+    url = s3.url("indexes/tiny")
+    with pytest.raises(ConfigError, match="^--chunk-tokens 2 leaves no token of a chunk for text: each chunk holds "
+                                          "the 2 special tokens the model adds; give --chunk-tokens 3 or more$"):
+        build_index(str(docs), out=url, **{**FAST, "chunk_tokens": 2, "overlap": 0})
+    assert "manifest.json" not in objects(s3, "indexes/tiny")

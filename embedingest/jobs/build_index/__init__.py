@@ -33,6 +33,7 @@ from ...engine.egress import refuse_while_bootstrapping
 from ...errors import ConfigError
 from ...exit_codes import exit_code
 from ...index.lock import RunLock
+from ...outfiles import refuse_report_in_out
 from ...index.shard_store import ShardStore, set_aside_while
 from ...index.store import Manifest
 from ...report import REPORT_NAME, SkipReport
@@ -49,10 +50,11 @@ from ...stages.tokenizer import load_tokenizer
 from .devices import SeveralDevices
 from .encode import OneDevice, needs_training
 from .plan import (apply_plan, check_search_params, corpus_path, default_out, file_candidates, fingerprint,
-                   plan_units, record_candidates, settled_chunking, settled_embeddings, settled_factory,
-                   settled_settings, stored_manifest, unit_key)
+                   plan_units, reading, record_candidates, refuse_corpus_in_index, refuse_unfit_chunks_of,
+                   settled_chunking, settled_embeddings, settled_factory, settled_fields, settled_settings,
+                   stored_manifest, unit_key)
 
-__all__ = ["build_index", "default_out", "plan_units", "record_candidates", "unit_key"]
+__all__ = ["build_index", "default_out", "plan_units", "record_candidates", "settled_fields", "unit_key"]
 
 log = logging.getLogger("embedingest")
 
@@ -87,6 +89,10 @@ def build_index(corpus, config: IndexConfig | None = None, *, progress: bool = F
     report = SkipReport()
     corpus = local_path(corpus)  # file://...: a local path, with the local checks
     if not isinstance(corpus, (str, os.PathLike)):  # checked whole before anything starts
+        local = cfg.out and not is_remote(cfg.out)
+        fields = settled_fields(stored_manifest(Path(cfg.out), cfg.overwrite) if local else None, cfg,
+                                str(cfg.out))
+        cfg = reading(cfg, fields)  # the fields they are read with now: an index's other ones are refused
         corpus = record_candidates(corpus, cfg, report)
     # Several devices' processes start up (imports, model) while this process plans.
     where = SeveralDevices(devices, cfg, dtype) if several else OneDevice(device, dtype)
@@ -118,6 +124,9 @@ def _load_and_build(corpus, cfg: IndexConfig, where: OneDevice | SeveralDevices,
     out = Path(cfg.out) if cfg.out and not out_url else default_out(corpus)
     if not in_memory and not remote and not out_url:
         refuse_output_as_input(out, corpus, "corpus folder", "the index files")
+        refuse_corpus_in_index(corpus, out)
+    if not out_url:
+        refuse_report_in_out(out, {"--timeline": timeline, "--trace": trace})
     phases = {}  # seconds of each step, in their order, for the summary: where a run's time goes
     model = where.describe(cfg)
     if model.dim is None:  # the config does not say the width: the weights do
@@ -127,7 +136,8 @@ def _load_and_build(corpus, cfg: IndexConfig, where: OneDevice | SeveralDevices,
     stored = None if out_url else stored_manifest(out, cfg.overwrite)
     kind = settled_factory(stored, cfg)
     if not out_url:
-        settled_chunking(stored, cfg, model.max_seq_length, str(out))
+        settled_fields(stored, cfg, str(out))
+        refuse_unfit_chunks_of(model, stored, cfg, settled_chunking(stored, cfg, model.max_seq_length, str(out)))
     parse_factory(model.dim, kind.index, kind.metric)
     if cfg.index is not None or not out_url:
         check_search_params(model.dim, kind.index, kind.metric, cfg.search_params)
@@ -172,7 +182,8 @@ def _open_index(store: ShardStore, model, cfg: IndexConfig, dtype: str, corpus, 
     return store.create_or_open(
         Manifest(model=model.info(), dim=model.dim, metric=cfg.metric, factory=cfg.index,
                  dtype=dtype, prompts=wanted, corpus_path=corpus_path(corpus, in_memory),
-                 chunking=settled_chunking(None, cfg, model.max_seq_length, str(store.folder))),
+                 chunking=settled_chunking(None, cfg, model.max_seq_length, str(store.folder)),
+                 record_fields=cfg.record_fields()),
         overwrite=overwrite)
 
 
@@ -201,7 +212,10 @@ def _build_locked(corpus, cfg: IndexConfig, out: Path, model, built: list, where
     width the facts got wrong (``dim``) is put right before anything is encoded."""
     store = ShardStore(out)
     settings = {}  # what the manifest keeps besides the vectors: prompts, chunking, search defaults
-    cfg = settled_factory(stored_manifest(out, cfg.overwrite), cfg)
+    stored = stored_manifest(out, cfg.overwrite)
+    cfg = settled_factory(stored, cfg)
+    # checked again under the lock, and first here for an index in object storage
+    refuse_unfit_chunks_of(model, stored, cfg, settled_chunking(stored, cfg, model.max_seq_length, str(out)))
     try:
         try:
             manifest = _open_index(store, model, cfg, dtype, corpus, in_memory, cfg.overwrite)
@@ -217,6 +231,8 @@ def _build_locked(corpus, cfg: IndexConfig, out: Path, model, built: list, where
                               f"remove from it: give this corpus an --out of its own, or --out "
                               f"{str(out)!r} to make it the index of this one")
         settings, cfg = settled_settings(manifest, cfg, model.max_seq_length, str(out))
+        settings["record_fields"] = settled_fields(manifest, cfg, str(out))
+        cfg = reading(cfg, settings["record_fields"])
         settings["corpus_path"] = corpus_path(corpus, in_memory)
         chunk_tokens = cfg.chunk_tokens
         store.clean_garbage()  # damaged shards go first: the rule below reads the shards that stay

@@ -50,15 +50,16 @@ def chunk_batches(units: list[Unit], encoder: TextEncoder, cfg: IndexConfig, chu
     """Batches of tokenized chunks of ``units``, the document prompt's tokens in each
     chunk (an iterable dataset; :func:`make_loader` runs it in DataLoader workers, with
     ``parts``, the files its workers read in parts). The overlap is ``cfg``'s, as a run
-    settled it, else the default."""
+    settled it, else the default; so are the record fields."""
     doc_prompt = encoder.prompts.for_role("document", cfg.doc_prompt)
     encoder.check_prompt(doc_prompt)
     overlap = cfg.chunking()[1]
+    fields = cfg.record_fields()
     prompt = chunk_prompt(encoder.tokenizer, doc_prompt, chunk_tokens, overlap)
     ds = TextChunkDataset(units, encoder.model_dir, batch_size=cfg.batch_size,
                           max_tokens=prompt.max_tokens, overlap=overlap,
-                          window=cfg.sort_window * cfg.batch_size, text_field=cfg.text_field,
-                          id_field=cfg.id_field, tokenizer_loader=tokenizer_loader,
+                          window=cfg.sort_window * cfg.batch_size, text_field=fields["text"],
+                          id_field=fields["id"], tokenizer_loader=tokenizer_loader,
                           pad_multiple=16 if encoder.device.type == "cuda" else 1,
                           fast_chunker=cfg.fast_tokenizer, parts=parts)
     return with_prompt(ds, prompt)

@@ -2,7 +2,7 @@
 before anything is encoded.
 
 The corpus (files under a folder, or in-memory records) becomes candidate units; each is
-compared with what the index holds (size and mtime, else the content hash; committed
+compared with what the index holds (size, mtime and ctime, else the content hash; committed
 vector counts), so a run indexes only new and changed units, removes the vectors of
 changed, deleted and half-done ones, and a killed run is finished by running it again.
 Also here: the settings a run keeps in the manifest (factory, chunking, prompts, search
@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import shlex
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -23,8 +24,9 @@ from pathlib import Path
 
 from ...config import METRIC, IndexConfig
 from ...errors import ConfigError
-from ...index.shard_store import ShardStore
-from ...index.formats import MANIFEST_NAME
+from ...index.export import SUCCESS_NAME, is_export_folder
+from ...index.shard_store import ASIDE_DIR, ShardStore
+from ...index.formats import MANIFEST_NAME, holds_index
 from ...index.shards import SHARDS_DIR
 from ...index.store import Manifest
 from ...report import SkipReport
@@ -32,7 +34,9 @@ from ...index.faiss_factory import apply_search_params, parse_factory
 from ...sources.files import file_sha256, os_error_reason, reads_within, walk_paths
 from ...sources.names import has_extension, name_as_text
 from ...sources.remote import input_name, is_remote, walk_remote
-from ...sources.text import TEXT_EXTENSIONS, lone_surrogate
+from ...sources.text import TEXT_EXTENSIONS, field_names, lone_surrogate
+from ...stages.prompts import Prompts, refuse_unfit_chunks
+from ...stages.tokenizer import load_tokenizer
 
 log = logging.getLogger("embedingest")
 
@@ -55,7 +59,7 @@ HASH_APART = 1 << 20  # bytes from which a file is hashed in the thread pool
 class Plan:
     """What a run does (:func:`plan_units`); :func:`apply_plan` clears the way for it."""
 
-    todo: list[dict]  # unit rows to (re)index: key, size, mtime_ns, sha256, path | text, record_id
+    todo: list[dict]  # unit rows to (re)index: key, size, mtime_ns, ctime_ns, sha256, path | text, record_id
     unchanged: int
     replaced: list[int]  # unit_nos to index again: their old vectors and chunks go first
     deleted: list[int]  # unit_nos no longer in the corpus
@@ -64,12 +68,30 @@ class Plan:
 
 
 def index_folder_reason(folder: str) -> str | None:
-    """Why a folder of the corpus is not read: it is an index (a manifest and its shards),
-    whose rows and records would be indexed as documents."""
-    if os.path.isfile(os.path.join(folder, MANIFEST_NAME)) and os.path.isdir(os.path.join(folder, SHARDS_DIR)):
+    """Why a folder of the corpus is not read: it is an index (its manifest says so, not a
+    dataset's manifest.json beside a shards/ of its own) or an export of one, whose rows
+    would be indexed as documents, every hit twice."""
+    if holds_index(folder):
         return ("index: an embedingest index, not documents (its corpus is what to index); "
                 "move it out of the corpus folder")
+    if is_export_folder(folder):
+        return (f"export: an embedingest export ({SUCCESS_NAME} and Parquet files named as shards), "
+                "not documents (its index's corpus is what to index); move it out of the corpus folder")
     return None
+
+
+def refuse_corpus_in_index(corpus, out: Path) -> None:
+    """ConfigError when the corpus is, or is inside, a folder the index at ``out`` writes
+    (its shards/, or .overwritten/ where a rebuild sets the old index aside): each run
+    would read the shards it wrote as documents, and add them again."""
+    real = Path(corpus).resolve()
+    for name in (SHARDS_DIR, ASIDE_DIR):
+        own = (out / name).resolve()
+        if real == own or own in real.parents:
+            where = "is" if real == own else "is inside"
+            raise ConfigError(f"corpus {str(corpus)!r} {where} {str(out / name)!r}, a folder the index "
+                              f"{str(out)!r} writes: its shard files would be read as documents on every "
+                              "run; move the documents to a folder of their own, or give another --out")
 
 
 def file_candidates(root: Path | str, report: SkipReport, out: Path,
@@ -103,7 +125,8 @@ def file_candidates(root: Path | str, report: SkipReport, out: Path,
             if not isinstance(exc, (FileNotFoundError, NotADirectoryError)):
                 unlisted.append(name)
             continue
-        yield {"key": unit_key(relative(name)), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "path": name}
+        yield {"key": unit_key(relative(name)), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+               "ctime_ns": st.st_ctime_ns, "path": name}
     yield from ({"unlisted": unit_key(relative(name))} for name in unlisted)  # plan_units reads them last
 
 
@@ -146,6 +169,9 @@ def _check_records(records) -> None:
                       f"iterable of records ((id, text) pairs, dicts, or texts){hint}")
 
 
+_MISSING = object()  # a record without the text field
+
+
 def record_candidates(records: Iterable, cfg: IndexConfig, report: SkipReport) -> list[dict]:
     """The in-memory records as units, all checked before anything is written.
 
@@ -154,10 +180,11 @@ def record_candidates(records: Iterable, cfg: IndexConfig, report: SkipReport) -
     given twice is a :class:`ConfigError` naming both positions, never a silent merge.
     """
     _check_records(records)
+    fields = cfg.record_fields()
     out, first = [], {}
     for n, rec in enumerate(records):
         if isinstance(rec, Mapping):
-            rid, text = rec.get(cfg.id_field), rec.get(cfg.text_field)
+            rid, text = rec.get(fields["id"]), rec.get(fields["text"], _MISSING)
         elif isinstance(rec, (tuple, list)) and len(rec) == 2:
             rid, text = rec
         elif isinstance(rec, str):  # a text alone: numbered by its position
@@ -173,8 +200,12 @@ def record_candidates(records: Iterable, cfg: IndexConfig, report: SkipReport) -
                 f"record its own id (or leave ids out: a record without one is numbered by "
                 f"its position)")
         first[rid] = n
+        if text is _MISSING:
+            report.add(f"record {rid}", f"field: no {fields['text']!r} field (fields: {field_names(rec)}); choose "
+                                        "the text field with text_field=", stage="read")
+            continue
         if not isinstance(text, str):
-            report.add(f"record {rid}", f"field: {cfg.text_field!r} is not a string", stage="read")
+            report.add(f"record {rid}", f"field: {fields['text']!r} is not a string", stage="read")
             continue
         problem = lone_surrogate(text) or lone_surrogate(rid)
         if problem:
@@ -191,7 +222,8 @@ def plan_units(store: ShardStore, candidates: Iterable[dict], report: SkipReport
     """Split the corpus into unchanged units and units to (re)index; find deleted ones.
 
     A unit is unchanged when it was finished before, its committed vectors are exactly its
-    chunks, and its size and mtime (or, if those moved, its content hash) are the same.
+    chunks, and its size, mtime and ctime (or, if those moved, its content hash) are the
+    same (:func:`_same_stamp`).
     A unit to redo keeps its number while its content is the one its row names (a run
     that stopped, resumed: the ids a clean run gives); a changed content gets a fresh
     number (``renumbered``), so no id ever names two texts.
@@ -229,10 +261,12 @@ def plan_units(store: ShardStore, candidates: Iterable[dict], report: SkipReport
         # run that read it (lost if that run was killed), so read it again: every run reports it.
         ok = (old is not None and old.status == "done" and bool(old.n_chunks)
               and old.unit_no not in incomplete)
-        same_stamp = old is not None and (old.size, old.mtime_ns) == (cand["size"], cand["mtime_ns"])
+        same_stamp = old is not None and _same_stamp(old, cand)
         if cand.get("sha256") is None and same_stamp:
             if ok:
                 unchanged += 1
+                if old.ctime_ns is None and cand.get("ctime_ns") is not None:
+                    touched.append(_stamp(cand))  # a row made before ctimes were kept gets one
                 continue
             cand["sha256"] = old.sha256  # the same file, half done: its row's hash (or None)
         pending.append((cand, ok, old is not None and old.sha256 is not None))
@@ -241,12 +275,12 @@ def plan_units(store: ShardStore, candidates: Iterable[dict], report: SkipReport
         old = known.get(key)
         if ok and cand["sha256"] == old.sha256:
             unchanged += 1
-            touched.append({"key": key, "size": cand["size"], "mtime_ns": cand["mtime_ns"]})
+            touched.append(_stamp(cand))
             continue
         if old is not None:
             replaced.append(old.unit_no)
             same = (cand["sha256"] == old.sha256 if cand["sha256"] is not None and old.sha256 is not None
-                    else (old.size, old.mtime_ns) == (cand["size"], cand["mtime_ns"]))
+                    else _same_stamp(old, cand))
             if not same:
                 renumbered.append(old.unit_no)
         todo.append(cand)
@@ -261,6 +295,23 @@ def plan_units(store: ShardStore, candidates: Iterable[dict], report: SkipReport
     known_nos = {u.unit_no for u in known.values()}
     stray = [u for u in incomplete if u not in known_nos]  # vectors of units with no row
     return Plan(todo, unchanged, replaced + stray, deleted, len(seen) + len(kept), renumbered)
+
+
+def _same_stamp(old, cand: dict) -> bool:
+    """Whether a file's stamp is its row's: size, mtime and inode change time. A rewrite
+    that keeps the size and sets the mtime back (``cp -p``, ``rsync -a``, ``touch -r``)
+    still moves the ctime; a ctime that moved alone (chmod, a hard link) costs a hash,
+    not a reindex. A row or candidate without one (made before ctimes were kept, an
+    object in a bucket) compares size and mtime, as then."""
+    if (old.size, old.mtime_ns) != (cand["size"], cand["mtime_ns"]):
+        return False
+    ctime = cand.get("ctime_ns")
+    return old.ctime_ns is None or ctime is None or old.ctime_ns == ctime
+
+
+def _stamp(cand: dict) -> dict:
+    """The stamp fields of a candidate, to update its unit's row with."""
+    return {k: cand.get(k) for k in ("key", "size", "mtime_ns", "ctime_ns")}
 
 
 def _kept_unlisted(known: Mapping, seen: set[str], unlisted: list[str], incomplete: set[int]) -> set[str]:
@@ -329,7 +380,7 @@ def apply_plan(store: ShardStore, plan: Plan) -> tuple[int, dict[str, int]]:
     removed = store.remove_units(outdated) if outdated else 0
     store.delete_units(plan.deleted + plan.renumbered)
     store.spend_unit_nos(highest)
-    unit_nos = store.upsert_units([{k: c.get(k) for k in ("key", "size", "mtime_ns", "sha256")}
+    unit_nos = store.upsert_units([{k: c.get(k) for k in ("key", "size", "mtime_ns", "ctime_ns", "sha256")}
                                    | {"status": "pending", "n_chunks": 0} for c in plan.todo])
     return removed, unit_nos
 
@@ -473,3 +524,36 @@ def fingerprint(store: ShardStore) -> str:
             h.update(f"{key}\0{unit.sha256}\n".encode("utf-8", "surrogatepass"))
     return h.hexdigest()
 
+
+def settled_fields(index: Manifest | None, cfg: IndexConfig, where: str) -> dict:
+    """The record fields this run reads texts and ids from, ``{"text", "id"}``: those given,
+    else the index's (``index``, its manifest; None for a new one), else the defaults. An
+    index reads every record alike, so fields other than those it records are refused (its
+    unchanged files would stay read one way and the others be read another); an index
+    from before they were kept takes the run's, and keeps them."""
+    recorded = index.record_fields if index is not None else {}
+    fields = cfg.record_fields(recorded)
+    for role, option in (("text", "--text-field"), ("id", "--id-field")):
+        if recorded and fields[role] != recorded[role]:
+            raise ConfigError(f"the index at {where!r} reads the {role} of its records from the field "
+                              f"{recorded[role]!r}, not {fields[role]!r}: leave out {option} (or give "
+                              f"{option} {shlex.quote(recorded[role])}) to update it, or --overwrite to rebuild it "
+                              f"with the new field")
+    return fields
+
+
+def reading(cfg: IndexConfig, fields: dict) -> IndexConfig:
+    """``cfg`` with the record fields ``fields`` (:func:`settled_fields`) made concrete."""
+    return dataclasses.replace(cfg, text_field=fields["text"], id_field=fields["id"])
+
+
+def refuse_unfit_chunks_of(model, stored: Manifest | None, cfg: IndexConfig, chunking: dict) -> None:
+    """SettingError unless the run's chunks (``chunking``) hold the model's special tokens,
+    the document prompt (the index's, else the run's) and the overlap with room for text:
+    checked with the model's own tokenizer before the folder is touched (a loader worker
+    found it only after the manifest had recorded the chunking)."""
+    path = model.info()["path"]
+    prompt = (stored.prompts.get("document", "") if stored is not None
+              else Prompts.read(path).resolve(cfg.doc_prompt)["document"])
+    tokenizer = getattr(model, "tokenizer", None) or load_tokenizer(path)
+    refuse_unfit_chunks(tokenizer, chunking["tokens"], chunking["overlap"], prompt, model.max_seq_length)

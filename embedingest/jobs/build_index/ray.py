@@ -89,8 +89,9 @@ from ...stages.device import precision
 from ...stages.prefetch import thread_ahead
 from .encode import (chunk_batches, commit_marks, embed_steps, needs_training, shard_sinks, train_if_needed,
                      vector_slots)
-from .plan import (apply_plan, check_search_params, fingerprint, plan_units, settled_chunking,
-                   settled_embeddings, settled_factory, settled_settings, stored_manifest)
+from .plan import (apply_plan, check_search_params, fingerprint, plan_units, reading, refuse_unfit_chunks_of,
+                   settled_chunking, settled_embeddings, settled_factory, settled_fields, settled_settings,
+                   stored_manifest)
 
 log = logging.getLogger("embedingest")
 
@@ -454,6 +455,9 @@ def plan_ray_index(dataset: ray.data.Dataset, out: str | os.PathLike,
     cfg.validate()
     started = time.perf_counter()
     out = Path(out)
+    stored = stored_manifest(out, cfg.overwrite)
+    fields = settled_fields(stored, cfg, str(out))
+    cfg = reading(cfg, fields)
     columns = set(dataset.schema().names)
     for field, option in ((cfg.id_field, "id_field"), (cfg.text_field, "text_field")):
         if field not in columns:
@@ -463,9 +467,8 @@ def plan_ray_index(dataset: ray.data.Dataset, out: str | os.PathLike,
     dtype = precision(cfg.dtype, bool(num_gpus))
     cfg = cfg.for_device(bool(num_gpus))
     encoder = TextEncoder.load(cfg.model, device="cpu", dtype="fp32")
-    stored = stored_manifest(out, cfg.overwrite)
     cfg = settled_factory(stored, cfg)
-    settled_chunking(stored, cfg, encoder.max_seq_length, str(out))
+    refuse_unfit_chunks_of(encoder, stored, cfg, settled_chunking(stored, cfg, encoder.max_seq_length, str(out)))
     parse_factory(encoder.dim, cfg.index, cfg.metric)  # every option checked before the first write
     check_search_params(encoder.dim, cfg.index, cfg.metric, cfg.search_params)
     wanted = Prompts.read(encoder.model_dir).resolve(cfg.doc_prompt, cfg.query_prompt)
@@ -477,9 +480,11 @@ def plan_ray_index(dataset: ray.data.Dataset, out: str | os.PathLike,
         manifest = store.create_or_open(
             Manifest(model=encoder.info() | {"dtype": dtype}, dim=encoder.dim, metric=cfg.metric,
                      factory=cfg.index, dtype=dtype, prompts=wanted,
-                     chunking=settled_chunking(None, cfg, encoder.max_seq_length, str(out))),
+                     chunking=settled_chunking(None, cfg, encoder.max_seq_length, str(out)),
+                     record_fields=fields),
             overwrite=cfg.overwrite)
         settings, cfg = settled_settings(manifest, cfg, encoder.max_seq_length, str(out))
+        settings["record_fields"] = settled_fields(manifest, cfg, str(out))
         chunk_tokens = cfg.chunk_tokens
         store.clean_garbage()  # damaged shards go first: the rule below reads the shards that stay
         cfg = settled_embeddings(store, cfg, str(out))
