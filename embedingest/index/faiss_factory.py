@@ -20,6 +20,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..outfiles import native_path
+from ..terminal import counted
 
 METRICS = {"ip": faiss.METRIC_INNER_PRODUCT, "l2": faiss.METRIC_L2}
 
@@ -179,6 +180,16 @@ def read_index_file(path: Path, flags: int = 0, *, redo: str) -> faiss.Index:
     except (RuntimeError, MemoryError) as exc:
         raise ConfigError(f"cannot read {str(path)!r} ({faiss_message(exc)}): the file is damaged; "
                           f"{redo}") from exc
+
+
+def training_advice(n: int) -> str:
+    """What a factory can train on ``n`` vectors, for a refusal to name: IVF's k-means
+    needs a vector a list, and PQ's a vector for each of a sub-quantizer's 2**bits
+    centroids, so the advice gives the largest of each that fits (PQ16x8 needs 256)."""
+    bits = min(8, n.bit_length() - 1)  # 2**bits <= n
+    pq = ("no PQ (it needs 2 vectors or more)" if bits < 1 else
+          f"at most {bits} bits per code (PQ, e.g. PQ16x{bits})" if bits < 8 else "fewer bits per code (PQ)")
+    return f"on {counted(n, 'vector')} use at most {counted(max(1, n), 'list')} (IVF{max(1, n)}) or {pq}"
 
 
 def train(index: faiss.Index, sample: np.ndarray) -> None:

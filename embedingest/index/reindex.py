@@ -23,7 +23,7 @@ from ..config import CHUNK_TOKENS, ID_FIELD, OVERLAP, TEXT_FIELD
 from ..errors import ConfigError
 from ..outfiles import refuse_link, write_faiss_index
 from ..sources.remote import is_remote
-from .faiss_factory import apply_search_params, copy_index, faiss_message, parse_factory, train
+from .faiss_factory import apply_search_params, copy_index, faiss_message, parse_factory, train, training_advice
 from .formats import MANIFEST_NAME, rebuild_command, require_current
 from .lock import RunLock
 from .shard_store import refuse_unfinished_overwrite
@@ -93,8 +93,7 @@ def reindex(index: str | os.PathLike, factory: str, *, train_size: int = 50_000,
                     train(template, sample)
                 except RuntimeError as exc:
                     raise ConfigError(f"cannot train {factory!r} on {len(sample)} vectors: {faiss_message(exc)}; "
-                                      "use fewer lists (IVF) or fewer bits per code (PQ, e.g. PQ16x8), or a "
-                                      "larger index") from exc
+                                      f"{training_advice(len(sample))}, or index more vectors first") from exc
                 trained_path = folder / trained_name(generation)
                 write_faiss_index(template, trained_path)
                 written.append(trained_path)

@@ -35,7 +35,7 @@ from ..outfiles import atomic_write_bytes, is_tmp_name, json_bytes, refuse_link,
 from ..report import REPORT_NAME
 from ..sources.files import file_kind, open_regular
 from .faiss_factory import (METRICS, empty_index, faiss_message, metric_code, parse_factory, read_index_file,
-                            train)
+                            train, training_advice)
 from .formats import CURRENT as FORMAT
 from .formats import MANIFEST_NAME, UNITS_NAME, V1_METADATA, require_current
 from .shards import CHUNK_BITS
@@ -344,8 +344,8 @@ class IndexStore:
             train(index, sample)
         except RuntimeError as exc:
             raise ConfigError(f"cannot train {factory!r} on {len(sample)} vectors: "
-                              f"{faiss_message(exc)}; use a larger sample (--train-size), fewer lists (IVF) or fewer "
-                              "bits per code (PQ, e.g. PQ16x8)") from exc
+                              f"{faiss_message(exc)}; use a larger sample (--train-size), or "
+                              f"{training_advice(len(sample))}") from exc
         self.folder.mkdir(parents=True, exist_ok=True)
         write_faiss_index(index, self.trained_path)
         return self.trained_path

@@ -287,3 +287,28 @@ def test_a_file_whose_header_claims_more_vectors_than_it_holds_is_refused_withou
     limit = faiss.get_deserialization_vector_byte_limit()
     faiss.write_index(index, str(path))  # a whole file is read as before, and faiss's bound put back
     assert read_index_file(path, redo="delete it").ntotal == 12 and faiss.get_deserialization_vector_byte_limit() == limit
+
+
+@pytest.mark.parametrize("n", [1, 6, 17, 255, 256, 10_000])
+def test_training_advice_names_a_factory_that_trains_on_that_many_vectors(n):
+    """The advice was 'fewer bits per code (PQ, e.g. PQ16x8)' whatever the count: PQ16x8
+    failed on 17 vectors as the factory it replaced did."""
+    import re
+
+    from embedingest.index.faiss_factory import train, training_advice
+
+    advice = training_advice(n)
+    lists = int(re.search(r"\(IVF(\d+)\)", advice)[1])
+    rng = np.random.default_rng(n)
+    sample = rng.standard_normal((n, 32)).astype(np.float32)
+    train(ivf := faiss.index_factory(32, f"IVF{lists},Flat"), sample)
+    assert ivf.is_trained
+    bits = re.search(r"PQ16x(\d+)", advice)
+    if n == 1:
+        assert advice == "on 1 vector use at most 1 list (IVF1) or no PQ (it needs 2 vectors or more)"
+    elif n < 256:
+        pq = faiss.index_factory(32, f"PQ16x{bits[1]}")
+        train(pq, sample)
+        assert pq.is_trained and 2 ** (int(bits[1]) + 1) > n
+    else:
+        assert bits is None and advice.endswith("or fewer bits per code (PQ)")

@@ -204,7 +204,8 @@ def test_bad_factories_and_parameters_are_config_errors(tmp_path):
     with pytest.raises(ConfigError) as err:  # 6 vectors for 16 lists
         reindex(folder, "IVF16,Flat")
     assert str(err.value) == (f"cannot train 'IVF16,Flat' on 6 vectors: {faiss_refusal('IVF16,Flat', n=6)}; "
-                              "use fewer lists (IVF) or fewer bits per code (PQ, e.g. PQ16x8), or a larger index")
+                              "on 6 vectors use at most 6 lists (IVF6) or at most 2 bits per code (PQ, e.g. PQ16x2), "
+                              "or index more vectors first")
     assert json.loads((folder / "manifest.json").read_text())["generation"] == 0
 
 

@@ -216,7 +216,8 @@ def test_train_index_makes_missing_parents_and_names_the_faiss_error(tmp_path):
     message = str(err.value)
     assert message.startswith("cannot train 'IVF16,Flat' on 4 vectors: ")
     assert "None" not in message and "Number of training points" in message
-    assert message.endswith("; use a larger sample (--train-size), fewer lists (IVF) or fewer bits per code (PQ, e.g. PQ16x8)")
+    assert message.endswith("; use a larger sample (--train-size), or on 4 vectors use at most 4 lists (IVF4) or at "
+                            "most 2 bits per code (PQ, e.g. PQ16x2)")
 
 
 def test_damaged_trained_index_says_how_to_redo_it(tmp_path):
