@@ -23,7 +23,8 @@ from ..config import CHUNK_TOKENS, ID_FIELD, OVERLAP, TEXT_FIELD
 from ..errors import ConfigError
 from ..outfiles import refuse_link, write_faiss_index
 from ..sources.remote import is_remote
-from .faiss_factory import apply_search_params, copy_index, faiss_message, parse_factory, train, training_advice
+from .faiss_factory import (apply_search_params, copy_index, default_search_params, faiss_message, parse_factory,
+                            train, training_advice)
 from .formats import MANIFEST_NAME, rebuild_command, require_current
 from .lock import RunLock
 from .shard_store import refuse_unfinished_overwrite
@@ -197,8 +198,11 @@ def _sample(embs: list[np.ndarray], size: int, seed: int) -> np.ndarray:
 def _settled_params(manifest, template: faiss.Index, given: str | None) -> str | None:
     """The search parameters after the reindex (see :func:`reindex`)."""
     params = manifest.search.get("params") if given is None else given.strip()
+    # none given: a factory that becomes IVF gets a new index's nprobe (one that was IVF
+    # keeps what it had, none included: its builder may have turned them off)
+    fresh = None if given is not None or _is_ivf(manifest) else default_search_params(template)
     if not params:
-        return None
+        return fresh
     probe = faiss.IndexIDMap(copy_index(template))
     try:
         return apply_search_params(probe, params)
@@ -207,5 +211,10 @@ def _settled_params(manifest, template: faiss.Index, given: str | None) -> str |
             raise ConfigError(f"search parameters {params!r} do not apply to the new factory: "
                               f"{exc}; nprobe is for IVF factories, efSearch for HNSW") from exc
         log.warning("the stored search parameters %r do not apply to the new factory: dropped", params)
-        return None
+        return fresh
+
+
+def _is_ivf(manifest) -> bool:
+    """Whether the index's factory (before the reindex) is an IVF one."""
+    return faiss.try_extract_index_ivf(parse_factory(manifest.dim, manifest.factory, manifest.metric)) is not None
 

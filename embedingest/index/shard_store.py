@@ -28,6 +28,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..outfiles import ensure_folder, is_tmp_name
+from .faiss_factory import default_search_params, parse_factory
 from .formats import V1_SEGMENT_FILE, V1_SEGMENTS, index_format, require_current
 from .lookup import ShardRows
 from .shard_edit import remove_units as remove_shard_units
@@ -109,6 +110,9 @@ class ShardStore(IndexStore):
             self.trained_path.unlink(missing_ok=True)
         manifest.generation = self.generation = 0
         self.trained_path = self.folder / trained_name(0)
+        if "params" not in manifest.search:
+            params = default_search_params(parse_factory(manifest.dim, manifest.factory, manifest.metric))
+            manifest.search = {**manifest.search, **({"params": params} if params else {})}
         self.write_manifest(manifest)
         return manifest
 

@@ -269,6 +269,14 @@ def test_stored_search_parameters_stay_where_they_apply_and_go_with_a_warning_el
         (logging.WARNING, "the stored search parameters 'nprobe=2' do not apply to the new factory: dropped"),
         (logging.INFO, f"reindexed {folder}: IVF8,Flat (generation 2) -> HNSW8 (generation 3); "
                        f"{last['shards']} old files deleted")]
+    # a factory that becomes IVF, none given: a new index's nprobe (16, at most its lists);
+    # one that was IVF keeps what it had, none included (its builder may have turned them off)
+    assert reindex(folder, "IVF32,Flat", train_size=100)["search_params"] == "nprobe=16"
+    assert reindex(folder, "IVF4,Flat", train_size=100)["search_params"] == "nprobe=16"
+    assert reindex(folder, "HNSW8")["search_params"] is None
+    assert reindex(folder, "IVF4,Flat", train_size=100)["search_params"] == "nprobe=4"
+    assert reindex(folder, "IVF4,Flat", train_size=100, search_params="")["search_params"] is None
+    assert reindex(folder, "IVF8,Flat", train_size=100)["search_params"] is None
 
 
 def test_the_old_trained_file_goes_and_the_new_one_is_the_shards_own(tmp_path):

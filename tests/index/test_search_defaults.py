@@ -118,3 +118,30 @@ def test_parameters_that_do_not_apply_are_refused_before_the_work(tmp_path):
         build_index(RECORDS[:5], out=str(tmp_path / "idx3"), index="HNSW8", search_params="efSearch=0", **FAST)
     with pytest.raises(ConfigError, match="search-k=0"):
         build_index(RECORDS[:5], out=str(tmp_path / "idx2"), search_k=0, **FAST)
+
+
+def test_a_new_ivf_index_probes_sixteen_lists_unless_told_and_keeps_none_when_told(tmp_path):
+    """faiss's own nprobe, 1, found a tenth of the true top 10 of a small corpus: a new IVF
+    index keeps nprobe=16 (at most its lists) unless --search-params says otherwise; ''
+    turns it off for good, and an update keeps what the index has."""
+    manifest = lambda out: json.loads((out / "manifest.json").read_text())["search"]  # noqa: E731
+    build_index(RECORDS[:64], out=str(tmp_path / "few"), index="IVF8,Flat", **FAST)
+    assert manifest(tmp_path / "few") == {"params": "nprobe=8"}  # every list: exact
+    build_index(RECORDS, out=str(tmp_path / "flat"), **FAST)
+    build_index(RECORDS, out=str(tmp_path / "many"), index="IVF32,Flat", **FAST)
+    assert manifest(tmp_path / "many") == {"params": "nprobe=16"}
+    queries = [f"{t} and {u}" for t in TOPICS for u in TOPICS[:4]]
+    with open_index(tmp_path / "many") as ivf, open_index(tmp_path / "flat") as flat:
+        assert nprobes(ivf) == {16}
+        found = [{h.id for h in hits} for hits in ivf.search(queries, 10)]
+        exact = [{h.id for h in hits} for hits in flat.search(queries, 10)]
+    with open_index(tmp_path / "many", params="nprobe=1") as one:
+        probe_one = [{h.id for h in hits} for hits in one.search(queries, 10)]
+    recall = lambda got: np.mean([len(g & e) / 10 for g, e in zip(got, exact)])  # noqa: E731
+    assert recall(found) >= 0.9 and recall(found) > recall(probe_one)
+    build_index(RECORDS[:64], out=str(tmp_path / "off"), index="IVF8,Flat", search_params="", **FAST)
+    assert manifest(tmp_path / "off") == {}
+    build_index(RECORDS[:65], out=str(tmp_path / "off"), index="IVF8,Flat", **FAST)
+    assert manifest(tmp_path / "off") == {}
+    build_index(RECORDS[:64], out=str(tmp_path / "given"), index="IVF8,Flat", search_params="nprobe=2", **FAST)
+    assert manifest(tmp_path / "given") == {"params": "nprobe=2"}
