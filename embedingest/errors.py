@@ -67,8 +67,10 @@ def error_payload(exc: BaseException) -> tuple[bytes | None, str, str]:
 
 def rebuild_error(payload: bytes | None, fallback: str, where: str, tb: str) -> BaseException:
     """The exception :func:`error_payload` described, re-made in this process: the original
-    type when it unpickles, else an :class:`EngineError` with ``fallback`` as message; the
-    remote traceback (labelled ``where``) becomes its cause."""
+    type when it unpickles and is an ``Exception``, else an :class:`EngineError` with
+    ``fallback`` as message (a ``SystemExit`` or ``KeyboardInterrupt`` raised over there
+    would end or interrupt this process); the remote traceback (labelled ``where``)
+    becomes its cause."""
     exc = None
     if payload is not None:
         try:
@@ -77,5 +79,8 @@ def rebuild_error(payload: bytes | None, fallback: str, where: str, tb: str) -> 
             exc = None
     if not isinstance(exc, BaseException):
         exc = EngineError(fallback)
+    elif not isinstance(exc, Exception):  # SystemExit(0) re-raised here ended the caller, silently
+        exc = EngineError(f"{fallback} (an exit or interrupt {where} is an error of the run, not an exit "
+                          "of this process)")
     exc.__cause__ = RemoteTraceback(f"{where}:\n{tb}")
     return exc

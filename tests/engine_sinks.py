@@ -292,3 +292,22 @@ class _UnpicklableClose:
 
 def unpicklable_close_factory(worker: int):
     return _UnpicklableClose()
+
+
+class ExitingSink:
+    """Raises ``what`` (``SystemExit(0)``, ``KeyboardInterrupt()``) on batch 1."""
+
+    def __init__(self, worker: int, what: BaseException):
+        self.what = what
+
+    def __call__(self, batch_id, arrays):
+        if batch_id == 1:
+            raise self.what
+
+
+class ExitingSinkFactory:
+    def __init__(self, what: BaseException):
+        self.what = what
+
+    def __call__(self, worker: int):
+        return ExitingSink(worker, self.what)

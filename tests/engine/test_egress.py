@@ -18,8 +18,8 @@ import pytest
 import torch
 from conftest import child_pids
 from fault_helpers import wait_for
-from engine_sinks import (FailingSinkFactory, GateSinkFactory, HashSinkFactory, SlowCloseSinkFactory, SuicideSinkFactory,
-                          broken_factory, digest, slow_sink_factory, two_part_error_sink_factory,
+from engine_sinks import (ExitingSinkFactory, FailingSinkFactory, GateSinkFactory, HashSinkFactory,
+                          SlowCloseSinkFactory, SuicideSinkFactory, broken_factory, digest, slow_sink_factory, two_part_error_sink_factory,
                           unpicklable_close_factory, whoami_sink_factory)
 
 from embedingest import EgressEngine
@@ -243,6 +243,21 @@ def test_a_sink_error_that_does_not_unpickle_is_raised_as_an_engine_error(no_lea
     cause = info.value.__cause__
     assert isinstance(cause, RemoteTraceback)
     assert cause.tb.startswith("in consumer 0, batch 'b0':\nTraceback ") and "TwoPartError" in cause.tb
+
+
+@pytest.mark.parametrize("what", [SystemExit(0), SystemExit(7), KeyboardInterrupt()])
+def test_a_sink_that_exits_or_is_interrupted_fails_the_run_and_does_not_end_the_caller(no_leaks, what):
+    """Re-raised as it was, a sink's ``sys.exit(0)`` ended the caller's script with status 0
+    and not a word (two of five batches written); a KeyboardInterrupt looked like Ctrl-C."""
+    with pytest.raises(EngineError) as info:
+        with EgressEngine(ExitingSinkFactory(what), num_consumers=1, device="cpu") as e:
+            for i in range(5):
+                e.submit(i, {"x": np.zeros(3, np.float32)})
+                time.sleep(0.05)
+    assert type(info.value) is EngineError
+    assert str(info.value) == (f"consumer 0 failed on batch 1: {type(what).__name__}: {what} (an exit or interrupt "
+                               "in consumer 0, batch 1 is an error of the run, not an exit of this process)")
+    assert isinstance(info.value.__cause__, RemoteTraceback)
 
 
 def test_error_in_sink_factory_is_raised(no_leaks):
