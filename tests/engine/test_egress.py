@@ -19,8 +19,8 @@ import torch
 from conftest import child_pids
 from fault_helpers import wait_for
 from engine_sinks import (ExitingSinkFactory, FailingSinkFactory, GateSinkFactory, HashSinkFactory,
-                          SlowCloseSinkFactory, SuicideSinkFactory, broken_factory, digest, slow_sink_factory, two_part_error_sink_factory,
-                          unpicklable_close_factory, whoami_sink_factory)
+                          SlowCloseSinkFactory, SuicideSinkFactory, broken_factory, digest, slow_sink_factory,
+                          two_part_error_sink_factory, unpicklable_close_factory, whoami_sink_factory)
 
 from embedingest import EgressEngine
 from embedingest.engine import consumer_group
