@@ -12,9 +12,11 @@ read from the shards' Parquet files (:class:`~embedingest.index.lookup.ShardRows
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +31,7 @@ from .faiss_factory import (METRICS, apply_search_params, metric_code, read_boun
 from .lookup import ShardRows
 from .shard_store import answering_folder
 from ..sources.remote import is_remote
+from ..sources.text import arrow_as_list
 from ..stages.device_name import device_name
 from .shards import SHARDS_DIR, list_shards, redo_advice
 from .store import IndexStore, Manifest
@@ -107,6 +110,21 @@ def _refuse_a_prompt_that_fills_the_model(encoder, prompt: str) -> None:
         refuse_filling_query_prompt(tokenizer, limit, prompt)
 
 
+_fork_hook = threading.Lock()
+_fork_hooked = False
+
+
+def _single_threaded_after_fork() -> None:
+    """Once a process searched, its forked children search with one faiss thread: faiss's
+    OpenMP pool does not survive a fork, and a child's first search (a
+    ``multiprocessing.Pool`` of an ETL job, fork being Linux's default) hung for ever."""
+    global _fork_hooked
+    with _fork_hook:
+        if not _fork_hooked:
+            os.register_at_fork(after_in_child=lambda: faiss.omp_set_num_threads(1))
+            _fork_hooked = True
+
+
 class Index:
     """A searchable index folder; see :func:`open_index`."""
 
@@ -129,6 +147,8 @@ class Index:
         self._pool = None
         self._prompt_checked = None  # the encoder the query prompt was found to leave room in
         self._closed = False
+        self._state = threading.Condition()  # guards _closed and _active: close() waits for searches
+        self._active = 0
 
     @property
     def default_k(self) -> int:
@@ -147,15 +167,38 @@ class Index:
 
     @property
     def ntotal(self) -> int:
+        """The vectors the index holds (ConfigError once closed: 0 would read as empty)."""
+        self._check_open()
         return sum(s.ntotal for s in self.shards)
+
+    def __reduce__(self):
+        raise TypeError(f"an Index does not pickle (it holds open files and faiss indexes): pass the path and open "
+                        f"it in each process with open_index({str(self.store.folder)!r})")
 
     def _check_open(self) -> None:
         if self._closed:
             raise ConfigError(f"the index at {str(self.store.folder)!r} was closed: open it again "
                               "with open_index (a closed one would answer with nothing)")
 
+    @contextlib.contextmanager
+    def _open_while(self):
+        """The block runs on an open index, which :meth:`close` (from another thread) frees
+        only once the block is done: a search under way finishes, a later one is refused."""
+        with self._state:
+            self._check_open()
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._state:
+                self._active -= 1
+                self._state.notify_all()
+
     def close(self) -> None:
-        self._closed = True
+        with self._state:
+            self._closed = True
+            while self._active:
+                self._state.wait()
         self.shards = []
         if self.rows is not None:
             self.rows.close()
@@ -236,7 +279,10 @@ class Index:
         elif queries is None or not hasattr(queries, "__iter__") or isinstance(queries, (bytes, bytearray)):
             raise ConfigError(f"queries={queries!r}: give a text or a list of texts (bytes decoded: "
                               "queries.decode())")
-        queries = list(queries)  # a generator, a numpy array of texts
+        elif isinstance(queries, Mapping):
+            raise ConfigError(f"queries is a {type(queries).__name__}: its keys would be searched; give a list of "
+                              "texts (list(queries.values()) for its values)")
+        queries = arrow_as_list(queries)  # a generator, a numpy array of texts, pyarrow strings
         if not queries:
             return []
         blank = [i for i, q in enumerate(queries) if not isinstance(q, str) or blank_query(q)]
@@ -256,16 +302,15 @@ class Index:
     def chunks(self, ids) -> dict:
         """Chunk rows by vector id (:class:`~embedingest.index.store.Chunk`, with its
         source); unknown ids are absent."""
-        self._check_open()
-        if self.rows is None:
-            return {}
-        return self.rows.chunks(ids)
+        with self._open_while():
+            return {} if self.rows is None else self.rows.chunks(ids)
 
     def search_vectors(self, vectors: np.ndarray, k: int | None = None) -> list[list[Hit]]:
         """Top ``k`` chunks for each query vector (used as given: normalise them for "ip")."""
-        scores, ids = self.search_raw(vectors, k)
-        found = np.unique(ids[ids >= 0]).tolist()
-        rows = self.chunks(found)
+        with self._open_while():
+            scores, ids = self._search_raw(vectors, k)
+            found = np.unique(ids[ids >= 0]).tolist()
+            rows = {} if self.rows is None else self.rows.chunks(found)
         missing = [i for i in found if i not in rows]
         if missing:
             raise ConfigError(
@@ -288,11 +333,18 @@ class Index:
 
     def search_raw(self, vectors: np.ndarray, k: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(scores, ids), each [nq, k], best first; id -1 pads rows when fewer than k exist."""
-        self._check_open()
+        with self._open_while():
+            return self._search_raw(vectors, k)
+
+    def _search_raw(self, vectors, k: int | None) -> tuple[np.ndarray, np.ndarray]:
         k = self.default_k if k is None else k
         if np.iscomplexobj(vectors):
             raise ConfigError("query vectors are complex numbers: give real ones")
-        q = np.ascontiguousarray(vectors, dtype=np.float32)
+        try:
+            q = np.ascontiguousarray(vectors, dtype=np.float32)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"query vectors of type {type(vectors).__name__} are no numbers ({exc}): give an array "
+                              f"of shape (n, {self.manifest.dim}); texts go to search()") from None
         if q.ndim == 1:
             q = q[None, :]
         if q.ndim != 2 or q.shape[1] != self.manifest.dim:
@@ -303,9 +355,10 @@ class Index:
         if not np.isfinite(q).all():
             raise ConfigError("query vectors hold NaN or infinite values: no vector is near them; "
                               "check how they were made")
-        k = int(min(k, self.ntotal))  # faiss takes Python's int only
+        k = int(min(k, sum(s.ntotal for s in self.shards)))  # faiss takes Python's int only
         if k == 0:
             return np.empty((len(q), 0), np.float32), np.empty((len(q), 0), np.int64)
+        _single_threaded_after_fork()
         heap = faiss.ResultHeap(len(q), k, keep_max=self.manifest.metric == "ip")
         shards = [seg for seg in self.shards if seg.ntotal]
         for result in self._map_shards(lambda seg: seg.search(q, min(k, seg.ntotal)), shards):

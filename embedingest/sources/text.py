@@ -729,6 +729,16 @@ def _objects(objs, text_field: str, id_field: str, kind: str, path: str,
         yield record_id, text
 
 
+def arrow_as_list(values) -> list:
+    """``values`` as a list: a pyarrow Array or ChunkedArray (of texts, of records) by its
+    ``to_pylist()`` (iterated, it gives pyarrow scalars, which are no ``str``), anything
+    else iterated."""
+    if type(values).__module__.startswith("pyarrow") and hasattr(values, "to_pylist") and not hasattr(
+            values, "schema"):
+        return values.to_pylist()
+    return list(values)
+
+
 def lone_surrogate(value: str, fix: str = "a broken escape; fix the record") -> str | None:
     """What is wrong with ``value`` if it holds a lone surrogate, else None (``fix`` says
     what to do). Only JSON escapes, bytes that are not UTF-8 decoded with

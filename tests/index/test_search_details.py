@@ -57,7 +57,9 @@ def test_defaults_device_and_close(tmp_path):
     index = open_index(tmp_path, device="cuda:1")  # only kept until a text query loads the encoder
     assert index.device == "cuda:1"
     index.close()
-    assert index.ntotal == 0 and len(index) == 0
+    for closed in (lambda: index.ntotal, lambda: len(index)):  # 0 read as an empty index
+        with pytest.raises(ConfigError, match="was closed: open it again with open_index"):
+            closed()
     bare = Index(IndexStore(tmp_path), built.store.read_manifest(), [])
     assert (bare.device, bare.query_runtime) == ("cpu", "torch")
 
@@ -334,3 +336,81 @@ def test_a_model_folder_emptied_after_the_build_is_refused_with_a_search_s_advic
         "(sentence-transformers) nor config.json (Hugging Face)): put the model back there, or pass encoder= "
         "or query vectors")
     assert isinstance(err.value.__cause__, ConfigError)
+
+
+def test_a_search_under_way_finishes_when_another_thread_closes_the_index(tmp_path):
+    """close() freed the shards and rows under a search in another thread: ArrowInvalid
+    (closed file) and OSError (posix_madvise) came out of it, besides 'was closed'."""
+    import threading
+
+    build_index(tmp_path, n_units=4, chunks=40)
+    q = unit_vectors(4, seed=7)
+    for trial in range(30):
+        index = open_index(tmp_path)
+        errors, started = [], threading.Event()
+
+        def loop():
+            try:
+                while True:
+                    started.set()
+                    assert len(index.search_vectors(q, 5)) == 4
+            except ConfigError as exc:
+                errors.append(exc)
+            except BaseException as exc:  # anything else is the defect
+                errors.append(exc)
+
+        worker = threading.Thread(target=loop)
+        worker.start()
+        started.wait()
+        index.close()
+        worker.join(10)
+        assert not worker.is_alive()
+        [error] = errors
+        assert isinstance(error, ConfigError) and "was closed" in str(error), (trial, repr(error))
+
+
+def test_queries_of_the_wrong_kind_an_index_s_pickle_and_pyarrow_texts(tmp_path):
+    """A dict was searched by its keys; a text given to search_raw was numpy's
+    ValueError; pickling named a lambda of ShardRows; pyarrow strings were 'not text'."""
+    import pickle
+
+    import pyarrow as pa
+
+    built = build_index(tmp_path, n_units=2, chunks=10)
+    with open_index(tmp_path, encoder=FakeEncoder(built.emb)) as index:
+        with pytest.raises(ConfigError, match=r"^queries is a dict: its keys would be searched; give a list of texts"):
+            index.search({"0": "apple"})
+        with pytest.raises(ConfigError, match=rf"^query vectors of type str are no numbers .*: give an array of "
+                                              rf"shape \(n, {DIM}\); texts go to search\(\)$"):
+            index.search_raw("apple")
+        with pytest.raises(TypeError, match=rf"^an Index does not pickle .*open_index\({str(tmp_path)!r}\)$"):
+            pickle.dumps(index)
+        want = [[h.id for h in hits] for hits in index.search(["0", "3"], 4)]
+        for texts in (pa.array(["0", "3"]), pa.chunked_array([["0"], ["3"]])):
+            assert [[h.id for h in hits] for hits in index.search(texts, 4)] == want
+
+
+def test_a_forked_child_searches_after_its_parent_did(tmp_path):
+    """faiss's OpenMP pool does not survive a fork: a child's first search, after the
+    parent's, hung for ever (a multiprocessing.Pool of an ETL job)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    build_index(tmp_path, n_units=2, chunks=10)
+    code = textwrap.dedent(f"""
+        import multiprocessing as mp
+        import numpy as np
+        from embedingest.index.search import open_index
+        index = open_index({str(tmp_path)!r})
+        q = np.ones((1, {DIM}), np.float32) / {DIM} ** 0.5
+        here = index.search_raw(q, 3)[1].tolist()
+        def work(_):
+            return index.search_raw(q, 3)[1].tolist()
+        if __name__ == "__main__":
+            with mp.get_context("fork").Pool(1) as pool:
+                there = pool.map_async(work, [0]).get(timeout=30)[0]
+            print(here == there and len(here[0]) == 3)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-2000:]

@@ -251,6 +251,13 @@ def test_texts_alone_are_records_and_a_corpus_that_is_no_iterable_of_records_is_
         ("record z", "field: no 'text' field (fields: 'id', 'body'); choose the text field with text_field=")]
     got = record_candidates([{"id": "x", "body": "hello"}], IndexConfig(text_field="body"), SkipReport())
     assert [(c["record_id"], c["text"]) for c in got] == [("x", "hello")]
+    import pyarrow as pa  # pyarrow strings were pyarrow scalars: every one skipped as "expected ... a text"
+
+    for texts in (pa.array(["alpha beta", "gamma"]), pa.chunked_array([["alpha beta"], ["gamma"]])):
+        report = SkipReport()
+        got = record_candidates(texts, IndexConfig(), report)
+        assert [(c["record_id"], c["text"]) for c in got] == [("0", "alpha beta"), ("1", "gamma")]
+        assert report.entries == []
 
     class Frame:  # what a DataFrame shows of itself
         columns = ["id", "text"]

@@ -34,7 +34,7 @@ from ...index.faiss_factory import apply_search_params, parse_factory
 from ...sources.files import file_sha256, os_error_reason, reads_within, walk_paths
 from ...sources.names import has_extension, name_as_text
 from ...sources.remote import input_name, is_remote, walk_remote
-from ...sources.text import TEXT_EXTENSIONS, field_names, lone_surrogate
+from ...sources.text import TEXT_EXTENSIONS, arrow_as_list, field_names, lone_surrogate
 from ...stages.prompts import Prompts, refuse_unfit_chunks
 from ...stages.tokenizer import load_tokenizer
 
@@ -180,6 +180,7 @@ def record_candidates(records: Iterable, cfg: IndexConfig, report: SkipReport) -
     given twice is a :class:`ConfigError` naming both positions, never a silent merge.
     """
     _check_records(records)
+    records = arrow_as_list(records)
     fields = cfg.record_fields()
     out, first = [], {}
     for n, rec in enumerate(records):
