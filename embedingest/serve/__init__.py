@@ -5,6 +5,8 @@ Needs the ``serve`` extra (``pip install 'embedingest[serve]'``).
 
 from __future__ import annotations
 
+import contextlib
+
 import ipaddress
 import logging
 import os
@@ -46,6 +48,23 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+@contextlib.contextmanager
+def torch_threads(threads: int | None):
+    """torch's intra-op threads set to ``threads`` (None: left) for the block, and set back
+    after it: a notebook that served (or failed to) ran its later torch work on one thread."""
+    if threads is None:
+        yield
+        return
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def serve(index_dir: str | os.PathLike, host: str = "127.0.0.1", port: int = 8000, *, device: str = "cpu",
           params: str | None = None, query_prompt: str | None = None, max_query_chars: int | None = None,
           max_k: int | None = None, threads: int | None = 1, on_ready=None,
@@ -75,34 +94,31 @@ def serve(index_dir: str | os.PathLike, host: str = "127.0.0.1", port: int = 800
     from ..sources.remote import is_remote
     from .live import LiveIndex
 
-    if threads is not None:
-        import torch
+    with torch_threads(threads):  # the caller's setting is back once serving ends, or fails
+        def opened(encoder=None):
+            return open_index(index_dir, device=device, params=params, query_prompt=query_prompt,
+                              cache_dir=cache_dir, cache_size=cache_size, query_runtime=query_runtime,
+                              encoder=encoder)
 
-        torch.set_num_threads(threads)
-    def opened(encoder=None):
-        return open_index(index_dir, device=device, params=params, query_prompt=query_prompt,
-                          cache_dir=cache_dir, cache_size=cache_size, query_runtime=query_runtime,
-                          encoder=encoder)
-
-    index = opened()
-    # a local index is opened again once a build changed it (object storage: as opened)
-    live = LiveIndex(index, None if is_remote(str(index_dir)) else opened, folder=index_dir)
-    try:
-        index.search(["warm up the model"], k=1)  # load it now, not at the first request
-        app = create_app(live, max_query_chars=max_query_chars or MAX_QUERY_CHARS, max_k=max_k or MAX_K)
-        if not is_loopback(host):
-            log.warning("serving on %s: every machine that reaches it can query the index and "
-                        "read the corpus files it names", host)
-        sock = listening_socket(host, port)
+        index = opened()
+        # a local index is opened again once a build changed it (object storage: as opened)
+        live = LiveIndex(index, None if is_remote(str(index_dir)) else opened, folder=index_dir)
         try:
-            port = sock.getsockname()[1]
-            if on_ready is not None:
-                on_ready(f"http://{host if ':' not in host else f'[{host}]'}:{port}/")
-            # no lifespan task (the app has no start-up or shut-down hooks): a second Ctrl-C
-            # cancelled it mid-stop, and starlette printed the CancelledError's traceback
-            config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
-            uvicorn.Server(config).run(sockets=[sock])
+            index.search(["warm up the model"], k=1)  # load it now, not at the first request
+            app = create_app(live, max_query_chars=max_query_chars or MAX_QUERY_CHARS, max_k=max_k or MAX_K)
+            if not is_loopback(host):
+                log.warning("serving on %s: every machine that reaches it can query the index and "
+                            "read the corpus files it names", host)
+            sock = listening_socket(host, port)
+            try:
+                port = sock.getsockname()[1]
+                if on_ready is not None:
+                    on_ready(f"http://{host if ':' not in host else f'[{host}]'}:{port}/")
+                # no lifespan task (the app has no start-up or shut-down hooks): a second Ctrl-C
+                # cancelled it mid-stop, and starlette printed the CancelledError's traceback
+                config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
+                uvicorn.Server(config).run(sockets=[sock])
+            finally:
+                sock.close()
         finally:
-            sock.close()
-    finally:
-        live.close()
+            live.close()

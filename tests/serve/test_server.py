@@ -154,3 +154,24 @@ def test_a_port_in_use_is_one_error_line_before_anything_says_serving(index, cac
     finally:
         proc.send_signal(__import__("signal").SIGINT)
         proc.wait(30)
+
+
+def test_serve_in_the_caller_s_process_gives_torch_its_threads_back(index, cache):
+    """serve(threads=1) left torch on one thread for the rest of the process, also when it
+    failed (a port in use): a notebook's later torch work ran on one core."""
+    import torch
+
+    from embedingest.errors import ConfigError
+    from embedingest.serve import serve
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen(1)
+            with pytest.raises(ConfigError, match="Address already in use"):
+                serve(index, port=taken.getsockname()[1], threads=1, cache_dir=cache)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
