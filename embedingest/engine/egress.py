@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import pickle
 import queue
 import signal
 import sys
@@ -54,6 +55,16 @@ def refuse_while_bootstrapping(what: str) -> None:
             f"{what} was called while a process it started was importing {main}: put the "
             f"code that calls it under `if __name__ == \"__main__\":` (consumer processes "
             "are spawned, and a spawned process imports the main module first)")
+
+
+def _refuse_unpicklable(batch_id) -> None:
+    """ConfigError for a batch id the consumer processes cannot be sent (a lock, a lambda):
+    the error named neither the id nor where it goes."""
+    try:
+        pickle.dumps(batch_id)
+    except Exception as exc:
+        raise ConfigError(f"batch_id {batch_id!r} does not pickle ({type(exc).__name__}: {exc}), and it goes to the "
+                          "consumer processes with its batch: give text, a number, or a tuple of them") from None
 
 
 class EgressEngine:
@@ -211,6 +222,7 @@ class EgressEngine:
         self._raise_failure()
         self._path.mark_compute_end()  # before the first batch's wait for the pool
         arrays = named_arrays(outputs)
+        _refuse_unpicklable(batch_id)
         if self._pool is None:
             empty = [k for k, v in arrays.items() if len(v.shape) and v.shape[0] == 0]
             if empty:

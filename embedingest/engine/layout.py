@@ -26,6 +26,9 @@ def named_arrays(outputs) -> dict:
     number is refused naming it."""
     arrays = dict(outputs) if isinstance(outputs, Mapping) else {"out": outputs}
     for name, value in arrays.items():
+        if not isinstance(name, str):  # the slot layout names them with text: 1 never matched '1'
+            raise ConfigError(f"output name {name!r} is of type {type(name).__name__}; name outputs with text "
+                              f"(e.g. {str(name)!r})")
         if not (hasattr(value, "shape") and hasattr(value, "dtype")):
             raise ConfigError(f"output {name!r} is a {type(value).__name__}; submit a torch tensor or "
                               f"a numpy array (or a dict of them)")

@@ -130,6 +130,7 @@ def test_mismatched_batches_name_the_difference(no_leaks, bad, match):
     (7.5, r"^output 'out' is a float; submit a torch tensor"),
     ({"x": np.array([{"a": 1}, None], dtype=object)},
      r"^array 'x' holds Python objects \(dtype object\), which cannot be copied to another process"),
+    ({1: np.zeros(3, np.float32)}, r"^output name 1 is of type int; name outputs with text \(e.g. '1'\)$"),
 ])
 def test_what_is_not_an_array_of_values_is_refused_by_name(no_leaks, first, match):
     """A list (no shape) or an array of Python objects (pointers, meaningless in a consumer
@@ -137,6 +138,17 @@ def test_what_is_not_an_array_of_values_is_refused_by_name(no_leaks, first, matc
     with pytest.raises(ConfigError, match=match):
         with EgressEngine(HashSinkFactory(), num_consumers=1, device="cpu") as e:
             e.submit(0, first)
+
+
+def test_a_batch_id_that_does_not_pickle_is_named(no_leaks):
+    """A lock or a lambda as batch id failed with pickle's own words, naming neither."""
+    import threading
+
+    with pytest.raises(ConfigError, match=r"^batch_id <unlocked _thread.lock object at .*> does not pickle \(TypeError: "
+                                          r".*\), and it goes to the consumer processes with its batch: give text, a "
+                                          r"number, or a tuple of them$"):
+        with EgressEngine(HashSinkFactory(), num_consumers=1, device="cpu") as e:
+            e.submit(threading.Lock(), {"x": np.zeros(3, np.float32)})
 
 
 def test_a_close_result_that_cannot_be_sent_back_is_named(no_leaks):
