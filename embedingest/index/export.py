@@ -150,7 +150,7 @@ def _export(index, to, embeddings: bool | None, overwrite: bool) -> dict:
                     or (p.suffix == ".parquet" and SHARD_NAME.fullmatch(p.stem))]
         if any(to.iterdir()) and not overwrite:
             raise ConfigError(f"export folder {str(to)!r} is not empty: choose a new folder or "
-                              "pass --overwrite")
+                              "pass --overwrite (overwrite=True)")
         foreign = sorted(p.name for p in to.iterdir() if p.suffix == ".parquet" and p not in existing)
         if foreign:
             raise ConfigError(f"export folder {str(to)!r} holds Parquet files no export wrote "

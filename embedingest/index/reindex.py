@@ -68,7 +68,7 @@ def reindex(index: str | os.PathLike, factory: str, *, train_size: int = 50_000,
         manifest = store.read_manifest()
         shards = [s for s in list_shards(folder / SHARDS_DIR, generation=manifest.generation) if s.rows]
         template = parse_factory(manifest.dim, factory, manifest.metric)
-        params = _settled_params(manifest, template, search_params)
+        params, dropped = _settled_params(manifest, template, search_params)
         missing = [s.name for s in shards if not s.has_embeddings]
         if missing:
             raise ConfigError(
@@ -116,6 +116,8 @@ def reindex(index: str | os.PathLike, factory: str, *, train_size: int = 50_000,
         except BaseException:
             _drop_unswitched(store, generation, written)
             raise
+        if dropped:  # said once the switch is made: a reindex that fails keeps them
+            log.warning("the stored search parameters %r do not apply to the new factory: dropped", dropped)
         removed = clean_shards(folder / SHARDS_DIR, generation)
         for gen in range(generation):
             (folder / trained_name(gen)).unlink(missing_ok=True)
@@ -195,23 +197,23 @@ def _sample(embs: list[np.ndarray], size: int, seed: int) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate(parts))
 
 
-def _settled_params(manifest, template: faiss.Index, given: str | None) -> str | None:
-    """The search parameters after the reindex (see :func:`reindex`)."""
+def _settled_params(manifest, template: faiss.Index, given: str | None) -> tuple[str | None, str | None]:
+    """The search parameters after the reindex (see :func:`reindex`), and the stored ones
+    it drops (they do not apply to the new factory), else None."""
     params = manifest.search.get("params") if given is None else given.strip()
     # none given: a factory that becomes IVF gets a new index's nprobe (one that was IVF
     # keeps what it had, none included: its builder may have turned them off)
     fresh = None if given is not None or _is_ivf(manifest) else default_search_params(template)
     if not params:
-        return fresh
+        return fresh, None
     probe = faiss.IndexIDMap(copy_index(template))
     try:
-        return apply_search_params(probe, params)
+        return apply_search_params(probe, params), None
     except ValueError as exc:
         if given is not None:
             raise ConfigError(f"search parameters {params!r} do not apply to the new factory: "
                               f"{exc}; nprobe is for IVF factories, efSearch for HNSW") from exc
-        log.warning("the stored search parameters %r do not apply to the new factory: dropped", params)
-        return fresh
+        return fresh, params
 
 
 def _is_ivf(manifest) -> bool:

@@ -47,8 +47,9 @@ log = logging.getLogger("embedingest")
 
 @dataclass(frozen=True)
 class Hit:
-    """One result; rank 1 is the best. ``record_id``, ``char_start`` and ``char_end`` are None
-    where the source has none."""
+    """One result; rank 1 is the best. ``record_id`` is ``""`` for a hit of a whole-text
+    file (no records in it), as the shards store it; ``char_start`` and ``char_end`` are
+    None where the source has none."""
 
     rank: int
     score: float

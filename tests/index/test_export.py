@@ -63,7 +63,7 @@ def test_export_refuses_a_full_folder_and_one_inside_the_index(tmp_path):
     with pytest.raises(ConfigError) as err:
         export_index(tmp_path / "ix", tmp_path / "out")
     assert str(err.value) == (f"export folder {str(tmp_path / 'out')!r} is not empty: choose a new folder or "
-                              "pass --overwrite")
+                              "pass --overwrite (overwrite=True)")
     (tmp_path / "out" / "shard-older_export-w1-00003.parquet").write_bytes(b"old")
     (tmp_path / "out" / "_SUCCESS").write_bytes(b"old")
     summary = export_index(tmp_path / "ix", tmp_path / "out", overwrite=True)

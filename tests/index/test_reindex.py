@@ -426,3 +426,16 @@ def test_reindex_refuses_embeddings_that_are_not_the_bytes_committed(tmp_path):
                                           rf"'{shard.name}\.emb\.npy' does not hold the bytes that were committed"):
         reindex(folder, "HNSW8")
     assert json.loads((folder / "manifest.json").read_text())["generation"] == 0
+
+
+def test_a_reindex_that_fails_does_not_say_it_dropped_the_search_parameters(tmp_path, caplog):
+    """'dropped' was logged before the work, then the reindex failed and kept them."""
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=2, chunks=10, workers=1)
+    reindex(folder, "IVF2,Flat", train_size=20, search_params="nprobe=2")
+    caplog.set_level(logging.INFO, logger="embedingest")
+    caplog.clear()
+    with pytest.raises(ConfigError, match=r"^cannot train 'PQ8x8' on 20 vectors: "):
+        reindex(folder, "PQ8x8")
+    assert [m for m in caplog.messages if "dropped" in m] == []
+    assert json.loads((folder / "manifest.json").read_text())["search"] == {"params": "nprobe=2"}
