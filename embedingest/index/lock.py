@@ -125,7 +125,7 @@ class RunLock:
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
             os.close(fd)
-            who = f"pid {holder}" + (", this process: another thread's call" if holder == str(os.getpid()) else "")
+            who = f"pid {holder}" + (", this process: another call still under way" if holder == str(os.getpid()) else "")
             raise IndexBusy(f"another {self.job} ({who}) is writing {self.folder}; wait for it "
                             f"to end, or stop it and run again ({self.resumes})") from None
         os.ftruncate(fd, 0)

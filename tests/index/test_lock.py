@@ -79,7 +79,7 @@ def test_second_build_of_a_folder_fails_naming_the_holder(tmp_path):
     with RunLock(tmp_path):
         with pytest.raises(IndexBusy) as err:  # held by this process: "another build" alone misled
             RunLock(tmp_path).__enter__()
-        assert str(err.value).startswith(f"another build (pid {os.getpid()}, this process: another thread's call) "
+        assert str(err.value).startswith(f"another build (pid {os.getpid()}, this process: another call still under way) "
                                          f"is writing {tmp_path}; wait for it to end")
     with RunLock(tmp_path):  # released on exit
         pass
