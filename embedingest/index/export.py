@@ -15,6 +15,8 @@ the local folder ``to``.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import io
 import os
 import stat
@@ -25,10 +27,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import ConfigError
-from ..outfiles import atomic_file, atomic_write_bytes, ensure_folder, native_path, refuse_link
+from ..outfiles import atomic_file, atomic_write_bytes, ensure_folder, is_tmp_name, native_path, refuse_link
 from ..sources.remote import is_remote
 from .formats import require_current
-from .lock import no_build_running
+from .lock import IndexBusy, no_build_running
 from .shard_store import refuse_unfinished_overwrite
 from .shards import (EMB_SUFFIX, SHARD_NAME, SHARDS_DIR, damaged, embeddings_problem, list_shards, read_embeddings,
                      schema_problem)
@@ -36,6 +38,12 @@ from .store import IndexStore
 
 ROW_GROUP_ROWS = 65_536
 SUCCESS_NAME = "_SUCCESS"
+
+
+def _named_by_export(name: str) -> bool:
+    """Whether an export writes a file named ``name``: ``_SUCCESS`` or a Parquet file
+    named as a shard."""
+    return name == SUCCESS_NAME or (name.endswith(".parquet") and SHARD_NAME.fullmatch(name[:-len(".parquet")]))
 
 
 def is_export_folder(folder: str | os.PathLike) -> bool:
@@ -52,8 +60,52 @@ def is_export_folder(folder: str | os.PathLike) -> bool:
     except OSError:
         return False
     # every one as export names them (a .PARQUET too is read as Parquet, and named by no export)
-    return bool(parquet) and all(n.endswith(".parquet") and SHARD_NAME.fullmatch(n[:-len(".parquet")])
-                                 for n in parquet)
+    return bool(parquet) and all(_named_by_export(n) for n in parquet)
+
+
+def _is_export_file(name: str) -> bool:
+    """An export's file, or its temporary name (a killed export's)."""
+    return _named_by_export(name) or is_tmp_name(name, of=_named_by_export)
+
+
+@contextlib.contextmanager
+def _exporting(to: Path):
+    """Hold ``to`` for this export (a lock on the folder itself: no file is left in it):
+    two exports into one folder each wrote their files, and a reader got both indexes."""
+    fd = os.open(to, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise IndexBusy(f"another export is writing {str(to)!r}; wait for it to end, or choose another "
+                            "folder") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def _clear_for_export(to: Path, overwrite: bool) -> None:
+    """Make ``to`` ready for an export's files: an export's own files go where it is
+    ``overwrite``n, or where they are all the folder holds and the export did not finish
+    (no ``_SUCCESS``: stopped by a full disk or a kill, so the same command finishes it);
+    any other entry refuses a folder without ``overwrite``, and another Parquet file one
+    with it (a reader of the folder would read it with the export)."""
+    entries = list(to.iterdir())
+    own = [p for p in entries if _is_export_file(p.name)]
+    others = [p for p in entries if p not in own]
+    unfinished = not others and all(p.name != SUCCESS_NAME for p in own)
+    if entries and not overwrite and not unfinished:
+        raise ConfigError(f"export folder {str(to)!r} is not empty: choose a new folder or "
+                          "pass --overwrite (overwrite=True)")
+    foreign = sorted(p.name for p in others if p.suffix == ".parquet")
+    if foreign:
+        raise ConfigError(f"export folder {str(to)!r} holds Parquet files no export wrote "
+                          f"({', '.join(map(repr, foreign[:5]))}{', ...' if len(foreign) > 5 else ''}), "
+                          "which a reader of the folder would read with the export: move them "
+                          "or choose another folder")
+    for path in own:
+        refuse_link(path)
+        path.unlink()
 
 
 def export_index(index: str | os.PathLike, to: str | os.PathLike, *, embeddings: bool | None = None,
@@ -145,47 +197,34 @@ def _export(index, to, embeddings: bool | None, overwrite: bool) -> dict:
                           "--save-embeddings): export without them, or rebuild the index with "
                           "--save-embeddings")
     refuse_link(to)
-    if to.exists():
-        existing = [p for p in to.iterdir() if p.name == SUCCESS_NAME
-                    or (p.suffix == ".parquet" and SHARD_NAME.fullmatch(p.stem))]
-        if any(to.iterdir()) and not overwrite:
-            raise ConfigError(f"export folder {str(to)!r} is not empty: choose a new folder or "
-                              "pass --overwrite (overwrite=True)")
-        foreign = sorted(p.name for p in to.iterdir() if p.suffix == ".parquet" and p not in existing)
-        if foreign:
-            raise ConfigError(f"export folder {str(to)!r} holds Parquet files no export wrote "
-                              f"({', '.join(map(repr, foreign[:5]))}{', ...' if len(foreign) > 5 else ''}), "
-                              "which a reader of the folder would read with the export: move them "
-                              "or choose another folder")
-        for path in existing:
-            refuse_link(path)
-            path.unlink()
     try:
         ensure_folder(to, to)
     except (NotADirectoryError, FileExistsError, PermissionError) as exc:
         raise ConfigError(f"cannot make the export folder {str(to)!r}: {exc.strerror or exc} "
                           f"({exc.filename}); choose another folder") from exc
-    rows = 0
-    for shard in with_rows:
-        try:
-            table = rows_of(shard)
-            emb = embeddings_of(shard) if embeddings else None
-        except ConfigError:
-            raise
-        except (pa.ArrowException, ValueError, OSError) as exc:  # a record that names bad files
-            raise damaged(shard, shard.folder, f"it cannot be read ({exc})") from exc
-        problem = schema_problem(table.schema)
-        if problem:
-            raise damaged(shard, shard.folder, f"its parquet file is not a shard's rows file ({problem})")
-        if embeddings:
-            if emb.shape[0] != table.num_rows:
-                raise ConfigError(f"{shard.name}{EMB_SUFFIX} holds {emb.shape[0]} vectors for "
-                                  f"{table.num_rows} rows: the shard is damaged; rebuild the index")
-            flat = pa.array(np.ascontiguousarray(emb, dtype=np.float32).reshape(-1))
-            table = table.append_column("embedding", pa.FixedSizeListArray.from_arrays(flat, emb.shape[1]))
-        with atomic_file(to / f"{shard.name}.parquet") as fh:
-            pq.write_table(table, fh, compression="zstd", row_group_size=ROW_GROUP_ROWS)
-        rows += table.num_rows
-    atomic_write_bytes(to / SUCCESS_NAME, b"", sync_dir=True)
+    with _exporting(to):
+        _clear_for_export(to, overwrite)
+        rows = 0
+        for shard in with_rows:
+            try:
+                table = rows_of(shard)
+                emb = embeddings_of(shard) if embeddings else None
+            except ConfigError:
+                raise
+            except (pa.ArrowException, ValueError, OSError) as exc:  # a record that names bad files
+                raise damaged(shard, shard.folder, f"it cannot be read ({exc})") from exc
+            problem = schema_problem(table.schema)
+            if problem:
+                raise damaged(shard, shard.folder, f"its parquet file is not a shard's rows file ({problem})")
+            if embeddings:
+                if emb.shape[0] != table.num_rows:
+                    raise ConfigError(f"{shard.name}{EMB_SUFFIX} holds {emb.shape[0]} vectors for "
+                                      f"{table.num_rows} rows: the shard is damaged; rebuild the index")
+                flat = pa.array(np.ascontiguousarray(emb, dtype=np.float32).reshape(-1))
+                table = table.append_column("embedding", pa.FixedSizeListArray.from_arrays(flat, emb.shape[1]))
+            with atomic_file(to / f"{shard.name}.parquet") as fh:
+                pq.write_table(table, fh, compression="zstd", row_group_size=ROW_GROUP_ROWS)
+            rows += table.num_rows
+        atomic_write_bytes(to / SUCCESS_NAME, b"", sync_dir=True)
     return {"index": where, "to": str(to), "files": len(with_rows), "rows": rows,
             "embeddings": bool(embeddings)}

@@ -329,3 +329,43 @@ def test_an_export_folder_is_told_from_a_spark_output_by_its_files_names(tmp_pat
     assert not is_export_folder(stopped) and not is_export_folder(tmp_path / "nothing")
     (spark / "part-00000-1f2e.snappy.parquet").unlink()
     assert not is_export_folder(spark)
+
+
+def test_an_export_stopped_part_way_is_finished_by_the_same_command_and_leaves_no_temporary_file(tmp_path):
+    """A full disk or a kill left some Parquet files, or a temporary one, and no _SUCCESS:
+    the message said to run the same command again, which refused the folder as not
+    empty; and --overwrite left the killed export's temporary file for good."""
+    build_shards(tmp_path / "ix", n_units=3, chunks=5, workers=2)
+    clean = export_index(tmp_path / "ix", tmp_path / "clean")
+    names = sorted(p.name for p in (tmp_path / "clean").iterdir())
+    out = tmp_path / "out"
+    out.mkdir()
+    first = next(n for n in names if n.endswith(".parquet"))
+    (out / first).write_bytes((tmp_path / "clean" / first).read_bytes())  # what the disk held
+    (out / f".{names[-1]}.tmp-4321").write_bytes(b"PAR1 half")  # a killed write
+    again = export_index(tmp_path / "ix", out)
+    assert again["rows"] == clean["rows"] and sorted(p.name for p in out.iterdir()) == names
+    assert pd.read_parquet(out).equals(pd.read_parquet(tmp_path / "clean"))
+    (out / ".shard-x-w0-00000.parquet.tmp-7").write_bytes(b"half")  # beside a finished export
+    with pytest.raises(ConfigError, match="is not empty"):
+        export_index(tmp_path / "ix", out)
+    export_index(tmp_path / "ix", out, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == names
+    (out / ".mine.tmp-3").write_text("the user's")  # no export's name: kept, and the folder is the user's
+    export_index(tmp_path / "ix", out, overwrite=True)
+    assert (out / ".mine.tmp-3").read_text() == "the user's"
+
+
+def test_two_exports_into_one_folder_at_once_the_second_is_refused(tmp_path):
+    """Both wrote their files and said so, exit 0: the folder held two indexes' rows."""
+    from embedingest.index import export as export_mod
+
+    build_shards(tmp_path / "ix", n_units=2, chunks=5, workers=1)
+    out = tmp_path / "out"
+    out.mkdir()
+    with export_mod._exporting(out):
+        with pytest.raises(IndexBusy) as err:
+            export_index(tmp_path / "ix", out)
+    assert str(err.value) == f"another export is writing {str(out)!r}; wait for it to end, or choose another folder"
+    assert list(out.iterdir()) == []
+    assert export_index(tmp_path / "ix", out)["files"] >= 1
