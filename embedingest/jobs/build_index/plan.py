@@ -208,9 +208,6 @@ def record_candidates(records: Iterable, cfg: IndexConfig, report: SkipReport) -
         if not isinstance(text, str):
             report.add(f"record {rid}", f"field: {fields['text']!r} is not a string", stage="read")
             continue
-        if not text.strip():  # said here, once: a worker skipped it later under another name, counted indexed
-            report.add(f"record {rid}", "empty: the text is empty or blank", stage="read")
-            continue
         problem = lone_surrogate(text) or lone_surrogate(rid)
         if problem:
             report.add(f"record {rid}", f"unicode: the text or id holds {problem}", stage="read")
