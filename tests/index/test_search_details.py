@@ -119,7 +119,7 @@ def test_fewer_hits_than_k(tmp_path):
     pads with -1): each query's hits stop there, the others still come. (Vectors without
     rows cannot happen in format 2: a shard commits both or neither.)"""
     built = build_index(tmp_path, n_units=4, chunks=10, factory="IVF4,Flat")
-    with open_index(tmp_path) as index:
+    with open_index(tmp_path, params="nprobe=1") as index:  # its own default probes all four
         hits = index.search_vectors(built.emb[:5], k=40)
     assert all(len(h) < 40 for h in hits) and all(len(h) > 0 for h in hits)
     assert all(h.source is not None for row in hits for h in row)
