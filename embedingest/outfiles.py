@@ -126,17 +126,6 @@ def is_tmp_name(name: str, of: Callable[[str], bool] | None = None) -> bool:
     return match is not None and (of is None or match["digest"] is not None or of(match["name"]))
 
 
-def refuse_report_in_out(out: str | os.PathLike, reports: dict[str, str | os.PathLike | None]) -> None:
-    """ConfigError for a run's report file (``{"--trace": path, ...}``) inside its output
-    folder: a trace named as a mask, or ``labels.json``, replaced that output for good,
-    and any other file there is one the folder's owner did not write."""
-    folder = Path(out).resolve()
-    for option, path in reports.items():
-        if path is not None and folder in Path(os.path.abspath(path)).resolve().parents:
-            raise ConfigError(f"{option} {os.fspath(path)!r} is inside the output folder {os.fspath(out)!r}, "
-                              "whose files the run writes and reads back; write it elsewhere (beside the folder)")
-
-
 def fsync_dir(folder: Path) -> None:
     """Make the renames in ``folder`` durable, so their order survives a power cut."""
     fd = os.open(folder, os.O_RDONLY)

@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 
 from ..errors import ConfigError
 from ..outfiles import atomic_file, atomic_write_bytes, ensure_folder, is_tmp_name, native_path, refuse_link
+from ..sources.files import is_within
 from ..sources.remote import is_remote
 from .formats import require_current
 from .lock import IndexBusy, no_build_running
@@ -133,8 +134,7 @@ def _refuse_inside_corpus(to, corpus: str | None, where: str) -> None:
     index the export's rows as documents, every hit twice."""
     if not corpus or is_remote(corpus):
         return
-    folder, real = Path(corpus).resolve(), Path(to).resolve()
-    if real == folder or folder in real.parents:
+    if is_within(os.path.realpath(to), os.path.realpath(corpus)):
         raise ConfigError(f"export folder {str(to)!r} is inside {corpus!r}, the corpus folder of the index "
                           f"{where!r}: its next build-index would read the export's rows as documents; "
                           "choose a folder outside the corpus")
@@ -167,7 +167,7 @@ def _export(index, to, embeddings: bool | None, overwrite: bool) -> dict:
         require_current(index)
         if not (index / "manifest.json").is_file():
             raise ConfigError(f"{str(index)!r} is not an embedingest index (no manifest.json)")
-        if Path(to).resolve() == index.resolve() or index.resolve() in Path(to).resolve().parents:
+        if is_within(os.path.realpath(to), os.path.realpath(index)):
             raise ConfigError(f"export folder {str(to)!r} is inside the index {str(index)!r}: "
                               "choose a folder outside it")
         manifest = IndexStore(index).read_manifest()

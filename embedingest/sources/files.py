@@ -181,6 +181,18 @@ def refuse_output_as_input(out: str | os.PathLike, inputs: str | os.PathLike, fo
                           "inputs next time; use another folder, or a subfolder of it")
 
 
+def refuse_report_in_out(out: str | os.PathLike, reports: dict[str, str | os.PathLike | None]) -> None:
+    """ConfigError for a run's report file (``{"--trace": path, ...}``) below its output
+    folder: a trace named as a mask, or ``labels.json``, replaced that output for good,
+    and any other file there is one the folder's owner did not write."""
+    folder = os.path.realpath(out)
+    for option, path in reports.items():
+        real = None if path is None else os.path.realpath(path)
+        if real is not None and real != folder and is_within(real, folder):
+            raise ConfigError(f"{option} {os.fspath(path)!r} is inside the output folder {os.fspath(out)!r}, "
+                              "whose files the run writes and reads back; write it elsewhere (beside the folder)")
+
+
 def walk_files(root: str | os.PathLike, extensions: set[str] | None = None,
                on_skip: OnSkip = _noop, on_other: Callable[[str], None] | None = None,
                exclude: str | os.PathLike | None = None, outside_links: bool = False,

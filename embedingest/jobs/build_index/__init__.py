@@ -33,14 +33,13 @@ from ...engine.egress import refuse_while_bootstrapping
 from ...errors import ConfigError
 from ...exit_codes import exit_code
 from ...index.lock import RunLock
-from ...outfiles import refuse_report_in_out
 from ...index.shard_store import ShardStore, set_aside_while
 from ...index.store import Manifest
 from ...report import REPORT_NAME, SkipReport
 from ...scaleout.devices import devices_of
 from ...index.faiss_factory import parse_factory
 from ...index.formats import index_format
-from ...sources.files import input_folder, refuse_output_as_input
+from ...sources.files import input_folder, refuse_output_as_input, refuse_report_in_out
 from ...sources.remote import check_remote, is_remote, local_path
 from ...sources.text_dataset import Unit
 from ...stages.device import precision, resolve_device

@@ -31,7 +31,7 @@ from ...index.shards import SHARDS_DIR
 from ...index.store import Manifest
 from ...report import SkipReport
 from ...index.faiss_factory import apply_search_params, parse_factory
-from ...sources.files import file_sha256, os_error_reason, reads_within, walk_paths
+from ...sources.files import file_sha256, is_within, os_error_reason, reads_within, walk_paths
 from ...sources.names import has_extension, name_as_text
 from ...sources.remote import input_name, is_remote, walk_remote
 from ...sources.text import TEXT_EXTENSIONS, arrow_as_list, field_names, lone_surrogate
@@ -84,10 +84,10 @@ def refuse_corpus_in_index(corpus, out: Path) -> None:
     """ConfigError when the corpus is, or is inside, a folder the index at ``out`` writes
     (its shards/, or .overwritten/ where a rebuild sets the old index aside): each run
     would read the shards it wrote as documents, and add them again."""
-    real = Path(corpus).resolve()
+    real = os.path.realpath(corpus)
     for name in (SHARDS_DIR, ASIDE_DIR):
-        own = (out / name).resolve()
-        if real == own or own in real.parents:
+        own = os.path.realpath(out / name)
+        if is_within(real, own):
             where = "is" if real == own else "is inside"
             raise ConfigError(f"corpus {str(corpus)!r} {where} {str(out / name)!r}, a folder the index "
                               f"{str(out)!r} writes: its shard files would be read as documents on every "

@@ -38,13 +38,12 @@ from ...config import SegmentConfig, load_config
 from ...errors import ConfigError
 from ...exit_codes import exit_code
 from ...index.lock import RUN_LOCK, RunLock
-from ...outfiles import refuse_report_in_out
 from ...report import REPORT_NAME, SkipReport
 from ...scaleout.devices import devices_of
 from ...sinks.mask_stats import (STATS_DIR, drop_stats_rows, foreign_entries, part_files, remove_parts,
                                   stats_folder)
 from ...sinks.masks import LABELS_FILE, restore_mask
-from ...sources.files import refuse_output_as_input
+from ...sources.files import refuse_output_as_input, refuse_report_in_out
 from ...sources.image_decode import ImageRejected
 from ...sources.images import input_shape, prepare_file, prepare_picture
 from ...sources.remote import check_remote, is_remote, local_path, url_fs
