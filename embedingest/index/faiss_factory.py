@@ -183,7 +183,7 @@ def read_index_file(path: Path, flags: int = 0, *, redo: str) -> faiss.Index:
 
 
 # The lists an IVF index probes unless told otherwise (at most its lists): faiss's own
-# default, 1, found a tenth of the true top 10 of a small corpus.
+# default, one list, misses much of the true top 10 (docs/BENCHMARKS.md, "IVF's search default").
 DEFAULT_NPROBE = 16
 
 

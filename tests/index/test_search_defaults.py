@@ -121,7 +121,7 @@ def test_parameters_that_do_not_apply_are_refused_before_the_work(tmp_path):
 
 
 def test_a_new_ivf_index_probes_sixteen_lists_unless_told_and_keeps_none_when_told(tmp_path):
-    """faiss's own nprobe, 1, found a tenth of the true top 10 of a small corpus: a new IVF
+    """faiss's own nprobe, 1, misses much of the true top 10 of a small corpus: a new IVF
     index keeps nprobe=16 (at most its lists) unless --search-params says otherwise; ''
     turns it off for good, and an update keeps what the index has."""
     manifest = lambda out: json.loads((out / "manifest.json").read_text())["search"]  # noqa: E731
