@@ -6,6 +6,7 @@ get fresh ones, a stopped run finished gives the ids of a clean one."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -219,6 +220,36 @@ def test_duplicate_ids_are_reported_and_indexed_by_no_occurrence(tmp_path, ray_c
     build_index([recs[0]], out=str(one), num_workers=0, **SETTINGS)
     (a,), (b,) = content(one).values(), content(out).values()  # its one chunk, under unit 1 there
     assert np.abs(a[0] - b[0]).max() <= 1e-5 and a[1] == b[1]
+
+
+def test_concurrency_is_an_actor_pool_without_ray_s_deprecation_warning(tmp_path, ray_cluster):
+    """``concurrency`` reaches Ray as ``compute=ActorPoolStrategy``: its ``map_batches(concurrency=)``
+    warns on every call that it is deprecated."""
+    from embedingest import build_index_ray
+    from embedingest.errors import ConfigError
+    from embedingest.jobs.build_index.ray import actor_pool
+
+    pool = actor_pool(3)
+    assert (pool.min_size, pool.max_size) == (3, 3)
+    pool = actor_pool((1, 4))
+    assert (pool.min_size, pool.max_size) == (1, 4)
+    assert actor_pool((1, 4, 2)).initial_size == 2
+    with pytest.raises(ConfigError, match=r"concurrency=\(1,\)"):
+        actor_pool((1,))
+    ray = ray_cluster
+    recs = [{"id": i, "text": f"note {i} about {TOPICS[i % len(TOPICS)]}"} for i in range(6)]
+    said = []
+    heard = logging.Handler(logging.WARNING)
+    heard.emit = lambda record: said.append(record.getMessage())
+    ray_data_log = logging.getLogger("ray.data")  # Ray's own handlers; it does not propagate
+    ray_data_log.addHandler(heard)
+    try:
+        s = build_index_ray(ray.data.from_items(recs), tmp_path / "idx", concurrency=(1, 2),
+                            records_per_call=3, **SETTINGS)
+    finally:
+        ray_data_log.removeHandler(heard)
+    assert s["units_indexed"] == 6
+    assert not [m for m in said if "concurrency" in m], said
 
 
 def test_missing_columns_are_errors(tmp_path, ray_cluster):

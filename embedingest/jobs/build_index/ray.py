@@ -202,7 +202,7 @@ class EmbedBatches:
     assigned a unit number into shards.
 
     Use it through ``map_batches(EmbedBatches, fn_constructor_kwargs=plan.actor_kwargs(),
-    batch_format="numpy", concurrency=N, num_gpus=1)`` (or ``compute=ActorPoolStrategy``);
+    batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=N), num_gpus=1)``;
     the batch needs the configured id and text columns. Records the plan did not assign
     (unchanged, bad, duplicated) pass without work.
     """
@@ -521,6 +521,19 @@ def _sample(dataset: ray.data.Dataset, cfg: IndexConfig) -> list:
     return units
 
 
+def actor_pool(concurrency: int | tuple) -> ray.data.ActorPoolStrategy:
+    """Ray Data's actor pool for ``concurrency``: ``n`` actors, or ``(min, max)`` (or
+    ``(min, max, initial)``) a pool that grows with the work. Passed as ``compute=``: Ray
+    deprecates ``map_batches(concurrency=)`` and warns on every call that uses it."""
+    if isinstance(concurrency, tuple):
+        if len(concurrency) not in (2, 3):
+            raise ConfigError(f"concurrency={concurrency!r}: give a number of actors, or (min, max) for a pool "
+                              "that grows with the work")
+        return ray.data.ActorPoolStrategy(min_size=concurrency[0], max_size=concurrency[1],
+                                          initial_size=concurrency[2] if len(concurrency) == 3 else None)
+    return ray.data.ActorPoolStrategy(size=concurrency)
+
+
 def build_index_ray(dataset: ray.data.Dataset, out: str | os.PathLike,
                     config: IndexConfig | None = None, *, concurrency: int | tuple = 1,
                     num_gpus: float = 0, num_cpus: float | None = None,
@@ -544,7 +557,7 @@ def build_index_ray(dataset: ray.data.Dataset, out: str | os.PathLike,
     def run(plan: RayIndexPlan, pull=None) -> dict:
         results = dataset.map_batches(
             EmbedBatches, fn_constructor_kwargs=plan.actor_kwargs(), batch_size=records_per_call,
-            batch_format="numpy", concurrency=concurrency, num_gpus=num_gpus or None,
+            batch_format="numpy", compute=actor_pool(concurrency), num_gpus=num_gpus or None,
             num_cpus=num_cpus)
         return plan.finish(results, progress=progress, pull=pull)
 
