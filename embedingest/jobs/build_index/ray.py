@@ -529,8 +529,8 @@ def actor_pool(concurrency: int | tuple) -> ray.data.ActorPoolStrategy:
         if len(concurrency) not in (2, 3):
             raise ConfigError(f"concurrency={concurrency!r}: give a number of actors, or (min, max) for a pool "
                               "that grows with the work")
-        return ray.data.ActorPoolStrategy(min_size=concurrency[0], max_size=concurrency[1],
-                                          initial_size=concurrency[2] if len(concurrency) == 3 else None)
+        initial = {"initial_size": concurrency[2]} if len(concurrency) == 3 else {}  # Ray 2.4x on
+        return ray.data.ActorPoolStrategy(min_size=concurrency[0], max_size=concurrency[1], **initial)
     return ray.data.ActorPoolStrategy(size=concurrency)
 
 
