@@ -208,8 +208,9 @@ class IndexConfig:
               "apply it; '' for none.", metavar="TEXT", shown="the model folder's query prompt")
     search_params: str | None = setting(
         None, "faiss search parameters kept with the index, used by search, serve and open_index "
-              "unless they give their own, e.g. nprobe=16 (IVF) or efSearch=128 (HNSW).",
-        metavar="PARAMS")
+              "unless they give their own, e.g. nprobe=32 (IVF) or efSearch=128 (HNSW); '' for "
+              "none.", metavar="PARAMS", shown="nprobe=16 (IVF, at most its lists), efSearch=64 (HNSW), none "
+              "(others) for a new index; an update keeps the index's")
     search_k: int | None = setting(
         None, "Results per query kept with the index, used when a search gives no k.",
         shown=str(DEFAULT_SEARCH_K))

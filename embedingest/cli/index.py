@@ -70,7 +70,8 @@ def _index_paragraph(s: dict) -> str:
               help="Saved vectors sampled to train factories that need training.")
 @click.option("--search-params", default=None, metavar="PARAMS",
               help="faiss search parameters kept as the index's default, e.g. nprobe=16 "
-                   "[default: the kept ones when they apply to the new factory]; '' for none.")
+                   "[default: the kept ones when they apply to the new factory; a factory that becomes IVF or "
+                   "HNSW gets nprobe=16 or efSearch=64]; '' for none.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @library_errors
 def reindex(index_dir, factory, train_size, search_params, as_json) -> None:

@@ -185,14 +185,27 @@ def read_index_file(path: Path, flags: int = 0, *, redo: str) -> faiss.Index:
 # The lists an IVF index probes unless told otherwise (at most its lists): faiss's own
 # default, one list, misses much of the true top 10 (docs/BENCHMARKS.md, "IVF's search default").
 DEFAULT_NPROBE = 16
+# The candidates an HNSW search keeps unless told otherwise: faiss's own default, 16, misses
+# part of the true top 10 (docs/BENCHMARKS.md, "HNSW's search default").
+DEFAULT_EF_SEARCH = 64
+
+
+def _hnsw(index: faiss.Index) -> faiss.IndexHNSW | None:
+    """The HNSW graph index that ``index`` is (or that its transforms, PCA say, wrap)."""
+    index = faiss.downcast_index(index)
+    while isinstance(index, faiss.IndexPreTransform):
+        index = faiss.downcast_index(index.index)
+    return index if isinstance(index, faiss.IndexHNSW) else None
 
 
 def default_search_params(index: faiss.Index) -> str | None:
     """The search parameters a new index keeps when none are given: ``nprobe`` for an IVF
-    factory (:data:`DEFAULT_NPROBE`, at most its lists), none for the others (a flat index
-    is exact; HNSW's own efSearch finds most of the top 10)."""
+    factory (:data:`DEFAULT_NPROBE`, at most its lists), ``efSearch`` for an HNSW one
+    (:data:`DEFAULT_EF_SEARCH`), none for the others (a flat index is exact)."""
     ivf = faiss.try_extract_index_ivf(index)
-    return None if ivf is None else f"nprobe={min(ivf.nlist, DEFAULT_NPROBE)}"
+    if ivf is not None:
+        return f"nprobe={min(ivf.nlist, DEFAULT_NPROBE)}"
+    return None if _hnsw(index) is None else f"efSearch={DEFAULT_EF_SEARCH}"
 
 
 def training_advice(n: int) -> str:

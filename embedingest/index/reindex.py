@@ -76,7 +76,8 @@ def reindex(index: str | os.PathLike, factory: str, *, train_size: int = 50_000,
                 f"shards (e.g. {missing[0]}): it was built without --save-embeddings, so it cannot be "
                 f"reindexed without the model; rebuild it with:\n  "
                 + rebuild_command(folder, dataclasses.asdict(manifest) | {"factory": factory},
-                                  save_embeddings=True, options=kept_options(manifest, params)))
+                                  save_embeddings=True,
+                                  options=kept_options(manifest, params, default_search_params(template))))
         generation = manifest.generation + 1
         embs = []
         for shard in shards:  # every byte is read anyway: those that were not committed are refused
@@ -128,12 +129,13 @@ def reindex(index: str | os.PathLike, factory: str, *, train_size: int = 50_000,
             "trained": trained_path is not None, "search_params": params}
 
 
-def kept_options(manifest: Manifest, params: str | None) -> list[str]:
+def kept_options(manifest: Manifest, params: str | None, plain_params: str | None = None) -> list[str]:
     """The build-index options (shell-quoted) that give a rebuild of the index what its
     manifest keeps besides model, factory and metric, where it is not what a plain build
     gives: chunking, prompts, the search defaults (``params``: the parameters the new
-    factory keeps) and the record fields. Without them the rebuild's chunks, vectors and
-    searches would not be the index's."""
+    factory keeps; ``plain_params``: those a plain build of it keeps, ``''`` given where
+    the index has none) and the record fields. Without them the rebuild's chunks, vectors
+    and searches would not be the index's."""
     options = []
     limit = manifest.model.get("max_seq_length")
     tokens = min(CHUNK_TOKENS, limit) if isinstance(limit, int) else CHUNK_TOKENS
@@ -144,8 +146,8 @@ def kept_options(manifest: Manifest, params: str | None) -> list[str]:
         prompt = manifest.prompts.get(role, "")
         if prompt != declared[role]:
             options += [option, shlex.quote(prompt)]
-    if params:
-        options += ["--search-params", shlex.quote(params)]
+    if params != plain_params:
+        options += ["--search-params", shlex.quote(params or "")]
     if manifest.search.get("k") is not None:
         options += ["--search-k", str(manifest.search["k"])]
     for role, option, default in (("text", "--text-field", TEXT_FIELD), ("id", "--id-field", ID_FIELD)):
@@ -201,9 +203,12 @@ def _settled_params(manifest, template: faiss.Index, given: str | None) -> tuple
     """The search parameters after the reindex (see :func:`reindex`), and the stored ones
     it drops (they do not apply to the new factory), else None."""
     params = manifest.search.get("params") if given is None else given.strip()
-    # none given: a factory that becomes IVF gets a new index's nprobe (one that was IVF
-    # keeps what it had, none included: its builder may have turned them off)
-    fresh = None if given is not None or _is_ivf(manifest) else default_search_params(template)
+    # none given: a factory that becomes IVF (or HNSW) gets a new index's nprobe (efSearch);
+    # one that was of that kind keeps what it had, none included: its builder may have
+    # turned them off
+    fresh = default_search_params(template)
+    if given is not None or _param_name(fresh) == _param_name(_old_defaults(manifest)):
+        fresh = None
     if not params:
         return fresh, None
     probe = faiss.IndexIDMap(copy_index(template))
@@ -216,7 +221,12 @@ def _settled_params(manifest, template: faiss.Index, given: str | None) -> tuple
         return fresh, params
 
 
-def _is_ivf(manifest) -> bool:
-    """Whether the index's factory (before the reindex) is an IVF one."""
-    return faiss.try_extract_index_ivf(parse_factory(manifest.dim, manifest.factory, manifest.metric)) is not None
+def _old_defaults(manifest) -> str | None:
+    """The search parameters a new index of the factory before the reindex would keep."""
+    return default_search_params(parse_factory(manifest.dim, manifest.factory, manifest.metric))
+
+
+def _param_name(params: str | None) -> str | None:
+    """``nprobe`` of ``nprobe=16``: which kind of default these are."""
+    return params.split("=", 1)[0] if params else None
 

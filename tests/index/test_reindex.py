@@ -155,7 +155,7 @@ def test_the_rebuild_command_keeps_every_setting_the_index_records(tmp_path):
     built = CliRunner().invoke(main, ["build-index", str(corpus), "--out", str(out), "--chunk-tokens", "64",
                                       "--overlap", "8", "--doc-prompt", "passage: ", "--query-prompt",
                                       "query: it's", "--metric", "l2", "--index", "HNSW16", "--search-params",
-                                      "efSearch=64", "--search-k", "3", "--text-field", "body", "--id-field",
+                                      "efSearch=96", "--search-k", "3", "--text-field", "body", "--id-field",
                                       "key", *fast])
     assert built.exit_code == 0, built.output
     refused = CliRunner().invoke(main, ["reindex", str(out), "--index", "HNSW32"])
@@ -164,14 +164,14 @@ def test_the_rebuild_command_keeps_every_setting_the_index_records(tmp_path):
     assert command == (f"embedingest build-index {shlex.quote(str(corpus))} --out {out} --model "
                        "sentence-transformers/all-MiniLM-L6-v2 --index HNSW32 --metric l2 --chunk-tokens 64 "
                        "--overlap 8 --doc-prompt 'passage: ' --query-prompt 'query: it'\"'\"'s' --search-params "
-                       "efSearch=64 --search-k 3 --text-field body --id-field key --save-embeddings --overwrite")
+                       "efSearch=96 --search-k 3 --text-field body --id-field key --save-embeddings --overwrite")
     program, *args = shlex.split(command)
     rebuilt = CliRunner().invoke(main, [*args, *fast])
     assert program == "embedingest" and rebuilt.exit_code == 0, rebuilt.output
     manifest = json.loads((out / "manifest.json").read_text())
     assert {k: manifest[k] for k in ("factory", "metric", "chunking", "prompts", "search", "record_fields")} == {
         "factory": "HNSW32", "metric": "l2", "chunking": {"tokens": 64, "overlap": 8},
-        "prompts": {"document": "passage: ", "query": "query: it's"}, "search": {"params": "efSearch=64", "k": 3},
+        "prompts": {"document": "passage: ", "query": "query: it's"}, "search": {"params": "efSearch=96", "k": 3},
         "record_fields": {"text": "body", "id": "key"}}
     assert reindex(out, "Flat")["vectors"] == 3  # the embeddings are kept now
 
@@ -189,6 +189,10 @@ def test_the_rebuild_command_leaves_out_the_defaults(tmp_path):
     assert str(err.value).splitlines()[-1] == (
         f"  embedingest build-index {corpus} --out {out} --model sentence-transformers/all-MiniLM-L6-v2 "
         "--index HNSW32 --save-embeddings --overwrite")
+    # search defaults turned off: a plain build would keep HNSW's efSearch, so '' is given
+    with pytest.raises(ConfigError) as err:
+        reindex(out, "HNSW32", search_params="")
+    assert str(err.value).splitlines()[-1].endswith("--index HNSW32 --search-params '' --save-embeddings --overwrite")
 
 
 def test_bad_factories_and_parameters_are_config_errors(tmp_path):
@@ -263,17 +267,23 @@ def test_stored_search_parameters_stay_where_they_apply_and_go_with_a_warning_el
                     f"{first['shards']} old files deleted"]  # each shard's .g1 vectors
     caplog.clear()
     last = reindex(folder, "HNSW8")
-    assert last["search_params"] is None
-    assert "params" not in json.loads((folder / "manifest.json").read_text())["search"]
+    assert last["search_params"] == "efSearch=64"  # a new HNSW index's, as the IVF one's nprobe went
+    assert json.loads((folder / "manifest.json").read_text())["search"] == {"params": "efSearch=64"}
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
         (logging.WARNING, "the stored search parameters 'nprobe=2' do not apply to the new factory: dropped"),
         (logging.INFO, f"reindexed {folder}: IVF8,Flat (generation 2) -> HNSW8 (generation 3); "
                        f"{last['shards']} old files deleted")]
-    # a factory that becomes IVF, none given: a new index's nprobe (16, at most its lists);
-    # one that was IVF keeps what it had, none included (its builder may have turned them off)
+    # a factory that becomes IVF (HNSW), none given: a new index's nprobe, 16 at most its
+    # lists (efSearch, 64); one that was IVF (HNSW) keeps what it had, none included (its
+    # builder may have turned them off)
     assert reindex(folder, "IVF32,Flat", train_size=100)["search_params"] == "nprobe=16"
     assert reindex(folder, "IVF4,Flat", train_size=100)["search_params"] == "nprobe=16"
-    assert reindex(folder, "HNSW8")["search_params"] is None
+    assert reindex(folder, "HNSW8")["search_params"] == "efSearch=64"
+    assert reindex(folder, "HNSW16", search_params="efSearch=32")["search_params"] == "efSearch=32"
+    assert reindex(folder, "HNSW8")["search_params"] == "efSearch=32"
+    assert reindex(folder, "HNSW8", search_params="")["search_params"] is None
+    assert reindex(folder, "HNSW16")["search_params"] is None
+    assert reindex(folder, "Flat")["search_params"] is None
     assert reindex(folder, "IVF4,Flat", train_size=100)["search_params"] == "nprobe=4"
     assert reindex(folder, "IVF4,Flat", train_size=100, search_params="")["search_params"] is None
     assert reindex(folder, "IVF8,Flat", train_size=100)["search_params"] is None

@@ -145,3 +145,28 @@ def test_a_new_ivf_index_probes_sixteen_lists_unless_told_and_keeps_none_when_to
     assert manifest(tmp_path / "off") == {}
     build_index(RECORDS[:64], out=str(tmp_path / "given"), index="IVF8,Flat", search_params="nprobe=2", **FAST)
     assert manifest(tmp_path / "given") == {"params": "nprobe=2"}
+
+
+def ef_searches(index) -> set[int]:
+    return {faiss.downcast_index(seg.index if isinstance(seg, faiss.IndexIDMap) else seg).hnsw.efSearch
+            for seg in (faiss.downcast_index(s) for s in index.shards)}
+
+
+def test_a_new_hnsw_index_keeps_ef_search_64_unless_told(tmp_path):
+    """faiss's own efSearch, 16, drops part of the true top 10 on larger corpora: a new HNSW
+    index keeps efSearch=64 unless --search-params says otherwise; '' turns it off for
+    good, and an update keeps what the index has."""
+    manifest = lambda out: json.loads((out / "manifest.json").read_text())["search"]  # noqa: E731
+    build_index(RECORDS[:64], out=str(tmp_path / "h"), index="HNSW8", **FAST)
+    assert manifest(tmp_path / "h") == {"params": "efSearch=64"}
+    with open_index(tmp_path / "h") as index:
+        assert ef_searches(index) == {64} and index.params == "efSearch=64"
+    with open_index(tmp_path / "h", params="efSearch=16") as index:
+        assert ef_searches(index) == {16}
+    build_index(RECORDS[:64], out=str(tmp_path / "off"), index="HNSW8", search_params="", **FAST)
+    build_index(RECORDS[:65], out=str(tmp_path / "off"), index="HNSW8", **FAST)
+    assert manifest(tmp_path / "off") == {}
+    with open_index(tmp_path / "off") as index:
+        assert ef_searches(index) == {16}  # faiss's own
+    build_index(RECORDS[:64], out=str(tmp_path / "pca"), index="PCA32,HNSW8", **FAST)
+    assert manifest(tmp_path / "pca") == {"params": "efSearch=64"}
