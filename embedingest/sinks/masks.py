@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -50,6 +51,8 @@ from ..outfiles import atomic_write_bytes, ensure_folder
 from ..sources.files import NotRegularFile, open_regular, reads_within
 from ..sources.image_decode import ImageMeta, ImageRejected, open_rgb
 from ..sources.remote import is_remote, url_fs
+
+log = logging.getLogger("embedingest")
 
 LABELS_FILE = "labels.json"
 MASK_SUFFIX = ".png"
@@ -151,9 +154,13 @@ def split_flat(flat: np.ndarray, metas: Sequence[ImageMeta], per_pixel: int = 1,
 
 
 def labels_info(arch: str, weights: str, categories: Sequence[str], preprocessing: dict,
-                full_max_pixels: int | None, preset: str = "", weights_sha256: str | None = None) -> dict:
+                full_max_pixels: int | None, preset: str = "", weights_sha256: str | None = None,
+                precision: str | None = None) -> dict:
     """What the values of the masks mean and how they were made: ``labels.json``.
-    ``weights_sha256``: of the weights file (None: random weights, seeded)."""
+    ``weights_sha256``: of the weights file (None: random weights, seeded); ``precision``:
+    the model's dtype in this run (``float16``), added to the folder's ``precisions`` (a
+    resume in another one is told, see :func:`write_labels`; None: a run that makes no
+    mask)."""
     n = len(categories)
     masks = {"format": "PNG, mode P: the class index of each pixel, at the image's own size, "
                        "with the palette below",
@@ -164,6 +171,7 @@ def labels_info(arch: str, weights: str, categories: Sequence[str], preprocessin
     return {"arch": arch, "weights": weights, "weights_sha256": weights_sha256, "weights_preset": preset,
             "num_classes": n,
             "categories": list(categories), "preprocessing": preprocessing,
+            "precisions": [precision] if precision else [],
             "masks": masks,  # its format says "the palette below": the next key
             "palette": [VOC_PALETTE[3 * i:3 * i + 3] for i in range(n)]}
 
@@ -188,8 +196,10 @@ def _differences(old: dict, info: dict) -> list[str]:
 
 def write_labels(out: str | os.PathLike, info: dict, replace: bool = False) -> Path | str:
     """Write ``labels.json`` (atomically; one PUT where ``out`` is a URL); refuse a folder
-    whose labels differ, unless ``replace``."""
-    data = (json.dumps(info, indent=2) + "\n").encode()
+    whose labels differ, unless ``replace``. The precisions the folder's masks were made in
+    are kept, this run's added: a resume in another one (a GPU run's folder finished on a
+    CPU, fp16 then fp32) is allowed, since masks differ only where two classes score nearly
+    alike, but it is logged and recorded, never silent."""
     if is_remote(out):
         fs, root = url_fs(out)
         path = f"{root}/{LABELS_FILE}"
@@ -200,14 +210,18 @@ def write_labels(out: str | os.PathLike, info: dict, replace: bool = False) -> P
         url = f"{str(out).rstrip('/')}/{LABELS_FILE}"
         if old is not None and not replace and _same_labels(old, info, out, url):
             return url
-        fs.pipe_file(path, data)
+        fs.pipe_file(path, _labels_bytes(info))
         return url
     path = Path(out) / LABELS_FILE
     old = None if replace else _read_labels(path)
     if old is not None and _same_labels(old, info, out, path):
         return path
-    atomic_write_bytes(path, data)
+    atomic_write_bytes(path, _labels_bytes(info))
     return path
+
+
+def _labels_bytes(info: dict) -> bytes:
+    return (json.dumps(info, indent=2) + "\n").encode()
 
 
 def _read_labels(path: Path) -> bytes | None:
@@ -231,8 +245,9 @@ _JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", boo
 
 
 def _same_labels(old: bytes, info: dict, out, path) -> bool:
-    """Whether the labels ``old`` (the file's bytes) are ``info``; ConfigError when they
-    describe masks made otherwise."""
+    """Whether the labels ``old`` (the file's bytes) are ``info``, once ``info`` lists the
+    folder's precisions too (:func:`_keep_precisions`); ConfigError when they describe
+    masks made otherwise."""
     try:
         old = json.loads(old)
     except (ValueError, RecursionError) as exc:  # JSON nested past Python's stack: damaged too
@@ -249,7 +264,26 @@ def _same_labels(old: bytes, info: dict, out, path) -> bool:
             f"{out} holds masks made with other settings ({', '.join(differ)} differ: "
             f"{', '.join(_described(differ, old, info))}); use another --out, "
             "or --overwrite to redo every image")
+    _keep_precisions(old, info, out)
     return old == info
+
+
+def _keep_precisions(old: dict, info: dict, out) -> None:
+    """``info["precisions"]``: those of the folder's labels ``old``, then this run's new ones,
+    a new one logged as a warning (labels written before precisions were recorded: this
+    run's alone)."""
+    was = old.get("precisions")
+    was = [p for p in was if isinstance(p, str)] if isinstance(was, list) else []
+    new = [p for p in info.get("precisions") or [] if p not in was]
+    if new and was:
+        log.warning("%s holds masks made in %s; this run makes them in %s: where two classes score nearly "
+                    "alike a pixel's class can differ between the two (--dtype %s gives the folder's precision, "
+                    "--overwrite redoes every image)", out, ", ".join(was), ", ".join(new),
+                    _DTYPE_OPTION.get(was[0], was[0]))
+    info["precisions"] = was + new
+
+
+_DTYPE_OPTION = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
 
 def _described(differ: list[str], old: dict, info: dict, most: int = 3) -> list[str]:

@@ -223,6 +223,25 @@ def test_resume_skips_done_images_and_overwrite_redoes_them(tmp_path, small):
     assert with_logits["written"] == 3, "an output asked for and missing makes the image redone"
 
 
+def test_a_resume_in_another_precision_is_recorded_and_told(tmp_path, small, caplog):
+    """labels.json lists the precisions of the folder's masks: a run finished in another
+    one (bf16 after fp32 here; on a GPU, fp16 then a CPU's fp32) says so; a run with
+    nothing to do adds none."""
+    images, out = three_images(tmp_path)
+    segment(config(images, out, small), progress=False)
+    labels = lambda: json.loads((out / "labels.json").read_text())["precisions"]  # noqa: E731
+    assert labels() == ["float32"]
+    Image.fromarray(noise(25, 30, seed=7)).save(images / "3.png")
+    with caplog.at_level("WARNING", logger="embedingest"):
+        resumed = segment(config(images, out, small, dtype="bf16"), progress=False)
+        segment(config(images, out, small, dtype="fp32"), progress=False)
+    assert resumed["written"] == 1 and labels() == ["float32", "bfloat16"]
+    assert [r.getMessage() for r in caplog.records if "precision" in r.getMessage() or "made in" in r.getMessage()] == [
+        f"{out} holds masks made in float32; this run makes them in bfloat16: where two classes score nearly alike "
+        "a pixel's class can differ between the two (--dtype fp32 gives the folder's precision, --overwrite redoes "
+        "every image)"]
+
+
 def three_images(tmp_path):
     """``tmp_path/images`` with 0.png, 1.png and 2.png (noise of three sizes), and the
     output folder to give (not made)."""

@@ -310,7 +310,7 @@ def test_labels_info_says_exactly_how_the_masks_were_made():
     full = labels_info("a", "w", ["bg", "x"], {"size": 1}, 40_000_000, "P", "12ab")
     assert full == {"arch": "a", "weights": "w", "weights_sha256": "12ab", "weights_preset": "P", "num_classes": 2,
                     "categories": ["bg", "x"], "palette": [[0, 0, 0], [128, 0, 0]],
-                    "preprocessing": {"size": 1},
+                    "preprocessing": {"size": 1}, "precisions": [],
                     "masks": {"format": fmt,
                               "resize": "the logits scaled bilinearly to the image's size, then the argmax "
                                         "(images over 40000000 pixels: the argmax at model size scaled "
@@ -320,6 +320,36 @@ def test_labels_info_says_exactly_how_the_masks_were_made():
     assert model == {**full, "weights_preset": "", "weights_sha256": None,
                      "masks": {"format": fmt,
                                "resize": "the argmax at model size, the pad cropped, scaled nearest-neighbour"}}
+
+
+def test_labels_json_keeps_every_precision_its_masks_were_made_in_and_warns_of_a_new_one(tmp_path, caplog):
+    """A resume in another precision (a GPU run's folder finished on a CPU) is allowed, its
+    masks differing only where two classes score nearly alike, but never silently: it is
+    logged, and labels.json lists both. A run that makes no mask adds none."""
+    made = lambda precision: labels_info("fcn_resnet50", "random", ["bg", "x"], {"size": 8}, None,  # noqa: E731
+                                         precision=precision)
+    path = write_labels(tmp_path, made("float16"))
+    assert json.loads(path.read_text())["precisions"] == ["float16"]
+    os.utime(path, ns=(0, 0))
+    with caplog.at_level("WARNING", logger="embedingest"):
+        write_labels(tmp_path, made("float16"))
+        write_labels(tmp_path, made(None))
+    assert path.stat().st_mtime_ns == 0 and not caplog.records, "the same precision, or none: not rewritten"
+    with caplog.at_level("WARNING", logger="embedingest"):
+        write_labels(tmp_path, made("float32"))
+    assert json.loads(path.read_text())["precisions"] == ["float16", "float32"]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{tmp_path} holds masks made in float16; this run makes them in float32: where two classes score nearly "
+        "alike a pixel's class can differ between the two (--dtype fp16 gives the folder's precision, --overwrite "
+        "redoes every image)"]
+    write_labels(tmp_path, made("bfloat16"), replace=True)
+    assert json.loads(path.read_text())["precisions"] == ["bfloat16"], "--overwrite: this run's alone"
+    old = {k: v for k, v in made(None).items() if k != "precisions"}  # labels of an older embedingest
+    path.write_text(json.dumps(old))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="embedingest"):
+        write_labels(tmp_path, made("float32"))
+    assert json.loads(path.read_text())["precisions"] == ["float32"] and not caplog.records
 
 
 def test_labels_json_is_indented_refuses_other_weights_and_notes_the_same_weights_moved(tmp_path):

@@ -120,19 +120,21 @@ def load_model(config: SegmentConfig, meta: bool = False) -> SegmentationModel:
                                        config.random_weights, config.trust_weights_file)
 
 
-def _write_labels(config: SegmentConfig, loaded: SegmentationModel) -> None:
-    """``labels.json`` of ``loaded`` under ``config``'s preprocessing: a folder whose masks
-    were made with another model or preprocessing is refused (ConfigError)."""
+def _write_labels(config: SegmentConfig, loaded: SegmentationModel, precision: torch.dtype | None) -> None:
+    """``labels.json`` of ``loaded`` under ``config``'s preprocessing, ``precision`` added
+    to the folder's (None: a run that makes no mask): a folder whose masks were made with
+    another model or preprocessing is refused (ConfigError)."""
     write_labels(config.out, labels_info(loaded.arch, loaded.source, loaded.categories,
                                          loaded.preprocessing(config.resize, config.size).describe(),
-                                         _full_max(config), loaded.preset, loaded.sha256),
+                                         _full_max(config), loaded.preset, loaded.sha256,
+                                         str(precision).removeprefix("torch.") if precision else None),
                  replace=config.overwrite)
 
 
 def check_settings(config: SegmentConfig, loaded: SegmentationModel) -> None:
     """Check (and write) ``labels.json`` for ``loaded`` without running it: a run with
     nothing to do refuses another model or preprocessing, as a run with work does."""
-    _write_labels(config, loaded)
+    _write_labels(config, loaded, None)
 
 
 def _model_and_engine(config: SegmentConfig, device: torch.device, full_max: int, images: int,
@@ -145,9 +147,10 @@ def _model_and_engine(config: SegmentConfig, device: torch.device, full_max: int
     the images' sizes: ``full_max``); the engine's slot spec and the seconds the model took."""
     t0 = time.perf_counter()
     loaded = loaded if loaded is not None else load_model(config)
+    dtype = resolve_dtype(config.dtype, device)
     if full_max:  # masks scaled to the images' sizes: their kernel compiles meanwhile
-        fused_argmax.compile_ahead(device, resolve_dtype(config.dtype, device), loaded.num_classes)
-    _write_labels(config, loaded)
+        fused_argmax.compile_ahead(device, dtype, loaded.num_classes)
+    _write_labels(config, loaded, dtype)
     if before_writes is not None:
         before_writes()
     factory = MaskSinkFactory(str(config.out), config.save_logits, config.overlay,
