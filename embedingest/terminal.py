@@ -38,6 +38,14 @@ def counted(n: int, one: str, many: str | None = None) -> str:
     return f"{n} {one if n == 1 else (many or one + 's')}"
 
 
+def rate(per_second: float) -> str:
+    """A rate for a summary line: whole numbers from 10 up ('37,812'), two significant
+    digits below ('3.4', '0.046'), so a slow run on a CPU never reads as '0 docs/s'."""
+    if per_second >= 10 or per_second == 0:
+        return f"{per_second:,.0f}"
+    return f"{per_second:.2g}"
+
+
 def log_to_stderr(level: int) -> None:
     """The program's logging: ``level`` and up to standard error, one escaped line per
     record (as :func:`logging.basicConfig`, nothing changes if logging is set up already)."""

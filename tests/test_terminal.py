@@ -8,7 +8,7 @@ import sys
 from hypothesis import given
 from hypothesis import strategies as st
 
-from embedingest.terminal import PrintableFormatter, counted, printable
+from embedingest.terminal import PrintableFormatter, counted, printable, rate
 
 CONTROLS = {*range(0x20), *range(0x7F, 0xA0), *range(0x202A, 0x202F), *range(0x2066, 0x206A)}
 
@@ -46,3 +46,9 @@ def test_a_log_record_is_one_line_and_its_traceback_keeps_its_lines():
 def test_a_count_of_one_takes_the_singular_and_any_other_the_plural():
     assert [counted(n, "file") for n in (0, 1, 2)] == ["0 files", "1 file", "2 files"]
     assert counted(1, "entry", "entries") == "1 entry" and counted(3, "entry", "entries") == "3 entries"
+
+
+def test_a_rate_keeps_two_digits_below_ten_so_a_slow_run_is_not_zero():
+    """Before: 13 documents in 284.8 s were '0 docs/s'."""
+    assert [rate(x) for x in (37812.4, 10.4, 9.96, 3.42, 0.0456, 13 / 284.8, 0)] == [
+        "37,812", "10", "10", "3.4", "0.046", "0.046", "0"]

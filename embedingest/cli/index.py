@@ -11,7 +11,7 @@ from ..config import IndexConfig, load_config
 from ..errors import SettingError
 from ..exit_codes import exit_status_help
 from ..report import passed_over_sentence
-from ..terminal import counted
+from ..terminal import counted, rate
 from .common import (IndexPath, InputPath, config_options, emit_json, library_errors, run_job, run_options,
                      stops_as_exits)
 
@@ -55,7 +55,7 @@ def _index_paragraph(s: dict) -> str:
         skipped += f" ({counted(s['skipped_earlier'], 'skip')} of earlier runs kept in {s['report']})"
     return (f"Read {counted(s['units_indexed'], 'file')} ({counted(s['docs'], 'document')}, "
             f"{counted(s['chunks'], 'chunk')}) in "
-            f"{s['seconds']:.1f} s: {s['docs_per_s']:,.0f} docs/s, {s['chunks_per_s']:,.0f} chunks/s "
+            f"{s['seconds']:.1f} s: {rate(s['docs_per_s'])} docs/s, {rate(s['chunks_per_s'])} chunks/s "
             f"on {s['device']} ({s['dtype']}). {counted(s['units_unchanged'], 'file')} unchanged, "
             f"{s['units_removed']} removed; {skipped}.{passed_over_sentence(s)} The index at {s['index']} holds "
             f"{counted(s['vectors_total'], 'vector')} in {counted(s['segments'], 'shard')}; query it with: "

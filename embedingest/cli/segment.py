@@ -13,6 +13,7 @@ import click
 from ..config import SegmentConfig, load_config
 from ..exit_codes import exit_status_help
 from ..report import passed_over_sentence
+from ..terminal import rate
 from .common import InputPath, config_options, library_errors, run_job, run_options
 
 
@@ -47,5 +48,5 @@ def _paragraph(s: dict) -> str:
                f"list in {s['report']})" if s["skipped"] else "nothing skipped")
     ran = (f" on {s['device']} ({s['dtype']}, weights: {s['model']})" if "device" in s else "")
     return (f"Segmented {s['written']} of {s['images']} images in {s['seconds']:.1f} s "
-            f"({s['images_per_s']:,.1f} images/s){ran}; {s['already_done']} already done, "
+            f"({rate(s['images_per_s'])} images/s){ran}; {s['already_done']} already done, "
             f"{skipped}.{passed_over_sentence(s)} Masks are in {s['out']}.")

@@ -236,6 +236,7 @@ class Index:
         Hugging Face id in the local cache)."""
         import torch
 
+        from ..stages.device import resolve_device
         from ..stages.encoder import TextEncoder
         from ..stages.model_folder import BUNDLED_NAME, resolve_model
         from ..stages.query_runtime import use_query_runtime
@@ -247,7 +248,8 @@ class Index:
         if not path or not Path(path).is_dir():
             if name != BUNDLED_NAME and not (isinstance(name, str) and is_hub_id(name)):
                 raise ConfigError(f"the model of {str(self.store.folder)!r} ({name!r}) is not on "
-                                  f"this machine (path {path!r}): pass encoder= or query vectors")
+                                  f"this machine (path {path!r}): put the model folder there (from Python, pass "
+                                  "encoder= or query vectors)")
             try:
                 path = str(resolve_model(name)[0])
             except ConfigError as exc:
@@ -256,13 +258,14 @@ class Index:
         dtype = self.manifest.dtype
         if dtype == "fp16" and str(self.device).startswith("cpu"):
             dtype = "fp32"
+        resolve_device(self.device)  # a device torch lacks is named as such, not as the model's fault
         try:
             encoder = TextEncoder.load(path, self.device, dtype)
         except ConfigError as exc:  # its advice is a build's ("pass the folder ..."): a search's here
             why = str(exc).split("; ")[0]
             raise ConfigError(f"the model of {str(self.store.folder)!r} ({name!r}) cannot be loaded from "
                               f"{path!r}, where the index was built with it ({why}): put the model back "
-                              "there, or pass encoder= or query vectors") from exc
+                              "there (from Python, pass encoder= or query vectors)") from exc
         if encoder.info().get("name") != name or encoder.dim != self.manifest.dim:
             raise ConfigError(f"model at {path!r} is {encoder.info().get('name')!r} (dim "
                               f"{encoder.dim}), but the index was built with {name!r} (dim "

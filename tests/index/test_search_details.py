@@ -230,6 +230,7 @@ def test_the_manifest_s_model_is_loaded_from_its_folder_on_the_device_in_its_dty
     import torch
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr("embedingest.stages.device.resolve_device", lambda device: device)  # cuda:1 here too
     folder = tmp_path / "model"
     folder.mkdir()
     model = {"name": "org/m", "path": str(folder)}
@@ -245,6 +246,21 @@ def test_the_manifest_s_model_is_loaded_from_its_folder_on_the_device_in_its_dty
         assert loads.calls == [("load", str(folder), device, loaded_dtype),
                                ("runtime", encoder, runtime, cache, threads)]
         loads.calls.clear()
+
+
+def test_a_gpu_torch_does_not_see_is_named_as_the_device_not_as_the_model(tmp_path, loads, monkeypatch):
+    """Before: 'the model ... cannot be loaded from ... (device='cuda' asks for a GPU ...): put
+    the model back there', though the model was there."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    folder = tmp_path / "model"
+    folder.mkdir()
+    with _empty_index(tmp_path / "index", {"name": "org/m", "path": str(folder)}, device="cuda") as index:
+        with pytest.raises(ConfigError) as err:
+            index.search("hello")
+    assert str(err.value) == "device='cuda' asks for a GPU but torch sees no CUDA device; use device cpu"
+    assert loads.calls == []
 
 
 def test_a_model_folder_not_on_this_machine_is_found_by_its_name(tmp_path, loads):
@@ -278,7 +294,8 @@ def test_a_model_neither_on_this_machine_nor_found_by_its_name_is_refused_with_w
         else:
             assert loads.calls == []
             assert str(err.value) == (f"the model of {str(folder)!r} ({name!r}) is not on this machine "
-                                      f"(path {path!r}): pass encoder= or query vectors")
+                                      f"(path {path!r}): put the model folder there (from Python, pass "
+                                      "encoder= or query vectors)")
         loads.calls.clear()
 
 
@@ -333,8 +350,8 @@ def test_a_model_folder_emptied_after_the_build_is_refused_with_a_search_s_advic
     assert str(err.value) == (
         f"the model of {str(tmp_path / 'idx')!r} ('mm') cannot be loaded from {str(model)!r}, where the index "
         f"was built with it ({model} is not a model folder: it holds neither modules.json "
-        "(sentence-transformers) nor config.json (Hugging Face)): put the model back there, or pass encoder= "
-        "or query vectors")
+        "(sentence-transformers) nor config.json (Hugging Face)): put the model back there (from Python, pass "
+        "encoder= or query vectors)")
     assert isinstance(err.value.__cause__, ConfigError)
 
 
