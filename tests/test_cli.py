@@ -74,7 +74,7 @@ def test_unknown_preset_key_is_an_error_naming_it(tmp_path):
     preset = tmp_path / "preset.toml"
     preset.write_text("batch_sise = 64\n")
     r = CliRunner().invoke(main, ["build-index", str(tmp_path), "--config", str(preset)])
-    assert r.exit_code == 1 and "unknown setting(s) batch_sise" in r.output
+    assert r.exit_code == 2 and "\nError: unknown setting(s) batch_sise" in r.output  # refused before any work
 
 
 @pytest.mark.parametrize("line, message", [
@@ -90,11 +90,11 @@ def test_a_preset_value_of_the_wrong_type_is_an_error_naming_it(tmp_path, line, 
     preset = tmp_path / "preset.toml"
     preset.write_text(line + "\n")
     r = CliRunner().invoke(main, ["build-index", str(tmp_path), "--config", str(preset)])
-    assert r.exit_code == 1 and r.output == f"Error: {message}\n", r.output
+    assert r.exit_code == 2 and r.output.endswith(f"\n\nError: {message}\n"), r.output
 
 
 @pytest.mark.parametrize("kind", ["fifo", "utf16", "deep"])
-def test_a_preset_that_is_not_a_toml_file_is_one_error_line(tmp_path, kind):
+def test_a_preset_that_is_not_a_toml_file_is_one_error_and_a_usage_status(tmp_path, kind):
     """Before: a named pipe hung the command for good; bytes that are not UTF-8 and
     nesting deeper than the parser's recursion gave tracebacks."""
     import os
@@ -107,7 +107,7 @@ def test_a_preset_that_is_not_a_toml_file_is_one_error_line(tmp_path, kind):
     else:
         preset.write_text("x = " + "[" * 100_000 + "]" * 100_000 + "\n")
     r = CliRunner().invoke(main, ["build-index", str(tmp_path), "--config", str(preset)])
-    assert r.exit_code == 1 and r.output.startswith(f"Error: cannot read config preset {str(preset)!r}: "), r.output
+    assert r.exit_code == 2 and f"\n\nError: cannot read config preset {str(preset)!r}: " in r.output, r.output
     assert r.output.endswith("; give a TOML file (see configs/)\n") and "Traceback" not in r.output
 
 
@@ -119,7 +119,7 @@ def test_overwrite_given_as_the_text_false_wipes_nothing(tmp_path, flat_index):
     (tmp_path / "corpus").mkdir()
     (tmp_path / "corpus" / "a.txt").write_text(TEXTS[0])
     r = CliRunner().invoke(main, ["build-index", str(tmp_path / "corpus"), "--config", str(preset)])
-    assert r.exit_code == 1 and r.output == "Error: overwrite='false': must be true or false\n"
+    assert r.exit_code == 2 and r.output.endswith("\n\nError: overwrite='false': must be true or false\n")
     assert sorted(p.name for p in flat_index.rglob("*")) == before
 
 
@@ -462,3 +462,22 @@ def test_build_index_closing_hint_is_a_command_the_shell_runs_as_shown():
     assert hint == "embedingest search 'o ut/ü' \"your question\""
     assert shlex.split(hint) == ["embedingest", "search", "o ut/ü", "your question"]
     assert _index_paragraph({**s, "index": "idx"}).endswith("query it with: embedingest search idx \"your question\"")
+
+
+@pytest.mark.parametrize("command", [
+    ["build-index", "{c}", "--out", "{o}", "--chunk-tokens", "0"],
+    ["build-index", "{c}", "--out", "{o}", "--overlap", "-1"],
+    ["build-index", "{c}", "--out", "{o}", "--search-k", "0"],
+    ["build-index", "{c}", "--out", "{o}", "--chunk-tokens", "2"],  # no room for text: the job's own refusal
+    ["segment", "{c}"],  # no --out
+    ["segment", "{c}", "--out", "{o}", "--overlay-alpha", "1.5"],
+])
+def test_settings_refused_before_any_work_exit_with_the_usage_status(tmp_path, command):
+    """The README's status 2, 'a command line refused before any work', for every setting the
+    config refuses, as for --chunk-tokens without room: before, most of them exited 1."""
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "a.txt").write_text(TEXTS[0])
+    args = [a.format(c=tmp_path / "c", o=tmp_path / "o") for a in command]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 2 and "\n\nError: " in r.output and "Traceback" not in r.output, r.output
+    assert not (tmp_path / "o").exists()

@@ -19,7 +19,8 @@ from typing import NoReturn
 
 import click
 
-from ..errors import EmbedingestError
+from ..config import load_config
+from ..errors import ConfigError, EmbedingestError, SettingError
 from ..interrupts import Terminated, redeliver_swallowed_interrupts, sigterm_interrupts
 from ..exit_codes import EXIT_INTERRUPTED, EXIT_TERMINATED
 
@@ -35,6 +36,8 @@ def library_errors(fn=None, *, kept: str = "what was committed before is kept"):
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
+        except SettingError as exc:  # refused before any work, as a bad option is: status 2
+            raise click.UsageError(str(exc)) from exc
         except (EmbedingestError, FileNotFoundError) as exc:
             raise click.ClickException(str(exc)) from exc
         except (OSError, sqlite3.Error) as exc:
@@ -223,6 +226,19 @@ def run_job(module: str, call, *, as_json: bool, paragraph, interrupted: str) ->
     else:
         click.echo(paragraph(summary))
     sys.exit(summary["exit_code"])
+
+
+def command_config(cls, path=None, **options):
+    """:func:`embedingest.config.load_config` for a command, the settings' own checks run
+    (``validate``): a preset or an option they refuse is refused as a bad option is, before
+    any work (status 2, :class:`SettingError`)."""
+    try:
+        config = load_config(cls, path, **options)
+        if hasattr(config, "validate"):
+            config.validate()
+    except ConfigError as exc:
+        raise SettingError(str(exc)) from exc
+    return config
 
 
 def config_options(cls, skip: tuple[str, ...] = ()):

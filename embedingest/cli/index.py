@@ -7,12 +7,11 @@ import sys
 
 import click
 
-from ..config import IndexConfig, load_config
-from ..errors import SettingError
+from ..config import IndexConfig
 from ..exit_codes import exit_status_help
 from ..report import passed_over_sentence
 from ..terminal import counted, rate
-from .common import (IndexPath, InputPath, config_options, emit_json, library_errors, run_job, run_options,
+from .common import (IndexPath, InputPath, command_config, config_options, emit_json, library_errors, run_job, run_options,
                      stops_as_exits)
 
 
@@ -31,14 +30,11 @@ from .common import (IndexPath, InputPath, config_options, emit_json, library_er
                    "chrome://tracing).")
 @library_errors
 def build_index_cmd(corpus, config_path, as_json, timeline, trace, **options) -> None:
-    cfg = load_config(IndexConfig, config_path, **options)
+    cfg = command_config(IndexConfig, config_path, **options)
 
     def build(job) -> dict:
-        try:
-            return job.build_index(corpus, cfg, progress=not as_json and sys.stderr.isatty(),
-                                   timeline=timeline, trace=trace)
-        except SettingError as exc:  # refused before any work, as a bad option is: status 2
-            raise click.UsageError(str(exc)) from exc
+        return job.build_index(corpus, cfg, progress=not as_json and sys.stderr.isatty(),
+                               timeline=timeline, trace=trace)
 
     run_job("embedingest.jobs.build_index", build, as_json=as_json, paragraph=_index_paragraph,
             interrupted=("the index is as it was before this run (--overwrite puts the old one back "

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import click
 
-from ..config import SearchConfig, ServeConfig, load_config
+from ..config import SearchConfig, ServeConfig
 from ..terminal import printable
-from .common import IndexPath, config_options, emit_json, library_errors
+from .common import IndexPath, command_config, config_options, emit_json, library_errors
 
 
 @click.command()
@@ -21,7 +21,7 @@ def search(index_dir, query, as_json, **options) -> None:
     from ..index.lookup import IndexChanged
     from ..index.search import open_index
 
-    cfg = load_config(SearchConfig, **options)
+    cfg = command_config(SearchConfig, **options)
     text = " ".join(query)
     for last in (False, True):  # a build that replaced a shard meanwhile: opened once more
         index = open_index(index_dir, device=cfg.device, params=cfg.params, query_prompt=cfg.query_prompt,
@@ -60,7 +60,7 @@ def serve(index_dir, **options) -> None:
     """
     from ..serve import serve as run_server
 
-    cfg = load_config(ServeConfig, **options)
+    cfg = command_config(ServeConfig, **options)
     try:
         run_server(index_dir, cfg.host, cfg.port, device=cfg.device, params=cfg.params,
                    query_prompt=cfg.query_prompt, max_query_chars=cfg.max_query_chars, max_k=cfg.max_k,

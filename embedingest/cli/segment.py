@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import click
 
-from ..config import SegmentConfig, load_config
+from ..config import SegmentConfig
 from ..exit_codes import exit_status_help
 from ..report import passed_over_sentence
 from ..terminal import rate
-from .common import InputPath, config_options, library_errors, run_job, run_options
+from .common import InputPath, command_config, config_options, library_errors, run_job, run_options
 
 
 @click.command("segment", help=f"""A torchvision segmentation model over the images under IMAGES (or one
@@ -33,7 +33,7 @@ from .common import InputPath, config_options, library_errors, run_job, run_opti
                    "chrome://tracing); one device only.")
 @library_errors(kept="every mask written before is kept")
 def segment_command(images, config_path, as_json, timeline, trace, **options) -> None:
-    config = load_config(SegmentConfig, config_path, images=images, **options)
+    config = command_config(SegmentConfig, config_path, images=images, **options)
     run_job("embedingest.jobs.segment",
             lambda job: job.segment(config, progress=not as_json, timeline=timeline, trace=trace),
             as_json=as_json, paragraph=_paragraph,

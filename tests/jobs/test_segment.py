@@ -824,7 +824,7 @@ def test_cli(tmp_path, small):
     assert "1 already done" in result.output and "empty file: 1" in result.output
     failed = CliRunner().invoke(segment_command, [str(images), "--out", str(tmp_path / "o"),
                                                   "--size", "8"])
-    assert failed.exit_code == 1 and "size=8" in failed.output
+    assert failed.exit_code == 2 and "size=8" in failed.output  # refused before any work
 
 
 def test_cli_options_match_the_config_fields():

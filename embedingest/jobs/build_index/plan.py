@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...config import METRIC, IndexConfig
-from ...errors import ConfigError
+from ...errors import ConfigError, SettingError
 from ...index.export import SUCCESS_NAME, is_export_folder
 from ...index.shard_store import ASIDE_DIR, ShardStore
 from ...index.formats import MANIFEST_NAME, holds_index
@@ -450,7 +450,7 @@ def settled_chunking(index: Manifest | None, cfg: IndexConfig, max_tokens: int, 
     asked, overlap = cfg.chunking(stored)
     tokens = min(asked, max_tokens)
     if overlap >= tokens:
-        raise ConfigError(f"overlap={overlap} must be smaller than the chunk size {tokens} (chunk-tokens "
+        raise SettingError(f"overlap={overlap} must be smaller than the chunk size {tokens} (chunk-tokens "
                           f"{asked}, the model takes at most {max_tokens}): give a smaller --overlap")
     if stored and (tokens, overlap) != (stored["tokens"], stored["overlap"]):
         raise ConfigError(f"the index at {where!r} cuts texts into chunks of {stored['tokens']} tokens "

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from ...config import SegmentConfig, load_config
-from ...errors import ConfigError
+from ...errors import ConfigError, SettingError
 from ...exit_codes import exit_code
 from ...index.lock import RUN_LOCK, RunLock
 from ...report import REPORT_NAME, SkipReport
@@ -67,9 +67,9 @@ def segment(config: SegmentConfig, progress: bool = True, timeline: str | None =
     JSON file for every batch's engine records in the Chrome trace format."""
     config.validate()
     if not config.images:
-        raise ConfigError("segment needs images (an input folder or file) and out (a folder)")
+        raise SettingError("segment needs images (an input folder or file) and out (a folder)")
     if not config.out:
-        raise ConfigError("segment needs an output folder: give --out DIR (out= in SegmentConfig)")
+        raise SettingError("segment needs an output folder: give --out DIR (out= in SegmentConfig)")
     devices = devices_of(config)
     several = len(devices) > 1
     if trace and several:
