@@ -10,7 +10,7 @@ faiss allows it (codes kept exactly, :mod:`embedingest.index.faiss_edit`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import faiss
@@ -42,15 +42,26 @@ from .shards import (
 )
 
 
-def remove_units(shards_dir: str | Path, unit_nos: Iterable[int], template: faiss.Index | None = None,
+def remove_units(shards_dir: str | Path, unit_nos: Iterable[int],
+                 template: faiss.Index | Callable[[], faiss.Index] | None = None,
                  generation: int = 0, run_id: str | None = None) -> int:
     """Remove every row, vector and finished-mark of ``unit_nos`` from the shards in
     ``shards_dir``; return how many vectors went. ``template``: an empty index of the
-    shards' kind (trained), needed only for kinds faiss cannot edit in place (HNSW)."""
+    shards' kind (trained), needed only for kinds faiss cannot edit in place (HNSW), or a
+    function making one, called only then (once): units that no shard holds rows of (those
+    of a run stopped before its first shard, while it trained) go without any faiss index,
+    so an index whose factory trains and has no trained file yet is not asked for one."""
     folder = Path(shards_dir)
     gone = {int(u) for u in unit_nos}
     units = np.fromiter(gone, dtype=np.int64)
     run = "rm" + (run_id or new_run_id())
+    made: list = []
+
+    def the_template() -> faiss.Index | None:  # made once, and only for a shard that needs it
+        if not made:
+            made.append(template() if callable(template) else template)
+        return made[0]
+
     removed, part = 0, 0
     for shard in list_shards(folder, generation=generation):
         table = None
@@ -70,7 +81,7 @@ def remove_units(shards_dir: str | Path, unit_nos: Iterable[int], template: fais
         keep = ~drop
         files = {}
         if keep.any():
-            files = _write_kept(folder, name, shard, table, keep, template, generation)
+            files = _write_kept(folder, name, shard, table, keep, the_template, generation)
         record = {"format": FORMAT, "name": name, "rows": int(keep.sum()),
                   "id_min": int(ids[keep].min()) if keep.any() else 0,
                   "id_max": int(ids[keep].max()) if keep.any() else -1,
@@ -86,7 +97,7 @@ def remove_units(shards_dir: str | Path, unit_nos: Iterable[int], template: fais
 
 
 def _write_kept(folder: Path, name: str, shard: Shard, table, keep: np.ndarray,
-                template: faiss.Index | None, generation: int) -> dict:
+                the_template: Callable[[], faiss.Index | None], generation: int) -> dict:
     files = {"parquet": write_hashed(folder / f"{name}{PARQUET_SUFFIX}", lambda fh: pq.write_table(
         table.filter(keep), fh, row_group_size=ROW_GROUP_ROWS, **PARQUET_OPTIONS))}
     index = read_index_file(shard.faiss_path(generation), redo=redo_advice(shard.name))
@@ -94,8 +105,11 @@ def _write_kept(folder: Path, name: str, shard: Shard, table, keep: np.ndarray,
         emb = np.asarray(read_embeddings(shard, index.d)[keep])
         files["emb"] = write_hashed(folder / f"{name}{EMB_SUFFIX}",
                                     lambda fh: np.lib.format.write_array(fh, emb, allow_pickle=False))
-    if not removes_in_place(index) and template is None:
-        raise ValueError(f"removing vectors from {shard.name} needs the empty index template")
+    template = None
+    if not removes_in_place(index):
+        template = the_template()
+        if template is None:
+            raise ValueError(f"removing vectors from {shard.name} needs the empty index template")
     index, kept = without(index, keep, template)
     if not np.array_equal(kept, table.column("id").to_numpy()[keep]):
         raise ValueError(f"the vectors of {shard.name} are not in the order of its rows")

@@ -177,8 +177,11 @@ class ShardStore(IndexStore):
         return incomplete_units(self.committed(), expected, known)
 
     def remove_units(self, unit_nos: Iterable[int]) -> int:
-        """Remove every row, vector and finished-mark of ``unit_nos``; return how many vectors."""
-        template = self.empty_index() if self.exists() else None
+        """Remove every row, vector and finished-mark of ``unit_nos``; return how many vectors.
+        The empty index of the shards' kind is made only for a shard that faiss cannot edit
+        in place: units no shard holds (a run stopped or refused while it trained, before
+        any shard and any trained file) go without it."""
+        template = self.empty_index if self.exists() else None
         return remove_shard_units(self.shards_dir, unit_nos, template, self.generation)
 
     # -- units ----------------------------------------------------------------------------

@@ -56,6 +56,8 @@ PARQUET_SUFFIX = ".parquet"
 EMB_SUFFIX = ".emb.npy"
 FAISS_SUFFIX = ".faiss"
 CHUNK_BITS = 32
+MAX_UNIT_NO = (1 << (63 - CHUNK_BITS)) - 1  # ids stay positive int64 (faiss uses -1 for "no result")
+MAX_GENERATION = 2**31 - 1  # a generation is in file names (shard-....g<g>.faiss): a sane number of reindexes
 SHARD_NAME = re.compile(r"shard-[A-Za-z0-9_]+-w[0-9]+-[0-9]+")
 _KIND_SUFFIX = {"faiss": "faiss", "parquet": "parquet", "emb": "emb.npy"}  # a record's files by kind
 _FILE_NAME = re.compile(r"(shard-[A-Za-z0-9_]+-w[0-9]+-[0-9]+)\.(?:g[0-9]+\.)?(faiss|parquet|emb\.npy|commit\.json)")
@@ -387,9 +389,9 @@ def read_commit(path: Path, text: bytes | str | None = None) -> Shard:
         if not data["rows"] and files:  # a writer names files only with rows: the shard would be hidden
             raise ValueError("it says 0 rows but names files of them")
         generation = data.get("generation", 0)
-        if not isinstance(generation, int) or isinstance(generation, bool) or generation < 0:
-            raise ValueError(f"generation {generation!r} is not a generation number")
-        units = tuple(zip(data["units"][0], data["units"][1], strict=True))
+        if not _whole(generation) or not 0 <= generation <= MAX_GENERATION:
+            raise ValueError(f"generation {generation!r} is not a generation number (0 to {MAX_GENERATION})")
+        units = _finished_units(data["units"])
         replaces = tuple(data.get("replaces", ()))
         if not all(isinstance(r, str) and SHARD_NAME.fullmatch(r) for r in replaces):
             raise ValueError(f"replaces {replaces!r} is not a list of shard names")
@@ -401,6 +403,27 @@ def read_commit(path: Path, text: bytes | str | None = None) -> Shard:
 
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _finished_units(value) -> tuple:
+    """A record's ``units`` ([unit numbers, chunk counts]) as (unit_no, n_chunks) pairs.
+    Each is a whole number a writer can have written: a unit number of a vector id (0 to
+    :data:`MAX_UNIT_NO`), a chunk count of chunk numbers below 2**32. A tampered one was
+    an OverflowError of every later update (2**70), or a unit no id matched (1.5), whose
+    rows a later update took for strays and removed."""
+    if not (isinstance(value, list) and len(value) == 2 and all(isinstance(c, list) for c in value)):
+        raise ValueError("units is not a pair of lists [unit numbers, chunk counts]")
+    pairs = tuple(zip(value[0], value[1], strict=True))
+    for unit, n in pairs:
+        if not _whole(unit) or not 0 <= unit <= MAX_UNIT_NO:
+            raise ValueError(f"units holds the unit number {unit!r}, not a whole number from 0 to {MAX_UNIT_NO}")
+        if not _whole(n) or not 0 <= n <= 1 << CHUNK_BITS:
+            raise ValueError(f"units gives unit {unit} {n!r} chunks, not a whole number from 0 to {1 << CHUNK_BITS}")
+    return pairs
 
 
 def _record_text(path: Path) -> bytes:

@@ -38,12 +38,11 @@ from .faiss_factory import (METRICS, empty_index, faiss_message, metric_code, pa
                             train, training_advice)
 from .formats import CURRENT as FORMAT
 from .formats import MANIFEST_NAME, UNITS_NAME, V1_METADATA, require_current
-from .shards import CHUNK_BITS
+from .shards import CHUNK_BITS, MAX_GENERATION, MAX_UNIT_NO
 
 log = logging.getLogger("embedingest")
 
 TRAINED_NAME = "trained.faiss"
-MAX_UNIT_NO = 2**31 - 1  # ids stay positive int64 (faiss uses -1 for "no result")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS units(
@@ -178,7 +177,8 @@ _FIELD_TYPES = {
     "created": (lambda v: isinstance(v, str), "a string"),
     "updated": (lambda v: isinstance(v, str), "a string"),
     "format": (_is_int, "an integer"),
-    "generation": (lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
+    # in file names (trained.g<g>.faiss): 250 digits were "File name too long", naming no field
+    "generation": (lambda v: _is_int(v) and 0 <= v <= MAX_GENERATION, f"an integer from 0 to {MAX_GENERATION}"),
 }
 
 

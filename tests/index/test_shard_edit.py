@@ -123,6 +123,31 @@ def test_a_kind_that_cannot_be_edited_in_place_needs_the_template(tmp_path):
         remove_units(folder / "shards", {1})
 
 
+def test_the_template_is_made_once_and_only_for_a_shard_that_needs_it(tmp_path):
+    """``template`` may be a function: called once, for the first shard faiss cannot edit in
+    place, never for units no shard holds rows of (an IVF index that has not trained yet)."""
+    from embedingest.index.shard_edit import remove_units
+    from embedingest.index.store import IndexStore
+
+    calls = []
+
+    def template():
+        calls.append("made")
+        return faiss.index_factory(DIM, "HNSW8", faiss.METRIC_INNER_PRODUCT)
+
+    assert remove_units(tmp_path / "none" / "shards", {1}, template=template) == 0
+    flat = tmp_path / "flat"
+    build_shards(flat, n_units=4, chunks=10, workers=2)
+    assert remove_units(flat / "shards", {1, 9}, template=template) == 10 and calls == []  # edited in place
+    trained = IndexStore(tmp_path).train_index("HNSW8", DIM, "ip", unit_vectors(10))
+    for units, gone in (((0, 1, 2, 3), 40), ((1,), 10)):
+        hnsw = tmp_path / f"hnsw{len(units)}"
+        build_shards(hnsw, n_units=4, chunks=10, workers=2, factory="HNSW8", trained=trained)
+        assert len([s for s in list_shards(hnsw / "shards") if s.rows]) == 2  # unit 1 in both
+        assert remove_units(hnsw / "shards", units, template=template) == gone
+    assert calls == ["made"]  # not for shards that lose every row; once for two that keep some
+
+
 def test_the_replacing_shards_records_say_exactly_what_they_hold(tmp_path):
     """Each rewritten shard: named after the removal's run, parts in order, the kept
     rows' id range (empty: 0, -1), the old shard's settings, the finished-marks of the

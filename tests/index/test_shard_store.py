@@ -209,6 +209,26 @@ def test_remove_units_of_a_flat_index_needs_no_manifest(tmp_path):
     assert {int(i) >> 32 for s in list_shards(folder / "shards") if s.rows for i in read_ids(s)} == {1}
 
 
+@pytest.mark.parametrize("shards", [False, True])
+def test_units_no_shard_holds_go_without_the_trained_index_a_training_factory_needs(tmp_path, shards):
+    """A run of an IVF index stopped or refused while it trained leaves units in
+    units.sqlite, no shard and no trained file: removing those units asked for an empty
+    index of the factory, untrained, and every later run failed with "needs training"."""
+    folder = tmp_path / "ix"
+    if shards:  # shards holding only other units, or only their finished-marks: no vectors edited
+        write_units(None, folder, [1], 5, "a")
+    store = ShardStore(folder)
+    store.create_or_open(manifest("IVF32,Flat"))
+    store.upsert_units([{"key": f"doc{u}.txt", "status": "pending", "n_chunks": 0} for u in (1, 2, 3)])
+    assert not store.trained_path.exists()
+    assert store.remove_units({2, 3}) == 0
+    store.delete_units({2, 3})
+    assert {u.unit_no for u in store.units().values()} == {1}
+    assert {int(i) >> 32 for s in list_shards(folder / "shards") if s.rows for i in read_ids(s)} == ({1} if shards else set())
+    with pytest.raises(ConfigError, match="needs training"):  # the template is still made where needed
+        store.empty_index()
+
+
 def test_units_keep_every_field_of_their_row(tmp_path):
     store = ShardStore(tmp_path / "ix")
     store.create_or_open(manifest())

@@ -175,7 +175,7 @@ def test_a_record_without_a_file_s_hash_or_a_file_of_its_rows_is_refused(tmp_pat
         list_shards(folder / "shards")
 
 
-@pytest.mark.parametrize("generation", ["abc", [1], 1e999, -1, True])
+@pytest.mark.parametrize("generation", ["abc", [1], 1e999, -1, True, 2**31, 10**250])
 def test_a_record_of_a_generation_that_is_no_number_is_refused(tmp_path, generation):
     folder = tmp_path / "ix"
     build_shards(folder, n_units=1, chunks=5, workers=1)
@@ -570,6 +570,41 @@ def test_read_commit_refuses_what_is_not_a_record_of_the_shard_word_for_word(tmp
     assert read_commit(path) == shard and read_commit(path).replaces == ()
     path.unlink()  # a record read from object storage: its text is given, the path is only its name
     assert read_commit(path, json.dumps(good).encode()) == shard
+
+
+@pytest.mark.parametrize("unit, n, why", [
+    (2**70, 5, f"units holds the unit number {2**70}, not a whole number from 0 to 2147483647"),
+    (2**31, 5, f"units holds the unit number {2**31}, not a whole number from 0 to 2147483647"),
+    (1.5, 5, "units holds the unit number 1.5, not a whole number from 0 to 2147483647"),
+    (-1, 5, "units holds the unit number -1, not a whole number from 0 to 2147483647"),
+    (True, 5, "units holds the unit number True, not a whole number from 0 to 2147483647"),
+    ("0", 5, "units holds the unit number '0', not a whole number from 0 to 2147483647"),
+    (0, 2.5, "units gives unit 0 2.5 chunks, not a whole number from 0 to 4294967296"),
+    (0, -5, "units gives unit 0 -5 chunks, not a whole number from 0 to 4294967296"),
+    (0, 2**32 + 1, f"units gives unit 0 {2**32 + 1} chunks, not a whole number from 0 to 4294967296"),
+])
+def test_a_record_whose_finished_units_no_writer_can_write_is_refused_naming_the_value(tmp_path, unit, n, why):
+    """A unit number 2**70 (its unit_sha256 key made to match) was an OverflowError of every
+    later update (numpy's int64); 1.5 matched no id, so an update took the unit's rows
+    for strays and removed them, exiting 0."""
+    from embedingest.sinks.shard_writer import commit_finished
+
+    folder = tmp_path / "ix"
+    record = commit_finished(ShardWriterFactory(str(folder), DIM, run_id="m"), [(0, 5)],
+                             unit_hashes=[(0, "a" * 64)])
+    path = folder / "shards" / "shard-m-w9999-00000.commit.json"
+    path.write_text(json.dumps(dict(record, units=[[unit], [n]], unit_sha256={str(unit): "a" * 64})))
+    redo = ("delete that shard's files (every file named shard-m-w9999-00000.*) and run the same "
+            "build-index command again: the units it held are redone")
+    with pytest.raises(ConfigError) as err:
+        list_shards(folder / "shards")
+    assert str(err.value) == f"cannot read the commit record {str(path)!r} (ValueError: {why}); {redo}"
+    for shape in ([[0]], [[0], [5], [1]], "0:5", {"0": 5}, [[0], 5]):
+        path.write_text(json.dumps(dict(record, units=shape)))
+        with pytest.raises(ConfigError, match=r"\(ValueError: units is not a pair of lists \[unit numbers, "
+                                              r"chunk counts\]\)"):
+            read_commit(path)
+    assert clean_shards(folder / "shards") == [path.name]  # a build redoes the units of such a shard
 
 
 def test_check_sizes_names_the_file_and_what_is_wrong(tmp_path):

@@ -181,6 +181,9 @@ def test_train_index(tmp_path):
     # before: format 0 or -1 was refused as a format-1 index 'with chunk metadata in metadata.sqlite'
     ("format", 0, "an index format"), ("format", -1, "an index format"),
     ("segments", [{"name": "x", "count": -5}], "a list"),  # before: warned of as '-5 vectors' lost
+    # before: 250 digits were "[Errno 36] File name too long" (trained.g<g>.faiss), naming no field
+    ("generation", 10**250, "an integer from 0 to 2147483647"), ("generation", 2**31, "an integer from 0"),
+    ("generation", -1, "an integer from 0"), ("generation", 1.5, "an integer from 0"),
 ])
 def test_a_manifest_field_of_the_wrong_type_is_a_clear_error(tmp_path, field, value, expected):
     store = ShardStore(tmp_path)

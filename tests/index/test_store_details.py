@@ -130,6 +130,19 @@ def test_manifest_field_of_the_wrong_type_names_the_fix():
                               "index with --overwrite")
 
 
+def test_a_manifest_generation_too_long_for_a_file_name_is_named_with_the_fix(tmp_path):
+    """A generation of 250 digits was "[Errno 36] File name too long" of a path naming no
+    field (trained.g<g>.faiss, a shard's .g<g>.faiss), from build-index and search alike."""
+    from embedingest.index.shards import MAX_GENERATION
+
+    with pytest.raises(ConfigError) as err:
+        Manifest.from_dict({"model": {}, "dim": 4, "generation": 10**250}, where="m.json")
+    assert str(err.value) == (f"m.json: generation is {10**250!r}, not an integer from 0 to 2147483647; the "
+                              "manifest was changed or damaged: put back the value it was built with, or "
+                              "rebuild the index with --overwrite")
+    assert Manifest.from_dict({"model": {}, "dim": 4, "generation": MAX_GENERATION}).generation == MAX_GENERATION
+
+
 @pytest.mark.parametrize("name, value, wanted", [
     ("search", "x", "an object with a string params and a positive integer k"),
     ("search", {"k": "ten"}, "an object with a string params and a positive integer k"),

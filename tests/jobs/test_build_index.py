@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -331,6 +332,61 @@ def test_a_bad_index_option_is_refused_before_anything_is_written(tmp_path):
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["vectors_total"] == 12
     assert json.loads((out / "manifest.json").read_text())["factory"] == "Flat"
+
+
+def test_a_factory_that_failed_at_training_leaves_an_index_the_next_trained_factory_builds(tmp_path):
+    """A first IVF build refused at training (too few vectors for its lists) left its units
+    in units.sqlite with no shard: every later run with a factory that trains removed those
+    units through an empty index of that factory, untrained, and failed with "index factory
+    ... needs training" until --overwrite. Now the next run trains and builds the index."""
+    corpus = make_corpus(tmp_path / "corpus")
+    out = tmp_path / "idx"
+    runner = CliRunner()
+    args = ["build-index", str(corpus), "--out", str(out), "--num-workers", "0", "--batch-size", "8"]
+    r = runner.invoke(main, [*args, "--index", "IVF64,Flat"])  # 12 chunks for 64 lists
+    assert r.exit_code == 1 and "cannot train" in r.output, r.output
+    with ShardStore(out) as store:
+        assert len(store.units()) == 4 and not store.committed()  # units planned, no shard
+    r = runner.invoke(main, [*args, "--index", "IVF64,Flat"])  # the same: refused the same way
+    assert r.exit_code == 1 and "cannot train 'IVF64,Flat' on 12 vectors" in r.output, r.output
+    r = runner.invoke(main, [*args, "--index", "IVF2,Flat", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["vectors_total"] == 12
+    assert json.loads((out / "manifest.json").read_text())["factory"] == "IVF2,Flat"
+    assert (out / "trained.faiss").is_file() and len(set(all_ids(out).tolist())) == 12
+    with open_index(out, params="nprobe=2") as index:
+        assert [h[0].text for h in index.search(PARAGRAPHS[:3], k=1)] == PARAGRAPHS[:3]
+
+
+@pytest.mark.parametrize("bad", [2**70, 1.5])
+def test_a_commit_record_with_a_unit_number_no_writer_writes_is_named_and_its_shard_redone(tmp_path, caplog, bad):
+    """A record's unit number made 2**70 (its unit_sha256 key to match) was an OverflowError
+    of every update; made 1.5, an update exited 0 having removed that unit's vectors as
+    strays. Now search names the record, the value and the fix, and an update warns of it
+    and redoes the units of its shard, as of any damaged record."""
+    corpus = make_corpus(tmp_path / "corpus")
+    out = tmp_path / "idx"
+    build_index(corpus, out=str(out), **FAST)
+    path = next(p for p in sorted((out / "shards").glob("*.commit.json"))
+                if json.loads(p.read_text())["units"][0])
+    record = json.loads(path.read_text())
+    unit = record["units"][0][0]
+    record["units"][0][0] = bad
+    hashes = record.get("unit_sha256", {})
+    if str(unit) in hashes:
+        hashes[str(bad)] = hashes.pop(str(unit))
+    path.write_text(json.dumps(record))
+    why = rf"units holds the unit number {re.escape(repr(bad))}, not a whole number from 0 to 2147483647"
+    with pytest.raises(ConfigError, match=rf"cannot read the commit record .*{path.name}.*{why}.*delete that shard's"):
+        open_index(out)
+    (corpus / "c.md").write_text("A changed note about sailing ships.")
+    s = build_index(corpus, out=str(out), **FAST)
+    assert s["exit_code"] == 0 and s["vectors_total"] == 12
+    assert re.search(why, caplog.text) and path.name in caplog.text
+    assert len(set(all_ids(out).tolist())) == 12
+    with open_index(out) as index:
+        texts = PARAGRAPHS[:10] + PARAGRAPHS[11:] + ["A changed note about sailing ships."]
+        assert [h[0].text for h in index.search(texts, k=1)] == texts
 
 
 def test_an_overwrite_that_fails_leaves_the_index_as_it_was(tmp_path, monkeypatch):
