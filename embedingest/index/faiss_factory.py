@@ -162,14 +162,40 @@ def read_bounded(path: Path, flags: int = 0) -> faiss.Index:
     :data:`TRANSFORM_ROOM`, whichever is more). faiss
     believes the sizes a file gives: a header claiming billions of vectors made it
     allocate and zero that much memory before finding the file short (16 GB for a shard
-    of 18 KB). Raises faiss's RuntimeError, or MemoryError, for a damaged file."""
+    of 18 KB). Raises faiss's RuntimeError, or MemoryError, for a damaged file.
+
+    An IVF-PQ index's precomputed tables (lists x sub-quantizers x 256 floats: 128 MiB
+    for IVF4096,PQ32) are not in the file but computed as it is read, and faiss checks
+    them against the same bound: every such index of the README's factories was refused
+    as damaged. One refused for that alone is read again without them (everything the
+    file holds still within the bound), and they are then computed as a build computes
+    them (:func:`_precompute_ivfpq_tables`: only where they serve, at most faiss's
+    ``precomputed_table_max_bytes``, 2 GiB; from lists and sub-quantizers the file was
+    read whole with)."""
     with native_path(path) as name, _READ_LOCK:
         before = faiss.get_deserialization_vector_byte_limit()
         faiss.set_deserialization_vector_byte_limit(min(before, max(os.stat(name).st_size + 1, TRANSFORM_ROOM)))
         try:
-            return faiss.read_index(name, flags)
+            try:
+                return faiss.read_index(name, flags)
+            except RuntimeError as exc:
+                if "precomputed_table" not in str(exc):
+                    raise
+            index = faiss.read_index(name, flags | faiss.IO_FLAG_SKIP_PRECOMPUTE_TABLE)
         finally:
             faiss.set_deserialization_vector_byte_limit(before)
+    _precompute_ivfpq_tables(index)
+    return index
+
+
+def _precompute_ivfpq_tables(index: faiss.Index) -> None:
+    """Compute the precomputed tables of the IVF-PQ index ``index`` is (or wraps: an id
+    map, transforms, a refine index), read without them: faiss's own choice, as when the
+    index was built (L2 by residual only; none over ``precomputed_table_max_bytes``)."""
+    ivf = faiss.try_extract_index_ivf(index)
+    ivf = faiss.downcast_index(ivf) if ivf is not None else None
+    if isinstance(ivf, faiss.IndexIVFPQ) and ivf.by_residual and ivf.use_precomputed_table == 0:
+        ivf.precompute_table()
 
 
 def read_index_file(path: Path, flags: int = 0, *, redo: str) -> faiss.Index:
@@ -191,17 +217,24 @@ DEFAULT_EF_SEARCH = 64
 
 
 def _hnsw(index: faiss.Index) -> faiss.IndexHNSW | None:
-    """The HNSW graph index that ``index`` is (or that its transforms, PCA say, wrap)."""
+    """The HNSW graph index that ``index`` is, or that its wrappers (transforms, PCA say;
+    a refine index, ``HNSW32,Flat,RFlat``; an id map) hold: faiss's ParameterSpace sets
+    efSearch through them all."""
     index = faiss.downcast_index(index)
-    while isinstance(index, faiss.IndexPreTransform):
-        index = faiss.downcast_index(index.index)
-    return index if isinstance(index, faiss.IndexHNSW) else None
+    while True:
+        if isinstance(index, (faiss.IndexPreTransform, faiss.IndexIDMap, faiss.IndexIDMap2)):
+            index = faiss.downcast_index(index.index)
+        elif isinstance(index, faiss.IndexRefine):
+            index = faiss.downcast_index(index.base_index)
+        else:
+            return index if isinstance(index, faiss.IndexHNSW) else None
 
 
 def default_search_params(index: faiss.Index) -> str | None:
     """The search parameters a new index keeps when none are given: ``nprobe`` for an IVF
     factory (:data:`DEFAULT_NPROBE`, at most its lists), ``efSearch`` for an HNSW one
-    (:data:`DEFAULT_EF_SEARCH`), none for the others (a flat index is exact)."""
+    (:data:`DEFAULT_EF_SEARCH`; also under transforms or a refine index), none for the
+    others (a flat index is exact)."""
     ivf = faiss.try_extract_index_ivf(index)
     if ivf is not None:
         return f"nprobe={min(ivf.nlist, DEFAULT_NPROBE)}"

@@ -145,7 +145,7 @@ def rebuild_command(folder: str | os.PathLike, manifest: dict | None = None,
     corpus = text(manifest, "corpus_path")
     parts = ["embedingest", "build-index", shlex.quote(corpus) if corpus else "CORPUS",
              "--out", shlex.quote(str(folder))]
-    name = text(model, "name") or text(model, "path")
+    name = _model_argument(text(model, "name"), text(model, "path"))
     if name:
         parts += ["--model", shlex.quote(name)]
     if text(manifest, "factory"):
@@ -157,6 +157,33 @@ def rebuild_command(folder: str | os.PathLike, manifest: dict | None = None,
         parts.append("--save-embeddings")
     parts.append("--overwrite")
     return " ".join(parts)
+
+
+def _model_argument(name: str | None, path: str | None) -> str | None:
+    """What ``--model`` of a rebuild gives for the manifest's model ``name`` and ``path``:
+    the path (where the model was loaded from), but the name where the name loads the same
+    folder (the bundled model), or where the path is not a folder here and the name is a
+    model id (as search loads it: the bundled model, a Hugging Face id in the local cache).
+    The name of a local folder is only its folder's name (``--model mymodel`` run
+    elsewhere: not a folder there), and a hub snapshot's path is the revision it was built
+    with, so the path is given for those."""
+    if not path:
+        return name
+    if not name:
+        return path
+    from ..stages.hub import is_hub_id  # function-local: the model code only for this message
+    from ..stages.model_folder import BUNDLED_NAME, resolve_model
+
+    if Path(path).is_dir():
+        if name != BUNDLED_NAME:
+            return path
+        try:
+            return name if resolve_model(name)[0] == Path(path).resolve() else path
+        except ConfigError:
+            return path
+    if name == BUNDLED_NAME or (is_hub_id(name) and name != Path(path).name):
+        return name
+    return path
 
 
 def _manifest_data(folder: Path) -> dict:

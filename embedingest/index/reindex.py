@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import os
 import shlex
+import sqlite3
 from pathlib import Path
 
 import faiss
@@ -42,7 +43,10 @@ def reindex(index: str | os.PathLike, factory: str, *, train_size: int = 50_000,
     embeddings; return a summary. Factories that need training are trained on
     ``train_size`` vectors drawn evenly from all shards (with ``seed``).
     ``search_params`` become the index's search defaults (None keeps the stored ones
-    when they apply to the new factory, else drops them; "" drops them).
+    when they apply to the new factory, else drops them; "" drops them). Kept, the old
+    factory's automatic ones become the new factory's (IVF16's nprobe=16 is IVF4's
+    nprobe=4) and an nprobe over the new factory's lists is cut to them, said in the log
+    (:func:`_settled_params`).
 
     An index in object storage (``s3://bucket/prefix``) is reindexed as a build updates
     it (docs/INDEX_FORMAT.md, "Object storage"): under its lease, in a local working
@@ -68,14 +72,15 @@ def reindex(index: str | os.PathLike, factory: str, *, train_size: int = 50_000,
         manifest = store.read_manifest()
         shards = [s for s in list_shards(folder / SHARDS_DIR, generation=manifest.generation) if s.rows]
         template = parse_factory(manifest.dim, factory, manifest.metric)
-        params, dropped = _settled_params(manifest, template, search_params)
+        params, dropped, changed = _settled_params(manifest, template, search_params)
         missing = [s.name for s in shards if not s.has_embeddings]
         if missing:
             raise ConfigError(
                 f"the index at {str(folder)!r} kept no embeddings for {len(missing)} of its {len(shards)} "
                 f"shards (e.g. {missing[0]}): it was built without --save-embeddings, so it cannot be "
                 f"reindexed without the model; rebuild it with:\n  "
-                + rebuild_command(folder, dataclasses.asdict(manifest) | {"factory": factory},
+                + rebuild_command(folder, dataclasses.asdict(manifest) | {"factory": factory,
+                                                                           "corpus_path": _built_from(folder, manifest)},
                                   save_embeddings=True,
                                   options=kept_options(manifest, params, default_search_params(template))))
         generation = manifest.generation + 1
@@ -119,6 +124,9 @@ def reindex(index: str | os.PathLike, factory: str, *, train_size: int = 50_000,
             raise
         if dropped:  # said once the switch is made: a reindex that fails keeps them
             log.warning("the stored search parameters %r do not apply to the new factory: dropped", dropped)
+        if changed:
+            log.warning("the stored search parameters %r are %r for the new factory (%d lists)", *changed,
+                        faiss.try_extract_index_ivf(template).nlist)
         removed = clean_shards(folder / SHARDS_DIR, generation)
         for gen in range(generation):
             (folder / trained_name(gen)).unlink(missing_ok=True)
@@ -127,6 +135,34 @@ def reindex(index: str | os.PathLike, factory: str, *, train_size: int = 50_000,
     return {"index": str(folder), "factory": factory, "previous_factory": old[0],
             "generation": generation, "shards": len(shards), "vectors": total,
             "trained": trained_path is not None, "search_params": params}
+
+
+def _built_from(folder: Path, manifest: Manifest) -> str | None:
+    """The corpus a rebuild of the index at ``folder`` names: the folder its manifest
+    records, or the one file the index holds when that folder holds other files too.
+    build-index FILE records the file's folder (its unit keys are relative to it), and the
+    folder named would index every file in it; a folder that held one file when it was
+    built (and holds others now) is named by that file too: the rebuild holds what the
+    index holds."""
+    root = manifest.corpus_path
+    if not root or is_remote(root):
+        return root
+    try:
+        with IndexStore(folder, read_only=True) as store:
+            keys = [row[0] for row in store.db.execute("SELECT key FROM units LIMIT 2")]
+    except (ConfigError, sqlite3.Error):
+        return root  # no units to tell: the folder, as recorded
+    if len(keys) != 1 or "/" in keys[0] or not (Path(root) / keys[0]).is_file():
+        return root
+    from ..sources.files import walk_paths  # only for this message
+    from ..sources.text import TEXT_EXTENSIONS
+
+    file = os.path.join(root, keys[0])
+    try:
+        others = any(p != file for p in walk_paths(root, TEXT_EXTENSIONS, exclude=folder))
+    except (OSError, ConfigError):
+        return root
+    return file if others else root
 
 
 def kept_options(manifest: Manifest, params: str | None, plain_params: str | None = None) -> list[str]:
@@ -199,26 +235,60 @@ def _sample(embs: list[np.ndarray], size: int, seed: int) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate(parts))
 
 
-def _settled_params(manifest, template: faiss.Index, given: str | None) -> tuple[str | None, str | None]:
-    """The search parameters after the reindex (see :func:`reindex`), and the stored ones
-    it drops (they do not apply to the new factory), else None."""
-    params = manifest.search.get("params") if given is None else given.strip()
+def _settled_params(manifest, template: faiss.Index,
+                    given: str | None) -> tuple[str | None, str | None, tuple[str, str] | None]:
+    """The search parameters after the reindex (see :func:`reindex`), the stored ones it
+    drops (they do not apply to the new factory), else None, and the stored ones it keeps
+    changed, with what they become (``("nprobe=16", "nprobe=4")``), else None.
+
+    Stored parameters that are the old factory's automatic default (a new index's
+    ``nprobe=16``, at most its lists; :func:`default_search_params`) become the new
+    factory's: IVF16's nprobe=16 is nprobe=4 for IVF4, IVF8's nprobe=8 is nprobe=16 for
+    IVF64. (A builder who gave that very value is taken as having kept the default: the
+    manifest does not say which.) Other stored ones are kept as they are, but an
+    ``nprobe`` over the new factory's lists is cut to them (faiss probes no more; the
+    stored number said otherwise, and went on to a later factory with more lists)."""
+    stored = manifest.search.get("params")
+    params = stored if given is None else given.strip()
     # none given: a factory that becomes IVF (or HNSW) gets a new index's nprobe (efSearch);
     # one that was of that kind keeps what it had, none included: its builder may have
     # turned them off
     fresh = default_search_params(template)
-    if given is not None or _param_name(fresh) == _param_name(_old_defaults(manifest)):
+    old = _old_defaults(manifest)
+    if given is not None or _param_name(fresh) == _param_name(old):
         fresh = None
     if not params:
-        return fresh, None
+        return fresh, None, None
+    if given is None and fresh is None and params == old:  # the automatic default: the new factory's
+        renewed = default_search_params(template)
+        if renewed and _param_name(renewed) == _param_name(old):
+            return renewed, None, None if renewed == params else (params, renewed)
     probe = faiss.IndexIDMap(copy_index(template))
     try:
-        return apply_search_params(probe, params), None
+        text = apply_search_params(probe, params)
     except ValueError as exc:
         if given is not None:
             raise ConfigError(f"search parameters {params!r} do not apply to the new factory: "
                               f"{exc}; nprobe is for IVF factories, efSearch for HNSW") from exc
-        return fresh, params
+        return fresh, params, None
+    if given is None:
+        clamped = _clamped_nprobe(text, faiss.try_extract_index_ivf(template))
+        if clamped != text:
+            return clamped, None, (text, clamped)
+    return text, None, None
+
+
+def _clamped_nprobe(params: str, ivf) -> str:
+    """``params`` with an ``nprobe`` over the lists of ``ivf`` (None: not IVF) cut to them."""
+    if ivf is None:
+        return params
+    parts = []
+    for part in params.split(","):
+        name, _, value = part.partition("=")
+        if name == "nprobe" and int(value) > ivf.nlist:
+            part = f"nprobe={ivf.nlist}"
+        parts.append(part)
+    return ",".join(parts)
 
 
 def _old_defaults(manifest) -> str | None:

@@ -500,6 +500,7 @@ def test_an_index_in_object_storage_keeps_the_device_prompt_encoder_runtime_and_
     monkeypatch.setattr(model_folder, "resolve_model", lambda name: (Path(f"/resolved/{name}"), name))
     monkeypatch.setattr(query_runtime, "use_query_runtime",
                         lambda encoder, runtime, cache, threads: calls.append(("runtime", runtime, cache)))
+    monkeypatch.setattr("embedingest.stages.device.resolve_device", lambda device: device)  # cuda:1 here too
     cache = tmp_path / "cache"
     with open_index(url, cache_dir=cache, device="cuda:1", query_prompt="find: ", query_runtime="onnx") as index:
         assert (index.device, index.query_prompt, index.query_runtime) == ("cuda:1", "find: ", "onnx")

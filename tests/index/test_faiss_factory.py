@@ -312,3 +312,57 @@ def test_training_advice_names_a_factory_that_trains_on_that_many_vectors(n):
         assert pq.is_trained and 2 ** (int(bits[1]) + 1) > n
     else:
         assert bits is None and advice.endswith("or fewer bits per code (PQ)")
+
+
+def _trained_ivfpq(factory, metric, dim=DIM, seed=0):
+    """``factory`` (IVF-PQ, its lists many) trained in a second, not by k-means over as many
+    lists: random centroids, the PQ trained on a small sample."""
+    rng = np.random.default_rng(seed)
+    index = faiss.index_factory(dim, factory, metric)
+    ivf = faiss.downcast_index(faiss.extract_index_ivf(index))
+    ivf.quantizer.add(rng.standard_normal((ivf.nlist, dim)).astype(np.float32))
+    ivf.pq.train(rng.standard_normal((1000, dim)).astype(np.float32))
+    ivf.is_trained = index.is_trained = True
+    ivf.precompute_table()
+    return index
+
+
+@pytest.mark.parametrize("factory,metric", [("IVF8192,PQ16", faiss.METRIC_L2),
+                                            ("IVF8192,PQ16", faiss.METRIC_INNER_PRODUCT),
+                                            ("IVF8192,PQ16,RFlat", faiss.METRIC_L2)])
+def test_an_ivfpq_index_whose_precomputed_tables_pass_the_bound_is_read_and_searched(tmp_path, factory, metric):
+    """faiss checks an IVF-PQ's precomputed tables (8192 lists x 16 x 256 floats: 128 MiB,
+    not in the file) against the bound on a vector read: every shard of the README's
+    IVF4096,PQ32 was refused as damaged, with the advice to delete it. It is read whole,
+    its tables as a build makes them (L2 only), and searches as the index written did."""
+    from embedingest.index.search import read_shard
+
+    index = faiss.IndexIDMap(_trained_ivfpq(factory, metric))
+    vectors = unit_vectors(300, seed=4)
+    index.add_with_ids(vectors, np.arange(300, dtype=np.int64) * 7)
+    path = tmp_path / "s0.faiss"
+    faiss.write_index(index, str(path))
+    assert path.stat().st_size < 8192 * 16 * 256 * 4 // 10  # the tables are not in the file
+    faiss.ParameterSpace().set_index_parameters(index, "nprobe=16")
+    expected = index.search(vectors[:5], 4)
+    limit = faiss.get_deserialization_vector_byte_limit()
+    for got in (read_index_file(path, redo="delete it"), read_shard(path, "s0")):
+        ivf = faiss.downcast_index(faiss.extract_index_ivf(got))
+        assert got.ntotal == 300 and ivf.use_precomputed_table == (1 if metric == faiss.METRIC_L2 else 0)
+        faiss.ParameterSpace().set_index_parameters(got, "nprobe=16")
+        scores, ids = got.search(vectors[:5], 4)
+        np.testing.assert_array_equal(ids, expected[1])
+        np.testing.assert_allclose(scores, expected[0], rtol=1e-5)
+    assert faiss.get_deserialization_vector_byte_limit() == limit
+
+
+def test_a_truncated_ivfpq_file_is_still_refused_as_damaged(tmp_path):
+    """Read again without its tables, an IVF-PQ file is bounded as before: cut short, it is
+    damaged, whichever read finds it."""
+    index = faiss.IndexIDMap(_trained_ivfpq("IVF8192,PQ16", faiss.METRIC_L2))
+    index.add_with_ids(unit_vectors(300, seed=4), np.arange(300, dtype=np.int64))
+    data = faiss.serialize_index(index).tobytes()
+    path = tmp_path / "s0.faiss"
+    path.write_bytes(data[:len(data) - 100])
+    with pytest.raises(ConfigError, match=r"^cannot read .*: the file is damaged; delete it$"):
+        read_index_file(path, redo="delete it")

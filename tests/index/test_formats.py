@@ -176,3 +176,23 @@ def test_a_newer_format_is_refused_naming_the_folder(tmp_path):
         require_current(folder)
     assert str(err.value) == (f"the index at {str(folder)!r} has format 7, newer than this embedingest reads "
                               "(format 2): upgrade embedingest")
+
+
+def test_the_rebuild_command_names_the_model_as_a_build_here_would_load_it(tmp_path):
+    """The manifest's model name is a local folder's name alone (``mymodel``): the path is
+    given for it; the name only where it loads the same model (the bundled one), or where
+    the path is not here and the name is a model id (as search falls back to it)."""
+    from embedingest.stages.model_folder import BUNDLED_NAME, resolve_model
+
+    here = tmp_path / "my models" / "mymodel"
+    here.mkdir(parents=True)
+    bundled = str(resolve_model(None)[0])
+    for model, option in [({"name": "mymodel", "path": str(here)}, f"'{here}'"),
+                          ({"name": "mymodel", "path": "/gone/mymodel"}, "/gone/mymodel"),
+                          ({"name": "org/m", "path": "/gone/models--org--m/snapshots/abc"}, "org/m"),
+                          ({"name": BUNDLED_NAME, "path": bundled}, BUNDLED_NAME),
+                          ({"name": BUNDLED_NAME, "path": str(here)}, f"'{here}'"),  # a copy of it
+                          ({"name": BUNDLED_NAME, "path": "/other/machine/model"}, BUNDLED_NAME),
+                          ({"name": "mymodel"}, "mymodel")]:
+        assert rebuild_command("ix", {"corpus_path": "/c", "model": model, "factory": "Flat"}) == (
+            f"embedingest build-index /c --out ix --model {option} --index Flat --overwrite"), model

@@ -277,7 +277,7 @@ def test_stored_search_parameters_stay_where_they_apply_and_go_with_a_warning_el
     # lists (efSearch, 64); one that was IVF (HNSW) keeps what it had, none included (its
     # builder may have turned them off)
     assert reindex(folder, "IVF32,Flat", train_size=100)["search_params"] == "nprobe=16"
-    assert reindex(folder, "IVF4,Flat", train_size=100)["search_params"] == "nprobe=16"
+    assert reindex(folder, "IVF4,Flat", train_size=100)["search_params"] == "nprobe=4"  # IVF4's own default
     assert reindex(folder, "HNSW8")["search_params"] == "efSearch=64"
     assert reindex(folder, "HNSW16", search_params="efSearch=32")["search_params"] == "efSearch=32"
     assert reindex(folder, "HNSW8")["search_params"] == "efSearch=32"
@@ -449,3 +449,129 @@ def test_a_reindex_that_fails_does_not_say_it_dropped_the_search_parameters(tmp_
         reindex(folder, "PQ8x8")
     assert [m for m in caplog.messages if "dropped" in m] == []
     assert json.loads((folder / "manifest.json").read_text())["search"] == {"params": "nprobe=2"}
+
+
+def test_reindex_to_an_ivfpq_factory_of_the_readme_gives_an_index_that_searches(tmp_path, monkeypatch):
+    """IVF-PQ with lists x sub-quantizers x 256 floats of precomputed tables over 64 MiB
+    (IVF4096,PQ32 in the README; IVF8192,PQ16 here, 128 MiB): reindex ended well, then
+    every search said the shard was damaged and to delete it. k-means over 8192 lists is
+    replaced here by random centroids (seconds, not minutes)."""
+    folder = tmp_path / "ix"
+    built = build_shards(folder, n_units=4, chunks=25, commit_every=60, workers=2)
+
+    def quick_train(index, sample):
+        rng = np.random.default_rng(0)
+        ivf = faiss.downcast_index(faiss.extract_index_ivf(index))
+        ivf.quantizer.add(rng.standard_normal((ivf.nlist, DIM)).astype(np.float32))
+        ivf.pq.train(np.concatenate([sample, rng.standard_normal((1000, DIM)).astype(np.float32)]))
+        ivf.is_trained = index.is_trained = True
+    monkeypatch.setattr(reindex_mod, "train", quick_train)
+    summary = reindex(folder, "IVF8192,PQ16", train_size=100)
+    assert (summary["trained"], summary["search_params"]) == (True, "nprobe=16")
+    with open_index(folder) as index:
+        hits = index.search_vectors(built.emb[:5], 3)
+    assert [h[0].id for h in hits] == built.ids[:5].tolist()  # each vector finds itself first
+
+
+def test_kept_search_defaults_follow_the_new_lists(tmp_path, caplog):
+    """IVF16's automatic nprobe=16 stayed nprobe=16 on IVF4 (more than its 4 lists), and
+    IVF8's nprobe=8 stayed 8 on IVF64, where a new IVF64 gets 16: an automatic default is
+    the new factory's. A builder's own nprobe is kept, cut to the new lists where over them;
+    each change is said in the log."""
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=4, chunks=25, commit_every=60, workers=1)
+    assert reindex(folder, "IVF16,Flat", train_size=100)["search_params"] == "nprobe=16"
+    caplog.set_level(logging.WARNING, logger="embedingest")
+    caplog.clear()
+    assert reindex(folder, "IVF4,Flat", train_size=100)["search_params"] == "nprobe=4"
+    assert json.loads((folder / "manifest.json").read_text())["search"] == {"params": "nprobe=4"}
+    assert [m for m in caplog.messages if not m.startswith("faiss: ")] == [
+        "the stored search parameters 'nprobe=16' are 'nprobe=4' for the new factory (4 lists)"]
+    assert reindex(folder, "IVF8,Flat", train_size=100)["search_params"] == "nprobe=8"
+    assert reindex(folder, "IVF64,Flat", train_size=100)["search_params"] == "nprobe=16"
+    assert reindex(folder, "IVF64,Flat", train_size=100, search_params="nprobe=40")["search_params"] == "nprobe=40"
+    caplog.clear()
+    assert reindex(folder, "IVF32,Flat", train_size=100)["search_params"] == "nprobe=32"  # the builder's, cut
+    assert [m for m in caplog.messages if not m.startswith("faiss: ")] == [
+        "the stored search parameters 'nprobe=40' are 'nprobe=32' for the new factory (32 lists)"]
+    assert reindex(folder, "IVF64,Flat", train_size=100)["search_params"] == "nprobe=32"  # kept as it is
+    with open_index(folder) as index:
+        assert {faiss.extract_index_ivf(s).nprobe for s in index.shards} == {32}
+
+
+@pytest.mark.parametrize("factory", ["HNSW16,Flat,RFlat", "PCA8,HNSW16,Flat,RFlat"])
+def test_an_hnsw_index_under_a_refine_index_gets_hnsw_search_defaults(tmp_path, factory):
+    """HNSW16,Flat,RFlat (IndexRefineFlat over HNSW) kept faiss's efSearch of 16, which
+    misses part of the true top 10: the graph was looked for under transforms only."""
+    from embedingest.index.faiss_factory import _hnsw, default_search_params, parse_factory
+
+    assert default_search_params(parse_factory(DIM, factory, "ip")) == "efSearch=64"
+    folder = tmp_path / "ix"
+    build_shards(folder, n_units=4, chunks=25, commit_every=60, workers=1)
+    assert reindex(folder, factory, train_size=100)["search_params"] == "efSearch=64"
+    with open_index(folder) as index:
+        assert {_hnsw(s).hnsw.efSearch for s in index.shards} == {64}
+    assert reindex(folder, "HNSW16", search_params="efSearch=32")["search_params"] == "efSearch=32"
+    assert reindex(folder, factory, train_size=100)["search_params"] == "efSearch=32"  # kept: HNSW both
+
+
+FAST_BUILD = ["--device", "cpu", "--num-workers", "0"]
+
+
+def rebuild_command_of(out):
+    """The command reindex gives for the index at ``out`` (built without embeddings)."""
+    refused = CliRunner().invoke(main, ["reindex", str(out), "--index", "HNSW32"])
+    assert refused.exit_code == 1, refused.output
+    return refused.output.strip().splitlines()[-1].strip()
+
+
+def test_the_rebuild_command_names_a_local_model_folder_by_its_path(tmp_path, monkeypatch):
+    """A model folder given by its name (``--model mymodel``, from the folder above it) is
+    recorded by that name: the command gave ``--model mymodel``, which fails elsewhere
+    ('model 'mymodel' is not a folder here ...'). It gives the folder's path, quoted."""
+    from embedingest.stages.model_folder import resolve_model
+
+    models = tmp_path / "my models"
+    model = models / "mymodel"
+    model.mkdir(parents=True)
+    for item in resolve_model(None)[0].iterdir():  # the bundled model's files, under another name
+        (model / item.name).symlink_to(item)
+    corpus, out = tmp_path / "c", tmp_path / "ix"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("Bread rises because yeast ferments sugars in the dough.")
+    monkeypatch.chdir(models)
+    built = CliRunner().invoke(main, ["build-index", str(corpus), "--out", str(out), "--model", "mymodel", *FAST_BUILD])
+    assert built.exit_code == 0, built.output
+    assert json.loads((out / "manifest.json").read_text())["model"]["name"] == "mymodel"
+    monkeypatch.chdir(tmp_path)
+    command = rebuild_command_of(out)
+    assert command == (f"embedingest build-index {corpus} --out {out} --model {shlex.quote(str(model))} "
+                       "--index HNSW32 --save-embeddings --overwrite")
+    program, *args = shlex.split(command)
+    rebuilt = CliRunner().invoke(main, [*args, *FAST_BUILD])
+    assert rebuilt.exit_code == 0, rebuilt.output
+    assert json.loads((out / "manifest.json").read_text())["model"]["path"] == str(model)
+
+
+def test_the_rebuild_command_of_an_index_of_one_file_names_that_file(tmp_path):
+    """build-index corpus/a.txt records the folder corpus (its keys are relative to it): the
+    command named the folder, and run it indexed every file there. It names the file, while
+    an index of a folder (of one file or more) is named by its folder."""
+    from embedingest.index.store import IndexStore
+
+    corpus, out = tmp_path / "the corpus", tmp_path / "ix"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("Bread rises because yeast ferments sugars in the dough.")
+    (corpus / "b.txt").write_text("Whales breathe air through a blowhole.")
+    built = CliRunner().invoke(main, ["build-index", str(corpus / "a.txt"), "--out", str(out), *FAST_BUILD])
+    assert built.exit_code == 0, built.output
+    command = rebuild_command_of(out)
+    assert command.startswith(f"embedingest build-index {shlex.quote(str(corpus / 'a.txt'))} --out {out} ")
+    program, *args = shlex.split(command)
+    rebuilt = CliRunner().invoke(main, [*args, *FAST_BUILD])
+    assert rebuilt.exit_code == 0, rebuilt.output
+    with IndexStore(out, read_only=True) as store:
+        assert sorted(store.units()) == ["a.txt"]
+    folder_index = tmp_path / "all"
+    assert CliRunner().invoke(main, ["build-index", str(corpus), "--out", str(folder_index), *FAST_BUILD]).exit_code == 0
+    assert rebuild_command_of(folder_index).startswith(f"embedingest build-index {shlex.quote(str(corpus))} --out ")
