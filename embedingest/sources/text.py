@@ -53,7 +53,10 @@ so a cp1252 file, or a UTF-8 file with a few stray legacy bytes, is read without
 instead of being skipped. The five bytes cp1252 leaves undefined (0x81 0x8D 0x8F 0x90
 0x9D) almost never occur in real legacy text, so meeting one skips the file as
 ``decode`` (for the streamed formats: the rest of it, with every line before the one
-that holds the byte kept, and that line named).
+that holds the byte kept, and that line named). A whole document that is not UTF-8 and
+that cp1252 turns into another encoding's letters (Cyrillic as words of accented Latin,
+``Ïðèâåò``; Central European with symbols inside words, ``Za¿ó³æ``) is skipped as
+``decode`` too, rather than stored as nonsense (the streamed formats are not checked so).
 An HTML page that is not valid UTF-8 is read in the encoding its ``<meta charset>``
 declares when that is not a Western one (Shift_JIS, GB2312, windows-1251, ...).
 """
@@ -276,7 +279,50 @@ def _decode(data: bytes) -> str:
         raise _Skip(f"decode: {exc.reason} (byte offset {exc.start})") from None
     if not text.strip():
         raise _Skip("empty: the file holds only whitespace")
+    if errors == _ERRORS and not _is_utf8(data):
+        _refuse_other_legacy_text(text)
     return text
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+# Read as cp1252, text of another single-byte encoding shows it: Cyrillic (cp1251, KOI8-R)
+# as words of accented Latin letters only, Central European (ISO-8859-2) as symbols inside
+# words (``Za¿ó³æ``). Western text has a few accented letters a word and no such symbols.
+_OTHER_LEGACY_ACCENTED = 0.4  # of the letters: accented Latin (cp1252's high half)
+_OTHER_LEGACY_IN_WORD = 0.01  # of the words: a cp1252 symbol between two letters, 3 at least
+# (Latin-1's symbols, but those Western words hold: ª º, the soft hyphen, the acute accent
+# typed as an apostrophe, Catalan's middle dot in l·l)
+_IN_WORD_SYMBOL = re.compile(
+    r"(?<=[^\W\d_])[\u00a1-\u00a9\u00ab\u00ac\u00ae-\u00b3\u00b5\u00b6\u00b8\u00b9\u00bb-\u00bf](?=[^\W\d_])")
+
+
+def _refuse_other_legacy_text(text: str) -> None:
+    """_Skip (``decode``) for text that is not UTF-8 and that cp1252, read in its place,
+    turns into another encoding's letters: stored, it would be searched as nonsense."""
+    letters = sum(1 for c in text if c.isalpha())
+    if letters < 20:
+        return
+    accented = sum(1 for c in text if "\u00c0" <= c <= "\u00ff" and c.isalpha()) / letters
+    in_word = len(_IN_WORD_SYMBOL.findall(text))
+    if accented > _OTHER_LEGACY_ACCENTED or in_word >= max(3, _OTHER_LEGACY_IN_WORD * len(text.split())):
+        raise _Skip(f"decode: not UTF-8, and read as cp1252 (the Western legacy encoding) it is another "
+                    f"encoding's text ({accented:.0%} of its letters accented, {in_word} symbols inside words, "
+                    f"e.g. {_sample_word(text)!r}): convert it to UTF-8 from its encoding (iconv -f ENCODING -t UTF-8)")
+
+
+def _sample_word(text: str) -> str:
+    """A word of ``text`` that shows the misreading, cut short."""
+    for word in text.split():
+        if _IN_WORD_SYMBOL.search(word) or sum(c >= "\u00c0" for c in word) > len(word) // 2 > 0:
+            return word[:24]
+    return text.split()[0][:24]
 
 
 def splittable(path: str | Path) -> bool:

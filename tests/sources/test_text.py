@@ -207,6 +207,37 @@ def test_cp1252_fallback(tmp_path):
     assert read(path) == ([("", "café – “quoted” €5")], [])
 
 
+WESTERN = ["Le café est très chaud, et la crème brûlée était délicieuse à Noël. Où est l’hôtel? Don’t.",
+           "Die Größe der Straße ist für Fußgänger über 5 m² groß; Bäume blühen. Schöne Grüße.",
+           "¿Qué pasó? ¡Olé! El niño comió piña en la mañana; España — año 2020 – «hola» nº 5.",
+           "La paral·lela és col·lectiva i il·lustrada; intel·ligència i cel·la a la vila.",
+           "Þetta er íslenskur texti með ð og þ og æ, og ö á öllum stöðum í þessum setningum."]
+
+
+@pytest.mark.parametrize("text", WESTERN)
+def test_western_legacy_text_is_read_as_cp1252(tmp_path, text):
+    path = write(tmp_path, "a.txt", text.encode("cp1252"))
+    assert read(path) == ([("", text)], [])
+
+
+@pytest.mark.parametrize("text, codec, sample", [
+    ("Привет мир, это тестовый документ о погоде и реках. Москва стоит на реке.", "cp1251", "Ïðèâåò"),
+    ("Привет мир, это тестовый документ о погоде и реках. Москва стоит на реке.", "koi8-r", "ðÒÉ×ÅÔ"),
+    ("Zażółć gęślą jaźń. Pchnąć w tę łódź jeża lub ośm skrzyń fig. Źdźbło trawy.", "iso-8859-2", "Za¿ó³æ"),
+    ("Καλημέρα κόσμε, αυτό είναι ένα έγγραφο για τον καιρό και τα ποτάμια.", "cp1253", "ÊáëçìÝñá"),
+])
+def test_text_of_another_legacy_encoding_is_skipped_not_stored_as_nonsense(tmp_path, text, codec, sample):
+    """Before: read as cp1252 without a word (``Ïðèâåò ìèð``, ``Za¿ó³æ gê¶l±``), stored and
+    searched as nonsense."""
+    path = write(tmp_path, "a.txt", text.encode(codec))
+    records, skipped = read(path)
+    assert records == [] and keywords(skipped) == ["decode"]
+    assert skipped[0][1].startswith("decode: not UTF-8, and read as cp1252 (the Western legacy encoding) it is "
+                                    "another encoding's text (")
+    assert f"e.g. '{sample}'" in skipped[0][1] and skipped[0][1].endswith(
+        "convert it to UTF-8 from its encoding (iconv -f ENCODING -t UTF-8)")
+
+
 def test_mixed_utf8_and_stray_cp1252_byte(tmp_path):
     path = write(tmp_path, "a.txt", "naïve ".encode() + b"caf\xe9")
     assert read(path) == ([("", "naïve café")], [])
