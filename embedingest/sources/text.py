@@ -56,7 +56,8 @@ instead of being skipped. The five bytes cp1252 leaves undefined (0x81 0x8D 0x8F
 that holds the byte kept, and that line named). A whole document that is not UTF-8 and
 that cp1252 turns into another encoding's letters (Cyrillic as words of accented Latin,
 ``Ïðèâåò``; Central European with symbols inside words, ``Za¿ó³æ``) is skipped as
-``decode`` too, rather than stored as nonsense (the streamed formats are not checked so).
+``decode`` too, rather than stored as nonsense (what is streamed, JSON lines, CSV or a
+text file read a block at a time, is not checked so).
 An HTML page that is not valid UTF-8 is read in the encoding its ``<meta charset>``
 declares when that is not a Western one (Shift_JIS, GB2312, windows-1251, ...).
 """
