@@ -331,9 +331,11 @@ class IndexStore:
 
     # -- training -------------------------------------------------------------------------
 
-    def train_index(self, factory: str, dim: int, metric: str, sample: np.ndarray) -> Path | None:
+    def train_index(self, factory: str, dim: int, metric: str, sample: np.ndarray,
+                    more: bool = True) -> Path | None:
         """Train ``factory`` on ``sample`` and write the trained empty index every shard
-        is cloned from; None (nothing written) when it needs no training."""
+        is cloned from; None (nothing written) when it needs no training. ``more``: a
+        larger sample could be had (``--train-size`` cut it), so a refusal suggests one."""
         index = parse_factory(dim, factory, metric)
         if index.is_trained:
             return None
@@ -343,9 +345,10 @@ class IndexStore:
         try:
             train(index, sample)
         except RuntimeError as exc:
+            larger = ("use a larger sample (--train-size)" if more else
+                      f"the corpus gives only {len(sample)} vectors: add documents")
             raise ConfigError(f"cannot train {factory!r} on {len(sample)} vectors: "
-                              f"{faiss_message(exc)}; use a larger sample (--train-size), or "
-                              f"{training_advice(len(sample))}") from exc
+                              f"{faiss_message(exc)}; {larger}, or {training_advice(len(sample))}") from exc
         self.folder.mkdir(parents=True, exist_ok=True)
         write_faiss_index(index, self.trained_path)
         return self.trained_path

@@ -231,6 +231,11 @@ def test_train_index_makes_missing_parents_and_names_the_faiss_error(tmp_path):
     assert "None" not in message and "Number of training points" in message
     assert message.endswith("; use a larger sample (--train-size), or on 4 vectors use at most 4 lists (IVF4) or at "
                             "most 2 bits per code (PQ, e.g. PQ16x2)")
+    # the whole corpus in the sample: a larger --train-size cannot help
+    with pytest.raises(ConfigError) as err:
+        IndexStore(tmp_path / "d").train_index("IVF16,Flat", 8, "l2", rng.standard_normal((4, 8)), more=False)
+    assert str(err.value).endswith("; the corpus gives only 4 vectors: add documents, or on 4 vectors use at most 4 "
+                                   "lists (IVF4) or at most 2 bits per code (PQ, e.g. PQ16x2)")
 
 
 def test_damaged_trained_index_says_how_to_redo_it(tmp_path):

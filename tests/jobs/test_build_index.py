@@ -349,6 +349,9 @@ def test_a_factory_that_failed_at_training_leaves_an_index_the_next_trained_fact
         assert len(store.units()) == 4 and not store.committed()  # units planned, no shard
     r = runner.invoke(main, [*args, "--index", "IVF64,Flat"])  # the same: refused the same way
     assert r.exit_code == 1 and "cannot train 'IVF64,Flat' on 12 vectors" in r.output, r.output
+    # every chunk of the corpus was in the sample: a larger --train-size cannot help
+    assert "; the corpus gives only 12 vectors: add documents, or on 12 vectors use at most 12 lists" in r.output
+    assert "--train-size" not in r.output
     r = runner.invoke(main, [*args, "--index", "IVF2,Flat", "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["vectors_total"] == 12

@@ -189,7 +189,7 @@ def train_if_needed(store: ShardStore, manifest: Manifest, encoder: TextEncoder,
         return None
     vectors = torch.cat(sample)[: cfg.train_size].numpy()
     try:
-        store.train_index(manifest.factory, manifest.dim, manifest.metric, vectors)
+        store.train_index(manifest.factory, manifest.dim, manifest.metric, vectors, more=n >= cfg.train_size)
     except RuntimeError as exc:
         raise ConfigError(f"cannot train index {manifest.factory!r} on {len(vectors)} vectors: {exc}; "
                           "use a smaller factory (fewer IVF lists) or a larger corpus") from exc
