@@ -11,8 +11,8 @@ from ..config import IndexConfig
 from ..exit_codes import exit_status_help
 from ..report import passed_over_sentence
 from ..terminal import counted, rate
-from .common import (IndexPath, InputPath, command_config, config_options, emit_json, library_errors, run_job, run_options,
-                     stops_as_exits)
+from .common import (IndexPath, InputPath, command_config, config_options, emit_json, library_errors, run_job,
+                     run_options, stops_as_exits)
 
 
 @click.command("build-index", help=f"""Index the text files under CORPUS (or one file) into FAISS shards.

@@ -147,7 +147,7 @@ def _built_from(folder: Path, manifest: Manifest) -> str | None:
     root = manifest.corpus_path
     if not root or is_remote(root):
         return root
-    try:
+    try:  # read-only: a refusal's message creates no database where there was none
         with IndexStore(folder, read_only=True) as store:
             keys = [row[0] for row in store.db.execute("SELECT key FROM units LIMIT 2")]
     except (ConfigError, sqlite3.Error):
@@ -253,16 +253,13 @@ def _settled_params(manifest, template: faiss.Index,
     # none given: a factory that becomes IVF (or HNSW) gets a new index's nprobe (efSearch);
     # one that was of that kind keeps what it had, none included: its builder may have
     # turned them off
-    fresh = default_search_params(template)
-    old = _old_defaults(manifest)
-    if given is not None or _param_name(fresh) == _param_name(old):
-        fresh = None
+    new, old = default_search_params(template), _old_defaults(manifest)
+    same_kind = _param_name(new) == _param_name(old)
+    fresh = None if given is not None or same_kind else new
     if not params:
         return fresh, None, None
-    if given is None and fresh is None and params == old:  # the automatic default: the new factory's
-        renewed = default_search_params(template)
-        if renewed and _param_name(renewed) == _param_name(old):
-            return renewed, None, None if renewed == params else (params, renewed)
+    if given is None and same_kind and params == old:  # the automatic default: the new factory's
+        return new, None, None if new == params else (params, new)
     probe = faiss.IndexIDMap(copy_index(template))
     try:
         text = apply_search_params(probe, params)
