@@ -218,6 +218,7 @@ def test_resume_skips_done_images_and_overwrite_redoes_them(tmp_path, small):
     # nothing to do: the model is never run; the keys are there, null, as in build-index's
     # summary of a run with nothing to encode (the README: both jobs, the same field names)
     assert nothing["engine"] is None and nothing["timing"] is None
+    assert nothing["batch_shapes"] == [] and nothing["decoders"] == 0  # the README's keys, empty
     assert list(nothing["phases"]) == ["list_s", "segment_s", "finish_s"]
     with_logits = segment(config(images, out, small, save_logits=True), progress=False)
     assert with_logits["written"] == 3, "an output asked for and missing makes the image redone"

@@ -59,6 +59,10 @@ def test_two_processes_write_the_same_masks_as_one(tmp_path, weights, one_proces
     assert len(two["engine"]["per_device"]) == 2
     shapes = [s for p in two["engine"]["per_device"] for s in p["batch_shapes"]]
     assert sum(n * k for n, _, _, k in shapes) == sum(n * k for n, _, _, k in one["batch_shapes"]) == len(sizes)
+    # the devices' together at the top (a batch shape both ran counted once, its batches added)
+    assert sum(n * k for n, _, _, k in two["batch_shapes"]) == len(sizes)
+    assert len({(n, h, w) for n, h, w, _ in two["batch_shapes"]}) == len(two["batch_shapes"])
+    assert two["decoders"] == sum(p["decoders"] for p in two["engine"]["per_device"])
     assert all(p["batches"] > 0 for p in two["engine"]["per_device"]), "both processes worked"
     for part in two["engine"]["per_device"]:
         assert part["timing"]["start_method"] == "spawn"  # CPU device processes never fork

@@ -133,6 +133,7 @@ def _run(config: SegmentConfig, out: Path, remote_out: bool, devices: list, devi
             # images found: those to do, those done, and those the listing skipped (named
             # outputs taken, links out of the folder): so written + done + skipped add up
             summary = {"images": len(todo) + already + len(report), "already_done": already, "written": 0,
+                       "batch_shapes": [], "decoders": 0,
                        "engine": None, "timing": None}  # a run's, when it ran the model
             redo = functools.partial(_before_redoing, config, todo)
             if not todo or several:  # the settings are checked before anything is deleted

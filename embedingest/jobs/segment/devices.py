@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections import Counter
 
 from ...report import SkipReport
 from ...scaleout.devices import child_env, split_by_size
@@ -50,9 +51,15 @@ def segment_on_devices(devices: list[str], config, todo: list[tuple[str, str]],
     for r in results:
         report.entries.extend(r["skipped"])
     first = results[0]["summary"]
+    shapes: Counter = Counter()
+    for r in results:
+        for n, h, w, k in r["summary"]["batch_shapes"]:
+            shapes[n, h, w] += k
     return {"written": sum(r["summary"]["written"] for r in results), "model": first["model"],
             "arch": first["arch"], "num_classes": first["num_classes"], "device": ",".join(used),
             "dtype": first["dtype"], "resize": first["resize"],
+            "batch_shapes": [[n, h, w, k] for (n, h, w), k in sorted(shapes.items())],
+            "decoders": sum(r["summary"]["decoders"] for r in results),
             **({"stats_rows": sum(r["summary"]["stats_rows"] for r in results)} if config.stats else {}),
             "engine": {"per_device": [r["summary"]["engine"] | {"device": d, "timing": r["summary"]["timing"],
                                                                 "batch_shapes": r["summary"]["batch_shapes"],
