@@ -138,22 +138,29 @@ def reindex(index: str | os.PathLike, factory: str, *, train_size: int = 50_000,
 
 
 def _built_from(folder: Path, manifest: Manifest) -> str | None:
-    """The corpus a rebuild of the index at ``folder`` names: the folder its manifest
-    records, or the one file the index holds when that folder holds other files too.
-    build-index FILE records the file's folder (its unit keys are relative to it), and the
-    folder named would index every file in it; a folder that held one file when it was
-    built (and holds others now) is named by that file too: the rebuild holds what the
-    index holds."""
+    """The corpus a rebuild of the index at ``folder`` names: the one its manifest records
+    (a folder, one file, a URL), as recorded; for an index written before build-index FILE
+    recorded the file itself, the file its folder stands for (:func:`_file_of_old_index`)."""
     root = manifest.corpus_path
-    if not root or is_remote(root):
+    if not root or is_remote(root) or not os.path.isdir(root):
         return root
+    return _file_of_old_index(folder, root) or root
+
+
+def _file_of_old_index(folder: Path, root: str) -> str | None:
+    """The one file an index written before build-index recorded a file as itself was
+    built from, where its manifest records that file's folder ``root`` (its unit keys are
+    relative to it): named, the folder would index every file in it. Told from the index's
+    units: one key, a file right in ``root``, which holds other files now; None otherwise.
+    An index of a folder that held one file when it was built, and holds others now, is
+    told the same way and named by that file: the rebuild holds what the index holds."""
     try:  # read-only: a refusal's message creates no database where there was none
         with IndexStore(folder, read_only=True) as store:
             keys = [row[0] for row in store.db.execute("SELECT key FROM units LIMIT 2")]
     except (ConfigError, sqlite3.Error):
-        return root  # no units to tell: the folder, as recorded
+        return None  # no units to tell: the folder, as recorded
     if len(keys) != 1 or "/" in keys[0] or not (Path(root) / keys[0]).is_file():
-        return root
+        return None
     from ..sources.files import walk_paths  # only for this message
     from ..sources.text import TEXT_EXTENSIONS
 
@@ -161,8 +168,8 @@ def _built_from(folder: Path, manifest: Manifest) -> str | None:
     try:
         others = any(p != file for p in walk_paths(root, TEXT_EXTENSIONS, exclude=folder))
     except (OSError, ConfigError):
-        return root
-    return file if others else root
+        return None
+    return file if others else None
 
 
 def kept_options(manifest: Manifest, params: str | None, plain_params: str | None = None) -> list[str]:

@@ -46,12 +46,17 @@ TEXT_SUFFIXES = {".txt", ".md", ".rst", ".html", ".htm", ".json", ".jsonl", ".nd
 def corpus_file(index: Index, source: str | None) -> Path | None:
     """The file of unit ``source`` inside the index's corpus folder, or None when there is
     none: records held in memory, a corpus not on this machine, a file gone, or a path
-    that leads out of the corpus folder (a link, a key with ``..``)."""
+    that leads out of the corpus folder (a link, a key with ``..``). An index of one file
+    records that file, its key its name: it serves that file alone, from its folder."""
     root = index.manifest.corpus_path
     if not root or not source or source.startswith("record:"):
         return None
+    recorded = Path(root)
+    one_file = not recorded.is_dir()
+    if one_file and text_as_name(source) != recorded.name:
+        return None
     try:
-        base = Path(root).resolve(strict=True)
+        base = (recorded.parent if one_file else recorded).resolve(strict=True)
         path = (base / text_as_name(source)).resolve(strict=True)
     except (OSError, RuntimeError):
         return None

@@ -554,7 +554,7 @@ def test_the_rebuild_command_names_a_local_model_folder_by_its_path(tmp_path, mo
 
 
 def test_the_rebuild_command_of_an_index_of_one_file_names_that_file(tmp_path):
-    """build-index corpus/a.txt records the folder corpus (its keys are relative to it): the
+    """build-index corpus/a.txt recorded the folder corpus (its keys are relative to it): the
     command named the folder, and run it indexed every file there. It names the file, while
     an index of a folder (of one file or more) is named by its folder."""
     from embedingest.index.store import IndexStore
@@ -575,3 +575,52 @@ def test_the_rebuild_command_of_an_index_of_one_file_names_that_file(tmp_path):
     folder_index = tmp_path / "all"
     assert CliRunner().invoke(main, ["build-index", str(corpus), "--out", str(folder_index), *FAST_BUILD]).exit_code == 0
     assert rebuild_command_of(folder_index).startswith(f"embedingest build-index {shlex.quote(str(corpus))} --out ")
+
+
+def test_the_rebuild_command_names_the_file_the_manifest_records_even_once_it_is_gone(tmp_path):
+    """The command guessed the one file from the index's units and the files of its
+    folder; a file moved away since left the folder named, whose rebuild indexed the
+    other files there. It names the file the manifest records."""
+    corpus, out = tmp_path / "corpus", tmp_path / "ix"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("Bread rises because yeast ferments sugars in the dough.")
+    (corpus / "b.txt").write_text("Whales breathe air through a blowhole.")
+    built = CliRunner().invoke(main, ["build-index", str(corpus / "a.txt"), "--out", str(out), *FAST_BUILD])
+    assert built.exit_code == 0, built.output
+    assert json.loads((out / "manifest.json").read_text())["corpus_path"] == str(corpus.resolve() / "a.txt")
+    (corpus / "a.txt").rename(tmp_path / "a.txt")
+    assert rebuild_command_of(out).startswith(
+        f"embedingest build-index {shlex.quote(str(corpus.resolve() / 'a.txt'))} --out {out} ")
+
+
+def test_an_index_of_one_file_that_recorded_its_folder_still_gets_that_file_in_its_rebuild_command(tmp_path):
+    """An index built from one file before the file was recorded as itself records the
+    file's folder: the command names the one file it holds where that folder holds others,
+    and run, rebuilds that file alone, recorded as itself; an index of the folder is named
+    by the folder."""
+    from dataclasses import replace
+
+    from embedingest.index.store import IndexStore
+
+    corpus, out = tmp_path / "the corpus", tmp_path / "ix"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("Bread rises because yeast ferments sugars in the dough.")
+    (corpus / "b.txt").write_text("Whales breathe air through a blowhole.")
+    built = CliRunner().invoke(main, ["build-index", str(corpus / "a.txt"), "--out", str(out), *FAST_BUILD])
+    assert built.exit_code == 0, built.output
+    store = IndexStore(out)
+    store.write_manifest(replace(store.read_manifest(), corpus_path=str(corpus.resolve())))
+    store.close()
+    command = rebuild_command_of(out)
+    assert command.startswith(f"embedingest build-index {shlex.quote(str(corpus.resolve() / 'a.txt'))} --out {out} ")
+    program, *args = shlex.split(command)
+    rebuilt = CliRunner().invoke(main, [*args, *FAST_BUILD])
+    assert rebuilt.exit_code == 0, rebuilt.output
+    with IndexStore(out, read_only=True) as store:
+        assert sorted(store.units()) == ["a.txt"]
+    assert json.loads((out / "manifest.json").read_text())["corpus_path"] == str(corpus.resolve() / "a.txt")
+    folder_index = tmp_path / "all"
+    built = CliRunner().invoke(main, ["build-index", str(corpus), "--out", str(folder_index), *FAST_BUILD])
+    assert built.exit_code == 0, built.output
+    assert rebuild_command_of(folder_index).startswith(
+        f"embedingest build-index {shlex.quote(str(corpus.resolve()))} --out {folder_index} ")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -614,6 +615,93 @@ def test_a_default_out_shared_by_two_corpora_is_refused_never_emptied(tmp_path, 
     assert summary["vectors_total"] == 1  # x.txt of b in place of a's (same key, other text)
     with open_index("indexes/docs") as index:
         assert [h.text for h in index.search_vectors(np.ones((1, 384), np.float32), k=5)[0]] == ["text of corpus b"]
+
+
+def recorded_corpus(out) -> str:
+    return json.loads((Path(out) / "manifest.json").read_text())["corpus_path"]
+
+
+def test_a_single_file_corpus_is_recorded_as_that_file_and_updated_in_place(tmp_path, monkeypatch):
+    """build-index notes.jsonl recorded the file's folder, so a rebuild named that folder and
+    indexed every file in it. It records the file; a run on the same file (by any path)
+    resumes and updates the same index, and with an explicit --out the folder after the
+    file, or the file after the folder, makes it the index of the corpus given."""
+    corpus, out = tmp_path / "corpus", tmp_path / "ix"
+    corpus.mkdir()
+    notes = corpus / "notes.jsonl"
+    notes.write_text("".join(json.dumps({"id": f"n{i}", "text": p}) + "\n" for i, p in enumerate(PARAGRAPHS[:3])))
+    (corpus / "other.md").write_text(PARAGRAPHS[3])
+    first = build_index(str(notes), out=str(out), device="cpu", **FAST)
+    assert (first["units_indexed"], first["vectors_total"]) == (1, 3)
+    assert recorded_corpus(out) == str(corpus.resolve() / "notes.jsonl")
+    ids = np.sort(all_ids(out))
+    monkeypatch.chdir(corpus)
+    again = build_index("notes.jsonl", out=str(out), device="cpu", **FAST)
+    assert (again["units_indexed"], again["units_unchanged"], again["units_removed"]) == (0, 1, 0)
+    assert np.array_equal(np.sort(all_ids(out)), ids)
+    assert recorded_corpus(out) == str(corpus.resolve() / "notes.jsonl")
+    with open(notes, "a") as fh:
+        fh.write(json.dumps({"id": "n3", "text": PARAGRAPHS[4]}) + "\n")
+    grown = build_index("notes.jsonl", out=str(out), device="cpu", **FAST)
+    assert (grown["units_indexed"], grown["units_removed"], grown["vectors_total"]) == (1, 0, 4)
+    folder = build_index(str(corpus), out=str(out), device="cpu", **FAST)
+    assert (folder["units_unchanged"], folder["units_indexed"], folder["vectors_total"]) == (1, 1, 5)
+    assert recorded_corpus(out) == str(corpus.resolve())
+    back = build_index(str(notes), out=str(out), device="cpu", **FAST)
+    assert (back["units_unchanged"], back["units_removed"], back["vectors_total"]) == (1, 1, 4)
+    assert recorded_corpus(out) == str(corpus.resolve() / "notes.jsonl")
+
+
+def test_a_default_out_shared_by_a_file_and_its_folder_is_refused_either_way(tmp_path, monkeypatch):
+    """docs/docs.md and docs/ share the default --out indexes/docs. Both recorded the
+    folder docs, so a run on the folder added its other files to the file's index, and a
+    run on the file emptied the folder's of them. Each is refused as another corpus's
+    index, naming what the run would do; the same file again resumes."""
+    monkeypatch.chdir(tmp_path)
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "docs.md").write_text(PARAGRAPHS[0])
+    (docs / "more.md").write_text(PARAGRAPHS[1])
+    assert build_index("docs/docs.md", device="cpu", **FAST)["vectors_total"] == 1
+    assert build_index("docs/docs.md", device="cpu", **FAST)["units_unchanged"] == 1
+    with pytest.raises(ConfigError) as err:
+        build_index("docs", device="cpu", **FAST)
+    assert str(err.value) == (
+        f"'indexes/docs' (the default --out for 'docs') holds the index of another corpus, "
+        f"{str(docs.resolve() / 'docs.md')!r}, to which this run would add every other file of 'docs': give "
+        "this corpus an --out of its own, or --out 'indexes/docs' to make it the index of this one")
+    assert len(all_ids(Path("indexes/docs"))) == 1
+    shutil.rmtree("indexes")
+    assert build_index("docs", device="cpu", **FAST)["vectors_total"] == 2
+    with pytest.raises(ConfigError) as err:
+        build_index("docs/docs.md", device="cpu", **FAST)
+    assert str(err.value) == (
+        f"'indexes/docs' (the default --out for 'docs/docs.md') holds the index of another corpus, "
+        f"{str(docs.resolve())!r}, whose files this run would remove from it: give this corpus an --out of "
+        "its own, or --out 'indexes/docs' to make it the index of this one")
+    assert len(all_ids(Path("indexes/docs"))) == 2
+
+
+def test_an_index_of_one_file_that_recorded_its_folder_resumes_and_records_the_file(tmp_path, monkeypatch):
+    """An index built from one file before the file was recorded as itself records the
+    file's folder. A run on that file with the default --out resumes it (it is no other
+    corpus's: the index holds that file alone) and records the file from then on."""
+    from dataclasses import replace
+
+    from embedingest.index.store import IndexStore
+
+    monkeypatch.chdir(tmp_path)
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "docs.md").write_text(PARAGRAPHS[0])
+    (docs / "more.md").write_text(PARAGRAPHS[1])
+    build_index("docs/docs.md", device="cpu", **FAST)
+    store = IndexStore(Path("indexes/docs"))
+    store.write_manifest(replace(store.read_manifest(), corpus_path=str(docs.resolve())))
+    store.close()
+    again = build_index("docs/docs.md", device="cpu", **FAST)
+    assert (again["units_unchanged"], again["units_indexed"], again["units_removed"]) == (1, 0, 0)
+    assert recorded_corpus("indexes/docs") == str(docs.resolve() / "docs.md")
 
 
 def test_an_out_folder_with_another_programs_manifest_is_refused_and_kept_under_overwrite(tmp_path):

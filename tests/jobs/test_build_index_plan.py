@@ -481,3 +481,29 @@ def test_a_units_row_made_before_ctimes_were_kept_is_judged_as_then_and_given_on
     plan = plan_units(store, plan_module.file_candidates(corpus, SkipReport(), tmp_path / "ix"), SkipReport())
     assert [(c["key"], c["sha256"]) for c in plan.todo] == [
         ("b.txt", hashlib.sha256(b"owls fish at night").hexdigest())]
+
+
+def test_a_file_is_recorded_as_itself_and_an_index_recording_its_folder_is_its_own_while_it_holds_it_alone(
+        tmp_path, monkeypatch):
+    """The corpus recorded: a folder's real path, a file's (by the name given: its unit
+    key), a URL; none for records. A folder recorded stands for a file in it only where
+    the index holds that file alone (an index written before a file was recorded as
+    itself); a file recorded never stands for its folder."""
+    from embedingest.jobs.build_index.plan import corpus_path, same_corpus
+
+    folder = tmp_path / "c"
+    folder.mkdir()
+    (folder / "a.txt").write_text("x")
+    (tmp_path / "link").symlink_to(folder)
+    monkeypatch.chdir(folder)
+    real = str(folder.resolve())
+    file = os.path.join(real, "a.txt")
+    assert corpus_path(str(folder), False) == corpus_path(".", False) == real
+    assert corpus_path(str(tmp_path / "link"), False) == real
+    assert corpus_path("a.txt", False) == corpus_path(str(tmp_path / "link" / "a.txt"), False) == file
+    assert (corpus_path("s3://b/p/", False), corpus_path([("1", "x")], True)) == ("s3://b/p", None)
+    assert same_corpus(file, file, list) and same_corpus(None, file, list) and same_corpus(real, None, list)
+    assert same_corpus(real, file, lambda: ["a.txt"]) and same_corpus(real, file, list)
+    assert not same_corpus(real, file, lambda: ["a.txt", "b.txt"])
+    assert not same_corpus(file, real, lambda: ["a.txt"])
+    assert not same_corpus(str(tmp_path), file, lambda: ["a.txt"])

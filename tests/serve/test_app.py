@@ -141,6 +141,22 @@ def test_corpus_file_never_leaves_the_corpus(tmp_path):
     assert corpus_file(SimpleNamespace(manifest=SimpleNamespace(corpus_path=None)), "in.txt") is None
 
 
+def test_an_index_of_one_file_serves_that_file_alone(tmp_path):
+    """build-index FILE records the file itself: its hits link to it, and to no file beside it."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "notes.txt").write_text("the notes")
+    (corpus / "other.txt").write_text("another file")
+    (tmp_path / "secret.txt").write_text("outside")
+    (corpus / "link.txt").symlink_to(tmp_path / "secret.txt")
+    index = SimpleNamespace(manifest=SimpleNamespace(corpus_path=str(corpus / "notes.txt")))
+    assert corpus_file(index, "notes.txt") == (corpus / "notes.txt").resolve()
+    for source in ("other.txt", "../secret.txt", "link.txt", "notes.txt/..", "", None):
+        assert corpus_file(index, source) is None, source
+    linked = SimpleNamespace(manifest=SimpleNamespace(corpus_path=str(corpus / "link.txt")))
+    assert corpus_file(linked, "link.txt") is None, "a link out of the folder is never followed"
+
+
 @pytest.mark.parametrize("params,fragment", [
     ({}, "Field required"),
     ({"q": ""}, "empty"),

@@ -49,9 +49,9 @@ from ...stages.tokenizer import load_tokenizer
 from .devices import SeveralDevices
 from .encode import OneDevice, needs_training
 from .plan import (apply_plan, check_search_params, corpus_path, default_out, file_candidates, fingerprint,
-                   plan_units, reading, record_candidates, refuse_corpus_in_index, refuse_unfit_chunks_of,
-                   settled_chunking, settled_embeddings, settled_factory, settled_fields, settled_settings,
-                   stored_manifest, unit_key)
+                   plan_units, reading, record_candidates, refuse_another_corpus, refuse_corpus_in_index,
+                   refuse_unfit_chunks_of, settled_chunking, settled_embeddings, settled_factory, settled_fields,
+                   settled_settings, stored_manifest, unit_key)
 
 __all__ = ["build_index", "default_out", "plan_units", "record_candidates", "settled_fields", "unit_key"]
 
@@ -223,12 +223,9 @@ def _build_locked(corpus, cfg: IndexConfig, out: Path, model, built: list, where
                 raise
             model = _loaded(where, cfg, model, built, phases)  # its own width, then the same check
             manifest = _open_index(store, model, cfg, dtype, corpus, in_memory, False)
-        here = corpus_path(corpus, in_memory)
-        if not cfg.out and manifest.corpus_path and here and manifest.corpus_path != here:
-            raise ConfigError(f"{str(out)!r} (the default --out for {str(corpus)!r}) holds the index of "
-                              f"another corpus, {manifest.corpus_path!r}, whose files this run would "
-                              f"remove from it: give this corpus an --out of its own, or --out "
-                              f"{str(out)!r} to make it the index of this one")
+        if not cfg.out:
+            refuse_another_corpus(out, corpus, manifest.corpus_path, corpus_path(corpus, in_memory),
+                                  lambda: store.units().keys())
         settings, cfg = settled_settings(manifest, cfg, model.max_seq_length, str(out))
         settings["record_fields"] = settled_fields(manifest, cfg, str(out))
         cfg = reading(cfg, settings["record_fields"])

@@ -17,7 +17,7 @@ import hashlib
 import logging
 import os
 import shlex
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -387,13 +387,48 @@ def apply_plan(store: ShardStore, plan: Plan) -> tuple[int, dict[str, int]]:
 
 
 def corpus_path(corpus, in_memory: bool) -> str | None:
-    """The folder unit keys are relative to (for serving a hit's file), None for records."""
+    """The corpus as the manifest records it and a rebuild names it: a folder's real path,
+    one file's (its folder's real path and the name given, which is its unit key), or the
+    URL; None for records. A file is recorded as itself, not as its folder (unit keys are
+    relative to that folder either way): the folder, named, indexes every file in it."""
     if in_memory:
         return None
     if is_remote(corpus):
         return corpus.rstrip("/")
-    root = Path(corpus).resolve()
-    return str(root if root.is_dir() else root.parent)
+    path = Path(corpus)
+    if path.is_dir():
+        return str(path.resolve())
+    return str(path.absolute().parent.resolve() / path.name)
+
+
+def same_corpus(recorded: str | None, here: str | None, keys: Callable[[], Iterable[str]]) -> bool:
+    """Whether the index whose manifest records the corpus ``recorded`` is the index of
+    ``here`` (both :func:`corpus_path`; None, for records, matches any). An index written
+    before a file was recorded as itself records the file's folder: it is the index of a
+    file in that folder when it holds no unit but that file's (``keys()``: its unit keys)."""
+    if not recorded or not here or recorded == here:
+        return True
+    if is_remote(here) or os.path.dirname(here) != recorded:
+        return False
+    own = unit_key(os.path.basename(here))
+    return all(key == own for key in keys())
+
+
+def refuse_another_corpus(out: Path, corpus, recorded: str | None, here: str | None,
+                          keys: Callable[[], Iterable[str]]) -> None:
+    """ConfigError when ``out``, the default --out of ``corpus`` (recorded as ``here``),
+    holds the index of another corpus (``recorded``; ``keys()``: its unit keys): corpora
+    of one name (a/docs and b/docs, or docs/ and docs/docs.md) share a default --out, and
+    the run would make one's index the other's, removing files or adding them."""
+    if same_corpus(recorded, here, keys):
+        return
+    if not is_remote(here) and is_within(recorded, here):
+        effect = f"to which this run would add every other file of {str(corpus)!r}"
+    else:
+        effect = "whose files this run would remove from it"
+    raise ConfigError(f"{str(out)!r} (the default --out for {str(corpus)!r}) holds the index of another "
+                      f"corpus, {recorded!r}, {effect}: give this corpus an --out of its own, or --out "
+                      f"{str(out)!r} to make it the index of this one")
 
 
 def settled_prompts(manifest: Manifest, cfg: IndexConfig, where: str) -> dict:
