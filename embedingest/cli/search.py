@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import click
 
 from ..config import SearchConfig, ServeConfig
+from ..errors import ConfigError
 from ..terminal import printable
 from .common import IndexPath, command_config, config_options, emit_json, library_errors
+
+
+@contextlib.contextmanager
+def params_named(option: str):
+    """Search parameters the index does not take, named as the command's ``option`` the
+    user typed (the library names its keyword argument, ``params=``)."""
+    from ..index.search import SearchParamsRefused
+
+    try:
+        yield
+    except SearchParamsRefused as exc:
+        raise ConfigError(exc.worded(option)) from exc
 
 
 @click.command()
@@ -24,8 +39,9 @@ def search(index_dir, query, as_json, **options) -> None:
     cfg = command_config(SearchConfig, **options)
     text = " ".join(query)
     for last in (False, True):  # a build that replaced a shard meanwhile: opened once more
-        index = open_index(index_dir, device=cfg.device, params=cfg.params, query_prompt=cfg.query_prompt,
-                           cache_dir=cfg.cache_dir, cache_size=cfg.cache_size)
+        with params_named("--params"):
+            index = open_index(index_dir, device=cfg.device, params=cfg.params, query_prompt=cfg.query_prompt,
+                               cache_dir=cfg.cache_dir, cache_size=cfg.cache_size)
         try:
             (hits,) = index.search([text], k=cfg.k or index.default_k)
             break
@@ -62,10 +78,11 @@ def serve(index_dir, **options) -> None:
 
     cfg = command_config(ServeConfig, **options)
     try:
-        run_server(index_dir, cfg.host, cfg.port, device=cfg.device, params=cfg.params,
-                   query_prompt=cfg.query_prompt, max_query_chars=cfg.max_query_chars, max_k=cfg.max_k,
-                   threads=cfg.threads or None, cache_dir=cfg.cache_dir, cache_size=cfg.cache_size,
-                   query_runtime=cfg.query_runtime,
-                   on_ready=lambda url: click.echo(f"serving {index_dir} at {url} (Ctrl-C stops)", err=True))
+        with params_named("--params"):
+            run_server(index_dir, cfg.host, cfg.port, device=cfg.device, params=cfg.params,
+                       query_prompt=cfg.query_prompt, max_query_chars=cfg.max_query_chars, max_k=cfg.max_k,
+                       threads=cfg.threads or None, cache_dir=cfg.cache_dir, cache_size=cfg.cache_size,
+                       query_runtime=cfg.query_runtime,
+                       on_ready=lambda url: click.echo(f"serving {index_dir} at {url} (Ctrl-C stops)", err=True))
     except KeyboardInterrupt:  # how a server is stopped: not an error
         click.echo("stopped", err=True)

@@ -30,7 +30,8 @@ from ..errors import ConfigError
 from ..outfiles import atomic_file, atomic_write_bytes, ensure_folder, is_tmp_name, native_path, refuse_link
 from ..sources.files import is_within
 from ..sources.remote import is_remote
-from .formats import require_current
+from .foreign import ParquetIds, refuse_foreign_shards
+from .formats import UNITS_NAME, require_current
 from .lock import IndexBusy, no_build_running
 from .shard_store import refuse_unfinished_overwrite
 from .shards import (EMB_SUFFIX, SHARD_NAME, SHARDS_DIR, damaged, embeddings_problem, list_shards, read_embeddings,
@@ -140,6 +141,17 @@ def _refuse_inside_corpus(to, corpus: str | None, where: str) -> None:
                           "choose a folder outside the corpus")
 
 
+def _refuse_foreign(rows: ParquetIds, manifest, units=None) -> None:
+    """Before any file is written: every shard is this index's
+    (:func:`~embedingest.index.foreign.refuse_foreign_shards`; the ids are each shard's id
+    column, one column of what the export reads whole next), else an export would write
+    another index's rows, and ids twice."""
+    try:
+        refuse_foreign_shards(rows, manifest, units)
+    finally:
+        rows.close()
+
+
 def _export(index, to, embeddings: bool | None, overwrite: bool) -> dict:
     if is_remote(index):
         from .cache import RemoteShards
@@ -162,6 +174,7 @@ def _export(index, to, embeddings: bool | None, overwrite: bool) -> dict:
         dim = remote.manifest.dim
         where = index = remote.url
         _refuse_inside_corpus(to, remote.manifest.corpus_path, where)
+        _refuse_foreign(ParquetIds(with_rows, opener=remote.open_parquet, where=remote.where), remote.manifest)
     else:
         index = Path(index)
         require_current(index)
@@ -175,6 +188,7 @@ def _export(index, to, embeddings: bool | None, overwrite: bool) -> dict:
         generation, dim = manifest.generation, manifest.dim
         refuse_link(index / SHARDS_DIR)  # a shard is read from inside the index folder only
         with_rows = [s for s in list_shards(index / SHARDS_DIR, generation=generation) if s.rows]
+        _refuse_foreign(ParquetIds(with_rows), manifest, index / UNITS_NAME)
 
         def rows_of(shard):
             # export reads every byte anyway: those that were not committed are refused, not exported

@@ -89,6 +89,32 @@ def apply_search_params(index: faiss.Index, params: str) -> str:
     return text
 
 
+# The search parameters faiss's ParameterSpace sets, as a refusal lists those an index takes
+# (every index takes "verbose", and HNSW "efConstruction", which a search does not use).
+_SEARCH_PARAMS = ("nprobe", "max_codes", "efSearch", "quantizer_efSearch", "k_factor_rf", "k_factor", "ht")
+
+
+def search_params_taken(index: faiss.Index) -> list[str]:
+    """The search parameters ``index`` takes, in words (``"nprobe (1 to 16)"``), for a
+    refusal of others to list. Each is tried on ``index`` itself (a copy of a large
+    index would cost its size): call it only on an index whose parameters are refused
+    anyway, not one that goes on searching."""
+    space, taken = faiss.ParameterSpace(), []
+    for name in _SEARCH_PARAMS:
+        try:
+            space.set_index_parameter(index, name, 1)
+        except RuntimeError:
+            continue
+        ivf = faiss.try_extract_index_ivf(index) if name == "nprobe" else None
+        taken.append(f"nprobe (1 to {ivf.nlist})" if ivf is not None else name)
+    return taken
+
+
+def search_param_names(params: str) -> list[str]:
+    """The names ``params`` sets (``"nprobe=16,efSearch=64"``: nprobe, efSearch)."""
+    return [part.partition("=")[0].strip() for part in params.split(",") if part.strip()]
+
+
 def parse_factory(dim: int, factory: str, metric: str) -> faiss.Index:
     """``faiss.index_factory(dim, factory, metric)``, a ConfigError naming the string when
     faiss cannot make it. A build calls it before it writes anything, so a bad

@@ -94,6 +94,28 @@ class ShardRows:
         """The ids of shard ``no`` (of :attr:`shards`) in row order."""
         return self._flat[self._offsets[no]:self._offsets[no + 1]]
 
+    def where(self, no: int) -> str:
+        """Shard ``no``'s Parquet file (its path, or its URL), as errors name it."""
+        return self._where(self.shards[no])
+
+    def shared_id(self) -> tuple[int, int, int] | None:
+        """An id that two rows hold, as (id, shard number, the other's shard number, in
+        :attr:`shards`' order), or None: the ids are sorted already, so this is one pass."""
+        return first_shared(self._sorted, self._order, self._offsets)
+
+    def first_rows(self, no: int) -> tuple[list[int], list[str | None]]:
+        """The ids and sources of shard ``no``'s first row group (a few rows: a sample of
+        which units the shard holds, read without reading the file)."""
+        pf, lock = self._file(no)
+        try:
+            with lock:
+                table = pf.read_row_group(0, columns=["id", "source"], use_threads=False)
+        except (pa.ArrowException, OSError) as exc:
+            shard = self.shards[no]
+            raise ConfigError(f"cannot read {self._where(shard)!r} ({exc}): the shard is damaged; "
+                              f"{redo_advice(shard.name)}") from exc
+        return table.column("id").to_pylist(), table.column("source").to_pylist()
+
     def __len__(self) -> int:
         return len(self._sorted)
 
@@ -215,6 +237,19 @@ class ShardRows:
             for pf, _ in self._files.values():
                 pf.close()
             self._files.clear()
+
+
+def first_shared(ids_sorted: np.ndarray, order: np.ndarray, offsets: np.ndarray) -> tuple[int, int, int] | None:
+    """The first id that two rows hold in ``ids_sorted`` (the shards' ids end to end,
+    sorted by the stable ``order``; shard ``n``'s from ``offsets[n]``), as (id, shard,
+    other shard); None when every id is once."""
+    twice = np.flatnonzero(ids_sorted[1:] == ids_sorted[:-1])
+    if not len(twice):
+        return None
+    at = int(twice[0])
+    first, second = sorted(int(x) for x in order[at:at + 2])
+    shard_of = np.searchsorted(offsets, [first, second], side="right") - 1
+    return int(ids_sorted[at]), int(shard_of[0]), int(shard_of[1])
 
 
 def _identity(path) -> tuple | None:

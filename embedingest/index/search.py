@@ -13,6 +13,7 @@ read from the shards' Parquet files (:class:`~embedingest.index.lookup.ShardRows
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -26,15 +27,16 @@ import numpy as np
 from ..config import DEFAULT_SEARCH_K
 from ..errors import ConfigError
 from ..outfiles import refuse_link
-from .faiss_factory import (METRICS, apply_search_params, metric_code, read_bounded, read_index_file,
-                            search_params_text)
-from .lookup import ShardRows
-from .shard_store import answering_folder
+from .faiss_factory import (METRICS, apply_search_params, default_search_params, metric_code, read_bounded,
+                            read_index_file, search_param_names, search_params_taken, search_params_text)
+from .foreign import refuse_foreign_shards
+from .lookup import IndexChanged, ShardRows
+from .shard_store import ASIDE_DIR, answering_folder
 from ..sources.remote import is_remote
 from ..sources.text import arrow_as_list
 from ..stages.device_name import device_name
-from .shards import SHARDS_DIR, list_shards, redo_advice
-from .store import IndexStore, Manifest
+from .shards import COMMIT_SUFFIX, SHARDS_DIR, list_shards, redo_advice
+from .store import MANIFEST_NAME, IndexStore, Manifest
 
 PARALLEL_FROM = 20_000  # vectors; below, threads cost more than the scan
 _MMAP_FLAGS = (
@@ -126,30 +128,190 @@ def _single_threaded_after_fork() -> None:
             _fork_hooked = True
 
 
+@dataclass(eq=False)
+class _Opened:
+    """One opening of the index, which a search uses from its start to its end: a reload
+    makes another, and this one is closed once no search holds it (``users``)."""
+
+    store: object  # IndexStore, or RemoteShards for an index in object storage
+    manifest: Manifest
+    shards: list
+    rows: ShardRows | None
+    params: str | None  # the faiss search parameters in force (None: none)
+    query_prompt: str
+    users: int = 0
+    retired: bool = False
+
+    def close(self) -> None:
+        if self.rows is not None:
+            self.rows.close()
+        self.store.close()
+
+
+class _Folder:
+    """A local index as :func:`open_index` was asked for it (its folder, and the search
+    parameters and query prompt given: None, the manifest's), so a handle can tell that a
+    build, a reindex or an ``--overwrite`` changed it since, and open it again."""
+
+    def __init__(self, path: Path, params: str | None, query_prompt: str | None):
+        self.path, self.params, self.query_prompt = path, params, query_prompt
+        aside = path / ASIDE_DIR
+        self._watched = (path / MANIFEST_NAME, aside / MANIFEST_NAME, path / SHARDS_DIR, aside / SHARDS_DIR)
+
+    def signature(self) -> tuple:
+        """Which manifests and shard folders are there (the folder's, and those a rebuild
+        with --overwrite sets aside): a manifest is replaced by a rename (another inode),
+        a folder's time moves when a shard is committed or deleted in it. A few ``stat``s."""
+        return tuple(_signature(path) for path in self._watched)
+
+    def open(self) -> _Opened:
+        folder = answering_folder(self.path)
+        if folder != self.path:
+            log.warning("a rebuild of %s with --overwrite is running or was stopped: answering from the index "
+                        "before it (%s) until one finishes", self.path, folder)
+        store = IndexStore(folder, read_only=True)
+        manifest = store.read_manifest()
+        params = manifest.search.get("params") if self.params is None else self.params
+        shards, rows = _open_shards(store, manifest, params)
+        prompt = manifest.prompts.get("query", "") if self.query_prompt is None else self.query_prompt
+        return _Opened(store, manifest, shards, rows, params or None, prompt)
+
+    def unchanged(self, opened: _Opened) -> bool:
+        """Whether ``opened`` is still the index: the same folder answers, its manifest
+        says the same (but for the time and version of the last run that wrote it, which
+        rewrites it also when nothing changed), and every shard it reads is still
+        committed (a build's removal replaces shards long before it writes the manifest;
+        shards a running build adds count once its manifest names them)."""
+        folder = answering_folder(self.path)
+        if folder != opened.store.folder:
+            return False
+        manifest = IndexStore(folder, read_only=True).read_manifest()
+        if _settings(manifest) != _settings(opened.manifest):
+            return False
+        try:
+            names = set(os.listdir(folder / SHARDS_DIR))
+        except OSError:
+            return False
+        return all(f"{shard.name}{COMMIT_SUFFIX}" in names for shard in opened.rows.shards)
+
+
+def _signature(path: Path) -> tuple | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _settings(manifest: Manifest) -> dict:
+    return {k: v for k, v in dataclasses.asdict(manifest).items() if k not in ("updated", "version")}
+
+
 class Index:
-    """A searchable index folder; see :func:`open_index`."""
+    """A searchable index; see :func:`open_index`.
+
+    A local index that a build, a reindex or an ``--overwrite`` changes while it is open
+    is opened again by the next search (and ``len``, ``chunks``): a handle answers as the
+    index is, not with the rows of documents removed since (their files stay readable
+    to a process that has them open, so the old opening answered with them). Telling
+    costs a few ``stat`` calls a search; the query encoder is kept unless the model
+    changed, and a search under way ends on the opening it began with. An index that
+    cannot be opened again (damaged, half replaced) leaves the old opening answering,
+    logged. An index in object storage is searched as it was opened: open it again to
+    see a build's changes."""
 
     def __init__(self, store: IndexStore, manifest: Manifest, shards: list[faiss.Index],
                  encoder=None, device: str = "cpu", query_prompt: str | None = None,
                  params: str | None = None, rows: ShardRows | None = None, query_runtime: str = "torch",
-                 cache_dir: str | os.PathLike | None = None):
-        self.store = store
-        self.rows = rows  # the chunk rows, through the shards' Parquet files
-        self.manifest = manifest
-        self.shards = shards
+                 cache_dir: str | os.PathLike | None = None, *, folder: _Folder | None = None,
+                 signature: tuple | None = None):
+        prompt = manifest.prompts.get("query", "") if query_prompt is None else query_prompt
+        self._now = _Opened(store, manifest, shards, rows, params, prompt)
         self.device = device
         self._encoder = encoder
+        self._own_encoder = encoder is None  # loaded from the manifest's model: a reload may change it
         self._encoder_lock = threading.Lock()
         self._encode_lock = threading.Lock()
-        self.query_prompt = manifest.prompts.get("query", "") if query_prompt is None else query_prompt
-        self.params = params  # the faiss search parameters in force ("" or None: none)
         self.query_runtime = query_runtime  # asked for; the encoder's runtime says which runs
         self._cache_dir = cache_dir
         self._pool = None
         self._prompt_checked = None  # the encoder the query prompt was found to leave room in
         self._closed = False
-        self._state = threading.Condition()  # guards _closed and _active: close() waits for searches
+        self._state = threading.Condition()  # guards _closed, _active and _now: close() waits for searches
         self._active = 0
+        self._folder = folder  # None: searched as opened (object storage, or made by the caller)
+        self._seen = signature  # the folder's signature when _now was opened
+        self._reload_lock = threading.Lock()
+
+    @property
+    def store(self):
+        return self._now.store
+
+    @property
+    def manifest(self) -> Manifest:
+        return self._now.manifest
+
+    @property
+    def shards(self) -> list:
+        """The shards' faiss indexes (none once closed)."""
+        return [] if self._closed else self._now.shards
+
+    @property
+    def rows(self) -> ShardRows | None:
+        """The chunk rows, through the shards' Parquet files."""
+        return self._now.rows
+
+    @property
+    def params(self) -> str | None:
+        """The faiss search parameters in force (None: none)."""
+        return self._now.params
+
+    @property
+    def query_prompt(self) -> str:
+        return self._now.query_prompt
+
+    def _refresh(self, force: bool = False) -> None:
+        """Open the index again if it changed since it was opened (``force``: a shard it
+        reads was replaced under it). One that cannot be opened again (a build damaged
+        it, a folder half replaced) leaves the opening it has answering, logged, as a
+        server does (:mod:`embedingest.serve.live`); the next change is tried again."""
+        if self._folder is None:
+            return
+        seen = self._folder.signature()
+        if seen == self._seen and not force:
+            return
+        with self._reload_lock:
+            seen = self._folder.signature()
+            if seen == self._seen and not force:
+                return  # another thread opened it again meanwhile
+            try:
+                if not force and self._folder.unchanged(self._now):
+                    self._seen = seen
+                    return
+                fresh = self._folder.open()
+            except Exception as exc:
+                self._seen = seen
+                log.warning("the index at %s changed but cannot be opened again (%s); still answering from "
+                            "the one opened before", self._folder.path, exc)
+                return
+            with self._state:
+                if self._closed:  # closed meanwhile: nothing may stay open
+                    fresh.close()
+                    return
+                old, self._now = self._now, fresh
+                old.retired = True
+                if not old.users:
+                    old.close()
+            self._seen = seen
+        log.info("the index at %s changed since it was opened: opened again (%d vectors)", self._folder.path,
+                 sum(s.ntotal for s in fresh.shards))
+        with self._encoder_lock:
+            if self._own_encoder and self._encoder is not None and (
+                    fresh.manifest.model.get("name"), fresh.manifest.dim) != (
+                    old.manifest.model.get("name"), old.manifest.dim):
+                self._encoder = None  # the model changed (a rebuild with --overwrite): loaded anew
+            if fresh.query_prompt != old.query_prompt:
+                self._prompt_checked = None
 
     @property
     def default_k(self) -> int:
@@ -169,8 +331,8 @@ class Index:
     @property
     def ntotal(self) -> int:
         """The vectors the index holds (ConfigError once closed: 0 would read as empty)."""
-        self._check_open()
-        return sum(s.ntotal for s in self.shards)
+        with self._open_while() as now:
+            return sum(s.ntotal for s in now.shards)
 
     def __reduce__(self):
         raise TypeError(f"an Index does not pickle (it holds open files and faiss indexes): pass the path and open "
@@ -182,31 +344,50 @@ class Index:
                               "with open_index (a closed one would answer with nothing)")
 
     @contextlib.contextmanager
-    def _open_while(self):
-        """The block runs on an open index, which :meth:`close` (from another thread) frees
-        only once the block is done: a search under way finishes, a later one is refused."""
+    def _open_while(self, force: bool = False):
+        """The block runs on an open index, as it is now (opened again first if it changed,
+        or ``force``), and gets that opening: :meth:`close` (from another thread) and a
+        reload free it only once the block is done; a search under way finishes, a later
+        one after close() is refused."""
+        self._check_open()
+        self._refresh(force)
         with self._state:
             self._check_open()
             self._active += 1
+            now = self._now
+            now.users += 1
         try:
-            yield
+            yield now
         finally:
             with self._state:
                 self._active -= 1
+                now.users -= 1
+                if now.retired and not now.users:
+                    now.close()
                 self._state.notify_all()
+
+    def _again_if_changed(self, fn):
+        """``fn(opened)`` on the index as it is; once more, opened again, when a shard it
+        read was replaced or removed meanwhile (:class:`IndexChanged`: a build's commit)."""
+        try:
+            with self._open_while() as now:
+                return fn(now)
+        except IndexChanged:
+            if self._folder is None:
+                raise
+        with self._open_while(force=True) as now:
+            return fn(now)
 
     def close(self) -> None:
         with self._state:
             self._closed = True
             while self._active:
                 self._state.wait()
-        self.shards = []
-        if self.rows is not None:
-            self.rows.close()
+            now = self._now
+        now.close()
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
-        self.store.close()
 
     @property
     def encoder(self):
@@ -278,6 +459,7 @@ class Index:
         """Top ``k`` chunks for each query text, best first (``k`` None: :attr:`default_k`);
         the query prompt goes before each text."""
         self._check_open()
+        self._refresh()  # the query prompt of the index as it is now
         if isinstance(queries, str):
             queries = [queries]
         elif queries is None or not hasattr(queries, "__iter__") or isinstance(queries, (bytes, bytearray)):
@@ -306,15 +488,17 @@ class Index:
     def chunks(self, ids) -> dict:
         """Chunk rows by vector id (:class:`~embedingest.index.store.Chunk`, with its
         source); unknown ids are absent."""
-        with self._open_while():
-            return {} if self.rows is None else self.rows.chunks(ids)
+        ids = list(ids) if not isinstance(ids, np.ndarray) else ids  # read twice when a build changed the index
+        return self._again_if_changed(lambda now: {} if now.rows is None else now.rows.chunks(ids))
 
     def search_vectors(self, vectors: np.ndarray, k: int | None = None) -> list[list[Hit]]:
         """Top ``k`` chunks for each query vector (used as given: normalise them for "ip")."""
-        with self._open_while():
-            scores, ids = self._search_raw(vectors, k)
+        def found_rows(now: _Opened):
+            scores, ids = self._search_raw(now, vectors, k)
             found = np.unique(ids[ids >= 0]).tolist()
-            rows = {} if self.rows is None else self.rows.chunks(found)
+            return scores, ids, found, {} if now.rows is None else now.rows.chunks(found)
+
+        scores, ids, found, rows = self._again_if_changed(found_rows)
         missing = [i for i in found if i not in rows]
         if missing:
             raise ConfigError(
@@ -337,34 +521,35 @@ class Index:
 
     def search_raw(self, vectors: np.ndarray, k: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(scores, ids), each [nq, k], best first; id -1 pads rows when fewer than k exist."""
-        with self._open_while():
-            return self._search_raw(vectors, k)
+        with self._open_while() as now:
+            return self._search_raw(now, vectors, k)
 
-    def _search_raw(self, vectors, k: int | None) -> tuple[np.ndarray, np.ndarray]:
-        k = self.default_k if k is None else k
+    def _search_raw(self, now: _Opened, vectors, k: int | None) -> tuple[np.ndarray, np.ndarray]:
+        manifest = now.manifest
+        k = int(manifest.search.get("k") or DEFAULT_SEARCH_K) if k is None else k
         if np.iscomplexobj(vectors):
             raise ConfigError("query vectors are complex numbers: give real ones")
         try:
             q = np.ascontiguousarray(vectors, dtype=np.float32)
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"query vectors of type {type(vectors).__name__} are no numbers ({exc}): give an array "
-                              f"of shape (n, {self.manifest.dim}); texts go to search()") from None
+                              f"of shape (n, {manifest.dim}); texts go to search()") from None
         if q.ndim == 1:
             q = q[None, :]
-        if q.ndim != 2 or q.shape[1] != self.manifest.dim:
+        if q.ndim != 2 or q.shape[1] != manifest.dim:
             raise ConfigError(f"query vectors of shape {np.shape(vectors)}, expected "
-                              f"(n, {self.manifest.dim}) for the index at {str(self.store.folder)!r}")
+                              f"(n, {manifest.dim}) for the index at {str(now.store.folder)!r}")
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k <= 0:
             raise ConfigError(f"k must be a positive integer, got {k!r}")
         if not np.isfinite(q).all():
             raise ConfigError("query vectors hold NaN or infinite values: no vector is near them; "
                               "check how they were made")
-        k = int(min(k, sum(s.ntotal for s in self.shards)))  # faiss takes Python's int only
+        k = int(min(k, sum(s.ntotal for s in now.shards)))  # faiss takes Python's int only
         if k == 0:
             return np.empty((len(q), 0), np.float32), np.empty((len(q), 0), np.int64)
         _single_threaded_after_fork()
-        heap = faiss.ResultHeap(len(q), k, keep_max=self.manifest.metric == "ip")
-        shards = [seg for seg in self.shards if seg.ntotal]
+        heap = faiss.ResultHeap(len(q), k, keep_max=manifest.metric == "ip")
+        shards = [seg for seg in now.shards if seg.ntotal]
         for result in self._map_shards(lambda seg: seg.search(q, min(k, seg.ntotal)), shards):
             heap.add_result(*result)
         heap.finalize()
@@ -399,6 +584,9 @@ def open_index(path: str | os.PathLike, device: str = "cpu", *, encoder=None,
     ``"nprobe=16"`` (IVF) or ``"efSearch=128"`` (HNSW); None: those stored with the index
     (``build-index --search-params``), "" for none. ``query_prompt``: text put before each
     query; None: the index's (the model's query prompt, or ``build-index --query-prompt``).
+    A local index that a build, a reindex or a rebuild changes later is opened again by
+    the next search of the handle (:class:`Index`); one in object storage is searched as
+    it was opened.
     ``cache_dir``: where the vectors of an index in object storage are kept once downloaded
     (:mod:`embedingest.index.cache`; None: ``~/.cache/embedingest``), and the query
     encoder's ONNX graph; ``cache_size`` the most GiB of vectors it keeps (None: 20; 0: no
@@ -430,45 +618,72 @@ def open_index(path: str | os.PathLike, device: str = "cpu", *, encoder=None,
             params = manifest.search.get("params")
         try:
             shards, rows = _load_shards(remote.shards, remote.faiss_path, manifest, params,
-                                        opener=remote.open_parquet, where=remote.where)
+                                        opener=remote.open_parquet, where=remote.where, place=remote.url)
         except BaseException:
             remote.close()
             raise
         return Index(remote, manifest, shards, encoder=encoder, device=device, query_prompt=query_prompt,
                      params=params or None, rows=rows, query_runtime=query_runtime, cache_dir=cache_dir)
-    folder = answering_folder(path)
-    if folder != Path(path):
-        log.warning("a rebuild of %s with --overwrite is running or was stopped: answering from the index "
-                    "before it (%s) until one finishes", path, folder)
-    store = IndexStore(folder, read_only=True)
-    manifest = store.read_manifest()
-    if params is None:
-        params = manifest.search.get("params")
-    shards, rows = _open_shards(store, manifest, params)
-    return Index(store, manifest, shards, encoder=encoder, device=device, query_prompt=query_prompt,
-                 params=params or None, rows=rows, query_runtime=query_runtime, cache_dir=cache_dir)
+    folder = _Folder(Path(path), params, query_prompt)
+    seen = folder.signature()  # before reading: a change while it is read is seen by the next search
+    opened = folder.open()
+    return Index(opened.store, opened.manifest, opened.shards, encoder=encoder, device=device,
+                 query_prompt=opened.query_prompt, params=opened.params, rows=opened.rows,
+                 query_runtime=query_runtime, cache_dir=cache_dir, folder=folder, signature=seen)
 
 
-def _set_params(index: faiss.Index, params: str | None, name: str, manifest: Manifest) -> None:
+class SearchParamsRefused(ConfigError):
+    """Search parameters the index's factory does not take. The message names them as the
+    Python API takes them (``params=``); :meth:`worded` names the option they came from
+    on a command line (``--params``), so a command names what its user typed, not a
+    shard file."""
+
+    def __init__(self, params: str, place: str, factory: str, reason: str, taken: list[str],
+                 stored: bool, example: str | None):
+        self.params, self.place, self.factory, self.reason = params, place, factory, reason
+        self.taken, self.stored, self.example = taken, stored, example
+        super().__init__(self.worded("params"))
+
+    def worded(self, option: str) -> str:
+        """The message for parameters given as ``option`` (``params``: the keyword
+        argument; ``--params``: the command's option)."""
+        def given(value: str) -> str:
+            return f"{option} {value!r}" if option.startswith("-") else f"{option}={value!r}"
+
+        names = {t.split(" ")[0] for t in self.taken}
+        unknown = [n for n in search_param_names(self.params) if n not in names]
+        why = (f"it has no parameter {', '.join(unknown)}" if unknown else f"faiss: {self.reason}")
+        takes = (f"it takes {', '.join(self.taken)}" if self.taken else "it takes no search parameters")
+        head = (f"search parameters {self.params!r} do not apply to the index at {self.place!r} "
+                f"(factory {self.factory!r}): ")
+        if self.stored:
+            return (head + f"they are the index's own (build-index --search-params), and {why}; {takes}: pass "
+                    f"others ({given('')} for none) or store others with build-index --search-params")
+        advice = (f"e.g. {given(self.example)}" if self.example else
+                  f"leave out {option}" if not self.taken else f"give {' or '.join(sorted(names))}")
+        return head + f"{given(self.params)}: {why}; {takes}: {advice}"
+
+
+def _set_params(index: faiss.Index, params: str | None, manifest: Manifest, place: str) -> None:
     if params:
         try:
             apply_search_params(index, params)
         except ValueError as exc:
-            stored = params == manifest.search.get("params")
-            raise ConfigError(f"search parameters {params!r} do not apply to {name} "
-                              f"(factory {manifest.factory!r}): {exc}"
-                              + ("; they are the index's own: pass others (--params, '' for none) or "
-                                 "store others with build-index --search-params" if stored else "")) from exc
+            raise SearchParamsRefused(params, place, manifest.factory, str(exc), search_params_taken(index),
+                                      params == manifest.search.get("params"),
+                                      default_search_params(index)) from exc
 
 
 def _open_shards(store: IndexStore, manifest: Manifest, params: str | None) -> tuple[list, ShardRows]:
     """The vectors of every committed shard (memory-mapped where faiss can) and their rows.
-    Each shard's vectors must be its rows' (same count and ids, in the same order)."""
+    Each shard's vectors must be its rows' (same count and ids, in the same order), and
+    each shard this index's (:mod:`~embedingest.index.foreign`)."""
     refuse_link(store.folder / SHARDS_DIR)  # a shard is read from inside the index folder only
     live = list_shards(store.folder / SHARDS_DIR, generation=manifest.generation)
     _warn_of_lost_shards(manifest, live, store.folder / SHARDS_DIR)
     shards = [s for s in live if s.rows]
-    return _load_shards(shards, lambda shard: shard.faiss_path(manifest.generation), manifest, params)
+    return _load_shards(shards, lambda shard: shard.faiss_path(manifest.generation), manifest, params,
+                        place=str(store.folder), units=store.metadata_path)
 
 
 def _warn_of_lost_shards(manifest: Manifest, live: list, folder: Path) -> list[str]:
@@ -489,9 +704,10 @@ def _warn_of_lost_shards(manifest: Manifest, live: list, folder: Path) -> list[s
 
 
 def _load_shards(shards: list, faiss_path, manifest: Manifest, params: str | None, *, opener=None,
-                 where=None) -> tuple[list, ShardRows]:
+                 where=None, place: str = "", units: Path | None = None) -> tuple[list, ShardRows]:
     """The vectors of ``shards`` (each read from ``faiss_path(shard)``) and their rows
-    (see :class:`ShardRows` for ``opener`` and ``where``)."""
+    (see :class:`ShardRows` for ``opener`` and ``where``), of the index at ``place``;
+    ``units``: its units database, which the shards' rows are compared with."""
     vectors, ids = [], []
     for shard in shards:
         path = faiss_path(shard)
@@ -510,10 +726,16 @@ def _load_shards(shards: list, faiss_path, manifest: Manifest, params: str | Non
                 f"{manifest.metric!r}: their scores cannot be merged (the hits would be ranked wrongly); "
                 f"the shard is damaged or the manifest was changed: put back the manifest's metric, "
                 f"or {redo_advice(shard.name)}")
-        _set_params(index, params, shard.name, manifest)
+        _set_params(index, params, manifest, place)
         vectors.append(index)
         ids.append(faiss.vector_to_array(id_map))
-    return vectors, ShardRows(shards, ids, opener=opener, where=where)
+    rows = ShardRows(shards, ids, opener=opener, where=where)
+    try:
+        refuse_foreign_shards(rows, manifest, units)
+    except BaseException:
+        rows.close()
+        raise
+    return vectors, rows
 
 
 def _ends_match(id_map, shard) -> bool:

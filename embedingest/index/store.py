@@ -94,7 +94,7 @@ class Manifest:
     # index format changes).
     segments: list[dict] = field(default_factory=list)
     corpus: str | None = None  # fingerprint of the corpus the last run read
-    corpus_path: str | None = None  # folder that unit keys (file paths) are relative to
+    corpus_path: str | None = None  # the folder, one file or URL built from (keys are relative to the folder)
     prompts: dict = field(default_factory=dict)  # {"document", "query"}: text put before each
     # {"tokens", "overlap"}: how texts were cut into chunks (empty: an index from before it was
     # kept); every update cuts the same way.
@@ -384,7 +384,7 @@ class IndexStore:
                 "before it wrote any metadata, or the file was deleted; run the same build-index "
                 "command again to finish it")
         if self.read_only:
-            db = sqlite3.connect(f"file:{urllib.parse.quote(str(self.metadata_path))}?mode=ro",
+            db = sqlite3.connect(f"file:{urllib.parse.quote(os.fsencode(self.metadata_path))}?mode=ro",
                                  uri=True)
             db.execute("SELECT count(*) FROM units LIMIT 0").fetchall()
             return db

@@ -1,0 +1,181 @@
+"""A shard copied in from another index (its files whole and agreeing with their own
+commit record) is refused by open_index and export, by name, with what to do; nothing
+of the folder is created or changed to tell (embedingest.index.foreign)."""
+
+import json
+import logging
+import os
+import shutil
+
+import numpy as np
+import pytest
+from index_fixtures import build_index
+from shard_fixtures import build_shards
+
+from embedingest.errors import ConfigError
+from embedingest.index.export import export_index
+from embedingest.index.search import open_index
+from embedingest.index.shard_store import ShardStore
+from embedingest.index.shards import list_shards
+
+
+def one_shard_index(folder, seed=0, n_units=4):
+    """An index of one listed shard (units 1..n_units, keys doc<u>.txt, 10 chunks each),
+    its units database closed (as a build leaves it: no -wal file)."""
+    built = build_index(folder, n_units=n_units, chunks=10, commit_every=1000, workers=1, seed=seed)
+    built.store.close()
+    return built
+
+
+def copy_shard(shard, folder, name=None):
+    """``shard``'s files into ``folder`` (an index's shards folder), renamed to ``name``
+    with its record saying so (as a user who renames the files and the record would)."""
+    name = name or shard.name
+    for path in shard.folder.glob(f"{shard.name}.*"):
+        target = folder / path.name.replace(shard.name, name)
+        if path.name.endswith(".commit.json"):
+            record = json.loads(path.read_text())
+            record["name"] = name
+            for info in record["files"].values():
+                info["name"] = info["name"].replace(shard.name, name)
+            target.write_text(json.dumps(record))
+        else:
+            shutil.copyfile(path, target)
+
+
+def drop_shard(shard):
+    for path in shard.folder.glob(f"{shard.name}.*"):
+        path.unlink()
+
+
+def folder_state(folder):
+    return sorted((str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns, p.stat().st_ino)
+                  for p in folder.rglob("*"))
+
+
+def test_a_shard_of_another_index_in_place_of_one_is_refused_naming_it(tmp_path):
+    """Before: search answered with the other index's rows (sources this index has not) and
+    export wrote them; now its rows are compared with this index's units."""
+    one_shard_index(tmp_path / "a")
+    build_shards(tmp_path / "b", n_units=4, chunks=10, commit_every=1000, workers=1)
+    (mine,) = list_shards(tmp_path / "a" / "shards")
+    (theirs,) = list_shards(tmp_path / "b" / "shards")
+    drop_shard(mine)
+    copy_shard(theirs, tmp_path / "a" / "shards")
+    where = tmp_path / "a" / "shards" / f"{theirs.name}.parquet"
+    expected = (f"shard {theirs.name} ({str(where)!r}) is not this index's: its row of id 0 is of "
+                f"'docs/doc0.txt', but this index has no unit 0 (in {str(tmp_path / 'a' / 'units.sqlite')!r}); "
+                f"it was copied in from another index: move its files (every file named {theirs.name}.*) out "
+                f"of the index and put back the shard of this index it took the place of (the manifest lists "
+                f"{mine.name}, not in the folder), or run the same build-index command again once they are "
+                "out: the units it held are redone")
+    with pytest.raises(ConfigError) as err:
+        open_index(tmp_path / "a")
+    assert str(err.value) == expected
+    with pytest.raises(ConfigError) as err:
+        export_index(tmp_path / "a", tmp_path / "out")
+    assert str(err.value) == expected
+    assert not (tmp_path / "out").exists()  # refused before anything is written
+
+
+def test_a_shard_of_another_index_beside_this_one_s_is_refused_for_its_ids(tmp_path):
+    """Both indexes number their units from 1: the copy holds this index's ids. Before:
+    a hit of the copy's vectors got this index's row of that id (another text), and export
+    wrote every id twice."""
+    built = one_shard_index(tmp_path / "a")
+    one_shard_index(tmp_path / "b", seed=1)
+    (mine,) = list_shards(tmp_path / "a" / "shards")
+    (theirs,) = list_shards(tmp_path / "b" / "shards")
+    theirs_name = theirs.name.replace("-w0-", "-w7-")  # the names hold the run's time: made to differ
+    copy_shard(theirs, tmp_path / "a" / "shards", theirs_name)
+    first = int(built.ids.min())
+    with pytest.raises(ConfigError) as err:
+        open_index(tmp_path / "a")
+    assert str(err.value).startswith(
+        f"shard {theirs_name} ({str(tmp_path / 'a' / 'shards' / (theirs_name + '.parquet'))!r}), which the "
+        f"manifest does not list, holds ids that shard {mine.name} holds too (e.g. id {first}: unit 1, chunk 0): "
+        f"it is not this index's (copied in from another index, or left by a build that was stopped); move its "
+        f"files (every file named {theirs_name}.*) out of the index and put back the shard of this index it "
+        "took the place of, or run the same build-index command again once they are out")
+    with pytest.raises(ConfigError, match=f"shard {theirs_name} .*, which the manifest does not list, holds ids"):
+        export_index(tmp_path / "a", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    # once the manifest lists both (a build ran meanwhile), neither is the odd one: both named
+    ShardStore(tmp_path / "a").update_shards()
+    with pytest.raises(ConfigError) as err:
+        open_index(tmp_path / "a")
+    first, second = sorted((mine.name, theirs_name))  # in the order they are listed: by name
+    assert str(err.value).startswith(f"shards {first} (") and f") and {second} (" in str(err.value)
+    assert "hold the same ids (e.g. id" in str(err.value) and str(err.value).endswith(
+        "or run the same build-index command again: it removes the units held twice and redoes them")
+    for path in (tmp_path / "a" / "shards").glob(f"{theirs_name}.*"):
+        path.unlink()
+    ShardStore(tmp_path / "a").update_shards()
+    with open_index(tmp_path / "a") as index:  # as the message says: the copy out, the index whole
+        assert index.ntotal == len(built.ids)
+
+
+def test_a_shard_renamed_as_one_of_this_index_s_is_refused_by_its_count(tmp_path):
+    """The other index's shard under this index's shard's name (the record's name edited to
+    match): the manifest lists another count for that name."""
+    one_shard_index(tmp_path / "a")
+    one_shard_index(tmp_path / "b", seed=1, n_units=3)
+    (mine,) = list_shards(tmp_path / "a" / "shards")
+    (theirs,) = list_shards(tmp_path / "b" / "shards")
+    drop_shard(mine)
+    copy_shard(theirs, tmp_path / "a" / "shards", mine.name)
+    expected = (f"shard {mine.name} ({str(mine.path('parquet'))!r}) holds 30 rows, but the manifest lists 40 "
+                f"for the shard of that name: it is not the shard this index wrote (copied in from another "
+                f"index?); put back this index's own files of shard {mine.name}, or delete that shard's files "
+                f"(every file named {mine.name}.*) and run the same build-index command again: the units it "
+                "held are redone")
+    for attempt in (lambda: open_index(tmp_path / "a"), lambda: export_index(tmp_path / "a", tmp_path / "out")):
+        with pytest.raises(ConfigError) as err:
+            attempt()
+        assert str(err.value) == expected
+
+
+def test_telling_reads_the_units_database_without_creating_or_changing_a_file(tmp_path, caplog):
+    """search changes nothing in the folder (sqlite's read-only mode makes -wal and -shm
+    files): the database is read as immutable once its writer closed it; without it, or
+    with a journal file that is no file (a named pipe: sqlite would wait on it for good),
+    the shards are searched uncompared, said."""
+    built = one_shard_index(tmp_path / "a")
+    folder = tmp_path / "a"
+    before = folder_state(folder)
+    with open_index(folder) as index:
+        assert len(index.search_vectors(built.emb[:2], k=3)[0]) == 3
+    assert folder_state(folder) == before
+    os.mkfifo(folder / "units.sqlite-wal")
+    with caplog.at_level(logging.WARNING, logger="embedingest"):
+        with open_index(folder) as index:
+            assert index.ntotal == len(built.ids)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{folder / 'units.sqlite-wal'} is not a regular file: the shards are not compared with the index's units"]
+    (folder / "units.sqlite-wal").unlink()
+    (folder / "units.sqlite").unlink()
+    with open_index(folder) as index:  # an index read from its shards alone, as before
+        assert index.ntotal == len(built.ids)
+
+
+def test_a_build_s_own_open_units_database_is_read_with_its_journal(tmp_path):
+    """A build holding units.sqlite open (its -wal file there) is read through its journal:
+    the units it planned since the last checkpoint are known, no shard of it is taken
+    for another index's."""
+    built = build_index(tmp_path / "a", n_units=3, chunks=10, commit_every=1000, workers=1)
+    assert (tmp_path / "a" / "units.sqlite-wal").exists()
+    with open_index(tmp_path / "a") as index:
+        got = index.search_vectors(built.emb[:1], k=1)[0][0]
+        assert got.id == int(built.ids[0]) and got.source == "doc0.txt"
+    built.store.close()
+
+
+def test_shared_ids_are_found_in_one_pass_over_the_sorted_ids():
+    from embedingest.index.lookup import first_shared
+
+    ids = [np.array([5, 1, 9]), np.array([2, 3]), np.array([7, 3])]
+    flat = np.concatenate(ids)
+    order = np.argsort(flat, kind="stable")
+    offsets = np.cumsum([0] + [len(a) for a in ids])
+    assert first_shared(flat[order], order, offsets) == (3, 1, 2)
+    assert first_shared(np.arange(4), np.arange(4), np.array([0, 2, 4])) is None
