@@ -79,27 +79,46 @@ def sigterm_interrupts() -> Iterator[None]:
 
 @contextlib.contextmanager
 def children_ignore_sigint() -> Iterator[None]:
-    """SIGINT ignored while children start (device processes, engine consumers), so each
-    starts ignoring it (an ignored signal stays ignored through exec, and Python then
-    installs no handler): a Ctrl-C in the terminal reaches the whole process group, and a
-    spawned child still importing would die of it with a traceback before it could ignore
-    it itself.
+    """Children started in the block (device processes, engine consumers) start with
+    SIGINT blocked, and a Ctrl-C meanwhile reaches this process once the block ends, not
+    in the middle of a start (the child not yet known to be stopped).
 
-    Here it is blocked too, so a Ctrl-C meanwhile stays pending (Linux keeps a blocked
-    signal even when ignored) and arrives once the handler is back. That holds when no
-    other thread takes it: the CLI imports torch and numpy with SIGINT blocked, so their
-    threads keep it blocked (:func:`embedingest.cli.common.import_interruptibly`)."""
-    previous = signal.getsignal(signal.SIGINT)
-    # Not from another thread, nor over a handler set outside Python (it could not be put back).
-    if threading.current_thread() is not threading.main_thread() or previous is None:
+    A blocked signal stays blocked through fork and exec: a Ctrl-C in the terminal reaches
+    the whole process group, and a child still importing would die of it with a traceback;
+    it holds it instead, until it ignores SIGINT itself (which discards it).
+
+    This process's handler is not SIG_IGN meanwhile: an ignored SIGINT is discarded, and
+    one was, in a thread that does not block it (tokenizers' thread pool, the engine's
+    pool thread: the kernel hands it to such a thread while this one blocks it), or here
+    once multiprocessing's resource tracker had unblocked it (:func:`_resource_tracker_started`).
+    A handler notes it instead, whichever thread takes it, and it is delivered again at the end."""
+    if not hasattr(signal, "pthread_sigmask"):
         yield
         return
-    held = (signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-            if hasattr(signal, "pthread_sigmask") else None)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _resource_tracker_started()
+    previous = signal.getsignal(signal.SIGINT)
+    caught: list[int] = []
+    # Only the main thread sets handlers; one set outside Python (None) could not be put back.
+    noted = (threading.current_thread() is threading.main_thread()
+             and previous not in (None, signal.SIG_IGN))
+    if noted:
+        signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-        if held is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        # The mask first: the handler put back may raise, the one that notes never does.
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        if noted:
+            signal.signal(signal.SIGINT, previous)
+        if caught:
+            signal.raise_signal(signal.SIGINT)
+
+
+def _resource_tracker_started() -> None:
+    """multiprocessing starts its resource tracker at a process's first spawn and then
+    unblocks SIGINT (``SIG_UNBLOCK``, not the mask as it was): started before SIGINT is
+    blocked, so the children spawned after it still start with SIGINT blocked."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()

@@ -126,7 +126,9 @@ class StartupSignalSinkFactory:
         import signal
 
         self.__dict__.update(state)
-        self.sigint_at_startup = "ignored" if signal.getsignal(signal.SIGINT) == signal.SIG_IGN else "handled"
+        held = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, set())  # held until it ignores it
+        self.sigint_at_startup = ("ignored" if signal.getsignal(signal.SIGINT) == signal.SIG_IGN or held
+                                  else "handled")
 
     def __call__(self, worker: int):
         return StartupSignalSink(self.sigint_at_startup)

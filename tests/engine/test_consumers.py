@@ -81,7 +81,8 @@ def test_consumers_ignore_ctrl_c_from_the_start_of_their_start_up():
     """A Ctrl-C in the terminal reaches every process of the group. A consumer still
     importing (its arguments are unpickled before its code runs) died of it with a
     KeyboardInterrupt traceback under the run's 'interrupted' line; it must already
-    ignore SIGINT then, and the producer's own handler must be back afterwards."""
+    ignore SIGINT then or hold it (blocked, until it ignores it), and the producer's own
+    handler must be back afterwards."""
     import signal
 
     from engine_sinks import StartupSignalSinkFactory

@@ -383,6 +383,19 @@ def test_ctrl_c_during_start_up_exits_130_without_a_traceback(cli, tmp_path, whe
         lambda n: cli("build-index", corpus, "--out", tmp_path / f"idx{n}", *BUILD_ARGS, *where))
 
 
+@pytest.mark.parametrize("where", [["--device", "cpu"], ["--devices", "cpu,cpu"]], ids=["one", "devices"])
+def test_ctrl_c_while_children_start_is_not_lost(cli, tmp_path, where):
+    """A Ctrl-C sent while the first child (consumer, device process) starts: the run ran
+    on to exit 0 when it landed after multiprocessing's resource tracker unblocked SIGINT,
+    or in a thread that did not block it, while SIGINT was ignored for the start."""
+    corpus = make_corpus(tmp_path / "corpus", 3, seed=4)
+    run = cli("build-index", corpus, "--out", tmp_path / "idx", *BUILD_ARGS, *where,
+              env={"EMBEDINGEST_FI_CTRL_C_IN_CHILD_START": "1"})
+    assert run.wait(60) == 130, run.describe()
+    assert "interrupted:" in run.stderr and "Traceback" not in run.stderr, run.describe()
+    run.assert_no_leftovers()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_disk_full_in_a_sink_fails_clearly_keeps_written_segments(cli, tmp_path, device):
     corpus = make_corpus(tmp_path / "corpus", 10, seed=3)

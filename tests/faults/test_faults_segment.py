@@ -209,6 +209,24 @@ def test_ctrl_c_during_start_up_exits_130_without_a_traceback(cli, tmp_path, dev
     check_ctrl_c_during_start_up(lambda n: cli("segment", images, "--out", tmp_path / f"masks{n}", *args))
 
 
+@pytest.mark.parametrize("devices", [None, "cpu,cpu"], ids=["one", "devices"])
+def test_ctrl_c_while_children_start_is_not_lost(cli, tmp_path, devices):
+    """A Ctrl-C sent while the first child (consumer, device process) starts: the run ran
+    on to exit 0 when it landed after multiprocessing's resource tracker unblocked SIGINT,
+    or in the engine's pool thread, while SIGINT was ignored for the start."""
+    images = tmp_path / "images"
+    make_images(images, n=6, seed=5)
+    args = seg_args()
+    if devices:
+        at = args.index("--device")
+        args[at:at + 2] = ["--devices", devices]
+    run = cli("segment", images, "--out", tmp_path / "masks", *args,
+              env={"EMBEDINGEST_FI_CTRL_C_IN_CHILD_START": "1"})
+    assert run.wait(60) == 130, run.describe()
+    assert "interrupted:" in run.stderr and "Traceback" not in run.stderr, run.describe()
+    run.assert_no_leftovers()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_disk_full_in_a_sink_fails_clearly_keeps_written_masks(cli, tmp_path, device):
     images = tmp_path / "images"

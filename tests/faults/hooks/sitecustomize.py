@@ -30,6 +30,11 @@ Nothing happens unless one of these environment variables is set:
 ``EMBEDINGEST_FI_EACCES=PATTERN``
     opening a file whose name matches the glob PATTERN raises ``PermissionError`` (an
     unreadable file, for runs as root, where ``chmod 000`` does not stop reading).
+
+``EMBEDINGEST_FI_CTRL_C_IN_CHILD_START=1``
+    the main process sends SIGINT to its process group (a Ctrl-C in the terminal) inside
+    its first ``embedingest.interrupts.children_ignore_sigint`` block, just after the
+    child's start: the moment a Ctrl-C was lost, hit every time.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ _COMMIT_DELAY = os.environ.get("EMBEDINGEST_FI_COMMIT_DELAY")
 _KILL = os.environ.get("EMBEDINGEST_FI_KILL")
 _ENOSPC = os.environ.get("EMBEDINGEST_FI_ENOSPC")
 _EACCES = os.environ.get("EMBEDINGEST_FI_EACCES")
+_CTRL_C_IN_CHILD_START = os.environ.get("EMBEDINGEST_FI_CTRL_C_IN_CHILD_START")
 
 
 def _proc_kind() -> str:
@@ -159,8 +165,30 @@ def _patch_shard_writer(mod) -> None:
         mod.ShardWriter.commit = slow_commit
 
 
+def _patch_interrupts(mod) -> None:
+    """A Ctrl-C in the main process's first child start (patched before the modules that
+    start children import it)."""
+    import contextlib
+
+    if not _CTRL_C_IN_CHILD_START:
+        return
+    start = mod.children_ignore_sigint
+    sent = []
+
+    @contextlib.contextmanager
+    def ctrl_c_in_the_start(_start=start):
+        with _start():
+            yield
+            if not sent and _proc_kind() == "main":
+                sent.append(1)
+                os.killpg(0, signal.SIGINT)
+
+    mod.children_ignore_sigint = ctrl_c_in_the_start
+
+
 _PATCHES = {"embedingest.sinks.shard_writer": _patch_shard_writer,
-            "embedingest.sinks.masks": _patch_masks}
+            "embedingest.sinks.masks": _patch_masks,
+            "embedingest.interrupts": _patch_interrupts}
 
 
 class _PatchAfterImport:
@@ -185,5 +213,5 @@ class _PatchAfterImport:
         return spec
 
 
-if _DELAY or _ENOSPC or _COMMIT_DELAY:
+if _DELAY or _ENOSPC or _COMMIT_DELAY or _CTRL_C_IN_CHILD_START:
     sys.meta_path.insert(0, _PatchAfterImport())
