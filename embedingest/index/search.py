@@ -162,7 +162,7 @@ class _Folder:
         """Which manifests and shard folders are there (the folder's, and those a rebuild
         with --overwrite sets aside): a manifest is replaced by a rename (another inode),
         a folder's time moves when a shard is committed or deleted in it. A few ``stat``s."""
-        return tuple(_signature(path) for path in self._watched)
+        return tuple(path_signature(path) for path in self._watched)
 
     def open(self) -> _Opened:
         folder = answering_folder(self.path)
@@ -195,7 +195,9 @@ class _Folder:
         return all(f"{shard.name}{COMMIT_SUFFIX}" in names for shard in opened.rows.shards)
 
 
-def _signature(path: Path) -> tuple | None:
+def path_signature(path: Path) -> tuple | None:
+    """Which file or folder is at ``path`` (inode, size, modification time), None when
+    none is: a file replaced by a rename, or a folder whose entries changed, differs."""
     try:
         st = os.stat(path)
     except OSError:

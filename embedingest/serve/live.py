@@ -21,20 +21,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..index.search import Index
+from ..index.search import Index, path_signature
 from ..index.shard_store import ASIDE_DIR, answering_folder
 from ..index.store import MANIFEST_NAME, IndexStore
 
 log = logging.getLogger("embedingest")
-
-
-def _signature(path: Path) -> tuple | None:
-    """Which manifest file is there (inode, size, change time), None when none is."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 class LiveIndex:
@@ -59,7 +50,7 @@ class LiveIndex:
         with --overwrite runs, the index before it is answered from)."""
         if self._manifests is None:
             return None
-        found = tuple(_signature(path) for path in self._manifests)
+        found = tuple(path_signature(path) for path in self._manifests)
         return found if found[0] is not None or found[1] is not None else None
 
     def refresh(self) -> Index:
