@@ -304,9 +304,27 @@ _IN_WORD_SYMBOL = re.compile(
     r"(?<=[^\W\d_])[\u00a1-\u00a9\u00ab\u00ac\u00ae-\u00b3\u00b5\u00b6\u00b8\u00b9\u00bb-\u00bf](?=[^\W\d_])")
 
 
+# Characters of a document the check above looks at, in parts spread over it: the counts
+# are shares, which a spread sample keeps, and a document of any size costs what this does.
+_OTHER_LEGACY_SAMPLE = 1 << 20
+_OTHER_LEGACY_PARTS = 16
+
+
+def _spread_sample(text: str, size: int = _OTHER_LEGACY_SAMPLE, parts: int = _OTHER_LEGACY_PARTS) -> str:
+    """``text`` itself up to ``size`` characters; else ``parts`` pieces of it, from its start
+    to its end, ``size`` characters in all (a word cut at a piece's edge counts as two)."""
+    if len(text) <= size:
+        return text
+    step, width = len(text) // parts, size // parts
+    return " ".join(text[i * step:i * step + width] for i in range(parts))
+
+
 def _refuse_other_legacy_text(text: str) -> None:
     """_Skip (``decode``) for text that is not UTF-8 and that cp1252, read in its place,
-    turns into another encoding's letters: stored, it would be searched as nonsense."""
+    turns into another encoding's letters: stored, it would be searched as nonsense.
+    Judged on a sample spread over the text (:func:`_spread_sample`): a whole document
+    read at once may be any size."""
+    text = _spread_sample(text)
     letters = sum(1 for c in text if c.isalpha())
     if letters < 20:
         return

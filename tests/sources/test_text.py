@@ -238,6 +238,24 @@ def test_text_of_another_legacy_encoding_is_skipped_not_stored_as_nonsense(tmp_p
         "convert it to UTF-8 from its encoding (iconv -f ENCODING -t UTF-8)")
 
 
+def test_the_legacy_encoding_check_looks_at_a_bounded_sample_spread_over_a_long_text(tmp_path):
+    """A document read whole may be any size: the check judges a sample of a fixed size from
+    its start to its end, and still tells a long text of another encoding from a Western one."""
+    from embedingest.sources.text import _OTHER_LEGACY_SAMPLE, _spread_sample
+
+    text = "".join(f"{i:07d} " for i in range(400_000))  # 3.2 M characters, each place known
+    sample = _spread_sample(text)
+    assert len(sample) <= _OTHER_LEGACY_SAMPLE + 16 and sample.startswith("0000000 ")
+    assert any(f"{i:07d}" in sample for i in range(375_000, 400_000)), "the end is looked at"
+    assert any(f"{i:07d}" in sample for i in range(190_000, 210_000)), "and the middle"
+    assert _spread_sample("short text") == "short text"
+    russian = "Привет мир, это тестовый документ о погоде и реках. Москва стоит на реке. " * 40_000
+    records, skipped = read(write(tmp_path, "ru.txt", russian.encode("cp1251")))
+    assert records == [] and keywords(skipped) == ["decode"]
+    french = "Le café où l'élève étudie près de la forêt, à côté du lycée. " * 50_000
+    assert read(write(tmp_path, "fr.txt", french.encode("cp1252")))[0] == [("", french)]
+
+
 def test_mixed_utf8_and_stray_cp1252_byte(tmp_path):
     path = write(tmp_path, "a.txt", "naïve ".encode() + b"caf\xe9")
     assert read(path) == ([("", "naïve café")], [])
