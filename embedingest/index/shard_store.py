@@ -29,6 +29,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..outfiles import ensure_folder, is_tmp_name
 from .faiss_factory import default_search_params, parse_factory
+from .foreign import Foreign, ParquetIds, foreign_shards, keys_of
 from .formats import V1_SEGMENT_FILE, V1_SEGMENTS, index_format, require_current
 from .lookup import ShardRows
 from .shard_edit import remove_units as remove_shard_units
@@ -38,6 +39,7 @@ from .shards import (
     SHARDS_DIR,
     Shard,
     clean_shards,
+    delete_shard,
     finished_hashes,
     finished_units,
     incomplete_units,
@@ -163,10 +165,42 @@ class ShardStore(IndexStore):
                 for s in self.committed() if s.rows]
 
     def clean_garbage(self) -> list[str]:
-        """Delete what a crash or a removal left (see :func:`clean_shards`) and temporary
-        files. Call it only while no build writes to the folder."""
+        """Delete what a crash or a removal left (see :func:`clean_shards`), temporary
+        files, and shards copied in from another index (:meth:`drop_foreign`). Call it
+        only while no build writes to the folder."""
         removed = self._remove_tmp_files(self.folder)
-        return removed + clean_shards(self.shards_dir, self.generation)
+        removed += clean_shards(self.shards_dir, self.generation)
+        return removed + self.drop_foreign()
+
+    def drop_foreign(self) -> list[str]:
+        """Delete every committed shard that is not this index's (copied in from another,
+        told as search and export tell it: :func:`~embedingest.index.foreign.foreign_shards`),
+        each logged with its name and what tells; return the names of the files deleted.
+        A build kept such a shard where its unit numbers were this index's and looked
+        whole, and readers then refused the index until it was taken out by hand. Once it
+        is gone, the units it held the numbers of are redone as a damaged shard's are (no
+        shard declares them done). Two shards holding one id where neither is known to be
+        the copy stay: :meth:`reconcile` finds the units held twice, which the plan removes
+        and redoes. Call it only while no build writes to the folder, after
+        :func:`clean_shards` (the shards read are whole, their files regular ones)."""
+        if not self.exists():
+            return []
+        manifest = self.read_manifest()
+        rows = ParquetIds([s for s in self.committed() if s.rows])
+        found: dict[str, Foreign] = {}
+        for foreign in foreign_shards(rows, manifest, self.metadata_path, self._unit_keys, every=True):
+            if foreign.shard is not None and foreign.shard.name not in found:
+                found[foreign.shard.name] = foreign
+        removed = []
+        for foreign in found.values():
+            log.warning("%s", foreign.says("it is deleted, and the units it held are redone"))
+            removed += delete_shard(foreign.shard)
+        return removed
+
+    @_sqlite_errors
+    def _unit_keys(self, unit_nos: Iterable[int]) -> dict[int, str] | None:
+        """{unit_no: key} of ``unit_nos`` from the build's own connection (its WAL included)."""
+        return keys_of(self.db, unit_nos)
 
     def reconcile(self, expected: Mapping[int, int] | None = None) -> set[int]:
         """Units whose committed rows are not exactly their chunks once each, and units

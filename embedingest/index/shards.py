@@ -529,14 +529,16 @@ def _unlink(path: Path) -> list[str]:
     return [path.name]
 
 
-def delete_shard(shard: Shard) -> None:
-    """Commit record first (the shard stops existing), then its files."""
-    _unlink(shard.commit_path())
+def delete_shard(shard: Shard) -> list[str]:
+    """Commit record first (the shard stops existing), then its files; return the names
+    deleted."""
+    removed = _unlink(shard.commit_path())
     fsync_dir(shard.folder)
     for info in shard.files.values():
-        _unlink(shard.folder / info["name"])
+        removed += _unlink(shard.folder / info["name"])
     for path in shard.folder.glob(f"{shard.name}.g*{FAISS_SUFFIX}"):
-        _unlink(path)
+        removed += _unlink(path)
+    return removed
 
 
 def embeddings_problem(emb, rows: int, dim: int) -> str | None:

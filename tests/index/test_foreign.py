@@ -179,3 +179,99 @@ def test_shared_ids_are_found_in_one_pass_over_the_sorted_ids():
     offsets = np.cumsum([0] + [len(a) for a in ids])
     assert first_shared(flat[order], order, offsets) == (3, 1, 2)
     assert first_shared(np.arange(4), np.arange(4), np.array([0, 2, 4])) is None
+
+
+# -- a build deletes what readers refuse (ShardStore.drop_foreign, called by clean_garbage) ---------
+
+def test_a_build_deletes_a_shard_renamed_as_one_of_this_index_s_and_its_units_are_redone(tmp_path, caplog):
+    """Before: the build kept it (its unit numbers were this index's, whole), listed it,
+    and readers refused the index until it was taken out by hand. Now the cleaning a build
+    starts with deletes it, saying why; nothing then declares its units done."""
+    one_shard_index(tmp_path / "a")
+    one_shard_index(tmp_path / "b", seed=1, n_units=3)
+    (mine,) = list_shards(tmp_path / "a" / "shards")
+    (theirs,) = list_shards(tmp_path / "b" / "shards")
+    drop_shard(mine)
+    copy_shard(theirs, tmp_path / "a" / "shards", mine.name)
+    other = folder_state(tmp_path / "b")
+    store = ShardStore(tmp_path / "a")
+    with caplog.at_level(logging.WARNING, logger="embedingest"):
+        gone = store.clean_garbage()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"shard {mine.name} ({str(mine.path('parquet'))!r}) holds 30 rows, but the manifest lists 40 for the shard "
+        "of that name: it is not the shard this index wrote (copied in from another index?); it is deleted, and "
+        "the units it held are redone"]
+    assert sorted(gone) == sorted(f"{mine.name}.{kind}" for kind in ("commit.json", "faiss", "parquet"))
+    assert not list((tmp_path / "a" / "shards").iterdir())
+    assert {u.status for u in store.units().values()} == {"pending"} and store.reconcile() == set()
+    assert folder_state(tmp_path / "b") == other
+    store.close()
+
+
+def test_a_build_deletes_every_copy_holding_this_index_s_ids_and_keeps_its_own(tmp_path):
+    """Two copies of another index's shard beside this index's one, of the same files and
+    unit numbers (so their sources are this index's keys): each holds this index's ids. The
+    three pairs share their lowest id; taking the first pair alone left the second copy, and
+    the units all three hold were then redone. Both copies go, this index's shard stays."""
+    built = one_shard_index(tmp_path / "a")
+    one_shard_index(tmp_path / "b", seed=1)
+    (mine,) = list_shards(tmp_path / "a" / "shards")
+    (theirs,) = list_shards(tmp_path / "b" / "shards")
+    copies = [theirs.name.replace("-w0-", f"-w{w}-") for w in (7, 8)]
+    for name in copies:
+        copy_shard(theirs, tmp_path / "a" / "shards", name)
+    store = ShardStore(tmp_path / "a")
+    assert {name.split(".")[0] for name in store.clean_garbage()} == set(copies)
+    assert [s.name for s in store.committed()] == [mine.name] and store.reconcile() == set()
+    assert {u.status for u in store.units().values()} == {"done"}
+    store.update_shards()
+    store.close()
+    with open_index(tmp_path / "a") as index:
+        assert index.ntotal == len(built.ids)
+
+
+def test_shards_of_one_stopped_build_holding_one_id_are_left_to_the_units_redone(tmp_path):
+    """Two shards the manifest does not list holding the same ids (a build stopped after
+    writing units twice): neither is known to be a copy, so neither is deleted whole; the
+    units held twice are what a build redoes, as before."""
+    one_shard_index(tmp_path / "a")
+    (mine,) = list_shards(tmp_path / "a" / "shards")
+    copy_shard(mine, tmp_path / "a" / "shards", mine.name.replace("-w0-", "-w1-"))
+    store = ShardStore(tmp_path / "a")
+    manifest = store.read_manifest()
+    manifest.segments = []
+    store.write_manifest(manifest)
+    assert store.clean_garbage() == []
+    assert len(store.committed()) == 2 and store.reconcile() == {1, 2, 3, 4}
+    store.close()
+
+
+def test_a_units_database_made_again_empty_tells_no_shard_foreign(tmp_path, caplog):
+    """A build opening an index whose units.sqlite was deleted makes it again, empty: that
+    is no record of the index's units, so no shard is taken for another index's (every
+    unit the shards hold is redone, as before); search of such an index answers uncompared."""
+    built = one_shard_index(tmp_path / "a")
+    (tmp_path / "a" / "units.sqlite").unlink()
+    store = ShardStore(tmp_path / "a")
+    with caplog.at_level(logging.WARNING, logger="embedingest"):
+        assert store.clean_garbage() == []
+    assert not caplog.records and store.reconcile() == {1, 2, 3, 4}
+    store.close()
+    with open_index(tmp_path / "a") as index:
+        assert index.ntotal == len(built.ids)
+
+
+def test_every_pair_of_shards_holding_one_id_is_found_with_its_lowest_id(tmp_path):
+    """Three shards of units 0..2 (one twice more): pairs of neighbours in the sorted ids
+    missed the first and the third."""
+    from embedingest.index.foreign import ParquetIds
+
+    build_shards(tmp_path / "a", n_units=3, chunks=4, commit_every=1000, workers=1)
+    (shard,) = list_shards(tmp_path / "a" / "shards")
+    for w in (1, 2):
+        copy_shard(shard, tmp_path / "a" / "shards", shard.name.replace("-w0-", f"-w{w}-"))
+    rows = ParquetIds(list_shards(tmp_path / "a" / "shards"))
+    assert [s.name for s in rows.shards] == [shard.name.replace("-w0-", f"-w{w}-") for w in (0, 1, 2)]
+    assert rows.shared_ids() == [(0, 0, 1), (0, 0, 2), (0, 1, 2)]
+    assert rows.shared_id() == (0, 0, 1)
+    assert ParquetIds([shard]).shared_ids() == []

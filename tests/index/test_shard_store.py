@@ -60,7 +60,8 @@ def test_units_are_done_when_their_shards_say_so(tmp_path):
 def test_a_stopped_writer_leaves_its_units_to_redo_and_strays_are_found(tmp_path):
     store = ShardStore(tmp_path / "ix")
     store.create_or_open(manifest())
-    store.upsert_units([{"key": "a"}, {"key": "b"}])  # unit numbers 1, 2
+    # unit numbers 1, 2, keyed as the rows name their files (a row naming another is another index's)
+    store.upsert_units([{"key": "docs/doc1.txt"}, {"key": "docs/doc2.txt"}])
     write_units(store, tmp_path / "ix", [1, 2], 20, "a", drop_last_batch=True)  # 40 rows: last batch lost
     assert store.reconcile() == {2}
     write_units(store, tmp_path / "ix", [9], 3, "b")  # a unit no row names
@@ -68,7 +69,7 @@ def test_a_stopped_writer_leaves_its_units_to_redo_and_strays_are_found(tmp_path
     assert store.remove_units({2, 9}) == 20 - 6 + 3
     store.clean_garbage()
     assert store.reconcile() == set()
-    assert {u.key: u.status for u in store.units().values()} == {"a": "done", "b": "pending"}
+    assert {u.key: u.status for u in store.units().values()} == {"docs/doc1.txt": "done", "docs/doc2.txt": "pending"}
 
 
 def test_unit_numbers_are_never_given_twice(tmp_path):

@@ -231,7 +231,7 @@ def _build_locked(corpus, cfg: IndexConfig, out: Path, model, built: list, where
         cfg = reading(cfg, settings["record_fields"])
         settings["corpus_path"] = corpus_path(corpus, in_memory)
         chunk_tokens = cfg.chunk_tokens
-        store.clean_garbage()  # damaged shards go first: the rule below reads the shards that stay
+        store.clean_garbage()  # damaged shards and copies of another index's go first: the rule below reads the rest
         cfg = settled_embeddings(store, cfg, str(out))
         candidates = (corpus if in_memory
                       else file_candidates(corpus, report, out, cfg.follow_outside_links))
