@@ -180,15 +180,15 @@ def _put_back(name: str, rows, manifest: Manifest) -> str:
     """What to do with shard ``name``, not this index's: take it out, and put back the
     shard it took the place of (the manifest names those that are gone), or let a build
     redo its units."""
+    build = "run the same build-index command again, which deletes it and redoes the units it held"
     if name in {seg["name"] for seg in manifest.segments}:
-        return f"put back this index's own files of shard {name}, or {redo_advice(name)}"
+        return f"put back this index's own files of shard {name}, or {build}"
     present = {s.name for s in rows.shards} | {r for s in rows.shards for r in s.replaces}
     lost = [seg["name"] for seg in manifest.segments if seg["name"] not in present]
     gone = (f" (the manifest lists {', '.join(lost[:3])}{', ...' if len(lost) > 3 else ''}, not in the folder)"
             if lost else "")
     return (f"move its files (every file named {name}.*) out of the index and put back the shard of this "
-            f"index it took the place of{gone}, or run the same build-index command again once they are "
-            "out: the units it held are redone")
+            f"index it took the place of{gone}, or {build}")
 
 
 def _miscounted(rows, manifest: Manifest) -> Iterator[Foreign]:

@@ -37,7 +37,7 @@ def test_a_shard_of_another_index_in_place_of_one_is_refused_until_taken_out(ind
     assert r.output.rstrip().endswith(
         f"move its files (every file named {theirs}.*) out of the index and put back the shard of this index "
         f"it took the place of (the manifest lists {mine}, not in the folder), or run the same build-index "
-        "command again once they are out: the units it held are redone")
+        "command again, which deletes it and redoes the units it held")
     aside = indexes / "aside"
     aside.mkdir()
     for path in (a / "shards").glob(f"{theirs}.*"):

@@ -67,8 +67,8 @@ def test_a_shard_of_another_index_in_place_of_one_is_refused_naming_it(tmp_path)
                 f"'docs/doc0.txt', but this index has no unit 0 (in {str(tmp_path / 'a' / 'units.sqlite')!r}); "
                 f"it was copied in from another index: move its files (every file named {theirs.name}.*) out "
                 f"of the index and put back the shard of this index it took the place of (the manifest lists "
-                f"{mine.name}, not in the folder), or run the same build-index command again once they are "
-                "out: the units it held are redone")
+                f"{mine.name}, not in the folder), or run the same build-index command again, which "
+                "deletes it and redoes the units it held")
     with pytest.raises(ConfigError) as err:
         open_index(tmp_path / "a")
     assert str(err.value) == expected
@@ -96,7 +96,8 @@ def test_a_shard_of_another_index_beside_this_one_s_is_refused_for_its_ids(tmp_p
         f"manifest does not list, holds ids that shard {mine.name} holds too (e.g. id {first}: unit 1, chunk 0): "
         f"it is not this index's (copied in from another index, or left by a build that was stopped); move its "
         f"files (every file named {theirs_name}.*) out of the index and put back the shard of this index it "
-        "took the place of, or run the same build-index command again once they are out")
+        "took the place of, or run the same build-index command again, which deletes it and redoes the units "
+        "it held")
     with pytest.raises(ConfigError, match=f"shard {theirs_name} .*, which the manifest does not list, holds ids"):
         export_index(tmp_path / "a", tmp_path / "out")
     assert not (tmp_path / "out").exists()
@@ -126,9 +127,8 @@ def test_a_shard_renamed_as_one_of_this_index_s_is_refused_by_its_count(tmp_path
     copy_shard(theirs, tmp_path / "a" / "shards", mine.name)
     expected = (f"shard {mine.name} ({str(mine.path('parquet'))!r}) holds 30 rows, but the manifest lists 40 "
                 f"for the shard of that name: it is not the shard this index wrote (copied in from another "
-                f"index?); put back this index's own files of shard {mine.name}, or delete that shard's files "
-                f"(every file named {mine.name}.*) and run the same build-index command again: the units it "
-                "held are redone")
+                f"index?); put back this index's own files of shard {mine.name}, or run the same build-index "
+                "command again, which deletes it and redoes the units it held")
     for attempt in (lambda: open_index(tmp_path / "a"), lambda: export_index(tmp_path / "a", tmp_path / "out")):
         with pytest.raises(ConfigError) as err:
             attempt()
