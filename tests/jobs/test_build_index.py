@@ -701,7 +701,44 @@ def test_an_index_of_one_file_that_recorded_its_folder_resumes_and_records_the_f
     store.close()
     again = build_index("docs/docs.md", device="cpu", **FAST)
     assert (again["units_unchanged"], again["units_indexed"], again["units_removed"]) == (1, 0, 0)
-    assert recorded_corpus("indexes/docs") == str(docs.resolve() / "docs.md")
+    # the folder stays recorded: a folder's index that holds one file looks the same, and its
+    # folder's next run must still find it its own
+    assert recorded_corpus("indexes/docs") == str(docs.resolve())
+
+
+def test_a_folder_s_index_of_one_file_stays_the_folder_s_after_a_run_on_that_file(tmp_path, monkeypatch):
+    """``build-index docs`` (one file in it), then ``build-index docs/docs.md``, rewrote the
+    recorded corpus to the file, and the folder's next run, with a file added, was refused
+    as another corpus's. The folder stays recorded, and its run goes on."""
+    monkeypatch.chdir(tmp_path)
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "docs.md").write_text(PARAGRAPHS[0])
+    build_index("docs", device="cpu", **FAST)
+    again = build_index("docs/docs.md", device="cpu", **FAST)
+    assert (again["units_unchanged"], again["units_indexed"]) == (1, 0)
+    assert recorded_corpus("indexes/docs") == str(docs.resolve())
+    (docs / "p.txt").write_text(PARAGRAPHS[1])
+    third = build_index("docs", device="cpu", **FAST)
+    assert (third["units_unchanged"], third["units_indexed"]) == (1, 1)
+
+
+def test_a_linked_file_s_default_out_is_named_as_its_corpus_is_recorded(tmp_path, monkeypatch):
+    """``build-index current.txt`` (a link to notes.txt) made indexes/notes but recorded
+    current.txt, so ``build-index notes.txt`` was refused as another corpus. The default
+    --out now takes the name given, as the recorded corpus does."""
+    from embedingest.jobs.build_index.plan import default_out
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text(PARAGRAPHS[0])
+    (tmp_path / "current.txt").symlink_to("notes.txt")
+    assert default_out("current.txt") == Path("indexes/current")
+    assert default_out("notes.txt") == Path("indexes/notes")
+    assert default_out(".") == Path("indexes") / tmp_path.name  # a folder: its real name
+    build_index("current.txt", device="cpu", **FAST)
+    assert recorded_corpus("indexes/current") == str(tmp_path.resolve() / "current.txt")
+    assert build_index("notes.txt", device="cpu", **FAST)["units_indexed"] == 1
+    assert recorded_corpus("indexes/notes") == str(tmp_path.resolve() / "notes.txt")
 
 
 def test_an_out_folder_with_another_programs_manifest_is_refused_and_kept_under_overwrite(tmp_path):

@@ -290,3 +290,31 @@ def test_a_corpus_inside_the_index_s_own_folders_is_refused_before_any_work(tmp_
         "shards/sub/a.txt"]
     (out / "docs").mkdir()
     refuse_corpus_in_index(out / "docs", out)  # no error
+
+
+def test_an_index_s_own_file_as_its_corpus_and_an_out_in_another_index_s_shards_are_refused(tmp_path):
+    """``build-index s/manifest.json --out s`` made the manifest the index's only document
+    and removed every unit it held; ``--out s/shards/sub`` made an index inside another's
+    shards folder. Both are refused before anything is written."""
+    corpus = tmp_path / "docs"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text(TEXTS[0])
+    out = tmp_path / "s"
+    assert build_index(str(corpus), out=str(out), **FAST)["units_indexed"] == 1
+    before = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
+    for own in ("manifest.json", "skipped.jsonl"):
+        (out / own).touch()
+        with pytest.raises(ConfigError) as err:
+            build_index(str(out / own), out=str(out), **FAST)
+        assert str(err.value) == (
+            f"corpus {str(out / own)!r} is a file of the index {str(out)!r} itself: read as the corpus, it would "
+            "be the index's only document, and every unit the index holds would be removed; give the "
+            "documents' folder or file as the corpus")
+    inner = out / "shards" / "sub"
+    with pytest.raises(ConfigError) as err:
+        build_index(str(corpus), out=str(inner), **FAST)
+    assert str(err.value) == (f"--out {str(inner)!r} is inside {str(out / 'shards')!r}, the shards folder of the "
+                              f"index {str(out)!r}, whose builds delete what they did not write there: give an "
+                              "--out outside it")
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == before
+    assert len(open_index(out)) == 1

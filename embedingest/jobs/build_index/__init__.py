@@ -223,13 +223,16 @@ def _build_locked(corpus, cfg: IndexConfig, out: Path, model, built: list, where
                 raise
             model = _loaded(where, cfg, model, built, phases)  # its own width, then the same check
             manifest = _open_index(store, model, cfg, dtype, corpus, in_memory, False)
+        here = corpus_path(corpus, in_memory)
         if not cfg.out:
-            refuse_another_corpus(out, corpus, manifest.corpus_path, corpus_path(corpus, in_memory),
-                                  lambda: store.units().keys())
+            refuse_another_corpus(out, corpus, manifest.corpus_path, here, lambda: store.units().keys())
+            # a file of the folder the index records, the one file it holds: still that folder's index
+            # (a folder's index that holds one file is told so too, and its folder's run goes on)
+            here = manifest.corpus_path or here
         settings, cfg = settled_settings(manifest, cfg, model.max_seq_length, str(out))
         settings["record_fields"] = settled_fields(manifest, cfg, str(out))
         cfg = reading(cfg, settings["record_fields"])
-        settings["corpus_path"] = corpus_path(corpus, in_memory)
+        settings["corpus_path"] = here
         chunk_tokens = cfg.chunk_tokens
         store.clean_garbage()  # damaged shards and copies of another index's go first: the rule below reads the rest
         cfg = settled_embeddings(store, cfg, str(out))

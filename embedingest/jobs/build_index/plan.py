@@ -29,7 +29,7 @@ from ...index.shard_store import ASIDE_DIR, ShardStore
 from ...index.formats import MANIFEST_NAME, holds_index
 from ...index.shards import SHARDS_DIR
 from ...index.store import Manifest
-from ...report import SkipReport
+from ...report import REPORT_NAME, SkipReport
 from ...index.faiss_factory import apply_search_params, parse_factory
 from ...sources.files import file_sha256, is_within, os_error_reason, reads_within, walk_paths
 from ...sources.names import has_extension, name_as_text
@@ -46,8 +46,10 @@ def default_out(corpus) -> Path:
         name = input_name(corpus)
         return Path("indexes") / (Path(name).stem if has_extension(name, TEXT_EXTENSIONS) else name)
     if isinstance(corpus, (str, os.PathLike)):
-        name = Path(corpus).resolve().name
-        return Path("indexes") / (Path(name).stem if Path(corpus).is_file() else name)
+        path = Path(corpus)
+        if path.is_file():  # by the name given, as corpus_path records it (a link: the link's)
+            return Path("indexes") / Path(path.absolute().name).stem
+        return Path("indexes") / path.resolve().name
     return Path("indexes") / "records"
 
 
@@ -83,8 +85,21 @@ def index_folder_reason(folder: str) -> str | None:
 def refuse_corpus_in_index(corpus, out: Path) -> None:
     """ConfigError when the corpus is, or is inside, a folder the index at ``out`` writes
     (its shards/, or .overwritten/ where a rebuild sets the old index aside): each run
-    would read the shards it wrote as documents, and add them again."""
+    would read the shards it wrote as documents, and add them again; when it is one of
+    the index's own text files (its manifest, its skip report), the index's only document
+    (every unit it held removed); and when ``out`` is inside another index's shards/."""
     real = os.path.realpath(corpus)
+    own_folder = os.path.realpath(out)
+    if os.path.dirname(real) == own_folder and os.path.basename(real) in (MANIFEST_NAME, REPORT_NAME):
+        raise ConfigError(f"corpus {str(corpus)!r} is a file of the index {str(out)!r} itself: read as the "
+                          "corpus, it would be the index's only document, and every unit the index holds would "
+                          "be removed; give the documents' folder or file as the corpus")
+    index = next((p for p in Path(own_folder).parents if p.name == SHARDS_DIR
+                  and (p.parent / MANIFEST_NAME).is_file()), None)
+    if index is not None:
+        raise ConfigError(f"--out {str(out)!r} is inside {str(index)!r}, the shards folder of the index "
+                          f"{str(index.parent)!r}, whose builds delete what they did not write there: give an "
+                          "--out outside it")
     for name in (SHARDS_DIR, ASIDE_DIR):
         own = os.path.realpath(out / name)
         if is_within(real, own):
