@@ -10,6 +10,8 @@ another order than it has. JSON output needs none of this: it escapes them itsel
 from __future__ import annotations
 
 import logging
+import os
+import shlex
 import sys
 
 # C0 and C1 controls and DEL as \xNN; the bidirectional embeddings, overrides and
@@ -23,6 +25,27 @@ LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
 def printable(text: str) -> str:
     """``text`` with every control character written as its escape (a newline as ``\\x0a``)."""
     return text.translate(_ESCAPES)
+
+
+def _escaped_in_shell(c: str) -> bool:
+    return 0xDC80 <= ord(c) <= 0xDCFF or ord(c) in _ESCAPES
+
+
+def shell_quote(arg: str) -> str:
+    """``arg`` quoted for a command a user pastes into bash (or zsh, ksh), naming the same
+    bytes: ``shlex.quote`` where that does, bash's ``$'...'`` quoting where ``arg`` holds
+    a byte of a name that is not UTF-8 (a lone surrogate, as ``os.fsdecode`` reads it:
+    shlex kept it, and printed it is no byte of the name) or a control character (which
+    would move the cursor or end the line). Such bytes are written as ``\\xHH``."""
+    if not any(map(_escaped_in_shell, arg)):
+        return shlex.quote(arg)
+    out = []
+    for c in arg:
+        if _escaped_in_shell(c):
+            out += (f"\\x{b:02x}" for b in os.fsencode(c))
+        else:
+            out.append("\\" + c if c in "\\'" else c)
+    return "$'" + "".join(out) + "'"
 
 
 class PrintableFormatter(logging.Formatter):

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
 import sys
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from embedingest.terminal import PrintableFormatter, counted, printable, rate
+from embedingest.terminal import PrintableFormatter, counted, printable, rate, shell_quote
 
 CONTROLS = {*range(0x20), *range(0x7F, 0xA0), *range(0x202A, 0x202F), *range(0x2066, 0x206A)}
 
@@ -52,3 +54,14 @@ def test_a_rate_keeps_two_digits_below_ten_so_a_slow_run_is_not_zero():
     """Before: 13 documents in 284.8 s were '0 docs/s'."""
     assert [rate(x) for x in (37812.4, 10.4, 9.96, 3.42, 0.0456, 13 / 284.8, 0)] == [
         "37,812", "10", "10", "3.4", "0.046", "0.046", "0"]
+
+
+def test_shell_quote_names_the_same_bytes_in_bash():
+    """A name that is not UTF-8 (lone surrogates, as os.fsdecode reads it) or holds a
+    control character is quoted $'...' with its bytes; others as shlex quotes them."""
+    assert shell_quote("a b") == "'a b'" and shell_quote("IVF4,Flat") == "IVF4,Flat"
+    assert shell_quote(os.fsdecode(b"bad\xff.txt")) == "$'bad\\xff.txt'"
+    for name in (b"bad\xff.txt", b"it's \\ \xfe\x1b[31m\n", "é\u202e\x85".encode() + b"\x80", b"plain name"):
+        got = subprocess.run(["bash", "-c", f"printf %s {shell_quote(os.fsdecode(name))}"], capture_output=True,
+                             check=True).stdout
+        assert got == name

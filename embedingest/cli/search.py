@@ -7,21 +7,25 @@ import contextlib
 import click
 
 from ..config import SearchConfig, ServeConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, SettingError
 from ..terminal import printable
 from .common import IndexPath, command_config, config_options, emit_json, library_errors
 
 
 @contextlib.contextmanager
-def params_named(option: str):
+def params_named(option: str, given: str | None):
     """Search parameters the index does not take, named as the command's ``option`` the
-    user typed (the library names its keyword argument, ``params=``)."""
+    user typed (the library names its keyword argument, ``params=``). Those ``given``
+    with it are a bad option (a SettingError: usage status 2, as the README's exit codes
+    say); the index's own stored ones, refused when none are given, are the index's
+    fault (status 1)."""
     from ..index.search import SearchParamsRefused
 
     try:
         yield
     except SearchParamsRefused as exc:
-        raise ConfigError(exc.worded(option)) from exc
+        refused = SettingError if given is not None and given.strip() else ConfigError
+        raise refused(exc.worded(option)) from exc
 
 
 @click.command()
@@ -39,7 +43,7 @@ def search(index_dir, query, as_json, **options) -> None:
     cfg = command_config(SearchConfig, **options)
     text = " ".join(query)
     for last in (False, True):  # a build that replaced a shard meanwhile: opened once more
-        with params_named("--params"):
+        with params_named("--params", cfg.params):
             index = open_index(index_dir, device=cfg.device, params=cfg.params, query_prompt=cfg.query_prompt,
                                cache_dir=cfg.cache_dir, cache_size=cfg.cache_size)
         try:
@@ -78,7 +82,7 @@ def serve(index_dir, **options) -> None:
 
     cfg = command_config(ServeConfig, **options)
     try:
-        with params_named("--params"):
+        with params_named("--params", cfg.params):
             run_server(index_dir, cfg.host, cfg.port, device=cfg.device, params=cfg.params,
                        query_prompt=cfg.query_prompt, max_query_chars=cfg.max_query_chars, max_k=cfg.max_k,
                        threads=cfg.threads or None, cache_dir=cfg.cache_dir, cache_size=cfg.cache_size,

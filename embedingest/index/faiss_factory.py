@@ -77,11 +77,31 @@ def search_params_text(params: str) -> str:
     return ",".join(f"{name}={value}" for name, value in parts.items())
 
 
-def apply_search_params(index: faiss.Index, params: str) -> str:
+class SearchParamOutOfRange(ValueError):
+    """A search parameter the index takes, at a value it has no use for: said by us,
+    not by faiss."""
+
+
+def _check_nprobe(index: faiss.Index, text: str) -> None:
+    """SearchParamOutOfRange when ``text`` sets an nprobe above the number of lists of
+    ``index``'s IVF part: faiss cut it to that number without a word."""
+    ivf = faiss.try_extract_index_ivf(index)
+    for part in text.split(","):
+        name, _, value = part.partition("=")
+        if name == "nprobe" and ivf is not None and int(value) > ivf.nlist:
+            raise SearchParamOutOfRange(f"nprobe={value} is more than the index's {ivf.nlist} lists: give "
+                                        f"nprobe 1 to {ivf.nlist}")
+
+
+def apply_search_params(index: faiss.Index, params: str, within_lists: bool = False) -> str:
     """Set ``params`` on ``index`` through faiss's ParameterSpace; they are returned as
     :func:`search_params_text` writes them. ValueError saying what is wrong when they are
-    not well formed or faiss has no such parameter for the factory."""
+    not well formed or faiss has no such parameter for the factory; ``within_lists``: also
+    an nprobe more than the index's lists (:class:`SearchParamOutOfRange`), as given to
+    search or stored by a build (reindex takes over and cuts a stored one itself)."""
     text = search_params_text(params)
+    if within_lists:
+        _check_nprobe(index, text)
     try:
         faiss.ParameterSpace().set_index_parameters(index, text)
     except RuntimeError as exc:

@@ -36,7 +36,6 @@ import logging
 import os
 import sqlite3
 import stat
-import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +48,7 @@ from ..errors import ConfigError
 from ..outfiles import native_path
 from .lookup import ShardRows, first_shared
 from .shards import CHUNK_BITS, Shard, redo_advice
-from .store import Manifest
+from .store import Manifest, read_only_uri
 
 log = logging.getLogger("embedingest")
 
@@ -260,10 +259,9 @@ def unit_keys(path: Path, unit_nos: Iterable[int]) -> dict[int, str] | None:
     """{unit_no: key} of ``unit_nos`` in the units database ``path``; None when there is
     none to compare with (no file: an index read from its shards alone; no unit in it, see
     :func:`keys_of`), or it cannot be read (logged: the build that needs it says what is
-    wrong with it). Read without creating a file: a database whose writer closed it (no
-    ``-wal`` file) is opened as immutable, as sqlite's read-only mode would make its
-    ``-wal`` and ``-shm`` files; one a build has open is read with them. Nothing that is
-    not a regular file (a link, a named pipe) is opened."""
+    wrong with it). Read without creating a file (:func:`~embedingest.index.store.read_only_uri`;
+    a ``-wal`` file left holding changes without its ``-shm``: not compared, logged).
+    Nothing that is not a regular file (a link, a named pipe) is opened."""
     files = [path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")]
     kinds = []
     for file in files:
@@ -280,9 +278,13 @@ def unit_keys(path: Path, unit_nos: Iterable[int]) -> dict[int, str] | None:
     if odd is not None:
         log.warning("%s is not a regular file: the shards are not compared with the index's units", odd)
         return None
-    immutable = "&immutable=1" if kinds[1] is None else ""
     try:
-        db = sqlite3.connect(f"file:{urllib.parse.quote(os.fsencode(path))}?mode=ro{immutable}", uri=True)
+        uri = read_only_uri(path)
+    except ConfigError as exc:
+        log.warning("%s; until then the shards are not compared with the index's units", exc)
+        return None
+    try:
+        db = sqlite3.connect(uri, uri=True)
         try:
             return keys_of(db, unit_nos)
         finally:

@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
 from collections.abc import Iterable
 from pathlib import Path
 
 from ..errors import ConfigError
 from ..sources.files import open_regular
+from ..terminal import shell_quote
 
 MANIFEST_NAME = "manifest.json"
 V1_METADATA = "metadata.sqlite"
@@ -135,7 +135,8 @@ def rebuild_command(folder: str | os.PathLike, manifest: dict | None = None,
                     save_embeddings: bool = False, options: Iterable[str] = ()) -> str:
     """The command that rebuilds the index at ``folder`` in the current format, from what
     its manifest says (corpus folder, model, factory, metric), with ``options`` (further
-    build-index options, shell-quoted) before ``--overwrite``."""
+    build-index options, shell-quoted) before ``--overwrite``; each argument quoted so that
+    pasted into a shell it names the same bytes (:func:`~embedingest.terminal.shell_quote`)."""
     def text(mapping, key) -> str | None:  # a damaged manifest's fields may be anything
         value = mapping.get(key) if isinstance(mapping, dict) else None
         return value if isinstance(value, str) and value else None
@@ -143,15 +144,15 @@ def rebuild_command(folder: str | os.PathLike, manifest: dict | None = None,
     manifest = manifest or {}
     model = manifest.get("model")
     corpus = text(manifest, "corpus_path")
-    parts = ["embedingest", "build-index", shlex.quote(corpus) if corpus else "CORPUS",
-             "--out", shlex.quote(str(folder))]
+    parts = ["embedingest", "build-index", shell_quote(corpus) if corpus else "CORPUS",
+             "--out", shell_quote(str(folder))]
     name = _model_argument(text(model, "name"), text(model, "path"))
     if name:
-        parts += ["--model", shlex.quote(name)]
+        parts += ["--model", shell_quote(name)]
     if text(manifest, "factory"):
-        parts += ["--index", shlex.quote(manifest["factory"])]
+        parts += ["--index", shell_quote(manifest["factory"])]
     if text(manifest, "metric") and manifest["metric"] != "ip":
-        parts += ["--metric", shlex.quote(manifest["metric"])]
+        parts += ["--metric", shell_quote(manifest["metric"])]
     parts += options
     if save_embeddings:
         parts.append("--save-embeddings")

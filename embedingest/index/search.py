@@ -25,10 +25,11 @@ import faiss
 import numpy as np
 
 from ..config import DEFAULT_SEARCH_K
-from ..errors import ConfigError
+from ..errors import ConfigError, SettingError
 from ..outfiles import refuse_link
-from .faiss_factory import (METRICS, apply_search_params, default_search_params, metric_code, read_bounded,
-                            read_index_file, search_param_names, search_params_taken, search_params_text)
+from .faiss_factory import (METRICS, SearchParamOutOfRange, apply_search_params, default_search_params, metric_code,
+                            read_bounded, read_index_file, search_param_names, search_params_taken,
+                            search_params_text)
 from .foreign import refuse_foreign_shards
 from .lookup import IndexChanged, ShardRows
 from .shard_store import ASIDE_DIR, answering_folder
@@ -609,8 +610,8 @@ def open_index(path: str | os.PathLike, device: str = "cpu", *, encoder=None,
         try:  # a typo is named as one, not as parameters that do not apply to a shard
             params = search_params_text(params)
         except ValueError as exc:
-            raise ConfigError(f"search parameters {params!r}: {exc}; e.g. nprobe=16 (IVF) or efSearch=128 "
-                              "(HNSW)") from exc
+            raise SettingError(f"search parameters {params!r}: {exc}; e.g. nprobe=16 (IVF) or efSearch=128 "
+                               "(HNSW)") from exc
     if is_remote(path):
         from .cache import RemoteShards
 
@@ -641,9 +642,9 @@ class SearchParamsRefused(ConfigError):
     shard file."""
 
     def __init__(self, params: str, place: str, factory: str, reason: str, taken: list[str],
-                 stored: bool, example: str | None):
+                 stored: bool, example: str | None, said_by_faiss: bool = True):
         self.params, self.place, self.factory, self.reason = params, place, factory, reason
-        self.taken, self.stored, self.example = taken, stored, example
+        self.taken, self.stored, self.example, self.said_by_faiss = taken, stored, example, said_by_faiss
         super().__init__(self.worded("params"))
 
     def worded(self, option: str) -> str:
@@ -654,7 +655,8 @@ class SearchParamsRefused(ConfigError):
 
         names = {t.split(" ")[0] for t in self.taken}
         unknown = [n for n in search_param_names(self.params) if n not in names]
-        why = (f"it has no parameter {', '.join(unknown)}" if unknown else f"faiss: {self.reason}")
+        why = (f"it has no parameter {', '.join(unknown)}" if unknown else
+               f"faiss: {self.reason}" if self.said_by_faiss else self.reason)
         takes = (f"it takes {', '.join(self.taken)}" if self.taken else "it takes no search parameters")
         head = (f"search parameters {self.params!r} do not apply to the index at {self.place!r} "
                 f"(factory {self.factory!r}): ")
@@ -667,13 +669,16 @@ class SearchParamsRefused(ConfigError):
 
 
 def _set_params(index: faiss.Index, params: str | None, manifest: Manifest, place: str) -> None:
+    """Set ``params`` on a shard's ``index``; an nprobe over its lists is refused unless
+    they are the index's stored ones (an older build stored such, and faiss cut them)."""
     if params:
+        stored = params == manifest.search.get("params")
         try:
-            apply_search_params(index, params)
+            apply_search_params(index, params, within_lists=not stored)
         except ValueError as exc:
             raise SearchParamsRefused(params, place, manifest.factory, str(exc), search_params_taken(index),
-                                      params == manifest.search.get("params"),
-                                      default_search_params(index)) from exc
+                                      stored, default_search_params(index),
+                                      not isinstance(exc, SearchParamOutOfRange)) from exc
 
 
 def _open_shards(store: IndexStore, manifest: Manifest, params: str | None) -> tuple[list, ShardRows]:

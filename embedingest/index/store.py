@@ -247,6 +247,35 @@ def _refuse_special(path: Path) -> None:
                           f"away and run the same build-index command again{redone}")
 
 
+# A -wal file shorter than its header and one frame of the smallest page holds no change.
+_WAL_EMPTY_BELOW = 32 + 24 + 512
+
+
+def read_only_uri(path: Path) -> str:
+    """The sqlite URI that reads the units database ``path`` without creating a file in
+    its folder (search and reindex change nothing there): sqlite's read-only mode makes
+    ``-wal`` and ``-shm`` files where they are not. With no ``-wal`` file (its writer
+    closed it), or one that holds no change, it is read as immutable; with both (a
+    build has it open) read-only, through the writer's own files, which then creates
+    nothing. ConfigError naming the file when a ``-wal`` file holding changes was left
+    without its ``-shm`` (a build stopped, a folder copied without it): immutable would
+    read the database without those changes, read-only would create the ``-shm``."""
+    wal, shm = (path.with_name(path.name + suffix) for suffix in ("-wal", "-shm"))
+    uri = f"file:{urllib.parse.quote(os.fsencode(path))}?mode=ro"
+    try:
+        wal_size = os.lstat(wal).st_size
+    except FileNotFoundError:
+        return uri + "&immutable=1"
+    if os.path.lexists(shm):
+        return uri
+    if wal_size < _WAL_EMPTY_BELOW:
+        return uri + "&immutable=1"
+    raise ConfigError(f"{str(wal)!r} holds changes to the index's units that were never written into "
+                      f"{path.name}, and its {shm.name} file is gone (a build was stopped, or the folder "
+                      "copied without it): reading it would create files in the index folder; run the same "
+                      "build-index command again, which takes the changes in")
+
+
 class IndexStore:
     """The manifest, units and training of one index folder. Not safe for two writers
     at once; a reader (search) opens it ``read_only``."""
@@ -373,8 +402,8 @@ class IndexStore:
     def connect(self, busy_timeout_ms: int = 0) -> sqlite3.Connection:
         """A new connection to the units database, for another thread or process (sqlite
         connections stay in the thread that made them). A read-only store opens an
-        existing database read-only; a link in place of the database or its journal files
-        is refused (sqlite would write through it)."""
+        existing database read-only, creating no file (:func:`read_only_uri`); a link in place
+        of the database or its journal files is refused (sqlite would write through it)."""
         for suffix in ("", "-wal", "-shm", "-journal"):
             refuse_link(self.folder / (self.metadata_path.name + suffix))
             _refuse_special(self.folder / (self.metadata_path.name + suffix))
@@ -384,8 +413,7 @@ class IndexStore:
                 "before it wrote any metadata, or the file was deleted; run the same build-index "
                 "command again to finish it")
         if self.read_only:
-            db = sqlite3.connect(f"file:{urllib.parse.quote(os.fsencode(self.metadata_path))}?mode=ro",
-                                 uri=True)
+            db = sqlite3.connect(read_only_uri(self.metadata_path), uri=True)
             db.execute("SELECT count(*) FROM units LIMIT 0").fetchall()
             return db
         self.folder.mkdir(parents=True, exist_ok=True)

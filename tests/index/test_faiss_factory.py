@@ -13,6 +13,7 @@ from index_fixtures import DIM, unit_vectors
 
 from embedingest.errors import ConfigError
 from embedingest.index.faiss_factory import (
+    SearchParamOutOfRange,
     as_float32,
     empty_index,
     apply_search_params,
@@ -366,3 +367,15 @@ def test_a_truncated_ivfpq_file_is_still_refused_as_damaged(tmp_path):
     path.write_bytes(data[:len(data) - 100])
     with pytest.raises(ConfigError, match=r"^cannot read .*: the file is damaged; delete it$"):
         read_index_file(path, redo="delete it")
+
+
+def test_nprobe_above_the_index_s_lists_is_refused_naming_the_value_and_the_range():
+    """Before: faiss cut nprobe=5 on IVF4 to 4 without a word, while a refusal of another
+    parameter said the index takes 'nprobe (1 to 4)'."""
+    for factory in ("IVF4,Flat", "OPQ4,IVF4,PQ4", "IVF4_HNSW8,Flat"):
+        index = faiss.index_factory(DIM, factory)
+        assert apply_search_params(index, "nprobe=4", within_lists=True) == "nprobe=4"
+        with pytest.raises(SearchParamOutOfRange) as err:
+            apply_search_params(index, "nprobe=5", within_lists=True)
+        assert str(err.value) == "nprobe=5 is more than the index's 4 lists: give nprobe 1 to 4"
+        assert faiss.extract_index_ivf(index).nprobe == 4  # nothing set

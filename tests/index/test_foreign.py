@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import shutil
+import sqlite3
 
 import numpy as np
 import pytest
@@ -275,3 +276,83 @@ def test_every_pair_of_shards_holding_one_id_is_found_with_its_lowest_id(tmp_pat
     assert rows.shared_ids() == [(0, 0, 1), (0, 0, 2), (0, 1, 2)]
     assert rows.shared_id() == (0, 0, 1)
     assert ParquetIds([shard]).shared_ids() == []
+
+
+def leftover_wal(folder, changed: bool):
+    """A ``units.sqlite-wal`` without its ``-shm``, as a stopped build or a copy of the
+    folder leaves it: empty, or holding a change never written into the database."""
+    wal = folder / "units.sqlite-wal"
+    if not changed:
+        wal.write_bytes(b"")
+        return wal
+    db = sqlite3.connect(folder / "units.sqlite")
+    db.execute("PRAGMA wal_autocheckpoint=0")
+    db.execute("UPDATE units SET size = size + 1")
+    db.commit()
+    held = wal.read_bytes()
+    db.close()  # checkpoints and deletes the -wal and -shm files
+    wal.write_bytes(held)
+    return wal
+
+
+def test_search_with_a_leftover_wal_file_creates_no_file_and_still_compares_when_it_holds_nothing(tmp_path):
+    """Before: a -wal left without its -shm was opened read-only, and sqlite made
+    units.sqlite-shm in the folder (search changes nothing there). An empty one is read
+    as immutable: nothing created, a shard of another index still refused by its units."""
+    built = one_shard_index(tmp_path / "a")
+    folder = tmp_path / "a"
+    leftover_wal(folder, changed=False)
+    before = folder_state(folder)
+    with open_index(folder) as index:
+        assert len(index.search_vectors(built.emb[:2], k=3)[0]) == 3
+    assert folder_state(folder) == before
+    build_shards(tmp_path / "b", n_units=4, chunks=10, commit_every=1000, workers=1)
+    (mine,), (theirs,) = list_shards(folder / "shards"), list_shards(tmp_path / "b" / "shards")
+    drop_shard(mine)
+    copy_shard(theirs, folder / "shards")
+    before = folder_state(folder)
+    with pytest.raises(ConfigError, match="but this index has no unit 0"):
+        open_index(folder)
+    assert folder_state(folder) == before
+
+
+def test_a_leftover_wal_file_holding_changes_is_named_with_what_to_do_and_nothing_is_created(tmp_path, caplog):
+    """Read as immutable it would miss the changes (a unit taken for another index's),
+    read-only it would make the -shm: the shards are searched uncompared, said."""
+    built = one_shard_index(tmp_path / "a")
+    folder = tmp_path / "a"
+    wal = leftover_wal(folder, changed=True)
+    assert wal.stat().st_size > 0
+    before = folder_state(folder)
+    with caplog.at_level(logging.WARNING, logger="embedingest"):
+        with open_index(folder) as index:
+            assert len(index.search_vectors(built.emb[:2], k=3)[0]) == 3
+    assert folder_state(folder) == before
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{str(wal)!r} holds changes to the index's units that were never written into units.sqlite, and its "
+        "units.sqlite-shm file is gone (a build was stopped, or the folder copied without it): reading it "
+        "would create files in the index folder; run the same build-index command again, which takes the "
+        "changes in; until then the shards are not compared with the index's units"]
+
+
+def test_with_a_writer_holding_the_units_database_open_search_compares_and_creates_no_file(tmp_path):
+    """A writer's -wal and -shm are there: read-only through them (immutable is not safe
+    while it writes), which makes no file; a shard of another index is still refused."""
+    one_shard_index(tmp_path / "a")
+    folder = tmp_path / "a"
+    build_shards(tmp_path / "b", n_units=4, chunks=10, commit_every=1000, workers=1)
+    (mine,), (theirs,) = list_shards(folder / "shards"), list_shards(tmp_path / "b" / "shards")
+    drop_shard(mine)
+    copy_shard(theirs, folder / "shards")
+    writer = sqlite3.connect(folder / "units.sqlite")
+    try:
+        assert writer.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+        writer.execute("UPDATE units SET size = size + 1")
+        writer.commit()
+        names = sorted(p.name for p in folder.rglob("*"))
+        assert {"units.sqlite-wal", "units.sqlite-shm"} <= set(names)
+        with pytest.raises(ConfigError, match="but this index has no unit 0"):
+            open_index(folder)
+        assert sorted(p.name for p in folder.rglob("*")) == names
+    finally:
+        writer.close()

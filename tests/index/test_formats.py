@@ -1,6 +1,8 @@
 """A format-1 index is refused with the command that rebuilds it, never misread."""
 
 import json
+import os
+import subprocess
 
 import pytest
 from index_fixtures import build_v1
@@ -196,3 +198,17 @@ def test_the_rebuild_command_names_the_model_as_a_build_here_would_load_it(tmp_p
                           ({"name": "mymodel"}, "mymodel")]:
         assert rebuild_command("ix", {"corpus_path": "/c", "model": model, "factory": "Flat"}) == (
             f"embedingest build-index /c --out ix --model {option} --index Flat --overwrite"), model
+
+
+def test_the_rebuild_command_names_a_corpus_whose_name_is_not_utf8_by_its_bytes(tmp_path):
+    """Before: a corpus named b'bad\\xff.txt' was printed 'bad\\udcff.txt' (a lone surrogate,
+    shlex-quoted), which names no file once pasted; now bash's $'...' gives its bytes."""
+    corpus = os.fsencode(tmp_path) + b"/bad\xff\n.txt"
+    with open(corpus, "wb") as fh:
+        fh.write(b"text")
+    cmd = rebuild_command(tmp_path / "o", {"corpus_path": os.fsdecode(corpus), "factory": "Flat"}, options=["-q"])
+    assert "\\xff\\x0a" in cmd and "\udcff" not in cmd and "\n" not in cmd
+    args = subprocess.run(["bash", "-c", f"printf '%s\\0' {cmd}"], capture_output=True, check=True).stdout
+    assert args.split(b"\0")[:-1] == [b"embedingest", b"build-index", corpus, b"--out", os.fsencode(tmp_path / "o"),
+                                      b"--index", b"Flat", b"-q", b"--overwrite"]
+    assert subprocess.run(["bash", "-c", f"cat {cmd.split()[2]}"], capture_output=True).stdout == b"text"

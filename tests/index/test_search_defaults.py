@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import faiss
 import numpy as np
@@ -15,7 +16,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from embedingest import build_index, open_index  # noqa: E402
 from embedingest.cli import main  # noqa: E402
-from embedingest.errors import ConfigError  # noqa: E402
+from embedingest.errors import ConfigError, SettingError  # noqa: E402
+from embedingest.index.search import SearchParamsRefused  # noqa: E402
 
 TOPICS = ["rivers", "bread", "volcanoes", "networks", "whales", "chess", "orbits", "glaciers"]
 RECORDS = [(f"r{i}", f"Note {i} on {TOPICS[i % 8]} and {TOPICS[(i * 3) % 8]}, item {i * 7919 % 1000}.")
@@ -170,3 +172,37 @@ def test_a_new_hnsw_index_keeps_ef_search_64_unless_told(tmp_path):
         assert ef_searches(index) == {16}  # faiss's own
     build_index(RECORDS[:64], out=str(tmp_path / "pca"), index="PCA32,HNSW8", **FAST)
     assert manifest(tmp_path / "pca") == {"params": "efSearch=64"}
+
+
+def test_nprobe_above_the_lists_is_refused_by_open_index_search_serve_and_build_index(ivf, tmp_path):
+    """Before: nprobe=9 on IVF8 was taken (faiss cut it to 8 without a word), and every
+    refused --params exited 1; now each names the value and the range, and a command
+    line's refusal exits 2 (a setting out of range in an option)."""
+    with pytest.raises(SearchParamsRefused) as err:
+        open_index(ivf, params="nprobe=9")
+    assert str(err.value) == (f"search parameters 'nprobe=9' do not apply to the index at {str(ivf)!r} (factory "
+                              "'IVF8,Flat'): params='nprobe=9': nprobe=9 is more than the index's 8 lists: give "
+                              "nprobe 1 to 8; it takes nprobe (1 to 8), max_codes: e.g. params='nprobe=8'")
+    with open_index(ivf, params="nprobe=8") as index:
+        assert nprobes(index) == {8}
+    older = tmp_path / "older"  # stored by an older build: searched, as faiss cuts it
+    shutil.copytree(ivf, older)
+    manifest = json.loads((older / "manifest.json").read_text())
+    manifest["search"]["params"] = "nprobe=9"
+    (older / "manifest.json").write_text(json.dumps(manifest))
+    with open_index(older) as index:
+        assert len(index.search(["bread"], k=3)[0]) == 3
+    runner = CliRunner()
+    for command in (["search", str(ivf), "bread"], ["serve", str(ivf), "--port", "0"]):
+        r = runner.invoke(main, [*command, "--params", "nprobe=9"])
+        assert r.exit_code == 2, r.output
+        assert r.output.endswith("(factory 'IVF8,Flat'): --params 'nprobe=9': nprobe=9 is more than the index's "
+                                 "8 lists: give nprobe 1 to 8; it takes nprobe (1 to 8), max_codes: e.g. "
+                                 "--params 'nprobe=8'\n")
+        for bad in ("nprobe=0", "nprobe", "efSearch=16"):
+            r = runner.invoke(main, [*command, "--params", bad])
+            assert r.exit_code == 2 and f"'{bad}'" in r.output, r.output
+    with pytest.raises(SettingError, match=r"^--search-params 'nprobe=9' do not apply to index 'IVF8,Flat': "
+                                           r"nprobe=9 is more than the index's 8 lists: give nprobe 1 to 8$"):
+        build_index(RECORDS, out=str(tmp_path / "idx"), index="IVF8,Flat", search_params="nprobe=9", **FAST)
+    assert not (tmp_path / "idx").exists()

@@ -320,3 +320,32 @@ def test_a_units_database_that_is_a_pipe_or_a_folder_is_named_with_what_to_do(tm
         assert str(err.value) == (f"{str(path)!r} is {said}, not a file of the index's units database: move it "
                                   "away and run the same build-index command again"
                                   + (" (the units it would name are redone)" if not suffix else ""))
+
+
+def test_a_reader_of_the_units_database_creates_no_journal_file(tmp_path):
+    """Before: the read-only store (reindex's) opened the database in sqlite's read-only
+    mode, which made units.sqlite-wal and -shm (and -shm beside a -wal left by a stopped
+    build). Now: immutable with no -wal or an empty one; a -wal holding changes without its
+    -shm is named, with what to do."""
+    store = IndexStore(tmp_path)
+    store.upsert_units([{"key": "a.txt", "size": 1}])
+    store.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["units.sqlite"]
+    with IndexStore(tmp_path, read_only=True) as reader:
+        assert list(reader.units()) == ["a.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["units.sqlite"]
+    (tmp_path / "units.sqlite-wal").write_bytes(b"")
+    with IndexStore(tmp_path, read_only=True) as reader:
+        assert list(reader.units()) == ["a.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["units.sqlite", "units.sqlite-wal"]
+    (tmp_path / "units.sqlite-wal").unlink()
+    writer = IndexStore(tmp_path)
+    writer.upsert_units([{"key": "b.txt", "size": 2}])
+    held = (tmp_path / "units.sqlite-wal").read_bytes()
+    with IndexStore(tmp_path, read_only=True) as reader:  # a writer's own files: read through them
+        assert sorted(reader.units()) == ["a.txt", "b.txt"]
+    writer.close()
+    (tmp_path / "units.sqlite-wal").write_bytes(held)
+    with pytest.raises(ConfigError, match=r"units.sqlite-wal' holds changes .* run the same build-index command"):
+        IndexStore(tmp_path, read_only=True).units()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["units.sqlite", "units.sqlite-wal"]

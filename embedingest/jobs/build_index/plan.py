@@ -542,15 +542,20 @@ def settled_embeddings(store: ShardStore, cfg: IndexConfig, where: str) -> Index
 
 def check_search_params(dim: int, factory: str, metric: str, params: str | None) -> str | None:
     """``--search-params`` ``params`` as the index keeps them (None, blank: none);
-    ConfigError unless they apply to ``factory``: a build checks them before its first
-    write, and again against the index it updates."""
+    SettingError (a bad option: usage status 2) unless they apply to ``factory``, an
+    nprobe above its lists included (faiss cut it silently): a build checks them before
+    its first write, and again against the index it updates."""
+    from ...index.faiss_factory import SearchParamOutOfRange
+
     if params is None or not params.strip():
         return None
     try:
-        return apply_search_params(parse_factory(dim, factory, metric), params)
+        return apply_search_params(parse_factory(dim, factory, metric), params, within_lists=True)
+    except SearchParamOutOfRange as exc:
+        raise SettingError(f"--search-params {params!r} do not apply to index {factory!r}: {exc}") from exc
     except ValueError as exc:
-        raise ConfigError(f"--search-params {params!r} do not apply to index {factory!r}: {exc}; "
-                          "nprobe is for IVF factories, efSearch for HNSW") from exc
+        raise SettingError(f"--search-params {params!r} do not apply to index {factory!r}: {exc}; "
+                           "nprobe is for IVF factories, efSearch for HNSW") from exc
 
 
 def search_defaults(manifest: Manifest, cfg: IndexConfig) -> dict:
