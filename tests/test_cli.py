@@ -267,7 +267,7 @@ def test_search_params_reach_every_segment(tmp_path):
     assert len(ranked(out, "--params", "nprobe=1")) < 6
     assert ranked(out) == ranked(out, "--params", "nprobe=2") == ranked(exact)
     r = CliRunner().invoke(main, ["search", str(out), "x", "--params", "efSearch=16"])
-    assert r.exit_code == 1 and "search parameters 'efSearch=16' do not apply" in r.output
+    assert r.exit_code == 2 and "search parameters 'efSearch=16' do not apply" in r.output
 
 
 @pytest.mark.slow

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shlex
 import sys
 
 import click
@@ -10,7 +9,7 @@ import click
 from ..config import IndexConfig
 from ..exit_codes import exit_status_help
 from ..report import passed_over_sentence
-from ..terminal import counted, rate
+from ..terminal import counted, rate, shell_quote
 from .common import (IndexPath, InputPath, command_config, config_options, emit_json, library_errors, run_job,
                      run_options, stops_as_exits)
 
@@ -55,7 +54,7 @@ def _index_paragraph(s: dict) -> str:
             f"on {s['device']} ({s['dtype']}). {counted(s['units_unchanged'], 'file')} unchanged, "
             f"{s['units_removed']} removed; {skipped}.{passed_over_sentence(s)} The index at {s['index']} holds "
             f"{counted(s['vectors_total'], 'vector')} in {counted(s['segments'], 'shard')}; query it with: "
-            f"embedingest search {shlex.quote(s['index'])} \"your question\"")
+            f"embedingest search {shell_quote(s['index'])} \"your question\"")
 
 
 @click.command()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import shlex
 import sqlite3
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from .lock import RunLock
 from .shard_store import refuse_unfinished_overwrite
 from .shards import SHARDS_DIR, clean_shards, damaged, list_shards, read_embeddings, read_ids, trained_name
 from .store import IndexStore, Manifest
+from ..terminal import shell_quote
 
 log = logging.getLogger("embedingest")
 
@@ -188,14 +188,14 @@ def kept_options(manifest: Manifest, params: str | None, plain_params: str | Non
     for role, option in (("document", "--doc-prompt"), ("query", "--query-prompt")):
         prompt = manifest.prompts.get(role, "")
         if prompt != declared[role]:
-            options += [option, shlex.quote(prompt)]
+            options += [option, shell_quote(prompt)]
     if params != plain_params:
-        options += ["--search-params", shlex.quote(params or "")]
+        options += ["--search-params", shell_quote(params or "")]
     if manifest.search.get("k") is not None:
         options += ["--search-k", str(manifest.search["k"])]
     for role, option, default in (("text", "--text-field", TEXT_FIELD), ("id", "--id-field", ID_FIELD)):
         if manifest.record_fields.get(role, default) != default:
-            options += [option, shlex.quote(manifest.record_fields[role])]
+            options += [option, shell_quote(manifest.record_fields[role])]
     return options
 
 

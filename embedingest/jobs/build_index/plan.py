@@ -16,7 +16,6 @@ import dataclasses
 import hashlib
 import logging
 import os
-import shlex
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from ...sources.remote import input_name, is_remote, walk_remote
 from ...sources.text import TEXT_EXTENSIONS, arrow_as_list, field_names, lone_surrogate
 from ...stages.prompts import Prompts, refuse_unfit_chunks
 from ...stages.tokenizer import load_tokenizer
+from ...terminal import shell_quote
 
 log = logging.getLogger("embedingest")
 
@@ -593,7 +593,7 @@ def settled_fields(index: Manifest | None, cfg: IndexConfig, where: str) -> dict
         if recorded and fields[role] != recorded[role]:
             raise ConfigError(f"the index at {where!r} reads the {role} of its records from the field "
                               f"{recorded[role]!r}, not {fields[role]!r}: leave out {option} (or give "
-                              f"{option} {shlex.quote(recorded[role])}) to update it, or --overwrite to rebuild it "
+                              f"{option} {shell_quote(recorded[role])}) to update it, or --overwrite to rebuild it "
                               f"with the new field")
     return fields
 
