@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from click.testing import CliRunner
 from corpus_fixtures import TOPICS
+from index_pair_fixtures import copy_shard, drop_shard, shard_names
 
 from embedingest.cli import main
 
-from .conftest import drop_shard, move_shard, shard_names
 
 
 def export(index, to):
@@ -19,14 +19,14 @@ def test_export_refuses_a_shard_of_another_index_and_writes_nothing(indexes):
     a, b = indexes / "a", indexes / "b"
     first, second = shard_names(a)
     drop_shard(a, first)
-    move_shard(b, shard_names(b)[1], a)  # units 4..6: ids a's second shard holds
+    copy_shard(b, shard_names(b)[1], a)  # units 4..6: ids a's second shard holds
     r = export(a, indexes / "out")
     assert r.exit_code == 1
     assert f"which the manifest does not list, holds ids that shard {second} holds too" in r.output
     assert not (indexes / "out").exists()
     (indexes / "out").mkdir()
     drop_shard(a, shard_names(b)[1])
-    move_shard(b, shard_names(b)[0], a)  # units 1..3: no id twice, but b's files
+    copy_shard(b, shard_names(b)[0], a)  # units 1..3: no id twice, but b's files
     r = export(a, indexes / "out")
     assert r.exit_code == 1 and f"shard {shard_names(b)[0]} (" in r.output and "is not this index's" in r.output
     assert not list((indexes / "out").iterdir())

@@ -8,11 +8,11 @@ import shutil
 
 from click.testing import CliRunner
 from corpus_fixtures import TOPICS
+from index_pair_fixtures import FAST, copy_shard, drop_shard, shard_names
 
 from embedingest import build_index
 from embedingest.cli import main
 
-from .conftest import FAST, drop_shard, move_shard, shard_names
 
 
 def search(index, *args):
@@ -28,7 +28,7 @@ def test_a_shard_of_another_index_in_place_of_one_is_refused_until_taken_out(ind
     a, b = indexes / "a", indexes / "b"
     mine, theirs = shard_names(a)[0], shard_names(b)[0]
     drop_shard(a, mine)
-    move_shard(b, theirs, a)
+    copy_shard(b, theirs, a)
     r = search(a, TOPICS[7])
     assert r.exit_code == 1
     assert (f"Error: shard {theirs} ({str(a / 'shards' / (theirs + '.parquet'))!r}) is not this index's: its "
@@ -59,7 +59,7 @@ def test_a_shard_of_another_index_holding_this_index_s_ids_is_refused(indexes):
     first, second = shard_names(a)
     theirs = shard_names(b)[1]
     drop_shard(a, first)
-    move_shard(b, theirs, a)
+    copy_shard(b, theirs, a)
     r = search(a, TOPICS[9])
     assert r.exit_code == 1
     assert (f"Error: shard {theirs} ({str(a / 'shards' / (theirs + '.parquet'))!r}), which the manifest does not "

@@ -16,27 +16,17 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from corpus_fixtures import TOPICS
+from index_pair_fixtures import FAST, build_two_indexes, copy_shard, drop_shard, shard_names
 
 from embedingest import build_index, open_index
 from embedingest.errors import ConfigError
 from embedingest.index.export import export_index
 
-FAST = dict(num_workers=0, num_consumers=1, batch_size=8)
-
 
 @pytest.fixture(scope="module")
 def two_indexes(tmp_path_factory) -> Path:
-    """``a`` of the files a0..a5 and ``b`` of b0..b5, each built by two runs (three files,
-    then three more): two shards each, both numbering their units 1..6; and ``clean``, a's
-    corpus built in one run."""
-    root = tmp_path_factory.mktemp("foreign")
-    for name, texts in (("a", TOPICS[:6]), ("b", TOPICS[6:12])):
-        corpus = root / f"corpus_{name}"
-        corpus.mkdir()
-        for part in (range(3), range(3, 6)):
-            for i in part:
-                (corpus / f"{name}{i}.txt").write_text(texts[i])
-            build_index(corpus, out=str(root / name), **FAST)
+    """:mod:`index_pair_fixtures`' ``a`` and ``b``, and ``clean``, a's corpus built in one run."""
+    root = build_two_indexes(tmp_path_factory.mktemp("foreign"))
     build_index(root / "corpus_a", out=str(root / "clean"), **FAST)
     return root
 
@@ -49,22 +39,6 @@ def indexes(two_indexes, tmp_path) -> Path:
     for name in ("a", "b", "clean"):
         shutil.copytree(two_indexes / name, tmp_path / name, symlinks=True)
     return tmp_path
-
-
-def shard_names(index: Path) -> list[str]:
-    """The index's shards with rows, by the ids they hold (the first run's first)."""
-    records = [json.loads(p.read_text()) for p in (index / "shards").glob("*.commit.json")]
-    return [r["name"] for r in sorted(records, key=lambda r: r["id_min"]) if r["rows"]]
-
-
-def copy_shard(src: Path, name: str, dest: Path) -> None:
-    for path in (src / "shards").glob(f"{name}.*"):
-        shutil.copyfile(path, dest / "shards" / path.name)
-
-
-def drop_shard(index: Path, name: str) -> None:
-    for path in (index / "shards").glob(f"{name}.*"):
-        path.unlink()
 
 
 def exported_rows(index: Path, to: Path) -> list[tuple]:
